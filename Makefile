@@ -1,0 +1,44 @@
+# spotguard developer commands. Everything installs itself: `make test` on a
+# fresh machine provisions the test environment (cached in $SPOTGUARD_CACHE,
+# default ~/.cache/spotguard) and runs the whole suite.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEV ?= .dev
+NODES ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: setup test unit lint demo dev-cluster dev-cluster-down preempt bench clean
+
+setup:
+	bash testenv/provision.sh
+
+# pytest exits 5 when it collected no tests: a suite that ran nothing is a failure.
+test: setup
+	$(MAKE) lint
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check spotguard tests testenv
+	$(VENV)/bin/mypy
+
+demo:
+	bash testenv/provision.sh --python-only
+	$(VENV)/bin/spotguard demo
+
+dev-cluster: setup
+	$(PY) -m testenv.cluster up --state-dir $(DEV) --nodes $(NODES)
+
+dev-cluster-down:
+	$(PY) -m testenv.cluster down --state-dir $(DEV)
+
+preempt:
+	@test -n "$(POD)" || { echo "usage: make preempt POD=<name> MODE=drain|shutdown|kill [NAMESPACE=default]"; exit 2; }
+	$(PY) -m testenv.processnode preempt --state-dir $(DEV)/nodes --pod $(POD) --namespace $(or $(NAMESPACE),default) --mode $(or $(MODE),drain)
+
+clean:
+	rm -rf $(VENV) $(DEV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,506 @@
+"""Start and stop a real control plane and a real S3 store on 127.0.0.1.
+
+Used by the pytest fixtures (``tests/conftest.py``) and by ``make dev-cluster``.
+Every service runs on free loopback ports, in its own process group, with
+``PR_SET_PDEATHSIG`` so it dies with whoever started it, and with the
+environment marker ``SPOTGUARD_TESTENV_RUN=<run id>`` so that leftovers of a run
+can be found afterwards (``leftover_processes``).
+
+    python -m testenv.cluster serve --state-dir .dev [--nodes 2]   # foreground
+    python -m testenv.cluster down --state-dir .dev
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUN_MARKER = "SPOTGUARD_TESTENV_RUN"
+SERVICE_NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "weed")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPOTGUARD_CACHE", Path.home() / ".cache" / "spotguard"))
+
+
+def bin_dir() -> Path:
+    return cache_dir() / "testenv" / "bin"
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def venv_bin() -> Path:
+    """Directory of the interpreter running us (the project's virtualenv)."""
+    return Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: Service | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}; log:\n{proc.log_tail()}")
+        try:
+            if check():
+                return
+        except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
+            last = exc
+        time.sleep(0.25)
+    tail = f"\n{proc.name} log:\n{proc.log_tail()}" if proc else ""
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s (last error: {last}){tail}")
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:
+    """In the child: own process group, and die when the parent dies."""
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Service:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class Supervisor:
+    """Starts processes and stops them all, by process group, in reverse order."""
+
+    state_dir: Path
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    services: list[Service] = field(default_factory=list)
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env[RUN_MARKER] = self.run_id
+        env["PATH"] = f"{venv_bin()}:{bin_dir()}:{env.get('PATH', '/usr/bin:/bin')}"
+        env.update(extra or {})
+        return env
+
+    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Service:
+        log = self.state_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env(extra_env),
+                preexec_fn=_child_setup,  # noqa: PLW1509 - needed for setsid + pdeathsig
+                cwd=self.state_dir,
+            )
+        svc = Service(name, popen, log)
+        self.services.append(svc)
+        self._write_pids()
+        return svc
+
+    def _write_pids(self) -> None:
+        pids = {s.name: s.popen.pid for s in self.services}
+        (self.state_dir / "pids.json").write_text(json.dumps({"run_id": self.run_id, "pids": pids}))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for svc in reversed(self.services):
+            _signal_group(svc.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for svc in reversed(self.services):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                svc.popen.wait(max(0.1, deadline - time.monotonic()))
+            _signal_group(svc.popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                svc.popen.wait(5)
+        self.services.clear()
+        with contextlib.suppress(OSError):
+            (self.state_dir / "pids.json").unlink()
+        # Anything that escaped its group (a daemonising child) still carries the marker.
+        for pid in leftover_processes(self.run_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def leftover_processes(run_id: str) -> list[int]:
+    """PIDs of live processes whose environment carries this run's marker."""
+    needle = f"{RUN_MARKER}={run_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+# --- S3 (SeaweedFS) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class S3Store:
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    region: str
+    bucket: str
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+        )
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL_S3": self.endpoint_url,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
+        }
+
+
+def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
+    weed = venv_bin() / "weed"
+    if not weed.exists():
+        raise FileNotFoundError(f"{weed} not found: run `bash testenv/provision.sh` first")
+    data = sup.state_dir / "seaweedfs"
+    data.mkdir(parents=True, exist_ok=True)
+    access, secret = "spotguard-" + secrets.token_hex(4), secrets.token_hex(16)
+    identities = {
+        "identities": [
+            {
+                "name": "admin",
+                "credentials": [{"accessKey": access, "secretKey": secret}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
+    config = sup.state_dir / "s3-identities.json"
+    config.write_text(json.dumps(identities))
+    config.chmod(0o600)
+    p = {k: free_port() for k in ("master", "volume", "filer", "s3", "mg", "vg", "fg", "sg", "metrics", "iam")}
+    svc = sup.start(
+        "weed",
+        [
+            str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
+            f"-master.port={p['master']}", f"-master.port.grpc={p['mg']}",
+            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['vg']}",
+            "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['fg']}",
+            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['sg']}", f"-s3.config={config}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-iam.port={p['iam']}",
+            f"-metricsPort={p['metrics']}",
+        ],
+    )  # fmt: skip
+    store = S3Store(f"http://127.0.0.1:{p['s3']}", access, secret, "us-east-1", bucket)
+
+    def bucket_ready() -> bool:
+        client = store.client()
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=bucket)
+        client.put_object(Bucket=bucket, Key=".ready", Body=b"ok")
+        return True
+
+    wait_until(bucket_ready, 90, "SeaweedFS S3", svc)
+    return store
+
+
+# --- Kubernetes control plane ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    kubeconfig: Path
+    server: str
+    token: str
+    bin_dir: Path
+
+    def api_client(self) -> Any:
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
+        return client.ApiClient(cfg)
+
+    def env(self) -> dict[str, str]:
+        return {"KUBECONFIG": str(self.kubeconfig)}
+
+
+def write_kubeconfig(path: Path, server: str, token: str) -> None:
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "spotguard-dev", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "admin", "user": {"token": token}}],
+        "contexts": [{"name": "spotguard-dev", "context": {"cluster": "spotguard-dev", "user": "admin", "namespace": "default"}}],
+        "current-context": "spotguard-dev",
+    }  # fmt: skip
+    path.write_text(json.dumps(cfg, indent=2))  # JSON is valid YAML
+    path.chmod(0o600)
+
+
+def _https_get(url: str, token: str) -> tuple[int, bytes]:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def start_control_plane(sup: Supervisor) -> ControlPlane:
+    bins = bin_dir()
+    for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
+        if not (bins / b).exists():
+            raise FileNotFoundError(f"{bins / b} not found: run `bash testenv/provision.sh` first")
+    d = sup.state_dir / "k8s"
+    (d / "certs").mkdir(parents=True, exist_ok=True)
+    sa_key = d / "sa.key"
+    subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True)
+    token = secrets.token_hex(24)
+    tokens = d / "tokens.csv"
+    tokens.write_text(f"{token},admin,admin,system:masters\n")
+    tokens.chmod(0o600)
+
+    etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+    etcd_url, peer_url = f"http://127.0.0.1:{etcd_port}", f"http://127.0.0.1:{etcd_peer}"
+    etcd = sup.start(
+        "etcd",
+        ["etcd", "--name=default", f"--data-dir={d / 'etcd'}",
+         f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+         f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+         f"--initial-cluster=default={peer_url}", "--listen-metrics-urls="],
+    )  # fmt: skip
+    wait_until(lambda: urllib.request.urlopen(f"{etcd_url}/health", timeout=2).status == 200, 30, "etcd", etcd)
+
+    server = f"https://127.0.0.1:{api_port}"
+    api = sup.start(
+        "kube-apiserver",
+        [str(bins / "kube-apiserver"), f"--etcd-servers={etcd_url}", f"--cert-dir={d / 'certs'}",
+         f"--secure-port={api_port}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+         f"--token-auth-file={tokens}", "--authorization-mode=RBAC",
+         f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
+         "--service-account-issuer=https://kubernetes.default.svc",
+         "--service-cluster-ip-range=10.0.0.0/24", "--enable-priority-and-fairness=false",
+         "--allow-privileged=true", "--profiling=false"],
+    )  # fmt: skip
+    wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
+
+    kubeconfig = d / "kubeconfig"
+    write_kubeconfig(kubeconfig, server, token)
+    sup.start(
+        "kube-controller-manager",
+        [str(bins / "kube-controller-manager"), f"--kubeconfig={kubeconfig}",
+         f"--service-account-private-key-file={sa_key}", f"--root-ca-file={d / 'certs' / 'apiserver.crt'}",
+         "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0", "--port=0",
+         "--controllers=*,-csrsigning", "--profiling=false"],
+    )  # fmt: skip
+    sup.start(
+        "kube-scheduler",
+        [str(bins / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+         "--bind-address=127.0.0.1", "--port=0", "--secure-port=0", "--profiling=false"],
+    )  # fmt: skip
+    # Pods are refused until the controller-manager has made the default ServiceAccount.
+    wait_until(
+        lambda: _https_get(f"{server}/api/v1/namespaces/default/serviceaccounts/default", token)[0] == 200,
+        90,
+        "default ServiceAccount (kube-controller-manager)",
+    )
+    return ControlPlane(kubeconfig, server, token, bins)
+
+
+@dataclass
+class TestEnv:
+    """A control plane and an S3 store under one supervisor."""
+
+    __test__ = False  # not a pytest test class
+
+    sup: Supervisor
+    kube: ControlPlane | None = None
+    s3: S3Store | None = None
+
+    def stop(self) -> None:
+        self.sup.stop()
+
+
+@contextlib.contextmanager
+def running(state_dir: Path, *, kube: bool = True, s3: bool = True) -> Iterator[TestEnv]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    env = TestEnv(Supervisor(state_dir))
+    try:
+        if s3:
+            env.s3 = start_seaweedfs(env.sup)
+        if kube:
+            env.kube = start_control_plane(env.sup)
+        yield env
+    finally:
+        env.stop()
+
+
+# --- dev cluster CLI ---------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    (state / "serve.pid").write_text(str(os.getpid()))
+    with running(state) as env:
+        assert env.kube is not None and env.s3 is not None
+        (state / "kubeconfig").write_text(env.kube.kubeconfig.read_text())
+        (state / "kubeconfig").chmod(0o600)
+        s3env = {**env.s3.env(), "SPOTGUARD_S3_BUCKET": env.s3.bucket,
+                 "SPOTGUARD_STORAGE_URI": f"s3://{env.s3.bucket}/checkpoints"}  # fmt: skip
+        (state / "s3.env").write_text("".join(f"export {k}={v}\n" for k, v in s3env.items()))
+        (state / "s3.env").chmod(0o600)
+        if args.nodes:
+            node_state = state / "nodes"
+            node_state.mkdir(exist_ok=True)
+            env.sup.start(
+                "processnode",
+                [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(state / "kubeconfig"),
+                 "--nodes", str(args.nodes), "--state-dir", str(node_state)],
+                extra_env={"PYTHONPATH": str(repo_root())},
+            )  # fmt: skip
+        (state / "ready").write_text(env.sup.run_id)
+        print(f"dev cluster ready: KUBECONFIG={state / 'kubeconfig'}; S3 settings in {state / 's3.env'}", flush=True)
+        while not stop and all(s.popen.poll() is None for s in env.sup.services):
+            time.sleep(0.5)
+        for s in env.sup.services:
+            if s.popen.poll() is not None and not stop:
+                print(f"{s.name} exited ({s.popen.returncode}); stopping the dev cluster", file=sys.stderr)
+    for f in ("ready", "serve.pid"):
+        with contextlib.suppress(OSError):
+            (state / f).unlink()
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    """Start ``serve`` detached and wait until it is ready."""
+    state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    if (state / "ready").exists():
+        print(f"dev cluster already running (state in {state}); `make dev-cluster-down` stops it")
+        return 0
+    log = (state / "serve.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "testenv.cluster", "serve", "--state-dir", str(state), "--nodes", str(args.nodes)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root())},
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if (state / "ready").exists():
+            print(f"dev cluster up.\n  export KUBECONFIG={state / 'kubeconfig'}\n  source {state / 's3.env'}")
+            return 0
+        if proc.poll() is not None:
+            print(f"dev cluster failed to start; see {state / 'serve.log'}", file=sys.stderr)
+            print((state / "serve.log").read_text()[-3000:], file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+    print(f"dev cluster not ready after 240 s; see {state / 'serve.log'}", file=sys.stderr)
+    return 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    state = Path(args.state_dir).resolve()
+    pidfile = state / "serve.pid"
+    if not pidfile.exists():
+        print("dev cluster not running")
+        return 0
+    pid = int(pidfile.read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.2)
+    pids = state / "pids.json"
+    if pids.exists():  # serve did not clean up: kill what it started
+        data = json.loads(pids.read_text())
+        for p in data["pids"].values():
+            _signal_group(p, signal.SIGKILL)
+        for p in leftover_processes(data["run_id"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        pids.unlink()
+    for f in ("ready", "serve.pid"):
+        with contextlib.suppress(OSError):
+            (state / f).unlink()
+    print("dev cluster stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testenv.cluster")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name, func in (("serve", _serve), ("up", _up), ("down", _down)):
+        p = sub.add_parser(name)
+        p.add_argument("--state-dir", default=".dev")
+        p.add_argument("--nodes", type=int, default=2)
+        p.set_defaults(func=func)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Session fixtures: a real S3 store (SeaweedFS) and a real Kubernetes control plane.
+
+Services start lazily, only when a test asks for them, on free 127.0.0.1 ports,
+and are stopped by process group at the end of the session, also when tests fail
+or the run is interrupted (SIGINT, SIGTERM). Set ``SPOTGUARD_TEST_KUBECONFIG`` to
+run the Kubernetes tests against an existing cluster (kind, k3d, a real one)
+instead of starting a control plane.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from testenv import cluster  # noqa: E402
+
+pytest_plugins = ["testenv.pytest_nodes"] if (ROOT / "testenv" / "pytest_nodes.py").exists() else []
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (CI timeouts, `kill`) unwinds like Ctrl-C, so fixtures stop their services.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+@pytest.fixture(scope="session")
+def testenv_supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.Supervisor]:
+    sup = cluster.Supervisor(tmp_path_factory.mktemp("testenv"))
+    # Children (and subprocesses of tests that inherit os.environ) carry the marker.
+    os.environ[cluster.RUN_MARKER] = sup.run_id
+    try:
+        yield sup
+    finally:
+        sup.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_store(testenv_supervisor: cluster.Supervisor) -> cluster.S3Store:
+    return cluster.start_seaweedfs(testenv_supervisor)
+
+
+@pytest.fixture
+def s3_uri(s3_store: cluster.S3Store) -> str:
+    return f"s3://{s3_store.bucket}/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def kube(testenv_supervisor: cluster.Supervisor) -> cluster.ControlPlane:
+    external = os.environ.get("SPOTGUARD_TEST_KUBECONFIG")
+    if external:
+        path = Path(external)
+        if not path.is_file():
+            pytest.exit(f"SPOTGUARD_TEST_KUBECONFIG={external} is not a file", returncode=2)
+        from kubernetes import config
+
+        loader = config.kube_config.KubeConfigLoader(
+            config_dict=config.kube_config.yaml.safe_load(path.read_text())
+        )
+        server = loader._cluster["server"]  # noqa: SLF001 - no public accessor
+        return cluster.ControlPlane(path, server, "", cluster.bin_dir())
+    return cluster.start_control_plane(testenv_supervisor)
