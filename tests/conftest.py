@@ -72,3 +72,16 @@ def kube(testenv_supervisor: cluster.Supervisor) -> cluster.ControlPlane:
         server = loader._cluster["server"]  # noqa: SLF001 - no public accessor
         return cluster.ControlPlane(path, server, "", cluster.bin_dir())
     return cluster.start_control_plane(testenv_supervisor)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Session fixtures are torn down by now; anything still carrying our marker leaked.
+    run_id = os.environ.get(cluster.RUN_MARKER)
+    if not run_id:
+        return
+    left = cluster.leftover_processes(run_id)
+    if left:
+        session.config.get_terminal_writer().line(
+            f"ERROR: test services still running after the session: pids {left}", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,138 @@
+"""The test environment itself: real S3, real apiserver, and no leftovers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testenv import cluster
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_s3_multipart_roundtrip_is_byte_identical(s3_store: cluster.S3Store, tmp_path: Path) -> None:
+    from boto3.s3.transfer import TransferConfig
+
+    data = os.urandom(6 * 1024 * 1024) * 3 + os.urandom(12345)  # 18 MiB + a tail
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    key = f"roundtrip/{uuid.uuid4().hex}.bin"
+    cfg = TransferConfig(multipart_threshold=5 * 1024 * 1024, multipart_chunksize=5 * 1024 * 1024, max_concurrency=4)
+    client = s3_store.client()
+    client.upload_file(str(src), s3_store.bucket, key, Config=cfg)
+
+    head = client.head_object(Bucket=s3_store.bucket, Key=key)
+    assert head["ContentLength"] == len(data)
+    assert "-" in head["ETag"], f"expected a multipart ETag, got {head['ETag']}"
+    dst = tmp_path / "dst.bin"
+    client.download_file(s3_store.bucket, key, str(dst), Config=cfg)
+    assert hashlib.sha256(dst.read_bytes()).digest() == hashlib.sha256(data).digest()
+
+
+def test_s3_conditional_put_refuses_existing_key(s3_store: cluster.S3Store) -> None:
+    from botocore.exceptions import ClientError
+
+    client = s3_store.client()
+    key = f"cond/{uuid.uuid4().hex}"
+    client.put_object(Bucket=s3_store.bucket, Key=key, Body=b"one", IfNoneMatch="*")
+    with pytest.raises(ClientError) as err:
+        client.put_object(Bucket=s3_store.bucket, Key=key, Body=b"two", IfNoneMatch="*")
+    assert err.value.response["Error"]["Code"] == "PreconditionFailed"
+
+
+def test_apiserver_serves_custom_resources(kube: cluster.ControlPlane) -> None:
+    """Guards the reflect2 patch: an unpatched 1.20 apiserver dies on the first custom resource."""
+    from kubernetes import client
+
+    api = kube.api_client()
+    ext = client.ApiextensionsV1Api(api)
+    group = f"t{uuid.uuid4().hex[:8]}.example.com"
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"widgets.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+            "versions": [{
+                "name": "v1", "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }],
+        },
+    }  # fmt: skip
+    ext.create_custom_resource_definition(crd)
+    custom = client.CustomObjectsApi(api)
+    body = {"apiVersion": f"{group}/v1", "kind": "Widget", "metadata": {"name": "w1"}, "spec": {"size": 3}}
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            custom.create_namespaced_custom_object(group, "v1", "default", "widgets", body)
+            break
+        except client.ApiException as exc:  # the CRD takes a moment to be served
+            if exc.status != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    got = custom.get_namespaced_custom_object(group, "v1", "default", "widgets", "w1")
+    assert got["spec"] == {"size": 3}
+    ext.delete_custom_resource_definition(f"widgets.{group}")
+
+
+INNER_TESTS = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+
+    OUT = Path(os.environ["INNER_OUT"])
+
+    def test_uses_everything(s3_store, kube, process_nodes):
+        OUT.write_text(os.environ["SPOTGUARD_TESTENV_RUN"])
+        if os.environ.get("INNER_MODE") == "hang":
+            time.sleep(600)
+        assert False, "this inner test fails on purpose"
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["fail", "interrupt"])
+def test_no_service_outlives_a_session(mode: str, tmp_path: Path) -> None:
+    """A whole pytest session with all fixtures, failing or interrupted, leaves no process behind."""
+    test_file = tmp_path / "test_inner.py"
+    test_file.write_text(INNER_TESTS)
+    out = tmp_path / "run-id"
+    env = {k: v for k, v in os.environ.items() if k != cluster.RUN_MARKER}
+    env.update(INNER_OUT=str(out), INNER_MODE="hang" if mode == "interrupt" else "fail")
+    env.pop("SPOTGUARD_TEST_KUBECONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+         "--rootdir", str(ROOT), "-o", "addopts=", str(test_file)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        if mode == "interrupt":
+            deadline = time.monotonic() + 240
+            while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert out.exists(), "inner session never started its services"
+            proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = output.decode(errors="replace")
+    assert proc.returncode != 0, text
+    assert out.exists(), f"inner test did not run:\n{text}"
+    run_id = out.read_text()
+    left = cluster.leftover_processes(run_id)
+    names = [Path(f"/proc/{p}/comm").read_text().strip() for p in left if Path(f"/proc/{p}/comm").exists()]
+    assert not left, f"processes of run {run_id} still alive after the session: {names}\n{text[-2000:]}"
