@@ -13,6 +13,7 @@ can be found afterwards (``leftover_processes``).
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import ctypes
 import json
@@ -276,13 +277,17 @@ class ControlPlane:
         return {"KUBECONFIG": str(self.kubeconfig)}
 
 
-def write_kubeconfig(path: Path, server: str, token: str) -> None:
+def write_kubeconfig(path: Path, server: str, token: str, ca_file: Path) -> None:
+    # The apiserver's self-generated serving certificate (with its CA) lists 127.0.0.1.
+    ca = base64.b64encode(ca_file.read_bytes()).decode()
     cfg = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "spotguard-dev", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+        "clusters": [{"name": "spotguard-dev", "cluster": {"server": server, "certificate-authority-data": ca}}],
         "users": [{"name": "admin", "user": {"token": token}}],
-        "contexts": [{"name": "spotguard-dev", "context": {"cluster": "spotguard-dev", "user": "admin", "namespace": "default"}}],
+        "contexts": [
+            {"name": "spotguard-dev", "context": {"cluster": "spotguard-dev", "user": "admin", "namespace": "default"}}
+        ],
         "current-context": "spotguard-dev",
     }  # fmt: skip
     path.write_text(json.dumps(cfg, indent=2))  # JSON is valid YAML
@@ -340,7 +345,7 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
 
     kubeconfig = d / "kubeconfig"
-    write_kubeconfig(kubeconfig, server, token)
+    write_kubeconfig(kubeconfig, server, token, d / "certs" / "apiserver.crt")
     sup.start(
         "kube-controller-manager",
         [str(bins / "kube-controller-manager"), f"--kubeconfig={kubeconfig}",
