@@ -8,7 +8,9 @@ default ``<checkpoint dir>/.control``):
 - ``checkpoint-ack.json`` (written by the Checkpointer after it committed
   the requested checkpoint): ``{"id", "step", "name"}``;
 - ``trainer.pid`` (written by the Checkpointer): the trainer's process id,
-  so a signal can wake it up when the process is visible.
+  so a signal can wake it up when the process is visible;
+- ``trainer-exit.json`` (written by the trainer when it is done, optional):
+  tells a sidecar that cannot see the trainer's process that it has exited.
 
 The Checkpointer reads requests at step boundaries; the signal only makes
 it notice sooner. Files are the contract, signals are a courtesy.
@@ -30,6 +32,7 @@ from typing import Any
 REQUEST_FILE = "checkpoint-request.json"
 ACK_FILE = "checkpoint-ack.json"
 PID_FILE = "trainer.pid"
+EXIT_FILE = "trainer-exit.json"
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,9 @@ def atomic_write_json(path: Path, payload: Mapping[str, Any]) -> None:
 class ControlChannel:
     """Writes checkpoint requests and reads acknowledgements in a control directory."""
 
-    def __init__(self, control_dir: Path) -> None:
+    def __init__(self, control_dir: Path, pid_file: Path | None = None) -> None:
         self.dir = control_dir
+        self.pid_file = pid_file if pid_file is not None else control_dir / PID_FILE
 
     @property
     def request_path(self) -> Path:
@@ -124,7 +128,7 @@ class ControlChannel:
     def trainer_pid(self) -> int | None:
         """The trainer's pid as the Checkpointer recorded it, if any."""
         try:
-            text = (self.dir / PID_FILE).read_text(encoding="utf-8").strip()
+            text = self.pid_file.read_text(encoding="utf-8").strip()
         except OSError:
             return None
         try:
@@ -137,7 +141,7 @@ class ControlChannel:
 
     def clear(self) -> None:
         """Remove request, ack and pid files left by an earlier run."""
-        for name in (REQUEST_FILE, ACK_FILE, PID_FILE):
+        for name in (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
 

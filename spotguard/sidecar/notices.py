@@ -291,6 +291,7 @@ class AzureScheduledEvents:
         self.timeout = timeout
         self.clock = clock
         self.last_error: str | None = None
+        self._reported: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -304,15 +305,18 @@ class AzureScheduledEvents:
             if resp.status != 200:
                 raise OSError(f"scheduledevents answered HTTP {resp.status}")
             doc = _json_object(resp.body)
-            events = doc.get("Events") or []
+            events = [e for e in doc.get("Events") or []
+                      if isinstance(e, dict) and e.get("EventType") == "Preempt"]
+            # Report each event once before repeating the first: a second
+            # Preempt event must not hide behind one already being handled.
+            events.sort(key=lambda e: str(e.get("EventId")) in self._reported)
             for event in events:
-                if not isinstance(event, dict) or event.get("EventType") != "Preempt":
-                    continue
                 event_id = str(event["EventId"])
                 not_before = str(event.get("NotBefore") or "")
                 # An empty NotBefore means the event has already started.
                 deadline = parse_http_date(not_before) if not_before else self.clock()
                 self.last_error = None
+                self._reported.add(event_id)
                 return Notice(
                     source="azure",
                     key=f"azure:{event_id}",
