@@ -1,0 +1,225 @@
+"""Classify how a training pod ended: one pure function, table-tested.
+
+Every attempt ends in exactly one of three ways, and the budgets differ:
+
+* ``succeeded``: the training finished;
+* ``preempted``: the machine went away (eviction or drain, graceful node
+  shutdown, a node that vanished, a ``DisruptionTarget`` condition, a cloud
+  notice the sidecar acted on) -> counts against ``maxPreemptions``;
+* ``failed``: the user's code or configuration failed (non-zero exit, OOM,
+  deadline) -> counts against ``backoffLimit``.
+
+``running`` means the attempt has not ended yet.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER
+
+Kind = Literal["succeeded", "preempted", "failed", "running"]
+
+# Pod-level ``status.reason`` values that mean the node, not the user's code,
+# ended the pod. "Shutdown"/"Terminated": graceful node shutdown (before/after
+# 1.26); "Evicted": node-pressure eviction; "NodeLost": node controller;
+# "Preempting": kubelet made room for a critical pod; the admission reasons
+# mean the pod never ran on a node that was not what the scheduler thought.
+_NODE_REASONS = frozenset(
+    {
+        "Shutdown",
+        "Terminated",
+        "NodeShutdown",
+        "Evicted",
+        "NodeLost",
+        "Preempting",
+        "NodeAffinity",
+        "UnexpectedAdmissionError",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PodEnd:
+    """How an attempt ended (or that it is still running)."""
+
+    kind: Kind
+    reason: str
+    message: str = ""
+    #: Newest verified step the sidecar reported on its way out, if it did.
+    step: int | None = None
+    #: Steps trained after that checkpoint and lost, if the sidecar knew them.
+    lost_steps: int | None = None
+    #: When the last container stopped (RFC 3339), if the pod says.
+    ended_at: str | None = None
+
+
+def _conditions(status: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+    conds = status.get("conditions")
+    return conds if isinstance(conds, list) else []
+
+
+def _container_statuses(status: Mapping[str, Any], key: str) -> Sequence[Mapping[str, Any]]:
+    items = status.get(key)
+    return items if isinstance(items, list) else []
+
+
+def _terminated(cs: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    state = cs.get("state") or {}
+    term = state.get("terminated") if isinstance(state, Mapping) else None
+    if not isinstance(term, Mapping):
+        last = cs.get("lastState") or {}
+        term = last.get("terminated") if isinstance(last, Mapping) else None
+    return term if isinstance(term, Mapping) else None
+
+
+def sidecar_report(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The JSON the sidecar left as its termination message, if any.
+
+    The sidecar ends with ``{"preempted": bool, "reason": str, "step": int}`` in
+    its termination message; it is the only way to tell a trainer that stopped
+    early because of a cloud notice from one that finished, when both exit 0.
+    """
+    status = pod.get("status") or {}
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for cs in _container_statuses(status, key):
+            if cs.get("name") != SIDECAR_CONTAINER:
+                continue
+            term = _terminated(cs)
+            message = term.get("message") if term else None
+            if not isinstance(message, str) or not message.strip().startswith("{"):
+                return None
+            try:
+                report = json.loads(message)
+            except ValueError:
+                return None
+            return report if isinstance(report, Mapping) else None
+    return None
+
+
+def _report_step(report: Mapping[str, Any] | None) -> int | None:
+    if report is None:
+        return None
+    step = report.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _disruption(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    for cond in _conditions(status):
+        if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True":
+            return cond
+    return None
+
+
+def _user_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first failure attributable to the user's containers: (reason, message)."""
+    for cs in _container_statuses(status, "initContainerStatuses"):
+        term = _terminated(cs)
+        if term and term.get("exitCode", 0) != 0 and cs.get("name") != SIDECAR_CONTAINER:
+            name = cs.get("name")
+            code = term.get("exitCode")
+            if name == RESTORE_CONTAINER:
+                return "RestoreFailed", (
+                    f"the restore init container exited with code {code}: could not stage the"
+                    " latest verified checkpoint (check the storage URI and credentials)"
+                )
+            return "InitContainerFailed", f"init container {name} exited with code {code}"
+    first: tuple[str, str] | None = None
+    for cs in _container_statuses(status, "containerStatuses"):
+        term = _terminated(cs)
+        if not term:
+            continue
+        name = cs.get("name")
+        code = term.get("exitCode", 0)
+        if term.get("reason") == "OOMKilled":
+            return "OOMKilled", f"container {name} was killed for using too much memory (OOMKilled)"
+        if code != 0 and name != SIDECAR_CONTAINER and first is None:
+            first = ("Error", f"container {name} exited with code {code}")
+    return first
+
+
+def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) -> PodEnd:
+    """Classify an attempt's pod: succeeded, preempted, failed, or still running.
+
+    ``pod`` is the pod object as the apiserver returns it, or ``None`` when it no
+    longer exists. ``node_exists`` says whether the node it was bound to still
+    exists; a pod whose node vanished counts as preempted at once, without
+    waiting for the pod garbage collector.
+    """
+    end = _classify(pod, node_exists)
+    if end.kind == "running" or pod is None:
+        return end
+    report = sidecar_report(pod)
+    trainer_step = report.get("trainerStep") if report else None
+    if end.kind == "preempted" and isinstance(trainer_step, int) and end.step is not None:
+        end = replace(end, lost_steps=max(0, trainer_step - end.step))
+    finished = [
+        str(term["finishedAt"])
+        for key in ("containerStatuses", "initContainerStatuses")
+        for cs in _container_statuses(pod.get("status") or {}, key)
+        if (term := _terminated(cs)) and term.get("finishedAt")
+    ]
+    return replace(end, ended_at=max(finished)) if finished else end
+
+
+def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
+    if pod is None:
+        return PodEnd("preempted", "PodDeleted", "the pod was deleted before it finished")
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    node = spec.get("nodeName")
+    deleting = bool(meta.get("deletionTimestamp"))
+    report = sidecar_report(pod)
+    step = _report_step(report)
+    reported_preempt = bool(report and report.get("preempted"))
+    pod_reason = status.get("reason")
+    pod_message = status.get("message") or ""
+
+    if phase == "Succeeded":
+        if reported_preempt:
+            reason = str(report.get("reason") or "Preempted") if report else "Preempted"
+            return PodEnd("preempted", reason, "the trainer stopped early after a checkpoint", step)
+        if deleting:
+            # A drain or eviction: kubelet sent SIGTERM, the trainer saved and exited 0.
+            return PodEnd("preempted", "PodDeleted", "the pod was deleted (drain or eviction)", step)
+        return PodEnd("succeeded", "Completed", "training finished", step)
+
+    if phase == "Failed":
+        disruption = _disruption(status)
+        if disruption is not None:
+            reason = str(disruption.get("reason") or "DisruptionTarget")
+            message = str(disruption.get("message") or pod_message or "the pod was disrupted")
+            return PodEnd("preempted", reason, message, step)
+        if isinstance(pod_reason, str) and (pod_reason in _NODE_REASONS or pod_reason.startswith("OutOf")):
+            reason = "NodeShutdown" if pod_reason in ("Shutdown", "Terminated") else pod_reason
+            return PodEnd("preempted", reason, pod_message or f"the node ended the pod ({pod_reason})", step)
+        if deleting:
+            return PodEnd("preempted", "PodDeleted", "the pod was deleted (drain or eviction)", step)
+        if reported_preempt:
+            reason = str(report.get("reason") or "Preempted") if report else "Preempted"
+            return PodEnd("preempted", reason, "the trainer stopped early after a checkpoint", step)
+        if pod_reason == "DeadlineExceeded":
+            return PodEnd("failed", "DeadlineExceeded", pod_message or "activeDeadlineSeconds passed", step)
+        failure = _user_failure(status)
+        if failure is not None:
+            return PodEnd("failed", failure[0], failure[1], step)
+        return PodEnd("failed", str(pod_reason or "Failed"), pod_message or "the pod failed", step)
+
+    # Pending, Running, Unknown or no phase yet: not ended, unless its node is gone.
+    if node and not node_exists:
+        return PodEnd("preempted", "NodeLost", f"node {node} is gone", step)
+    if pod_reason == "NodeLost":
+        return PodEnd("preempted", "NodeLost", pod_message or f"node {node} is unreachable", step)
+    if deleting:
+        return PodEnd("running", "Terminating", "the pod is shutting down")
+    if phase == "Running":
+        return PodEnd("running", "Running")
+    for cond in _conditions(status):
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return PodEnd("running", str(cond.get("reason") or "Pending"), str(cond.get("message") or ""))
+    return PodEnd("running", "Pending", pod_message)

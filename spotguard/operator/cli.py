@@ -1,0 +1,132 @@
+"""``spotguard operator``: run the TrainingJob controller (and, if asked, the webhook)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``operator`` subcommand."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "operator",
+        help="run the Kubernetes operator for TrainingJobs",
+        description="Run the TrainingJob operator: one pod per attempt with the restore init container and"
+        " the checkpoint sidecar, rescheduled after preemptions, with status, Events and metrics.",
+    )
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable); default: all namespaces",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (the default)")
+    p.add_argument(
+        "--image",
+        default=os.environ.get("SPOTGUARD_IMAGE"),
+        help="image for the restore and sidecar containers (env SPOTGUARD_IMAGE)",
+    )
+    p.add_argument("--image-pull-policy", choices=["Always", "IfNotPresent", "Never"], default=None)
+    p.add_argument(
+        "--native-sidecar",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="inject the sidecar as a native sidecar (Kubernetes >= 1.29); auto asks the server",
+    )
+    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
+    p.add_argument("--metrics-address", default="0.0.0.0", help="address the metrics server binds")
+    p.add_argument(
+        "--liveness", default="http://0.0.0.0:8081/healthz", metavar="URL", help="liveness endpoint URL ('' to disable)"
+    )
+    p.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="kopf peering name for several replicas (one active); default: standalone",
+    )
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=_env_float("SPOTGUARD_RESYNC_SECONDS", 30.0),
+        help="look at every job at least this often",
+    )
+    p.add_argument(
+        "--checkpoint-poll-seconds",
+        type=float,
+        default=_env_float("SPOTGUARD_CHECKPOINT_POLL_SECONDS", 30.0),
+        help="how often to read each job's newest verified checkpoint from storage",
+    )
+    wh = p.add_argument_group("admission webhook (sidecar injection for pods labelled spotguard.dev/inject)")
+    wh.add_argument("--webhook", action=argparse.BooleanOptionalAction, default=False, help="serve the webhook")
+    wh.add_argument("--webhook-address", default="0.0.0.0", help="address the webhook server binds")
+    wh.add_argument("--webhook-port", type=int, default=9443)
+    wh.add_argument(
+        "--webhook-host", default=None, help="hostname the apiserver uses to reach the webhook (with --webhook-manage)"
+    )
+    wh.add_argument("--webhook-cert", default=None, metavar="FILE", help="TLS certificate (PEM)")
+    wh.add_argument("--webhook-key", default=None, metavar="FILE", help="TLS private key (PEM)")
+    wh.add_argument(
+        "--webhook-manage",
+        default=None,
+        metavar="NAME",
+        help="create/update the MutatingWebhookConfiguration NAME itself (else the chart does)",
+    )
+    p.set_defaults(func=run_operator)
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    """Entry point of ``spotguard operator``."""
+    if args.webhook and not (args.webhook_cert and args.webhook_key):
+        print("spotguard operator: --webhook needs --webhook-cert and --webhook-key", file=sys.stderr)
+        return 2
+    for path in (args.webhook_cert, args.webhook_key):
+        if args.webhook and path and not os.path.isfile(path):
+            print(f"spotguard operator: no such file: {path}", file=sys.stderr)
+            return 2
+    from prometheus_client import start_http_server
+
+    from spotguard.operator.handlers import OperatorOptions, run
+    from spotguard.operator.metrics import OperatorMetrics
+    from spotguard.operator.podbuilder import DEFAULT_IMAGE
+
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        try:
+            start_http_server(args.metrics_port, addr=args.metrics_address, registry=metrics.registry)
+        except OSError as exc:
+            print(
+                f"spotguard operator: cannot serve metrics on {args.metrics_address}:{args.metrics_port}: "
+                f"{exc.strerror}",
+                file=sys.stderr,
+            )
+            return 2
+    options = OperatorOptions(
+        namespaces=list(args.namespace),
+        image=args.image or DEFAULT_IMAGE,
+        image_pull_policy=args.image_pull_policy,
+        native_sidecar=args.native_sidecar,
+        resync_seconds=args.resync_seconds,
+        checkpoint_poll_seconds=args.checkpoint_poll_seconds,
+        webhook=args.webhook,
+        webhook_addr=args.webhook_address,
+        webhook_port=args.webhook_port,
+        webhook_host=args.webhook_host,
+        webhook_cert=args.webhook_cert,
+        webhook_key=args.webhook_key,
+        webhook_manage=args.webhook_manage,
+        metrics=metrics,
+    )
+    run(options, liveness=args.liveness or None, peering=args.peering)
+    return 0

@@ -1,0 +1,435 @@
+"""The TrainingJob state machine as a pure function.
+
+``decide(status, spec, observation, now)`` returns the next status, whether to
+create the next attempt's pod or delete the current one, when to look again,
+and the Events to post. The handlers only gather the observation and apply the
+decision, so every transition is testable without a cluster.
+
+Phases: Pending -> Running -> (Restarting -> Pending -> Running)* -> Succeeded | Failed;
+Suspended while ``spec.suspend`` is true.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from spotguard.operator.classify import PodEnd
+from spotguard.operator.spec import SpecError, TrainingJobSpec
+
+# Phases
+PENDING = "Pending"
+RUNNING = "Running"
+RESTARTING = "Restarting"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+SUSPENDED = "Suspended"
+TERMINAL_PHASES = frozenset({SUCCEEDED, FAILED})
+
+# Condition types
+COND_CREATED = "Created"
+COND_RUNNING = "Running"
+COND_PREEMPTED = "Preempted"
+COND_SUSPENDED = "Suspended"
+COND_SUCCEEDED = "Succeeded"
+COND_FAILED = "Failed"
+COND_INVALID = "Invalid"
+
+# Reasons (conditions and Events)
+R_INVALID_SPEC = "InvalidSpec"
+R_SPEC_VALID = "SpecValid"
+R_POD_CREATED = "PodCreated"
+R_POD_RUNNING = "PodRunning"
+R_POD_PENDING = "PodPending"
+R_POD_ENDED = "PodEnded"
+R_COMPLETED = "Completed"
+R_BACKOFF_LIMIT = "BackoffLimitExceeded"
+R_PREEMPTION_LIMIT = "PreemptionLimitExceeded"
+R_POD_CREATE_FAILED = "PodCreateFailed"
+R_SUSPENDED = "Suspended"
+R_RESUMED = "Resumed"
+R_RESTARTING = "Restarting"
+R_POD_FAILED = "PodFailed"
+
+EventType = Literal["Normal", "Warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A Kubernetes Event to post on the TrainingJob."""
+
+    type: EventType
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the operator saw of the current attempt."""
+
+    #: Classification of the current attempt's pod; None when no such pod exists.
+    pod_end: PodEnd | None = None
+    #: Newest verified checkpoint ``{"step", "uri", "time"}`` if freshly read.
+    last_verified: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do now."""
+
+    status: dict[str, Any]
+    #: Attempt number whose pod must be created now (create is idempotent).
+    create_attempt: int | None = None
+    #: Name of a pod to delete, and whether at once (its node is gone).
+    delete_pod: str | None = None
+    force_delete: bool = False
+    #: Seconds until the next look (backoff), or None for "on the next event".
+    requeue_after: float | None = None
+    events: tuple[Event, ...] = ()
+    #: The attempt end this decision accounted for (for metrics), if any.
+    accounted: PodEnd | None = None
+
+
+def pod_name(job: str, attempt: int) -> str:
+    """Deterministic pod name of an attempt: ``<job>-a<attempt>``."""
+    return f"{job}-a{attempt}"
+
+
+def format_time(t: datetime) -> str:
+    """RFC 3339 UTC, second precision (what Kubernetes uses)."""
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: Any) -> datetime | None:
+    """Parse an RFC 3339 timestamp as written by ``format_time`` (or None)."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
+    except ValueError:
+        return None
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    generation: int | None,
+) -> bool:
+    """Set a condition in place; ``lastTransitionTime`` moves only when status flips.
+
+    Returns True when the condition's status changed (a transition).
+    """
+    value = "True" if status else "False"
+    for cond in conditions:
+        if cond.get("type") == type_:
+            changed = cond.get("status") != value
+            cond["status"] = value
+            cond["reason"] = reason
+            cond["message"] = message
+            if changed or not cond.get("lastTransitionTime"):
+                cond["lastTransitionTime"] = format_time(now)
+            if generation is not None:
+                cond["observedGeneration"] = generation
+            return changed
+    cond = {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": format_time(now),
+    }
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    conditions.append(cond)
+    return True
+
+
+def condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    """The condition of that type, if present."""
+    for cond in status.get("conditions") or []:
+        if isinstance(cond, Mapping) and cond.get("type") == type_:
+            return cond
+    return None
+
+
+def condition_is(status: Mapping[str, Any], type_: str, value: bool = True) -> bool:
+    """Whether the condition is present with that status."""
+    cond = condition(status, type_)
+    return cond is not None and cond.get("status") == ("True" if value else "False")
+
+
+@dataclass
+class _Draft:
+    """Mutable working copy used while deciding."""
+
+    job: str
+    st: dict[str, Any]
+    now: datetime
+    generation: int | None
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def conds(self) -> list[dict[str, Any]]:
+        conds = self.st.setdefault("conditions", [])
+        assert isinstance(conds, list)
+        return conds
+
+    def cond(self, type_: str, status: bool, reason: str, message: str) -> bool:
+        return set_condition(self.conds, type_, status, reason, message, self.now, self.generation)
+
+    def phase(self, phase: str, event: Event | None = None) -> None:
+        if self.st.get("phase") != phase:
+            self.st["phase"] = phase
+            if event is not None:
+                self.events.append(event)
+
+    def int(self, key: str) -> int:
+        value = self.st.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _finish(d: _Draft, **kw: Any) -> Decision:
+    if d.generation is not None:
+        d.st["observedGeneration"] = d.generation
+    return Decision(status=d.st, events=tuple(d.events), **kw)
+
+
+def decide(
+    job: str,
+    status: Mapping[str, Any] | None,
+    spec: TrainingJobSpec | SpecError,
+    observation: Observation,
+    now: datetime,
+    generation: int | None = None,
+) -> Decision:
+    """Decide the next step for one TrainingJob. Pure: no I/O, no clock."""
+    d = _Draft(job=job, st=copy.deepcopy(dict(status or {})), now=now, generation=generation)
+    st = d.st
+    for key in ("attempt", "preemptions", "failures"):
+        st[key] = d.int(key)
+    if observation.last_verified is not None:
+        st["lastVerifiedCheckpoint"] = dict(observation.last_verified)
+
+    if isinstance(spec, SpecError):
+        message = f"invalid spec: {spec}"
+        before = condition(st, COND_INVALID) or {}
+        if before.get("status") != "True" or before.get("message") != message:
+            d.events.append(Event("Warning", R_INVALID_SPEC, message))
+        d.cond(COND_INVALID, True, R_INVALID_SPEC, message)
+        d.cond(COND_FAILED, True, R_INVALID_SPEC, message)
+        st["phase"] = FAILED
+        return _finish(d)
+
+    if condition_is(st, COND_INVALID):
+        d.cond(COND_INVALID, False, R_SPEC_VALID, "the spec is valid")
+        failed = condition(st, COND_FAILED) or {}
+        if st.get("phase") == FAILED and failed.get("reason") == R_INVALID_SPEC:
+            d.cond(COND_FAILED, False, R_SPEC_VALID, "the spec was corrected")
+            st["phase"] = RESTARTING if st["attempt"] else PENDING
+            d.events.append(Event("Normal", R_SPEC_VALID, "the spec is valid now"))
+
+    if st.get("phase") in TERMINAL_PHASES:
+        return _finish(d)
+
+    attempt = st["attempt"]
+    last_end = st.get("lastPodEnd") or {}
+    accounted_attempt = last_end.get("attempt") if isinstance(last_end, Mapping) else None
+    current = pod_name(job, attempt) if attempt else None
+
+    # 1. The current attempt, if its end is not accounted for yet.
+    if attempt and accounted_attempt != attempt:
+        end = observation.pod_end
+        if end is None:
+            end = PodEnd("preempted", "PodDeleted", f"pod {current} disappeared before it ended")
+        if end.kind == "running":
+            if spec.suspend:
+                d.cond(COND_SUSPENDED, True, R_SUSPENDED, f"stopping pod {current} after a checkpoint")
+                return _finish(d, delete_pod=current if end.reason != "Terminating" else None)
+            if end.reason == "Running":
+                d.cond(COND_RUNNING, True, R_POD_RUNNING, f"pod {current} is running")
+                d.phase(RUNNING, Event("Normal", R_POD_RUNNING, f"pod {current} is running (attempt {attempt})"))
+                if condition_is(st, COND_PREEMPTED):
+                    d.cond(COND_PREEMPTED, False, R_RESUMED, f"resumed in pod {current}")
+            else:
+                d.cond(COND_RUNNING, False, end.reason, end.message or f"pod {current} is {end.reason}")
+                if st.get("phase") != RUNNING:
+                    d.phase(PENDING)
+            return _finish(d)
+        return _account(d, spec, end, current)
+
+    # 2. Between attempts (new job, restarting, suspended).
+    if spec.suspend:
+        if d.cond(COND_SUSPENDED, True, R_SUSPENDED, "spec.suspend is true"):
+            d.events.append(Event("Normal", R_SUSPENDED, "job suspended"))
+        d.cond(COND_RUNNING, False, R_SUSPENDED, "the job is suspended")
+        st["phase"] = SUSPENDED
+        st.pop("restartAt", None)
+        return _finish(d)
+    if st.get("phase") == SUSPENDED or condition_is(st, COND_SUSPENDED):
+        d.cond(COND_SUSPENDED, False, R_RESUMED, "spec.suspend is false")
+        d.events.append(Event("Normal", R_RESUMED, "job resumed"))
+        st.pop("restartAt", None)
+        st["phase"] = RESTARTING if attempt else PENDING
+
+    restart_at = parse_time(st.get("restartAt"))
+    if restart_at is not None and restart_at > now:
+        return _finish(d, requeue_after=(restart_at - now).total_seconds())
+    return _create_next(d)
+
+
+def _create_next(d: _Draft) -> Decision:
+    st = d.st
+    attempt = st["attempt"] + 1
+    name = pod_name(d.job, attempt)
+    st["attempt"] = attempt
+    st["currentPod"] = name
+    st.pop("restartAt", None)
+    st.setdefault("startTime", format_time(d.now))
+    st["phase"] = PENDING
+    d.cond(COND_CREATED, True, R_POD_CREATED, f"pod {name} created (attempt {attempt})")
+    d.cond(COND_RUNNING, False, R_POD_PENDING, f"pod {name} is pending")
+    d.events.append(Event("Normal", R_POD_CREATED, f"created pod {name} (attempt {attempt})"))
+    return _finish(d, create_attempt=attempt)
+
+
+def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None) -> Decision:
+    st = d.st
+    attempt = st["attempt"]
+    prior = st.get("lastVerifiedCheckpoint") or {}
+    step = end.step if end.step is not None else prior.get("step")
+    record: dict[str, Any] = {
+        "attempt": attempt,
+        "kind": end.kind,
+        "reason": end.reason,
+        "message": end.message,
+        "time": end.ended_at or format_time(d.now),
+    }
+    if isinstance(step, int):
+        record["step"] = step
+    st["lastPodEnd"] = record
+    # An orphan whose node is gone would linger ~a minute; remove it now.
+    delete = current if end.reason == "NodeLost" else None
+    force = delete is not None
+    d.cond(COND_RUNNING, False, R_POD_ENDED, f"pod {current} ended: {end.reason}")
+
+    if end.kind == "succeeded":
+        st["phase"] = SUCCEEDED
+        st["completionTime"] = format_time(d.now)
+        d.cond(COND_SUCCEEDED, True, R_COMPLETED, f"training finished in pod {current}")
+        d.events.append(Event("Normal", R_COMPLETED, f"training finished in pod {current}"))
+        return _finish(d, accounted=end, delete_pod=delete, force_delete=force)
+
+    if spec.suspend:
+        # Stopped because we asked it to: not a preemption, not a failure.
+        st["phase"] = SUSPENDED
+        d.cond(COND_SUSPENDED, True, R_SUSPENDED, "spec.suspend is true")
+        d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; pod {current} stopped"))
+        return _finish(d, delete_pod=delete, force_delete=force)
+
+    at = f" at step {step}" if isinstance(step, int) else ""
+    if end.kind == "preempted":
+        st["preemptions"] += 1
+        n, limit = st["preemptions"], spec.preemption.max_preemptions
+        d.cond(COND_PREEMPTED, True, end.reason, f"pod {current}: {end.message or end.reason}")
+        if n > limit:
+            return _fail(d, R_PREEMPTION_LIMIT, f"preempted {n} times (maxPreemptions {limit})", end, delete, force)
+        delay = spec.preemption.preemption_backoff.delay(n)
+        d.events.append(
+            Event(
+                "Warning",
+                "Preempted",
+                f"pod {current} preempted ({end.reason}){at}; restarting ({n}/{limit} preemptions)",
+            )
+        )
+    else:
+        st["failures"] += 1
+        n, limit = st["failures"], spec.preemption.backoff_limit
+        d.events.append(Event("Warning", R_POD_FAILED, f"pod {current} failed ({end.reason}): {end.message}"))
+        if n > limit:
+            return _fail(
+                d,
+                R_BACKOFF_LIMIT,
+                f"{n} failures (backoffLimit {limit}); last: {end.reason}: {end.message}",
+                end,
+                delete,
+                force,
+            )
+        delay = spec.preemption.backoff.delay(n)
+
+    st["phase"] = RESTARTING
+    if delay > 0:
+        st["restartAt"] = format_time(d.now + timedelta(seconds=delay))
+        return _finish(d, accounted=end, delete_pod=delete, force_delete=force, requeue_after=delay)
+    st.pop("restartAt", None)
+    decision = _create_next(d)
+    return Decision(
+        status=decision.status,
+        create_attempt=decision.create_attempt,
+        delete_pod=delete,
+        force_delete=force,
+        events=decision.events,
+        accounted=end,
+    )
+
+
+def _fail(d: _Draft, reason: str, message: str, end: PodEnd, delete: str | None, force: bool) -> Decision:
+    d.st["phase"] = FAILED
+    d.st["completionTime"] = format_time(d.now)
+    d.st.pop("restartAt", None)
+    d.cond(COND_FAILED, True, reason, message)
+    d.events.append(Event("Warning", reason, message))
+    return _finish(d, accounted=end, delete_pod=delete, force_delete=force)
+
+
+def on_create_error(
+    job: str,
+    status: Mapping[str, Any],
+    attempt: int,
+    code: int,
+    message: str,
+    now: datetime,
+    generation: int | None = None,
+) -> Decision:
+    """What to do when the apiserver refused to create an attempt's pod.
+
+    A 400/422 means the pod template itself is invalid: the job fails with the
+    apiserver's message. Anything else (quota, a webhook, a hiccup) is retried.
+    """
+    d = _Draft(job=job, st=copy.deepcopy(dict(status)), now=now, generation=generation)
+    name = pod_name(job, attempt)
+    if code in (400, 422):
+        msg = f"cannot create pod {name}: {message}"
+        return _fail(d, R_POD_CREATE_FAILED, msg, PodEnd("failed", R_POD_CREATE_FAILED, msg), None, False)
+    retry = f"cannot create pod {name} (HTTP {code}): {message}; retrying"
+    d.events.append(Event("Warning", R_POD_CREATE_FAILED, retry))
+    return Decision(status=dict(status), events=tuple(d.events), requeue_after=10.0)
+
+
+def changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether a status patch is needed."""
+    return dict(old or {}) != dict(new)
+
+
+def status_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch turning ``old`` into ``new`` (top-level keys; removed -> None)."""
+    old = old or {}
+    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
+    for k in old:
+        if k not in new:
+            patch[k] = None
+    return patch
+
+
+def phase_counts(phases: Sequence[str]) -> dict[str, int]:
+    """Count jobs per phase (for the ``spotguard_jobs`` gauge)."""
+    out = {p: 0 for p in (PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED)}
+    for p in phases:
+        out[p] = out.get(p, 0) + 1
+    return out

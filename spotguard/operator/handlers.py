@@ -1,0 +1,247 @@
+"""kopf wiring: settings, the per-job daemon, watches on pods and nodes, the webhook.
+
+Handlers stay thin: they only wake the job's daemon, which runs
+``reconcile`` (observe -> decide -> apply -> report) in a worker thread. Each
+TrainingJob has exactly one daemon in a running operator, so a job's decisions
+are never made concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from spotguard.operator import reconcile as rc
+from spotguard.operator.metrics import OperatorMetrics
+from spotguard.operator.podbuilder import (
+    DEFAULT_IMAGE,
+    LABEL_INJECT,
+    LABEL_JOB,
+    OperatorConfig,
+    server_supports_native_sidecars,
+)
+from spotguard.operator.spec import GROUP, PLURAL, VERSION, SpecError
+
+log = logging.getLogger("spotguard.operator")
+
+FINALIZER = "spotguard.dev/finalizer"
+ANNOTATION_PREFIX = "spotguard.dev"
+
+
+@dataclass
+class OperatorOptions:
+    """What ``spotguard operator`` was asked to do (from the command line)."""
+
+    namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str | None = None
+    native_sidecar: str = "auto"  # auto | on | off
+    resync_seconds: float = 30.0
+    checkpoint_poll_seconds: float = 30.0
+    webhook: bool = False
+    webhook_addr: str = "0.0.0.0"
+    webhook_port: int = 9443
+    webhook_host: str | None = None
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    webhook_manage: str | None = None
+    metrics: OperatorMetrics | None = None
+
+
+def api_clients() -> tuple[Any, Any]:
+    """CoreV1Api and CustomObjectsApi from in-cluster config or KUBECONFIG (own Configuration)."""
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    token = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and token.exists():
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        config.load_kube_config(client_configuration=cfg)
+    api = client.ApiClient(cfg)
+    return client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+
+def detect_native_sidecars(core: Any) -> bool:
+    """Ask ``/version`` whether the server runs native sidecars (>= 1.29)."""
+    from kubernetes import client
+
+    info = client.VersionApi(core.api_client).get_code()
+    return server_supports_native_sidecars(str(info.major), str(info.minor))
+
+
+@dataclass
+class Runtime:
+    """Per-process state the async handlers share (lives in kopf's memo)."""
+
+    ctx: rc.Context
+    wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+
+    def waker(self, namespace: str, name: str) -> asyncio.Event:
+        return self.wakers.setdefault((namespace, name), asyncio.Event())
+
+    def wake(self, namespace: str, name: str) -> None:
+        event = self.wakers.get((namespace, name))
+        if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        for event in self.wakers.values():
+            event.set()
+
+
+def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
+    """Register every handler on a fresh registry (no module-level state)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+        )
+        # Without timeouts a watch can stall silently behind a dead connection.
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.watching.connect_timeout = 10
+        settings.networking.request_timeout = 60
+        settings.posting.level = logging.WARNING
+        settings.posting.reporting_component = "spotguard-operator"
+        # Least privilege: no list/watch of CRDs and namespaces; the CRD must exist at start.
+        settings.scanning.disabled = True
+        # Only spotguard's pods are watched, filtered by the apiserver.
+        settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
+        if options.webhook:
+            settings.admission.server = kopf.WebhookServer(
+                addr=options.webhook_addr,
+                port=options.webhook_port,
+                host=options.webhook_host,
+                certfile=options.webhook_cert,
+                pkeyfile=options.webhook_key,
+            )
+            settings.admission.managed = options.webhook_manage
+        core, custom = api_clients()
+        native = detect_native_sidecars(core) if options.native_sidecar == "auto" else options.native_sidecar == "on"
+        logger.info("sidecar mode: %s", "native" if native else "classic")
+        ctx = rc.Context(
+            core=core,
+            custom=custom,
+            config=OperatorConfig(
+                image=options.image, image_pull_policy=options.image_pull_policy, native_sidecar=native
+            ),
+            metrics=options.metrics or OperatorMetrics(),
+            resync_seconds=options.resync_seconds,
+            checkpoint_poll_seconds=options.checkpoint_poll_seconds,
+        )
+        memo.runtime = Runtime(ctx=ctx)
+
+    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
+    async def run_job(
+        name: str, namespace: str | None, memo: Any, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any
+    ) -> None:
+        """One loop per TrainingJob: reconcile when woken, on a backoff timer, or every resync."""
+        runtime: Runtime = memo.runtime
+        ns = namespace or ""
+        waker = runtime.waker(ns, name)
+        probe = asyncio.create_task(_probe_loop(runtime, ns, name))
+        try:
+            while not stopped:
+                waker.clear()
+                try:
+                    delay = await asyncio.to_thread(rc.reconcile, runtime.ctx, ns, name)
+                except Exception as exc:
+                    logger.warning("reconcile failed, retrying: %s", rc._api_reason(exc))
+                    delay = 5.0
+                timeout = runtime.ctx.resync_seconds if delay is None else max(0.05, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waker.wait(), timeout=timeout)
+        finally:
+            probe.cancel()
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    async def job_event(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
+        memo.runtime.wake(namespace or "", name)
+
+    @kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)
+    async def pod_event(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
+        memo.runtime.wake(namespace or "", labels[LABEL_JOB])
+
+    @kopf.on.event("v1", "nodes", registry=registry)
+    async def node_event(type: str, memo: Any, **_: Any) -> None:
+        # A vanished node: its pods are preempted now, not when the pod GC notices (~1 min).
+        if type == "DELETED":
+            memo.runtime.wake_all()
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry, optional=True)
+    async def job_deleted(name: str, namespace: str | None, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+        """Remove the job's pods at once (owner references would too, later); never its checkpoints."""
+        runtime: Runtime = memo.runtime
+        ns = namespace or ""
+        await asyncio.to_thread(_delete_job_pods, runtime.ctx, ns, name)
+        runtime.ctx.metrics.forget(ns, name)
+        runtime.ctx.verified.forget(ns, name)
+        runtime.wakers.pop((ns, name), None)
+        logger.info("deleted the pods of %s/%s; its checkpoints are kept", ns, name)
+
+    if options.webhook:
+        from spotguard.operator.webhook import apply_to_patch
+
+        @kopf.on.mutate(
+            "v1",
+            "pods",
+            labels={LABEL_INJECT: "true"},
+            operations=["CREATE"],
+            id="inject-sidecar",
+            side_effects=False,
+            registry=registry,
+        )
+        def inject_sidecar(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
+            config = memo.runtime.ctx.config
+            try:
+                apply_to_patch(body, patch, body.metadata.namespace, config)
+            except SpecError as exc:
+                raise kopf.AdmissionError(f"spotguard: {exc}", code=400) from None
+
+    return registry
+
+
+def _delete_job_pods(ctx: rc.Context, namespace: str, name: str) -> None:
+    pods = ctx.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}")
+    for pod in pods.items:
+        rc.delete_pod(ctx, namespace, pod.metadata.name, force=False)
+
+
+async def _probe_loop(runtime: Runtime, namespace: str, name: str) -> None:
+    """Poll the job's storage for its newest verified checkpoint; wake the job on news."""
+    ctx = runtime.ctx
+    while True:
+        changed = await asyncio.to_thread(rc.probe_once, ctx, namespace, name)
+        if changed:
+            runtime.wake(namespace, name)
+        await asyncio.sleep(ctx.checkpoint_poll_seconds)
+
+
+def run(
+    options: OperatorOptions, *, liveness: str | None, peering: str | None, ready: Callable[[], None] | None = None
+) -> None:
+    """Run the operator until SIGTERM/SIGINT."""
+    kopf.configure(verbose=False)
+    registry = build_registry(options)
+    kopf.run(
+        registry=registry,
+        clusterwide=not options.namespaces,
+        namespaces=options.namespaces,
+        standalone=peering is None,
+        peering_name=peering,
+        liveness_endpoint=liveness,
+        memo=kopf.Memo(),
+    )

@@ -1,0 +1,110 @@
+"""Operator metrics (prometheus-client, own registry; bounded labels only)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+
+
+class OperatorMetrics:
+    """The operator's series; one instance per process, injected through kopf's memo."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        job = ["namespace", "job"]
+        self.preemptions = Counter(
+            "spotguard_job_preemptions_total",
+            "Attempts of a job that ended by preemption.",
+            job,
+            registry=self.registry,
+        )
+        self.restarts = Counter(
+            "spotguard_job_restarts_total",
+            "Replacement pods created for a job after an attempt ended.",
+            job,
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "spotguard_job_failures_total",
+            "Attempts of a job that failed (the user's code or config).",
+            job,
+            registry=self.registry,
+        )
+        self.lost_steps = Counter(
+            "spotguard_job_lost_steps_total",
+            "Training steps done after the last verified checkpoint and lost at a preemption"
+            " (only when the sidecar could tell).",
+            job,
+            registry=self.registry,
+        )
+        self.attempt = Gauge("spotguard_job_attempt", "Current attempt number of a job.", job, registry=self.registry)
+        self.last_verified_step = Gauge(
+            "spotguard_job_last_verified_step",
+            "Newest verified checkpoint step of a job.",
+            job,
+            registry=self.registry,
+        )
+        self.reschedule_latency = Histogram(
+            "spotguard_reschedule_latency_seconds",
+            "Time from noticing that an attempt ended to creating its replacement pod.",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.jobs = Gauge("spotguard_jobs", "TrainingJobs by phase.", ["phase"], registry=self.registry)
+        self._phases: dict[tuple[str, str], str] = {}
+        for phase in PHASES:
+            self.jobs.labels(phase=phase).set(0)
+
+    def preempted(self, namespace: str, job: str, lost_steps: int | None) -> None:
+        """Count a preemption (and the steps it lost, when known)."""
+        self.preemptions.labels(namespace, job).inc()
+        self.lost_steps.labels(namespace, job).inc(max(0, lost_steps or 0))
+
+    def failed(self, namespace: str, job: str) -> None:
+        """Count a failed attempt."""
+        self.failures.labels(namespace, job).inc()
+
+    def restarted(self, namespace: str, job: str, latency_seconds: float | None) -> None:
+        """Count a replacement pod and how long the job waited for it."""
+        self.restarts.labels(namespace, job).inc()
+        if latency_seconds is not None:
+            self.reschedule_latency.observe(max(0.0, latency_seconds))
+
+    def observe_job(self, namespace: str, job: str, status: Mapping[str, object]) -> None:
+        """Mirror a job's status into the gauges."""
+        phase = status.get("phase")
+        if isinstance(phase, str):
+            self._phases[(namespace, job)] = phase
+        attempt = status.get("attempt")
+        if isinstance(attempt, int):
+            self.attempt.labels(namespace, job).set(attempt)
+        lv = status.get("lastVerifiedCheckpoint")
+        if isinstance(lv, Mapping) and isinstance(lv.get("step"), int):
+            self.last_verified_step.labels(namespace, job).set(lv["step"])
+        self._refresh_phases()
+
+    def forget(self, namespace: str, job: str) -> None:
+        """Remove every series of a deleted job."""
+        for metric in (
+            self.preemptions,
+            self.restarts,
+            self.failures,
+            self.lost_steps,
+            self.attempt,
+            self.last_verified_step,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(namespace, job)
+        self._phases.pop((namespace, job), None)
+        self._refresh_phases()
+
+    def _refresh_phases(self) -> None:
+        counts = dict.fromkeys(PHASES, 0)
+        for phase in self._phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase, n in counts.items():
+            self.jobs.labels(phase=phase).set(n)

@@ -1,0 +1,286 @@
+"""Build the pod of one attempt (pure): the user's template plus spotguard's parts.
+
+Layout of every pod:
+
+* init container ``spotguard-restore``: stages the newest verified checkpoint
+  into the shared volume (``spotguard restore``);
+* the user's containers (the trainer), with the Checkpointer's environment;
+* the sidecar ``spotguard-sidecar``: a native sidecar (init container with
+  ``restartPolicy: Always``) on servers >= 1.29, else a regular container that
+  delays its own exit until the emergency upload is verified;
+* an ``emptyDir`` shared by all of them at ``/spotguard``.
+
+The same injection serves the mutating webhook, for pods from the user's own
+Jobs or JobSets.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotguard import __version__
+from spotguard.operator.decide import pod_name
+from spotguard.operator.spec import (
+    API_VERSION,
+    KIND,
+    RESTORE_CONTAINER,
+    SHARED_VOLUME,
+    SIDECAR_CONTAINER,
+    CheckpointSpec,
+    TrainingJobSpec,
+)
+
+LABEL_JOB = "spotguard.dev/job"
+LABEL_ATTEMPT = "spotguard.dev/attempt"
+LABEL_INJECT = "spotguard.dev/inject"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_INJECTED = "spotguard.dev/injected"
+
+MOUNT_PATH = "/spotguard"
+CHECKPOINT_DIR = f"{MOUNT_PATH}/checkpoints"
+CONTROL_DIR = f"{CHECKPOINT_DIR}/.control"
+
+DEFAULT_IMAGE = f"ghcr.io/spotguard/spotguard:{__version__}"
+DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {
+    "requests": {"cpu": "100m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Operator-wide settings that shape every pod."""
+
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str | None = None
+    #: The server supports native sidecars (Kubernetes >= 1.29).
+    native_sidecar: bool = False
+    sidecar_resources: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_SIDECAR_RESOURCES))
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    """Everything the injection needs, whether for a TrainingJob or a labelled pod."""
+
+    job: str
+    namespace: str
+    storage_uri: str
+    checkpoint: CheckpointSpec
+    grace_period_seconds: int
+    attempt: int | None = None
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: str | None = None
+    native_sidecar: bool = False
+    metrics_port: int = 9400
+    sidecar_resources: Mapping[str, Any] | None = None
+
+
+def server_supports_native_sidecars(major: str, minor: str) -> bool:
+    """Whether a server version (``/version``'s major/minor) has native sidecars (>= 1.29)."""
+    try:
+        return (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)) >= (1, 29)
+    except ValueError:
+        return False
+
+
+def _env_value(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _secret_env(name: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:
+    ref: dict[str, Any] = {"name": secret, "key": key}
+    if optional:
+        ref["optional"] = True
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def contract_env(inj: Injection) -> list[dict[str, Any]]:
+    """The in-pod contract's environment, shared by every container.
+
+    Credentials only ever appear as ``secretKeyRef``; their values never pass
+    through the operator.
+    """
+    ck = inj.checkpoint
+    env = [
+        _env_value("SPOTGUARD_CHECKPOINT_DIR", CHECKPOINT_DIR),
+        _env_value("SPOTGUARD_CONTROL_DIR", CONTROL_DIR),
+        _env_value("SPOTGUARD_STORAGE_URI", inj.storage_uri),
+        _env_value("SPOTGUARD_JOB", inj.job),
+        _env_value("SPOTGUARD_CHECKSUM", ck.checksum),
+        _env_value("SPOTGUARD_GRACE_SECONDS", str(inj.grace_period_seconds)),
+        _env_value("SPOTGUARD_KEEP_LAST", str(ck.retention.keep_last)),
+    ]
+    if inj.attempt is not None:
+        env.append(_env_value("SPOTGUARD_ATTEMPT", str(inj.attempt)))
+    if ck.every_steps is not None:
+        env.append(_env_value("SPOTGUARD_SAVE_EVERY_STEPS", str(ck.every_steps)))
+    if ck.every_seconds is not None:
+        env.append(_env_value("SPOTGUARD_SAVE_EVERY_SECONDS", f"{ck.every_seconds:g}"))
+    if ck.retention.keep_best:
+        env.append(_env_value("SPOTGUARD_KEEP_BEST", str(ck.retention.keep_best)))
+        env.append(_env_value("SPOTGUARD_BEST_METRIC", ck.retention.best_metric or ""))
+        env.append(_env_value("SPOTGUARD_BEST_MODE", ck.retention.best_mode))
+    if ck.retention.keep_every:
+        env.append(_env_value("SPOTGUARD_KEEP_EVERY", str(ck.retention.keep_every)))
+    env += [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
+    sec = ck.credentials_secret
+    if sec is not None:
+        env.append(_secret_env("AWS_ACCESS_KEY_ID", sec.name, sec.access_key_id_key))
+        env.append(_secret_env("AWS_SECRET_ACCESS_KEY", sec.name, sec.secret_access_key_key))
+    if ck.endpoint:
+        env.append(_env_value("AWS_ENDPOINT_URL_S3", ck.endpoint))
+        env.append(_env_value("AWS_ENDPOINT_URL", ck.endpoint))
+    elif sec is not None:
+        env.append(_secret_env("AWS_ENDPOINT_URL_S3", sec.name, sec.endpoint_key, optional=True))
+        env.append(_secret_env("AWS_ENDPOINT_URL", sec.name, sec.endpoint_key, optional=True))
+    if ck.region:
+        env.append(_env_value("AWS_DEFAULT_REGION", ck.region))
+        env.append(_env_value("AWS_REGION", ck.region))
+    return env
+
+
+def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
+    """Add the contract's variables; a variable the user set explicitly wins."""
+    own = list(container.get("env") or [])
+    names = {e.get("name") for e in own if isinstance(e, Mapping)}
+    container["env"] = [e for e in env if e["name"] not in names] + own
+
+
+def _mount(container: dict[str, Any]) -> None:
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != SHARED_VOLUME]
+    mounts.append({"name": SHARED_VOLUME, "mountPath": MOUNT_PATH})
+    container["volumeMounts"] = mounts
+
+
+def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        "name": name,
+        "image": inj.image,
+        "command": command,
+        "env": contract_env(inj),
+        "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": MOUNT_PATH}],
+        "resources": copy.deepcopy(dict(inj.sidecar_resources or DEFAULT_SIDECAR_RESOURCES)),
+    }
+    if inj.image_pull_policy:
+        c["imagePullPolicy"] = inj.image_pull_policy
+    return c
+
+
+def restore_container(inj: Injection) -> dict[str, Any]:
+    """The init container that stages the newest verified checkpoint."""
+    return _spotguard_container(
+        RESTORE_CONTAINER,
+        inj,
+        ["spotguard", "restore", "--storage", "$(SPOTGUARD_STORAGE_URI)", "--dest", CHECKPOINT_DIR],
+    )
+
+
+def sidecar_container(inj: Injection) -> dict[str, Any]:
+    """The sidecar; native (init container, ``restartPolicy: Always``) or classic."""
+    c = _spotguard_container(SIDECAR_CONTAINER, inj, ["spotguard", "sidecar"])
+    mode = "native" if inj.native_sidecar else "classic"
+    c["env"] += [
+        _env_value("SPOTGUARD_SIDECAR_MODE", mode),
+        _env_value("SPOTGUARD_METRICS_PORT", str(inj.metrics_port)),
+    ]
+    if inj.metrics_port:
+        c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
+    # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.
+    c["terminationMessagePath"] = "/dev/termination-log"
+    c["terminationMessagePolicy"] = "File"
+    if inj.native_sidecar:
+        c["restartPolicy"] = "Always"
+    return c
+
+
+def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
+    """Return a copy of ``pod_spec`` with spotguard's volume, env and containers added.
+
+    Idempotent: injecting twice gives the same pod spec as injecting once.
+    """
+    spec = copy.deepcopy(dict(pod_spec))
+    env = contract_env(inj)
+    reserved = {SIDECAR_CONTAINER, RESTORE_CONTAINER}
+    containers = [copy.deepcopy(c) for c in spec.get("containers") or [] if c.get("name") not in reserved]
+    for c in containers:
+        _merge_env(c, env)
+        _mount(c)
+    user_init = [copy.deepcopy(c) for c in spec.get("initContainers") or [] if c.get("name") not in reserved]
+    for c in user_init:
+        _merge_env(c, env)
+        _mount(c)
+    sidecar = sidecar_container(inj)
+    if inj.native_sidecar:
+        # Native sidecars start in order: restore first, then the sidecar, which
+        # keeps running beside the trainer and is stopped after it.
+        spec["initContainers"] = [restore_container(inj), sidecar, *user_init]
+        spec["containers"] = containers
+    else:
+        spec["initContainers"] = [restore_container(inj), *user_init]
+        spec["containers"] = [*containers, sidecar]
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != SHARED_VOLUME]
+    volumes.append({"name": SHARED_VOLUME, "emptyDir": {}})
+    spec["volumes"] = volumes
+    spec["terminationGracePeriodSeconds"] = inj.grace_period_seconds
+    return spec
+
+
+def build_pod(
+    job: str,
+    namespace: str,
+    uid: str,
+    spec: TrainingJobSpec,
+    attempt: int,
+    config: OperatorConfig,
+) -> dict[str, Any]:
+    """The pod of attempt ``attempt`` of TrainingJob ``namespace/job`` (owner ``uid``)."""
+    inj = Injection(
+        job=job,
+        namespace=namespace,
+        storage_uri=spec.checkpoint.job_uri(namespace, job),
+        checkpoint=spec.checkpoint,
+        grace_period_seconds=spec.preemption.grace_period_seconds,
+        attempt=attempt,
+        image=spec.sidecar.image or config.image,
+        image_pull_policy=config.image_pull_policy,
+        native_sidecar=config.native_sidecar,
+        metrics_port=spec.sidecar.metrics_port,
+        sidecar_resources=spec.sidecar.resources or config.sidecar_resources,
+    )
+    pod_spec = inject(spec.template.spec, inj)
+    pod_spec["restartPolicy"] = "Never"
+    labels = {
+        **spec.template.labels,
+        LABEL_JOB: job,
+        LABEL_ATTEMPT: str(attempt),
+        LABEL_MANAGED_BY: "spotguard",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(job, attempt),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": dict(spec.template.annotations),
+            # What kopf.adopt() would add; built here so the builder stays pure.
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": job,
+                    "uid": uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": pod_spec,
+    }

@@ -1,0 +1,395 @@
+"""The operator's thin shell: observe -> decide (pure) -> apply -> report.
+
+Runs in a worker thread (the kubernetes client is blocking); kopf's async
+handlers call it through ``asyncio.to_thread``. One reconcile reads the job and
+its current pod fresh from the apiserver, so it is level-based and idempotent:
+an operator restarted at any instant picks up where the last one stopped, and
+a pod that already exists under its deterministic name is adopted, never
+duplicated.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from spotguard.operator.classify import classify_pod_end
+from spotguard.operator.decide import (
+    TERMINAL_PHASES,
+    Decision,
+    Event,
+    Observation,
+    decide,
+    format_time,
+    on_create_error,
+    parse_time,
+    pod_name,
+    status_patch,
+)
+from spotguard.operator.metrics import OperatorMetrics
+from spotguard.operator.podbuilder import OperatorConfig, build_pod
+from spotguard.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJobSpec, parse
+
+log = logging.getLogger("spotguard.operator")
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass
+class VerifiedCache:
+    """Newest verified checkpoint per job, filled by the background probe."""
+
+    entries: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, namespace: str, job: str) -> dict[str, Any] | None:
+        with self.lock:
+            entry = self.entries.get((namespace, job))
+            return dict(entry) if entry else None
+
+    def put(self, namespace: str, job: str, entry: dict[str, Any]) -> bool:
+        """Store; True when the step changed."""
+        with self.lock:
+            old = self.entries.get((namespace, job))
+            self.entries[(namespace, job)] = entry
+            return old is None or old.get("step") != entry.get("step")
+
+    def forget(self, namespace: str, job: str) -> None:
+        with self.lock:
+            self.entries.pop((namespace, job), None)
+
+
+@dataclass
+class Context:
+    """Everything the handlers need, created once at startup and kept in kopf's memo."""
+
+    core: Any  # kubernetes.client.CoreV1Api
+    custom: Any  # kubernetes.client.CustomObjectsApi
+    config: OperatorConfig
+    metrics: OperatorMetrics
+    verified: VerifiedCache = field(default_factory=VerifiedCache)
+    resync_seconds: float = 30.0
+    checkpoint_poll_seconds: float = 30.0
+    instance: str = field(default_factory=socket.gethostname)
+
+
+def _api_status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def _api_reason(exc: BaseException) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, bytes | str):
+        try:
+            doc = json.loads(body)
+            if isinstance(doc, Mapping) and doc.get("message"):
+                return str(doc["message"])
+        except ValueError:
+            pass
+    return str(getattr(exc, "reason", "") or exc)
+
+
+# --- reads ---------------------------------------------------------------------
+
+
+def get_job(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
+    """The TrainingJob, or None when it is gone."""
+    try:
+        body: dict[str, Any] = ctx.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        return body
+    except Exception as exc:
+        if _api_status(exc) == 404:
+            return None
+        raise
+
+
+def get_pod(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
+    """A pod as a plain dict, or None when it does not exist."""
+    try:
+        # Raw JSON: exactly what the apiserver says, in the shape the classifier reads.
+        resp = ctx.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        pod: dict[str, Any] = json.loads(resp.data)
+        return pod
+    except Exception as exc:
+        if _api_status(exc) == 404:
+            return None
+        raise
+
+
+def node_exists(ctx: Context, name: str) -> bool:
+    """Whether the Node object still exists."""
+    try:
+        ctx.core.read_node(name)
+        return True
+    except Exception as exc:
+        if _api_status(exc) == 404:
+            return False
+        raise
+
+
+def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
+
+
+# --- writes --------------------------------------------------------------------
+
+
+class NotOursYet(Exception):
+    """A pod with the attempt's name exists but belongs to an older, deleted job."""
+
+
+def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
+    """Create the pod; if it already exists and is ours, adopt it. True when created now."""
+    namespace = pod["metadata"]["namespace"]
+    try:
+        ctx.core.create_namespaced_pod(namespace, pod)
+        return True
+    except Exception as exc:
+        if _api_status(exc) != 409:
+            raise
+    existing = get_pod(ctx, namespace, pod["metadata"]["name"])
+    if existing is not None and not _owned_by(existing, owner_uid):
+        raise NotOursYet(pod["metadata"]["name"])
+    return False
+
+
+def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
+    """Delete a pod (at once when ``force``: its node is gone); a missing pod is fine."""
+    try:
+        if force:
+            ctx.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        else:
+            ctx.core.delete_namespaced_pod(name, namespace)
+    except Exception as exc:
+        if _api_status(exc) != 404:
+            raise
+
+
+def patch_status(ctx: Context, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+    """Merge-patch the status subresource (never the spec)."""
+    try:
+        ctx.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, PLURAL, name, {"status": dict(patch)}, _content_type=MERGE_PATCH
+        )
+    except Exception as exc:
+        if _api_status(exc) != 404:
+            raise
+
+
+def post_event(ctx: Context, job: Mapping[str, Any], event: Event, now: datetime) -> None:
+    """Post an Event on the TrainingJob; failures are logged, never fatal."""
+    meta = job.get("metadata") or {}
+    stamp = format_time(now)
+    body = {
+        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": meta.get("namespace")},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        },
+        "reason": event.reason,
+        "message": event.message[:1024],
+        "type": event.type,
+        "source": {"component": "spotguard-operator"},
+        "reportingComponent": "spotguard.dev/operator",
+        "reportingInstance": ctx.instance[:128],
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    try:
+        ctx.core.create_namespaced_event(meta.get("namespace"), body)
+    except Exception as exc:  # an Event is a report; losing one must not stop the job
+        log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), _api_reason(exc))
+
+
+# --- the reconcile ---------------------------------------------------------------
+
+
+def observe(ctx: Context, job: Mapping[str, Any]) -> Observation:
+    """Look at the current attempt's pod (and its node) and the cached checkpoint."""
+    meta = job.get("metadata") or {}
+    namespace, name, uid = str(meta.get("namespace")), str(meta.get("name")), meta.get("uid")
+    status = job.get("status") or {}
+    attempt = status.get("attempt") or 0
+    last_end = status.get("lastPodEnd") or {}
+    verified = ctx.verified.get(namespace, name)
+    if verified is not None and verified == status.get("lastVerifiedCheckpoint"):
+        verified = None
+    if not attempt or last_end.get("attempt") == attempt or status.get("phase") in TERMINAL_PHASES:
+        return Observation(pod_end=None, last_verified=verified)
+    pod = get_pod(ctx, namespace, pod_name(name, attempt))
+    if pod is not None and uid and not _owned_by(pod, uid):
+        pod = None  # a leftover of an older job with the same name
+    exists = True
+    if pod is not None:
+        node = (pod.get("spec") or {}).get("nodeName")
+        phase = (pod.get("status") or {}).get("phase")
+        if node and phase not in ("Succeeded", "Failed"):
+            exists = node_exists(ctx, node)
+    return Observation(pod_end=classify_pod_end(pod, exists), last_verified=verified)
+
+
+def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = None) -> float | None:
+    """Bring one TrainingJob one step closer to done. Returns seconds until the next look."""
+    job = get_job(ctx, namespace, name)
+    if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    meta = job["metadata"]
+    generation = meta.get("generation")
+    status = dict(job.get("status") or {})
+    spec: TrainingJobSpec | SpecError
+    try:
+        spec = parse(job.get("spec"))
+    except SpecError as exc:
+        spec = exc
+    observation = observe(ctx, job)
+    now = now or datetime.now(UTC)
+    decision = decide(name, status, spec, observation, now, generation)
+    decision = apply(ctx, job, spec, decision, now)
+    report(ctx, job, status, decision, now)
+    if decision.status.get("phase") in TERMINAL_PHASES:
+        return max(decision.requeue_after or 0.0, ctx.resync_seconds * 10)
+    return decision.requeue_after
+
+
+def apply(
+    ctx: Context, job: Mapping[str, Any], spec: TrainingJobSpec | SpecError, decision: Decision, now: datetime
+) -> Decision:
+    """Carry out a decision's pod operations; returns the decision that really happened."""
+    meta = job["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    if decision.delete_pod:
+        delete_pod(ctx, namespace, decision.delete_pod, force=decision.force_delete)
+        if decision.force_delete:
+            log.info("deleted pod %s/%s at once: its node is gone", namespace, decision.delete_pod)
+    if decision.create_attempt is not None and isinstance(spec, TrainingJobSpec):
+        pod = build_pod(name, namespace, uid, spec, decision.create_attempt, ctx.config)
+        try:
+            created = create_pod(ctx, pod, uid)
+        except NotOursYet:
+            # The previous job of this name is still being cleaned up; look again soon.
+            return Decision(status=dict(job.get("status") or {}), requeue_after=2.0)
+        except Exception as exc:
+            code = _api_status(exc)
+            if code is None or code >= 500:
+                raise
+            return on_create_error(
+                name,
+                job.get("status") or {},
+                decision.create_attempt,
+                code,
+                _api_reason(exc),
+                now,
+                meta.get("generation"),
+            )
+        if not created:
+            log.info("pod %s/%s already existed: adopted", namespace, pod["metadata"]["name"])
+        if decision.create_attempt > 1:
+            ended = parse_time((decision.status.get("lastPodEnd") or {}).get("time"))
+            latency = (datetime.now(UTC) - ended).total_seconds() if ended else None
+            ctx.metrics.restarted(namespace, name, latency)
+    return decision
+
+
+def report(
+    ctx: Context, job: Mapping[str, Any], old_status: Mapping[str, Any], decision: Decision, now: datetime
+) -> None:
+    """Patch the status if it changed, post the Events, update the metrics."""
+    meta = job["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    patch = status_patch(old_status, decision.status)
+    if patch:
+        patch_status(ctx, namespace, name, patch)
+    for event in decision.events:
+        post_event(ctx, job, event, now)
+        log.info("%s/%s: %s: %s", namespace, name, event.reason, event.message)
+    end = decision.accounted
+    if end is not None:
+        if end.kind == "preempted":
+            ctx.metrics.preempted(namespace, name, end.lost_steps)
+        elif end.kind == "failed":
+            ctx.metrics.failed(namespace, name)
+    ctx.metrics.observe_job(namespace, name, decision.status)
+
+
+# --- the checkpoint probe ----------------------------------------------------------
+
+
+def _secret_values(ctx: Context, namespace: str, spec: TrainingJobSpec) -> dict[str, str]:
+    sec = spec.checkpoint.credentials_secret
+    if sec is None:
+        return {}
+    secret = ctx.core.read_namespaced_secret(sec.name, namespace)
+    data = getattr(secret, "data", None) or {}
+    out: dict[str, str] = {}
+    for opt, key in (
+        ("access_key", sec.access_key_id_key),
+        ("secret_key", sec.secret_access_key_key),
+        ("endpoint_url", sec.endpoint_key),
+    ):
+        if key in data and data[key]:
+            out[opt] = base64.b64decode(data[key]).decode().strip()
+    return out
+
+
+def read_latest_verified(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
+    """Read the job's newest verified checkpoint from storage (blocking; run it in a thread).
+
+    Uses the job's own credentials Secret. Returns ``{"step", "uri", "time"}`` or None.
+    Credentials are never logged.
+    """
+    job = get_job(ctx, namespace, name)
+    if job is None:
+        return None
+    try:
+        spec = parse(job.get("spec"))
+    except SpecError:
+        return None
+    from spotguard.checkpoint import latest_verified
+    from spotguard.storage import open_storage
+
+    options: dict[str, Any] = {}
+    if spec.checkpoint.storage.startswith("s3://"):
+        options = _secret_values(ctx, namespace, spec)
+        if spec.checkpoint.endpoint:
+            options["endpoint_url"] = spec.checkpoint.endpoint
+        if spec.checkpoint.region:
+            options["region"] = spec.checkpoint.region
+    uri = spec.checkpoint.job_uri(namespace, name)
+    storage = open_storage(uri, **options)
+    info, _skipped = latest_verified(storage)
+    if info is None:
+        return None
+    step = int(info.step)
+    ckpt_name = str(getattr(info, "name", f"ckpt-{step:012d}"))
+    created = getattr(info, "created", None)
+    stamp = format_time(created) if isinstance(created, datetime) else format_time(datetime.now(UTC))
+    return {"step": step, "uri": f"{uri}/{ckpt_name}", "time": stamp}
+
+
+def probe_once(ctx: Context, namespace: str, name: str) -> bool:
+    """Refresh the cache for one job; True when a newer verified checkpoint appeared."""
+    started = time.monotonic()
+    try:
+        entry = read_latest_verified(ctx, namespace, name)
+    except Exception as exc:
+        log.info("%s/%s: cannot read checkpoints yet: %s", namespace, name, type(exc).__name__)
+        return False
+    if entry is None:
+        return False
+    log.debug("%s/%s: newest verified step %s (%.2fs)", namespace, name, entry["step"], time.monotonic() - started)
+    return ctx.verified.put(namespace, name, entry)

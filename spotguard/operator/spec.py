@@ -1,0 +1,378 @@
+"""The TrainingJob spec model: typed, frozen, parsed once, with field paths in errors.
+
+The CRD's OpenAPI schema refuses most bad specs at the apiserver; ``parse`` checks
+the same rules again (old servers ignore some schema features, and the webhook
+parses pod annotations with it), plus the rules a schema cannot express.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "spotguard.dev"
+VERSION = "v1alpha1"
+PLURAL = "trainingjobs"
+KIND = "TrainingJob"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Names the operator adds to every pod; a template may not use them.
+SIDECAR_CONTAINER = "spotguard-sidecar"
+RESTORE_CONTAINER = "spotguard-restore"
+SHARED_VOLUME = "spotguard"
+RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
+
+CHECKSUMS = ("crc32c", "sha256")
+BEST_MODES = ("min", "max")
+
+_STORAGE_RE = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*)$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
+_ENDPOINT_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+
+
+class SpecError(ValueError):
+    """A spec (or pod annotation) the operator refuses; ``field`` names where."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialsSecret:
+    """Reference to the Secret holding the object-store credentials."""
+
+    name: str
+    access_key_id_key: str = "AWS_ACCESS_KEY_ID"
+    secret_access_key_key: str = "AWS_SECRET_ACCESS_KEY"
+    #: Optional key with the endpoint URL (so one Secret describes a whole store).
+    endpoint_key: str = "AWS_ENDPOINT_URL"
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """Which remote checkpoints the sidecar keeps (0 = rule off)."""
+
+    keep_last: int = 3
+    keep_best: int = 0
+    best_metric: str | None = None
+    best_mode: str = "min"
+    keep_every: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSpec:
+    """Where and how often checkpoints are written."""
+
+    storage: str
+    credentials_secret: CredentialsSecret | None = None
+    endpoint: str | None = None
+    region: str | None = None
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    checksum: str = "crc32c"
+    retention: Retention = field(default_factory=Retention)
+
+    def job_uri(self, namespace: str, job: str) -> str:
+        """The job's own checkpoint root: ``<storage>/<namespace>/<job>``."""
+        return f"{self.storage.rstrip('/')}/{namespace}/{job}"
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential delay before the n-th consecutive restart."""
+
+    initial_seconds: float
+    max_seconds: float
+    factor: float = 2.0
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before restart number ``n`` (1-based)."""
+        if n <= 0 or self.initial_seconds <= 0:
+            return 0.0
+        return float(min(self.max_seconds, self.initial_seconds * self.factor ** (n - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionSpec:
+    """Separate budgets and backoff for preemptions and for the user's failures."""
+
+    max_preemptions: int = 20
+    backoff_limit: int = 3
+    backoff: Backoff = field(default_factory=lambda: Backoff(10.0, 300.0, 2.0))
+    preemption_backoff: Backoff = field(default_factory=lambda: Backoff(0.0, 60.0, 2.0))
+    grace_period_seconds: int = 60
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSpec:
+    """Overrides for the injected sidecar container."""
+
+    image: str | None = None
+    metrics_port: int = 9400
+    resources: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PodTemplate:
+    """The user's pod template; passed through untouched apart from the injection."""
+
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    spec: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingJobSpec:
+    """A parsed, validated ``TrainingJob.spec``."""
+
+    template: PodTemplate
+    checkpoint: CheckpointSpec
+    preemption: PreemptionSpec = field(default_factory=PreemptionSpec)
+    sidecar: SidecarSpec = field(default_factory=SidecarSpec)
+    suspend: bool = False
+
+
+# --- small typed readers: each names the field it reads ----------------------
+
+
+def _obj(raw: Any, path: str, *, required: bool = False) -> Mapping[str, Any]:
+    if raw is None:
+        if required:
+            raise SpecError(path, "is required")
+        return {}
+    if not isinstance(raw, Mapping):
+        raise SpecError(path, f"must be an object, not {type(raw).__name__}")
+    return raw
+
+
+def _str(raw: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
+    value = raw.get(key)
+    if value is None or value == "":
+        if required:
+            raise SpecError(f"{path}.{key}", "is required")
+        return None
+    if not isinstance(value, str):
+        raise SpecError(f"{path}.{key}", f"must be a string, not {type(value).__name__}")
+    return value
+
+
+def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None, *, minimum: int = 0) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{path}.{key}", f"must be an integer, not {value!r}")
+    if value < minimum:
+        raise SpecError(f"{path}.{key}", f"must be >= {minimum}, not {value}")
+    return value
+
+
+def _num(raw: Mapping[str, Any], key: str, path: str, default: float | None, *, minimum: float = 0.0) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"{path}.{key}", f"must be a number, not {value!r}")
+    if value < minimum:
+        raise SpecError(f"{path}.{key}", f"must be >= {minimum:g}, not {value}")
+    return float(value)
+
+
+def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}.{key}", f"must be true or false, not {value!r}")
+    return value
+
+
+def _enum(raw: Mapping[str, Any], key: str, path: str, choices: tuple[str, ...], default: str) -> str:
+    value = _str(raw, key, path) or default
+    if value not in choices:
+        raise SpecError(f"{path}.{key}", f"must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
+def _str_map(raw: Any, path: str) -> dict[str, str]:
+    obj = _obj(raw, path)
+    out: dict[str, str] = {}
+    for k, v in obj.items():
+        if not isinstance(v, str):
+            raise SpecError(f"{path}.{k}", "must be a string")
+        out[str(k)] = v
+    return out
+
+
+# --- parsers ------------------------------------------------------------------
+
+
+def parse_storage(value: str, path: str) -> str:
+    """Check a storage root URI (``s3://bucket[/prefix]`` or ``file:///path``)."""
+    if not _STORAGE_RE.match(value):
+        raise SpecError(
+            path,
+            f"must be s3://<bucket>[/prefix] or file:///<path>, not {value!r}",
+        )
+    return value
+
+
+def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
+    """Parse ``credentialsSecret``: a Secret name or ``{name, ...keys}``."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    obj = _obj(raw, path)
+    name = _str(obj, "name", path, required=True)
+    assert name is not None
+    if not _DNS_SUBDOMAIN_RE.match(name):
+        raise SpecError(f"{path}.name", f"must be a Secret name, not {name!r}")
+    keys: dict[str, str] = {}
+    for key, attr in (
+        ("accessKeyIdKey", "access_key_id_key"),
+        ("secretAccessKeyKey", "secret_access_key_key"),
+        ("endpointKey", "endpoint_key"),
+    ):
+        value = _str(obj, key, path)
+        if value is not None:
+            if not _SECRET_KEY_RE.match(value):
+                raise SpecError(f"{path}.{key}", f"must be a Secret data key, not {value!r}")
+            keys[attr] = value
+    return CredentialsSecret(name=name, **keys)
+
+
+def parse_retention(raw: Any, path: str) -> Retention:
+    """Parse ``checkpoint.retention``."""
+    obj = _obj(raw, path)
+    keep_best = _int(obj, "keepBest", path, 0) or 0
+    metric = _str(obj, "bestMetric", path)
+    if keep_best > 0 and not metric:
+        raise SpecError(f"{path}.bestMetric", "is required when keepBest > 0")
+    return Retention(
+        keep_last=_int(obj, "keepLast", path, 3, minimum=1) or 1,
+        keep_best=keep_best,
+        best_metric=metric,
+        best_mode=_enum(obj, "bestMode", path, BEST_MODES, "min"),
+        keep_every=_int(obj, "keepEvery", path, 0) or 0,
+    )
+
+
+def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
+    """Parse ``spec.checkpoint``."""
+    obj = _obj(raw, path, required=True)
+    storage = parse_storage(_str(obj, "storage", path, required=True) or "", f"{path}.storage")
+    endpoint = _str(obj, "endpoint", path)
+    if endpoint is not None and not _ENDPOINT_RE.match(endpoint):
+        raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL, not {endpoint!r}")
+    every_steps = _int(obj, "everySteps", path, None, minimum=1)
+    every_seconds = _num(obj, "everySeconds", path, None, minimum=1.0)
+    return CheckpointSpec(
+        storage=storage,
+        credentials_secret=parse_credentials(obj.get("credentialsSecret"), f"{path}.credentialsSecret"),
+        endpoint=endpoint,
+        region=_str(obj, "region", path),
+        every_steps=every_steps,
+        every_seconds=every_seconds,
+        checksum=_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
+        retention=parse_retention(obj.get("retention"), f"{path}.retention"),
+    )
+
+
+def _parse_backoff(raw: Any, path: str, default: Backoff) -> Backoff:
+    obj = _obj(raw, path)
+    initial = _num(obj, "initialSeconds", path, default.initial_seconds)
+    maximum = _num(obj, "maxSeconds", path, default.max_seconds)
+    factor = _num(obj, "factor", path, default.factor, minimum=1.0)
+    assert initial is not None and maximum is not None and factor is not None
+    if maximum < initial:
+        raise SpecError(f"{path}.maxSeconds", f"must be >= initialSeconds ({initial:g})")
+    return Backoff(initial, maximum, factor)
+
+
+def parse_preemption(raw: Any, path: str = "spec.preemption") -> PreemptionSpec:
+    """Parse ``spec.preemption``."""
+    obj = _obj(raw, path)
+    defaults = PreemptionSpec()
+    grace = _int(obj, "gracePeriodSeconds", path, defaults.grace_period_seconds, minimum=1)
+    return PreemptionSpec(
+        max_preemptions=_int(obj, "maxPreemptions", path, defaults.max_preemptions) or 0,
+        backoff_limit=_int(obj, "backoffLimit", path, defaults.backoff_limit) or 0,
+        backoff=_parse_backoff(obj.get("backoff"), f"{path}.backoff", defaults.backoff),
+        preemption_backoff=_parse_backoff(
+            obj.get("preemptionBackoff"), f"{path}.preemptionBackoff", defaults.preemption_backoff
+        ),
+        grace_period_seconds=grace or defaults.grace_period_seconds,
+    )
+
+
+def parse_sidecar(raw: Any, path: str = "spec.sidecar") -> SidecarSpec:
+    """Parse ``spec.sidecar``."""
+    obj = _obj(raw, path)
+    port = _int(obj, "metricsPort", path, 9400, minimum=0)
+    assert port is not None
+    if port > 65535:
+        raise SpecError(f"{path}.metricsPort", f"must be <= 65535, not {port}")
+    resources = obj.get("resources")
+    if resources is not None:
+        resources = copy.deepcopy(dict(_obj(resources, f"{path}.resources")))
+    return SidecarSpec(image=_str(obj, "image", path), metrics_port=port, resources=resources)
+
+
+def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
+    """Parse ``spec.template``: a pod template whose containers are the trainer."""
+    obj = _obj(raw, path, required=True)
+    meta = _obj(obj.get("metadata"), f"{path}.metadata")
+    pod_spec = _obj(obj.get("spec"), f"{path}.spec", required=True)
+    spath = f"{path}.spec"
+    containers = pod_spec.get("containers")
+    if not isinstance(containers, list) or not containers:
+        raise SpecError(f"{spath}.containers", "must list at least one container")
+    seen: set[str] = set()
+    for i, c in enumerate(containers):
+        cpath = f"{spath}.containers[{i}]"
+        if not isinstance(c, Mapping):
+            raise SpecError(cpath, "must be an object")
+        name = _str(c, "name", cpath, required=True)
+        assert name is not None
+        if not _DNS_LABEL_RE.match(name):
+            raise SpecError(f"{cpath}.name", f"must be a DNS label, not {name!r}")
+        if name in RESERVED_CONTAINER_NAMES or name in seen:
+            raise SpecError(f"{cpath}.name", f"{name!r} is reserved or used twice")
+        seen.add(name)
+    for i, c in enumerate(pod_spec.get("initContainers") or []):
+        if isinstance(c, Mapping) and c.get("name") in RESERVED_CONTAINER_NAMES:
+            raise SpecError(f"{spath}.initContainers[{i}].name", f"{c.get('name')!r} is reserved")
+    for i, v in enumerate(pod_spec.get("volumes") or []):
+        if isinstance(v, Mapping) and v.get("name") == SHARED_VOLUME:
+            raise SpecError(f"{spath}.volumes[{i}].name", f"{SHARED_VOLUME!r} is reserved")
+    policy = pod_spec.get("restartPolicy")
+    if policy not in (None, "Never"):
+        raise SpecError(
+            f"{spath}.restartPolicy",
+            f"must be Never or unset (spotguard restarts attempts itself), not {policy!r}",
+        )
+    return PodTemplate(
+        labels=_str_map(meta.get("labels"), f"{path}.metadata.labels"),
+        annotations=_str_map(meta.get("annotations"), f"{path}.metadata.annotations"),
+        spec=copy.deepcopy(dict(pod_spec)),
+    )
+
+
+def parse(spec: Any) -> TrainingJobSpec:
+    """Parse and validate a ``TrainingJob.spec``; raises ``SpecError`` naming the field."""
+    obj = _obj(spec, "spec", required=True)
+    return TrainingJobSpec(
+        template=parse_template(obj.get("template")),
+        checkpoint=parse_checkpoint(obj.get("checkpoint")),
+        preemption=parse_preemption(obj.get("preemption")),
+        sidecar=parse_sidecar(obj.get("sidecar")),
+        suspend=_bool(obj, "suspend", "spec", False),
+    )
