@@ -1,1 +1,108 @@
-"""spotguard.checkpoint."""
+"""The checkpoint contract: format, atomic commit, upload, verification, retention.
+
+Public API (others import these; see ``docs/checkpoint-format.md``):
+
+- :func:`upload_checkpoint`, :func:`verify_checkpoint`, :func:`latest_verified`,
+  :func:`restore_latest`, :func:`apply_retention`, :func:`list_local_committed`;
+- :class:`Manifest` and friends for reading manifests;
+- :class:`RetentionPolicy` and the pure :func:`plan_retention`.
+
+Importing this package does not import torch, numpy or boto3.
+"""
+
+from __future__ import annotations
+
+from spotguard.checkpoint.checksum import ALGORITHMS, DEFAULT_ALGORITHM
+from spotguard.checkpoint.codec import StateError, snapshot_state
+from spotguard.checkpoint.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
+from spotguard.checkpoint.local import (
+    DeadlineExceeded,
+    LocalWriter,
+    clean_stale_tmp,
+    list_local_committed,
+    load_checkpoint_state,
+    prune_local,
+    read_local_manifest,
+    remove_checkpoint_dir,
+    verify_local_checkpoint,
+    write_checkpoint,
+)
+from spotguard.checkpoint.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    POINTER_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    checkpoint_name,
+    parse_checkpoint_name,
+    parse_manifest,
+)
+from spotguard.checkpoint.remote import (
+    CheckpointCorruptError,
+    CheckpointInfo,
+    Skipped,
+    UploadResult,
+    delete_checkpoint,
+    latest_verified,
+    list_checkpoint_names,
+    read_latest_pointer,
+    read_manifest,
+    restore_checkpoint,
+    restore_latest,
+    update_latest_pointer,
+    upload_checkpoint,
+    verify_checkpoint,
+)
+from spotguard.checkpoint.retention import RetentionCandidate, RetentionPlan, RetentionPolicy, plan_retention
+from spotguard.checkpoint.verify import VerifyResult
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "POINTER_NAME",
+    "CheckpointCorruptError",
+    "CheckpointInfo",
+    "DeadlineExceeded",
+    "FileEntry",
+    "GcReport",
+    "LocalWriter",
+    "Manifest",
+    "ManifestError",
+    "RetentionCandidate",
+    "RetentionPlan",
+    "RetentionPolicy",
+    "Skipped",
+    "StateError",
+    "UploadResult",
+    "VerifyResult",
+    "apply_retention",
+    "checkpoint_name",
+    "clean_stale_tmp",
+    "collect_garbage",
+    "delete_checkpoint",
+    "find_orphans",
+    "latest_verified",
+    "list_checkpoint_names",
+    "list_local_committed",
+    "load_checkpoint_state",
+    "parse_checkpoint_name",
+    "parse_manifest",
+    "plan_retention",
+    "prune_local",
+    "read_latest_pointer",
+    "read_local_manifest",
+    "read_manifest",
+    "remove_checkpoint_dir",
+    "restore_checkpoint",
+    "restore_latest",
+    "snapshot_state",
+    "stale_uploads",
+    "update_latest_pointer",
+    "upload_checkpoint",
+    "verify_checkpoint",
+    "verify_local_checkpoint",
+    "write_checkpoint",
+]

@@ -1,1 +1,76 @@
-"""spotguard.storage."""
+"""Object storage for checkpoints: ``s3://bucket/prefix`` and ``file:///path``.
+
+>>> from spotguard.storage import open_storage
+>>> store = open_storage("file:///tmp/ckpts/my-job")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from spotguard.storage.base import (
+    CredentialsError,
+    NotFoundError,
+    ObjectInfo,
+    PendingUpload,
+    PreconditionFailedError,
+    ProgressCallback,
+    Storage,
+    StorageError,
+    check_key,
+    join_key,
+)
+
+__all__ = [
+    "CredentialsError",
+    "NotFoundError",
+    "ObjectInfo",
+    "PendingUpload",
+    "PreconditionFailedError",
+    "ProgressCallback",
+    "Storage",
+    "StorageError",
+    "check_key",
+    "join_key",
+    "open_storage",
+]
+
+
+def open_storage(uri: str, **options: Any) -> Storage:
+    """Open the storage rooted at ``uri``.
+
+    ``s3://bucket/prefix`` takes the options of
+    :class:`spotguard.storage.s3.S3Storage` (``endpoint_url``, ``region``,
+    ``access_key``, ``secret_key``, transfer tuning); otherwise the standard
+    AWS environment and config apply. ``file:///abs/path`` (or a plain path)
+    opens a directory. Raises :class:`StorageError` for an unusable URI.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise StorageError("empty storage URI: use s3://BUCKET/PREFIX or file:///PATH")
+    uri = uri.strip()
+    if uri.startswith("s3://"):
+        from spotguard.storage.s3 import S3Storage
+
+        try:
+            return S3Storage(uri, **options)
+        except ValueError as exc:
+            raise StorageError(str(exc)) from None
+    if uri.startswith("file:"):
+        from spotguard.storage.file import FileStorage
+
+        parts = urlsplit(uri)
+        if parts.netloc not in ("", "localhost"):
+            raise StorageError(f"file URI with a host is not supported: {uri!r} (use file:///PATH)")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise StorageError(f"file URI must be absolute: {uri!r} (use file:///PATH)")
+        return FileStorage(path, **options)
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0]
+        raise StorageError(
+            f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3:// or file://"
+        )
+    from spotguard.storage.file import FileStorage
+
+    return FileStorage(uri, **options)

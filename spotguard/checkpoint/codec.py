@@ -1,0 +1,368 @@
+"""Training state <-> checkpoint files, without pickle.
+
+A state is a tree of dicts, lists and tuples whose leaves are tensors (torch
+or numpy), numbers, strings, bytes and None. Tensors go into safetensors files
+grouped by the state's top-level key (``model`` -> ``model.safetensors``);
+everything else goes into ``state.json`` with a small tagged encoding
+(``{"__t": "tuple", ...}``) that records tuples, bytes, non-string dict keys,
+non-finite floats and references to tensors. Loading parses JSON and
+safetensors only, so it cannot run code.
+
+:func:`snapshot_state` is the first phase of a two-phase save: it copies
+every tensor to host memory (so training can go on mutating the originals) and
+builds the JSON document; :func:`write_snapshot` persists it later, possibly in
+another thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "state.json"
+STATE_FORMAT = 1
+TAG = "__t"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class StateError(ValueError):
+    """A state cannot be saved, or a checkpoint's state cannot be loaded."""
+
+
+# safetensors dtype names <-> numpy dtype strings; torch dtypes are mapped lazily.
+_NUMPY_TO_ST = {
+    "float64": "F64", "float32": "F32", "float16": "F16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+_TORCH_TO_ST = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+}  # fmt: skip
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+
+@dataclass
+class TensorBlob:
+    """A host-memory copy of one tensor: safetensors dtype, shape and raw bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview  # contiguous, format "B", little-endian element order
+    owner: Any = None  # keeps the host buffer alive
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass
+class Snapshot:
+    """A state captured in host memory, ready to be written."""
+
+    doc: dict[str, Any]
+    tensors: dict[str, dict[str, TensorBlob]] = field(default_factory=dict)  # file -> key -> blob
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for blobs in self.tensors.values() for b in blobs.values())
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - exercised only without torch
+        return None
+    return torch
+
+
+class _Snapshotter:
+    def __init__(self, pinned: dict[Any, Any] | None) -> None:
+        import sys
+
+        self.torch: Any = sys.modules.get("torch")  # only if the caller already uses torch
+        self.np: Any = sys.modules.get("numpy")
+        self.snapshot = Snapshot(doc={})
+        self.pinned = pinned
+        self.cuda_used = False
+        self._index = 0
+
+    def part_file(self, path: tuple[Any, ...]) -> str:
+        top = str(path[0]) if path else "state"
+        if not _SAFE_NAME.match(top) or top == "state":
+            top = "tensors"
+        return f"{top}.safetensors"
+
+    def add_blob(self, path: tuple[Any, ...], blob: TensorBlob) -> dict[str, str]:
+        file = self.part_file(path)
+        blobs = self.snapshot.tensors.setdefault(file, {})
+        key = ".".join(str(p) for p in path[1:]) or str(path[0]) if path else "tensor"
+        base, n = key, 1
+        while key in blobs or key == "__metadata__":
+            n += 1
+            key = f"{base}#{n}"
+        blobs[key] = blob
+        return {"file": file, "key": key}
+
+    def torch_blob(self, path: tuple[Any, ...], t: Any) -> TensorBlob:
+        torch = self.torch
+        dtype_name = str(t.dtype).removeprefix("torch.")
+        st = _TORCH_TO_ST.get(dtype_name)
+        where = _path_str(path)
+        if st is None:
+            raise StateError(f"{where}: tensors of dtype {t.dtype} cannot be checkpointed")
+        if t.layout != torch.strided or t.is_quantized or t.is_meta:
+            raise StateError(f"{where}: only dense tensors can be checkpointed (got {t.layout})")
+        t = t.detach()
+        if t.device.type == "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype)
+            host.copy_(t)
+        else:
+            # Copy into a reused page-locked buffer without blocking per tensor;
+            # one synchronize() at the end of the snapshot.
+            key = (self._index, t.dtype, tuple(t.shape))
+            self._index += 1
+            host = self.pinned.get(key) if self.pinned is not None else None
+            if host is None:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+                if self.pinned is not None:
+                    self.pinned[key] = host
+            host.copy_(t, non_blocking=True)
+            self.cuda_used = True
+        flat = host.reshape(-1).view(torch.uint8)
+        return TensorBlob(st, tuple(int(s) for s in t.shape), memoryview(flat.numpy()), owner=host)
+
+    def numpy_blob(self, path: tuple[Any, ...], a: Any) -> TensorBlob:
+        np = self.np
+        st = _NUMPY_TO_ST.get(a.dtype.name)
+        if st is None:
+            raise StateError(f"{_path_str(path)}: numpy arrays of dtype {a.dtype} cannot be checkpointed")
+        host = np.array(a, dtype=a.dtype.newbyteorder("<"), order="C", copy=True)
+        return TensorBlob(st, tuple(int(s) for s in a.shape), memoryview(host.reshape(-1).view(np.uint8)), owner=host)
+
+    def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if value is None or isinstance(value, bool | str):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return float(value)
+            return {TAG: "float", "v": repr(value)}
+        torch, np = self.torch, self.np
+        if torch is not None:
+            if isinstance(value, torch.Tensor):
+                return {TAG: "tensor", **self.add_blob(path, self.torch_blob(path, value))}
+            if isinstance(value, torch.Size):
+                return {TAG: "torch_size", "v": [int(s) for s in value]}
+            if isinstance(value, torch.dtype):
+                return {TAG: "torch_dtype", "v": str(value).removeprefix("torch.")}
+            if isinstance(value, torch.device):
+                return {TAG: "torch_device", "v": str(value)}
+        if np is not None:
+            if isinstance(value, np.ndarray):
+                return {TAG: "ndarray", **self.add_blob(path, self.numpy_blob(path, value))}
+            if isinstance(value, np.generic) and value.dtype.name in _NUMPY_TO_ST:
+                raw = np.asarray(value, dtype=value.dtype.newbyteorder("<")).tobytes()
+                return {TAG: "npscalar", "dtype": value.dtype.name, "v": base64.b64encode(raw).decode()}
+        if isinstance(value, bytes | bytearray):
+            return {TAG: "bytes", "v": base64.b64encode(bytes(value)).decode()}
+        if isinstance(value, tuple):
+            return {TAG: "tuple", "v": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            metadata = getattr(value, "_metadata", None)
+            plain = (
+                all(isinstance(k, str) for k in value)
+                and TAG not in value
+                and not isinstance(value, OrderedDict)
+            )
+            if plain:
+                return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+            doc: dict[str, Any] = {
+                TAG: "odict" if isinstance(value, OrderedDict) else "dict",
+                "v": [[self.encode(k, (*path, "key")), self.encode(v, (*path, k))] for k, v in value.items()],
+            }
+            if isinstance(metadata, Mapping):
+                doc["meta"] = self.encode(dict(metadata), (*path, "_metadata"))
+            return doc
+        raise StateError(
+            f"{_path_str(path)}: values of type {type(value).__module__}.{type(value).__qualname__} "
+            "cannot be checkpointed (use tensors, arrays, numbers, strings, bytes, lists, tuples, dicts)"
+        )
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = None) -> Snapshot:
+    """Capture ``state`` in host memory (phase one of a save).
+
+    Tensors are copied (GPU tensors into page-locked buffers kept in
+    ``pinned`` between saves), containers are rebuilt, so the caller may
+    modify or free the originals as soon as this returns.
+    """
+    if not isinstance(state, Mapping):
+        raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")
+    snap = _Snapshotter(pinned)
+    doc = snap.encode(dict(state), ())
+    if snap.cuda_used:
+        snap.torch.cuda.synchronize()
+    snap.snapshot.doc = {"format": STATE_FORMAT, "state": doc}
+    return snap.snapshot
+
+
+# -- safetensors writing --------------------------------------------------------
+
+
+def safetensors_header(
+    blobs: Mapping[str, TensorBlob], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The 8-byte length + JSON header of a safetensors file, and the order in
+    which tensor data must follow (largest alignment first, then by name, like
+    the reference writer, so every tensor stays aligned)."""
+    order = sorted(blobs, key=lambda k: (-_ST_ITEMSIZE[blobs[k].dtype], k))
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for key in order:
+        b = blobs[key]
+        header[key] = {"dtype": b.dtype, "shape": list(b.shape), "data_offsets": [offset, offset + b.nbytes]}
+        offset += b.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, order
+
+
+def iter_safetensors(blobs: Mapping[str, TensorBlob], chunk: int = 8 << 20) -> Iterator[bytes | memoryview]:
+    """The bytes of a safetensors file holding ``blobs``, as header + views of
+    the tensors' host memory (no intermediate copy of the whole file)."""
+    header, order = safetensors_header(blobs)
+    yield header
+    for key in order:
+        data = blobs[key].data
+        for start in range(0, data.nbytes, chunk):
+            yield data[start : start + chunk]
+
+
+# -- loading ----------------------------------------------------------------------
+
+
+class _Decoder:
+    def __init__(self, load_file: Callable[[str, bool], Mapping[str, Any]]) -> None:
+        self.load_file = load_file
+
+    def decode(self, value: Any) -> Any:
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        tag = value.get(TAG)
+        if tag is None:
+            return {k: self.decode(v) for k, v in value.items()}
+        try:
+            return self._tagged(tag, value)
+        except StateError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"state.json: malformed {tag!r} entry ({exc})") from None
+
+    def _tagged(self, tag: str, value: dict[str, Any]) -> Any:
+        if tag == "tuple":
+            return tuple(self.decode(v) for v in value["v"])
+        if tag in ("dict", "odict"):
+            items = [(self.decode(k), self.decode(v)) for k, v in value["v"]]
+            out: dict[Any, Any] = OrderedDict(items) if tag == "odict" else dict(items)
+            if "meta" in value and isinstance(out, OrderedDict):
+                out._metadata = self.decode(value["meta"])  # type: ignore[attr-defined]
+            return out
+        if tag == "float":
+            v = str(value["v"])
+            if v not in ("nan", "inf", "-inf"):
+                raise StateError(f"state.json: bad float {v!r}")
+            return float(v)
+        if tag == "bytes":
+            return base64.b64decode(value["v"], validate=True)
+        if tag in ("tensor", "ndarray"):
+            tensors = self.load_file(str(value["file"]), tag == "tensor")
+            key = str(value["key"])
+            if key not in tensors:
+                raise StateError(f"{value['file']}: tensor {key!r} referenced by state.json is missing")
+            return tensors[key]
+        if tag == "npscalar":
+            import numpy as np
+
+            dtype = str(value["dtype"])
+            if dtype not in _NUMPY_TO_ST:
+                raise StateError(f"state.json: unsupported numpy scalar dtype {dtype!r}")
+            raw = base64.b64decode(value["v"], validate=True)
+            return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)[0]
+        torch = _torch()
+        if tag == "torch_size" and torch is not None:
+            return torch.Size(int(v) for v in value["v"])
+        if tag == "torch_dtype" and torch is not None:
+            name = str(value["v"])
+            if name not in _TORCH_TO_ST and name not in ("complex64", "complex128"):
+                raise StateError(f"state.json: unknown torch dtype {name!r}")
+            return getattr(torch, name)
+        if tag == "torch_device" and torch is not None:
+            return torch.device(str(value["v"]))
+        raise StateError(f"state.json: unknown tag {tag!r} (written by a newer spotguard?)")
+
+
+def decode_state(doc: Any, load_file: Callable[[str, bool], Mapping[str, Any]]) -> dict[str, Any]:
+    """Rebuild a state from the ``state.json`` document; ``load_file(name,
+    as_torch)`` returns the tensors of a safetensors file."""
+    if not isinstance(doc, dict) or doc.get("format") != STATE_FORMAT or not isinstance(doc.get("state"), dict):
+        raise StateError("state.json: not a spotguard state document (format 1)")
+    state = _Decoder(load_file).decode(doc["state"])
+    assert isinstance(state, dict)
+    return state
+
+
+def load_safetensors(path: Path, as_torch: bool) -> dict[str, Any]:
+    """Tensors of a safetensors file (torch tensors, or numpy arrays)."""
+    try:
+        if as_torch:
+            from safetensors.torch import load_file as load_torch
+
+            return dict(load_torch(str(path)))
+        from safetensors.numpy import load_file as load_numpy
+
+        return dict(load_numpy(str(path)))
+    except ImportError as exc:
+        raise StateError(f"{path.name}: loading needs {exc.name} (pip install 'spotguard[torch]')") from None
+    except Exception as exc:  # safetensors raises its own error types
+        raise StateError(f"{path.name}: not a valid safetensors file ({exc})") from None
+
+
+def tensor_files_of(doc: Any) -> set[str]:
+    """Every file a ``state.json`` document references."""
+    found: set[str] = set()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if v.get(TAG) in ("tensor", "ndarray") and isinstance(v.get("file"), str):
+                found.add(v["file"])
+            for x in v.values():
+                walk(x)
+
+    walk(doc)
+    return found

@@ -1,0 +1,350 @@
+"""Checkpoints in a local directory: atomic commit, listing, verification, loading.
+
+A checkpoint is built in ``<dir>/.tmp-ckpt-<step>-<random>/``: every data
+file is written (checksummed while it is written) and fsynced, then
+``manifest.json`` is written and fsynced, the directory is fsynced, and it is
+renamed to ``<dir>/ckpt-<step:012d>/`` (atomic on POSIX file systems). A
+directory named ``ckpt-*`` with a ``manifest.json`` is therefore complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint.checksum import CHUNK, DEFAULT_ALGORITHM, Crc32cHasher, check_algorithm, new_hasher
+from spotguard.checkpoint.codec import (
+    STATE_FILE,
+    Snapshot,
+    StateError,
+    decode_state,
+    iter_safetensors,
+    load_safetensors,
+)
+from spotguard.checkpoint.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    checkpoint_name,
+    new_manifest,
+    parse_checkpoint_name,
+    parse_manifest,
+)
+from spotguard.checkpoint.pickle_scan import PICKLE_SUFFIXES, UnsafePickleError, check_pickle_safe
+from spotguard.checkpoint.verify import VerifyResult, verify_files
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+WRITER_TMP_PREFIX = ".tmp-ckpt-"
+
+
+class DeadlineExceeded(TimeoutError):
+    """A checkpoint write was abandoned because its deadline passed."""
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class LocalWriter:
+    """Builds one checkpoint in a temporary directory and commits it atomically."""
+
+    def __init__(
+        self,
+        directory: Path,
+        step: int,
+        *,
+        algorithm: str = DEFAULT_ALGORITHM,
+        deadline: float | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.step = step
+        self.name = checkpoint_name(step)
+        self.algorithm = check_algorithm(algorithm)
+        self.deadline = deadline
+        self.entries: list[FileEntry] = []
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self.bytes_written = 0
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.time() > self.deadline:
+            raise DeadlineExceeded(f"checkpoint {self.name} not finished before its deadline")
+
+    def add_file(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileEntry:
+        """Write one data file (relative ``path``), checksumming as it goes."""
+        target = self.tmp / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        hasher = new_hasher(self.algorithm)
+        wants_bytes = isinstance(hasher, Crc32cHasher)
+        size = 0
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for chunk in chunks:
+                self._check_deadline()
+                if wants_bytes and not isinstance(chunk, bytes):
+                    chunk = bytes(chunk)  # one copy, shared by the checksum and the write
+                hasher.update(chunk)
+                _write_all(fd, chunk)
+                size += len(chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        entry = FileEntry(path=path, size=size, checksum=hasher.hexdigest())
+        self.entries.append(entry)
+        self.bytes_written += size
+        return entry
+
+    def add_bytes(self, path: str, data: bytes) -> FileEntry:
+        """Write one small data file."""
+        return self.add_file(path, [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""])
+
+    def add_snapshot(self, snapshot: Snapshot) -> None:
+        """Write a state snapshot: one safetensors file per part, then ``state.json``."""
+        for file, blobs in sorted(snapshot.tensors.items()):
+            self.add_file(file, iter_safetensors(blobs))
+        self.add_bytes(STATE_FILE, json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())
+
+    def commit(
+        self,
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        job: str | None = None,
+        attempt: int | None = None,
+    ) -> Path:
+        """Write the manifest last, fsync, and rename into place; returns the
+        committed directory. Committing a step that already exists keeps the
+        existing checkpoint."""
+        self._check_deadline()
+        manifest = new_manifest(
+            self.step, self.entries, self.algorithm, epoch=epoch, metrics=metrics, job=job, attempt=attempt
+        )
+        data = manifest.to_json()
+        fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.tmp)
+        final = self.directory / self.name
+        try:
+            os.rename(self.tmp, final)
+        except OSError:
+            if (final / MANIFEST_NAME).is_file():
+                log.info("checkpoint %s already exists; keeping it", final)
+                self.abort()
+                return final
+            remove_checkpoint_dir(final)
+            os.rename(self.tmp, final)
+        fsync_dir(self.directory)
+        return final
+
+    def abort(self) -> None:
+        """Remove the temporary directory (the checkpoint never appears)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_checkpoint(
+    directory: Path,
+    step: int,
+    snapshot: Snapshot,
+    *,
+    algorithm: str = DEFAULT_ALGORITHM,
+    epoch: int | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    job: str | None = None,
+    attempt: int | None = None,
+    deadline: float | None = None,
+) -> Path:
+    """Persist a snapshot as ``<directory>/ckpt-<step>`` atomically (phase two
+    of a save). Raises :class:`DeadlineExceeded` (leaving nothing behind) when
+    ``deadline`` (unix time) passes first."""
+    writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline)
+    try:
+        writer.add_snapshot(snapshot)
+        return writer.commit(epoch=epoch, metrics=metrics, job=job, attempt=attempt)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def list_local_committed(directory: Path) -> list[Path]:
+    """Committed checkpoints in ``directory`` (``ckpt-*`` with a manifest),
+    oldest first."""
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found: list[tuple[int, Path]] = []
+    for e in entries:
+        step = parse_checkpoint_name(e.name)
+        if step is not None and e.is_dir() and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+            found.append((step, Path(e.path)))
+    return [p for _, p in sorted(found)]
+
+
+def read_local_manifest(path: Path) -> Manifest:
+    """Parse ``<path>/manifest.json``; raises :class:`ManifestError` or ``FileNotFoundError``."""
+    data = (Path(path) / MANIFEST_NAME).read_bytes()
+    return parse_manifest(data, expected_name=Path(path).name)
+
+
+def local_reader(root: Path) -> Callable[[str], Iterable[bytes]]:
+    """``read_chunks(path)`` for files below a local directory."""
+
+    def read(path: str) -> Iterator[bytes]:
+        with open(root / path, "rb", buffering=0) as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    return read
+
+
+def verify_local_checkpoint(path: Path, *, checksums: bool = True, workers: int = 2) -> VerifyResult:
+    """Verify a local checkpoint directory against its manifest."""
+    path = Path(path)
+    try:
+        manifest = read_local_manifest(path)
+    except FileNotFoundError:
+        return VerifyResult(path.name, False, [f"{MANIFEST_NAME}: missing (checkpoint incomplete)"])
+    except ManifestError as exc:
+        return VerifyResult(path.name, False, [f"{MANIFEST_NAME}: {exc}"])
+    sizes: dict[str, int] = {}
+    for entry in manifest.files:
+        with contextlib.suppress(OSError):
+            p = path / entry.path
+            if p.is_file() and not p.is_symlink():
+                sizes[entry.path] = p.stat().st_size
+    problems, nbytes = verify_files(manifest, sizes, local_reader(path), checksums=checksums, workers=workers)
+    return VerifyResult(path.name, not problems, problems, manifest, nbytes)
+
+
+def load_checkpoint_state(path: Path, manifest: Manifest | None = None) -> dict[str, Any]:
+    """Load the state stored in a local checkpoint directory.
+
+    Reads ``state.json`` and the safetensors files it references; only files
+    listed in the manifest are opened. A checkpoint without ``state.json``
+    (written by other tools) loads as ``{file stem: tensors}`` for its
+    safetensors files and legacy ``torch.save`` files, the latter only after
+    their pickle passed inspection and through ``torch.load(weights_only=True)``.
+    Raises :class:`StateError` naming the file and the reason.
+    """
+    path = Path(path)
+    if manifest is None:
+        try:
+            manifest = read_local_manifest(path)
+        except (OSError, ManifestError) as exc:
+            raise StateError(f"{path.name}/{MANIFEST_NAME}: {exc}") from None
+    listed = {f.path for f in manifest.files}
+    cache: dict[tuple[str, bool], Mapping[str, Any]] = {}
+
+    def load_file(name: str, as_torch: bool) -> Mapping[str, Any]:
+        if name not in listed or not name.endswith(".safetensors"):
+            raise StateError(f"state.json references {name!r}, which is not a safetensors file of this checkpoint")
+        key = (name, as_torch)
+        if key not in cache:
+            cache[key] = load_safetensors(path / name, as_torch)
+        return cache[key]
+
+    if STATE_FILE in listed:
+        try:
+            doc = json.loads((path / STATE_FILE).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise StateError(f"{STATE_FILE}: unreadable ({exc})") from None
+        return decode_state(doc, load_file)
+    state: dict[str, Any] = {}
+    for entry in manifest.files:
+        stem = entry.path.rsplit(".", 1)[0]
+        if entry.path.endswith(".safetensors"):
+            state[stem] = dict(load_file(entry.path, True))
+        elif entry.path.endswith(PICKLE_SUFFIXES):
+            state[stem] = load_legacy_pickle(path / entry.path)
+    return state
+
+
+def load_legacy_pickle(path: Path) -> Any:
+    """Load a ``torch.save`` file safely: inspect the pickle, then
+    ``torch.load(weights_only=True)``."""
+    try:
+        with open(path, "rb") as f:
+            check_pickle_safe(f)
+    except UnsafePickleError as exc:
+        raise StateError(f"{path.name}: {exc} (refused: loading it could run code)") from None
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise StateError(f"{path.name}: refused by torch.load(weights_only=True): {exc}") from None
+
+
+def remove_checkpoint_dir(path: Path) -> None:
+    """Remove a local checkpoint so that it disappears at once (rename, then delete)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    doomed = path.parent / f"{TMP_PREFIX}del-{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune_local(directory: Path, keep: int, *, protect: Iterable[Path] = ()) -> list[Path]:
+    """Remove all but the newest ``keep`` (at least 1) committed local checkpoints."""
+    committed = list_local_committed(directory)
+    protected = {Path(p).resolve() for p in protect}
+    doomed = [p for p in committed[: max(0, len(committed) - max(1, keep))] if p.resolve() not in protected]
+    for p in doomed:
+        remove_checkpoint_dir(p)
+    return doomed
+
+
+def clean_stale_tmp(directory: Path, prefix: str = TMP_PREFIX, older_than: float = 0.0) -> list[Path]:
+    """Remove leftover temporary directories (from a writer that crashed)."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    now = time.time()
+    for e in entries:
+        if e.name.startswith(prefix):
+            try:
+                if now - e.stat(follow_symlinks=False).st_mtime < older_than:
+                    continue
+            except FileNotFoundError:
+                continue
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+            removed.append(Path(e.path))
+    return removed

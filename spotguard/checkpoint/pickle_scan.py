@@ -1,0 +1,143 @@
+"""Static inspection of pickles (legacy ``torch.save`` files) without running them.
+
+spotguard itself never writes pickles. A checkpoint may still carry a legacy
+``.pt`` file; before it is handed to ``torch.load(weights_only=True)`` the
+pickle's opcodes are inspected and any import outside a small allow-list of
+tensor-rebuilding functions is reported, so a checkpoint "whose pickle would
+run code" is named and refused.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import zipfile
+from typing import BinaryIO
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin")
+
+# What torch.save emits for tensors, parameters and state dicts.
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"),
+    ("torch._utils", "_rebuild_qtensor"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.storage", "UntypedStorage"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "complex"),
+    ("builtins", "slice"),
+}
+_SAFE_TORCH_SUFFIXES = ("Storage",)
+_TORCH_DTYPES = {
+    "float16", "float32", "float64", "bfloat16", "half", "float", "double",
+    "int8", "int16", "int32", "int64", "uint8", "bool", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+}  # fmt: skip
+
+_STRING_OPS = {
+    "SHORT_BINUNICODE",
+    "BINUNICODE",
+    "BINUNICODE8",
+    "UNICODE",
+    "STRING",
+    "BINSTRING",
+    "SHORT_BINSTRING",
+}
+
+
+class UnsafePickleError(ValueError):
+    """A pickle would import or call something other than tensor rebuilding."""
+
+
+def _is_safe(module: str, name: str) -> bool:
+    if (module, name) in _SAFE_GLOBALS:
+        return True
+    return module == "torch" and (name.endswith(_SAFE_TORCH_SUFFIXES) or name in _TORCH_DTYPES)
+
+
+def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
+    """Every ``module.name`` the pickle would import; ``("?", "?")`` when one
+    cannot be determined statically. Raises :class:`UnsafePickleError` on a
+    malformed pickle."""
+    found: list[tuple[str, str]] = []
+    strings: list[str] = []  # recently pushed string constants
+    memo: dict[int, str] = {}
+    last_was_string = False
+    try:
+        ops = list(pickletools.genops(io.BytesIO(data) if isinstance(data, bytes) else data))
+    except Exception as exc:
+        raise UnsafePickleError(f"malformed pickle ({exc})") from None
+    for op, arg, _pos in ops:
+        name = op.name
+        if name in ("GLOBAL", "INST"):
+            module, _, attr = str(arg).partition(" ")
+            found.append((module, attr))
+        elif name == "STACK_GLOBAL":
+            if len(strings) >= 2:
+                found.append((strings[-2], strings[-1]))
+            else:
+                found.append(("?", "?"))
+        elif name in _STRING_OPS:
+            strings.append(str(arg))
+            last_was_string = True
+            continue
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT") and last_was_string:
+            memo[int(str(arg))] = strings[-1]
+            continue
+        elif name == "MEMOIZE" and last_was_string:
+            memo[len(memo)] = strings[-1]
+            continue
+        elif name in ("BINGET", "LONG_BINGET", "GET") and int(str(arg)) in memo:
+            strings.append(memo[int(str(arg))])
+            last_was_string = True
+            continue
+        last_was_string = False
+    return found
+
+
+def _pickle_in(data: bytes | BinaryIO) -> list[tuple[str, bytes | BinaryIO]]:
+    """The pickle streams in a file: the file itself, or ``*.pkl`` members of a
+    torch zip archive."""
+    f = io.BytesIO(data) if isinstance(data, bytes) else data
+    f.seek(0)
+    head = f.read(4)
+    f.seek(0)
+    if head == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(f) as zf:
+                return [(n, zf.read(n)) for n in zf.namelist() if n.endswith(".pkl")]
+        except zipfile.BadZipFile as exc:
+            raise UnsafePickleError(f"malformed zip archive ({exc})") from None
+    return [("", f)]
+
+
+def check_pickle_safe(data: bytes | BinaryIO) -> None:
+    """Raise :class:`UnsafePickleError` naming the first import that would run
+    code; return quietly for a pickle of tensors and plain containers."""
+    for member, stream in _pickle_in(data):
+        where = f" in {member}" if member else ""
+        for module, attr in pickle_globals(stream):
+            if not _is_safe(module, attr):
+                target = "an unknown callable" if module == "?" else f"{module}.{attr}"
+                raise UnsafePickleError(f"pickle{where} would import {target}, which can run code")
+
+
+def looks_like_pickle(path: str, head: bytes) -> bool:
+    """Whether a checkpoint file must be treated as a pickle (by name or content).
+
+    spotguard's own ``.safetensors`` and ``.json`` files are never sniffed:
+    a safetensors header length can start with the byte 0x80."""
+    if path.endswith(PICKLE_SUFFIXES):
+        return True
+    if path.endswith((".safetensors", ".json")):
+        return False
+    return head[:1] == b"\x80" or head[:4] == b"PK\x03\x04"

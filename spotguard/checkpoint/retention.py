@@ -1,0 +1,129 @@
+"""Which checkpoints to keep: a pure planner, table-tested without storage.
+
+Rules (a checkpoint is kept if any rule keeps it):
+
+- the newest verified checkpoint is always kept;
+- every checkpoint newer than the newest verified one is kept (it may be an
+  upload in progress, or the next one to verify);
+- ``keep_last N``: the N newest checkpoints;
+- ``keep_best M``: the M best by ``metric`` (``mode`` ``min`` or ``max``;
+  ties go to the newer one; checkpoints without the metric never count);
+- ``keep_every K``: every checkpoint whose step is a multiple of K.
+
+A policy with no rule set keeps everything; without a verified checkpoint
+nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How many checkpoints to keep; ``None`` disables a rule."""
+
+    keep_last: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: str = "min"
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_best", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.keep_every == 0:
+            raise ValueError("keep_every must be at least 1")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+        if self.keep_best and not self.metric:
+            raise ValueError("keep_best needs a metric name")
+
+    @property
+    def keeps_everything(self) -> bool:
+        """True when no rule limits retention."""
+        return self.keep_last is None and self.keep_best is None and self.keep_every is None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RetentionPolicy:
+        """From ``SPOTGUARD_KEEP_LAST``, ``SPOTGUARD_KEEP_BEST``,
+        ``SPOTGUARD_BEST_METRIC``, ``SPOTGUARD_BEST_MODE``, ``SPOTGUARD_KEEP_EVERY``."""
+        env = os.environ if environ is None else environ
+
+        def num(key: str) -> int | None:
+            raw = env.get(key, "").strip()
+            if not raw:
+                return None
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+
+        return cls(
+            keep_last=num("SPOTGUARD_KEEP_LAST"),
+            keep_best=num("SPOTGUARD_KEEP_BEST"),
+            metric=env.get("SPOTGUARD_BEST_METRIC") or None,
+            mode=(env.get("SPOTGUARD_BEST_MODE") or "min").strip().lower(),
+            keep_every=num("SPOTGUARD_KEEP_EVERY"),
+        )
+
+
+@dataclass(frozen=True)
+class RetentionCandidate:
+    """A checkpoint as the planner sees it."""
+
+    name: str
+    step: int
+    metrics: Mapping[str, float | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """The planner's decision: why each kept checkpoint is kept, and what goes."""
+
+    keep: Mapping[str, tuple[str, ...]]
+    delete: tuple[str, ...]
+
+
+def plan_retention(
+    candidates: Sequence[RetentionCandidate],
+    policy: RetentionPolicy,
+    newest_verified: str | None,
+) -> RetentionPlan:
+    """Decide which checkpoints to keep and which to delete (see module doc)."""
+    by_step = sorted(candidates, key=lambda c: c.step)
+    reasons: dict[str, list[str]] = {c.name: [] for c in by_step}
+    verified = next((c for c in by_step if c.name == newest_verified), None)
+    if verified is None or policy.keeps_everything:
+        why = "no verified checkpoint" if verified is None else "no retention rule"
+        for c in by_step:
+            reasons[c.name].append(why)
+        return RetentionPlan({n: tuple(r) for n, r in reasons.items()}, ())
+    reasons[verified.name].append("newest verified")
+    for c in by_step:
+        if c.step > verified.step:
+            reasons[c.name].append("newer than the newest verified")
+    if policy.keep_last:
+        for c in by_step[-policy.keep_last :]:
+            reasons[c.name].append(f"last {policy.keep_last}")
+    if policy.keep_best and policy.metric:
+        metric = policy.metric
+        scored = []
+        for c in by_step:
+            value = c.metrics.get(metric)
+            if value is not None and math.isfinite(value):
+                scored.append((value if policy.mode == "min" else -value, -c.step, c.name))
+        for _, _, name in sorted(scored)[: policy.keep_best]:
+            reasons[name].append(f"best {policy.keep_best} by {metric} ({policy.mode})")
+    if policy.keep_every:
+        for c in by_step:
+            if c.step % policy.keep_every == 0:
+                reasons[c.name].append(f"every {policy.keep_every}th step")
+    keep = {n: tuple(r) for n, r in reasons.items() if r}
+    delete = tuple(c.name for c in by_step if not reasons[c.name])
+    return RetentionPlan(keep, delete)

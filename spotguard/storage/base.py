@@ -1,0 +1,157 @@
+"""The Storage protocol shared by every backend, its errors and helpers.
+
+Keys are relative to the storage root, use ``/`` as separator and never
+contain ``..`` segments. A backend guarantees that an object appears under its
+final key only when it is complete (S3 PUT/multipart completion is atomic; the
+file backend writes a temporary file and renames it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+#: Called with the number of bytes transferred since the previous call.
+ProgressCallback = Callable[[int], None]
+
+
+class StorageError(Exception):
+    """A storage operation failed; ``str(error)`` is one line a user can act on."""
+
+
+class NotFoundError(StorageError):
+    """The object (or the storage root) does not exist."""
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional write lost a race (the object changed since it was read)."""
+
+
+class CredentialsError(StorageError):
+    """No usable credentials, or the store refused them."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: key relative to the storage root, size in bytes,
+    last-modified time (unix seconds)."""
+
+    key: str
+    size: int
+    modified: float
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """An unfinished upload that holds storage (an S3 multipart upload, or a
+    temporary file of the file backend)."""
+
+    key: str
+    upload_id: str
+    started: float
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A flat object store rooted at :attr:`uri`.
+
+    Backends: :class:`spotguard.storage.s3.S3Storage` (``s3://bucket/prefix``)
+    and :class:`spotguard.storage.file.FileStorage` (``file:///path``).
+    """
+
+    @property
+    def uri(self) -> str:
+        """The root URI, without a trailing slash."""
+        ...
+
+    @property
+    def supports_conditional_writes(self) -> bool:
+        """Whether :meth:`write_bytes` honours ``if_match``/``if_none_match``."""
+        ...
+
+    def uri_for(self, key: str) -> str:
+        """The absolute URI of ``key``."""
+        ...
+
+    def check(self) -> None:
+        """Raise :class:`StorageError` if the root cannot be used (missing bucket
+        or directory, no credentials, unreachable endpoint)."""
+        ...
+
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursive)."""
+        ...
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """Names of the "directories" directly below ``prefix`` (which is empty
+        or ends with ``/``), without trailing slash."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size and time of ``key``, or None when it does not exist."""
+        ...
+
+    def read_bytes(self, key: str) -> bytes:
+        """The whole object; raises :class:`NotFoundError`."""
+        ...
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        """The object and its entity tag, or None when it does not exist."""
+        ...
+
+    def iter_chunks(self, key: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
+        """The object's bytes, in order, in chunks (streamed, possibly fetched
+        concurrently)."""
+        ...
+
+    def write_bytes(
+        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str:
+        """Store ``data`` atomically and return its entity tag.
+
+        ``if_match`` writes only if the current entity tag equals it;
+        ``if_none_match`` only if the object does not exist. A lost race raises
+        :class:`PreconditionFailedError`.
+        """
+        ...
+
+    def upload_files(
+        self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
+    ) -> None:
+        """Upload local files to keys, concurrently; returns when all are stored."""
+        ...
+
+    def download_files(
+        self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
+    ) -> None:
+        """Download keys to local paths, concurrently. A path appears only once
+        its file is complete."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects; missing ones are ignored."""
+        ...
+
+    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Unfinished uploads below ``prefix``."""
+        ...
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Abort an unfinished upload and free its storage."""
+        ...
+
+
+def check_key(key: str) -> str:
+    """Validate an object key relative to a storage root; returns it unchanged."""
+    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"invalid storage key {key!r}")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"invalid storage key {key!r}")
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with ``/``, ignoring empty ones."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
