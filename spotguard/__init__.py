@@ -1,3 +1,21 @@
 """spotguard: keep long ML training runs alive on preemptible (spot) GPUs."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+__all__ = ["Checkpointer", "__version__", "torch_state"]
+
+if TYPE_CHECKING:
+    from spotguard.trainer import Checkpointer, torch_state
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import spotguard` (and `spotguard --help`) stays light.
+    if name in ("Checkpointer", "torch_state"):
+        from spotguard import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

@@ -1,1 +1,28 @@
-"""spotguard.trainer."""
+"""The training-side API: :class:`Checkpointer` and :func:`torch_state`.
+
+Importing this package does not import torch; the state helpers use torch
+and numpy only when they are already imported by the training code.
+"""
+
+from __future__ import annotations
+
+from spotguard.trainer.checkpointer import (
+    ACK_FILE,
+    REQUEST_FILE,
+    Checkpointer,
+    CheckpointRequest,
+    parse_request,
+)
+from spotguard.trainer.state import RestoredState, capture_rng, restore_rng, torch_state
+
+__all__ = [
+    "ACK_FILE",
+    "REQUEST_FILE",
+    "CheckpointRequest",
+    "Checkpointer",
+    "RestoredState",
+    "capture_rng",
+    "parse_request",
+    "restore_rng",
+    "torch_state",
+]

@@ -1,0 +1,608 @@
+"""The Checkpointer: the API training code uses.
+
+    ckpt = spotguard.Checkpointer.from_env()
+    state = ckpt.restore(model, optimizer, scheduler)   # None on a fresh start
+    start = state.step + 1 if state else 0
+    for step in range(start, total):
+        ...
+        if ckpt.should_save(step):
+            ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler), metrics={...})
+        if ckpt.preempted:
+            break
+
+Saves are two-phase: :meth:`Checkpointer.save` copies the state to host
+memory (the only time training waits) and a background thread writes it as
+an atomic local checkpoint. At most one write is in flight: a new save first
+waits for the previous write (back-pressure, never a dropped checkpoint).
+A preemption request (SIGTERM, or ``checkpoint-request.json`` with
+``"preempt": true`` in the control directory) makes the next save
+synchronous and deadline-aware; signal handlers only set flags, so a signal
+never interrupts a write.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from spotguard.checkpoint.checksum import DEFAULT_ALGORITHM, check_algorithm
+from spotguard.checkpoint.codec import Snapshot, StateError, snapshot_state
+from spotguard.checkpoint.local import (
+    WRITER_TMP_PREFIX,
+    DeadlineExceeded,
+    clean_stale_tmp,
+    list_local_committed,
+    load_checkpoint_state,
+    prune_local,
+    read_local_manifest,
+    remove_checkpoint_dir,
+    verify_local_checkpoint,
+    write_checkpoint,
+)
+from spotguard.checkpoint.manifest import ManifestError, checkpoint_name
+from spotguard.checkpoint.retention import RetentionCandidate, RetentionPolicy, plan_retention
+from spotguard.trainer.state import RestoredState, restore_rng
+
+log = logging.getLogger(__name__)
+
+REQUEST_FILE = "checkpoint-request.json"
+ACK_FILE = "checkpoint-ack.json"
+CONTROL_SUBDIR = ".control"
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """A request to checkpoint now (from the sidecar, a signal, or a supervisor)."""
+
+    id: str
+    reason: str
+    deadline: float | None = None
+    preempt: bool = False
+
+
+def parse_request(data: bytes | str) -> CheckpointRequest:
+    """Parse ``checkpoint-request.json``; raises ValueError when malformed."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("checkpoint request is not a JSON object")
+    rid = doc.get("id")
+    if not isinstance(rid, str) or not rid:
+        raise ValueError("checkpoint request has no string 'id'")
+    reason = doc.get("reason", "")
+    deadline = doc.get("deadline")
+    if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)):
+        raise ValueError(f"checkpoint request deadline {deadline!r} is not a number")
+    preempt = doc.get("preempt", False)
+    if not isinstance(preempt, bool):
+        raise ValueError(f"checkpoint request 'preempt' {preempt!r} is not a boolean")
+    return CheckpointRequest(
+        id=rid,
+        reason=str(reason),
+        deadline=None if deadline is None else float(deadline),
+        preempt=preempt,
+    )
+
+
+@dataclass
+class _PersistJob:
+    step: int
+    snapshot: Snapshot | None
+    epoch: int | None
+    metrics: Mapping[str, Any] | None
+    requests: list[CheckpointRequest] = field(default_factory=list)
+    deadline: float | None = None
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{key} must not be negative, got {raw!r}")
+    return value
+
+
+def _env_float(env: Mapping[str, str], key: str) -> float | None:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be a number of seconds, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{key} must not be negative, got {raw!r}")
+    return value
+
+
+def _write_json_atomic(path: Path, doc: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Saves and restores training state through local, atomic checkpoints.
+
+    ``directory`` holds committed checkpoints (``ckpt-<step:012d>/``);
+    ``storage_uri`` is the job's remote root, used by :meth:`restore` when no
+    local checkpoint exists and, with ``upload=True``, to upload each
+    checkpoint after it is committed (in a pod the sidecar uploads instead).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        storage_uri: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        save_every_steps: int | None = None,
+        save_every_seconds: float | None = None,
+        checksum: str = DEFAULT_ALGORITHM,
+        control_dir: str | os.PathLike[str] | None = None,
+        keep_local: int = 2,
+        retention: RetentionPolicy | None = None,
+        upload: bool = False,
+        job: str | None = None,
+        attempt: int | None = None,
+        async_save: bool = True,
+        handle_signals: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        self.storage_uri = storage_uri or None
+        self.storage_options = dict(storage_options or {})
+        if save_every_steps is not None and save_every_steps < 1:
+            raise ValueError("save_every_steps must be at least 1")
+        if save_every_seconds is not None and save_every_seconds <= 0:
+            raise ValueError("save_every_seconds must be positive")
+        self.save_every_steps = save_every_steps
+        self.save_every_seconds = save_every_seconds
+        self.checksum = check_algorithm(checksum)
+        self.control_dir = Path(control_dir) if control_dir else self.directory / CONTROL_SUBDIR
+        self.keep_local = keep_local
+        self.retention = retention
+        self.upload = upload and self.storage_uri is not None
+        self.job = job
+        self.attempt = attempt
+        self.async_save = async_save
+
+        self.last_committed: Path | None = None
+        self.last_error: BaseException | None = None
+        self.last_stall_seconds = 0.0
+        self.last_persist_seconds = 0.0
+
+        self._preempted = False
+        self._pending: list[CheckpointRequest] = []
+        self._handled: set[str] = set()
+        self._request_seen: tuple[int, int, int] | None = None
+        self._sigterm = False
+        self._sigusr1 = False
+        self._signal_count = 0
+        self._previous_handlers: dict[int, Any] = {}
+        self._save_lock = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._last_snapshot_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self._pinned: dict[Any, Any] = {}
+        self._storage: Any = None
+        self._closed = False
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # Only one trainer writes to a checkpoint directory: leftovers of this
+        # prefix are from a writer that died, never from a live one.
+        clean_stale_tmp(self.directory, WRITER_TMP_PREFIX)
+        self._load_previous_ack()
+        if handle_signals:
+            self.install_signal_handlers()
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, handle_signals: bool = True, **overrides: Any
+    ) -> Checkpointer:
+        """Configure from the ``SPOTGUARD_*`` environment (set by the operator
+        or ``spotguard run``); keyword arguments override it. Without
+        ``SPOTGUARD_CHECKPOINT_DIR`` checkpoints go to ``./checkpoints``."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {
+            "storage_uri": env.get("SPOTGUARD_STORAGE_URI") or None,
+            "control_dir": env.get("SPOTGUARD_CONTROL_DIR") or None,
+            "save_every_steps": _env_int(env, "SPOTGUARD_SAVE_EVERY_STEPS") or None,
+            "save_every_seconds": _env_float(env, "SPOTGUARD_SAVE_EVERY_SECONDS") or None,
+            "checksum": env.get("SPOTGUARD_CHECKSUM") or DEFAULT_ALGORITHM,
+            "job": env.get("SPOTGUARD_JOB") or None,
+            "attempt": _env_int(env, "SPOTGUARD_ATTEMPT"),
+            "handle_signals": handle_signals,
+        }
+        policy = RetentionPolicy.from_env(env)
+        if not policy.keeps_everything:
+            kwargs["retention"] = policy
+        kwargs.update(overrides)
+        directory = overrides.pop("directory", None) or env.get("SPOTGUARD_CHECKPOINT_DIR") or "checkpoints"
+        kwargs.pop("directory", None)
+        return cls(directory, **kwargs)
+
+    # -- signals and the control channel ---------------------------------------
+    def install_signal_handlers(self) -> bool:
+        """Install SIGTERM/SIGUSR1 handlers that only set flags (main thread
+        only; returns False elsewhere). A previous Python handler is still
+        called afterwards; the default action (terminate) is not."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("signal handlers can only be installed from the main thread; skipping")
+            return False
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            previous = signal.getsignal(signum)
+            self._previous_handlers[signum] = previous
+            signal.signal(signum, self._make_handler(signum, previous))
+        return True
+
+    def uninstall_signal_handlers(self) -> None:
+        """Put back the handlers that were there before."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous_handlers.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+
+    def _make_handler(self, signum: int, previous: Any) -> Callable[[int, FrameType | None], None]:
+        def handler(sig: int, frame: FrameType | None) -> None:
+            if sig == signal.SIGTERM:
+                self._sigterm = True
+            else:
+                self._sigusr1 = True
+            if callable(previous) and previous not in (signal.default_int_handler,):
+                previous(sig, frame)
+
+        return handler
+
+    def _load_previous_ack(self) -> None:
+        try:
+            doc = json.loads((self.control_dir / ACK_FILE).read_bytes())
+            if isinstance(doc, dict) and isinstance(doc.get("id"), str):
+                self._handled.add(doc["id"])
+        except (OSError, ValueError):
+            pass
+
+    def request_checkpoint(
+        self, reason: str = "proactive", *, preempt: bool = False, deadline: float | None = None
+    ) -> None:
+        """Ask for a checkpoint at the next :meth:`should_save` (in-process)."""
+        self._signal_count += 1
+        self._add_request(CheckpointRequest(f"local-{os.getpid()}-{self._signal_count}", reason, deadline, preempt))
+
+    def _add_request(self, request: CheckpointRequest) -> None:
+        if request.id in self._handled or any(r.id == request.id for r in self._pending):
+            return
+        log.info("checkpoint requested (%s%s)", request.reason, ", preempting" if request.preempt else "")
+        self._pending.append(request)
+
+    def _poll_control(self) -> None:
+        if self._sigterm:
+            self._sigterm = False
+            self._signal_count += 1
+            self._add_request(CheckpointRequest(f"sigterm-{os.getpid()}-{self._signal_count}", "sigterm", None, True))
+        force = self._sigusr1
+        self._sigusr1 = False
+        path = self.control_dir / REQUEST_FILE
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        found = False
+        if st is not None:
+            seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if force or seen != self._request_seen:
+                self._request_seen = seen
+                try:
+                    request = parse_request(path.read_bytes())
+                except (OSError, ValueError) as exc:
+                    log.warning("ignoring unreadable %s: %s", path, exc)
+                else:
+                    found = request.id not in self._handled
+                    self._add_request(request)
+        if force and not found:
+            self._signal_count += 1
+            self._add_request(CheckpointRequest(f"sigusr1-{os.getpid()}-{self._signal_count}", "signal", None, False))
+
+    # -- the training-loop API ---------------------------------------------------
+    @property
+    def preempted(self) -> bool:
+        """True once a preempting request's checkpoint is committed (or could
+        not be before its deadline): the training loop should stop."""
+        return self._preempted
+
+    @property
+    def request_pending(self) -> bool:
+        """Whether a checkpoint request waits for the next save."""
+        self._poll_control()
+        return bool(self._pending)
+
+    def should_save(self, step: int) -> bool:
+        """True when a checkpoint is due after ``step``: a request is pending,
+        ``step`` is a positive multiple of ``save_every_steps``, or
+        ``save_every_seconds`` passed since the last save."""
+        self._poll_control()
+        if self._pending:
+            return True
+        if step == self._last_snapshot_step:
+            return False
+        if self.save_every_steps and step > 0 and step % self.save_every_steps == 0:
+            return True
+        return bool(self.save_every_seconds and time.monotonic() - self._last_save_time >= self.save_every_seconds)
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        blocking: bool | None = None,
+    ) -> Path | None:
+        """Checkpoint ``state`` as the state after ``step``.
+
+        Copies the state to host memory, then persists it in the background
+        (returns None) or, when ``blocking`` or a preemption is pending,
+        synchronously before the deadline (returns the committed directory,
+        or None when it could not be written in time). Pending requests are
+        acknowledged in the control directory once their checkpoint is
+        committed.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        checkpoint_name(step)  # range check
+        with self._save_lock:
+            self._poll_control()
+            requests, self._pending = self._pending, []
+            preempt = any(r.preempt for r in requests)
+            deadlines = [r.deadline for r in requests if r.deadline is not None]
+            deadline = min(deadlines) if deadlines else None
+            sync = blocking if blocking is not None else (preempt or not self.async_save)
+            if step == self._last_snapshot_step:
+                # This step is already committed or being written: wait for it.
+                self._wait_until(deadline)
+                self._finish(requests, self.last_committed if self._thread is None else None)
+                return self.last_committed
+            if not self._wait_until(deadline):
+                log.error("previous checkpoint still being written at the deadline; not starting step %d", step)
+                self._finish(requests, None, deadline_exceeded=True)
+                return None
+            start = time.perf_counter()
+            snapshot = snapshot_state(state, pinned=self._pinned)
+            self.last_stall_seconds = time.perf_counter() - start
+            self._last_snapshot_step = step
+            self._last_save_time = time.monotonic()
+            job = _PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, requests, deadline)
+            if sync:
+                return self._persist(job)
+            self._thread = threading.Thread(target=self._persist, args=(job,), name="spotguard-persist", daemon=True)
+            self._thread.start()
+            return None
+
+    def _wait_until(self, deadline: float | None) -> bool:
+        thread = self._thread
+        if thread is None:
+            return True
+        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
+    def _persist(self, job: _PersistJob) -> Path | None:
+        start = time.perf_counter()
+        path: Path | None = None
+        deadline_exceeded = False
+        try:
+            assert job.snapshot is not None
+            path = write_checkpoint(
+                self.directory,
+                job.step,
+                job.snapshot,
+                algorithm=self.checksum,
+                epoch=job.epoch,
+                metrics=job.metrics,
+                job=self.job,
+                attempt=self.attempt,
+                deadline=job.deadline,
+            )
+            self.last_committed = path
+            self.last_persist_seconds = time.perf_counter() - start
+            log.info("checkpoint %s committed (%.2fs)", path, self.last_persist_seconds)
+        except DeadlineExceeded as exc:
+            deadline_exceeded = True
+            self.last_error = exc
+            newest = self._newest_local()
+            log.error("%s; the newest committed checkpoint is %s", exc, newest.name if newest else "none")
+        except Exception as exc:
+            self.last_error = exc
+            log.error("checkpoint of step %d failed: %s", job.step, exc)
+        finally:
+            job.snapshot = None  # free host memory before anything slow
+        self._finish(job.requests, path, deadline_exceeded=deadline_exceeded)
+        if path is not None:
+            self._after_commit(path)
+        return path
+
+    def _after_commit(self, path: Path) -> None:
+        if self.upload:
+            try:
+                from spotguard.checkpoint.gc import apply_retention
+                from spotguard.checkpoint.remote import upload_checkpoint
+
+                storage = self._open_storage()
+                result = upload_checkpoint(path, storage)
+                log.info("uploaded %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
+                if self.retention is not None and not self.retention.keeps_everything:
+                    apply_retention(storage, self.retention)
+            except Exception as exc:
+                self.last_error = exc
+                log.error("upload of %s failed: %s", path.name, exc)
+        try:
+            if self.retention is not None and not self.retention.keeps_everything and self.storage_uri is None:
+                self._apply_local_retention(path)
+            else:
+                prune_local(self.directory, self.keep_local, protect=[path])
+        except OSError as exc:
+            log.warning("could not prune local checkpoints: %s", exc)
+
+    def _apply_local_retention(self, newest: Path) -> None:
+        assert self.retention is not None
+        candidates = []
+        for p in list_local_committed(self.directory):
+            try:
+                m = read_local_manifest(p)
+            except (OSError, ManifestError):
+                continue
+            candidates.append(RetentionCandidate(p.name, m.step, dict(m.metrics)))
+        plan = plan_retention(candidates, self.retention, newest.name)
+        for name in plan.delete:
+            remove_checkpoint_dir(self.directory / name)
+
+    def _finish(self, requests: list[CheckpointRequest], path: Path | None, *, deadline_exceeded: bool = False) -> None:
+        if not requests:
+            return
+        committed = path or self._newest_local()
+        # Internal (signal) requests first: the last ack written is the one a
+        # sidecar waiting on a file request reads.
+        for request in sorted(requests, key=lambda r: not r.id.startswith(("sigterm-", "sigusr1-", "local-"))):
+            self._handled.add(request.id)
+            doc: dict[str, Any] = {"id": request.id, "step": None, "name": None}
+            if committed is not None:
+                step = int(committed.name.split("-")[1])
+                doc.update(step=step, name=committed.name)
+            if deadline_exceeded or path is None:
+                doc["complete"] = False
+            try:
+                _write_json_atomic(self.control_dir / ACK_FILE, doc)
+            except OSError as exc:
+                log.warning("could not write %s: %s", self.control_dir / ACK_FILE, exc)
+        if any(r.preempt for r in requests):
+            self._preempted = True
+
+    def _newest_local(self) -> Path | None:
+        committed = list_local_committed(self.directory)
+        return committed[-1] if committed else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight write; True when nothing is in flight any more."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        self._thread = None
+        return True
+
+    def close(self) -> None:
+        """Finish the in-flight write and put back the previous signal handlers."""
+        if self._closed:
+            return
+        self.wait()
+        self.uninstall_signal_handlers()
+        self._closed = True
+
+    def _atexit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- restore -------------------------------------------------------------------
+    def _open_storage(self) -> Any:
+        if self._storage is None:
+            from spotguard.storage import open_storage
+
+            assert self.storage_uri is not None
+            self._storage = open_storage(self.storage_uri, **self.storage_options)
+        return self._storage
+
+    def restore(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        *,
+        restore_rng: bool = True,
+        strict: bool = True,
+        **objects: Any,
+    ) -> RestoredState | None:
+        """Load the newest complete local checkpoint (verified against its
+        manifest); without one, download the newest verified checkpoint from
+        ``storage_uri``. Loads into the given objects and restores the global
+        RNGs (call it after building model and optimizer, right before the
+        loop). Returns None when there is nothing to restore."""
+        restored: RestoredState | None = None
+        for path in reversed(list_local_committed(self.directory)):
+            restored = self._load_local(path)
+            if restored is not None:
+                break
+        if restored is None and self.storage_uri:
+            from spotguard.checkpoint.remote import restore_latest
+
+            info = restore_latest(self._open_storage(), self.directory)
+            if info is not None:
+                restored = self._load_local(Path(info.uri))
+        if restored is None:
+            log.info("no checkpoint to restore; starting fresh")
+            return None
+        if model is not None or optimizer is not None or scheduler is not None or objects:
+            restored.load_into(model, optimizer, scheduler, restore_rng=False, strict=strict, **objects)
+        if restore_rng and isinstance(restored.state.get("rng"), Mapping):
+            restore_rng_state(restored.state["rng"])
+        self._last_snapshot_step = restored.step
+        self.last_committed = Path(restored.path)
+        self._last_save_time = time.monotonic()
+        log.info("restored %s (step %d)", restored.path, restored.step)
+        return restored
+
+    def _load_local(self, path: Path) -> RestoredState | None:
+        result = verify_local_checkpoint(path)
+        if not result.ok or result.manifest is None:
+            log.warning("skipping local checkpoint %s: %s", path, result.reason)
+            return None
+        try:
+            state = load_checkpoint_state(path, result.manifest)
+        except StateError as exc:
+            log.warning("skipping local checkpoint %s: %s", path, exc)
+            return None
+        m = result.manifest
+        return RestoredState(state, step=m.step, name=m.name, path=str(path), epoch=m.epoch, metrics=m.metrics)
+
+
+restore_rng_state = restore_rng  # restore()'s keyword shadows the name
+
+
+def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    """Finish an in-flight write when the interpreter exits normally."""
+    checkpointer = ref()
+    if checkpointer is not None:
+        checkpointer._atexit()
