@@ -1,0 +1,30 @@
+"""Pytest plugin: ``process_nodes``, spot GPU nodes that run pods as local processes.
+
+Registered by ``tests/conftest.py`` (``pytest_plugins``). The fixture starts one
+process node agent (``python -m testenv.processnode run``) for the session on
+the ``kube`` control plane, waits until its nodes are Ready, and stops it at
+the end, also when tests fail, so that no pod process outlives the session.
+
+``SPOTGUARD_TEST_NODES`` sets how many nodes (default 2).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from testenv.processnode import ProcessNodes
+
+
+@pytest.fixture(scope="session")
+def process_nodes(kube: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNodes]:
+    """A running process node agent; preempt its nodes with ``process_nodes.preempt(pod, ns, mode)``."""
+    count = int(os.environ.get("SPOTGUARD_TEST_NODES", "2"))
+    nodes = ProcessNodes.start(kube.kubeconfig, tmp_path_factory.mktemp("process-nodes"), count=count)
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
