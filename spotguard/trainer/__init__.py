@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from spotguard.trainer.checkpointer import (
     ACK_FILE,
+    EXIT_FILE,
+    PID_FILE,
     REQUEST_FILE,
     Checkpointer,
     CheckpointRequest,
@@ -17,6 +19,8 @@ from spotguard.trainer.state import RestoredState, capture_rng, restore_rng, tor
 
 __all__ = [
     "ACK_FILE",
+    "EXIT_FILE",
+    "PID_FILE",
     "REQUEST_FILE",
     "CheckpointRequest",
     "Checkpointer",

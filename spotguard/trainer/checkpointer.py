@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 REQUEST_FILE = "checkpoint-request.json"
 ACK_FILE = "checkpoint-ack.json"
+PID_FILE = "trainer.pid"
+EXIT_FILE = "trainer-exit.json"
 CONTROL_SUBDIR = ".control"
 
 
@@ -213,8 +215,9 @@ class Checkpointer:
         # prefix are from a writer that died, never from a live one.
         clean_stale_tmp(self.directory, WRITER_TMP_PREFIX)
         self._load_previous_ack()
-        if handle_signals:
-            self.install_signal_handlers()
+        self._announced = False
+        if handle_signals and self.install_signal_handlers():
+            self._announce()
         atexit.register(_flush_at_exit, weakref.ref(self))
 
     # -- construction ---------------------------------------------------------
@@ -277,6 +280,18 @@ class Checkpointer:
 
         return handler
 
+    def _announce(self) -> None:
+        """Tell a sidecar which process to wake with SIGUSR1 (only once our
+        handler is installed: SIGUSR1's default action kills)."""
+        try:
+            self.control_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                (self.control_dir / EXIT_FILE).unlink()  # from an earlier trainer run
+            _write_json_atomic(self.control_dir / PID_FILE, {"pid": os.getpid()})
+            self._announced = True
+        except OSError as exc:
+            log.warning("could not write %s: %s", self.control_dir / PID_FILE, exc)
+
     def _load_previous_ack(self) -> None:
         try:
             doc = json.loads((self.control_dir / ACK_FILE).read_bytes())
@@ -338,6 +353,11 @@ class Checkpointer:
         """Whether a checkpoint request waits for the next save."""
         self._poll_control()
         return bool(self._pending)
+
+    def has_saved(self, step: int) -> bool:
+        """Whether ``step`` is already checkpointed (committed, being written,
+        or restored)."""
+        return step == self._last_snapshot_step
 
     def should_save(self, step: int) -> bool:
         """True when a checkpoint is due after ``step``: a request is pending,
@@ -529,6 +549,13 @@ class Checkpointer:
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
             self.wait()
+        if self._announced:
+            # Tells a sidecar that cannot see our process that the trainer is done.
+            with contextlib.suppress(OSError):
+                _write_json_atomic(
+                    self.control_dir / EXIT_FILE,
+                    {"pid": os.getpid(), "preempted": self._preempted, "last_step": self._last_snapshot_step},
+                )
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,0 +1,459 @@
+"""``spotguard ckpt ls|verify|restore|gc|average`` and ``spotguard restore``.
+
+Argument parsing and output only; the work is done by
+:mod:`spotguard.checkpoint`. Errors a user can cause (bad URI, no
+credentials, missing bucket, nothing to restore, a corrupt checkpoint) are
+printed as one line and give a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+EXIT_OK = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+
+_CKPT_SEGMENT = re.compile(r"^ckpt-(\d{1,12})$")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``ckpt`` (with its subcommands) and ``restore`` to the top-level parser."""
+    ckpt = subparsers.add_parser(
+        "ckpt",
+        help="inspect and manage checkpoints in storage",
+        description="Inspect and manage checkpoints stored at URI (s3://BUCKET/PREFIX or file:///PATH). "
+        "S3 endpoint, region and credentials come from the standard AWS environment "
+        "(AWS_ENDPOINT_URL_S3, AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, ...).",
+    )
+    sub = ckpt.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
+    ckpt.set_defaults(func=lambda args: _usage(ckpt))
+
+    p = sub.add_parser("ls", help="list checkpoints: step, time, size, metrics, verified yes/no and why")
+    p.add_argument("uri", metavar="URI")
+    p.add_argument("--quick", action="store_true", help="check sizes only, do not read the data")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_guard(cmd_ls))
+
+    p = sub.add_parser("verify", help="verify checkpoints (all, or URI/ckpt-N); non-zero exit names what is bad")
+    p.add_argument("uri", metavar="URI[/ckpt-N]")
+    p.set_defaults(func=_guard(cmd_verify))
+
+    p = sub.add_parser("restore", help="download the newest verified checkpoint (or URI/ckpt-N) into DEST")
+    p.add_argument("uri", metavar="URI[/ckpt-N]")
+    p.add_argument("dest", metavar="DEST", type=Path)
+    _progress_flag(p)
+    p.set_defaults(func=_guard(cmd_restore))
+
+    p = sub.add_parser(
+        "gc",
+        help="apply retention, delete orphaned prefixes, abort stale multipart uploads",
+        description="Keep the checkpoints any rule keeps (the newest verified one always), delete the rest; "
+        "also delete prefixes left by interrupted uploads and abort stale multipart uploads.",
+    )
+    p.add_argument("uri", metavar="URI")
+    p.add_argument("--keep-last", type=_nonneg_int, metavar="N", help="keep the N newest checkpoints")
+    p.add_argument("--keep-best", type=_nonneg_int, metavar="M", help="keep the M best by --metric")
+    p.add_argument("--metric", metavar="NAME", help="metric for --keep-best")
+    p.add_argument("--mode", choices=("min", "max"), default="min", help="whether lower or higher is better")
+    p.add_argument("--keep-every", type=_pos_int, metavar="K", help="keep checkpoints whose step is a multiple of K")
+    p.add_argument(
+        "--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
+        help="delete incomplete prefixes only when untouched this long (default 3600)",
+    )  # fmt: skip
+    p.add_argument(
+        "--stale-upload-age", type=float, default=6 * 3600.0, metavar="SECONDS",
+        help="abort multipart uploads started this long ago (default 21600)",
+    )  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.set_defaults(func=_guard(cmd_gc))
+
+    p = sub.add_parser("average", help="element-wise mean of the weights of the last K verified checkpoints")
+    p.add_argument("uri", metavar="URI")
+    p.add_argument("--last", type=_pos_int, required=True, metavar="K")
+    p.add_argument("out", metavar="OUT", type=Path, help="output safetensors file")
+    p.add_argument("--part", default="model", help="state part to average (default: model)")
+    _progress_flag(p)
+    p.set_defaults(func=_guard(cmd_average))
+
+    p = subparsers.add_parser(
+        "restore",
+        help="stage the newest verified checkpoint for a trainer (init container)",
+        description="Download the newest verified checkpoint into DEST/ckpt-<step>/. "
+        "Exits 0 also when there is none yet.",
+    )
+    p.add_argument("--storage", default=os.environ.get("SPOTGUARD_STORAGE_URI"), metavar="URI",
+                   help="job checkpoint root (env SPOTGUARD_STORAGE_URI)")  # fmt: skip
+    p.add_argument("--dest", type=Path, default=_env_path("SPOTGUARD_CHECKPOINT_DIR"), metavar="DIR",
+                   help="local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR)")  # fmt: skip
+    _progress_flag(p)
+    p.set_defaults(func=_guard(cmd_init_restore))
+
+
+# -- plumbing --------------------------------------------------------------------
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def _nonneg_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {raw}")
+    return value
+
+
+def _pos_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {raw}")
+    return value
+
+
+def _progress_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", action="store_true", default=None, help="show progress on stderr (default: if a TTY)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def _err(message: str) -> None:
+    print(f"spotguard: error: {message}", file=sys.stderr)
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run a command, turning user-caused errors into one line and exit 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        from spotguard.checkpoint.codec import StateError
+        from spotguard.checkpoint.manifest import ManifestError
+        from spotguard.checkpoint.remote import CheckpointCorruptError
+        from spotguard.storage import StorageError
+
+        # The commands print what the library would log (skips, problems).
+        lib_log = logging.getLogger("spotguard.checkpoint")
+        if not logging.getLogger().handlers and not lib_log.handlers:
+            lib_log.addHandler(logging.NullHandler())
+        try:
+            return fn(args)
+        except (UserError, StorageError, ManifestError, StateError, CheckpointCorruptError, ValueError) as exc:
+            _err(str(exc))
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename else ""
+            _err(f"{exc.strerror or exc}{where}")
+        except KeyboardInterrupt:
+            _err("interrupted")
+            return 130
+        return EXIT_FAIL
+
+    run.__name__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+def split_checkpoint_uri(uri: str) -> tuple[str, str | None]:
+    """``URI/ckpt-N`` -> (``URI``, ``ckpt-<N:012d>``); other URIs -> (uri, None)."""
+    stripped = uri.rstrip("/")
+    head, sep, last = stripped.rpartition("/")
+    m = _CKPT_SEGMENT.match(last)
+    if sep and m and head and not head.endswith(":/"):
+        from spotguard.checkpoint.manifest import checkpoint_name
+
+        return head, checkpoint_name(int(m.group(1)))
+    return stripped, None
+
+
+def _open(uri: str) -> Any:
+    from spotguard.storage import NotFoundError, open_storage
+
+    storage = open_storage(uri)
+    try:
+        storage.check()
+    except NotFoundError as exc:
+        raise UserError(f"{exc} (storage {uri})") from None
+    return storage
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when enabled)."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.total = max(total, 1)
+        self.label = label
+        self.done = 0
+        self.start = time.monotonic()
+        self._last = 0.0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last >= 0.2 or self.done >= self.total):
+            self._last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        frac = min(1.0, self.done / self.total)
+        rate = self.done / max(now - self.start, 1e-6) / 1e6
+        bar = "#" * int(frac * 24)
+        self.stream.write(
+            f"\r{self.label} [{bar:<24}] {frac * 100:5.1f}% {_human(self.done)}/{_human(self.total)} {rate:7.1f} MB/s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _metrics_str(metrics: dict[str, float | None]) -> str:
+    return ",".join(f"{k}={v:.6g}" if v is not None else f"{k}=-" for k, v in sorted(metrics.items())) or "-"
+
+
+# -- commands ------------------------------------------------------------------------
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List checkpoints with their verification status."""
+    from spotguard.checkpoint.remote import list_checkpoint_names, read_latest_pointer, verify_checkpoint
+
+    storage = _open(args.uri)
+    names = list_checkpoint_names(storage)
+    pointer = read_latest_pointer(storage)
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        result = verify_checkpoint(storage, name, checksums=not args.quick)
+        m = result.manifest
+        rows.append(
+            {
+                "name": name,
+                "step": int(name.split("-")[1]),
+                "created": m.created if m else None,
+                "size": m.total_size if m else None,
+                "epoch": m.epoch if m else None,
+                "metrics": dict(m.metrics) if m else {},
+                "verified": result.ok,
+                "problems": result.problems,
+                "latest": pointer == int(name.split("-")[1]),
+            }
+        )
+    if args.json:
+        print(json.dumps({"uri": storage.uri, "checkpoints": rows}, indent=1))
+        return EXIT_OK
+    if not rows:
+        print(f"no checkpoints at {storage.uri}")
+        return EXIT_OK
+    print(f"{'STEP':>12}  {'CREATED':<20}  {'SIZE':>10}  {'METRICS':<24}  VERIFIED")
+    for r in rows:
+        created = r["created"][:19].replace("T", " ") if r["created"] else "-"
+        size = _human(r["size"]) if r["size"] is not None else "-"
+        ok = "yes (sizes only)" if args.quick else "yes"
+        verified = ok if r["verified"] else "no: " + "; ".join(r["problems"])
+        mark = "*" if r["latest"] else " "
+        print(f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {_metrics_str(r['metrics']):<24}  {verified}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Verify one checkpoint or all of them."""
+    from spotguard.checkpoint.remote import list_checkpoint_names, verify_checkpoint
+
+    root, name = split_checkpoint_uri(args.uri)
+    storage = _open(root)
+    names = [name] if name else list_checkpoint_names(storage)
+    if not names:
+        raise UserError(f"no checkpoints at {storage.uri}")
+    failed = 0
+    for n in names:
+        result = verify_checkpoint(storage, n)
+        if result.ok and result.manifest is not None:
+            m = result.manifest
+            print(f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm})")
+        else:
+            failed += 1
+            print(f"{n}: FAILED")
+            for problem in result.problems:
+                print(f"  {storage.uri_for(n)}/{problem}")
+    if failed:
+        _err(f"{failed} of {len(names)} checkpoint(s) failed verification")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = None) -> Any:
+    from spotguard.checkpoint.remote import (
+        CheckpointCorruptError,
+        list_checkpoint_names,
+        read_manifest,
+        restore_checkpoint,
+    )
+
+    storage = _open(uri)
+    names = [name] if name else list(reversed(list_checkpoint_names(storage)))
+    for n in names:
+        try:
+            total = read_manifest(storage, n).total_size
+        except Exception:
+            total = 0
+        bar = Progress(total, f"restoring {n}", progress)
+        try:
+            info = restore_checkpoint(storage, n, dest, progress=bar)
+        except CheckpointCorruptError as exc:
+            if name:
+                raise
+            print(f"spotguard: skipped {n}: {'; '.join(exc.problems)}", file=sys.stderr)
+            continue
+        finally:
+            bar.close() if bar.done else None
+        return info
+    return None
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Download a checkpoint into DEST/ckpt-<step>/."""
+    root, name = split_checkpoint_uri(args.uri)
+    info = _restore(root, args.dest, args.progress, name=name)
+    if info is None:
+        raise UserError(f"nothing to restore: no verified checkpoint at {root}")
+    print(f"restored {info.name} (step {info.step}, {_human(info.size)}) into {info.uri}")
+    return EXIT_OK
+
+
+def cmd_init_restore(args: argparse.Namespace) -> int:
+    """Init-container restore: like ``ckpt restore`` but "nothing yet" is fine."""
+    if not args.storage:
+        raise UserError("no storage URI: pass --storage URI or set SPOTGUARD_STORAGE_URI")
+    if args.dest is None:
+        raise UserError("no destination: pass --dest DIR or set SPOTGUARD_CHECKPOINT_DIR")
+    info = _restore(args.storage, args.dest, args.progress)
+    if info is None:
+        print(f"no verified checkpoint at {args.storage} yet; the trainer starts fresh")
+        return EXIT_OK
+    print(f"restored {info.name} (step {info.step}, {_human(info.size)}) into {info.uri}")
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Apply retention and clean up."""
+    from spotguard.checkpoint.gc import collect_garbage
+    from spotguard.checkpoint.retention import RetentionPolicy
+
+    if args.keep_best is not None and not args.metric:
+        raise UserError("--keep-best needs --metric NAME")
+    policy = RetentionPolicy(
+        keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
+        keep_every=args.keep_every,
+    )  # fmt: skip
+    storage = _open(args.uri)
+    report = collect_garbage(
+        storage, policy, orphan_grace=args.orphan_grace, stale_upload_age=args.stale_upload_age, dry_run=args.dry_run
+    )
+    verb = "would delete" if args.dry_run else "deleted"
+    if report.newest_verified is None:
+        print(f"no verified checkpoint at {storage.uri}: retention deletes nothing")
+    for name, reasons in sorted(report.plan.keep.items()):
+        print(f"keep    {name}  ({', '.join(reasons)})")
+    for name in report.deleted:
+        print(f"{verb:<7} {name}  (retention)")
+    for name in report.orphans:
+        print(f"{verb:<7} {name}  (orphaned: no manifest)")
+    for upload in report.aborted_uploads:
+        action = "would abort" if args.dry_run else "aborted"
+        print(f"{action} stale upload of {upload.key}")
+    return EXIT_OK
+
+
+def cmd_average(args: argparse.Namespace) -> int:
+    """Average one state part over the last K verified checkpoints."""
+    from spotguard.checkpoint.remote import list_checkpoint_names, verify_checkpoint
+    from spotguard.checkpoint.verify import check_one_file
+
+    try:
+        import torch
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        raise UserError("averaging needs torch and safetensors: pip install 'spotguard[torch]'") from None
+    from spotguard.checkpoint.local import local_reader
+
+    storage = _open(args.uri)
+    part_file = f"{args.part}.safetensors"
+    chosen: list[Any] = []
+    for name in reversed(list_checkpoint_names(storage)):
+        result = verify_checkpoint(storage, name)
+        if not result.ok or result.manifest is None:
+            print(f"spotguard: skipped {name}: {result.reason}", file=sys.stderr)
+            continue
+        if not any(f.path == part_file for f in result.manifest.files):
+            raise UserError(f"{name} has no {part_file} (choose the state part with --part)")
+        chosen.append(result.manifest)
+        if len(chosen) == args.last:
+            break
+    if len(chosen) < args.last:
+        raise UserError(f"only {len(chosen)} verified checkpoint(s) at {storage.uri}; --last {args.last} needs more")
+    sums: dict[str, Any] = {}
+    newest: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="spotguard-avg-") as tmp:
+        for manifest in chosen:
+            entry = next(f for f in manifest.files if f.path == part_file)
+            local = Path(tmp) / manifest.name
+            bar = Progress(entry.size, f"fetching {manifest.name}/{part_file}", args.progress)
+            storage.download_files([(f"{manifest.name}/{part_file}", local / part_file)], bar)
+            if bar.done:
+                bar.close()
+            problem, _ = check_one_file(entry, manifest.checksum_algorithm, (local / part_file).stat().st_size,
+                                        local_reader(local))  # fmt: skip
+            if problem:
+                raise UserError(f"{manifest.name}/{problem}")
+            tensors = load_file(str(local / part_file))
+            if sums and set(tensors) != set(sums):
+                raise UserError(f"{manifest.name}/{part_file} holds different tensors than {chosen[0].name}")
+            for key, t in tensors.items():
+                if t.is_floating_point() or t.is_complex():
+                    acc = t.to(torch.float64 if t.is_floating_point() else torch.complex128)
+                    sums[key] = acc if key not in sums else sums[key] + acc
+                else:
+                    sums.setdefault(key, None)
+                newest.setdefault(key, t)  # chosen is newest first
+            (local / part_file).unlink()
+    out: dict[str, Any] = {}
+    for key, ref in newest.items():
+        # Integer tensors (step counters, masks) are taken from the newest checkpoint.
+        out[key] = (sums[key] / len(chosen)).to(ref.dtype) if sums[key] is not None else ref.clone()
+    target = args.out / part_file if args.out.is_dir() else args.out
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = target.parent / f".{target.name}.tmp"
+    save_file(out, str(tmp_out), metadata={"format": "pt", "spotguard_average_of": ",".join(m.name for m in chosen)})
+    os.replace(tmp_out, target)
+    steps = ", ".join(str(m.step) for m in chosen)
+    print(f"averaged {len(out)} tensors of {part_file} over steps {steps} into {target}")
+    return EXIT_OK
