@@ -138,7 +138,14 @@ def _user_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
             return "OOMKilled", f"container {name} was killed for using too much memory (OOMKilled)"
         if code != 0 and name != SIDECAR_CONTAINER and first is None:
             first = ("Error", f"container {name} exited with code {code}")
-    return first
+    if first is not None:
+        return first
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for cs in _container_statuses(status, key):
+            term = _terminated(cs)
+            if cs.get("name") == SIDECAR_CONTAINER and term and term.get("exitCode", 0) != 0:
+                return "SidecarFailed", (f"the spotguard sidecar exited with code {term.get('exitCode')}; see its log")
+    return None
 
 
 def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) -> PodEnd:

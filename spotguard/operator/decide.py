@@ -330,6 +330,7 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
         # Stopped because we asked it to: not a preemption, not a failure.
         st["phase"] = SUSPENDED
         d.cond(COND_SUSPENDED, True, R_SUSPENDED, "spec.suspend is true")
+        d.cond(COND_RUNNING, False, R_SUSPENDED, "the job is suspended")
         d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; pod {current} stopped"))
         return _finish(d, delete_pod=delete, force_delete=force)
 

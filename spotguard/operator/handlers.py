@@ -102,6 +102,11 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     """Register every handler on a fresh registry (no module-level state)."""
     registry = kopf.OperatorRegistry()
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # In-cluster ServiceAccount, else KUBECONFIG (as the kubernetes client resolves them).
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
@@ -235,6 +240,8 @@ def run(
 ) -> None:
     """Run the operator until SIGTERM/SIGINT."""
     kopf.configure(verbose=False)
+    # kopf reports every handler run at INFO; the operator's own log says what matters.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     registry = build_registry(options)
     kopf.run(
         registry=registry,

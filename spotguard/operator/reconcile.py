@@ -76,6 +76,7 @@ class Context:
     config: OperatorConfig
     metrics: OperatorMetrics
     verified: VerifiedCache = field(default_factory=VerifiedCache)
+    probe_errors: dict[tuple[str, str], str] = field(default_factory=dict)
     resync_seconds: float = 30.0
     checkpoint_poll_seconds: float = 30.0
     instance: str = field(default_factory=socket.gethostname)
@@ -346,6 +347,18 @@ def _secret_values(ctx: Context, namespace: str, spec: TrainingJobSpec) -> dict[
     return out
 
 
+class ProbeError(Exception):
+    """Storage could not be read; the message has no credentials in it."""
+
+
+def _scrub(text: str, options: Mapping[str, Any]) -> str:
+    for key in ("access_key", "secret_key"):
+        value = options.get(key)
+        if isinstance(value, str) and value:
+            text = text.replace(value, "***")
+    return text.splitlines()[0][:300] if text else text
+
+
 def read_latest_verified(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
     """Read the job's newest verified checkpoint from storage (blocking; run it in a thread).
 
@@ -355,6 +368,9 @@ def read_latest_verified(ctx: Context, namespace: str, name: str) -> dict[str, A
     job = get_job(ctx, namespace, name)
     if job is None:
         return None
+    status = job.get("status") or {}
+    if status.get("phase") in TERMINAL_PHASES and status.get("lastVerifiedCheckpoint"):
+        return None  # nothing will change any more
     try:
         spec = parse(job.get("spec"))
     except SpecError:
@@ -370,15 +386,18 @@ def read_latest_verified(ctx: Context, namespace: str, name: str) -> dict[str, A
         if spec.checkpoint.region:
             options["region"] = spec.checkpoint.region
     uri = spec.checkpoint.job_uri(namespace, name)
-    storage = open_storage(uri, **options)
-    info, _skipped = latest_verified(storage)
+    try:
+        storage = open_storage(uri, **options)
+        # Sizes and manifests only: the sidecar verified every checksum when it uploaded,
+        # and re-reading whole checkpoints every poll would double the egress.
+        info, _skipped = latest_verified(storage, checksums=False)
+    except Exception as exc:
+        raise ProbeError(_scrub(f"{type(exc).__name__}: {exc}", options)) from None
     if info is None:
         return None
-    step = int(info.step)
-    ckpt_name = str(getattr(info, "name", f"ckpt-{step:012d}"))
-    created = getattr(info, "created", None)
-    stamp = format_time(created) if isinstance(created, datetime) else format_time(datetime.now(UTC))
-    return {"step": step, "uri": f"{uri}/{ckpt_name}", "time": stamp}
+    created = parse_time(info.created)
+    stamp = format_time(created or datetime.now(UTC))
+    return {"step": int(info.step), "uri": info.uri, "time": stamp}
 
 
 def probe_once(ctx: Context, namespace: str, name: str) -> bool:
@@ -387,9 +406,26 @@ def probe_once(ctx: Context, namespace: str, name: str) -> bool:
     try:
         entry = read_latest_verified(ctx, namespace, name)
     except Exception as exc:
-        log.info("%s/%s: cannot read checkpoints yet: %s", namespace, name, type(exc).__name__)
+        problem = _probe_problem(exc)
+        # Say it once per job and problem, not at every poll.
+        if ctx.probe_errors.get((namespace, name)) != problem:
+            ctx.probe_errors[(namespace, name)] = problem
+            log.warning("%s/%s: cannot read its checkpoints: %s", namespace, name, problem)
         return False
+    ctx.probe_errors.pop((namespace, name), None)
     if entry is None:
         return False
     log.debug("%s/%s: newest verified step %s (%.2fs)", namespace, name, entry["step"], time.monotonic() - started)
     return ctx.verified.put(namespace, name, entry)
+
+
+def _probe_problem(exc: BaseException) -> str:
+    """One line about why storage could not be read (never credentials)."""
+    status = _api_status(exc)
+    if status == 404:
+        return f"the credentials Secret was not found ({_api_reason(exc)})"
+    if status == 403:
+        return "the operator may not read the credentials Secret (RBAC)"
+    if isinstance(exc, ProbeError):
+        return str(exc)
+    return type(exc).__name__

@@ -1,0 +1,179 @@
+"""Table tests of classify_pod_end: pod status shapes from each way a pod can end."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from spotguard.operator.classify import PodEnd, classify_pod_end, sidecar_report
+
+SIDECAR = "spotguard-sidecar"
+RESTORE = "spotguard-restore"
+
+
+def term(name: str, code: int, reason: str | None = None, message: str | None = None,
+         finished: str = "2030-01-01T00:00:10Z") -> dict[str, Any]:
+    t: dict[str, Any] = {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
+                         "finishedAt": finished}
+    if message is not None:
+        t["message"] = message
+    return {"name": name, "state": {"terminated": t}}
+
+
+def running(name: str) -> dict[str, Any]:
+    return {"name": name, "state": {"running": {"startedAt": "2030-01-01T00:00:00Z"}}}
+
+
+def pod(phase: str | None, *, containers: list[dict[str, Any]] | None = None,
+        init: list[dict[str, Any]] | None = None, reason: str | None = None, message: str | None = None,
+        conditions: list[dict[str, Any]] | None = None, deleting: bool = False,
+        node: str | None = "spot-gpu-1") -> dict[str, Any]:
+    status: dict[str, Any] = {}
+    if phase:
+        status["phase"] = phase
+    if containers is not None:
+        status["containerStatuses"] = containers
+    if init is not None:
+        status["initContainerStatuses"] = init
+    if reason:
+        status["reason"] = reason
+    if message:
+        status["message"] = message
+    if conditions:
+        status["conditions"] = conditions
+    meta: dict[str, Any] = {"name": "job-a1", "namespace": "ns"}
+    if deleting:
+        meta["deletionTimestamp"] = "2030-01-01T00:00:30Z"
+    spec: dict[str, Any] = {"containers": [{"name": "trainer"}]}
+    if node:
+        spec["nodeName"] = node
+    return {"metadata": meta, "spec": spec, "status": status}
+
+
+def report(preempted: bool, step: int, reason: str = "notice:aws", trainer_step: int | None = None) -> str:
+    doc: dict[str, Any] = {"preempted": preempted, "reason": reason, "step": step}
+    if trainer_step is not None:
+        doc["trainerStep"] = trainer_step
+    return json.dumps(doc)
+
+
+DISRUPTION = {"type": "DisruptionTarget", "status": "True"}
+OK = [term("trainer", 0), term(SIDECAR, 0)]
+
+CASES: list[tuple[str, dict[str, Any] | None, bool, str, str]] = [
+    # (case, pod, node_exists, kind, reason)
+    ("pod object gone", None, True, "preempted", "PodDeleted"),
+    ("finished", pod("Succeeded", containers=OK), True, "succeeded", "Completed"),
+    ("finished, node gone since", pod("Succeeded", containers=OK), False, "succeeded", "Completed"),
+    ("drain: evicted, trainer saved and exited 0",
+     pod("Succeeded", containers=OK, deleting=True), True, "preempted", "PodDeleted"),
+    ("drain: trainer killed by SIGTERM (143)",
+     pod("Failed", containers=[term("trainer", 143), term(SIDECAR, 0)], deleting=True), True,
+     "preempted", "PodDeleted"),
+    ("graceful node shutdown, 1.26+ (DisruptionTarget)",
+     pod("Failed", containers=OK, reason="Terminated",
+         message="Pod was terminated in response to imminent node shutdown.",
+         conditions=[{**DISRUPTION, "reason": "TerminationByKubelet"}]), True,
+     "preempted", "TerminationByKubelet"),
+    ("graceful node shutdown, before 1.26", pod("Failed", containers=OK, reason="Shutdown"), True,
+     "preempted", "NodeShutdown"),
+    ("graceful node shutdown, reason only", pod("Failed", containers=OK, reason="Terminated"), True,
+     "preempted", "NodeShutdown"),
+    ("eviction API (DisruptionTarget)",
+     pod("Failed", containers=OK, conditions=[{**DISRUPTION, "reason": "EvictionByEvictionAPI"}]), True,
+     "preempted", "EvictionByEvictionAPI"),
+    ("taint manager (DisruptionTarget)",
+     pod("Failed", containers=[term("trainer", 137)],
+         conditions=[{**DISRUPTION, "reason": "DeletionByTaintManager"}]), True,
+     "preempted", "DeletionByTaintManager"),
+    ("scheduler preemption (DisruptionTarget)",
+     pod("Failed", containers=[term("trainer", 143)], conditions=[{**DISRUPTION, "reason": "PreemptionByScheduler"}]),
+     True, "preempted", "PreemptionByScheduler"),
+    ("node-pressure eviction", pod("Failed", reason="Evicted", message="The node was low on resource: memory."),
+     True, "preempted", "Evicted"),
+    ("kubelet admission: GPU gone", pod("Failed", reason="OutOfnvidia.com/gpu"), True,
+     "preempted", "OutOfnvidia.com/gpu"),
+    ("node controller: NodeLost (terminal)", pod("Failed", reason="NodeLost"), True, "preempted", "NodeLost"),
+    ("DisruptionTarget False is ignored",
+     pod("Failed", containers=[term("trainer", 1), term(SIDECAR, 0)],
+         conditions=[{"type": "DisruptionTarget", "status": "False"}]), True, "failed", "Error"),
+    ("user exit 1", pod("Failed", containers=[term("trainer", 1), term(SIDECAR, 0)]), True, "failed", "Error"),
+    ("user exit 2, second container", pod("Failed", containers=[term("trainer", 0), term("helper", 2)]), True,
+     "failed", "Error"),
+    ("OOMKilled", pod("Failed", containers=[term("trainer", 137, "OOMKilled"), term(SIDECAR, 0)]), True,
+     "failed", "OOMKilled"),
+    ("killed (137) without deletion: user's problem",
+     pod("Failed", containers=[term("trainer", 137), term(SIDECAR, 0)]), True, "failed", "Error"),
+    ("activeDeadlineSeconds", pod("Failed", reason="DeadlineExceeded"), True, "failed", "DeadlineExceeded"),
+    ("restore init container failed", pod("Failed", init=[term(RESTORE, 1)]), True, "failed", "RestoreFailed"),
+    ("user init container failed", pod("Failed", init=[term(RESTORE, 0), term("fetch-data", 3)]), True,
+     "failed", "InitContainerFailed"),
+    ("classic sidecar failed alone", pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1)]), True,
+     "failed", "SidecarFailed"),
+    ("failed without details", pod("Failed"), True, "failed", "Failed"),
+    ("notice: trainer stopped early, exit 0",
+     pod("Succeeded", containers=[term("trainer", 0), term(SIDECAR, 0, message=report(True, 120))]), True,
+     "preempted", "notice:aws"),
+    ("notice: sidecar says not preempted",
+     pod("Succeeded", containers=[term("trainer", 0), term(SIDECAR, 0, message=report(False, 300))]), True,
+     "succeeded", "Completed"),
+    ("native sidecar report in initContainerStatuses",
+     pod("Succeeded", containers=[term("trainer", 0)],
+         init=[term(RESTORE, 0), term(SIDECAR, 0, message=report(True, 7, "sigterm"))]), True,
+     "preempted", "sigterm"),
+    ("running", pod("Running", containers=[running("trainer"), running(SIDECAR)]), True, "running", "Running"),
+    ("running, node vanished (abrupt loss)", pod("Running", containers=[running("trainer")]), False,
+     "preempted", "NodeLost"),
+    ("pending on a node that vanished", pod("Pending"), False, "preempted", "NodeLost"),
+    ("unknown phase, node controller NodeLost", pod("Unknown", reason="NodeLost"), True, "preempted", "NodeLost"),
+    ("unknown phase, node still there", pod("Unknown"), True, "running", "Pending"),
+    ("terminating", pod("Running", containers=[running("trainer")], deleting=True), True, "running", "Terminating"),
+    ("unscheduled, no node", pod("Pending", node=None,
+                                 conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                              "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}]),
+     False, "running", "Unschedulable"),
+    ("no status yet", pod(None, node=None), True, "running", "Pending"),
+]
+
+
+@pytest.mark.parametrize(("case", "pod_obj", "node_exists", "kind", "reason"), CASES, ids=[c[0] for c in CASES])
+def test_classify(case: str, pod_obj: dict[str, Any] | None, node_exists: bool, kind: str, reason: str) -> None:
+    end = classify_pod_end(pod_obj, node_exists)
+    assert (end.kind, end.reason) == (kind, reason), end
+
+
+def test_failure_message_names_container_and_code() -> None:
+    end = classify_pod_end(pod("Failed", containers=[term("trainer", 3), term(SIDECAR, 0)]))
+    assert end.message == "container trainer exited with code 3"
+
+
+def test_unschedulable_message_is_kept() -> None:
+    p = pod("Pending", node=None, conditions=[
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes: no GPU"}])
+    assert classify_pod_end(p).message == "0/2 nodes: no GPU"
+
+
+def test_sidecar_report_gives_step_and_lost_steps() -> None:
+    p = pod("Succeeded", containers=[term("trainer", 0), term(SIDECAR, 0, message=report(True, 100, trainer_step=104))])
+    end = classify_pod_end(p)
+    assert (end.kind, end.step, end.lost_steps) == ("preempted", 100, 4)
+
+
+def test_end_time_is_the_last_container_finish() -> None:
+    p = pod("Succeeded", containers=[term("trainer", 0, finished="2030-01-01T00:00:10Z"),
+                                     term(SIDECAR, 0, finished="2030-01-01T00:00:12Z")])
+    assert classify_pod_end(p).ended_at == "2030-01-01T00:00:12Z"
+    assert classify_pod_end(pod("Running", containers=[running("trainer")])).ended_at is None
+
+
+@pytest.mark.parametrize("message", ["", "not json", "{broken", "[1, 2]", json.dumps({"step": "x"})])
+def test_malformed_sidecar_messages_are_ignored(message: str) -> None:
+    p = pod("Succeeded", containers=[term("trainer", 0), term(SIDECAR, 0, message=message)])
+    assert classify_pod_end(p) == PodEnd("succeeded", "Completed", "training finished",
+                                         ended_at="2030-01-01T00:00:10Z")
+    if message.startswith("{") and message != "{broken":
+        assert sidecar_report(p) is not None
+    else:
+        assert sidecar_report(p) is None
