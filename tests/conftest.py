@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from testenv import cluster  # noqa: E402
 
-pytest_plugins = ["testenv.pytest_nodes"] if (ROOT / "testenv" / "pytest_nodes.py").exists() else []
+pytest_plugins = ["testenv.pytest_nodes"]
 
 
 def _raise_interrupt(signum: int, _frame: object) -> None:
