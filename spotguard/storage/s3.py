@@ -225,16 +225,13 @@ class S3Storage:
                 )
 
     def list_dirs(self, prefix: str = "") -> list[str]:
-        paginator = self.client.get_paginator("list_objects_v2")
-        full = self._full_prefix(prefix)
-        if full and not full.endswith("/"):
-            full += "/"
-        names: list[str] = []
-        with self._errors(self.uri):
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
-                for cp in page.get("CommonPrefixes", []):
-                    names.append(cp["Prefix"][len(full) :].rstrip("/"))
-        return sorted(n for n in names if n)
+        # Derived from the recursive listing rather than Delimiter="/": some
+        # stores (SeaweedFS) keep reporting a "directory" after its last object
+        # is deleted, and a deleted checkpoint must not look like a broken one.
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        rests = (o.key[len(prefix) :] for o in self.list_objects(prefix))
+        return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
@@ -247,13 +244,15 @@ class S3Storage:
         )
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        def once() -> tuple[bytes, str]:
+            obj = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return obj["Body"].read(), str(obj["ETag"])
+
         try:
             with self._errors(self.uri_for(key)):
-                obj = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-                data = self._retrying(obj["Body"].read, self.uri_for(key))
+                return self._retrying(once, self.uri_for(key))
         except NotFoundError:
             return None
-        return data, str(obj["ETag"])
 
     def read_bytes(self, key: str) -> bytes:
         found = self.read_with_etag(key)
@@ -288,21 +287,19 @@ class S3Storage:
 
     def _get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
         def once() -> bytes:
-            with self._errors(self.uri_for(key)):
-                obj = self.client.get_object(
-                    Bucket=self.bucket,
-                    Key=self._key(key),
-                    Range=f"bytes={start}-{end - 1}",
-                    IfMatch=etag,
-                )
-                data: bytes = obj["Body"].read()
+            obj = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}", IfMatch=etag
+            )
+            data: bytes = obj["Body"].read()
             if len(data) != end - start:
                 from botocore.exceptions import IncompleteReadError
 
                 raise IncompleteReadError(actual_bytes=len(data), expected_bytes=end - start)
             return data
 
-        return self._retrying(once, self.uri_for(key))
+        # Retry transient stream failures first; translate what remains.
+        with self._errors(self.uri_for(key)):
+            return self._retrying(once, self.uri_for(key))
 
     def iter_chunks(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         chunk = max(chunk_size or self._read_chunk, MiB)

@@ -1,0 +1,62 @@
+"""Helpers shared by the checkpoint integration tests (and their subprocess scripts)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+HELPERS = Path(__file__).resolve().parent
+REPO = HELPERS.parent.parent.parent
+
+
+def s3_options(s3_store: Any) -> dict[str, Any]:
+    """open_storage() options for the test S3 store (explicit, not from the environment)."""
+    return {
+        "endpoint_url": s3_store.endpoint_url,
+        "access_key": s3_store.access_key,
+        "secret_key": s3_store.secret_key,
+        "region": s3_store.region,
+    }
+
+
+def subprocess_env(s3_store: Any | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a spotguard subprocess: this interpreter's, plus S3 settings."""
+    env = dict(os.environ)
+    env.pop("SPOTGUARD_STORAGE_URI", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if s3_store is not None:
+        env.update(s3_store.env())
+    env.update(extra)
+    return env
+
+
+def step_tensors(step: int, numel: int = 4096) -> dict[str, Any]:
+    """Deterministic content for checkpoint ``step`` (numpy only: fast to import)."""
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    return {
+        "model": {
+            "w": rng.standard_normal(numel).astype(np.float32),
+            "b": rng.integers(0, 1 << 30, size=numel // 4, dtype=np.int64),
+        },
+        "optimizer": {"m": rng.standard_normal(numel // 2).astype(np.float64)},
+        "step": step,
+        "note": f"state of step {step}",
+    }
+
+
+def assert_state_matches(state: dict[str, Any], step: int, numel: int = 4096) -> None:
+    """The loaded state is exactly what step_tensors(step) produced."""
+    import numpy as np
+
+    want = step_tensors(step, numel)
+    assert state["step"] == step
+    assert state["note"] == want["note"]
+    for part in ("model", "optimizer"):
+        assert set(state[part]) == set(want[part])
+        for key, arr in want[part].items():
+            got = state[part][key]
+            assert got.dtype == arr.dtype and got.shape == arr.shape, (part, key)
+            assert np.array_equal(got, arr), (part, key)
