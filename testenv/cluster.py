@@ -421,12 +421,14 @@ def _serve(args: argparse.Namespace) -> int:
         if args.nodes:
             node_state = state / "nodes"
             node_state.mkdir(exist_ok=True)
-            env.sup.start(
+            nodes = env.sup.start(
                 "processnode",
                 [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(state / "kubeconfig"),
                  "--nodes", str(args.nodes), "--state-dir", str(node_state)],
                 extra_env={"PYTHONPATH": str(repo_root())},
             )  # fmt: skip
+            # The agent writes its control file once its nodes are registered and Ready.
+            wait_until(lambda: (node_state / "control.json").exists(), 60, "process nodes", nodes)
         (state / "ready").write_text(env.sup.run_id)
         print(f"dev cluster ready: KUBECONFIG={state / 'kubeconfig'}; S3 settings in {state / 's3.env'}", flush=True)
         while not stop and all(s.popen.poll() is None for s in env.sup.services):
