@@ -23,11 +23,27 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (all held open while choosing)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+class ProcessExited(RuntimeError):
+    """The process being waited for has exited."""
 
 
 def wait_for(check: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.2) -> T:
@@ -39,6 +55,8 @@ def wait_for(check: Callable[[], T | None], what: str, timeout: float = 60.0, in
             value = check()
             if value:
                 return value
+        except ProcessExited:
+            raise
         except Exception as exc:  # keep polling; report the last error on timeout
             last = exc
         if time.monotonic() > deadline:
@@ -66,8 +84,9 @@ class OperatorProcess:
         metrics_port: int | None = None,
         liveness_port: int | None = None,
     ) -> None:
-        self.metrics_port = metrics_port or free_port()
-        self.liveness_port = liveness_port or free_port()
+        ports = free_ports(2)
+        self.metrics_port = metrics_port or ports[0]
+        self.liveness_port = liveness_port or ports[1]
         self.log_path = log_path
         self.argv = [
             sys.executable, "-m", "spotguard.cli", "operator",
@@ -90,7 +109,7 @@ class OperatorProcess:
         def alive() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise ProcessExited(f"operator exited with {self.proc.returncode}:\n{self.log_tail()}")
             http_get(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=1.0)
             return True
 

@@ -1,0 +1,397 @@
+"""The operator against a real kube-apiserver (plus controller-manager and scheduler).
+
+No kubelet runs here: pods stay Pending (a nodeSelector no node matches keeps
+them off any process node another test may have started), and each way a pod
+can end is produced by patching its status through the apiserver, as kubelet,
+the node-shutdown manager or the eviction API would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotguard.operator.podbuilder import OperatorConfig, build_pod
+from spotguard.operator.spec import parse
+from spotguard.operator.testing import OperatorProcess, metric_value, wait_for
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "trainingjob.yaml"
+GROUP, VERSION, PLURAL = "spotguard.dev", "v1alpha1", "trainingjobs"
+NO_NODE = {"spotguard.dev/test-no-node": "true"}
+IMAGE = "spotguard:test"
+
+
+# --- fixtures -------------------------------------------------------------------
+
+
+def kubectl(kube: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args],
+                          capture_output=True, text=True, check=check, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def apis(kube: Any) -> tuple[Any, Any]:
+    from kubernetes import client
+
+    api = kube.api_client()
+    return client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+
+@pytest.fixture(scope="module")
+def crd(kube: Any) -> None:
+    kubectl(kube, "apply", "-f", str(CRD))
+    kubectl(kube, "wait", "--for", "condition=established", "crd/trainingjobs.spotguard.dev", "--timeout=60s")
+
+
+def new_namespace(core: Any, prefix: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    return name
+
+
+@pytest.fixture(scope="module")
+def ns(apis: tuple[Any, Any], crd: None) -> Iterator[str]:
+    core, _ = apis
+    name = new_namespace(core, "op")
+    yield name
+    core.delete_namespace(name)
+
+
+def start_operator(kube: Any, namespace: str, log_dir: Path) -> OperatorProcess:
+    return OperatorProcess(
+        ["-n", namespace, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
+         "--checkpoint-poll-seconds", "1"],
+        env=kube.env(), log_path=log_dir / f"operator-{namespace}.log",
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def operator(kube: Any, ns: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    op = start_operator(kube, ns, tmp_path_factory.mktemp("operator"))
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(40)}")
+
+
+# --- helpers --------------------------------------------------------------------
+
+
+def job_body(name: str, storage: str, **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "template": {"spec": {
+                "nodeSelector": NO_NODE,
+                "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
+                                "resources": {"limits": {"nvidia.com/gpu": 1}}}],
+            }},
+            "checkpoint": {"storage": storage, "everySteps": 10},
+            "preemption": {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5,
+                           "backoff": {"initialSeconds": 0}},
+        },
+    }
+    for key, value in spec.items():
+        body["spec"][key] = value
+    return body
+
+
+def create_job(apis: tuple[Any, Any], ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    _, custom = apis
+    result: dict[str, Any] = custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
+    return result
+
+
+def get_job(apis: tuple[Any, Any], ns: str, name: str) -> dict[str, Any]:
+    _, custom = apis
+    result: dict[str, Any] = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    return result
+
+
+def status(apis: tuple[Any, Any], ns: str, name: str) -> dict[str, Any]:
+    return dict(get_job(apis, ns, name).get("status") or {})
+
+
+def cond(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in st.get("conditions") or [] if c["type"] == type_), {})
+
+
+def pod_names(apis: tuple[Any, Any], ns: str, job: str) -> list[str]:
+    core, _ = apis
+    pods = core.list_namespaced_pod(ns, label_selector=f"spotguard.dev/job={job}").items
+    return sorted(p.metadata.name for p in pods if p.metadata.deletion_timestamp is None)
+
+
+def wait_pod(apis: tuple[Any, Any], ns: str, name: str) -> Any:
+    core, _ = apis
+    return wait_for(lambda: core.read_namespaced_pod(name, ns), f"pod {ns}/{name}", timeout=60)
+
+
+def wait_status(apis: tuple[Any, Any], ns: str, name: str, what: str, pred: Any, timeout: float = 60) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        st = status(apis, ns, name)
+        return st if pred(st) else None
+    try:
+        return wait_for(check, f"{ns}/{name}: {what}", timeout=timeout)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; status now: {status(apis, ns, name)}") from None
+
+
+def patch_pod_status(apis: tuple[Any, Any], ns: str, pod: str, st: dict[str, Any]) -> None:
+    core, _ = apis
+    core.patch_namespaced_pod_status(pod, ns, {"status": st})
+
+
+def terminated(name: str, code: int, reason: str | None = None) -> dict[str, Any]:
+    return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+            "state": {"terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
+                                     "startedAt": "2030-01-01T00:00:00Z", "finishedAt": "2030-01-01T00:01:00Z"}}}
+
+
+def run_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
+    patch_pod_status(apis, ns, pod, {"phase": "Running"})
+
+
+def succeed_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
+    patch_pod_status(apis, ns, pod, {"phase": "Succeeded", "containerStatuses": [
+        terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
+
+
+def fail_pod(apis: tuple[Any, Any], ns: str, pod: str, code: int = 1) -> None:
+    patch_pod_status(apis, ns, pod, {"phase": "Failed", "containerStatuses": [
+        terminated("trainer", code), terminated("spotguard-sidecar", 0)]})
+
+
+def shutdown_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
+    """What kubelet's graceful node shutdown leaves (1.26+)."""
+    patch_pod_status(apis, ns, pod, {
+        "phase": "Failed", "reason": "Terminated",
+        "message": "Pod was terminated in response to imminent node shutdown.",
+        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                        "message": "Pod was terminated in response to imminent node shutdown."}],
+        "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
+
+
+def events(apis: tuple[Any, Any], ns: str, name: str) -> list[tuple[str, str, str]]:
+    core, _ = apis
+    items = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    return [(e.type, e.reason, e.message) for e in items if e.involved_object.kind == "TrainingJob"]
+
+
+# --- tests ----------------------------------------------------------------------
+
+
+def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                           tmp_path: Path, kube: Any) -> None:
+    core, _ = apis
+    job = create_job(apis, ns, job_body("life", f"file://{tmp_path}/store"))
+    pod = wait_pod(apis, ns, "life-a1")
+    meta = pod.metadata
+    assert meta.labels["spotguard.dev/job"] == "life" and meta.labels["spotguard.dev/attempt"] == "1"
+    ref = meta.owner_references[0]
+    assert (ref.kind, ref.name, ref.uid, ref.controller) == ("TrainingJob", "life", job["metadata"]["uid"], True)
+    assert [c.name for c in pod.spec.init_containers] == ["spotguard-restore"]
+    assert [c.name for c in pod.spec.containers] == ["trainer", "spotguard-sidecar"]
+    assert pod.spec.restart_policy == "Never" and pod.spec.termination_grace_period_seconds == 5
+    assert pod.spec.node_selector == NO_NODE
+    assert pod.spec.containers[0].resources.limits == {"nvidia.com/gpu": "1"}
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env["SPOTGUARD_STORAGE_URI"] == f"file://{tmp_path}/store/{ns}/life"
+    st = wait_status(apis, ns, "life", "Pending, attempt 1", lambda s: s.get("attempt") == 1)
+    assert st["phase"] == "Pending" and st["currentPod"] == "life-a1"
+
+    run_pod(apis, ns, "life-a1")
+    wait_status(apis, ns, "life", "Running", lambda s: s.get("phase") == "Running")
+    table = kubectl(kube, "get", "trainingjob", "life", "-n", ns).stdout
+    assert table.split("\n")[0].split() == ["NAME", "PHASE", "ATTEMPT", "PREEMPTIONS", "VERIFIED-STEP", "AGE"]
+    assert table.split("\n")[1].split()[:4] == ["life", "Running", "1", "0"]
+
+    shutdown_pod(apis, ns, "life-a1")
+    st = wait_status(apis, ns, "life", "attempt 2 after a preemption", lambda s: s.get("attempt") == 2)
+    assert st["preemptions"] == 1 and st["failures"] == 0
+    assert st["lastPodEnd"]["kind"] == "preempted" and st["lastPodEnd"]["reason"] == "TerminationByKubelet"
+    assert cond(st, "Preempted")["status"] == "True"
+    wait_pod(apis, ns, "life-a2")
+    assert pod_names(apis, ns, "life") == ["life-a1", "life-a2"]
+
+    run_pod(apis, ns, "life-a2")
+    succeed_pod(apis, ns, "life-a2")
+    st = wait_status(apis, ns, "life", "Succeeded", lambda s: s.get("phase") == "Succeeded")
+    assert cond(st, "Succeeded")["status"] == "True" and st["attempt"] == 2
+    reasons = [r for _t, r, _m in events(apis, ns, "life")]
+    for reason in ("PodCreated", "PodRunning", "Preempted", "Completed"):
+        assert reason in reasons, reasons
+
+    text = operator.metrics()
+    labels = {"namespace": ns, "job": "life"}
+    assert metric_value(text, "spotguard_job_preemptions_total", labels) == 1.0
+    assert metric_value(text, "spotguard_job_restarts_total", labels) == 1.0
+    assert metric_value(text, "spotguard_job_failures_total", labels) in (None, 0.0)
+    assert metric_value(text, "spotguard_reschedule_latency_seconds_count") is not None
+    assert (metric_value(text, "spotguard_jobs", {"phase": "Succeeded"}) or 0) >= 1
+
+
+def test_failure_consumes_backoff_limit(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                        tmp_path: Path) -> None:
+    create_job(apis, ns, job_body("crash", f"file://{tmp_path}/store"))
+    wait_pod(apis, ns, "crash-a1")
+    fail_pod(apis, ns, "crash-a1", code=1)
+    wait_pod(apis, ns, "crash-a2")
+    fail_pod(apis, ns, "crash-a2", code=1)
+    st = wait_status(apis, ns, "crash", "Failed", lambda s: s.get("phase") == "Failed")
+    assert st["failures"] == 2 and st["preemptions"] == 0
+    failed = cond(st, "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
+    assert "exited with code 1" in failed["message"]
+    assert pod_names(apis, ns, "crash") == ["crash-a1", "crash-a2"]
+    assert any(r == "BackoffLimitExceeded" for _t, r, _m in events(apis, ns, "crash"))
+    assert metric_value(operator.metrics(), "spotguard_job_failures_total", {"namespace": ns, "job": "crash"}) == 2.0
+
+
+def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                        tmp_path: Path) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as err:
+        create_job(apis, ns, job_body("bad", "gs://bucket/x"))
+    assert err.value.status == 422 and "spec.checkpoint.storage" in err.value.body
+    with pytest.raises(ApiException) as err:
+        create_job(apis, ns, job_body("bad", f"file://{tmp_path}", preemption={"maxPreemptions": -1}))
+    assert "spec.preemption.maxPreemptions" in err.value.body
+
+    # What the schema cannot say, the operator does, as a condition (and no pod).
+    body = job_body("reserved", f"file://{tmp_path}")
+    body["spec"]["template"]["spec"]["containers"][0]["name"] = "spotguard-sidecar"
+    create_job(apis, ns, body)
+    st = wait_status(apis, ns, "reserved", "Invalid", lambda s: cond(s, "Invalid").get("status") == "True")
+    assert st["phase"] == "Failed"
+    assert "spec.template.spec.containers[0].name" in cond(st, "Invalid")["message"]
+    assert pod_names(apis, ns, "reserved") == []
+    assert any(r == "InvalidSpec" for _t, r, _m in events(apis, ns, "reserved"))
+    # Fixing the spec recovers the job.
+    _, custom = apis
+    fixed = get_job(apis, ns, "reserved")
+    fixed["spec"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    custom.replace_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "reserved", fixed)
+    wait_pod(apis, ns, "reserved-a1")
+    st = wait_status(apis, ns, "reserved", "valid", lambda s: cond(s, "Invalid").get("status") == "False")
+    assert st["phase"] == "Pending"
+
+
+def test_pod_deleted_out_of_band(apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path) -> None:
+    core, _ = apis
+    create_job(apis, ns, job_body("gone", f"file://{tmp_path}"))
+    wait_pod(apis, ns, "gone-a1")
+    core.delete_namespaced_pod("gone-a1", ns, grace_period_seconds=0)
+    st = wait_status(apis, ns, "gone", "attempt 2", lambda s: s.get("attempt") == 2)
+    assert st["lastPodEnd"]["reason"] == "PodDeleted" and st["preemptions"] == 1
+    wait_pod(apis, ns, "gone-a2")
+
+
+def test_vanished_node_is_a_preemption_at_once(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                               tmp_path: Path) -> None:
+    core, _ = apis
+    node = f"h4-spot-{uuid.uuid4().hex[:6]}"
+    label = {"spotguard.dev/test-node-for": node}
+    core.create_node({"metadata": {"name": node, "labels": label},
+                      "status": {"capacity": {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"},
+                                 "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"}}})
+    try:
+        core.patch_node_status(node, {"status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready",
+             "lastHeartbeatTime": "2030-01-01T00:00:00Z", "lastTransitionTime": "2030-01-01T00:00:00Z"}]}})
+        body = job_body("lost", f"file://{tmp_path}")
+        body["spec"]["template"]["spec"]["nodeSelector"] = label
+        create_job(apis, ns, body)
+        wait_for(lambda: core.read_namespaced_pod("lost-a1", ns).spec.node_name == node, "binding to the node")
+        run_pod(apis, ns, "lost-a1")
+        wait_status(apis, ns, "lost", "Running", lambda s: s.get("phase") == "Running")
+    finally:
+        core.delete_node(node)
+    # Preempted at once (not after the pod GC's ~50 s), and the orphan removed.
+    st = wait_status(apis, ns, "lost", "attempt 2", lambda s: s.get("attempt") == 2, timeout=30)
+    assert st["lastPodEnd"]["reason"] == "NodeLost" and st["preemptions"] == 1
+    wait_for(lambda: "lost-a1" not in pod_names(apis, ns, "lost"), "the orphan pod to be deleted", timeout=30)
+
+
+def test_suspend_and_resume(apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path) -> None:
+    _, custom = apis
+    create_job(apis, ns, job_body("pause", f"file://{tmp_path}"))
+    wait_pod(apis, ns, "pause-a1")
+    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "pause", {"spec": {"suspend": True}})
+    st = wait_status(apis, ns, "pause", "Suspended", lambda s: s.get("phase") == "Suspended")
+    assert st["preemptions"] == 0 and st["failures"] == 0 and cond(st, "Suspended")["status"] == "True"
+    wait_for(lambda: pod_names(apis, ns, "pause") == [], "the pod to be stopped")
+    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "pause", {"spec": {"suspend": False}})
+    wait_pod(apis, ns, "pause-a2")
+    st = wait_status(apis, ns, "pause", "resumed", lambda s: cond(s, "Suspended").get("status") == "False")
+    assert st["attempt"] == 2 and st["preemptions"] == 0
+
+
+def test_verified_checkpoint_reported_and_kept_after_delete(apis: tuple[Any, Any], ns: str,
+                                                            operator: OperatorProcess, tmp_path: Path) -> None:
+    from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
+    from spotguard.storage import open_storage
+
+    core, custom = apis
+    create_job(apis, ns, job_body("keep", f"file://{tmp_path}/store"))
+    wait_pod(apis, ns, "keep-a1")
+    remote = tmp_path / "store" / ns / "keep"
+    local = write_checkpoint(tmp_path / "local", 30, snapshot_state({"step": 30}))
+    upload_checkpoint(local, open_storage(f"file://{remote}"))
+    st = wait_status(apis, ns, "keep", "lastVerifiedCheckpoint",
+                     lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("step") == 30)
+    assert st["lastVerifiedCheckpoint"]["uri"].endswith("/keep/ckpt-000000000030")
+    wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_last_verified_step",
+                                  {"namespace": ns, "job": "keep"}) == 30.0, "the last verified step metric")
+
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "keep")
+    wait_for(lambda: pod_names(apis, ns, "keep") == [], "the job's pods to be deleted")
+    wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_attempt", {"namespace": ns, "job": "keep"})
+             is None, "the job's series to be removed")
+    assert (remote / "ckpt-000000000030" / "manifest.json").is_file()  # checkpoints are never deleted
+
+
+def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, Any], kube: Any, crd: None,
+                                                               tmp_path: Path) -> None:
+    core, _ = apis
+    ns2 = new_namespace(core, "oprestart")
+    op = start_operator(kube, ns2, tmp_path)
+    try:
+        job = create_job(apis, ns2, job_body("again", f"file://{tmp_path}/store"))
+        wait_pod(apis, ns2, "again-a1")
+        wait_status(apis, ns2, "again", "attempt 1", lambda s: s.get("attempt") == 1)
+        # Crash while a preemption happens: the pod ends while no operator runs.
+        op.kill()
+        shutdown_pod(apis, ns2, "again-a1")
+        op.start()
+        st = wait_status(apis, ns2, "again", "attempt 2", lambda s: s.get("attempt") == 2)
+        assert st["preemptions"] == 1
+        # Crash between creating the next pod and recording it: the pod exists, the status lags.
+        op.kill()
+        shutdown_pod(apis, ns2, "again-a2")
+        spec = parse(job["spec"])
+        early = build_pod("again", ns2, job["metadata"]["uid"], spec, 3, OperatorConfig(image=IMAGE))
+        core.create_namespaced_pod(ns2, early)
+        op.start()
+        st = wait_status(apis, ns2, "again", "attempt 3", lambda s: s.get("attempt") == 3)
+        assert st["preemptions"] == 2
+        # Several resyncs later, still exactly one pod per attempt.
+        wait_status(apis, ns2, "again", "a resync", lambda s: s.get("phase") == "Pending")
+        assert pod_names(apis, ns2, "again") == ["again-a1", "again-a2", "again-a3"]
+        assert "already existed: adopted" in op.log_path.read_text()
+    finally:
+        op.stop()
+        print(f"--- operator log ---\n{op.log_tail(40)}")
+        core.delete_namespace(ns2)
