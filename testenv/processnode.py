@@ -57,7 +57,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 log = logging.getLogger("processnode")
@@ -117,6 +117,7 @@ class ApiError(Exception):
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:300]}")
         self.status = status
+        self.body = body
 
 
 class Kube:
@@ -378,7 +379,7 @@ class _Spawner:
         while True:
             fut, argv, kwargs = self._jobs.get()
             try:
-                fut.set_result(subprocess.Popen(argv, **kwargs))
+                fut.set_result(cast("subprocess.Popen[bytes]", subprocess.Popen(argv, **kwargs)))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
 
@@ -838,9 +839,9 @@ class PodRunner:
                 kind = "secrets" if "secretKeyRef" in source else "configmaps"
                 ref = source.get("secretKeyRef") or source["configMapKeyRef"]
                 optional = bool(ref.get("optional"))
-                data = self._object_data(kind, ref["name"], optional)
-                if data is not None and ref["key"] in data:
-                    env[var["name"]] = data[ref["key"]].decode("utf-8", "surrogateescape")
+                values = self._object_data(kind, ref["name"], optional)
+                if values is not None and ref["key"] in values:
+                    env[var["name"]] = values[ref["key"]].decode("utf-8", "surrogateescape")
                 elif not optional:
                     raise NotYet(f"key {ref['key']!r} not found in {kind[:-1]} {self.namespace}/{ref['name']}")
             else:
@@ -1414,7 +1415,7 @@ class Agent:
         except ApiError as exc:
             # 429: a PodDisruptionBudget says not now. 403 in a terminating namespace: the
             # namespace controller is about to delete the pod anyway. kubectl drain retries both.
-            retry_later = exc.status == 429 or (exc.status == 403 and "NamespaceTerminating" in str(exc))
+            retry_later = exc.status == 429 or (exc.status == 403 and "NamespaceTerminating" in exc.body)
             if not retry_later and exc.status != 404:
                 raise PreemptError(f"evicting {md['namespace']}/{md['name']}: {exc}") from None
 
@@ -1547,9 +1548,15 @@ class ProcessNodes:
     ``ProcessNodes(state_dir)`` attaches to an agent that is already running.
     """
 
-    def __init__(self, state_dir: str | os.PathLike[str], proc: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str | os.PathLike[str],
+        proc: subprocess.Popen[bytes] | None = None,
+        kubeconfig: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.state_dir = Path(state_dir)
         self.proc = proc
+        self.kubeconfig = kubeconfig
 
     @classmethod
     def start(
@@ -1577,7 +1584,7 @@ class ProcessNodes:
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=child_env, start_new_session=True,
             )  # fmt: skip
-        nodes = cls(state, proc)
+        nodes = cls(state, proc, kubeconfig)
         try:
             nodes.wait_ready(kubeconfig, count, timeout)
         except BaseException:
@@ -1664,6 +1671,18 @@ class ProcessNodes:
         if self.proc is not None:
             signal_group(self.proc.pid, signal.SIGKILL)  # anything left in the agent's session
         kill_recorded_processes(self.state_dir)
+        control = self.state_dir / "control.json"
+        if control.exists() and self.kubeconfig is not None:
+            # The agent died without cleaning up (it removes this file when it does): its Nodes too.
+            kube = Kube(self.kubeconfig)
+            for name in json.loads(control.read_text()).get("nodes", []):
+                for path in (
+                    f"/api/v1/nodes/{name}",
+                    f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/{name}",
+                ):
+                    with contextlib.suppress(ApiError):
+                        kube.delete(path)
+            control.unlink()
 
 
 def _node_ready(kube: Kube, name: str) -> bool:

@@ -259,6 +259,51 @@ def test_secrets_configmaps_and_downward_api_reach_the_process(
     assert seen["api_status"] == 200  # the ServiceAccount token authenticates against the real apiserver
 
 
+def test_on_failure_restarts_the_container_and_keeps_its_emptydir(core: Any, ns: str, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    # Fails on its first run, succeeds on the second: the run count lives in the emptyDir.
+    count = 'n=$(cat "$DIR/runs" 2>/dev/null || echo 0); echo $((n+1)) > "$DIR/runs"; [ "$n" -ge 1 ]'
+    pod = pod_manifest(
+        "flaky",
+        [container("main", ["sh", "-c", count], env=[{"name": "DIR", "value": str(work)}],
+                   volumeMounts=[{"name": "work", "mountPath": str(work)}])],
+        restartPolicy="OnFailure",
+        volumes=[{"name": "work", "emptyDir": {}}],
+    )  # fmt: skip
+    create_pod(core, ns, pod)
+
+    done = wait_phase(core, ns, "flaky", ("Succeeded", "Failed"))
+
+    assert done.status.phase == "Succeeded"
+    (status,) = done.status.container_statuses
+    assert status.restart_count == 1
+    assert status.last_state.terminated.exit_code == 1
+    assert status.state.terminated.exit_code == 0
+
+
+def test_agent_killed_outright_takes_its_pod_processes_along(core: Any, ns: str, kube: Any, tmp_path: Path) -> None:
+    """No orphans even when the agent gets SIGKILL and cannot clean up."""
+    agent = ProcessNodes.start(
+        kube.kubeconfig, tmp_path / "agent", count=1, extra_args=["--taint", "--name-prefix", "lone"]
+    )
+    try:
+        (node,) = agent.node_names()
+        pidfile = tmp_path / "sleeper.pid"
+        write_pid = "import os, time; p = os.environ['OUT']; open(p + '.tmp', 'w').write(str(os.getpid()))"
+        sleep = f"{write_pid}; os.replace(p + '.tmp', p); time.sleep(600)"
+        sleeper = container("main", ["python", "-c", sleep], env=[{"name": "OUT", "value": str(pidfile)}])
+        create_pod(core, ns, pod_manifest("sleeper", [sleeper], nodeName=node))
+        pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), "the sleeper's pid"))
+        assert process_alive(pid)
+        assert agent.proc is not None
+        agent.proc.kill()
+        agent.proc.wait()
+        wait_for(lambda: not process_alive(pid), "the pod's process to die with its agent")
+    finally:
+        agent.stop()
+    assert node_gone(core, node)  # stop() removed the Node the dead agent left behind
+
+
 # --- spot deaths -------------------------------------------------------------------------------
 
 SIGNAL_PROBE = textwrap.dedent(
