@@ -1,0 +1,192 @@
+"""Manifest format: building, parsing, and rejecting malformed or unsafe manifests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from spotguard.checkpoint.manifest import (
+    FORMAT_VERSION,
+    FileEntry,
+    ManifestError,
+    check_file_path,
+    checkpoint_name,
+    clean_metrics,
+    new_manifest,
+    parse_checkpoint_name,
+    parse_manifest,
+    parse_pointer,
+    pointer_json,
+)
+
+GOOD_CRC = "0a1b2c3d"
+GOOD_SHA = "ab" * 32
+
+
+def doc(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "format_version": 1,
+        "step": 100,
+        "epoch": 2,
+        "metrics": {"loss": 0.5},
+        "created": "2025-01-02T03:04:05.000006Z",
+        "writer": "spotguard 0.1.0",
+        "checksum_algorithm": "crc32c",
+        "files": [{"path": "model.safetensors", "size": 10, "checksum": GOOD_CRC}],
+    }
+    base.update(overrides)
+    return base
+
+
+def raw(d: dict[str, Any]) -> bytes:
+    return json.dumps(d).encode()
+
+
+@pytest.mark.parametrize(
+    "step, name",
+    [(0, "ckpt-000000000000"), (1, "ckpt-000000000001"), (123456789012 - 1, "ckpt-123456789011")],
+)
+def test_checkpoint_names_roundtrip(step: int, name: str) -> None:
+    assert checkpoint_name(step) == name
+    assert parse_checkpoint_name(name) == step
+
+
+@pytest.mark.parametrize("name", ["ckpt-1", "ckpt-0000000000001", "ckpt-00000000000a", "latest", "xckpt-000000000001"])
+def test_non_checkpoint_names(name: str) -> None:
+    assert parse_checkpoint_name(name) is None
+
+
+@pytest.mark.parametrize("step", [-1, 10**12, 1.5, True, "3"])
+def test_checkpoint_name_rejects_bad_steps(step: Any) -> None:
+    with pytest.raises(ValueError):
+        checkpoint_name(step)
+
+
+@pytest.mark.parametrize(
+    "path, problem",
+    [
+        ("model.safetensors", None),
+        ("sub/dir/file.bin", None),
+        ("../evil", "escapes the checkpoint"),
+        ("a/../../evil", "escapes the checkpoint"),
+        ("/etc/passwd", "is absolute"),
+        ("C:/x", "is absolute"),
+        ("a\\b", "backslash"),
+        ("a//b", "empty or '.' segment"),
+        ("./a", "empty or '.' segment"),
+        ("a/", "empty or '.' segment"),
+        ("", "non-empty string"),
+        ("a\nb", "control character"),
+        ("manifest.json", "names the manifest itself"),
+        (7, "non-empty string"),
+    ],
+)
+def test_file_path_rules(path: Any, problem: str | None) -> None:
+    if problem is None:
+        assert check_file_path(path) == path
+    else:
+        with pytest.raises(ManifestError, match=problem):
+            check_file_path(path)
+
+
+def test_roundtrip_preserves_every_field() -> None:
+    m = new_manifest(
+        42,
+        [FileEntry("model.safetensors", 10, GOOD_CRC), FileEntry("state.json", 3, "ffffffff")],
+        "crc32c",
+        epoch=3,
+        metrics={"loss": 0.25, "acc": 1, "bad": float("nan")},
+        job="ns/job",
+        attempt=2,
+    )
+    again = parse_manifest(m.to_json(), expected_name="ckpt-000000000042")
+    assert again == m
+    assert again.metrics == {"loss": 0.25, "acc": 1.0, "bad": None}
+    assert again.total_size == 13
+    assert again.name == "ckpt-000000000042"
+    assert again.format_version == FORMAT_VERSION
+    assert again.created.endswith("Z")
+    assert again.created_at.tzinfo is not None
+
+
+def test_sha256_manifests() -> None:
+    m = parse_manifest(raw(doc(checksum_algorithm="sha256", files=[{"path": "a", "size": 1, "checksum": GOOD_SHA}])))
+    assert m.checksum_algorithm == "sha256"
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    assert parse_manifest(raw(doc(future_field={"x": 1}))).step == 100
+
+
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        (b"{not json", "malformed JSON"),
+        (b"\xff\xfe", "malformed JSON"),
+        (b"[]", "top level is not a JSON object"),
+        (raw(doc(format_version=2)), "format_version 2 is not supported"),
+        (raw(doc(format_version=0)), "format_version 0 is not supported"),
+        (raw(doc(format_version="1")), "'format_version' must be an integer"),
+        (raw(doc(step=-5)), "out of range"),
+        (raw(doc(step=True)), "'step' must be an integer"),
+        (raw(doc(epoch="x")), "'epoch' must be an integer"),
+        (raw(doc(checksum_algorithm="md5")), "unknown checksum_algorithm"),
+        (raw(doc(created="yesterday")), "not an RFC 3339 time"),
+        (raw(doc(created=5)), "'created' must be an RFC 3339 string"),
+        (raw(doc(metrics=[1])), "'metrics' must be an object"),
+        (raw(doc(metrics={"loss": "low"})), "metric 'loss' is not a number"),
+        (raw(doc(files={})), "'files' must be a list"),
+        (raw(doc(files=["x"])), "is not an object"),
+        (raw(doc(files=[{"path": "../x", "size": 1, "checksum": GOOD_CRC}])), "escapes the checkpoint"),
+        (raw(doc(files=[{"path": "/abs", "size": 1, "checksum": GOOD_CRC}])), "is absolute"),
+        (raw(doc(files=[{"path": "a", "size": -1, "checksum": GOOD_CRC}])), "size must be a non-negative integer"),
+        (raw(doc(files=[{"path": "a", "size": 1, "checksum": "xyz"}])), "is not a crc32c hex digest"),
+        (raw(doc(files=[{"path": "a", "size": 1, "checksum": GOOD_SHA}])), "is not a crc32c hex digest"),
+        (raw(doc(files=[{"path": "a", "size": 1, "checksum": "0A1B2C3D"}])), "is not a crc32c hex digest"),
+        (
+            raw(doc(files=[{"path": "a", "size": 1, "checksum": GOOD_CRC}, {"path": "a", "size": 1, "checksum": GOOD_CRC}])),
+            "listed twice",
+        ),
+    ],
+)
+def test_malformed_manifests_are_named(data: bytes, problem: str) -> None:
+    with pytest.raises(ManifestError, match=problem):
+        parse_manifest(data)
+
+
+def test_step_must_match_the_checkpoint_name() -> None:
+    with pytest.raises(ManifestError, match="does not match the checkpoint name"):
+        parse_manifest(raw(doc(step=100)), expected_name="ckpt-000000000101")
+
+
+@pytest.mark.parametrize(
+    "metrics, expected",
+    [
+        ({"a": 1}, {"a": 1.0}),
+        ({"a": float("inf"), "b": -2.5}, {"a": None, "b": -2.5}),
+        (None, {}),
+    ],
+)
+def test_clean_metrics(metrics: Any, expected: dict[str, Any]) -> None:
+    assert clean_metrics(metrics) == expected
+
+
+def test_clean_metrics_rejects_non_numbers() -> None:
+    with pytest.raises(ValueError, match="not a number"):
+        clean_metrics({"a": "x"})
+
+
+@pytest.mark.parametrize(
+    "data, step",
+    [
+        (pointer_json(7), 7),
+        (b'{"step": 7, "name": "ckpt-000000000008"}', None),
+        (b'{"step": "7", "name": "ckpt-000000000007"}', None),
+        (b"garbage", None),
+        (b"{}", None),
+    ],
+)
+def test_pointer_parsing(data: bytes, step: int | None) -> None:
+    assert parse_pointer(data) == step
