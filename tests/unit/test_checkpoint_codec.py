@@ -249,8 +249,8 @@ def test_verify_files_accepts_good_files(algorithm: str) -> None:
 @pytest.mark.parametrize(
     "mutate, problem",
     [
-        (lambda s: s.update({"model.safetensors": b"tensor bytes herE"}), "model.safetensors: crc32c checksum mismatch"),
-        (lambda s: s.update({"model.safetensors": b"tensor"}), "model.safetensors: size 6 bytes, manifest says 17 (truncated)"),
+        (lambda s: s.update({"model.safetensors": b"tensor bytes herE"}), "crc32c checksum mismatch"),
+        (lambda s: s.update({"model.safetensors": b"tensor"}), "size 6 bytes, manifest says 17 (truncated)"),
         (lambda s: s.pop("model.safetensors"), "model.safetensors: missing"),
         (lambda s: s.update({"model.safetensors": b"tensor bytes here!"}), "longer than recorded"),
     ],
@@ -330,4 +330,6 @@ def test_which_files_are_treated_as_pickles(path: str, head: bytes, expected: bo
 def test_verify_names_a_pickle_that_would_run_code() -> None:
     files = {"model.pt": pickle.dumps(RunsCode(), protocol=4), STATE_FILE: b"{}"}
     problems = check(manifest_for(files), dict(files))
-    assert problems == ["model.pt: pickle would import posix.system, which can run code (refused: loading it could run code)"]
+    assert problems == [
+        "model.pt: pickle would import posix.system, which can run code (refused: loading it could run code)"
+    ]
