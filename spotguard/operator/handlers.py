@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -126,7 +126,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         # Only spotguard's pods are watched, filtered by the apiserver.
         settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
         if options.webhook:
-            settings.admission.server = kopf.WebhookServer(
+            settings.admission.server = NamespaceAwareWebhookServer(
                 addr=options.webhook_addr,
                 port=options.webhook_port,
                 host=options.webhook_host,
@@ -217,6 +217,27 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 raise kopf.AdmissionError(f"spotguard: {exc}", code=400) from None
 
     return registry
+
+
+class NamespaceAwareWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server, plus the request's namespace copied into the object.
+
+    A pod being created often has no ``metadata.namespace`` yet; the admission
+    request carries it beside the object, where kopf's handlers cannot see it.
+    """
+
+    @staticmethod
+    async def _serve(fn: Any, request: Any) -> Any:
+        async def with_namespace(data: Any, **kwargs: Any) -> Any:
+            req = data.get("request") if isinstance(data, dict) else None
+            obj = req.get("object") if isinstance(req, dict) else None
+            if isinstance(obj, dict) and req and req.get("namespace"):
+                meta = obj.setdefault("metadata", {})
+                if isinstance(meta, dict) and not meta.get("namespace"):
+                    meta["namespace"] = req["namespace"]
+            return await fn(data, **kwargs)
+
+        return await kopf.WebhookServer._serve(cast(Any, with_namespace), request)
 
 
 def _delete_job_pods(ctx: rc.Context, namespace: str, name: str) -> None:
