@@ -1,0 +1,230 @@
+"""The Helm chart, rendered with the real helm binary and checked object by object."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "spotguard"
+CRD = ROOT / "crds" / "trainingjob.yaml"
+
+
+def helm_bin() -> str:
+    from testenv.cluster import bin_dir
+
+    path = bin_dir() / "helm"
+    if path.exists():
+        return str(path)
+    found = shutil.which("helm")
+    if not found:
+        pytest.skip("helm is not installed (run testenv/provision.sh)")
+    return found
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm_bin(), *args], capture_output=True, text=True, check=check, timeout=120)
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    args = ["template", "rel", str(CHART), "--namespace", "spotguard-system"]
+    for s in sets:
+        args += ["--set", s]
+    docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+    for d in docs:
+        assert d.get("apiVersion") and d.get("kind") and d["metadata"].get("name"), d
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"{len(found)} {kind}"
+    return found[0]
+
+
+def operator_command(docs: list[dict[str, Any]]) -> list[str]:
+    containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["operator"]
+    cmd: list[str] = containers[0]["command"]
+    return cmd
+
+
+EXPECTED_RULES = {
+    ("spotguard.dev", "trainingjobs"): {"get", "list", "watch", "patch"},
+    ("spotguard.dev", "trainingjobs/status"): {"get", "patch"},
+    ("", "pods"): {"get", "list", "watch", "create", "delete"},
+    ("", "events"): {"create"},
+    ("", "nodes"): {"get", "list", "watch"},
+    ("", "secrets"): {"get"},
+}
+
+
+def rules(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in one(docs, "ClusterRole")["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.setdefault((group, res), set()).update(rule["verbs"])
+    return out
+
+
+def test_crd_copy_is_identical() -> None:
+    assert (CHART / "files" / "trainingjob.yaml").read_bytes() == CRD.read_bytes(), (
+        "charts/spotguard/files/trainingjob.yaml differs from crds/trainingjob.yaml: "
+        "cp crds/trainingjob.yaml charts/spotguard/files/"
+    )
+
+
+def test_lint_strict() -> None:
+    result = helm("lint", str(CHART), "--strict", check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_default_render() -> None:
+    docs = render()
+    assert sorted(d["kind"] for d in docs) == sorted(
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "CustomResourceDefinition"])
+    crd = one(docs, "CustomResourceDefinition")
+    source = yaml.safe_load(CRD.read_text())
+    assert crd["spec"] == source["spec"]  # the chart installs exactly the source of truth
+    assert crd["metadata"]["name"] == "trainingjobs.spotguard.dev"
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema["properties"]["spec"]["required"] == ["template", "checkpoint"]
+    assert crd["spec"]["versions"][0]["subresources"] == {"status": {}}
+
+    dep = one(docs, "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"] == "rel-spotguard"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    container = pod["containers"][0]
+    assert container["image"] == "ghcr.io/spotguard/spotguard:0.1.0"
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    cmd = operator_command(docs)
+    assert cmd[:2] == ["spotguard", "operator"]
+    assert "--all-namespaces" in cmd and "--metrics-port=8080" in cmd
+    assert "--liveness=http://0.0.0.0:8081/healthz" in cmd
+    assert "--image=ghcr.io/spotguard/spotguard:0.1.0" in cmd
+    assert not any(a.startswith("--webhook") or a.startswith("--peering") for a in cmd)
+
+    svc = one(docs, "Service")
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics"]
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
+                                    "namespace": "spotguard-system"}]
+
+
+def test_rbac_is_exactly_what_the_operator_uses() -> None:
+    assert rules(render()) == EXPECTED_RULES
+    without_secrets = dict(EXPECTED_RULES)
+    del without_secrets[("", "secrets")]
+    assert rules(render("operator.readCheckpoints=false")) == without_secrets
+
+
+def test_every_verb_the_operator_uses_is_granted() -> None:
+    # Each API call in the operator's shell needs one of these (a call added there must be granted here).
+    source = (ROOT / "spotguard" / "operator" / "reconcile.py").read_text()
+    source += (ROOT / "spotguard" / "operator" / "handlers.py").read_text()
+    calls = {
+        "get_namespaced_custom_object": ("spotguard.dev", "trainingjobs", "get"),
+        "patch_namespaced_custom_object_status": ("spotguard.dev", "trainingjobs/status", "patch"),
+        "read_namespaced_pod": ("", "pods", "get"),
+        "create_namespaced_pod": ("", "pods", "create"),
+        "delete_namespaced_pod": ("", "pods", "delete"),
+        "list_namespaced_pod": ("", "pods", "list"),
+        "read_node": ("", "nodes", "get"),
+        "create_namespaced_event": ("", "events", "create"),
+        "read_namespaced_secret": ("", "secrets", "get"),
+    }
+    granted = rules(render())
+    for call, (group, resource, verb) in calls.items():
+        assert call in source, f"{call} no longer used: update this table"
+        assert verb in granted[(group, resource)], call
+
+
+def test_namespaces_crds_and_metrics_switches() -> None:
+    docs = render("operator.watchNamespaces={ml,research}", "crds.keep=false", "metrics.enabled=false")
+    cmd = operator_command(docs)
+    assert "--namespace=ml" in cmd and "--namespace=research" in cmd and "--all-namespaces" not in cmd
+    assert "--metrics-port=0" in cmd
+    assert "annotations" not in one(docs, "CustomResourceDefinition")["metadata"]
+    assert by_kind(docs, "Service") == []
+    assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
+
+
+def test_webhook() -> None:
+    docs = render("webhook.enabled=true")
+    config = one(docs, "MutatingWebhookConfiguration")
+    (hook,) = config["webhooks"]
+    assert hook["objectSelector"] == {"matchLabels": {"spotguard.dev/inject": "true"}}
+    assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == ["CREATE"]
+    assert hook["sideEffects"] == "None"
+    service = hook["clientConfig"]["service"]
+    assert service == {"name": "rel-spotguard", "namespace": "spotguard-system", "path": "/inject-sidecar",
+                       "port": 443}
+    assert b"BEGIN CERTIFICATE" in base64.b64decode(hook["clientConfig"]["caBundle"])
+    secret = one(docs, "Secret")
+    crt = base64.b64decode(secret["data"]["tls.crt"]).decode()
+    text = subprocess.run(["openssl", "x509", "-noout", "-text"], input=crt, capture_output=True, text=True,
+                          check=True).stdout
+    assert "DNS:rel-spotguard.spotguard-system.svc" in text
+    cmd = operator_command(docs)
+    assert "--webhook" in cmd and "--webhook-cert=/tls/tls.crt" in cmd and "--webhook-key=/tls/tls.key" in cmd
+    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["metrics", "webhook"]
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "webhook-tls", "secret": {"secretName": "rel-spotguard-webhook-tls"}} in pod["volumes"]
+    # No RBAC for webhook configurations: the chart, not the operator, registers it.
+    assert not any(g == "admissionregistration.k8s.io" for g, _ in rules(docs))
+
+
+def test_several_replicas_use_kopf_peering() -> None:
+    docs = render("replicaCount=2")
+    dep = one(docs, "Deployment")
+    assert dep["spec"]["replicas"] == 2 and "strategy" not in dep["spec"]
+    assert "--peering=rel-spotguard" in operator_command(docs)
+    assert {c["metadata"]["name"] for c in by_kind(docs, "CustomResourceDefinition")} == {
+        "trainingjobs.spotguard.dev", "clusterkopfpeerings.kopf.dev"}
+    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "rel-spotguard"
+    assert rules(docs)[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
+
+
+def test_service_monitor() -> None:
+    mon = one(render("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"),
+              "ServiceMonitor")
+    assert mon["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    assert mon["metadata"]["labels"]["release"] == "prom"
+
+
+def test_scheduling_values_reach_the_pod() -> None:
+    docs = render("nodeSelector.pool=system", "tolerations[0].key=dedicated", "tolerations[0].operator=Exists")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "system"}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+
+
+@pytest.mark.parametrize("bad", ["replicaCount=0", "operator.nativeSidecar=maybe", "webhook.failurePolicy=Sometimes",
+                                 "metrics.port=70000", "unknownKey=1", "image.pullPolicy=Sometimes"])
+def test_schema_refuses_bad_values(bad: str) -> None:
+    result = helm("template", "rel", str(CHART), "--set", bad, check=False)
+    assert result.returncode != 0
+    assert "values don't meet the specifications" in result.stderr or "at '/" in result.stderr, result.stderr
+
+
+def test_values_schema_is_json() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"])
