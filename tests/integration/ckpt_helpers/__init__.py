@@ -60,3 +60,23 @@ def assert_state_matches(state: dict[str, Any], step: int, numel: int = 4096) ->
             got = state[part][key]
             assert got.dtype == arr.dtype and got.shape == arr.shape, (part, key)
             assert np.array_equal(got, arr), (part, key)
+
+
+def open_test_storage(kind: str, request: Any, tmp_path: Path, **options: Any) -> Any:
+    """A fresh storage root of ``kind`` ("file" or "s3") for one test."""
+    from spotguard.storage import open_storage
+
+    if kind == "file":
+        return open_storage(f"file://{tmp_path}/remote/job", **options)
+    s3_store = request.getfixturevalue("s3_store")
+    s3_uri = request.getfixturevalue("s3_uri")
+    return open_storage(s3_uri, **s3_options(s3_store), **options)
+
+
+def commit_local(directory: Path, step: int, numel: int = 4096, *, algorithm: str = "crc32c",
+                 metrics: dict[str, float] | None = None) -> Path:  # fmt: skip
+    """Write step_tensors(step) as a committed local checkpoint."""
+    from spotguard.checkpoint import snapshot_state, write_checkpoint
+
+    return write_checkpoint(directory, step, snapshot_state(step_tensors(step, numel)), algorithm=algorithm,
+                            metrics=metrics)  # fmt: skip
