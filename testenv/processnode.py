@@ -20,7 +20,10 @@ bound to its nodes as local processes:
   ``Terminated`` with a ``DisruptionTarget`` condition) and ``kill`` (processes
   SIGKILLed, heartbeats stop, Node deleted, a fresh node joins).
 
-Not emulated: images, probes (a running container is ready), lifecycle hooks,
+Differences from a real runtime: SIGTERM goes to the container's whole process
+group (a runtime signals only PID 1, which also ignores signals it has no
+handler for); there is no PID or network namespace (podIP is 127.0.0.1). Not
+emulated: images, probes (a running container is ready), lifecycle hooks,
 resource limits, ``subPathExpr``, token refresh for projected ServiceAccount
 tokens. Container logs go to ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
 
@@ -66,7 +69,6 @@ JSON = dict[str, Any]
 
 MODES = ("drain", "shutdown", "kill")
 LOOPBACK = "127.0.0.1"
-SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 RUN_MARKER = "SPOTGUARD_TESTENV_RUN"
 NODE_LEASE_NAMESPACE = "kube-node-lease"
 HEARTBEAT_SECONDS = 5.0
