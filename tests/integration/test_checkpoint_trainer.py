@@ -1,0 +1,305 @@
+"""The Checkpointer: intervals, two-phase saves, the control channel, signals, restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from ckpt_helpers import assert_state_matches, commit_local, s3_options, step_tensors
+
+from spotguard.checkpoint import list_local_committed, read_local_manifest, upload_checkpoint, verify_checkpoint
+from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.storage import open_storage
+from spotguard.trainer import ACK_FILE, EXIT_FILE, PID_FILE, REQUEST_FILE, Checkpointer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def ckdir(tmp_path: Path) -> Path:
+    return tmp_path / "ckpts"
+
+
+@pytest.fixture
+def restore_signals() -> Iterator[None]:
+    """Start from the default handlers (the test session's own SIGTERM handler
+    would be chained), and put the session's back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def steps_of(directory: Path) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in list_local_committed(directory)]
+
+
+def write_request(ctl: Path, **doc: Any) -> None:
+    ctl.mkdir(parents=True, exist_ok=True)
+    tmp = ctl / ".req.tmp"
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, ctl / REQUEST_FILE)
+
+
+def read_ack(ctl: Path) -> dict[str, Any]:
+    return json.loads((ctl / ACK_FILE).read_text())
+
+
+def test_interval_in_steps_and_async_save(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir, save_every_steps=5, keep_local=10)
+    due = [s for s in range(0, 21) if ck.should_save(s)]
+    assert due == [5, 10, 15, 20]
+    assert ck.save(5, step_tensors(5), metrics={"loss": 0.5}, epoch=1) is None  # persisted in the background
+    assert not ck.should_save(5) and ck.has_saved(5)
+    assert ck.wait()
+    assert steps_of(ckdir) == [5]
+    m = read_local_manifest(ckdir / checkpoint_name(5))
+    assert m.metrics == {"loss": 0.5} and m.epoch == 1 and m.checksum_algorithm == "crc32c"
+    path = ck.save(10, step_tensors(10), blocking=True)
+    assert path == ckdir / checkpoint_name(10)
+    assert ck.last_stall_seconds >= 0 and ck.last_error is None
+    ck.close()
+
+
+def test_interval_in_seconds(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir, save_every_seconds=0.05)
+    assert not ck.should_save(1)
+    time.sleep(0.1)
+    assert ck.should_save(2)
+    ck.save(2, step_tensors(2), blocking=True)
+    assert not ck.should_save(3)  # the clock restarted at the save
+    ck.close()
+
+
+def test_a_new_save_waits_for_the_previous_write_and_keeps_both(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir, keep_local=10)
+    for step in range(1, 6):
+        ck.save(step, step_tensors(step, numel=200_000))
+    ck.close()
+    assert steps_of(ckdir) == [1, 2, 3, 4, 5]
+    for step in range(1, 6):
+        from spotguard.checkpoint import load_checkpoint_state
+
+        assert_state_matches(load_checkpoint_state(ckdir / checkpoint_name(step)), step, numel=200_000)
+
+
+def test_snapshot_is_taken_at_save_time(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir)
+    arr = np.zeros(1_000_000, dtype=np.float32)
+    ck.save(1, {"w": arr})
+    arr += 1  # training goes on mutating the live state while the write is in flight
+    ck.close()
+    from spotguard.checkpoint import load_checkpoint_state
+
+    assert not load_checkpoint_state(ckdir / checkpoint_name(1))["w"].any()
+
+
+def test_local_pruning_keeps_the_newest(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir, keep_local=2)
+    for step in range(1, 5):
+        ck.save(step, step_tensors(step), blocking=True)
+    assert steps_of(ckdir) == [3, 4]
+
+
+def test_local_retention_policy_without_storage(ckdir: Path) -> None:
+    from spotguard.checkpoint import RetentionPolicy
+
+    ck = Checkpointer(ckdir, retention=RetentionPolicy(keep_last=1, keep_best=1, metric="loss"))
+    for step, loss in [(1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)]:
+        ck.save(step, step_tensors(step), metrics={"loss": loss}, blocking=True)
+    assert steps_of(ckdir) == [2, 4]
+
+
+def test_preempting_request_file_is_synchronous_and_acknowledged(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir, save_every_steps=1000)
+    ctl = ckdir / ".control"
+    assert not ck.should_save(1)
+    write_request(ctl, id="req-1", reason="notice:aws", deadline=time.time() + 60, preempt=True)
+    assert ck.request_pending and ck.should_save(2)
+    assert not ck.preempted
+    path = ck.save(2, step_tensors(2))  # synchronous because a preemption is pending
+    assert path == ckdir / checkpoint_name(2)
+    assert ck.preempted
+    assert read_ack(ctl) == {"id": "req-1", "step": 2, "name": checkpoint_name(2)}
+    assert not ck.should_save(3)  # the same request is not served twice
+    ck.close()
+    # A new trainer (after a restart) does not act on the answered request again.
+    again = Checkpointer(ckdir)
+    assert not again.should_save(3)
+    assert not again.preempted
+
+
+def test_proactive_request_is_saved_in_the_background_and_acknowledged(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir)
+    ctl = ckdir / ".control"
+    write_request(ctl, id="p1", reason="proactive", deadline=time.time() + 60, preempt=False)
+    assert ck.should_save(7)
+    assert ck.save(7, step_tensors(7)) is None
+    ck.wait()
+    assert read_ack(ctl) == {"id": "p1", "step": 7, "name": checkpoint_name(7)}
+    assert not ck.preempted
+
+
+def test_request_for_an_already_saved_step_is_answered_without_rewriting(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir)
+    ck.save(3, step_tensors(3))
+    write_request(ckdir / ".control", id="r", reason="sigterm", preempt=True)
+    assert ck.should_save(3)
+    assert ck.save(3, step_tensors(3)) == ckdir / checkpoint_name(3)
+    assert ck.preempted and read_ack(ckdir / ".control")["step"] == 3
+
+
+def test_malformed_request_files_are_ignored(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir)
+    (ckdir / ".control").mkdir(parents=True, exist_ok=True)
+    (ckdir / ".control" / REQUEST_FILE).write_text("{torn")
+    assert not ck.should_save(1)
+
+
+def test_deadline_already_passed_abandons_the_write_cleanly(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir)
+    ck.save(1, step_tensors(1), blocking=True)
+    write_request(ckdir / ".control", id="late", reason="notice:gce", deadline=time.time() - 1, preempt=True)
+    assert ck.should_save(2)
+    assert ck.save(2, step_tensors(2)) is None
+    assert ck.preempted
+    assert steps_of(ckdir) == [1]
+    assert not [p for p in ckdir.iterdir() if p.name.startswith(".tmp-")]
+    assert read_ack(ckdir / ".control") == {"id": "late", "step": 1, "name": checkpoint_name(1), "complete": False}
+
+
+def test_sigterm_sets_a_flag_then_the_save_is_synchronous(ckdir: Path, restore_signals: None) -> None:
+    calls: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))
+    ck = Checkpointer(ckdir, handle_signals=True)
+    assert json.loads((ckdir / ".control" / PID_FILE).read_text()) == {"pid": os.getpid()}
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert calls == [signal.SIGTERM]  # the previous Python handler is still called
+    assert ck.should_save(4)
+    assert ck.save(4, step_tensors(4)) == ckdir / checkpoint_name(4)
+    assert ck.preempted
+    ack = read_ack(ckdir / ".control")
+    assert ack["step"] == 4 and ack["id"].startswith("sigterm-")
+    ck._atexit()
+    assert json.loads((ckdir / ".control" / EXIT_FILE).read_text())["preempted"] is True
+    ck.close()
+    assert signal.getsignal(signal.SIGTERM) is not None and calls == [signal.SIGTERM]
+
+
+def test_sigterm_during_a_background_write_does_not_break_it(ckdir: Path, restore_signals: None) -> None:
+    ck = Checkpointer(ckdir, handle_signals=True)
+    ck.save(1, step_tensors(1, numel=2_000_000))
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert ck.should_save(2)
+    ck.save(2, step_tensors(2))
+    assert steps_of(ckdir) == [1, 2]
+    assert ck.preempted
+
+
+def test_sigusr1_without_a_request_asks_for_a_proactive_checkpoint(ckdir: Path, restore_signals: None) -> None:
+    ck = Checkpointer(ckdir, handle_signals=True)
+    assert not ck.should_save(1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert ck.should_save(2)
+    ck.save(2, step_tensors(2))
+    ck.wait()
+    assert not ck.preempted and steps_of(ckdir) == [2]
+    ck.close()
+
+
+def test_restore_prefers_local_and_skips_a_broken_newest(ckdir: Path) -> None:
+    commit_local(ckdir, 1)
+    broken = commit_local(ckdir, 2)
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    ck = Checkpointer(ckdir)
+    state = ck.restore()
+    assert state is not None and state.step == 1
+    assert_state_matches(dict(state), 1)
+    assert ck.has_saved(1) and not ck.should_save(1)
+
+
+def test_restore_downloads_from_storage_when_no_local_checkpoint(tmp_path: Path, s3_store: Any,
+                                                                 s3_uri: str) -> None:  # fmt: skip
+    storage = open_storage(s3_uri, **s3_options(s3_store))
+    upload_checkpoint(commit_local(tmp_path / "elsewhere", 12), storage)
+    ck = Checkpointer(tmp_path / "fresh", storage_uri=s3_uri, storage_options=s3_options(s3_store))
+    state = ck.restore()
+    assert state is not None and state.step == 12 and state.name == checkpoint_name(12)
+    assert_state_matches(dict(state), 12)
+    assert steps_of(tmp_path / "fresh") == [12]
+
+
+def test_nothing_to_restore(tmp_path: Path) -> None:
+    ck = Checkpointer(tmp_path / "empty", storage_uri=f"file://{tmp_path}/remote")
+    assert ck.restore() is None
+
+
+def test_upload_mode_uploads_each_checkpoint(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
+    from spotguard.checkpoint import RetentionPolicy
+
+    ck = Checkpointer(tmp_path / "ck", storage_uri=s3_uri, storage_options=s3_options(s3_store), upload=True,
+                      retention=RetentionPolicy(keep_last=2))  # fmt: skip
+    for step in (1, 2, 3):
+        ck.save(step, step_tensors(step))
+    ck.close()
+    storage = open_storage(s3_uri, **s3_options(s3_store))
+    from spotguard.checkpoint import list_checkpoint_names, read_latest_pointer
+
+    assert list_checkpoint_names(storage) == [checkpoint_name(2), checkpoint_name(3)]
+    assert verify_checkpoint(storage, checkpoint_name(3)).ok
+    assert read_latest_pointer(storage) == 3
+
+
+def test_stale_temporary_directories_are_removed_at_start(ckdir: Path) -> None:
+    leftover = ckdir / ".tmp-ckpt-000000000009-deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"partial")
+    Checkpointer(ckdir)
+    assert not leftover.exists()
+
+
+def test_from_env(tmp_path: Path) -> None:
+    env = {
+        "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ck"),
+        "SPOTGUARD_STORAGE_URI": f"file://{tmp_path}/remote/ns/job",
+        "SPOTGUARD_CONTROL_DIR": str(tmp_path / "ctl"),
+        "SPOTGUARD_SAVE_EVERY_STEPS": "50",
+        "SPOTGUARD_SAVE_EVERY_SECONDS": "600",
+        "SPOTGUARD_CHECKSUM": "sha256",
+        "SPOTGUARD_KEEP_LAST": "3",
+        "SPOTGUARD_JOB": "ns/job",
+        "SPOTGUARD_ATTEMPT": "4",
+    }
+    ck = Checkpointer.from_env(env, handle_signals=False)
+    assert ck.directory == tmp_path / "ck" and ck.control_dir == tmp_path / "ctl"
+    assert ck.storage_uri == f"file://{tmp_path}/remote/ns/job"
+    assert (ck.save_every_steps, ck.save_every_seconds, ck.checksum) == (50, 600.0, "sha256")
+    assert ck.retention is not None and ck.retention.keep_last == 3
+    ck.save(1, step_tensors(1), blocking=True)
+    m = read_local_manifest(tmp_path / "ck" / checkpoint_name(1))
+    assert (m.job, m.attempt, m.checksum_algorithm) == ("ns/job", 4, "sha256")
+    override = Checkpointer.from_env(env, handle_signals=False, save_every_steps=7)
+    assert override.save_every_steps == 7
+
+
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("SPOTGUARD_SAVE_EVERY_STEPS", "ten", "SPOTGUARD_SAVE_EVERY_STEPS must be an integer"),
+        ("SPOTGUARD_SAVE_EVERY_SECONDS", "-5", "must not be negative"),
+        ("SPOTGUARD_CHECKSUM", "md5", "unknown checksum algorithm 'md5'"),
+        ("SPOTGUARD_ATTEMPT", "x", "SPOTGUARD_ATTEMPT must be an integer"),
+    ],
+)
+def test_from_env_rejects_bad_values(tmp_path: Path, key: str, value: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        Checkpointer.from_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path), key: value}, handle_signals=False)
