@@ -23,7 +23,7 @@ unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check spotguard tests testenv
+	$(VENV)/bin/ruff check spotguard tests testenv bench
 	$(VENV)/bin/mypy
 
 demo:
@@ -39,6 +39,10 @@ dev-cluster-down:
 preempt:
 	@test -n "$(POD)" || { echo "usage: make preempt POD=<name> MODE=drain|shutdown|kill [NAMESPACE=default]"; exit 2; }
 	$(PY) -m testenv.processnode preempt --state-dir $(DEV)/nodes --pod $(POD) --namespace $(or $(NAMESPACE),default) --mode $(or $(MODE),drain)
+
+# Side-by-side benchmarks; writes docs/benchmarks.md and docs/bench/*.png.
+bench: setup
+	$(PY) -m bench.run
 
 clean:
 	rm -rf $(VENV) $(DEV) .pytest_cache .mypy_cache .ruff_cache
