@@ -90,7 +90,7 @@ class Section:
     """One benchmark's results: a markdown table, notes, a plot, the goal verdicts."""
 
     title: str
-    command: str
+    command: str  # the --only value that reproduces this section
     headers: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -98,7 +98,8 @@ class Section:
     goals: list[tuple[str, bool, str]] = field(default_factory=list)  # (goal, met, detail)
 
     def markdown(self) -> str:
-        out = [f"## {self.title}", "", f"Reproduce: `{self.command}`", ""]
+        out = [f"## {self.title}", "", f"Reproduce: `.venv/bin/python -m bench.run --only {self.command}` "
+               "(part of `make bench`)", ""]
         if self.headers:
             out.append("| " + " | ".join(self.headers) + " |")
             out.append("|" + "---|" * len(self.headers))

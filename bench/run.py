@@ -44,7 +44,6 @@ from testenv import cluster  # noqa: E402
 
 DOCS = ROOT / "docs"
 PLOTS = DOCS / "bench"
-CMD = "make bench"
 
 
 class Ctx:
@@ -114,7 +113,7 @@ def bench_checksum(ctx: Ctx) -> Section:
     run("SHA-256 (hashlib)", lambda v: hashlib.sha256(v).digest())
     run("CRC32 (zlib)", lambda v: zlib.crc32(v))
     crc, sha = results["CRC32C (google-crc32c)"], results["SHA-256 (hashlib)"]
-    s = Section("Checksum throughput", f"{CMD} (or `python -m bench.run --only checksum`)",
+    s = Section("Checksum throughput", "checksum",
                 ["algorithm", "GiB/s", "vs SHA-256"])  # fmt: skip
     for k, v in results.items():
         s.rows.append([k, fmt(v), fmt(v / sha) + "x"])
@@ -192,7 +191,7 @@ def bench_stall(ctx: Ctx) -> Section:
     sg_tp, raw_tp = ckpt_bytes / persist / MiB, ckpt_bytes / raw / MiB
     ctx.costs.update(stall_sg=stall, stall_torch_save=base_sync, persist=persist, state_bytes=nbytes)
 
-    s = Section("Trainer stall per checkpoint", f"{CMD} (or `python -m bench.run --only stall`)",
+    s = Section("Trainer stall per checkpoint", "stall",
                 ["method", "trainer blocked (s)", "ratio vs spotguard"])  # fmt: skip
     s.rows += [
         ["spotguard two-phase save (snapshot, persist in background)", fmt(stall, 3), "1.0x"],
@@ -215,7 +214,7 @@ def bench_stall(ctx: Ctx) -> Section:
         f"State: a model and AdamW moments, {nbytes / MiB:.0f} MiB of tensors "
         f"({ckpt_bytes / MiB:.0f} MiB on disk as a checkpoint); median of {reps} saves after one warm-up."
     )
-    s2 = Section("Persist throughput", f"{CMD} (or `python -m bench.run --only stall`)",
+    s2 = Section("Persist throughput", "stall",
                  ["method", "MiB/s", "share of raw write"])  # fmt: skip
     s2.rows += [
         ["spotguard background persist (safetensors + CRC32C + fsync + manifest + rename)", fmt(sg_tp, 0),
@@ -277,7 +276,7 @@ def bench_upload(ctx: Ctx) -> Section:
         ok = verify_checkpoint(storage, res.name).ok
     assert ok
     sg_wall = rows["spotguard upload_checkpoint"][0]
-    s = Section("Upload to S3 (SeaweedFS on this machine)", f"{CMD} (or `python -m bench.run --only stall,upload`)",
+    s = Section("Upload to S3 (SeaweedFS on this machine)", "stall,upload",
                 ["method", "MiB/s", "CPU s per GiB", "speed vs spotguard"])  # fmt: skip
     for name, (wall, cpu) in rows.items():
         s.rows.append([name, fmt(nbytes / wall / MiB, 0), fmt(cpu / (nbytes / GiB), 2), fmt(sg_wall / wall, 2) + "x"])
@@ -341,7 +340,7 @@ def bench_resume(ctx: Ctx) -> Section:
     t_sg = median([sg() for _ in range(reps)])
     t_naive = median([naive() for _ in range(reps)])
     ctx.costs["resume"] = t_sg
-    s = Section("Resume: download + verify + load", f"{CMD} (or `python -m bench.run --only stall,resume`)",
+    s = Section("Resume: download + verify + load", "stall,resume",
                 ["method", "seconds", "ratio vs spotguard"])  # fmt: skip
     s.rows += [
         ["spotguard restore_latest (verified, checksummed) + load", fmt(t_sg), "1.0x"],
@@ -413,7 +412,7 @@ def bench_sigterm(ctx: Ctx) -> Section:
     fits = (25 - a) / b if b > 0 else float("inf")
     ctx.costs["emergency_per_gb"] = b
     ctx.costs["emergency_fixed"] = a
-    s = Section("SIGTERM to checkpoint verified in S3", f"{CMD} (or `python -m bench.run --only sigterm`)",
+    s = Section("SIGTERM to checkpoint verified in S3", "sigterm",
                 ["state", "SIGTERM -> verified (s)", "effective MiB/s", "exit code"])  # fmt: skip
     for gb, latency, rc in results:
         s.rows.append([f"{gb:g} GiB", fmt(latency), fmt(gb * 1024 / latency, 0), str(rc)])
@@ -458,7 +457,7 @@ def bench_goodput(ctx: Ctx) -> Section:
     )
     trace = goodput.Trace(mtbf_hours=1.0, notice_seconds=30.0, job_hours=24.0)
     res = goodput.compare(costs, trace, trials=400, seed=7)
-    s = Section("Goodput over a preemption trace (simulation)", f"{CMD} (or `python -m bench.run --only goodput`)",
+    s = Section("Goodput over a preemption trace (simulation)", "goodput",
                 ["strategy", "checkpoint interval", "goodput", "wall hours for 24 h of compute"])  # fmt: skip
     for r in res:
         s.rows.append([r.name, r.interval, f"{r.goodput:.1%}", fmt(r.wall_hours, 1)])
