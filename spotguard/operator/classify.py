@@ -55,6 +55,9 @@ class PodEnd:
     lost_steps: int | None = None
     #: When the last container stopped (RFC 3339), if the pod says.
     ended_at: str | None = None
+    #: The attempt ended but its pod lingers: "force" (its node is gone) or
+    #: "graceful" (the trainer failed while a classic sidecar keeps the pod up).
+    stop_pod: Literal["force", "graceful"] | None = None
 
 
 def _conditions(status: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
@@ -105,6 +108,22 @@ def _report_step(report: Mapping[str, Any] | None) -> int | None:
         return None
     step = report.get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _crashed_beside_sidecar(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """A user container that already failed in a pod that is still running."""
+    for cs in _container_statuses(status, "containerStatuses"):
+        if cs.get("name") == SIDECAR_CONTAINER:
+            continue
+        state = cs.get("state") or {}
+        term = state.get("terminated") if isinstance(state, Mapping) else None
+        if not isinstance(term, Mapping):
+            continue
+        if term.get("reason") == "OOMKilled":
+            return "OOMKilled", f"container {cs.get('name')} was killed for using too much memory (OOMKilled)"
+        if term.get("exitCode", 0) != 0:
+            return "Error", f"container {cs.get('name')} exited with code {term.get('exitCode')}"
+    return None
 
 
 def _disruption(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -219,12 +238,18 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
 
     # Pending, Running, Unknown or no phase yet: not ended, unless its node is gone.
     if node and not node_exists:
-        return PodEnd("preempted", "NodeLost", f"node {node} is gone", step)
+        return PodEnd("preempted", "NodeLost", f"node {node} is gone", step, stop_pod="force")
     if pod_reason == "NodeLost":
-        return PodEnd("preempted", "NodeLost", pod_message or f"node {node} is unreachable", step)
-    if deleting:
+        return PodEnd("preempted", "NodeLost", pod_message or f"node {node} is unreachable", step,
+                      stop_pod="force")
+    if deleting or _disruption(status) is not None:
         return PodEnd("running", "Terminating", "the pod is shutting down")
     if phase == "Running":
+        crashed = _crashed_beside_sidecar(status)
+        if crashed is not None:
+            # A classic sidecar may not see that its trainer is gone and would
+            # keep the pod running: the attempt has failed, stop the pod.
+            return PodEnd("failed", crashed[0], crashed[1], step, stop_pod="graceful")
         return PodEnd("running", "Running")
     for cond in _conditions(status):
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":

@@ -314,9 +314,10 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
     if isinstance(step, int):
         record["step"] = step
     st["lastPodEnd"] = record
-    # An orphan whose node is gone would linger ~a minute; remove it now.
-    delete = current if end.reason == "NodeLost" else None
-    force = delete is not None
+    # An orphan whose node is gone would linger ~a minute, and a pod whose
+    # trainer failed beside a classic sidecar might never end: remove them now.
+    delete = current if end.stop_pod else None
+    force = end.stop_pod == "force"
     d.cond(COND_RUNNING, False, R_POD_ENDED, f"pod {current} ended: {end.reason}")
 
     if end.kind == "succeeded":

@@ -130,6 +130,15 @@ CASES: list[tuple[str, dict[str, Any] | None, bool, str, str]] = [
     ("unknown phase, node controller NodeLost", pod("Unknown", reason="NodeLost"), True, "preempted", "NodeLost"),
     ("unknown phase, node still there", pod("Unknown"), True, "running", "Pending"),
     ("terminating", pod("Running", containers=[running("trainer")], deleting=True), True, "running", "Terminating"),
+    ("node shutdown under way (DisruptionTarget on a running pod)",
+     pod("Running", containers=[term("trainer", 137), running(SIDECAR)],
+         conditions=[{**DISRUPTION, "reason": "TerminationByKubelet"}]), True, "running", "Terminating"),
+    ("classic sidecar keeps a crashed trainer's pod running",
+     pod("Running", containers=[term("trainer", 1), running(SIDECAR)]), True, "failed", "Error"),
+    ("OOM beside a running classic sidecar",
+     pod("Running", containers=[term("trainer", 137, "OOMKilled"), running(SIDECAR)]), True, "failed", "OOMKilled"),
+    ("trainer done, classic sidecar still shipping",
+     pod("Running", containers=[term("trainer", 0), running(SIDECAR)]), True, "running", "Running"),
     ("unscheduled, no node", pod("Pending", node=None,
                                  conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                               "message": "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."}]),
@@ -177,3 +186,15 @@ def test_malformed_sidecar_messages_are_ignored(message: str) -> None:
         assert sidecar_report(p) is not None
     else:
         assert sidecar_report(p) is None
+
+
+@pytest.mark.parametrize(("pod_obj", "node_exists", "stop"), [
+    (pod("Running", containers=[running("trainer")]), False, "force"),
+    (pod("Unknown", reason="NodeLost"), True, "force"),
+    (pod("Running", containers=[term("trainer", 2), running(SIDECAR)]), True, "graceful"),
+    (pod("Failed", containers=[term("trainer", 2), term(SIDECAR, 0)]), True, None),
+    (pod("Succeeded", containers=OK, deleting=True), True, None),
+    (None, True, None),
+])
+def test_which_ended_pods_must_be_stopped(pod_obj: dict[str, Any] | None, node_exists: bool, stop: str | None) -> None:
+    assert classify_pod_end(pod_obj, node_exists).stop_pod == stop

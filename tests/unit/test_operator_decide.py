@@ -23,7 +23,7 @@ RUNNING = PodEnd("running", "Running")
 PENDING = PodEnd("running", "Pending")
 DONE = PodEnd("succeeded", "Completed", "training finished")
 DRAINED = PodEnd("preempted", "PodDeleted", "the pod was deleted (drain or eviction)", step=40)
-LOST = PodEnd("preempted", "NodeLost", "node spot-1 is gone")
+LOST = PodEnd("preempted", "NodeLost", "node spot-1 is gone", stop_pod="force")
 CRASH = PodEnd("failed", "Error", "container trainer exited with code 1")
 
 
@@ -100,6 +100,13 @@ def test_node_lost_deletes_the_orphan_at_once() -> None:
     d = step(s, LOST)
     assert d.delete_pod == "job-a1" and d.force_delete
     assert d.create_attempt == 2
+
+
+def test_crash_beside_a_classic_sidecar_stops_the_pod() -> None:
+    s = step(step(None, None).status, RUNNING).status
+    d = step(s, PodEnd("failed", "Error", "container trainer exited with code 1", stop_pod="graceful"))
+    assert d.delete_pod == "job-a1" and not d.force_delete
+    assert d.status["failures"] == 1
 
 
 def test_pod_that_vanished_counts_as_preempted() -> None:
