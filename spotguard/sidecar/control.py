@@ -53,12 +53,17 @@ class CheckpointRequest:
 
 @dataclass(frozen=True)
 class CheckpointAck:
-    """The trainer's answer: which checkpoint it committed for which request."""
+    """The trainer's answer: which checkpoint it committed for which request.
+
+    ``step``/``name`` are None, or ``complete`` False, when the trainer could
+    not commit a checkpoint for the request (deadline passed, write failed).
+    """
 
     id: str | None
-    step: int
-    name: str
+    step: int | None
+    name: str | None
     mtime: float
+    complete: bool = True
 
 
 def control_dir_from_env(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> Path:
@@ -115,14 +120,15 @@ class ControlChannel:
         try:
             stat = self.ack_path.stat()
             doc = json.loads(self.ack_path.read_text(encoding="utf-8"))
-            ack_id = doc.get("id")
+            ack_id, step, name = doc.get("id"), doc.get("step"), doc.get("name")
             return CheckpointAck(
                 id=str(ack_id) if ack_id is not None else None,
-                step=int(doc["step"]),
-                name=str(doc["name"]),
+                step=int(step) if step is not None else None,
+                name=str(name) if name is not None else None,
                 mtime=stat.st_mtime,
+                complete=bool(doc.get("complete", True)) and step is not None,
             )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, TypeError, AttributeError):
             return None
 
     def trainer_pid(self) -> int | None:
@@ -186,18 +192,83 @@ def is_trainer_process(pid: int, markers: Mapping[str, str]) -> bool:
     """
     if pid <= 0 or pid == os.getpid():
         return False
+    env = _environ(pid)
+    if env is None or not markers:
+        return False
+    for key, want in markers.items():
+        got = env.get(key.encode())
+        if got is None or _norm(got.decode(errors="replace")) != _norm(want):
+            return False
+    return True
+
+
+def _norm(value: str) -> str:
+    # "/spotguard/checkpoints/" and "/spotguard/checkpoints" name the same directory.
+    return os.path.normpath(value) if value.startswith("/") else value
+
+
+def _environ(pid: int) -> dict[bytes, bytes] | None:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
+        return None
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def find_trainer_processes(markers: Mapping[str, str]) -> list[int]:
+    """Pids of visible processes that carry all ``markers`` in their environment.
+
+    This is how a sidecar that shares the trainer's PID namespace (a classic
+    sidecar with ``shareProcessNamespace``, a process node, ``spotguard
+    run``) sees whether the trainer still runs, without the trainer's help.
+    Other sidecars (``spotguard sidecar``) and this process are excluded.
+    Used for liveness only, never to pick a process to signal: a match may
+    be a wrapper shell or a data-loader worker.
+    """
+    if not markers:
+        return []
+    want = {k.encode(): _norm(v) for k, v in markers.items()}
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        env = _environ(int(entry))
+        if not env or any(_norm(env.get(k, b"").decode(errors="replace")) != v for k, v in want.items()):
+            continue
+        cmd = _cmdline(int(entry))
+        if b"sidecar" in cmd and any(part.endswith(b"spotguard") or part == b"spotguard.cli" for part in cmd):
+            continue
+        if pid_alive(int(entry)):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def catches_signal(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler installed for ``sig`` right now (``SigCgt``).
+
+    SIGUSR1's default action kills: a trainer that has already put its
+    handlers back (it is exiting) must not be signalled.
+    """
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    except (OSError, ValueError, IndexError):
         return False
-    env = dict(
-        item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item
-    )
-    for key, want in markers.items():
-        got = env.get(key.encode())
-        if got is None or os.path.realpath(got.decode(errors="replace")) != os.path.realpath(want):
-            return False
-    return bool(markers)
+    return False
 
 
 def signal_trainer(
@@ -207,7 +278,7 @@ def signal_trainer(
     check: Callable[[int, Mapping[str, str]], bool] = is_trainer_process,
 ) -> bool:
     """Send ``sig`` to the trainer if its identity checks out; True if sent."""
-    if pid is None or not check(pid, markers):
+    if pid is None or not check(pid, markers) or not catches_signal(pid, sig):
         return False
     try:
         os.kill(pid, sig)

@@ -1,0 +1,1 @@
+"""The packaged demo: a deterministic training script and the ``spotguard demo`` runner."""

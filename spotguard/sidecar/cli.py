@@ -1,0 +1,319 @@
+"""``spotguard sidecar``, ``spotguard run`` and ``spotguard demo``.
+
+Argument parsing only; heavy imports (boto3, torch, kubernetes) happen in
+the handlers so ``spotguard --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("spotguard.sidecar")
+
+DEFAULT_CHECKPOINT_DIR = "/spotguard/checkpoints"
+DEFAULT_METRICS_PORT = 9400
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _float_env(name: str, default: float) -> float:
+    value = _env(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"spotguard: error: {name}={value!r} is not a number") from None
+
+
+def _int_env(name: str, default: int) -> int:
+    value = _env(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"spotguard: error: {name}={value!r} is not an integer") from None
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sidecar``, ``run`` and ``demo`` to the top-level parser."""
+    _register_sidecar(subparsers)
+    _register_run(subparsers)
+    _register_demo(subparsers)
+
+
+# -- sidecar ------------------------------------------------------------------
+
+
+def _register_sidecar(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "sidecar",
+        help="in-pod uploader: ship checkpoints, handle SIGTERM and notices, serve metrics",
+        description="Watch the shared checkpoint directory, upload and verify each committed "
+        "checkpoint, and on SIGTERM or a preemption notice get an emergency checkpoint "
+        "verified in storage before the deadline.",
+    )
+    p.add_argument("--storage", default=_env("SPOTGUARD_STORAGE_URI"),
+                   help="job's checkpoint root, s3://BUCKET/PREFIX or file:///PATH "
+                   "(env SPOTGUARD_STORAGE_URI)")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   default=Path(_env("SPOTGUARD_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR) or ""),
+                   help="shared local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR, "
+                   f"default {DEFAULT_CHECKPOINT_DIR})")
+    p.add_argument("--control-dir", type=Path, default=None,
+                   help="control channel directory (env SPOTGUARD_CONTROL_DIR, "
+                   "default CHECKPOINT_DIR/.control)")
+    p.add_argument("--trainer-pid-file", type=Path, default=None,
+                   help="file holding the trainer's pid (default CONTROL_DIR/trainer.pid)")
+    p.add_argument("--grace-seconds", type=float,
+                   default=_float_env("SPOTGUARD_GRACE_SECONDS", 30.0),
+                   help="time between SIGTERM and the kill (env SPOTGUARD_GRACE_SECONDS, "
+                   "default 30)")
+    p.add_argument("--safety-margin", type=float,
+                   default=_float_env("SPOTGUARD_SAFETY_MARGIN_SECONDS", 5.0),
+                   help="seconds kept free at the end of the grace period (default 5)")
+    p.add_argument("--mode", choices=("classic", "native"),
+                   default=_env("SPOTGUARD_SIDECAR_MODE", "classic"),
+                   help="classic: exit once the trainer has exited and everything is shipped; "
+                   "native (Kubernetes native sidecar): run until SIGTERM")
+    p.add_argument("--metrics-port", type=int,
+                   default=_int_env("SPOTGUARD_METRICS_PORT", DEFAULT_METRICS_PORT),
+                   help=f"Prometheus metrics port, 0 to disable (default {DEFAULT_METRICS_PORT})")
+    p.add_argument("--metrics-addr", default=_env("SPOTGUARD_METRICS_ADDR", "0.0.0.0"),
+                   help="address to serve metrics on (default 0.0.0.0)")
+    _add_notice_args(p)
+    p.add_argument("--proactive-interval", type=float,
+                   default=_float_env("SPOTGUARD_PROACTIVE_INTERVAL", 0.0),
+                   help="when the emergency checkpoint would not fit the grace period, request "
+                   "a checkpoint every this many seconds (0: never, the default)")
+    p.add_argument("--keep-local", type=int, default=_int_env("SPOTGUARD_KEEP_LOCAL", 1),
+                   help="local checkpoints kept after a newer one is verified (default 1)")
+    p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=_sidecar)
+
+
+def _add_notice_args(p: argparse.ArgumentParser) -> None:
+    from spotguard.sidecar import notices as n
+
+    p.add_argument("--notices", default=_env("SPOTGUARD_NOTICES", ""),
+                   help="early notice sources to poll, comma-separated from aws,gce,azure,k8s "
+                   "(env SPOTGUARD_NOTICES; default none)")
+    p.add_argument("--aws-imds-endpoint",
+                   default=_env("SPOTGUARD_AWS_IMDS_ENDPOINT", n.AWS_IMDS_ENDPOINT))
+    p.add_argument("--gce-metadata-endpoint",
+                   default=_env("SPOTGUARD_GCE_METADATA_ENDPOINT", n.GCE_METADATA_ENDPOINT))
+    p.add_argument("--azure-metadata-endpoint",
+                   default=_env("SPOTGUARD_AZURE_METADATA_ENDPOINT", n.AZURE_METADATA_ENDPOINT))
+    p.add_argument("--notice-interval", type=float,
+                   default=_float_env("SPOTGUARD_NOTICE_INTERVAL", 2.0),
+                   help="seconds between notice polls (default 2)")
+    p.add_argument("--notice-stops-training", action="store_true",
+                   default=_env("SPOTGUARD_NOTICE_STOPS_TRAINING", "") in ("1", "true", "yes"),
+                   help="stop training after a notice's checkpoint instead of continuing "
+                   "until SIGTERM")
+
+
+def _notice_sources(args: argparse.Namespace) -> list[Any]:
+    from spotguard.sidecar.notices import NoticeSettings, build_sources, parse_sources
+
+    settings = NoticeSettings.from_env()
+    settings.sources = parse_sources(args.notices or "")
+    settings.aws_endpoint = args.aws_imds_endpoint
+    settings.gce_endpoint = args.gce_metadata_endpoint
+    settings.azure_endpoint = args.azure_metadata_endpoint
+    settings.interval_seconds = args.notice_interval
+    return build_sources(settings)
+
+
+def _retention_from_env() -> Any | None:
+    """The job's retention policy (``SPOTGUARD_KEEP_*``), or None to keep everything."""
+    from spotguard.checkpoint import RetentionPolicy
+
+    policy = RetentionPolicy.from_env(os.environ)
+    return None if policy.keeps_everything else policy
+
+
+def _fail(message: str) -> int:
+    print(f"spotguard: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    from spotguard.sidecar.control import control_dir_from_env
+    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.service import (
+        AgentConfig,
+        CheckpointAgent,
+        SidecarOptions,
+        default_markers,
+        run_sidecar,
+    )
+    from spotguard.sidecar.supervisor import configure_logging
+    from spotguard.storage import StorageError, open_storage
+
+    configure_logging(args.verbose)
+    if not args.storage:
+        return _fail("no storage: pass --storage URI or set SPOTGUARD_STORAGE_URI")
+    try:
+        sources = _notice_sources(args)
+        storage = open_storage(args.storage)
+        retention = _retention_from_env()
+    except (ValueError, StorageError) as exc:
+        return _fail(str(exc))
+    ckdir: Path = args.checkpoint_dir
+    control_dir = args.control_dir or control_dir_from_env(ckdir)
+    config = AgentConfig(
+        checkpoint_dir=ckdir,
+        control_dir=control_dir,
+        grace_seconds=args.grace_seconds,
+        safety_margin_seconds=args.safety_margin,
+        poll_seconds=args.poll_interval,
+        keep_local=args.keep_local,
+        proactive_interval_seconds=args.proactive_interval or None,
+        notice_stops_training=args.notice_stops_training,
+        trainer_markers=default_markers(ckdir),
+    )
+    metrics = SidecarMetrics(namespace=_env("POD_NAMESPACE", "") or "",
+                             job=_env("SPOTGUARD_JOB", "") or "")
+    agent = CheckpointAgent(config, storage, metrics, retention)
+    if args.trainer_pid_file is not None:
+        agent.channel.pid_file = args.trainer_pid_file
+    options = SidecarOptions(
+        exit_with_trainer=args.mode == "classic",
+        metrics_port=args.metrics_port or None,
+        metrics_addr=args.metrics_addr,
+        notice_interval_seconds=args.notice_interval,
+    )
+    try:
+        return run_sidecar(agent, options, sources)
+    except OSError as exc:
+        return _fail(str(exc))
+
+
+# -- run ----------------------------------------------------------------------
+
+
+def _register_run(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="supervise a training command without Kubernetes (restore, ship, preempt, restart)",
+        description="Run CMD with the Checkpointer's environment: restore the newest verified "
+        "checkpoint first, upload and verify checkpoints as they are written, treat "
+        "SIGTERM/SIGINT as a preemption (emergency checkpoint, upload, verify, exit), restart "
+        "after a crash. Run the same command again after a preemption to resume.",
+        usage="spotguard run [options] -- CMD [ARG ...]",
+    )
+    p.add_argument("--storage", default=_env("SPOTGUARD_STORAGE_URI"),
+                   help="checkpoint root, s3://BUCKET/PREFIX or file:///PATH "
+                   "(default file://WORKDIR/store)")
+    p.add_argument("--workdir", type=Path, default=Path(".spotguard"),
+                   help="local state: checkpoints, lock (default ./.spotguard)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="local checkpoint directory (default WORKDIR/checkpoints)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts after the command fails (default 3)")
+    p.add_argument("--grace-seconds", type=float,
+                   default=_float_env("SPOTGUARD_GRACE_SECONDS", 30.0),
+                   help="time allowed for the emergency checkpoint after SIGTERM (default 30)")
+    p.add_argument("--backoff", type=float, default=1.0,
+                   help="seconds before the first restart, doubling each time (default 1)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port (default off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1")
+    p.add_argument("--job", default=_env("SPOTGUARD_JOB", ""), help="job name for metrics/logs")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.supervisor import (
+        EXIT_USAGE,
+        RunConfig,
+        SetupError,
+        Supervisor,
+        configure_logging,
+        workdir_lock,
+    )
+    from spotguard.storage import StorageError, open_storage
+
+    configure_logging(args.verbose)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        _fail("no command: spotguard run [options] -- CMD [ARG ...]")
+        return EXIT_USAGE
+    workdir = args.workdir.resolve()
+    ckdir = (args.checkpoint_dir or workdir / "checkpoints").resolve()
+    storage_uri = args.storage or (workdir / "store").as_uri()
+    config = RunConfig(
+        command=command,
+        workdir=workdir,
+        storage_uri=storage_uri,
+        checkpoint_dir=ckdir,
+        max_restarts=args.max_restarts,
+        grace_seconds=args.grace_seconds,
+        backoff_seconds=args.backoff,
+        metrics_port=args.metrics_port or None,
+        metrics_addr=args.metrics_addr,
+        job=args.job,
+    )
+    try:
+        with workdir_lock(workdir):
+            storage = open_storage(storage_uri)
+            metrics = SidecarMetrics(namespace="", job=args.job)
+            if config.metrics_port:
+                metrics.serve(config.metrics_port, config.metrics_addr)
+            return Supervisor(config, storage, metrics).run()
+    except (SetupError, StorageError) as exc:
+        _fail(str(exc))
+        return EXIT_USAGE
+
+
+# -- demo ---------------------------------------------------------------------
+
+
+def _register_demo(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small model, preempt it several times, prove the result is bit-identical",
+        description="Train a small model under `spotguard run`, preempt it at random points, "
+        "train it once uninterrupted, and compare the two results byte for byte.",
+    )
+    p.add_argument("--storage", default=None,
+                   help="checkpoint storage (default file:// in a temporary directory)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--preemptions", type=int, default=3, help="preemptions (default 3)")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="routine checkpoint interval in steps (default 50)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for the preemption points (default random)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep the demo's files here (default a temporary directory, removed)")
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from spotguard.demo.runner import DemoOptions, run_demo
+
+    options = DemoOptions(
+        steps=args.steps,
+        preemptions=args.preemptions,
+        save_every=args.save_every,
+        storage=args.storage,
+        seed=args.seed,
+        workdir=args.workdir,
+    )
+    return run_demo(options)

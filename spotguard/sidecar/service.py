@@ -1,0 +1,433 @@
+"""The sidecar: ship checkpoints, answer preemption signals and notices.
+
+One loop polls the shared checkpoint directory and ships each newly
+committed checkpoint (upload, verify, retention). A notice from a cloud or
+from Kubernetes turns into a checkpoint request with a deadline. SIGTERM
+(or SIGINT) starts the emergency path: ask the trainer for a checkpoint,
+wait for it within the deadline, upload and verify it, exit.
+
+The same :class:`CheckpointAgent` does these duties in-process for
+``spotguard run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from spotguard.sidecar.control import (
+    EXIT_FILE,
+    CheckpointAck,
+    CheckpointRequest,
+    ControlChannel,
+    ack_answers,
+    find_trainer_processes,
+    is_trainer_process,
+    signal_trainer,
+)
+from spotguard.sidecar.deadline import ThroughputTracker
+from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
+from spotguard.sidecar.shipper import CheckpointShipper, Shipped, log_stage, step_of
+
+log = logging.getLogger(__name__)
+
+# Exit statuses of the sidecar.
+EXIT_OK = 0
+EXIT_EMERGENCY_FAILED = 1
+
+
+@dataclass
+class AgentConfig:
+    """Settings shared by the sidecar and ``spotguard run``."""
+
+    checkpoint_dir: Path
+    control_dir: Path
+    grace_seconds: float = 30.0
+    # Kept free at the end of the grace period for the upload's last round
+    # trips and the process exit; the trainer's deadline is grace minus this.
+    safety_margin_seconds: float = 5.0
+    poll_seconds: float = 0.25
+    keep_local: int = 1
+    proactive_interval_seconds: float | None = None
+    notice_stops_training: bool = False
+    trainer_markers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PendingRequest:
+    """A checkpoint request written on behalf of a notice, awaiting verification."""
+
+    request: CheckpointRequest
+    source: str
+    started: float
+    notice: Notice | None = None
+    notice_source: NoticeSource | None = None
+    target_step: int | None = None
+
+
+TrainerState = str  # "running" | "gone" | "unknown"
+
+
+class CheckpointAgent:
+    """Ships checkpoints and runs the emergency protocol against one trainer."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        storage: Any,
+        metrics: SidecarMetrics,
+        retention: Any | None = None,
+        trainer_state: Callable[[], TrainerState] | None = None,
+    ) -> None:
+        self.config = config
+        self.storage = storage
+        self.metrics = metrics
+        self.channel = ControlChannel(config.control_dir)
+        self.tracker = ThroughputTracker(config.grace_seconds, config.safety_margin_seconds)
+        self.shipper = CheckpointShipper(
+            config.checkpoint_dir, storage, metrics, self.tracker, retention, config.keep_local
+        )
+        self._trainer_state_override = trainer_state
+        self._notices: queue.Queue[tuple[Notice, NoticeSource]] = queue.Queue()
+        self.pending: list[PendingRequest] = []
+        self._last_proactive = 0.0
+        self._at_risk_logged: bool | None = None
+        self._seen_trainer = False
+        self._seen_pid: int | None = None
+        self._state_cache: tuple[float, TrainerState] | None = None
+        metrics.grace.labels(**metrics.labels).set(config.grace_seconds)
+
+    # -- trainer -------------------------------------------------------------
+
+    def trainer_state(self) -> TrainerState:
+        """Is the trainer still running? ``unknown`` when this process cannot tell."""
+        if self._trainer_state_override is not None:
+            return self._trainer_state_override()
+        if (self.config.control_dir / EXIT_FILE).exists():
+            return "gone"
+        now = time.monotonic()
+        if self._state_cache is not None and now - self._state_cache[0] < 0.2:
+            return self._state_cache[1]
+        state = self._look_for_trainer()
+        self._state_cache = (now, state)
+        return state
+
+    def _look_for_trainer(self) -> TrainerState:
+        pid = self.channel.trainer_pid()
+        if pid is not None:
+            if is_trainer_process(pid, self.config.trainer_markers):
+                self._seen_pid = pid
+                return "running"
+            if pid == self._seen_pid:
+                return "gone"  # we saw this very process run; it has exited
+        # No usable pid file: look for processes carrying the trainer's
+        # environment (works when we share its PID namespace).
+        if find_trainer_processes(self.config.trainer_markers):
+            self._seen_trainer = True
+            return "running"
+        if self._seen_trainer:
+            return "gone"
+        # Never seen: not started yet, exited before we looked, or in a PID
+        # namespace we cannot see. Without a way to tell, don't guess.
+        return "unknown"
+
+    def wake_trainer(self) -> bool:
+        """SIGUSR1 to the trainer when its identity can be checked."""
+        return signal_trainer(self.channel.trainer_pid(), self.config.trainer_markers)
+
+    # -- notices -------------------------------------------------------------
+
+    def enqueue_notice(self, notice: Notice, source: NoticeSource) -> None:
+        """Called from the notice watcher thread."""
+        self._notices.put((notice, source))
+
+    def handle_notices(self) -> None:
+        """Turn queued notices into checkpoint requests."""
+        while True:
+            try:
+                notice, source = self._notices.get_nowait()
+            except queue.Empty:
+                return
+            self.metrics.notice(notice.source)
+            now = time.time()
+            deadline = notice.deadline if notice.deadline is not None else (
+                now + self.config.grace_seconds)
+            deadline -= self.config.safety_margin_seconds
+            preempt = notice.preempt and self.config.notice_stops_training
+            req = self.channel.request_checkpoint(f"notice:{notice.source}", deadline, preempt)
+            self.wake_trainer()
+            self.pending.append(PendingRequest(req, notice.source, now, notice, source))
+            log.warning("notice source=%s %s: requested checkpoint id=%s deadline_in=%.1fs",
+                        notice.source, notice.detail, req.id, deadline - now)
+
+    def settle_pending(self) -> None:
+        """Complete notice requests whose checkpoint is now verified in storage."""
+        if not self.pending:
+            return
+        ack = self.channel.read_ack()
+        last = self.shipper.last_shipped
+        still: list[PendingRequest] = []
+        for item in self.pending:
+            if item.target_step is None and ack is not None and ack_answers(ack, item.request):
+                if ack.step is None or not ack.complete:
+                    self.metrics.failure("save")
+                    log.error("trainer could not checkpoint for request %s (%s)", item.request.id, item.source)
+                    continue
+                item.target_step = ack.step
+                self._record_requested_save(item.request, ack)
+            if item.target_step is not None and last is not None and last.step >= item.target_step:
+                elapsed = time.time() - item.started
+                self.metrics.observe_emergency(elapsed, item.source)
+                log_stage("notice_checkpoint", elapsed, source=item.source, step=last.step,
+                          name=last.name)
+                if item.notice is not None and item.notice_source is not None:
+                    item.notice_source.acknowledge(item.notice)
+                continue
+            still.append(item)
+        self.pending = still
+
+    # -- routine -------------------------------------------------------------
+
+    def step(self) -> list[Shipped]:
+        """One round of routine duties."""
+        self.handle_notices()
+        shipped = self.shipper.ship()
+        self.settle_pending()
+        self._deadline_check()
+        return shipped
+
+    def _deadline_check(self) -> None:
+        assessment = self.tracker.assessment()
+        self.metrics.set_deadline(assessment, self.config.grace_seconds)
+        if assessment.at_risk != self._at_risk_logged and assessment.expected_seconds is not None:
+            level = logging.WARNING if assessment.at_risk else logging.INFO
+            log.log(level, "deadline: %s", assessment.describe())
+            self._at_risk_logged = assessment.at_risk
+        interval = self.config.proactive_interval_seconds
+        if not assessment.at_risk or not interval or self.pending:
+            return
+        now = time.time()
+        if now - self._last_proactive < interval:
+            return
+        self._last_proactive = now
+        req = self.channel.request_checkpoint("proactive", now + self.config.grace_seconds, False)
+        self.wake_trainer()
+        self.pending.append(PendingRequest(req, "proactive", now))
+        log.warning("deadline at risk: requested a proactive checkpoint id=%s", req.id)
+
+    # -- emergency -----------------------------------------------------------
+
+    def emergency(self, source: str, received_at: float,
+                  forward: Callable[[CheckpointRequest], None] | None = None) -> bool:
+        """Preemption now: get the newest state verified in storage before the deadline.
+
+        ``forward`` delivers the request beyond the control file (``spotguard
+        run`` signals its child's process group). Returns True when a
+        checkpoint at or after the trainer's last step is verified.
+        """
+        deadline = received_at + self.config.grace_seconds - self.config.safety_margin_seconds
+        state = self.trainer_state()
+        log.warning("preemption source=%s trainer=%s deadline_in=%.1fs", source, state,
+                    deadline - time.time())
+        target: str | None = None
+        if state != "gone":
+            t0 = time.monotonic()
+            req = self.channel.request_checkpoint("sigterm", deadline, preempt=True)
+            # The trainer may have answered its own SIGTERM already: then a
+            # signal would only reach a process on its way out.
+            woke = False if ack_answers(self.channel.read_ack(), req) else self.wake_trainer()
+            if forward is not None:
+                forward(req)
+            log_stage("request", time.monotonic() - t0, id=req.id, signalled=woke)
+            target = self._await_trainer(req, deadline)
+            log_stage("save", time.monotonic() - t0, name=target or "none")
+        t1 = time.monotonic()
+        self.shipper.ship(newest_only=True)
+        want = max(step_of(target) if target else -1, self._newest_committed_step())
+        verified_at = time.time() if self._verified_at_least(want) else None
+        # A trainer we can watch may still commit once more on its way out.
+        while self.trainer_state() == "running" and time.time() < deadline:
+            time.sleep(self.config.poll_seconds / 2)
+        if self._newest_committed_step() > want or verified_at is None:
+            self.shipper.ship(newest_only=True)
+            want = max(want, self._newest_committed_step())
+            verified_at = time.time() if self._verified_at_least(want) else None
+        log_stage("ship", time.monotonic() - t1)
+        last = self.shipper.last_shipped
+        if verified_at is not None:
+            elapsed = verified_at - received_at
+            self.metrics.observe_emergency(elapsed, source)
+            log_stage("emergency", elapsed, result="verified",
+                      step=last.step if last else None, name=last.name if last else None)
+            return True
+        self.metrics.failure("emergency")
+        log.error("stage=emergency seconds=%.3f result=failed want_step=%s verified_step=%s",
+                  time.time() - received_at, want, last.step if last else None)
+        return False
+
+    def _verified_at_least(self, step: int) -> bool:
+        if step < 0:
+            return True  # nothing was ever committed: nothing to lose
+        last = self.shipper.last_shipped
+        return last is not None and last.step >= step
+
+    def _await_trainer(self, req: CheckpointRequest, deadline: float) -> str | None:
+        """Wait for the trainer's answer: an ack, or its exit. Returns the ckpt name."""
+        signalled_again = False
+        while time.time() < deadline:
+            ack = self.channel.read_ack()
+            if ack_answers(ack, req):
+                assert ack is not None
+                if ack.name is None or not ack.complete:
+                    log.error("the trainer could not commit its emergency checkpoint in time")
+                    self.metrics.failure("save")
+                    return self._newest_committed()
+                self._record_requested_save(req, ack)
+                return ack.name
+            state = self.trainer_state()
+            if state == "gone":
+                newest = self._newest_committed()
+                return newest
+            if not signalled_again and time.time() > req.written_at + 1.0:
+                # A trainer that installed its handler late gets one more
+                # nudge (the control file stays the contract either way).
+                self.wake_trainer()
+                signalled_again = True
+            time.sleep(0.05)
+        log.error("no checkpoint from the trainer before the deadline (request %s)", req.id)
+        return None
+
+    def _record_requested_save(self, req: CheckpointRequest, ack: CheckpointAck) -> None:
+        # Request to acknowledgement is what an emergency save costs: the
+        # wait for the step boundary plus the synchronous write.
+        seconds = max(0.0, ack.mtime - req.written_at)
+        nbytes = 0
+        if ack.name is not None:
+            with contextlib.suppress(OSError, ValueError):
+                from spotguard.checkpoint import read_local_manifest
+
+                nbytes = read_local_manifest(self.config.checkpoint_dir / ack.name).total_size
+        self.metrics.observe_save(seconds, "requested")
+        if nbytes:
+            self.tracker.record_save(nbytes, seconds)
+
+    def _newest_committed(self) -> str | None:
+        names = [p.name for p in self.shipper.committed()]
+        return max(names, key=step_of) if names else None
+
+    def _newest_committed_step(self) -> int:
+        newest = self._newest_committed()
+        return step_of(newest) if newest else -1
+
+
+class SignalLatch:
+    """Records the first SIGTERM/SIGINT and when it came; handlers only set flags."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.source: str | None = None
+        self.received_at = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        """Install handlers (main thread only)."""
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if not self.event.is_set():
+            self.received_at = time.time()
+            self.source = "sigint" if signum == signal.SIGINT else "sigterm"
+            self.event.set()
+
+
+@dataclass
+class SidecarOptions:
+    """What ``spotguard sidecar`` was asked to do beyond the agent's duties."""
+
+    exit_with_trainer: bool = True
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    notice_interval_seconds: float = 2.0
+
+
+def run_sidecar(
+    agent: CheckpointAgent,
+    options: SidecarOptions,
+    sources: list[NoticeSource],
+    latch: SignalLatch | None = None,
+) -> int:
+    """The sidecar's main loop. Returns the exit status."""
+    latch = latch or SignalLatch()
+    if threading.current_thread() is threading.main_thread():
+        latch.install()
+    if options.metrics_port is not None:
+        port = agent.metrics.serve(options.metrics_port, options.metrics_addr)
+        log.info("metrics on %s:%d/metrics", options.metrics_addr, port)
+    watcher = NoticeWatcher(sources, agent.enqueue_notice, options.notice_interval_seconds)
+    watcher.start()
+    agent.shipper.adopt_existing()
+    log.info("sidecar watching %s (grace %.0fs, notices: %s)", agent.config.checkpoint_dir,
+             agent.config.grace_seconds, ",".join(s.name for s in sources) or "none")
+    try:
+        seen_running = False
+        while not latch.event.is_set():
+            agent.step()
+            state = agent.trainer_state()
+            seen_running = seen_running or state == "running"
+            if options.exit_with_trainer and state == "gone":
+                # The trainer finished (or died): ship what it left and leave,
+                # so a classic (non-native) sidecar does not keep the pod alive.
+                agent.shipper.ship()
+                log.info("trainer exited; everything committed is shipped")
+                return EXIT_OK
+            latch.event.wait(agent.config.poll_seconds)
+        assert latch.source is not None
+        agent.metrics.notice(latch.source)
+        ok = agent.emergency(latch.source, latch.received_at)
+        agent.settle_pending()
+        return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
+    finally:
+        watcher.stop()
+
+
+def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment entries that identify our trainer's processes.
+
+    The checkpoint directory, plus the pod identity when set: on a shared
+    host (a process node) every pod's trainer uses the same mount path.
+    """
+    env = dict(os.environ) if env is None else env
+    markers = {"SPOTGUARD_CHECKPOINT_DIR": str(checkpoint_dir)}
+    for key in ("POD_NAME", "POD_NAMESPACE", "SPOTGUARD_ATTEMPT"):
+        if env.get(key):
+            markers[key] = env[key]
+    return markers
+
+
+def env_float(name: str, default: float) -> float:
+    """A float from the environment, with a clear error for a bad value."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None

@@ -1,0 +1,285 @@
+"""Ship committed local checkpoints to storage: upload, verify, retention, local prune.
+
+Used by the sidecar's loop and by ``spotguard run``. Upload and verification
+are ``spotguard.checkpoint``'s; this module decides *which* checkpoints to
+ship and when, and keeps the books (metrics, throughput, structured logs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotguard.sidecar.deadline import ThroughputTracker
+from spotguard.sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """One checkpoint uploaded and verified."""
+
+    name: str
+    step: int
+    nbytes: int
+    upload_seconds: float
+    verify_seconds: float
+    verified_at: float
+
+
+def step_of(name: str) -> int:
+    """``ckpt-000000000042`` → 42."""
+    return int(name.rsplit("-", 1)[1])
+
+
+def plan_shipping(committed: list[str], shipped: set[str], newest_only: bool) -> list[str]:
+    """Pure: which committed checkpoints to upload next, in order.
+
+    Normally every not-yet-shipped checkpoint, oldest first (retention may
+    want them). Against a deadline only the newest one: it supersedes the
+    rest and every second counts. Checkpoints older than the newest shipped
+    one are never uploaded: they could only make storage look older.
+    """
+    ordered = sorted(committed, key=step_of)
+    newest_shipped = max((step_of(n) for n in shipped), default=-1)
+    pending = [n for n in ordered if n not in shipped and step_of(n) > newest_shipped]
+    if newest_only and pending:
+        return pending[-1:]
+    return pending
+
+
+def plan_local_prune(committed: list[str], shipped: set[str], keep: int) -> list[str]:
+    """Pure: local checkpoints that may be deleted.
+
+    Only those older than the newest shipped checkpoint, and never the
+    newest ``keep`` committed ones (the trainer may be restoring from them).
+    """
+    if keep < 1:
+        keep = 1
+    ordered = sorted(committed, key=step_of)
+    newest_shipped = max((step_of(n) for n in shipped), default=None)
+    if newest_shipped is None:
+        return []
+    protected = set(ordered[-keep:])
+    return [n for n in ordered if step_of(n) < newest_shipped and n not in protected]
+
+
+def log_stage(stage: str, seconds: float, **fields: Any) -> None:
+    """One structured line per stage: ``stage=upload seconds=1.234 name=... step=...``."""
+    extra = "".join(f" {k}={v}" for k, v in fields.items() if v is not None)
+    log.info("stage=%s seconds=%.3f%s", stage, seconds, extra)
+
+
+class CheckpointShipper:
+    """Uploads new committed checkpoints from ``checkpoint_dir`` to ``storage``.
+
+    Thread-safe: the sidecar's loop and its emergency path may both call
+    :meth:`ship`; one runs at a time.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        storage: Any,
+        metrics: SidecarMetrics,
+        tracker: ThroughputTracker,
+        retention: Any | None = None,
+        keep_local: int = 1,
+        on_verified: Callable[[Shipped], None] | None = None,
+    ) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.storage = storage
+        self.metrics = metrics
+        self.tracker = tracker
+        self.retention = retention
+        self.keep_local = keep_local
+        self.on_verified = on_verified
+        self.shipped: dict[str, Shipped] = {}
+        self.failed: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._seen_saves: set[str] = set()
+
+    @property
+    def last_shipped(self) -> Shipped | None:
+        """The newest checkpoint verified in storage by this shipper."""
+        if not self.shipped:
+            return None
+        return max(self.shipped.values(), key=lambda s: s.step)
+
+    def committed(self) -> list[Path]:
+        """Committed local checkpoints, oldest first."""
+        from spotguard.checkpoint import list_local_committed
+
+        if not self.checkpoint_dir.is_dir():
+            return []
+        return list(list_local_committed(self.checkpoint_dir))
+
+    def adopt_existing(self) -> None:
+        """Mark local checkpoints that are already verified in storage as shipped.
+
+        After a restore (init container, restart) the local directory holds a
+        checkpoint that came *from* storage; uploading it again is wasted time.
+        """
+        from spotguard.checkpoint import verify_checkpoint
+
+        with self._lock:
+            for path in self.committed():
+                if path.name in self.shipped:
+                    continue
+                try:
+                    result = verify_checkpoint(self.storage, path.name)
+                except Exception as exc:  # noqa: BLE001 - absent or unreadable: ship it
+                    log.debug("not in storage yet: %s (%s)", path.name, exc)
+                    continue
+                if result.ok:
+                    self.shipped[path.name] = Shipped(path.name, step_of(path.name), 0, 0.0, 0.0,
+                                                      time.time())
+                    self.metrics.observe_verified(0.0, step_of(path.name), time.time())
+                    log.info("already verified in storage: %s", path.name)
+
+    def ship(self, newest_only: bool = False, upto_step: int | None = None) -> list[Shipped]:
+        """Upload and verify what is pending; apply retention; prune local copies.
+
+        ``upto_step`` restricts to checkpoints at or below a step (unused by
+        default). Failures are logged and counted, never raised: the next
+        call tries again.
+        """
+        with self._lock:
+            paths = {p.name: p for p in self.committed()}
+            self._observe_saves(paths)
+            names = plan_shipping(list(paths), set(self.shipped), newest_only)
+            if upto_step is not None:
+                names = [n for n in names if step_of(n) <= upto_step]
+            done: list[Shipped] = []
+            for name in names:
+                shipped = self._ship_one(paths[name])
+                if shipped is not None:
+                    done.append(shipped)
+            if done:
+                self._retention()
+                self._prune_local()
+            return done
+
+    def _observe_saves(self, paths: dict[str, Path]) -> None:
+        for name, path in paths.items():
+            if name in self._seen_saves:
+                continue
+            self._seen_saves.add(name)
+            timing = save_timing(path)
+            if timing is not None:
+                seconds, nbytes, reason = timing
+                self.metrics.observe_save(seconds, reason)
+                self.tracker.record_save(nbytes, seconds)
+
+    def _ship_one(self, path: Path) -> Shipped | None:
+        from spotguard.checkpoint import upload_checkpoint, verify_checkpoint
+
+        name = path.name
+        t0 = time.monotonic()
+        try:
+            result = upload_checkpoint(path, self.storage)
+        except Exception as exc:  # noqa: BLE001 - storage errors are retried next round
+            self.failed[name] = f"upload: {exc}"
+            self.metrics.observe_upload_failed("upload")
+            log.error("upload of %s failed after %.3fs: %s", name, time.monotonic() - t0,
+                      _one_line(exc))
+            return None
+        upload_seconds = time.monotonic() - t0
+        nbytes = int(getattr(result, "bytes", 0))
+        self.metrics.observe_upload(upload_seconds, nbytes)
+        log_stage("upload", upload_seconds, name=name, bytes=nbytes)
+
+        t1 = time.monotonic()
+        try:
+            verdict = verify_checkpoint(self.storage, name)
+            ok, problems = bool(verdict.ok), list(verdict.problems)
+        except Exception as exc:  # noqa: BLE001
+            ok, problems = False, [_one_line(exc)]
+        verify_seconds = time.monotonic() - t1
+        if not ok:
+            self.failed[name] = "verify: " + "; ".join(problems)
+            self.metrics.observe_upload_failed("verify")
+            log.error("verification of %s failed after %.3fs: %s", name, verify_seconds,
+                      "; ".join(problems))
+            return None
+        log_stage("verify", verify_seconds, name=name)
+        now = time.time()
+        shipped = Shipped(name, step_of(name), nbytes, upload_seconds, verify_seconds, now)
+        self.shipped[name] = shipped
+        self.failed.pop(name, None)
+        self.metrics.observe_verified(verify_seconds, shipped.step, now)
+        self.tracker.record_upload(nbytes, upload_seconds + verify_seconds)
+        self.metrics.set_deadline(self.tracker.assessment(), self.tracker.grace_seconds)
+        if self.on_verified is not None:
+            self.on_verified(shipped)
+        return shipped
+
+    def _retention(self) -> None:
+        if self.retention is None:
+            return
+        from spotguard.checkpoint import apply_retention
+
+        t0 = time.monotonic()
+        try:
+            deleted = apply_retention(self.storage, self.retention)
+        except Exception as exc:  # noqa: BLE001
+            self.metrics.failure("retention")
+            log.error("retention failed: %s", _one_line(exc))
+            return
+        if deleted:
+            log_stage("retention", time.monotonic() - t0, deleted=",".join(deleted))
+
+    def _prune_local(self) -> None:
+        names = [p.name for p in self.committed()]
+        from spotguard.checkpoint import remove_checkpoint_dir
+
+        for name in plan_local_prune(names, set(self.shipped), self.keep_local):
+            try:
+                remove_checkpoint_dir(self.checkpoint_dir / name)
+            except OSError as exc:
+                log.warning("could not prune local %s: %s", name, exc)
+                continue
+            self.metrics.deleted_local.labels(**self.metrics.labels).inc()
+            log.info("pruned local %s (a newer checkpoint is verified in storage)", name)
+
+
+def save_timing(path: Path) -> tuple[float, int, str] | None:
+    """(seconds, bytes, reason) of a local save, if the manifest records it."""
+    import json
+
+    try:
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    nbytes = sum(int(f.get("size", 0)) for f in manifest.get("files", []) if isinstance(f, dict))
+    seconds = _save_seconds(manifest)
+    if seconds is None:
+        return None
+    reason = "requested" if manifest.get("request_id") or manifest.get("reason") not in (
+        None, "interval") else "interval"
+    return seconds, nbytes, reason
+
+
+def _save_seconds(manifest: dict[str, Any]) -> float | None:
+    for key in ("save_seconds", "persist_seconds", "write_seconds"):
+        value = manifest.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+    timing = manifest.get("timing")
+    if isinstance(timing, dict):
+        for key in ("save_seconds", "total_seconds", "persist_seconds"):
+            value = timing.get(key)
+            if isinstance(value, int | float):
+                return float(value)
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())

@@ -1,0 +1,191 @@
+"""Shared helpers for the sidecar, run, notice and demo tests (no tests here).
+
+Real subprocesses: the packaged demo trainer (``python -m spotguard.demo.train``)
+and ``spotguard sidecar``/``run``, each in its own process group and always
+killed at the end of a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+PY = sys.executable
+STEP_RE = re.compile(r"^step (\d+) ")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout``.
+
+    The timeout only bounds a hang; it asserts nothing about speed.
+    """
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - "not yet"
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last error: {last_exc})")
+
+
+class Proc:
+    """A subprocess whose combined output is collected line by line in a thread."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str], log: Path, cwd: Path | None = None) -> None:
+        self.argv = argv
+        self.log_path = log
+        self.lines: list[str] = []
+        self.last_step: int | None = None
+        self._cond = threading.Condition()
+        self.popen = subprocess.Popen(
+            argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        with self.log_path.open("a", encoding="utf-8") as logf:
+            for raw in self.popen.stdout:
+                line = raw.rstrip("\n")
+                logf.write(line + "\n")
+                logf.flush()
+                with self._cond:
+                    self.lines.append(line)
+                    m = STEP_RE.match(line)
+                    if m:
+                        self.last_step = int(m.group(1))
+                    self._cond.notify_all()
+
+    def wait_for_line(self, pred: Callable[[str], bool], timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            seen = 0
+            while True:
+                for line in self.lines[seen:]:
+                    if pred(line):
+                        return line
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{self.argv[:4]}: no matching line; output:\n{self.tail()}")
+                self._cond.wait(min(left, 0.5))
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> int:
+        line = self.wait_for_line(lambda ln: bool(STEP_RE.match(ln)) and int(STEP_RE.match(ln).group(1)) >= step,  # type: ignore[union-attr]
+                                  timeout)
+        m = STEP_RE.match(line)
+        assert m is not None
+        return int(m.group(1))
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.argv[:4]} did not exit; output:\n{self.tail()}") from None
+        self._reader.join(timeout=10)
+        return rc
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+
+    def text(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def tail(self, n: int = 40) -> str:
+        with self._cond:
+            return "\n".join(self.lines[-n:])
+
+
+@contextlib.contextmanager
+def reaping() -> Iterator[list[Proc]]:
+    """Collects processes and kills whatever is left when the block ends."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.popen.poll() is None:
+                p.kill()
+
+
+def train_argv(steps: int, output: Path | None = None, step_delay: float = 0.0, save_every: int = 25) -> list[str]:
+    argv = [PY, "-m", "spotguard.demo.train", "--steps", str(steps), "--save-every", str(save_every),
+            "--step-delay", str(step_delay), "--log-every", "1"]
+    if output is not None:
+        argv += ["--output", str(output)]
+    return argv
+
+
+def spotguard_argv(*args: str) -> list[str]:
+    return [PY, "-m", "spotguard.cli", *args]
+
+
+def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test's environment without inherited spotguard settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_") or k == "SPOTGUARD_TESTENV_RUN"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Scrape ``/metrics`` over HTTP: {(sample name, labels): value}."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def metric(samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float | None:
+    """The value of one sample whose labels include ``labels``; None if absent."""
+    matches = [v for (n, lab), v in samples.items() if n == name and set(labels.items()) <= set(lab)]
+    if not matches:
+        return None
+    assert len(matches) == 1, f"{name} {labels}: {len(matches)} samples"
+    return matches[0]
+
+
+def s3_storage(s3_store: Any, uri: str) -> Any:
+    """Open ``uri`` in the test process with the test store's endpoint and credentials."""
+    from spotguard.storage import open_storage
+
+    return open_storage(uri, endpoint_url=s3_store.endpoint_url, access_key=s3_store.access_key,
+                        secret_key=s3_store.secret_key, region=s3_store.region)

@@ -1,0 +1,95 @@
+"""SIGTERM at random moments to a pod-like pair: trainer process + sidecar process.
+
+As kubelet does on a preemption, both containers get SIGTERM at once (in a
+random order). Each time, the sidecar must get the trainer's emergency
+checkpoint verified in SeaweedFS before it exits 0, and a new "pod"
+resuming from storage must end bitwise identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from test_sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv
+
+from spotguard.checkpoint import latest_verified
+
+STEPS = 80
+SAVE_EVERY = 25
+STEP_DELAY = 0.01
+TRIALS = int(os.environ.get("SPOTGUARD_SIGTERM_TRIALS", "20"))
+
+
+@pytest.mark.integration
+def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    rng = random.Random(os.environ.get("SPOTGUARD_TRIAL_SEED"))
+    s3_env = s3_store.env()
+    reference = tmp_path / "reference.safetensors"
+    with reaping() as procs:
+        ref = Proc(train_argv(STEPS, reference, save_every=SAVE_EVERY),
+                   base_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref-ckpt")}), tmp_path / "reference.log")
+        procs.append(ref)
+        assert ref.wait() == 0, ref.tail()
+    ref_bytes = reference.read_bytes()
+
+    outcomes: list[tuple[int, int, int, int]] = []
+    pending_resumes: list[tuple[int, Proc, Path]] = []
+
+    def check_resume(trial: int, proc: Proc, out: Path) -> None:
+        assert proc.wait() == 0, proc.tail()
+        assert out.read_bytes() == ref_bytes, f"trial {trial}: resumed run is not bitwise identical"
+
+    with reaping() as procs:
+        for trial in range(TRIALS):
+            pod = tmp_path / f"trial-{trial:02d}"
+            pod.mkdir()
+            uri = f"{s3_uri}/trial-{trial:02d}"
+            env = base_env({**s3_env, "SPOTGUARD_CHECKPOINT_DIR": str(pod / "ckpt"), "SPOTGUARD_STORAGE_URI": uri,
+                            "SPOTGUARD_JOB": f"trial-{trial}"})
+            trainer = Proc(train_argv(STEPS, pod / "never.safetensors", STEP_DELAY, SAVE_EVERY), env,
+                           pod / "trainer.log")
+            sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "30"), env,
+                           pod / "sidecar.log")
+            procs += [trainer, sidecar]
+            target = rng.randrange(1, STEPS - 8)
+            trainer.wait_for_step(target)
+            time.sleep(rng.uniform(0, 2 * STEP_DELAY))  # anywhere inside a step, not only at its start
+            # Both containers get SIGTERM "at once", in either order.
+            pair = [trainer, sidecar]
+            rng.shuffle(pair)
+            for p in pair:
+                p.signal(signal.SIGTERM)
+            sidecar_rc = sidecar.wait()
+            trainer_rc = trainer.wait()
+            assert trainer_rc == 0, trainer.tail()
+            assert sidecar_rc == 0, sidecar.tail()
+            stopped = trainer.wait_for_line(lambda ln: ln.startswith("preempted after step "))
+            stopped_step = int(stopped.rsplit(" ", 1)[1])
+            info, skipped = latest_verified(s3_storage(s3_store, uri))
+            assert info is not None, f"trial {trial}: nothing verified; sidecar log:\n{sidecar.tail()}"
+            assert info.step >= stopped_step, f"trial {trial}: verified {info.step} < stopped {stopped_step}"
+            assert "stage=emergency" in sidecar.text() and "result=verified" in sidecar.text()
+            outcomes.append((trial, target, stopped_step, info.step))
+
+            # A new pod: empty local directory, restore from storage, train to the end.
+            while pending_resumes:
+                check_resume(*pending_resumes.pop())
+            new_pod = pod / "next-pod"
+            resume = Proc(train_argv(STEPS, new_pod / "final.safetensors", 0.0, SAVE_EVERY),
+                          {**env, "SPOTGUARD_CHECKPOINT_DIR": str(new_pod / "ckpt")}, pod / "resume.log")
+            procs.append(resume)
+            pending_resumes.append((trial, resume, new_pod / "final.safetensors"))
+            resumed = resume.wait_for_line(lambda ln: ln.startswith(("resumed from step", "starting from")))
+            assert resumed == f"resumed from step {info.step}", resumed
+        while pending_resumes:
+            check_resume(*pending_resumes.pop())
+
+    print(f"\n{'trial':>5} {'sigterm at':>10} {'stopped':>8} {'verified':>8} {'lost':>5}")
+    for trial, target, stopped_step, verified in outcomes:
+        print(f"{trial:>5} {target:>10} {stopped_step:>8} {verified:>8} {stopped_step - verified:>5}")
+    assert len(outcomes) == TRIALS >= 20 or "SPOTGUARD_SIGTERM_TRIALS" in os.environ
