@@ -1,0 +1,100 @@
+"""Alert rules and dashboard: promtool unit tests, and every series they use is one spotguard exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spotguard.operator.metrics import OperatorMetrics
+from spotguard.sidecar.metrics import SidecarMetrics
+from testenv import cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "charts" / "spotguard" / "files" / "prometheus-rules.yaml"
+DASHBOARD = ROOT / "charts" / "spotguard" / "files" / "grafana-dashboard.json"
+RULE_TESTS = ROOT / "tests" / "prometheus" / "alerts_test.yaml"
+SERIES = re.compile(r"\bspotguard_[a-z_]+\b")
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    assert path, "promtool not found: run `bash testenv/provision.sh` (Debian package prometheus)"
+    return path
+
+
+def _exported_series() -> set[str]:
+    names: set[str] = set()
+    for registry in (SidecarMetrics(namespace="ns", job="j").registry, OperatorMetrics().registry):
+        for family in registry.collect():
+            if family.type == "counter":
+                names.add(family.name + "_total")
+            elif family.type == "histogram":
+                names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
+            else:
+                names.add(family.name)
+    return names
+
+
+def test_rules_are_valid() -> None:
+    out = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_alert_rules_pass_their_promtool_unit_tests() -> None:
+    out = subprocess.run(
+        [_promtool(), "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_alert_the_issue_names_exists() -> None:
+    rules = yaml.safe_load(RULES.read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    assert {
+        "SpotguardCheckpointOverdue",
+        "SpotguardEmergencyCheckpointMissedDeadline",
+        "SpotguardCheckpointUploadFailing",
+        "SpotguardJobPreemptedOften",
+    } <= alerts
+
+
+@pytest.mark.parametrize("source", [RULES, DASHBOARD], ids=lambda p: p.name)
+def test_rules_and_dashboard_use_only_exported_series(source: Path) -> None:
+    used = set(SERIES.findall(source.read_text()))
+    assert used, f"no spotguard series found in {source.name}"
+    missing = used - _exported_series()
+    assert not missing, f"{source.name} uses series spotguard does not export: {sorted(missing)}"
+
+
+def test_dashboard_is_grafana_json() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] == "spotguard"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["expr"].strip()
+
+
+def test_chart_wraps_the_tested_rules_unchanged() -> None:
+    helm = cluster.bin_dir() / "helm"
+    assert helm.exists(), "helm not found: run `bash testenv/provision.sh`"
+    out = subprocess.run(
+        [str(helm), "template", "t", str(ROOT / "charts" / "spotguard"), "--set", "prometheusRule.enabled=true",
+         "--set", "grafanaDashboard.enabled=true", "--set", "metrics.podMonitor.enabled=true"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    by_kind = {d["kind"]: d for d in docs if d["kind"] in ("PrometheusRule", "PodMonitor", "ConfigMap")}
+    assert by_kind["PrometheusRule"]["spec"] == yaml.safe_load(RULES.read_text())
+    assert json.loads(by_kind["ConfigMap"]["data"]["spotguard.json"]) == json.loads(DASHBOARD.read_text())
+    endpoint = by_kind["PodMonitor"]["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["port"] == "sg-metrics" and endpoint["honorLabels"] is True
