@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PLOTS = DOCS / "bench"
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 

@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import goodput  # noqa: E402
 from bench.common import (  # noqa: E402
+    DOCS,
+    PLOTS,
     GiB,
     MiB,
     Section,
@@ -41,9 +43,6 @@ from bench.common import (  # noqa: E402
     state_nbytes,
 )
 from testenv import cluster  # noqa: E402
-
-DOCS = ROOT / "docs"
-PLOTS = DOCS / "bench"
 
 
 class Ctx:
