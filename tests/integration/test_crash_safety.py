@@ -1,0 +1,164 @@
+"""Crash safety: SIGKILL the writer or the uploader at random instants, then check that
+nothing partial is ever reported complete or verified, and that the newest verified
+checkpoint loads with exactly the content it was saved with.
+
+60 trials: 20 kill a Checkpointer writing locally, 20 kill an uploader (with
+retention) writing to file://, 20 to S3. The outcome of every trial is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ckpt_helpers import HELPERS, assert_state_matches, s3_options, subprocess_env
+
+from spotguard.checkpoint import (
+    ManifestError,
+    latest_verified,
+    list_checkpoint_names,
+    list_local_committed,
+    load_checkpoint_state,
+    read_latest_pointer,
+    read_manifest,
+    restore_checkpoint,
+    verify_checkpoint,
+    verify_local_checkpoint,
+)
+from spotguard.storage import NotFoundError, Storage, open_storage
+
+pytestmark = pytest.mark.integration
+
+WORKER = HELPERS / "crash_worker.py"
+TRIALS_PER_MODE = 20
+NUMEL = 200_000
+
+
+@dataclass
+class Outcome:
+    trial: int
+    mode: str
+    delay: float
+    last_event: str
+    newest: int | None
+    skipped: int
+
+
+def run_and_kill(args: list[str], env: dict[str, str], delay: float) -> str:
+    """Start the worker, wait until it is ready, let it work ``delay`` seconds, SIGKILL it."""
+    proc = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline().strip()
+        assert first == "ready", (first, proc.stderr.read() if proc.stderr else "")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"worker ended on its own: {err}"
+    lines = [line for line in out.splitlines() if line]
+    return lines[-1] if lines else "ready"
+
+
+def check_local(directory: Path) -> int | None:
+    """Every committed local checkpoint verifies; the newest loads with its own content."""
+    committed = list_local_committed(directory)
+    for path in committed:
+        result = verify_local_checkpoint(path)
+        assert result.ok, f"{path.name} is committed but broken: {result.problems}"
+    if not committed:
+        return None
+    newest = committed[-1]
+    step = int(newest.name.split("-")[1])
+    assert_state_matches(load_checkpoint_state(newest), step, NUMEL)
+    return step
+
+
+def check_storage(storage: Storage, scratch: Path) -> tuple[int | None, int]:
+    """Every stored checkpoint with a manifest verifies (a manifest is only ever
+    uploaded after its data and deleted before it); the newest verified restores
+    and loads with its own content; the pointer is never ahead of it."""
+    complete = []
+    for name in list_checkpoint_names(storage):
+        try:
+            read_manifest(storage, name)
+        except NotFoundError:
+            continue
+        except ManifestError as exc:  # pragma: no cover - would be a bug
+            raise AssertionError(f"{name}: manifest unreadable after a crash: {exc}") from None
+        result = verify_checkpoint(storage, name)
+        assert result.ok, f"{name} has a manifest but does not verify: {result.problems}"
+        complete.append(name)
+    info, skipped = latest_verified(storage)
+    assert all("manifest.json: missing" in s.reason for s in skipped), skipped
+    if info is None:
+        assert not complete
+        return None, len(skipped)
+    assert info.name == complete[-1]
+    restored = restore_checkpoint(storage, info.name, scratch)
+    assert_state_matches(load_checkpoint_state(Path(restored.uri)), info.step, NUMEL)
+    pointer = read_latest_pointer(storage)
+    assert pointer is None or pointer <= info.step
+    return info.step, len(skipped)
+
+
+def print_table(outcomes: list[Outcome]) -> None:
+    print()
+    print(f"{'trial':>5}  {'mode':<12} {'kill after':>10}  {'last event':<16} {'newest verified':>15}  skipped")
+    for o in outcomes:
+        newest = "-" if o.newest is None else str(o.newest)
+        print(f"{o.trial:>5}  {o.mode:<12} {o.delay:>9.3f}s  {o.last_event:<16} {newest:>15}  {o.skipped}")
+    kinds: dict[str, int] = {}
+    for o in outcomes:
+        kind = o.last_event.split()[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    print(f"{len(outcomes)} trials, all safe; killed after: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
+
+
+def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
+    seed = int(os.environ.get("SPOTGUARD_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+    rng = random.Random(seed)
+    print(f"\ncrash-safety seed {seed}")
+    outcomes: list[Outcome] = []
+    file_uri = f"file://{tmp_path}/remote/job"
+    stores: dict[str, tuple[str, Storage, dict[str, str]]] = {
+        "upload-file": (file_uri, open_storage(file_uri), subprocess_env()),
+        "upload-s3": (s3_uri, open_storage(s3_uri, **s3_options(s3_store)), subprocess_env(s3_store)),
+    }
+    had_verified: dict[str, bool] = {}
+    trial = 0
+    for mode in ("write", "upload-file", "upload-s3"):
+        for i in range(TRIALS_PER_MODE):
+            trial += 1
+            start = (i + 1) * 1000
+            delay = rng.uniform(0.0, 0.6)
+            if mode == "write":
+                directory = tmp_path / "local-write"
+                last = run_and_kill(["write", str(directory), str(start)], subprocess_env(), delay)
+                newest, skipped = check_local(directory), 0
+            else:
+                uri, storage, env = stores[mode]
+                last = run_and_kill(["upload", uri, str(tmp_path / f"local-{mode}"), str(start)], env, delay)
+                with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
+                    newest, skipped = check_storage(storage, Path(scratch))
+            # Once a checkpoint was complete, a crash never leaves us with none.
+            if had_verified.get(mode):
+                assert newest is not None, f"trial {trial}: lost every checkpoint"
+            had_verified[mode] = had_verified.get(mode, False) or newest is not None
+            outcomes.append(Outcome(trial, mode, delay, last, newest, skipped))
+    print_table(outcomes)
+    assert len(outcomes) >= 50
+    assert all(had_verified.values()), "a mode never produced a single checkpoint: the trials tested nothing"
