@@ -125,7 +125,8 @@ def print_table(outcomes: list[Outcome]) -> None:
     for o in outcomes:
         kind = o.last_event.split()[0]
         kinds[kind] = kinds.get(kind, 0) + 1
-    print(f"{len(outcomes)} trials, all safe; killed after: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))
+    summary = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+    print(f"{len(outcomes)} trials, all safe; killed after: {summary}")
 
 
 def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
