@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 RUN_MARKER = "SPOTGUARD_TESTENV_RUN"
-SERVICE_NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "weed")
 
 
 def cache_dir() -> Path:
@@ -254,6 +253,55 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
 
     wait_until(bucket_ready, 90, "SeaweedFS S3", svc)
     return store
+
+
+# --- Prometheus -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrometheusServer:
+    url: str
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """Instant query; the result vector (``[{"metric": {...}, "value": [t, "v"]}, ...]``)."""
+        from urllib.parse import urlencode
+
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urlencode({'query': expr})}", timeout=10) as resp:
+            body = json.loads(resp.read())
+        if body.get("status") != "success":
+            raise RuntimeError(f"query {expr!r} failed: {body}")
+        return list(body["data"]["result"])
+
+    def targets(self) -> list[dict[str, Any]]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=10) as resp:
+            return list(json.loads(resp.read())["data"]["activeTargets"])
+
+
+def start_prometheus(
+    sup: Supervisor, scrape: dict[str, list[str]], *, interval: str = "1s", rule_files: list[Path] | None = None
+) -> PrometheusServer:
+    """Prometheus scraping ``scrape`` (job name -> ["127.0.0.1:port", ...]) with honor_labels,
+    so the scraped series keep their own ``namespace``/``job`` labels (as the chart's monitors do)."""
+    port = free_port()
+    d = sup.state_dir / f"prometheus-{port}"
+    d.mkdir(parents=True, exist_ok=True)
+    config = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "rule_files": [str(f) for f in rule_files or []],
+        "scrape_configs": [
+            {"job_name": name, "honor_labels": True, "static_configs": [{"targets": targets}]}
+            for name, targets in scrape.items()
+        ],
+    }
+    (d / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
+    url = f"http://127.0.0.1:{port}"
+    svc = sup.start(
+        f"prometheus-{port}",
+        ["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+    )  # fmt: skip
+    wait_until(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 60, "prometheus", svc)
+    return PrometheusServer(url)
 
 
 # --- Kubernetes control plane ------------------------------------------------

@@ -13,8 +13,9 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +86,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             f"ERROR: test services still running after the session: pids {left}", red=True
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def prometheus(testenv_supervisor: cluster.Supervisor) -> Callable[..., cluster.PrometheusServer]:
+    """Start a real Prometheus: ``prometheus({"job": ["127.0.0.1:PORT"]}, rule_files=[...])``."""
+
+    def start(scrape: dict[str, list[str]], **kwargs: Any) -> cluster.PrometheusServer:
+        return cluster.start_prometheus(testenv_supervisor, scrape, **kwargs)
+
+    return start
