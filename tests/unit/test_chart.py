@@ -205,7 +205,8 @@ def test_several_replicas_use_kopf_peering() -> None:
 def test_service_monitor() -> None:
     mon = one(render("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"),
               "ServiceMonitor")
-    assert mon["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    # honorLabels: the series carry the TrainingJob's own namespace/job labels.
+    assert mon["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "honorLabels": True, "interval": "30s"}]
     assert mon["metadata"]["labels"]["release"] == "prom"
 
 
