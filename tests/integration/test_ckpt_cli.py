@@ -205,7 +205,8 @@ def test_user_errors_are_one_line(args: list[str], fragment: str) -> None:
 
 def test_s3_user_errors_are_one_line(s3_store: Any, tmp_path: Path) -> None:
     env = subprocess_env(s3_store)
-    one_line_error(cli("ckpt", "ls", "s3://no-such-bucket-here/x", env=env), "bucket 'no-such-bucket-here' does not exist")
+    missing = cli("ckpt", "ls", "s3://no-such-bucket-here/x", env=env)
+    one_line_error(missing, "bucket 'no-such-bucket-here' does not exist")
     bare = {k: v for k, v in env.items() if not k.startswith("AWS_")}
     bare |= {"AWS_ENDPOINT_URL_S3": s3_store.endpoint_url, "AWS_DEFAULT_REGION": s3_store.region,
              "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
