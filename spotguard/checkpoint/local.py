@@ -135,14 +135,18 @@ class LocalWriter:
         metrics: Mapping[str, Any] | None = None,
         job: str | None = None,
         attempt: int | None = None,
+        reason: str | None = None,
+        request_id: str | None = None,
+        timing: Mapping[str, float] | None = None,
     ) -> Path:
         """Write the manifest last, fsync, and rename into place; returns the
         committed directory. Committing a step that already exists keeps the
         existing checkpoint."""
         self._check_deadline()
         manifest = new_manifest(
-            self.step, self.entries, self.algorithm, epoch=epoch, metrics=metrics, job=job, attempt=attempt
-        )
+            self.step, self.entries, self.algorithm, epoch=epoch, metrics=metrics, job=job, attempt=attempt,
+            reason=reason, request_id=request_id, timing=timing,
+        )  # fmt: skip
         data = manifest.to_json()
         fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -180,14 +184,23 @@ def write_checkpoint(
     job: str | None = None,
     attempt: int | None = None,
     deadline: float | None = None,
+    reason: str | None = None,
+    request_id: str | None = None,
+    snapshot_seconds: float | None = None,
 ) -> Path:
     """Persist a snapshot as ``<directory>/ckpt-<step>`` atomically (phase two
     of a save). Raises :class:`DeadlineExceeded` (leaving nothing behind) when
     ``deadline`` (unix time) passes first."""
+    start = time.perf_counter()
     writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline)
     try:
         writer.add_snapshot(snapshot)
-        return writer.commit(epoch=epoch, metrics=metrics, job=job, attempt=attempt)
+        timing = {"persist_seconds": round(time.perf_counter() - start, 6)}
+        if snapshot_seconds is not None:
+            timing["snapshot_seconds"] = round(snapshot_seconds, 6)
+            timing["save_seconds"] = round(snapshot_seconds + timing["persist_seconds"], 6)
+        return writer.commit(epoch=epoch, metrics=metrics, job=job, attempt=attempt, reason=reason,
+                             request_id=request_id, timing=timing)  # fmt: skip
     except BaseException:
         writer.abort()
         raise

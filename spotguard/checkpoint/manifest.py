@@ -90,6 +90,9 @@ class Manifest:
     metrics: Mapping[str, float | None] = field(default_factory=dict)
     job: str | None = None
     attempt: int | None = None
+    reason: str | None = None
+    request_id: str | None = None
+    timing: Mapping[str, float] | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -123,6 +126,12 @@ class Manifest:
             doc["job"] = self.job
         if self.attempt is not None:
             doc["attempt"] = self.attempt
+        if self.reason is not None:
+            doc["reason"] = self.reason
+        if self.request_id is not None:
+            doc["request_id"] = self.request_id
+        if self.timing is not None:
+            doc["timing"] = dict(self.timing)
         return doc
 
     def to_json(self) -> bytes:
@@ -166,6 +175,9 @@ def new_manifest(
     job: str | None = None,
     attempt: int | None = None,
     created: str | None = None,
+    reason: str | None = None,
+    request_id: str | None = None,
+    timing: Mapping[str, float] | None = None,
 ) -> Manifest:
     """Build a manifest, validating every field the way :func:`parse_manifest` does."""
     manifest = Manifest(
@@ -177,6 +189,9 @@ def new_manifest(
         metrics=clean_metrics(metrics),
         job=job,
         attempt=attempt,
+        reason=reason,
+        request_id=request_id,
+        timing=timing,
     )
     return parse_manifest(manifest.to_json())
 
@@ -241,6 +256,20 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
     if job is not None and not isinstance(job, str):
         raise ManifestError("field 'job' must be a string")
     attempt = _int(doc, "attempt", optional=True)
+    reason = doc.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise ManifestError("field 'reason' must be a string")
+    request_id = doc.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ManifestError("field 'request_id' must be a string")
+    timing_doc = doc.get("timing")
+    timing: dict[str, float] | None = None
+    if timing_doc is not None:
+        if not isinstance(timing_doc, dict) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in timing_doc.values()
+        ):
+            raise ManifestError("field 'timing' must map names to seconds")
+        timing = {str(k): float(v) for k, v in timing_doc.items()}
     files_doc = doc.get("files")
     if not isinstance(files_doc, list):
         raise ManifestError("field 'files' must be a list")
@@ -274,6 +303,9 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
         metrics=metrics,
         job=job,
         attempt=attempt,
+        reason=reason,
+        request_id=request_id,
+        timing=timing,
         format_version=version,
     )
 

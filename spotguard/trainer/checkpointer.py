@@ -106,6 +106,7 @@ class _PersistJob:
     metrics: Mapping[str, Any] | None
     requests: list[CheckpointRequest] = field(default_factory=list)
     deadline: float | None = None
+    snapshot_seconds: float = 0.0
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:
@@ -410,11 +411,19 @@ class Checkpointer:
                 self._finish(requests, None, deadline_exceeded=True)
                 return None
             start = time.perf_counter()
-            snapshot = snapshot_state(state, pinned=self._pinned)
+            try:
+                snapshot = snapshot_state(state, pinned=self._pinned)
+            except BaseException:
+                # The state cannot be saved (the caller's error); still answer
+                # the requests, so a preemption ends the loop instead of looping.
+                self._finish(requests, None)
+                raise
             self.last_stall_seconds = time.perf_counter() - start
             self._last_snapshot_step = step
             self._last_save_time = time.monotonic()
-            job = _PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, requests, deadline)
+            job = _PersistJob(
+                step, snapshot, epoch, dict(metrics) if metrics else None, requests, deadline, self.last_stall_seconds
+            )
             if sync:
                 return self._persist(job)
             self._thread = threading.Thread(target=self._persist, args=(job,), name="spotguard-persist", daemon=True)
@@ -448,6 +457,9 @@ class Checkpointer:
                 job=self.job,
                 attempt=self.attempt,
                 deadline=job.deadline,
+                reason=_reason(job.requests),
+                request_id=next((r.id for r in reversed(job.requests)), None),
+                snapshot_seconds=job.snapshot_seconds,
             )
             self.last_committed = path
             self.last_persist_seconds = time.perf_counter() - start
@@ -626,6 +638,14 @@ class Checkpointer:
 
 
 restore_rng_state = restore_rng  # restore()'s keyword shadows the name
+
+
+def _reason(requests: list[CheckpointRequest]) -> str:
+    """What caused a save, for the manifest: ``interval`` or the request's reason."""
+    if not requests:
+        return "interval"
+    preempting = [r for r in requests if r.preempt]
+    return (preempting or requests)[-1].reason or "requested"
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:

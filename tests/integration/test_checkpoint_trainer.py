@@ -303,3 +303,26 @@ def test_from_env(tmp_path: Path) -> None:
 def test_from_env_rejects_bad_values(tmp_path: Path, key: str, value: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         Checkpointer.from_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path), key: value}, handle_signals=False)
+
+
+def test_manifest_records_reason_and_timing(ckdir: Path) -> None:
+    ck = Checkpointer(ckdir)
+    ck.save(1, step_tensors(1), blocking=True)
+    write_request(ckdir / ".control", id="n1", reason="notice:azure", preempt=True)
+    assert ck.should_save(2)
+    ck.save(2, step_tensors(2))
+    first, second = (read_local_manifest(ckdir / checkpoint_name(s)) for s in (1, 2))
+    assert (first.reason, first.request_id) == ("interval", None)
+    assert (second.reason, second.request_id) == ("notice:azure", "n1")
+    assert first.timing is not None and set(first.timing) == {"snapshot_seconds", "persist_seconds", "save_seconds"}
+
+
+def test_a_state_that_cannot_be_saved_still_ends_a_preemption(ckdir: Path) -> None:
+    from spotguard.checkpoint import StateError
+
+    ck = Checkpointer(ckdir)
+    write_request(ckdir / ".control", id="x", reason="sigterm", preempt=True)
+    assert ck.should_save(1)
+    with pytest.raises(StateError, match="cannot be checkpointed"):
+        ck.save(1, {"bad": object()})
+    assert ck.preempted and read_ack(ckdir / ".control")["id"] == "x"

@@ -100,6 +100,9 @@ def test_roundtrip_preserves_every_field() -> None:
         metrics={"loss": 0.25, "acc": 1, "bad": float("nan")},
         job="ns/job",
         attempt=2,
+        reason="sigterm",
+        request_id="r-1",
+        timing={"save_seconds": 0.5},
     )
     again = parse_manifest(m.to_json(), expected_name="ckpt-000000000042")
     assert again == m
@@ -138,6 +141,8 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
         (raw(doc(metrics=[1])), "'metrics' must be an object"),
         (raw(doc(metrics={"loss": "low"})), "metric 'loss' is not a number"),
         (raw(doc(files={})), "'files' must be a list"),
+        (raw(doc(timing={"save_seconds": "slow"})), "'timing' must map names to seconds"),
+        (raw(doc(reason=3)), "'reason' must be a string"),
         (raw(doc(files=["x"])), "is not an object"),
         (raw(doc(files=[{"path": "../x", "size": 1, "checksum": GOOD_CRC}])), "escapes the checkpoint"),
         (raw(doc(files=[{"path": "/abs", "size": 1, "checksum": GOOD_CRC}])), "is absolute"),
