@@ -1,0 +1,187 @@
+"""``spotguard run``: preemption, kill -9 of the supervisor and its child, crash restarts.
+
+Real processes throughout; storage is SeaweedFS (integration) or file://.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_sidecar_helpers import (
+    PY,
+    Proc,
+    base_env,
+    reaping,
+    s3_storage,
+    spotguard_argv,
+    train_argv,
+    wait_until,
+)
+
+from spotguard.checkpoint import latest_verified
+from spotguard.sidecar.supervisor import RUN_ID_ENV, processes_with_env
+
+STEPS = 120
+SAVE_EVERY = 10
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """Final state of an uninterrupted run."""
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "final.safetensors"
+    with reaping() as procs:
+        proc = Proc(train_argv(STEPS, out, save_every=SAVE_EVERY),
+                    base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}), root / "train.log")
+        procs.append(proc)
+        assert proc.wait() == 0, proc.tail()
+    return out.read_bytes()
+
+
+def run_argv(workdir: Path, storage: str, *train: str, max_restarts: int = 3) -> list[str]:
+    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts",
+                          str(max_restarts), "--backoff", "0.1", "--", *train)
+
+
+def resumed_step(proc: Proc) -> int | None:
+    line = proc.wait_for_line(lambda ln: ln.startswith(("resumed from step", "starting from scratch")))
+    return int(line.rsplit(" ", 1)[1]) if line.startswith("resumed") else None
+
+
+@pytest.mark.integration
+def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_path: Path, reference: bytes) -> None:
+    out = tmp_path / "final.safetensors"
+    env = base_env(s3_store.env())
+    argv = run_argv(tmp_path / "work", s3_uri, *train_argv(STEPS, out, 0.02, SAVE_EVERY))
+    with reaping() as procs:
+        first = Proc(argv, env, tmp_path / "run1.log")
+        procs.append(first)
+        first.wait_for_step(45)
+        first.signal(signal.SIGTERM)
+        assert first.wait() == 128 + signal.SIGTERM, first.tail()
+        stopped = int(first.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+        info, _ = latest_verified(s3_storage(s3_store, s3_uri))
+        assert info is not None and info.step == stopped, (info, stopped)
+
+        second = Proc(argv, env, tmp_path / "run2.log")
+        procs.append(second)
+        assert resumed_step(second) == stopped
+        assert second.wait() == 0, second.tail()
+    assert out.read_bytes() == reference
+
+
+@pytest.mark.integration
+def test_survives_kill_9_of_itself_and_its_child(s3_store, s3_uri: str, tmp_path: Path, reference: bytes) -> None:
+    out = tmp_path / "final.safetensors"
+    workdir = tmp_path / "work"
+    env = base_env(s3_store.env())
+    argv = run_argv(workdir, s3_uri, *train_argv(STEPS, out, 0.03, SAVE_EVERY))
+    storage = s3_storage(s3_store, s3_uri)
+    with reaping() as procs:
+        first = Proc(argv, env, tmp_path / "run1.log")
+        procs.append(first)
+        # Some checkpoints are verified in storage, training goes on.
+        wait_until(lambda: (latest_verified(storage)[0] or None) and latest_verified(storage)[0].step >= 30,
+                   120, "a verified checkpoint at step >= 30")
+        first.wait_for_step(first.last_step + 3 if first.last_step else 35)
+        run_id = json.loads((workdir / "child.json").read_text())["run_id"]
+        child = json.loads((workdir / "checkpoints" / ".control" / "trainer.pid").read_text())["pid"]
+        # The machine "dies": supervisor and trainer are killed at once, nothing can clean up.
+        os.kill(first.popen.pid, signal.SIGKILL)
+        os.kill(child, signal.SIGKILL)
+        assert first.wait() == -signal.SIGKILL
+        wait_until(lambda: not processes_with_env(RUN_ID_ENV, run_id), 30, "no process of the killed run left")
+        verified_before, _ = latest_verified(storage)
+        assert verified_before is not None
+
+        second = Proc(argv, env, tmp_path / "run2.log")
+        procs.append(second)
+        resumed = resumed_step(second)
+        # The newest verified checkpoint (the restart first ships any complete
+        # local checkpoint the dead supervisor had not uploaded yet).
+        assert resumed is not None and resumed >= verified_before.step
+        assert second.wait() == 0, second.tail()
+    assert out.read_bytes() == reference
+
+
+@pytest.mark.integration
+def test_kill_9_of_the_supervisor_takes_the_child_with_it(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    argv = run_argv(workdir, s3_uri, *train_argv(10_000, None, 0.05, SAVE_EVERY))
+    with reaping() as procs:
+        first = Proc(argv, base_env(s3_store.env()), tmp_path / "run.log")
+        procs.append(first)
+        first.wait_for_step(3)
+        run_id = json.loads((workdir / "child.json").read_text())["run_id"]
+        assert processes_with_env(RUN_ID_ENV, run_id)
+        os.kill(first.popen.pid, signal.SIGKILL)
+        first.wait()
+        wait_until(lambda: not processes_with_env(RUN_ID_ENV, run_id), 30, "the child to die with its supervisor")
+
+
+def test_restarts_a_crashed_command_and_it_resumes(tmp_path: Path, reference: bytes) -> None:
+    out = tmp_path / "final.safetensors"
+    marker = tmp_path / "crashed-once"
+    half = " ".join(train_argv(STEPS // 2, None, 0.0, SAVE_EVERY))
+    full = " ".join(train_argv(STEPS, out, 0.0, SAVE_EVERY))
+    # First attempt trains half the steps, then "crashes" (exit 3); the restart resumes.
+    script = f'if [ -e {marker} ]; then exec {full}; else touch {marker}; {half}; exit 3; fi'
+    storage = (tmp_path / "store").as_uri()
+    with reaping() as procs:
+        proc = Proc(run_argv(tmp_path / "work", storage, "sh", "-c", script, max_restarts=2), base_env(),
+                    tmp_path / "run.log")
+        procs.append(proc)
+        assert proc.wait() == 0, proc.tail()
+    text = proc.text()
+    assert "command failed (exit status 3); restart 1/2" in text
+    assert f"resumed from step {STEPS // 2 - 1}" in text
+    assert out.read_bytes() == reference
+
+
+def test_gives_up_when_the_restart_budget_is_spent(tmp_path: Path) -> None:
+    storage = (tmp_path / "store").as_uri()
+    result = subprocess.run(
+        run_argv(tmp_path / "work", storage, PY, "-c", "import sys; sys.exit(7)", max_restarts=2),
+        env=base_env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 7, result.stderr
+    assert result.stderr.count("started attempt") == 3
+    assert "restart budget of 2 spent" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run"], "no command"),
+        (["run", "--storage", "gs://bucket/x", "--", "true"], "gs://bucket/x"),
+        (["run", "--", "/nonexistent/trainer"], "cannot start '/nonexistent/trainer'"),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    argv = spotguard_argv(args[0], "--workdir", str(tmp_path / "w"), *args[1:])
+    result = subprocess.run(argv, env=base_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2
+    errors = [ln for ln in result.stderr.splitlines() if "ERROR" in ln or ln.startswith("spotguard: error")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_second_supervisor_on_the_same_workdir_is_refused(tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    storage = (tmp_path / "store").as_uri()
+    with reaping() as procs:
+        first = Proc(run_argv(workdir, storage, *train_argv(10_000, None, 0.05, SAVE_EVERY)), base_env(),
+                     tmp_path / "first.log")
+        procs.append(first)
+        first.wait_for_step(1)
+        result = subprocess.run(run_argv(workdir, storage, "true"), env=base_env(), capture_output=True,
+                                text=True, timeout=60, check=False)
+        assert result.returncode == 2
+        assert "another spotguard run is using" in result.stderr
+        first.signal(signal.SIGINT)
+        assert first.wait() == 128 + signal.SIGINT, first.tail()
