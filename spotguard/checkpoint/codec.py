@@ -127,21 +127,22 @@ class _Snapshotter:
         if t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise StateError(f"{where}: only dense tensors can be checkpointed (got {t.layout})")
         t = t.detach()
-        if t.device.type == "cpu":
-            host = torch.empty(t.shape, dtype=t.dtype)
-            host.copy_(t)
-        else:
-            # Copy into a reused page-locked buffer without blocking per tensor;
-            # one synchronize() at the end of the snapshot.
-            key = (self._index, t.dtype, tuple(t.shape))
-            self._index += 1
-            host = self.pinned.get(key) if self.pinned is not None else None
-            if host is None:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                if self.pinned is not None:
-                    self.pinned[key] = host
-            host.copy_(t, non_blocking=True)
-            self.cuda_used = True
+        on_gpu = t.device.type != "cpu"
+        # Host buffers are reused between saves when the caller keeps a pool
+        # (the Checkpointer does: at most one snapshot exists at a time), which
+        # saves the page faults of fresh memory on every save; GPU tensors go
+        # to page-locked buffers with non-blocking copies and one
+        # synchronize() at the end of the snapshot.
+        key = (self._index, t.dtype, tuple(t.shape), on_gpu)
+        self._index += 1
+        host = self.pinned.get(key) if self.pinned is not None else None
+        if host is None:
+            pin = on_gpu and torch.cuda.is_available()
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            if self.pinned is not None:
+                self.pinned[key] = host
+        host.copy_(t, non_blocking=on_gpu)
+        self.cuda_used = self.cuda_used or on_gpu
         flat = host.reshape(-1).view(torch.uint8)
         return TensorBlob(st, tuple(int(s) for s in t.shape), memoryview(flat.numpy()), owner=host)
 
@@ -213,9 +214,10 @@ def _path_str(path: tuple[Any, ...]) -> str:
 def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = None) -> Snapshot:
     """Capture ``state`` in host memory (phase one of a save).
 
-    Tensors are copied (GPU tensors into page-locked buffers kept in
-    ``pinned`` between saves), containers are rebuilt, so the caller may
-    modify or free the originals as soon as this returns.
+    Tensors are copied and containers rebuilt, so the caller may modify or
+    free the originals as soon as this returns. ``pinned`` is a pool of host
+    buffers (page-locked for GPU tensors) reused by the next snapshot: pass
+    the same dict only once the previous snapshot has been written.
     """
     if not isinstance(state, Mapping):
         raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")

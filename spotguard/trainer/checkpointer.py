@@ -171,6 +171,7 @@ class Checkpointer:
         attempt: int | None = None,
         async_save: bool = True,
         handle_signals: bool = False,
+        reuse_host_buffers: bool = True,
     ) -> None:
         self.directory = Path(directory)
         self.storage_uri = storage_uri or None
@@ -207,7 +208,9 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._last_snapshot_step: int | None = None
         self._last_save_time = time.monotonic()
-        self._pinned: dict[Any, Any] = {}
+        # Host copies of the tensors, reused by the next snapshot (no page
+        # faults on fresh memory); costs one resident copy of the state.
+        self._pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
         self._storage: Any = None
         self._closed = False
 
