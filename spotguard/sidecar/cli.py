@@ -17,31 +17,15 @@ log = logging.getLogger("spotguard.sidecar")
 
 DEFAULT_CHECKPOINT_DIR = "/spotguard/checkpoints"
 DEFAULT_METRICS_PORT = 9400
+# Created by kubelet in every container; absent elsewhere (then no report).
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 
 
 def _env(name: str, default: str | None = None) -> str | None:
+    # Defaults from the environment stay strings: argparse converts (and
+    # rejects) them only for the subcommand being run.
     value = os.environ.get(name)
     return value if value not in (None, "") else default
-
-
-def _float_env(name: str, default: float) -> float:
-    value = _env(name)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise SystemExit(f"spotguard: error: {name}={value!r} is not a number") from None
-
-
-def _int_env(name: str, default: int) -> int:
-    value = _env(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"spotguard: error: {name}={value!r} is not an integer") from None
 
 
 def register(subparsers: Any) -> None:
@@ -75,28 +59,32 @@ def _register_sidecar(subparsers: Any) -> None:
     p.add_argument("--trainer-pid-file", type=Path, default=None,
                    help="file holding the trainer's pid (default CONTROL_DIR/trainer.pid)")
     p.add_argument("--grace-seconds", type=float,
-                   default=_float_env("SPOTGUARD_GRACE_SECONDS", 30.0),
+                   default=_env("SPOTGUARD_GRACE_SECONDS", "30.0"),
                    help="time between SIGTERM and the kill (env SPOTGUARD_GRACE_SECONDS, "
                    "default 30)")
     p.add_argument("--safety-margin", type=float,
-                   default=_float_env("SPOTGUARD_SAFETY_MARGIN_SECONDS", 5.0),
+                   default=_env("SPOTGUARD_SAFETY_MARGIN_SECONDS", "5.0"),
                    help="seconds kept free at the end of the grace period (default 5)")
     p.add_argument("--mode", choices=("classic", "native"),
                    default=_env("SPOTGUARD_SIDECAR_MODE", "classic"),
                    help="classic: exit once the trainer has exited and everything is shipped; "
                    "native (Kubernetes native sidecar): run until SIGTERM")
     p.add_argument("--metrics-port", type=int,
-                   default=_int_env("SPOTGUARD_METRICS_PORT", DEFAULT_METRICS_PORT),
+                   default=_env("SPOTGUARD_METRICS_PORT", str(DEFAULT_METRICS_PORT)),
                    help=f"Prometheus metrics port, 0 to disable (default {DEFAULT_METRICS_PORT})")
     p.add_argument("--metrics-addr", default=_env("SPOTGUARD_METRICS_ADDR", "0.0.0.0"),
                    help="address to serve metrics on (default 0.0.0.0)")
     _add_notice_args(p)
     p.add_argument("--proactive-interval", type=float,
-                   default=_float_env("SPOTGUARD_PROACTIVE_INTERVAL", 0.0),
+                   default=_env("SPOTGUARD_PROACTIVE_INTERVAL", "0.0"),
                    help="when the emergency checkpoint would not fit the grace period, request "
                    "a checkpoint every this many seconds (0: never, the default)")
-    p.add_argument("--keep-local", type=int, default=_int_env("SPOTGUARD_KEEP_LOCAL", 1),
+    p.add_argument("--keep-local", type=int, default=_env("SPOTGUARD_KEEP_LOCAL", str(1)),
                    help="local checkpoints kept after a newer one is verified (default 1)")
+    p.add_argument("--termination-log", type=Path,
+                   default=_env("SPOTGUARD_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
+                   help="write a JSON report here on exit, for the operator "
+                   f"(default {DEFAULT_TERMINATION_LOG} when it exists)")
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_sidecar)
@@ -115,7 +103,7 @@ def _add_notice_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--azure-metadata-endpoint",
                    default=_env("SPOTGUARD_AZURE_METADATA_ENDPOINT", n.AZURE_METADATA_ENDPOINT))
     p.add_argument("--notice-interval", type=float,
-                   default=_float_env("SPOTGUARD_NOTICE_INTERVAL", 2.0),
+                   default=_env("SPOTGUARD_NOTICE_INTERVAL", "2.0"),
                    help="seconds between notice polls (default 2)")
     p.add_argument("--notice-stops-training", action="store_true",
                    default=_env("SPOTGUARD_NOTICE_STOPS_TRAINING", "") in ("1", "true", "yes"),
@@ -141,6 +129,14 @@ def _retention_from_env() -> Any | None:
 
     policy = RetentionPolicy.from_env(os.environ)
     return None if policy.keeps_everything else policy
+
+
+def _termination_log(path: Path) -> Path | None:
+    # The default only applies where kubelet created the file; an explicit
+    # other path is created.
+    if str(path) == DEFAULT_TERMINATION_LOG and not path.exists():
+        return None
+    return path
 
 
 def _fail(message: str) -> int:
@@ -193,6 +189,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
         notice_interval_seconds=args.notice_interval,
+        termination_log=_termination_log(args.termination_log),
     )
     try:
         return run_sidecar(agent, options, sources)
@@ -223,7 +220,7 @@ def _register_run(subparsers: Any) -> None:
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts after the command fails (default 3)")
     p.add_argument("--grace-seconds", type=float,
-                   default=_float_env("SPOTGUARD_GRACE_SECONDS", 30.0),
+                   default=_env("SPOTGUARD_GRACE_SECONDS", "30.0"),
                    help="time allowed for the emergency checkpoint after SIGTERM (default 30)")
     p.add_argument("--backoff", type=float, default=1.0,
                    help="seconds before the first restart, doubling each time (default 1)")

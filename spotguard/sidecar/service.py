@@ -13,6 +13,7 @@ The same :class:`CheckpointAgent` does these duties in-process for
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -105,6 +106,8 @@ class CheckpointAgent:
         self._at_risk_logged: bool | None = None
         self._seen_trainer = False
         self._seen_pid: int | None = None
+        # Set when a notice asked the trainer to stop after its checkpoint.
+        self.stop_reason: str | None = None
         self._state_cache: tuple[float, TrainerState] | None = None
         metrics.grace.labels(**metrics.labels).set(config.grace_seconds)
 
@@ -166,6 +169,8 @@ class CheckpointAgent:
             deadline -= self.config.safety_margin_seconds
             preempt = notice.preempt and self.config.notice_stops_training
             req = self.channel.request_checkpoint(f"notice:{notice.source}", deadline, preempt)
+            if preempt and self.stop_reason is None:
+                self.stop_reason = req.reason
             self.wake_trainer()
             self.pending.append(PendingRequest(req, notice.source, now, notice, source))
             log.warning("notice source=%s %s: requested checkpoint id=%s deadline_in=%.1fs",
@@ -366,6 +371,46 @@ class SidecarOptions:
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
     notice_interval_seconds: float = 2.0
+    # Kubernetes shows this file's content as the container's termination
+    # message; the operator reads the report from there.
+    termination_log: Path | None = None
+
+
+def termination_report(preempted: bool, reason: str, verified_step: int | None,
+                       trainer_step: int | None) -> dict[str, Any]:
+    """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep"}``.
+
+    ``step`` is the newest checkpoint verified in storage, ``trainerStep``
+    the last step the trainer reached (so the operator can count lost steps).
+    """
+    report: dict[str, Any] = {"preempted": preempted, "reason": reason}
+    if verified_step is not None:
+        report["step"] = verified_step
+    if trainer_step is not None:
+        report["trainerStep"] = trainer_step
+    return report
+
+
+def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
+    """Write the report where Kubernetes picks it up; never fails the exit."""
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(report), encoding="utf-8")
+    except OSError as exc:
+        log.warning("could not write the termination report to %s: %s", path, exc)
+
+
+def _trainer_last_step(agent: CheckpointAgent) -> int | None:
+    try:
+        doc = json.loads((agent.config.control_dir / EXIT_FILE).read_text(encoding="utf-8"))
+        step = doc.get("last_step")
+        if isinstance(step, int):
+            return step
+    except (OSError, ValueError, AttributeError):
+        pass
+    ack = agent.channel.read_ack()
+    return ack.step if ack is not None else None
 
 
 def run_sidecar(
@@ -397,15 +442,23 @@ def run_sidecar(
                 # so a classic (non-native) sidecar does not keep the pod alive.
                 agent.shipper.ship()
                 log.info("trainer exited; everything committed is shipped")
+                _report(agent, options, agent.stop_reason is not None, agent.stop_reason or "finished")
                 return EXIT_OK
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None
         agent.metrics.notice(latch.source)
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
+        _report(agent, options, True, latch.source)
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
     finally:
         watcher.stop()
+
+
+def _report(agent: CheckpointAgent, options: SidecarOptions, preempted: bool, reason: str) -> None:
+    last = agent.shipper.last_shipped
+    report = termination_report(preempted, reason, last.step if last else None, _trainer_last_step(agent))
+    write_termination_report(options.termination_log, report)
 
 
 def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -8,6 +8,7 @@ resuming from storage must end bitwise identical to an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -53,8 +54,8 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
                             "SPOTGUARD_JOB": f"trial-{trial}"})
             trainer = Proc(train_argv(STEPS, pod / "never.safetensors", STEP_DELAY, SAVE_EVERY), env,
                            pod / "trainer.log")
-            sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "30"), env,
-                           pod / "sidecar.log")
+            sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "30",
+                                          "--termination-log", str(pod / "termination-log")), env, pod / "sidecar.log")
             procs += [trainer, sidecar]
             target = rng.randrange(1, STEPS - 8)
             trainer.wait_for_step(target)
@@ -74,6 +75,9 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
             assert info is not None, f"trial {trial}: nothing verified; sidecar log:\n{sidecar.tail()}"
             assert info.step >= stopped_step, f"trial {trial}: verified {info.step} < stopped {stopped_step}"
             assert "stage=emergency" in sidecar.text() and "result=verified" in sidecar.text()
+            # What the operator reads from the container's termination message.
+            report = json.loads((pod / "termination-log").read_text())
+            assert report == {"preempted": True, "reason": "sigterm", "step": info.step, "trainerStep": stopped_step}
             outcomes.append((trial, target, stopped_step, info.step))
 
             # A new pod: empty local directory, restore from storage, train to the end.
