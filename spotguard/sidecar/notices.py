@@ -515,9 +515,11 @@ class NoticeWatcher:
         sources: Iterable[NoticeSource],
         on_notice: Callable[[Notice, NoticeSource], None],
         interval_seconds: float = 2.0,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.sources = list(sources)
         self.on_notice = on_notice
+        self.on_error = on_error
         self.interval_seconds = interval_seconds
         self._seen: set[str] = set()
         self._errors: dict[str, str | None] = {}
@@ -546,6 +548,8 @@ class NoticeWatcher:
         if source.last_error != previous:
             if source.last_error:
                 log.warning("notice source %s unavailable: %s", source.name, source.last_error)
+                if self.on_error is not None:
+                    self.on_error(source.name)
             elif previous:
                 log.info("notice source %s reachable again", source.name)
             self._errors[source.name] = source.last_error

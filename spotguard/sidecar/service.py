@@ -426,7 +426,8 @@ def run_sidecar(
     if options.metrics_port is not None:
         port = agent.metrics.serve(options.metrics_port, options.metrics_addr)
         log.info("metrics on %s:%d/metrics", options.metrics_addr, port)
-    watcher = NoticeWatcher(sources, agent.enqueue_notice, options.notice_interval_seconds)
+    watcher = NoticeWatcher(sources, agent.enqueue_notice, options.notice_interval_seconds,
+                            on_error=lambda _name: agent.metrics.failure("notice"))
     watcher.start()
     agent.shipper.adopt_existing()
     log.info("sidecar watching %s (grace %.0fs, notices: %s)", agent.config.checkpoint_dir,
