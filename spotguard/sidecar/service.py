@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.sidecar.control import (
     EXIT_FILE,
@@ -40,6 +40,10 @@ from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
 from spotguard.sidecar.shipper import CheckpointShipper, Shipped, log_stage, step_of
+
+if TYPE_CHECKING:
+    from spotguard.checkpoint import RetentionPolicy
+    from spotguard.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +90,9 @@ class CheckpointAgent:
     def __init__(
         self,
         config: AgentConfig,
-        storage: Any,
+        storage: Storage,
         metrics: SidecarMetrics,
-        retention: Any | None = None,
+        retention: RetentionPolicy | None = None,
         trainer_state: Callable[[], TrainerState] | None = None,
     ) -> None:
         self.config = config

@@ -13,10 +13,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
+
+if TYPE_CHECKING:
+    from spotguard.checkpoint import RetentionPolicy
+    from spotguard.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,11 @@ def plan_local_prune(committed: list[str], shipped: set[str], keep: int) -> list
     return [n for n in ordered if step_of(n) < newest_shipped and n not in protected]
 
 
+def retry_delay(failures: int, initial: float = 1.0, maximum: float = 30.0) -> float:
+    """Pure: seconds before retrying a checkpoint that failed ``failures`` times."""
+    return float(min(maximum, initial * 2 ** max(0, failures - 1)))
+
+
 def log_stage(stage: str, seconds: float, **fields: Any) -> None:
     """One structured line per stage: ``stage=upload seconds=1.234 name=... step=...``."""
     extra = "".join(f" {k}={v}" for k, v in fields.items() if v is not None)
@@ -86,10 +95,10 @@ class CheckpointShipper:
     def __init__(
         self,
         checkpoint_dir: Path,
-        storage: Any,
+        storage: Storage,
         metrics: SidecarMetrics,
         tracker: ThroughputTracker,
-        retention: Any | None = None,
+        retention: RetentionPolicy | None = None,
         keep_local: int = 1,
         on_verified: Callable[[Shipped], None] | None = None,
     ) -> None:
@@ -103,7 +112,8 @@ class CheckpointShipper:
         self.shipped: dict[str, Shipped] = {}
         self.failed: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._seen_saves: set[str] = set()
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
 
     @property
     def last_shipped(self) -> Shipped | None:
@@ -152,10 +162,14 @@ class CheckpointShipper:
         """
         with self._lock:
             paths = {p.name: p for p in self.committed()}
-            self._observe_saves(paths)
             names = plan_shipping(list(paths), set(self.shipped), newest_only)
             if upto_step is not None:
                 names = [n for n in names if step_of(n) <= upto_step]
+            if not newest_only:
+                # After a failure, wait before trying the same checkpoint again
+                # (a missing bucket must not produce four errors a second).
+                now = time.monotonic()
+                names = [n for n in names if self._retry_at.get(n, 0.0) <= now]
             done: list[Shipped] = []
             for name in names:
                 shipped = self._ship_one(paths[name])
@@ -166,17 +180,6 @@ class CheckpointShipper:
                 self._prune_local()
             return done
 
-    def _observe_saves(self, paths: dict[str, Path]) -> None:
-        for name, path in paths.items():
-            if name in self._seen_saves:
-                continue
-            self._seen_saves.add(name)
-            timing = save_timing(path)
-            if timing is not None:
-                seconds, nbytes, reason = timing
-                self.metrics.observe_save(seconds, reason)
-                self.tracker.record_save(nbytes, seconds)
-
     def _ship_one(self, path: Path) -> Shipped | None:
         from spotguard.checkpoint import upload_checkpoint, verify_checkpoint
 
@@ -184,8 +187,13 @@ class CheckpointShipper:
         t0 = time.monotonic()
         try:
             result = upload_checkpoint(path, self.storage)
-        except Exception as exc:  # noqa: BLE001 - storage errors are retried next round
+        except Exception as exc:  # noqa: BLE001 - storage errors are retried later
+            if not (path / "manifest.json").exists():
+                # The trainer pruned it meanwhile: a newer checkpoint supersedes it.
+                log.info("skipped %s: removed locally while uploading (superseded)", name)
+                return None
             self.failed[name] = f"upload: {exc}"
+            self._backoff(name)
             self.metrics.observe_upload_failed("upload")
             log.error("upload of %s failed after %.3fs: %s", name, time.monotonic() - t0,
                       _one_line(exc))
@@ -204,6 +212,7 @@ class CheckpointShipper:
         verify_seconds = time.monotonic() - t1
         if not ok:
             self.failed[name] = "verify: " + "; ".join(problems)
+            self._backoff(name)
             self.metrics.observe_upload_failed("verify")
             log.error("verification of %s failed after %.3fs: %s", name, verify_seconds,
                       "; ".join(problems))
@@ -219,6 +228,11 @@ class CheckpointShipper:
         if self.on_verified is not None:
             self.on_verified(shipped)
         return shipped
+
+    def _backoff(self, name: str) -> None:
+        self._failures[name] = self._failures.get(name, 0) + 1
+        delay = retry_delay(self._failures[name])
+        self._retry_at[name] = time.monotonic() + delay
 
     def _retention(self) -> None:
         if self.retention is None:
@@ -247,37 +261,6 @@ class CheckpointShipper:
                 continue
             self.metrics.deleted_local.labels(**self.metrics.labels).inc()
             log.info("pruned local %s (a newer checkpoint is verified in storage)", name)
-
-
-def save_timing(path: Path) -> tuple[float, int, str] | None:
-    """(seconds, bytes, reason) of a local save, if the manifest records it."""
-    import json
-
-    try:
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    nbytes = sum(int(f.get("size", 0)) for f in manifest.get("files", []) if isinstance(f, dict))
-    seconds = _save_seconds(manifest)
-    if seconds is None:
-        return None
-    reason = "requested" if manifest.get("request_id") or manifest.get("reason") not in (
-        None, "interval") else "interval"
-    return seconds, nbytes, reason
-
-
-def _save_seconds(manifest: dict[str, Any]) -> float | None:
-    for key in ("save_seconds", "persist_seconds", "write_seconds"):
-        value = manifest.get(key)
-        if isinstance(value, int | float):
-            return float(value)
-    timing = manifest.get("timing")
-    if isinstance(timing, dict):
-        for key in ("save_seconds", "total_seconds", "persist_seconds"):
-            value = timing.get(key)
-            if isinstance(value, int | float):
-                return float(value)
-    return None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -30,12 +30,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from spotguard.sidecar.control import CheckpointRequest, ControlChannel
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.service import AgentConfig, CheckpointAgent, SignalLatch
 from spotguard.sidecar.shipper import log_stage
+
+if TYPE_CHECKING:
+    from spotguard.storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ def kill_leftovers(workdir: Path) -> list[int]:
 class Supervisor:
     """Runs one training command to completion, preemption or exhausted budget."""
 
-    def __init__(self, config: RunConfig, storage: Any, metrics: SidecarMetrics) -> None:
+    def __init__(self, config: RunConfig, storage: Storage, metrics: SidecarMetrics) -> None:
         self.config = config
         self.storage = storage
         self.metrics = metrics
