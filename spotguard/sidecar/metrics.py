@@ -24,7 +24,7 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 # Bounded label values, listed so callers cannot invent new ones by accident.
 STAGES = ("save", "upload", "verify", "retention", "emergency", "restore", "notice")
 NOTICE_SOURCES = ("aws", "aws_rebalance", "gce", "azure", "k8s", "sigterm", "sigint")
-SAVE_REASONS = ("interval", "requested")
+SAVE_REASONS = ("interval", "sigterm", "notice", "proactive", "other")
 
 
 class SidecarMetrics:
@@ -38,8 +38,12 @@ class SidecarMetrics:
         r = self.registry
         self.save_duration = Histogram(
             "spotguard_checkpoint_save_duration_seconds",
-            "Time the trainer took to write a checkpoint locally, by reason.",
+            "Time the trainer took to save a checkpoint locally (snapshot + write), by reason.",
             base + ["reason"], buckets=DURATION_BUCKETS, registry=r)
+        self.request_latency = Histogram(
+            "spotguard_checkpoint_request_latency_seconds",
+            "From a checkpoint request to the trainer's acknowledgement (step boundary + write).",
+            base, buckets=DURATION_BUCKETS, registry=r)
         self.upload_duration = Histogram(
             "spotguard_checkpoint_upload_duration_seconds",
             "Time to upload one checkpoint (data, manifest, pointer).",
@@ -108,7 +112,7 @@ class SidecarMetrics:
     # Recording helpers keep label handling in one place.
 
     def observe_save(self, seconds: float, reason: str) -> None:
-        """A local save of known duration (``reason``: interval or requested)."""
+        """A local save of known duration (``reason``: one of ``SAVE_REASONS``)."""
         self.save_duration.labels(**self.labels, reason=reason).observe(seconds)
 
     def observe_upload(self, seconds: float, nbytes: int) -> None:

@@ -12,7 +12,6 @@ The same :class:`CheckpointAgent` does these duties in-process for
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -39,7 +38,7 @@ from spotguard.sidecar.control import (
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
-from spotguard.sidecar.shipper import CheckpointShipper, Shipped, log_stage, step_of
+from spotguard.sidecar.shipper import CheckpointShipper, Shipped, log_stage, save_reason_label, step_of
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy
@@ -318,18 +317,10 @@ class CheckpointAgent:
         return None
 
     def _record_requested_save(self, req: CheckpointRequest, ack: CheckpointAck) -> None:
-        # Request to acknowledgement is what an emergency save costs: the
-        # wait for the step boundary plus the synchronous write.
-        seconds = max(0.0, ack.mtime - req.written_at)
-        nbytes = 0
-        if ack.name is not None:
-            with contextlib.suppress(OSError, ValueError):
-                from spotguard.checkpoint import read_local_manifest
-
-                nbytes = read_local_manifest(self.config.checkpoint_dir / ack.name).total_size
-        self.metrics.observe_save(seconds, "requested")
-        if nbytes:
-            self.tracker.record_save(nbytes, seconds)
+        # Request to acknowledgement: the wait for the trainer's next step
+        # boundary plus the synchronous write (the write alone is in the
+        # manifest's timing and in the save histogram).
+        self.metrics.request_latency.labels(**self.metrics.labels).observe(max(0.0, ack.mtime - req.written_at))
 
     def _newest_committed(self) -> str | None:
         names = [p.name for p in self.shipper.committed()]
@@ -405,14 +396,41 @@ def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
         log.warning("could not write the termination report to %s: %s", path, exc)
 
 
-def _trainer_last_step(agent: CheckpointAgent) -> int | None:
+def _trainer_exit(agent: CheckpointAgent) -> dict[str, Any] | None:
+    """The trainer's ``trainer-exit.json`` (``{"pid", "preempted", "last_step"}``), if any."""
     try:
         doc = json.loads((agent.config.control_dir / EXIT_FILE).read_text(encoding="utf-8"))
-        step = doc.get("last_step")
-        if isinstance(step, int):
-            return step
-    except (OSError, ValueError, AttributeError):
-        pass
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _trainer_was_preempted(agent: CheckpointAgent) -> bool:
+    """Did the trainer that already exited stop for a preemption?
+
+    Its ``trainer-exit.json`` says so; without it, the reason recorded in
+    its newest checkpoint's manifest does (an emergency save is the last one).
+    """
+    exit_doc = _trainer_exit(agent)
+    if exit_doc is not None and "preempted" in exit_doc:
+        return bool(exit_doc["preempted"])
+    newest = agent.shipper.committed()
+    if not newest:
+        return True  # nothing to go on: say preempted, the safe side for a retry
+    from spotguard.checkpoint import read_local_manifest
+
+    try:
+        reason = read_local_manifest(newest[-1]).reason
+    except (OSError, ValueError):
+        return True
+    label = save_reason_label(reason)
+    return label == "sigterm" or (label == "notice" and agent.stop_reason is not None)
+
+
+def _trainer_last_step(agent: CheckpointAgent) -> int | None:
+    step = (_trainer_exit(agent) or {}).get("last_step")
+    if isinstance(step, int):
+        return step
     ack = agent.channel.read_ack()
     return ack.step if ack is not None else None
 
@@ -452,9 +470,15 @@ def run_sidecar(
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None
         agent.metrics.notice(latch.source)
+        trainer_before = agent.trainer_state()
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
-        _report(agent, options, True, latch.source)
+        preempted, reason = True, latch.source
+        if trainer_before == "gone" and not _trainer_was_preempted(agent):
+            # A native sidecar is stopped after the trainer, also when the
+            # trainer simply finished: that is no preemption.
+            preempted, reason = False, "finished"
+        _report(agent, options, preempted, reason)
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
     finally:
         watcher.stop()

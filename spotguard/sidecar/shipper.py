@@ -74,6 +74,20 @@ def plan_local_prune(committed: list[str], shipped: set[str], keep: int) -> list
     return [n for n in ordered if step_of(n) < newest_shipped and n not in protected]
 
 
+def save_reason_label(reason: str | None) -> str:
+    """Pure: a manifest's save reason as a bounded metric label."""
+    if reason in (None, "", "interval"):
+        return "interval"
+    assert reason is not None
+    if reason.startswith("notice:"):
+        return "notice"
+    if reason in ("sigterm", "signal", "sigint"):
+        return "sigterm"
+    if reason == "proactive":
+        return "proactive"
+    return "other"
+
+
 def retry_delay(failures: int, initial: float = 1.0, maximum: float = 30.0) -> float:
     """Pure: seconds before retrying a checkpoint that failed ``failures`` times."""
     return float(min(maximum, initial * 2 ** max(0, failures - 1)))
@@ -113,6 +127,7 @@ class CheckpointShipper:
         self.failed: dict[str, str] = {}
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
+        self._seen_saves: set[str] = set()
         self._retry_at: dict[str, float] = {}
 
     @property
@@ -162,6 +177,7 @@ class CheckpointShipper:
         """
         with self._lock:
             paths = {p.name: p for p in self.committed()}
+            self._observe_saves(paths)
             names = plan_shipping(list(paths), set(self.shipped), newest_only)
             if upto_step is not None:
                 names = [n for n in names if step_of(n) <= upto_step]
@@ -179,6 +195,24 @@ class CheckpointShipper:
                 self._retention()
                 self._prune_local()
             return done
+
+    def _observe_saves(self, paths: dict[str, Path]) -> None:
+        """Record each new checkpoint's save time, as its manifest reports it."""
+        from spotguard.checkpoint import read_local_manifest
+
+        for name, path in paths.items():
+            if name in self._seen_saves:
+                continue
+            self._seen_saves.add(name)
+            try:
+                manifest = read_local_manifest(path)
+            except (OSError, ValueError):
+                continue
+            seconds = (manifest.timing or {}).get("save_seconds")
+            if seconds is None:
+                continue
+            self.metrics.observe_save(seconds, save_reason_label(manifest.reason))
+            self.tracker.record_save(manifest.total_size, seconds)
 
     def _ship_one(self, path: Path) -> Shipped | None:
         from spotguard.checkpoint import upload_checkpoint, verify_checkpoint

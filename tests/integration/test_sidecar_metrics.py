@@ -61,6 +61,8 @@ def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> Non
     assert metric(m, "spotguard_checkpoint_uploaded_bytes_total", **labels) == expected_bytes
     assert metric(m, "spotguard_checkpoint_upload_duration_seconds_count", **labels) == 3
     assert metric(m, "spotguard_checkpoint_verify_duration_seconds_count", **labels) == 3
+    # Save times come from each manifest's timing.
+    assert metric(m, "spotguard_checkpoint_save_duration_seconds_count", reason="interval", **labels) == 3
     upload_sum = metric(m, "spotguard_checkpoint_upload_duration_seconds_sum", **labels)
     assert upload_sum is not None and upload_sum > 0
     for stage in STAGES:

@@ -107,3 +107,14 @@ def test_retry_delay(failures: int, want: float) -> None:
     from spotguard.sidecar.shipper import retry_delay
 
     assert retry_delay(failures) == want
+
+
+@pytest.mark.parametrize(
+    ("reason", "want"),
+    [(None, "interval"), ("interval", "interval"), ("sigterm", "sigterm"), ("notice:aws", "notice"),
+     ("notice:k8s", "notice"), ("proactive", "proactive"), ("something new", "other")],
+)
+def test_save_reason_label(reason: str | None, want: str) -> None:
+    from spotguard.sidecar.shipper import save_reason_label
+
+    assert save_reason_label(reason) == want
