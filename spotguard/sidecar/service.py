@@ -38,7 +38,14 @@ from spotguard.sidecar.control import (
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
-from spotguard.sidecar.shipper import CheckpointShipper, Shipped, log_stage, save_reason_label, step_of
+from spotguard.sidecar.shipper import (
+    CheckpointShipper,
+    Shipped,
+    log_stage,
+    retry_delay,
+    save_reason_label,
+    step_of,
+)
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy
@@ -284,6 +291,25 @@ class CheckpointAgent:
                   time.time() - received_at, want, last.step if last else None)
         return False
 
+    def flush(self, deadline: float) -> bool:
+        """Ship until the newest committed checkpoint is verified, or ``deadline``.
+
+        For a trainer that has exited: its last checkpoint must not be left
+        behind because the store hiccupped once.
+        """
+        attempt = 0
+        while True:
+            self.shipper.ship(newest_only=attempt > 0)
+            if self._verified_at_least(self._newest_committed_step()):
+                return True
+            attempt += 1
+            pause = min(retry_delay(attempt), deadline - time.time())
+            if pause <= 0:
+                log.error("the newest checkpoint could not be verified in storage: %s",
+                          "; ".join(self.shipper.failed.values()) or "unknown reason")
+                return False
+            time.sleep(pause)
+
     def _verified_at_least(self, step: int) -> bool:
         if step < 0:
             return True  # nothing was ever committed: nothing to lose
@@ -463,10 +489,11 @@ def run_sidecar(
             if options.exit_with_trainer and state == "gone":
                 # The trainer finished (or died): ship what it left and leave,
                 # so a classic (non-native) sidecar does not keep the pod alive.
-                agent.shipper.ship()
-                log.info("trainer exited; everything committed is shipped")
+                flushed = agent.flush(time.time() + agent.config.grace_seconds)
+                if flushed:
+                    log.info("trainer exited; everything committed is shipped")
                 _report(agent, options, agent.stop_reason is not None, agent.stop_reason or "finished")
-                return EXIT_OK
+                return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None
         agent.metrics.notice(latch.source)

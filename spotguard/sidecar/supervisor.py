@@ -8,9 +8,10 @@ budget. It keeps nothing in memory that the next start needs: a supervisor
 killed with SIGKILL is replaced by running the same command again.
 
 Exit statuses: 0 the command finished; 128+N preempted by signal N with a
-verified checkpoint (143 for SIGTERM, 130 for SIGINT); 3 preempted but the
-emergency checkpoint could not be verified; 2 a usage or setup error; else
-the command's own status once the restart budget is spent.
+verified checkpoint (143 for SIGTERM, 130 for SIGINT); 3 the newest
+checkpoint (after a preemption, or the last one of a finished command) could
+not be verified in storage; 2 a usage or setup error; else the command's own
+status once the restart budget is spent.
 """
 
 from __future__ import annotations
@@ -280,8 +281,10 @@ class Supervisor:
                 if self.latch.event.is_set():
                     return self._preempted()
                 rc = self.child.returncode
-                self.agent.shipper.ship()
+                shipped = self.agent.flush(time.time() + self.config.grace_seconds)
                 if rc == 0:
+                    if not shipped:
+                        return EXIT_EMERGENCY_FAILED
                     log.info("command finished; newest verified checkpoint: %s",
                              self._last_name())
                     return EXIT_FINISHED
