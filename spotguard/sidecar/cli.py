@@ -131,6 +131,15 @@ def _retention_from_env() -> Any | None:
     return None if policy.keeps_everything else policy
 
 
+def _save_every_seconds() -> float | None:
+    # The trainer validates this setting; here it only feeds a metric.
+    try:
+        value = float(_env("SPOTGUARD_SAVE_EVERY_SECONDS", "0") or 0)
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
 def _termination_log(path: Path) -> Path | None:
     # The default only applies where kubelet created the file; an explicit
     # other path is created.
@@ -178,6 +187,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         proactive_interval_seconds=args.proactive_interval or None,
         notice_stops_training=args.notice_stops_training,
         trainer_markers=default_markers(ckdir),
+        save_every_seconds=_save_every_seconds(),
     )
     metrics = SidecarMetrics(namespace=_env("POD_NAMESPACE", "") or "",
                              job=_env("SPOTGUARD_JOB", "") or "")
@@ -266,6 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
         job=args.job,
+        save_every_seconds=_save_every_seconds(),
     )
     try:
         with workdir_lock(workdir):

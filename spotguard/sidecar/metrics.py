@@ -10,6 +10,7 @@ lists every series.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -89,6 +90,13 @@ class SidecarMetrics:
             "spotguard_checkpoint_grace_seconds",
             "The grace period the sidecar plans emergency checkpoints against.",
             base, registry=r)
+        self.start_time = Gauge(
+            "spotguard_sidecar_start_timestamp_seconds",
+            "Unix time the sidecar (or spotguard run) started.", base, registry=r)
+        self.checkpoint_interval = Gauge(
+            "spotguard_checkpoint_interval_seconds",
+            "Seconds between routine checkpoints: SPOTGUARD_SAVE_EVERY_SECONDS, else as observed "
+            "(0 while unknown).", base, registry=r)
         self.restarts = Counter(
             "spotguard_run_restarts_total",
             "Restarts of the training command by spotguard run, by reason.",
@@ -106,6 +114,8 @@ class SidecarMetrics:
         self.uploaded_bytes.labels(**self.labels)
         self.deadline_at_risk.labels(**self.labels).set(0)
         self._last_step = -1
+        self.start_time.labels(**self.labels).set(time.time())
+        self.checkpoint_interval.labels(**self.labels).set(0)
         self.last_verified_step.labels(**self.labels).set(-1)
         self.last_verified_timestamp.labels(**self.labels).set(0)
 
@@ -153,6 +163,10 @@ class SidecarMetrics:
         self.deadline_at_risk.labels(**self.labels).set(1 if assessment.at_risk else 0)
         if assessment.expected_seconds is not None:
             self.expected_emergency.labels(**self.labels).set(assessment.expected_seconds)
+
+    def set_interval(self, seconds: float) -> None:
+        """The routine checkpoint interval in seconds (configured or observed)."""
+        self.checkpoint_interval.labels(**self.labels).set(seconds)
 
     def restart(self, reason: str) -> None:
         """Count one restart of the supervised command."""

@@ -72,6 +72,8 @@ class AgentConfig:
     keep_local: int = 1
     proactive_interval_seconds: float | None = None
     notice_stops_training: bool = False
+    # The trainer's SPOTGUARD_SAVE_EVERY_SECONDS, if set (for the interval metric).
+    save_every_seconds: float | None = None
     trainer_markers: dict[str, str] = field(default_factory=dict)
 
 
@@ -107,7 +109,8 @@ class CheckpointAgent:
         self.channel = ControlChannel(config.control_dir)
         self.tracker = ThroughputTracker(config.grace_seconds, config.safety_margin_seconds)
         self.shipper = CheckpointShipper(
-            config.checkpoint_dir, storage, metrics, self.tracker, retention, config.keep_local
+            config.checkpoint_dir, storage, metrics, self.tracker, retention, config.keep_local,
+            configured_interval=config.save_every_seconds,
         )
         self._trainer_state_override = trainer_state
         self._notices: queue.Queue[tuple[Notice, NoticeSource]] = queue.Queue()

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,16 @@ def plan_local_prune(committed: list[str], shipped: set[str], keep: int) -> list
     return [n for n in ordered if step_of(n) < newest_shipped and n not in protected]
 
 
+def observed_interval(times: list[float]) -> float | None:
+    """Pure: the median gap between consecutive routine checkpoint times (None with fewer than two)."""
+    ordered = sorted(times)
+    gaps = sorted(b - a for a, b in zip(ordered, ordered[1:], strict=False) if b > a)
+    if not gaps:
+        return None
+    mid = len(gaps) // 2
+    return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
+
+
 def save_reason_label(reason: str | None) -> str:
     """Pure: a manifest's save reason as a bounded metric label."""
     if reason in (None, "", "interval"):
@@ -115,6 +126,7 @@ class CheckpointShipper:
         retention: RetentionPolicy | None = None,
         keep_local: int = 1,
         on_verified: Callable[[Shipped], None] | None = None,
+        configured_interval: float | None = None,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.storage = storage
@@ -128,6 +140,10 @@ class CheckpointShipper:
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._seen_saves: set[str] = set()
+        self._routine_times: list[float] = []
+        self.configured_interval = configured_interval
+        if configured_interval:
+            metrics.set_interval(configured_interval)
         self._retry_at: dict[str, float] = {}
 
     @property
@@ -208,11 +224,25 @@ class CheckpointShipper:
                 manifest = read_local_manifest(path)
             except (OSError, ValueError):
                 continue
+            if save_reason_label(manifest.reason) == "interval":
+                self._note_routine_checkpoint(manifest.created)
             seconds = (manifest.timing or {}).get("save_seconds")
             if seconds is None:
                 continue
             self.metrics.observe_save(seconds, save_reason_label(manifest.reason))
             self.tracker.record_save(manifest.total_size, seconds)
+
+    def _note_routine_checkpoint(self, created: str) -> None:
+        if self.configured_interval:
+            return
+        try:
+            when = datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return
+        self._routine_times = sorted([*self._routine_times, when])[-6:]
+        interval = observed_interval(self._routine_times)
+        if interval is not None:
+            self.metrics.set_interval(interval)
 
     def _ship_one(self, path: Path) -> Shipped | None:
         from spotguard.checkpoint import upload_checkpoint, verify_checkpoint

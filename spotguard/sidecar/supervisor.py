@@ -75,6 +75,7 @@ class RunConfig:
     keep_local: int = 1
     poll_seconds: float = 0.25
     job: str = ""
+    save_every_seconds: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -165,6 +166,7 @@ class Supervisor:
             poll_seconds=config.poll_seconds,
             keep_local=config.keep_local,
             trainer_markers={RUN_ID_ENV: self.run_id},
+            save_every_seconds=config.save_every_seconds,
         )
         self.agent = CheckpointAgent(agent_config, storage, metrics, trainer_state=self._child_state)
         self.attempt = 0

@@ -68,6 +68,11 @@ def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> Non
     for stage in STAGES:
         assert metric(m, "spotguard_checkpoint_failures_total", stage=stage, **labels) == 0
     assert metric(m, "spotguard_checkpoint_grace_seconds", **labels) == 30
+    start = metric(m, "spotguard_sidecar_start_timestamp_seconds", **labels)
+    assert start is not None and 0 < start <= started
+    # No SPOTGUARD_SAVE_EVERY_SECONDS: the interval is observed from the routine checkpoints.
+    interval = metric(m, "spotguard_checkpoint_interval_seconds", **labels)
+    assert interval is not None and 0 < interval <= finished - started
     assert metric(m, "spotguard_checkpoint_deadline_at_risk", **labels) == 0
     expected = metric(m, "spotguard_checkpoint_expected_emergency_seconds", **labels)
     assert expected is not None and 0 < expected < 25
@@ -81,7 +86,8 @@ def test_deadline_at_risk_is_exported_and_triggers_proactive_checkpoints(
 ) -> None:
     ckdir = tmp_path / "ckpt"
     port = free_port()
-    env = base_env({**s3_store.env(), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir), "SPOTGUARD_STORAGE_URI": s3_uri})
+    env = base_env({**s3_store.env(), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir), "SPOTGUARD_STORAGE_URI": s3_uri,
+                    "SPOTGUARD_SAVE_EVERY_SECONDS": "600"})
     # A grace period no emergency checkpoint can fit (the fixed overhead alone is 2 s).
     argv = spotguard_argv("sidecar", "--mode", "native", "--metrics-port", str(port), "--metrics-addr",
                           "127.0.0.1", "--grace-seconds", "1", "--safety-margin", "0.5", "--proactive-interval", "1")
@@ -89,7 +95,9 @@ def test_deadline_at_risk_is_exported_and_triggers_proactive_checkpoints(
         sidecar = Proc(argv, env, tmp_path / "sidecar.log")
         procs.append(sidecar)
         wait_until(lambda: scrape(port), 60, "the metrics endpoint")
-        assert metric(scrape(port), "spotguard_checkpoint_deadline_at_risk") == 0  # nothing measured yet
+        first = scrape(port)
+        assert metric(first, "spotguard_checkpoint_deadline_at_risk") == 0  # nothing measured yet
+        assert metric(first, "spotguard_checkpoint_interval_seconds") == 600  # as configured
         _save(ckdir, 5, 4096)
         wait_until(lambda: metric(scrape(port), "spotguard_checkpoint_deadline_at_risk") == 1, 60, "at risk")
         request = ckdir / ".control" / "checkpoint-request.json"

@@ -118,3 +118,14 @@ def test_save_reason_label(reason: str | None, want: str) -> None:
     from spotguard.sidecar.shipper import save_reason_label
 
     assert save_reason_label(reason) == want
+
+
+@pytest.mark.parametrize(
+    ("times", "want"),
+    [([], None), ([5.0], None), ([5.0, 5.0], None), ([0.0, 60.0], 60.0), ([0.0, 60.0, 120.0, 300.0], 60.0),
+     ([300.0, 0.0, 100.0], 150.0), ([0.0, 10.0, 30.0, 60.0, 100.0], 25.0)],
+)
+def test_observed_interval(times: list[float], want: float | None) -> None:
+    from spotguard.sidecar.shipper import observed_interval
+
+    assert observed_interval(times) == want
