@@ -220,6 +220,7 @@ class Checkpointer:
         clean_stale_tmp(self.directory, WRITER_TMP_PREFIX)
         self._load_previous_ack()
         self._announced = False
+        self._exit_announced = False
         if handle_signals and self.install_signal_handlers():
             self._announce()
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -554,23 +555,37 @@ class Checkpointer:
         return True
 
     def close(self) -> None:
-        """Finish the in-flight write and put back the previous signal handlers."""
+        """Finish the in-flight write, tell the sidecar the trainer is done, and
+        put back the previous signal handlers."""
         if self._closed:
             return
         self.wait()
+        self._announce_exit()
         self.uninstall_signal_handlers()
+        if self._announced and threading.current_thread() is threading.main_thread():
+            # A sidecar that read trainer.pid just before it went may still send
+            # SIGUSR1, whose default action would kill us: ignore it from now on.
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         self._closed = True
 
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
             self.wait()
-        if self._announced:
-            # Tells a sidecar that cannot see our process that the trainer is done.
-            with contextlib.suppress(OSError):
-                _write_json_atomic(
-                    self.control_dir / EXIT_FILE,
-                    {"pid": os.getpid(), "preempted": self._preempted, "last_step": self._last_snapshot_step},
-                )
+        self._announce_exit()
+
+    def _announce_exit(self) -> None:
+        """Tell a sidecar that cannot see our process that the trainer is done:
+        withdraw ``trainer.pid`` first (no more SIGUSR1), then write the exit file."""
+        if not self._announced or self._exit_announced:
+            return
+        self._exit_announced = True
+        with contextlib.suppress(OSError):
+            (self.control_dir / PID_FILE).unlink()
+        with contextlib.suppress(OSError):
+            _write_json_atomic(
+                self.control_dir / EXIT_FILE,
+                {"pid": os.getpid(), "preempted": self._preempted, "last_step": self._last_snapshot_step},
+            )
 
     def __enter__(self) -> Checkpointer:
         return self
