@@ -41,6 +41,7 @@ from spotguard.checkpoint.manifest import (
 )
 from spotguard.checkpoint.pickle_scan import PICKLE_SUFFIXES, UnsafePickleError, check_pickle_safe
 from spotguard.checkpoint.verify import VerifyResult, verify_files
+from spotguard.storage.file import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,6 @@ WRITER_TMP_PREFIX = ".tmp-ckpt-"
 
 class DeadlineExceeded(TimeoutError):
     """A checkpoint write was abandoned because its deadline passed."""
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

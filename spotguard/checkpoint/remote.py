@@ -20,7 +20,6 @@ from pathlib import Path
 
 from spotguard.checkpoint.local import (
     TMP_PREFIX,
-    fsync_dir,
     list_local_committed,
     local_reader,
     read_local_manifest,
@@ -47,6 +46,7 @@ from spotguard.storage.base import (
     Storage,
     StorageError,
 )
+from spotguard.storage.file import fsync_dir
 
 log = logging.getLogger(__name__)
 

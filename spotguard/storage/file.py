@@ -32,7 +32,8 @@ _LOCK_NAME = ".sg-lock"
 _COPY_CHUNK = 16 << 20
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so renames and new entries in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -147,7 +148,7 @@ class FileStorage:
 
     def _publish(self, tmp: Path, target: Path) -> None:
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def _write_atomic(self, target: Path, data: bytes) -> None:
         tmp = self._tmp_for(target)
