@@ -8,7 +8,8 @@ Layout of every pod:
 * the sidecar ``spotguard-sidecar``: a native sidecar (init container with
   ``restartPolicy: Always``) on servers >= 1.29, else a regular container that
   delays its own exit until the emergency upload is verified;
-* an ``emptyDir`` shared by all of them at ``/spotguard``.
+* an ``emptyDir`` shared by all of them at ``/var/lib/spotguard`` (checkpoints in
+  ``/var/lib/spotguard/checkpoints``).
 
 The same injection serves the mutating webhook, for pods from the user's own
 Jobs or JobSets.
@@ -39,7 +40,10 @@ LABEL_INJECT = "spotguard.dev/inject"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_INJECTED = "spotguard.dev/injected"
 
-MOUNT_PATH = "/spotguard"
+# Not "/spotguard": with the container's working directory at "/", a top-level
+# directory named like the package would shadow it for `python -m spotguard...`
+# under an editable install (it becomes a namespace package).
+MOUNT_PATH = "/var/lib/spotguard"
 CHECKPOINT_DIR = f"{MOUNT_PATH}/checkpoints"
 CONTROL_DIR = f"{CHECKPOINT_DIR}/.control"
 

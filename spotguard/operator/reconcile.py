@@ -241,7 +241,11 @@ def observe(ctx: Context, job: Mapping[str, Any]) -> Observation:
         phase = (pod.get("status") or {}).get("phase")
         if node and phase not in ("Succeeded", "Failed"):
             exists = node_exists(ctx, node)
-    return Observation(pod_end=classify_pod_end(pod, exists), last_verified=verified)
+    end = classify_pod_end(pod, exists)
+    if end.kind == "succeeded" and probe_once(ctx, namespace, name):
+        # Record the final checkpoint with the success (the sidecar shipped it before exiting).
+        verified = ctx.verified.get(namespace, name)
+    return Observation(pod_end=end, last_verified=verified)
 
 
 def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = None) -> float | None:

@@ -103,7 +103,7 @@ def test_restore_command_and_images() -> None:
     spec = build()["spec"]
     restore = spec["initContainers"][0]
     assert restore["command"] == ["spotguard", "restore", "--storage", "$(SPOTGUARD_STORAGE_URI)",
-                                  "--dest", "/spotguard/checkpoints"]
+                                  "--dest", "/var/lib/spotguard/checkpoints"]
     assert restore["image"] == "spotguard:test"
     assert spec["containers"][1]["command"] == ["spotguard", "sidecar"]
     assert build(sidecar={"image": "custom:1"})["spec"]["containers"][1]["image"] == "custom:1"
@@ -112,8 +112,8 @@ def test_restore_command_and_images() -> None:
 def test_contract_env() -> None:
     spec = build()["spec"]
     env = env_of(spec["containers"][0])
-    assert env["SPOTGUARD_CHECKPOINT_DIR"] == "/spotguard/checkpoints"
-    assert env["SPOTGUARD_CONTROL_DIR"] == "/spotguard/checkpoints/.control"
+    assert env["SPOTGUARD_CHECKPOINT_DIR"] == "/var/lib/spotguard/checkpoints"
+    assert env["SPOTGUARD_CONTROL_DIR"] == "/var/lib/spotguard/checkpoints/.control"
     assert env["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
     assert env["SPOTGUARD_JOB"] == "demo" and env["SPOTGUARD_ATTEMPT"] == "3"
     assert env["SPOTGUARD_CHECKSUM"] == "sha256"
@@ -154,7 +154,7 @@ def test_shared_volume_everywhere() -> None:
     assert spec["volumes"].count({"name": "spotguard", "emptyDir": {}}) == 1
     for c in spec["initContainers"] + spec["containers"]:
         mounts = [m for m in c["volumeMounts"] if m["name"] == "spotguard"]
-        assert mounts == [{"name": "spotguard", "mountPath": "/spotguard"}], c["name"]
+        assert mounts == [{"name": "spotguard", "mountPath": "/var/lib/spotguard"}], c["name"]
     assert {"name": "data", "mountPath": "/data"} in spec["containers"][0]["volumeMounts"]
 
 

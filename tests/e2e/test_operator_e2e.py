@@ -1,0 +1,274 @@
+"""End to end on the dev cluster: helm install, the example TrainingJob, three preemptions.
+
+Everything is real except the machines: the control plane, the S3 store, the
+Helm chart, the operator (a pod on a process node, talking to the apiserver
+with its ServiceAccount), and the training pods (restore, trainer, sidecar as
+local processes). Each spot death is one of the process node's three modes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spotguard.operator.testing import free_ports, http_get, metric_value, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "spotguard"
+EXAMPLE = ROOT / "examples" / "trainingjob.yaml"
+DEV_VALUES = ROOT / "examples" / "dev-values.yaml"
+RELEASE, OPERATOR_NS = "spotguard", "spotguard-system"
+GROUP, VERSION, PLURAL = "spotguard.dev", "v1alpha1", "trainingjobs"
+
+
+@dataclass
+class Env:
+    kube: Any
+    core: Any
+    custom: Any
+    ns: str
+    metrics_port: int
+    s3: Any
+    nodes: Any
+    log_dir: Path
+
+    def tool(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(self.kube.bin_dir / name), "--kubeconfig", str(self.kube.kubeconfig), *args],
+                              capture_output=True, text=True, check=check, timeout=300)
+
+    def status(self, job: str) -> dict[str, Any]:
+        body = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, job)
+        return dict(body.get("status") or {})
+
+    def wait_status(self, job: str, what: str, pred: Any, timeout: float = 240) -> dict[str, Any]:
+        try:
+            return wait_for(lambda: (lambda s: s if pred(s) else None)(self.status(job)), f"{job}: {what}",
+                            timeout=timeout, interval=0.5)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\nstatus: {self.status(job)}\n{self.describe(job)}") from None
+
+    def wait_pod_running(self, pod: str, timeout: float = 180) -> None:
+        def running() -> bool:
+            p = self.core.read_namespaced_pod(pod, self.ns)
+            return bool(p.status.phase == "Running" and p.metadata.deletion_timestamp is None)
+        try:
+            wait_for(running, f"pod {pod} Running", timeout=timeout, interval=0.3)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.describe(pod.rsplit('-a', 1)[0])}") from None
+
+    def trainer_log(self, pod: str) -> str:
+        path = self.nodes.log_path(self.ns, pod, "trainer")
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def describe(self, job: str) -> str:
+        pods = self.tool("kubectl", "get", "pods", "-n", self.ns, "-o", "wide", check=False).stdout
+        events = self.tool("kubectl", "get", "events", "-n", self.ns, "--sort-by=.lastTimestamp", check=False).stdout
+        return f"pods:\n{pods}\nevents:\n{events[-3000:]}"
+
+
+def adopt_crd(env: Env) -> None:
+    crd = "crd/trainingjobs.spotguard.dev"
+    if env.tool("kubectl", "get", crd, check=False).returncode == 0:
+        env.tool("kubectl", "label", "--overwrite", crd, "app.kubernetes.io/managed-by=Helm")
+        env.tool("kubectl", "annotate", "--overwrite", crd, f"meta.helm.sh/release-name={RELEASE}",
+                 f"meta.helm.sh/release-namespace={OPERATOR_NS}")
+
+
+def example() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    return doc
+
+
+@pytest.fixture(scope="module")
+def env(kube: Any, s3_store: Any, process_nodes: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    from kubernetes import client
+
+    api = kube.api_client()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    log_dir = tmp_path_factory.mktemp("e2e")
+    ns = f"e2e-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    metrics_port, liveness_port = free_ports(2)
+    e = Env(kube, core, custom, ns, metrics_port, s3_store, process_nodes, log_dir)
+
+    # What examples/dev-setup.sh does on the dev cluster: the bucket and the Secret.
+    bucket = example()["spec"]["checkpoint"]["storage"].split("/")[2]
+    s3 = s3_store.client()
+    if bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        s3.create_bucket(Bucket=bucket)
+    core.create_namespaced_secret(ns, {"metadata": {"name": "spotguard-s3"}, "stringData": {
+        "AWS_ACCESS_KEY_ID": s3_store.access_key, "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
+        "AWS_ENDPOINT_URL": s3_store.endpoint_url}})
+
+    values = log_dir / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "metrics": {"address": "127.0.0.1", "port": metrics_port},
+        "liveness": {"address": "127.0.0.1", "port": liveness_port},
+        "operator": {"watchNamespaces": [ns], "resyncSeconds": 2, "checkpointPollSeconds": 1},
+    }))
+    # The dev values keep the operator away from training pods in `default`; here they run in `ns`.
+    dev = yaml.safe_load(DEV_VALUES.read_text())
+    dev["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["namespaces"] = [ns]
+    (log_dir / "dev-values.yaml").write_text(yaml.safe_dump(dev))
+    adopt_crd(e)
+    try:
+        e.tool("helm", "upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
+               "-f", str(log_dir / "dev-values.yaml"), "-f", str(values))
+        # The operator runs as a pod on a process node, with its ServiceAccount and the chart's RBAC.
+        wait_for(lambda: http_get(f"http://127.0.0.1:{liveness_port}/healthz"), "the operator pod to be live",
+                 timeout=180, interval=0.5)
+        yield e
+    finally:
+        pods = core.list_namespaced_pod(OPERATOR_NS).items
+        for p in pods:
+            log = process_nodes.log_path(OPERATOR_NS, p.metadata.name, "operator")
+            if log.exists():
+                print(f"--- operator log ({p.metadata.name}) ---\n" + "\n".join(log.read_text().splitlines()[-60:]))
+        e.tool("helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", check=False)
+        core.delete_namespace(ns)
+
+
+def verified_step(e: Env, uri: str) -> int:
+    from spotguard.checkpoint import latest_verified
+    from spotguard.storage import open_storage
+
+    storage = open_storage(uri, endpoint_url=e.s3.endpoint_url, access_key=e.s3.access_key,
+                           secret_key=e.s3.secret_key, region=e.s3.region)
+    info, _ = latest_verified(storage, checksums=False)
+    return info.step if info is not None else -1
+
+
+def last_step(log: str) -> int:
+    steps = [int(m) for m in re.findall(r"^step (\d+) loss", log, re.M)]
+    return max(steps) if steps else -1
+
+
+def resumed_from(log: str) -> int | None:
+    m = re.search(r"^resumed from step (\d+)", log, re.M)
+    return int(m.group(1)) if m else None
+
+
+def preempted_after(log: str) -> int | None:
+    m = re.search(r"^preempted after step (\d+)", log, re.M)
+    return int(m.group(1)) if m else None
+
+
+@pytest.mark.timeout(1200)
+def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Path) -> None:
+    doc = example()
+    job = doc["metadata"]["name"]
+    spec = doc["spec"]
+    every = int(spec["checkpoint"]["everySteps"])
+    args = list(spec["template"]["spec"]["containers"][0]["args"])
+    steps = int(args[args.index("--steps") + 1])
+    uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
+
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(EXAMPLE))
+
+    modes = [("drain", 0.2), ("shutdown", 0.45), ("kill", 0.7)]
+    for attempt, (mode, fraction) in enumerate(modes, start=1):
+        pod = f"{job}-a{attempt}"
+        env.wait_pod_running(pod)
+        target = int(steps * fraction)
+        wait_for(lambda t=target: verified_step(env, uri) >= t, f"a verified checkpoint at step {target}",
+                 timeout=240, interval=0.5)
+        if mode == "kill":
+            # Die right after a fresh checkpoint: what is lost is what came after it.
+            base = verified_step(env, uri)
+            wait_for(lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint",
+                     timeout=120, interval=0.05)
+        result = env.nodes.preempt(pod, env.ns, mode)
+        print(f"preempted {pod} by {mode}: {result}")
+        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a)
+
+    st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=480)
+    assert st["phase"] == "Succeeded", st
+    assert st["preemptions"] == 3 and st["failures"] == 0 and st["attempt"] == 4
+    events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
+    preempted = [e.message for e in events if e.reason == "Preempted"]
+    assert len(preempted) == 3, preempted
+    assert any("(NodeLost)" in m for m in preempted), preempted
+
+    # Steps lost: none for the graceful ways, at most one save interval for the abrupt one.
+    logs = {a: env.trainer_log(f"{job}-a{a}") for a in range(1, 5)}
+    for a in (1, 2):
+        stopped, resumed = preempted_after(logs[a]), resumed_from(logs[a + 1])
+        assert stopped is not None and resumed == stopped, (a, stopped, resumed)
+    lost = last_step(logs[3]) - (resumed_from(logs[4]) or -1)
+    print(f"steps lost: drain 0, shutdown 0, kill {lost} (save interval {every})")
+    assert 0 <= lost <= every, lost
+    assert f"finished {steps} steps" in logs[4]
+
+    # Bitwise: the final checkpoint in storage against an uninterrupted run here.
+    from spotguard.checkpoint import list_local_committed, restore_latest
+    from spotguard.storage import open_storage
+
+    storage = open_storage(uri, endpoint_url=env.s3.endpoint_url, access_key=env.s3.access_key,
+                           secret_key=env.s3.secret_key, region=env.s3.region)
+    final = restore_latest(storage, tmp_path / "final")
+    assert final is not None and final.step == steps - 1
+    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    subprocess.run([sys.executable, "-m", "spotguard.demo.train", *ref_args],
+                   env={"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+                        "SPOTGUARD_SAVE_EVERY_STEPS": str(every)},
+                   check=True, capture_output=True, timeout=600)
+    ref = list_local_committed(tmp_path / "ref")[-1]
+    got = tmp_path / "final" / ref.name
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert (got / name).read_bytes() == (ref / name).read_bytes(), f"{name} differs"
+    # The demo draws only from torch's generator (dropout); numpy's and Python's
+    # global generators start from OS entropy in each fresh process, so only
+    # torch's state is comparable with a separate reference run.
+    from safetensors.torch import load_file
+
+    assert load_file(str(got / "rng.safetensors"))["torch"].equal(load_file(str(ref / "rng.safetensors"))["torch"])
+
+    # The operator (on another node) lived through all of it, and its metrics count the preemptions.
+    operators = env.core.list_namespaced_pod(OPERATOR_NS).items
+    assert len(operators) == 1 and operators[0].status.phase == "Running", [p.metadata.name for p in operators]
+    text = http_get(f"http://127.0.0.1:{env.metrics_port}/metrics")
+    labels = {"namespace": env.ns, "job": job}
+    assert metric_value(text, "spotguard_job_preemptions_total", labels) == 3.0
+    assert metric_value(text, "spotguard_job_restarts_total", labels) == 3.0
+    assert (metric_value(text, "spotguard_reschedule_latency_seconds_count") or 0) >= 3
+
+
+@pytest.mark.timeout(600)
+def test_failing_script_consumes_backoff_limit(env: Env) -> None:
+    doc = example()
+    doc["metadata"]["name"] = "exit-one"
+    trainer = doc["spec"]["template"]["spec"]["containers"][0]
+    trainer["command"] = ["python", "-c", "import sys; print('failing on purpose'); sys.exit(1)"]
+    trainer.pop("args")
+    doc["spec"]["preemption"] = {"backoffLimit": 1, "backoff": {"initialSeconds": 1}, "gracePeriodSeconds": 10}
+    path = env.log_dir / "exit-one.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path))
+    st = env.wait_status("exit-one", "Failed", lambda s: s.get("phase") in ("Failed", "Succeeded"), timeout=300)
+    assert st["phase"] == "Failed" and st["failures"] == 2 and st["preemptions"] == 0
+    failed = next(c for c in st["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
+    assert "exited with code 1" in failed["message"]
+    assert "failing on purpose" in env.trainer_log("exit-one-a1")
+
+
+def test_invalid_spec_is_refused_with_the_field(env: Env) -> None:
+    doc = example()
+    doc["metadata"]["name"] = "bad-storage"
+    doc["spec"]["checkpoint"]["storage"] = "gs://not-supported/x"
+    path = env.log_dir / "bad.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path), check=False)
+    assert result.returncode != 0
+    assert "spec.checkpoint.storage" in result.stderr
