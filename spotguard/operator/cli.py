@@ -95,6 +95,10 @@ def run_operator(args: argparse.Namespace) -> int:
         if args.webhook and path and not os.path.isfile(path):
             print(f"spotguard operator: no such file: {path}", file=sys.stderr)
             return 2
+    problem = preflight()
+    if problem:
+        print(f"spotguard operator: {problem}", file=sys.stderr)
+        return 2
     from prometheus_client import start_http_server
 
     from spotguard.operator.handlers import OperatorOptions, run
@@ -130,3 +134,26 @@ def run_operator(args: argparse.Namespace) -> int:
     )
     run(options, liveness=args.liveness or None, peering=args.peering)
     return 0
+
+
+def preflight() -> str | None:
+    """One line saying why the operator cannot start (no cluster, no CRD), or None."""
+    from kubernetes.client import ApisApi
+    from kubernetes.config import ConfigException
+
+    from spotguard.operator.handlers import api_clients
+    from spotguard.operator.spec import GROUP, PLURAL, VERSION
+
+    try:
+        core, _custom = api_clients()
+    except (ConfigException, OSError) as exc:
+        return f"no Kubernetes configuration (in-cluster ServiceAccount or KUBECONFIG): {exc}"
+    try:
+        groups = ApisApi(core.api_client).get_api_versions(_request_timeout=30)
+    except Exception as exc:
+        return f"cannot reach the Kubernetes API: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    served = {v.group_version for g in groups.groups or [] for v in g.versions or []}
+    if f"{GROUP}/{VERSION}" not in served:
+        return (f"the {PLURAL}.{GROUP} CRD ({VERSION}) is not installed: "
+                "kubectl apply -f crds/trainingjob.yaml (or install the Helm chart)")
+    return None
