@@ -130,6 +130,13 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, tmp_path_factory: pytest.T
                  timeout=180, interval=0.5)
         yield e
     finally:
+        # TrainingJobs first, while the operator still runs: it owns their finalizer.
+        custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
+        try:
+            wait_for(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
+                     "the TrainingJobs to be deleted", timeout=60)
+        except TimeoutError as exc:
+            print(exc)
         pods = core.list_namespaced_pod(OPERATOR_NS).items
         for p in pods:
             log = process_nodes.log_path(OPERATOR_NS, p.metadata.name, "operator")

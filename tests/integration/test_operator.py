@@ -73,11 +73,21 @@ def start_operator(kube: Any, namespace: str, log_dir: Path) -> OperatorProcess:
     ).start()
 
 
+def delete_jobs(apis: tuple[Any, Any], ns: str) -> None:
+    """Delete every TrainingJob while the operator still runs (it owns their finalizer)."""
+    _, custom = apis
+    custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
+    wait_for(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
+             f"the TrainingJobs in {ns} to be deleted", timeout=60)
+
+
 @pytest.fixture(scope="module")
-def operator(kube: Any, ns: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+def operator(kube: Any, ns: str, apis: tuple[Any, Any],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     op = start_operator(kube, ns, tmp_path_factory.mktemp("operator"))
     try:
         yield op
+        delete_jobs(apis, ns)
     finally:
         op.stop()
         print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(40)}")
@@ -391,6 +401,7 @@ def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, A
         wait_status(apis, ns2, "again", "a resync", lambda s: s.get("phase") == "Pending")
         assert pod_names(apis, ns2, "again") == ["again-a1", "again-a2", "again-a3"]
         assert "already existed: adopted" in op.log_path.read_text()
+        delete_jobs(apis, ns2)
     finally:
         op.stop()
         print(f"--- operator log ---\n{op.log_tail(40)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -54,7 +55,8 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     finally:
         op.stop()
         print(f"--- operator log ---\n{op.log_tail(40)}")
-        admission.delete_mutating_webhook_configuration(config_name)
+        with contextlib.suppress(client.exceptions.ApiException):
+            admission.delete_mutating_webhook_configuration(config_name)
         core.delete_namespace(ns)
 
 
