@@ -94,6 +94,13 @@ def example() -> dict[str, Any]:
 def env(kube: Any, s3_store: Any, process_nodes: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     from kubernetes import client
 
+    # Process nodes run containers with their working directory at "/", and this
+    # checkout is installed in editable mode: a directory /spotguard would shadow the
+    # package for `python -m spotguard...` (see spotguard/operator/podbuilder.py).
+    stray = Path("/spotguard")
+    if stray.is_dir() and not any(stray.iterdir()):
+        stray.rmdir()
+    assert not stray.exists(), "a /spotguard directory on this machine shadows the spotguard package; remove it"
     api = kube.api_client()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     log_dir = tmp_path_factory.mktemp("e2e")
