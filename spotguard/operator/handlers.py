@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -86,14 +85,17 @@ class Runtime:
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
 
     def waker(self, namespace: str, name: str) -> asyncio.Event:
+        """The event that wakes a job's daemon (created on first use)."""
         return self.wakers.setdefault((namespace, name), asyncio.Event())
 
     def wake(self, namespace: str, name: str) -> None:
+        """Wake one job's daemon, if it runs."""
         event = self.wakers.get((namespace, name))
         if event is not None:
             event.set()
 
     def wake_all(self) -> None:
+        """Wake every job's daemon (a node vanished)."""
         for event in self.wakers.values():
             event.set()
 
@@ -164,7 +166,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 try:
                     delay = await asyncio.to_thread(rc.reconcile, runtime.ctx, ns, name)
                 except Exception as exc:
-                    logger.warning("reconcile failed, retrying: %s", rc._api_reason(exc))
+                    logger.warning("reconcile failed, retrying: %s", rc.api_reason(exc))
                     delay = 5.0
                 timeout = runtime.ctx.resync_seconds if delay is None else max(0.05, delay)
                 with contextlib.suppress(TimeoutError):
@@ -256,9 +258,7 @@ async def _probe_loop(runtime: Runtime, namespace: str, name: str) -> None:
         await asyncio.sleep(ctx.checkpoint_poll_seconds)
 
 
-def run(
-    options: OperatorOptions, *, liveness: str | None, peering: str | None, ready: Callable[[], None] | None = None
-) -> None:
+def run(options: OperatorOptions, *, liveness: str | None, peering: str | None) -> None:
     """Run the operator until SIGTERM/SIGINT."""
     kopf.configure(verbose=False)
     # kopf reports every handler run at INFO; the operator's own log says what matters.

@@ -51,6 +51,7 @@ class VerifiedCache:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def get(self, namespace: str, job: str) -> dict[str, Any] | None:
+        """The cached entry of a job, if any."""
         with self.lock:
             entry = self.entries.get((namespace, job))
             return dict(entry) if entry else None
@@ -63,6 +64,7 @@ class VerifiedCache:
             return old is None or old.get("step") != entry.get("step")
 
     def forget(self, namespace: str, job: str) -> None:
+        """Drop a deleted job's entry."""
         with self.lock:
             self.entries.pop((namespace, job), None)
 
@@ -82,12 +84,14 @@ class Context:
     instance: str = field(default_factory=socket.gethostname)
 
 
-def _api_status(exc: BaseException) -> int | None:
+def api_status(exc: BaseException) -> int | None:
+    """The HTTP status of a kubernetes-client error, if it has one."""
     status = getattr(exc, "status", None)
     return status if isinstance(status, int) else None
 
 
-def _api_reason(exc: BaseException) -> str:
+def api_reason(exc: BaseException) -> str:
+    """The apiserver's own message for an error (its Status ``message``), else the error."""
     body = getattr(exc, "body", None)
     if isinstance(body, bytes | str):
         try:
@@ -108,7 +112,7 @@ def get_job(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
         body: dict[str, Any] = ctx.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         return body
     except Exception as exc:
-        if _api_status(exc) == 404:
+        if api_status(exc) == 404:
             return None
         raise
 
@@ -121,7 +125,7 @@ def get_pod(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
         pod: dict[str, Any] = json.loads(resp.data)
         return pod
     except Exception as exc:
-        if _api_status(exc) == 404:
+        if api_status(exc) == 404:
             return None
         raise
 
@@ -132,7 +136,7 @@ def node_exists(ctx: Context, name: str) -> bool:
         ctx.core.read_node(name)
         return True
     except Exception as exc:
-        if _api_status(exc) == 404:
+        if api_status(exc) == 404:
             return False
         raise
 
@@ -156,7 +160,7 @@ def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
         ctx.core.create_namespaced_pod(namespace, pod)
         return True
     except Exception as exc:
-        if _api_status(exc) != 409:
+        if api_status(exc) != 409:
             raise
     existing = get_pod(ctx, namespace, pod["metadata"]["name"])
     if existing is not None and not _owned_by(existing, owner_uid):
@@ -172,7 +176,7 @@ def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
         else:
             ctx.core.delete_namespaced_pod(name, namespace)
     except Exception as exc:
-        if _api_status(exc) != 404:
+        if api_status(exc) != 404:
             raise
 
 
@@ -183,7 +187,7 @@ def patch_status(ctx: Context, namespace: str, name: str, patch: Mapping[str, An
             GROUP, VERSION, namespace, PLURAL, name, {"status": dict(patch)}, _content_type=MERGE_PATCH
         )
     except Exception as exc:
-        if _api_status(exc) != 404:
+        if api_status(exc) != 404:
             raise
 
 
@@ -214,7 +218,7 @@ def post_event(ctx: Context, job: Mapping[str, Any], event: Event, now: datetime
     try:
         ctx.core.create_namespaced_event(meta.get("namespace"), body)
     except Exception as exc:  # an Event is a report; losing one must not stop the job
-        log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), _api_reason(exc))
+        log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), api_reason(exc))
 
 
 # --- the reconcile ---------------------------------------------------------------
@@ -289,7 +293,7 @@ def apply(
             # The previous job of this name is still being cleaned up; look again soon.
             return Decision(status=dict(job.get("status") or {}), requeue_after=2.0)
         except Exception as exc:
-            code = _api_status(exc)
+            code = api_status(exc)
             if code is None or code >= 500:
                 raise
             return on_create_error(
@@ -297,7 +301,7 @@ def apply(
                 job.get("status") or {},
                 decision.create_attempt,
                 code,
-                _api_reason(exc),
+                api_reason(exc),
                 now,
                 meta.get("generation"),
             )
@@ -425,9 +429,9 @@ def probe_once(ctx: Context, namespace: str, name: str) -> bool:
 
 def _probe_problem(exc: BaseException) -> str:
     """One line about why storage could not be read (never credentials)."""
-    status = _api_status(exc)
+    status = api_status(exc)
     if status == 404:
-        return f"the credentials Secret was not found ({_api_reason(exc)})"
+        return f"the credentials Secret was not found ({api_reason(exc)})"
     if status == 403:
         return "the operator may not read the credentials Secret (RBAC)"
     if isinstance(exc, ProbeError):
