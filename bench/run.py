@@ -137,7 +137,7 @@ def bench_stall(ctx: Ctx) -> Section:
     nbytes = state_nbytes(model, opt)
     disk = ctx.work / "disk"
     disk.mkdir(exist_ok=True)
-    reps = 3
+    reps = 5
 
     def torch_save(fsync: bool) -> float:
         path = disk / "baseline.pt"
@@ -151,33 +151,14 @@ def bench_stall(ctx: Ctx) -> Section:
         path.unlink()
         return dt
 
-    base_sync = median([torch_save(True) for _ in range(reps)])
-    base_nosync = median([torch_save(False) for _ in range(reps)])
-
-    ckdir = ctx.work / "checkpoints"
-    ck = spotguard.Checkpointer(ckdir, async_save=True, keep_local=1)
-    stalls, persists = [], []
-    for step in range(1, reps + 2):  # the first save warms the pinned buffers up
-        ck.save(step, spotguard.torch_state(model, opt))
-        stall = ck.last_stall_seconds
-        ck.wait()
-        if step > 1:
-            stalls.append(stall)
-            persists.append(ck.last_persist_seconds)
-    ck.close()
-    committed = sorted(ckdir.glob("ckpt-*"))[-1]
-    ckpt_bytes = dir_bytes(committed)
-    ctx.ckpt_dir = committed
-    stall, persist = median(stalls), median(persists)
-
     # Raw sequential write of the same number of bytes, fsynced: the disk's ceiling.
     buf = memoryview(bytearray(os.urandom(64 * MiB)))
 
-    def raw_write() -> float:
+    def raw_write(nbytes: int) -> float:
         path = disk / "raw.bin"
         t0 = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        left = ckpt_bytes
+        left = nbytes
         while left > 0:
             left -= os.write(fd, buf[: min(left, len(buf))])
         os.fsync(fd)
@@ -186,7 +167,25 @@ def bench_stall(ctx: Ctx) -> Section:
         path.unlink()
         return dt
 
-    raw = median([raw_write() for _ in range(reps)])
+    ckdir = ctx.work / "checkpoints"
+    ck = spotguard.Checkpointer(ckdir, async_save=True, keep_local=1)
+    ck.save(0, spotguard.torch_state(model, opt))  # warm-up: allocates the reusable host buffers
+    ck.wait()
+    ckpt_bytes = dir_bytes(sorted(ckdir.glob("ckpt-*"))[-1])
+    # Interleave the methods so that background load on a shared machine hits them alike.
+    stalls, persists, raws, syncs, nosyncs = [], [], [], [], []
+    for step in range(1, reps + 1):
+        syncs.append(torch_save(True))
+        ck.save(step, spotguard.torch_state(model, opt))
+        stalls.append(ck.last_stall_seconds)
+        ck.wait()
+        persists.append(ck.last_persist_seconds)
+        raws.append(raw_write(ckpt_bytes))
+        nosyncs.append(torch_save(False))
+    ck.close()
+    ctx.ckpt_dir = sorted(ckdir.glob("ckpt-*"))[-1]
+    stall, persist, raw = median(stalls), median(persists), median(raws)
+    base_sync, base_nosync = median(syncs), median(nosyncs)
     sg_tp, raw_tp = ckpt_bytes / persist / MiB, ckpt_bytes / raw / MiB
     ctx.costs.update(stall_sg=stall, stall_torch_save=base_sync, persist=persist, state_bytes=nbytes)
 
@@ -211,7 +210,8 @@ def bench_stall(ctx: Ctx) -> Section:
         )
     s.notes.append(
         f"State: a model and AdamW moments, {nbytes / MiB:.0f} MiB of tensors "
-        f"({ckpt_bytes / MiB:.0f} MiB on disk as a checkpoint); median of {reps} saves after one warm-up."
+        f"({ckpt_bytes / MiB:.0f} MiB on disk as a checkpoint); median of {reps} rounds after one warm-up save, "
+        "each round running every method once."
     )
     s2 = Section("Persist throughput", "stall",
                  ["method", "MiB/s", "share of raw write"])  # fmt: skip
