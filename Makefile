@@ -30,8 +30,10 @@ demo:
 	bash testenv/provision.sh --python-only
 	$(VENV)/bin/spotguard demo
 
+# The dev cluster, plus the bucket and Secret that examples/trainingjob.yaml uses.
 dev-cluster: setup
 	$(PY) -m testenv.cluster up --state-dir $(DEV) --nodes $(NODES)
+	DEV=$(abspath $(DEV)) bash examples/dev-setup.sh default
 
 dev-cluster-down:
 	$(PY) -m testenv.cluster down --state-dir $(DEV)

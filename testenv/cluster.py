@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import ssl
@@ -136,12 +137,12 @@ class Supervisor:
         (self.state_dir / "pids.json").write_text(json.dumps({"run_id": self.run_id, "pids": pids}))
 
     def stop(self, timeout: float = 10.0) -> None:
+        # One at a time, newest first: a service still has what it depends on while it
+        # stops (the process nodes delete their Node objects through the apiserver).
         for svc in reversed(self.services):
             _signal_group(svc.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for svc in reversed(self.services):
             with contextlib.suppress(subprocess.TimeoutExpired):
-                svc.popen.wait(max(0.1, deadline - time.monotonic()))
+                svc.popen.wait(timeout)
             _signal_group(svc.popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 svc.popen.wait(5)
@@ -458,6 +459,10 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     (state / "serve.pid").write_text(str(os.getpid()))
+    # A dev cluster starts empty, like a fresh test session: no Nodes or pods of an
+    # earlier run that the scheduler could still pick before they are marked NotReady.
+    for sub in ("k8s", "seaweedfs", "nodes", "logs"):
+        shutil.rmtree(state / sub, ignore_errors=True)
     with running(state) as env:
         assert env.kube is not None and env.s3 is not None
         (state / "kubeconfig").write_text(env.kube.kubeconfig.read_text())
