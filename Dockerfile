@@ -3,7 +3,7 @@
 # same package. It carries no torch: the trainer runs in the user's image,
 # which needs `pip install 'spotguard[torch]'` for the Checkpointer.
 #
-#   docker build -t ghcr.io/spotguard/spotguard:0.1.0 .
+#   docker build -t spotguard/spotguard:0.1.0 .
 #
 # (Not built by this repository's tests: the test machines have no container
 # engine; the chart's rendered manifests and the process nodes stand in.)

@@ -47,7 +47,7 @@ MOUNT_PATH = "/var/lib/spotguard"
 CHECKPOINT_DIR = f"{MOUNT_PATH}/checkpoints"
 CONTROL_DIR = f"{CHECKPOINT_DIR}/.control"
 
-DEFAULT_IMAGE = f"ghcr.io/spotguard/spotguard:{__version__}"
+DEFAULT_IMAGE = f"spotguard/spotguard:{__version__}"
 DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {
     "requests": {"cpu": "100m", "memory": "256Mi"},
     "limits": {"memory": "1Gi"},
