@@ -110,14 +110,14 @@ def test_default_render() -> None:
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"] == "rel-spotguard"
     assert pod["securityContext"]["runAsNonRoot"] is True
     container = pod["containers"][0]
-    assert container["image"] == "ghcr.io/spotguard/spotguard:0.1.0"
+    assert container["image"] == "spotguard/spotguard:0.1.0"
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     cmd = operator_command(docs)
     assert cmd[:2] == ["spotguard", "operator"]
     assert "--all-namespaces" in cmd and "--metrics-port=8080" in cmd
     assert "--liveness=http://0.0.0.0:8081/healthz" in cmd
-    assert "--image=ghcr.io/spotguard/spotguard:0.1.0" in cmd
+    assert "--image=spotguard/spotguard:0.1.0" in cmd
     assert not any(a.startswith("--webhook") or a.startswith("--peering") for a in cmd)
 
     svc = one(docs, "Service")
