@@ -273,9 +273,10 @@ class PrometheusServer:
             raise RuntimeError(f"query {expr!r} failed: {body}")
         return list(body["data"]["result"])
 
-    def targets(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=10) as resp:
-            return list(json.loads(resp.read())["data"]["activeTargets"])
+    def rules(self) -> list[dict[str, Any]]:
+        """The rule groups with each rule's ``health`` and ``lastError``."""
+        with urllib.request.urlopen(f"{self.url}/api/v1/rules", timeout=10) as resp:
+            return list(json.loads(resp.read())["data"]["groups"])
 
 
 def start_prometheus(

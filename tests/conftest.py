@@ -88,11 +88,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _prometheus_starter(sup: cluster.Supervisor) -> Callable[..., cluster.PrometheusServer]:
+    def start(scrape: dict[str, list[str]], **kwargs: Any) -> cluster.PrometheusServer:
+        return cluster.start_prometheus(sup, scrape, **kwargs)
+
+    return start
+
+
 @pytest.fixture
 def prometheus(testenv_supervisor: cluster.Supervisor) -> Callable[..., cluster.PrometheusServer]:
     """Start a real Prometheus: ``prometheus({"job": ["127.0.0.1:PORT"]}, rule_files=[...])``."""
+    return _prometheus_starter(testenv_supervisor)
 
-    def start(scrape: dict[str, list[str]], **kwargs: Any) -> cluster.PrometheusServer:
-        return cluster.start_prometheus(testenv_supervisor, scrape, **kwargs)
 
-    return start
+@pytest.fixture(scope="module")
+def prometheus_module(testenv_supervisor: cluster.Supervisor) -> Callable[..., cluster.PrometheusServer]:
+    """``prometheus`` for module-scoped fixtures."""
+    return _prometheus_starter(testenv_supervisor)

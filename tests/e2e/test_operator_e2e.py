@@ -42,6 +42,7 @@ class Env:
     s3: Any
     nodes: Any
     log_dir: Path
+    prom: Any = None
 
     def tool(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.kube.bin_dir / name), "--kubeconfig", str(self.kube.kubeconfig), *args],
@@ -91,7 +92,8 @@ def example() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def env(kube: Any, s3_store: Any, process_nodes: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     from kubernetes import client
 
     # Process nodes run containers with their working directory at "/", and this
@@ -135,6 +137,12 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, tmp_path_factory: pytest.T
         # The operator runs as a pod on a process node, with its ServiceAccount and the chart's RBAC.
         wait_for(lambda: http_get(f"http://127.0.0.1:{liveness_port}/healthz"), "the operator pod to be live",
                  timeout=180, interval=0.5)
+        # A real Prometheus scrapes the operator and the training pods' sidecars (process
+        # nodes share the host network: the sidecar's default port) and evaluates the alerts.
+        sidecar_port = int((example()["spec"].get("sidecar") or {}).get("metricsPort", 9400))
+        e.prom = prometheus_module({"spotguard-operator": [f"127.0.0.1:{metrics_port}"],
+                                    "spotguard-sidecar": [f"127.0.0.1:{sidecar_port}"]},
+                                   rule_files=[CHART / "files" / "prometheus-rules.yaml"])
         yield e
     finally:
         # TrainingJobs first, while the operator still runs: it owns their finalizer.
@@ -256,6 +264,25 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     assert metric_value(text, "spotguard_job_preemptions_total", labels) == 3.0
     assert metric_value(text, "spotguard_job_restarts_total", labels) == 3.0
     assert (metric_value(text, "spotguard_reschedule_latency_seconds_count") or 0) >= 3
+
+    # The same, as Prometheus scraped it, with the sidecars' series beside the operator's.
+    sel = f'namespace="{env.ns}",job="{job}"'
+
+    def prom_value(expr: str) -> float | None:
+        result = env.prom.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    wait_for(lambda: prom_value(f"spotguard_job_preemptions_total{{{sel}}}") == 3.0,
+             "Prometheus to see 3 preemptions", timeout=30, interval=0.5)
+    assert prom_value('spotguard_jobs{phase="Succeeded"}') == 1.0
+    # A sidecar may exit between two scrapes, so the newest step seen can trail the last one.
+    seen = prom_value(f"max_over_time(spotguard_checkpoint_last_verified_step{{{sel}}}[30m])")
+    assert seen is not None and every <= seen <= steps - 1, seen
+    assert (prom_value(f'max_over_time(spotguard_checkpoint_uploads_total{{{sel},result="verified"}}[30m])')
+            or 0) >= 1
+    assert prom_value(f"count(count_over_time(spotguard_preemption_notices_total{{{sel}}}[30m]))") is not None
+    rules = [r for g in env.prom.rules() for r in g["rules"]]
+    assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
 
 
 @pytest.mark.timeout(600)
