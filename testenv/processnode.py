@@ -11,7 +11,15 @@ bound to its nodes as local processes:
   ``workingDir``;
 - volumes (``emptyDir``, ``hostPath``, ``secret``, ``configMap``,
   ``downwardAPI``, ``projected``) bind-mounted at their ``mountPath`` inside a
-  private mount namespace per container (``unshare -m``; needs root);
+  private mount namespace per container (needs root), with a private ``/dev``
+  (the usual devices, GPUs, a ``/dev/shm`` tmpfs); mount sources are opened
+  before anything is mounted, so an emptyDir at ``/tmp`` hides none of them;
+- termination messages like kubelet: a fresh file per run at
+  ``terminationMessagePath`` (default ``/dev/termination-log``, inside the
+  private ``/dev``, never the host's), whose last 4096 bytes become
+  ``terminated.message``; ``FallbackToLogsOnError`` uses the run's log (last 80
+  lines, at most 2048 bytes) after a failure with an empty file; a command that
+  cannot be executed ends ``StartError`` with exit code 128;
 - pod and container status like kubelet (Pending, Running, Succeeded/Failed,
   exit codes, reasons), restart policies, graceful deletion (SIGTERM, wait
   ``terminationGracePeriodSeconds``, SIGKILL, then delete with grace 0);
@@ -22,7 +30,10 @@ bound to its nodes as local processes:
 
 Differences from a real runtime: SIGTERM goes to the container's whole process
 group (a runtime signals only PID 1, which also ignores signals it has no
-handler for); there is no PID or network namespace (podIP is 127.0.0.1). Not
+handler for); there is no PID or network namespace (podIP is 127.0.0.1); the
+root filesystem is the host's, so mount points outside ``/dev`` and outside
+volumes (directories, an empty file for a termination message path elsewhere)
+are created on the host and stay; ``/dev/shm`` is per container, not per pod. Not
 emulated: images, probes (a running container is ready), lifecycle hooks,
 resource limits, ``subPathExpr``, token refresh for projected ServiceAccount
 tokens. Container logs go to ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
@@ -39,6 +50,7 @@ import base64
 import concurrent.futures
 import contextlib
 import datetime as dt
+import fnmatch
 import http.server
 import json
 import logging
@@ -47,8 +59,10 @@ import platform
 import queue
 import re
 import secrets
+import select
 import shutil
 import signal
+import stat
 import string
 import subprocess
 import sys
@@ -58,8 +72,8 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any, cast
 from urllib.parse import urlparse
 
@@ -79,25 +93,24 @@ SHUTDOWN_REJECT_MESSAGE = "Pod was rejected as the node is shutting down."
 # Volume kinds kubelet always mounts read-only.
 READ_ONLY_VOLUMES = ("secret", "configMap", "downwardAPI", "projected")
 
-# Runs inside the container's mount namespace: bind each volume at its
-# mountPath, enter workingDir, exec the command (so the PID stays the same).
-# Arguments: (src dst ro|rw)... -- workdir command...
-LAUNCH_SCRIPT = r"""
-set -e
-while [ "$1" != "--" ]; do
-  src=$1; dst=$2; mode=$3; shift 3
-  if [ -d "$src" ]; then mkdir -p "$dst"
-  else mkdir -p "$(dirname "$dst")"; [ -e "$dst" ] || : > "$dst"
-  fi
-  mount --bind "$src" "$dst"
-  if [ "$mode" = ro ]; then mount -o remount,bind,ro "$dst"; fi
-done
-shift
-mkdir -p "$1"
-cd "$1"
-shift
-exec "$@"
-"""
+# Kubelet's termination messages: the file's last 4096 bytes; with
+# FallbackToLogsOnError and an empty file after a failure, the last 80 lines of
+# the run's log, at most their last 2048 bytes.
+DEFAULT_TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+MAX_TERMINATION_MESSAGE = 4096
+MAX_LOG_TAIL_LINES = 80
+MAX_LOG_TAIL_BYTES = 2048
+# What a container's private /dev keeps of the host's, when present: the devices a
+# runtime gives every container, plus GPUs (CUDA needs /dev/nvidia*).
+DEV_KEEP = ("null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "mqueue")
+DEV_KEEP_PATTERNS = ("nvidia*",)
+DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2"}  # fmt: skip
+# mount(2) and unshare(2) flags.
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE, MS_STRICTATIME = 4096, 16384, 1 << 18, 1 << 24
+CLONE_NEWNS = 0x00020000
+START_FAILED = 128  # the exit code a runtime reports for a container that could not start
 
 
 def utc_now() -> str:
@@ -238,19 +251,163 @@ def field_value(pod: JSON, path: str) -> str:
     return str(simple[path])
 
 
-def launch_argv(mounts: list[tuple[str, str, bool]], workdir: str, command: list[str]) -> list[str]:
-    """The argv that runs ``command`` with ``mounts`` (src, mountPath, read-only) in ``workdir``.
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What :func:`container_init` sets up in a new container process before it execs ``command``."""
 
-    With volumes, a private mount namespace keeps each pod's bind mounts to
-    itself; propagation ``private`` keeps them from leaking back to the host.
+    command: list[str]
+    workdir: str = "/"
+    # (host source, mountPath, read-only) per volume mount.
+    mounts: list[tuple[str, str, bool]] = field(default_factory=list)
+    # (host file, terminationMessagePath): the container's own termination message file.
+    termination: tuple[str, str] | None = None
+    # A private mount namespace with a private /dev (needs root).
+    namespace: bool = True
+    # Write end of a pipe: an error before the exec is written there; the exec closes it.
+    status_fd: int | None = None
+
+
+def launch_argv(spec: LaunchSpec) -> list[str]:
+    """The argv that starts a container: :func:`container_init` in a fresh Python, then the command.
+
+    ``-I`` keeps the container's own ``PYTHON*`` variables from changing the launcher.
     """
-    # Parents first, so a volume mounted inside another one lands on top of it.
-    ordered = sorted(mounts, key=lambda m: len(Path(m[1]).parts))
-    flat = [part for src, dst, ro in ordered for part in (src, dst, "ro" if ro else "rw")]
-    argv = ["/bin/sh", "-c", LAUNCH_SCRIPT, "processnode-launch", *flat, "--", workdir, *command]
-    if mounts:
-        argv = ["unshare", "--mount", "--propagation", "private", "--", *argv]
-    return argv
+    root = str(Path(__file__).resolve().parent.parent)
+    boot = (f"import sys; sys.path.insert(0, {root!r}); "
+            "from testenv.processnode import container_init; sys.exit(container_init(sys.argv[1]))")  # fmt: skip
+    return [sys.executable, "-I", "-c", boot, json.dumps(asdict(spec))]
+
+
+def container_init(spec_json: str) -> int:
+    """The start of every container process: mounts, ``workingDir``, then exec of the command.
+
+    With ``namespace``, the process gets its own mount namespace (private
+    propagation: nothing leaks back to the host, and everything goes when the
+    container's last process does) with a private ``/dev`` that holds the
+    container's termination message file, and its volumes bind-mounted at
+    their ``mountPath`` (parents first, so nested mounts land on top). Every
+    source is opened before anything is mounted, so that a mount (an emptyDir
+    at ``/tmp``) cannot hide the source of a later one (a secret volume kept
+    under the state dir in ``/tmp``). A failure before the exec goes to the
+    status pipe, and the process exits 128; returns only then.
+    """
+    spec = json.loads(spec_json)
+    status_fd = spec.get("status_fd")
+    if status_fd is not None:
+        os.set_inheritable(status_fd, False)  # the exec closes it: EOF tells the agent the command runs
+    command: list[str] = spec["command"]
+    try:
+        if spec["namespace"]:
+            _private_mounts([tuple(m) for m in spec["mounts"]], spec.get("termination"))
+        try:
+            os.makedirs(spec["workdir"], exist_ok=True)
+            os.chdir(spec["workdir"])
+        except OSError as exc:
+            raise OSError(exc.errno, f"workingDir {spec['workdir']!r}: {exc.strerror}") from None
+        try:
+            os.execvp(command[0], command)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            if isinstance(exc, FileNotFoundError) and "/" not in command[0]:
+                reason = "executable file not found in $PATH"
+            raise OSError(exc.errno, f"exec: {json.dumps(command[0])}: {reason}") from None
+    except OSError as exc:
+        message = exc.strerror or str(exc)
+        if status_fd is None:
+            print(f"processnode: {message}", file=sys.stderr)
+        else:
+            os.write(status_fd, message.encode())
+        return START_FAILED
+    return START_FAILED  # not reached: execvp returns only by raising
+
+
+def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] | None) -> None:
+    """Enter a new mount namespace and lay out /dev, the volumes and the termination message file."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    libc.unshare.argtypes = [ctypes.c_int]
+
+    def check(rc: int, what: str) -> None:  # errno in, OSError out
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    def mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        check(libc.mount(*(None if v is None else v.encode() for v in (src, dst, fstype)), flags,
+                         None if data is None else data.encode()),
+              f"mount {src or fstype} at {dst}" if src or fstype else f"change mount {dst}")  # fmt: skip
+
+    def bind(fd: int, dst: str, read_only: bool) -> None:
+        _mount_point(dst, fd)
+        # The magic link reaches the opened file even where its path is hidden now.
+        mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND | MS_REC)
+        if read_only:
+            keep = os.statvfs(dst).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+
+    check(libc.unshare(CLONE_NEWNS), "unshare the mount namespace")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    binds = [(_open_path(src), dst, ro) for src, dst, ro in mounts]
+    if termination is not None:
+        binds.append((_open_path(termination[0]), termination[1], False))
+    dev = [(name, _open_path(f"/dev/{name}")) for name in sorted(os.listdir("/dev"))
+           if name in DEV_KEEP or any(fnmatch.fnmatch(name, p) for p in DEV_KEEP_PATTERNS)]  # fmt: skip
+    # A private /dev first (the host's stays as it is), then the binds, parents first.
+    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k")
+    for name, fd in dev:
+        bind(fd, f"/dev/{name}", False)
+    for name, target in DEV_LINKS.items():
+        os.symlink(target, f"/dev/{name}")
+    os.mkdir("/dev/shm")
+    mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777")
+    for fd, dst, ro in sorted(binds, key=lambda b: len(PurePosixPath(b[1]).parts)):
+        bind(fd, dst, ro)
+    for fd, _, _ in binds:
+        os.close(fd)
+    for _, fd in dev:
+        os.close(fd)
+
+
+def _open_path(path: str) -> int:
+    try:
+        return os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OSError(exc.errno, f"open {path}: {exc.strerror}") from None
+
+
+def _mount_point(path: str, fd: int) -> None:
+    """A directory or an empty file at ``path``, like the source open as ``fd``, to mount onto."""
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.makedirs(path, exist_ok=True)
+            return
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+    except OSError as exc:
+        raise OSError(exc.errno, f"mount point {path}: {exc.strerror}") from None
+
+
+def log_tail(data: bytes, max_lines: int = MAX_LOG_TAIL_LINES, max_bytes: int = MAX_LOG_TAIL_BYTES) -> bytes:
+    """Kubelet's fallback termination message: the last ``max_lines`` lines of a log, then their last ``max_bytes``."""
+    start = len(data)
+    for _ in range(max_lines):
+        if start == 0:
+            break
+        start = data.rfind(b"\n", 0, start - 1) + 1
+    return data[start:][-max_bytes:] if max_bytes else b""
+
+
+def read_tail(path: Path, limit: int, start: int = 0) -> bytes:
+    """At most the last ``limit`` bytes of ``path`` from offset ``start`` on; empty if it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(start, os.fstat(f.fileno()).st_size - limit))
+            return f.read(limit)
+    except OSError:
+        return b""
 
 
 def exit_code_of(returncode: int) -> int:
@@ -391,6 +548,20 @@ def signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+def _start_error(fd: int, timeout: float = 60.0) -> str:
+    """What a container's launcher wrote to its status pipe: empty once the command runs (the exec closed it)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0 and poller.poll(left * 1000):
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
 def process_start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat: tells a live process from a later one with the same PID."""
     try:
@@ -431,6 +602,9 @@ class Container:
     started_at: str | None = None
     restarts: int = 0
     last_state: JSON = field(default_factory=dict)
+    # This run's termination message file on the host, and where its log output starts.
+    termination_file: Path | None = None
+    log_offset: int = 0
 
     @property
     def name(self) -> str:
@@ -545,6 +719,9 @@ class PodRunner:
             log.exception("pod %s: runner failed", self.key)
         finally:
             self._kill_all()
+            for leftover in self.dir.glob("*.termination-log"):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
             with self._lock:
                 self._closed = True
             while not self._q.empty():
@@ -743,24 +920,42 @@ class PodRunner:
             )
             return
         mounts = self._mounts(c)
-        if mounts and os.geteuid() != 0:
+        root = os.geteuid() == 0
+        if mounts and not root:
             self._not_started(c, "ContainerCannotRun", "volumes need root (bind mounts in a private mount namespace)")
             return
-        argv = launch_argv(mounts, c.spec.get("workingDir") or "/", [*command, *args])
+        termination = self._termination_file(c) if root else None
         log_path = self.dir / f"{c.name}.log"
+        read_status, status_fd = os.pipe()
+        spec = LaunchSpec([*command, *args], c.spec.get("workingDir") or "/", mounts, termination, root, status_fd)
         try:
             with log_path.open("ab") as out:
+                c.log_offset = os.fstat(out.fileno()).st_size  # the fallback message reads this run's output only
                 proc = self.agent.spawner.spawn(
-                    argv,
+                    launch_argv(spec),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group, killed as a whole
                     cwd="/",
+                    pass_fds=(status_fd,),
                 )
         except OSError as exc:
+            os.close(read_status)
             self._not_started(c, "StartError", str(exc))
+            return
+        finally:
+            os.close(status_fd)
+        error = _start_error(read_status)
+        os.close(read_status)
+        if error:
+            signal_group(proc.pid, signal.SIGKILL)  # it exits by itself; this makes sure
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
+            log.warning("pod %s: container %s did not start: %s", self.key, c.name, error)
+            self._termination_message(c, 0)  # drops the unused message file
+            self._not_started(c, "StartError", error)
             return
         c.proc = proc
         c.container_id = secrets.token_hex(32)
@@ -769,6 +964,34 @@ class PodRunner:
         with contextlib.suppress(OSError):
             (self.dir / f"{c.name}.pid").write_text(f"{proc.pid} {process_start_time(proc.pid)}")
         threading.Thread(target=self._reap, args=(c, proc), name=f"reap {self.key}/{c.name}", daemon=True).start()
+
+    def _termination_file(self, c: Container) -> tuple[str, str] | None:
+        """A fresh, empty message file for this run of ``c`` (host path, terminationMessagePath)."""
+        path = str(c.spec.get("terminationMessagePath", DEFAULT_TERMINATION_MESSAGE_PATH) or "")
+        if not path.startswith("/"):
+            return None
+        host = self.dir / f"{c.name}.termination-log"
+        # A new file, not the old one truncated: a leftover process of an earlier run cannot write into it.
+        with contextlib.suppress(FileNotFoundError):
+            host.unlink()
+        host.touch()
+        host.chmod(0o666)  # as kubelet: writable by a container that does not run as root
+        c.termination_file = host
+        return str(host), path
+
+    def _termination_message(self, c: Container, code: int) -> str:
+        """What kubelet reports as the message of a run of ``c`` that ended with ``code``."""
+        data = b""
+        if c.termination_file is not None:
+            data = read_tail(c.termination_file, MAX_TERMINATION_MESSAGE)
+            with contextlib.suppress(OSError):
+                c.termination_file.unlink()
+            c.termination_file = None
+        if not data and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            # One byte more than needed, to see whether the tail starts at a line.
+            tail = read_tail(self.dir / f"{c.name}.log", MAX_LOG_TAIL_BYTES + 1, c.log_offset)
+            data = log_tail(tail)
+        return data.decode("utf-8", "replace")
 
     def _not_started(self, c: Container, reason: str, message: str) -> None:
         c.proc, c.container_id, c.started_at = None, None, utc_now()
@@ -790,8 +1013,12 @@ class PodRunner:
             "startedAt": c.started_at or utc_now(),
             "finishedAt": utc_now(),
         }
-        if ev.message:
-            term["message"] = ev.message
+        message = ev.message or ""
+        if ev.proc is not None:
+            extra = self._termination_message(c, ev.code)
+            message = f"{message}: {extra}" if message and extra else message or extra
+        if message:
+            term["message"] = message
         if c.container_id:
             term["containerID"] = f"processnode://{c.container_id}"
         c.state = {"terminated": term}
@@ -970,9 +1197,9 @@ class PodRunner:
     def _cleanup(self) -> None:
         """Drop the pod's materialised volumes (logs stay). Its mounts vanished with its processes."""
         shutil.rmtree(self.volumes_dir, ignore_errors=True)
-        for pidfile in self.dir.glob("*.pid"):
+        for leftover in (*self.dir.glob("*.pid"), *self.dir.glob("*.termination-log")):
             with contextlib.suppress(OSError):
-                pidfile.unlink()
+                leftover.unlink()
 
     # -- status --
 

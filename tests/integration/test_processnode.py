@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from testenv.processnode import SHUTDOWN_MESSAGE, ProcessNodes
+from testenv.processnode import SHUTDOWN_MESSAGE, ProcessNodes, log_tail
 
 pytestmark = pytest.mark.integration
 
@@ -302,6 +302,201 @@ def test_agent_killed_outright_takes_its_pod_processes_along(core: Any, ns: str,
     finally:
         agent.stop()
     assert node_gone(core, node)  # stop() removed the Node the dead agent left behind
+
+
+# --- termination messages and mounts ------------------------------------------------------------
+
+# The runtime's /dev, and what the process node may add to it (GPUs on a GPU machine).
+DEV_ALLOWED = {"null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "mqueue", "shm",
+               "fd", "stdin", "stdout", "stderr", "termination-log"}  # fmt: skip
+
+# Waits until "other" (same pod) has written its own termination log, then checks that
+# this container's log is still empty (private to it) and that /dev is private and works.
+DEV_PROBE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    shared = sys.argv[1]
+    for _ in range(600):
+        if os.path.exists(f"{shared}/other-wrote"):
+            break
+        time.sleep(0.1)
+    with open("/dev/shm/probe", "wb") as f:
+        f.write(b"shm")
+    with open("/dev/null", "wb") as f:
+        f.write(b"discarded")
+    checks = {
+        "private_log": open("/dev/termination-log").read() == "",
+        "zero": open("/dev/zero", "rb").read(4) == bytes(4),
+        "urandom": len(open("/dev/urandom", "rb").read(8)) == 8,
+        "shm": open("/dev/shm/probe", "rb").read() == b"shm",
+        "fd": os.readlink("/dev/fd") == "/proc/self/fd" and os.path.exists("/dev/stdout"),
+        "pts": os.path.isdir("/dev/pts"),
+    }
+    print(json.dumps({"checks": checks, "dev": sorted(os.listdir("/dev"))}))
+    with open("/dev/termination-log", "r+") as f:  # never creates it: no stray file in the host's /dev
+        f.write(json.dumps({"preempted": True, "step": 7}))
+    """
+)
+
+
+def mount_points(pid: int) -> set[str]:
+    """Mount points of a process's mount namespace (field 5 of mountinfo)."""
+    return {line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
+
+
+def test_termination_messages_like_kubelet(core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: Path) -> None:
+    host_log = Path("/dev/termination-log")
+    host_log_existed = host_log.exists()
+    assert process_nodes.proc is not None
+    mounts_before = mount_points(process_nodes.proc.pid)
+    shared = tmp_path / "shared"
+    custom = tmp_path / "elsewhere" / "message"  # a path not under /dev
+    mount = [{"name": "shared", "mountPath": str(shared)}]
+    fallback = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+    tlog = "/dev/termination-log"
+    guard = f"[ -f {tlog} ] &&"  # the writers never create it (as spotguard's sidecar): no stray host file
+    hundred_lines = "i=1; while [ $i -le 100 ]; do echo line $i; i=$((i+1)); done"
+    pod = pod_manifest(
+        "messages",
+        [
+            container("report", ["python", "-c", DEV_PROBE, str(shared)], volumeMounts=mount),
+            container("other", ["sh", "-c", f'{guard} printf other > {tlog} && touch "$0/other-wrote"',
+                                str(shared)], volumeMounts=mount),
+            container("custom", ["sh", "-c", f"printf 'custom path' > {custom}"], terminationMessagePath=str(custom)),
+            container("big", ["python", "-c", "open('/dev/termination-log', 'r+').write('a' * 100 + 'b' * 4096)"]),
+            container("fallback", ["sh", "-c", f"{hundred_lines}; exit 3"], **fallback),
+            container("fallback-ok", ["sh", "-c", "echo fine"], **fallback),
+            container("file-wins", ["sh", "-c", f"echo noise; {guard} printf 'from file' > {tlog}; exit 4"],
+                      **fallback),
+            container("plain-error", ["sh", "-c", "echo not a message; exit 5"]),
+        ],
+        volumes=[{"name": "shared", "emptyDir": {}}],
+    )  # fmt: skip
+    create_pod(core, ns, pod)
+
+    done = wait_phase(core, ns, "messages", ("Succeeded", "Failed"))
+
+    probe = process_nodes.log_path(ns, "messages", "report").read_text()
+    seen = json.loads(probe)
+    assert all(seen["checks"].values()), seen
+    assert {d for d in seen["dev"] if not d.startswith("nvidia")} <= DEV_ALLOWED, seen["dev"]
+    messages = {s.name: s.state.terminated.message for s in done.status.container_statuses}
+    assert json.loads(messages["report"]) == {"preempted": True, "step": 7}
+    assert messages["other"] == "other"
+    assert messages["custom"] == "custom path"
+    assert not custom.exists() or custom.read_text() == "", "written to the host file, not to the bound one"
+    assert messages["big"] == "b" * 4096  # the last 4096 bytes
+    assert messages["fallback"] == "".join(f"line {i}\n" for i in range(21, 101))  # the last 80 lines
+    assert messages["fallback-ok"] is None  # exit 0: no fallback to the logs
+    assert messages["file-wins"] == "from file"
+    assert messages["plain-error"] is None  # policy File: the log is not used
+    assert terminated(done, "fallback").exit_code == 3
+    # Nothing of it on the host: no /dev/termination-log, no mounts, no message files left over.
+    assert host_log.exists() == host_log_existed
+    leaked = {m for m in mount_points(process_nodes.proc.pid) - mounts_before
+              if m.startswith(("/dev", "/tmp", "/run", str(process_nodes.state_dir)))}  # fmt: skip
+    assert not leaked
+    assert not list(process_nodes.log_path(ns, "messages", "report").parent.glob("*termination*"))
+
+
+def test_termination_message_of_each_run_on_restarts(core: Any, ns: str, tmp_path: Path) -> None:
+    """Every run gets a fresh message file, and the log fallback sees only that run's output."""
+    work = tmp_path / "work"
+    script = textwrap.dedent(
+        """
+        n=$(cat "$DIR/runs" 2>/dev/null || echo 0); n=$((n+1)); echo $n > "$DIR/runs"
+        case $n in
+          1) echo "run 1 output"; [ -f /dev/termination-log ] && printf first > /dev/termination-log; exit 1;;
+          2) echo "run 2 output"; exit 2;;
+          *) [ -f /dev/termination-log ] && printf third > /dev/termination-log;;
+        esac
+        """
+    )
+    pod = pod_manifest(
+        "reruns",
+        [container("main", ["sh", "-c", script], env=[{"name": "DIR", "value": str(work)}],
+                   volumeMounts=[{"name": "work", "mountPath": str(work)}],
+                   terminationMessagePolicy="FallbackToLogsOnError")],
+        restartPolicy="OnFailure",
+        volumes=[{"name": "work", "emptyDir": {}}],
+    )  # fmt: skip
+    create_pod(core, ns, pod)
+
+    done = wait_phase(core, ns, "reruns", ("Succeeded", "Failed"))
+
+    (status,) = done.status.container_statuses
+    assert status.restart_count == 2
+    assert (status.state.terminated.exit_code, status.state.terminated.message) == (0, "third")
+    assert (status.last_state.terminated.exit_code, status.last_state.terminated.message) == (2, "run 2 output\n")
+
+
+def test_emptydir_at_tmp_hides_no_other_volume_source(core: Any, ns: str, process_nodes: ProcessNodes) -> None:
+    """Volume sources live under the state dir in /tmp: an emptyDir at /tmp must not hide them."""
+    core.create_namespaced_secret(ns, {"metadata": {"name": "creds"}, "stringData": {"password": "s3cr3t"}})
+    marker = f"written-{uuid.uuid4().hex[:8]}"
+    script = textwrap.dedent(
+        """
+        import json, os, ssl, sys, urllib.request
+        sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+        ctx = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+        url = f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}/api"
+        token = open(f"{sa}/token").read()
+        request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token})
+        with urllib.request.urlopen(request, context=ctx, timeout=30) as resp:
+            api_status = resp.status
+        open(f"/tmp/{sys.argv[1]}", "w").write("into the emptyDir")
+        print(json.dumps({"password": open("/tmp/creds/password").read(), "api_status": api_status,
+                          "tmp": sorted(os.listdir("/tmp"))}))
+        """
+    )
+    pod = pod_manifest(
+        "hidden",
+        [container("main", ["python", "-c", script, marker],
+                   volumeMounts=[{"name": "scratch", "mountPath": "/tmp"},
+                                 {"name": "creds", "mountPath": "/tmp/creds"}])],
+        volumes=[{"name": "scratch", "emptyDir": {}}, {"name": "creds", "secret": {"secretName": "creds"}}],
+    )  # fmt: skip
+    create_pod(core, ns, pod)
+
+    done = wait_phase(core, ns, "hidden", ("Succeeded", "Failed"))
+
+    log = process_nodes.log_path(ns, "hidden", "main").read_text()
+    assert done.status.phase == "Succeeded", f"{log}\n{done.status.container_statuses[0].state}"
+    seen = json.loads(log)
+    assert seen["password"] == "s3cr3t"
+    assert seen["api_status"] == 200  # the ServiceAccount token (a volume source under /tmp) authenticates
+    assert seen["tmp"] == ["creds", marker]  # /tmp is the emptyDir, with the secret inside it
+    assert not Path("/tmp", marker).exists()
+
+
+def test_command_that_cannot_start_is_a_start_error(core: Any, ns: str) -> None:
+    create_pod(core, ns, pod_manifest("nostart", [container("main", ["no-such-command-here"])]))
+
+    done = wait_phase(core, ns, "nostart", ("Succeeded", "Failed"))
+
+    term = terminated(done, "main")
+    assert (done.status.phase, term.exit_code, term.reason) == ("Failed", 128, "StartError")
+    assert 'exec: "no-such-command-here": executable file not found in $PATH' in term.message
+
+
+def numbered(first: int, end: int) -> bytes:
+    return b"".join(b"%d\n" % i for i in range(first, end))
+
+
+@pytest.mark.parametrize(
+    ("log", "expected"),
+    [
+        (b"", b""),
+        (b"one\ntwo\n", b"one\ntwo\n"),
+        (b"no newline at the end", b"no newline at the end"),
+        (numbered(0, 100), numbered(20, 100)),
+        (numbered(0, 100) + b"partial", numbered(21, 100) + b"partial"),
+        (b"\n" * 100, b"\n" * 80),
+        (b"x" * 5000 + b"\nend\n", (b"x" * 5000 + b"\nend\n")[-2048:]),  # few lines, but long: the last 2048 bytes
+    ],
+)
+def test_log_tail_is_the_last_80_lines_then_the_last_2048_bytes(log: bytes, expected: bytes) -> None:
+    assert log_tail(log) == expected
 
 
 # --- spot deaths -------------------------------------------------------------------------------
