@@ -15,7 +15,7 @@ from typing import Any
 
 log = logging.getLogger("spotguard.sidecar")
 
-DEFAULT_CHECKPOINT_DIR = "/spotguard/checkpoints"
+DEFAULT_CHECKPOINT_DIR = "/var/lib/spotguard/checkpoints"
 DEFAULT_METRICS_PORT = 9400
 # Created by kubelet in every container; absent elsewhere (then no report).
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
@@ -154,6 +154,14 @@ def _fail(message: str) -> int:
 
 
 def _sidecar(args: argparse.Namespace) -> int:
+    from spotguard.sidecar.service import SignalLatch
+
+    # First thing: kubelet may send SIGTERM while we are still starting up
+    # (importing boto3, reaching storage); that is a preemption to handle,
+    # not a reason to die without a checkpoint or a report.
+    latch = SignalLatch()
+    latch.install()
+
     from spotguard.sidecar.control import control_dir_from_env
     from spotguard.sidecar.metrics import SidecarMetrics
     from spotguard.sidecar.service import (
@@ -202,7 +210,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         termination_log=_termination_log(args.termination_log),
     )
     try:
-        return run_sidecar(agent, options, sources)
+        return run_sidecar(agent, options, sources, latch)
     except OSError as exc:
         return _fail(str(exc))
 

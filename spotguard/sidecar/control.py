@@ -203,7 +203,7 @@ def is_trainer_process(pid: int, markers: Mapping[str, str]) -> bool:
 
 
 def _norm(value: str) -> str:
-    # "/spotguard/checkpoints/" and "/spotguard/checkpoints" name the same directory.
+    # "/var/lib/spotguard/checkpoints/" and "/var/lib/spotguard/checkpoints" name the same directory.
     return os.path.normpath(value) if value.startswith("/") else value
 
 
@@ -276,9 +276,18 @@ def signal_trainer(
     markers: Mapping[str, str],
     sig: int = signal.SIGUSR1,
     check: Callable[[int, Mapping[str, str]], bool] = is_trainer_process,
+    still_announced: Callable[[int], bool] | None = None,
 ) -> bool:
-    """Send ``sig`` to the trainer if its identity checks out; True if sent."""
+    """Send ``sig`` to the trainer if its identity checks out; True if sent.
+
+    ``still_announced(pid)``, asked last, right before the signal: whether
+    the trainer still advertises this pid. The Checkpointer withdraws
+    ``trainer.pid`` before it removes its handler on the way out, so this
+    keeps the window in which a signal could meet the default action tiny.
+    """
     if pid is None or not check(pid, markers) or not catches_signal(pid, sig):
+        return False
+    if still_announced is not None and not still_announced(pid):
         return False
     try:
         os.kill(pid, sig)

@@ -100,6 +100,29 @@ def assess(
     return DeadlineAssessment(expected_seconds=expected, budget_seconds=budget, at_risk=at_risk)
 
 
+def notice_deadline(
+    announced: float | None,
+    now: float,
+    grace_seconds: float,
+    safety_margin_seconds: float,
+) -> float:
+    """The deadline of the checkpoint request a preemption notice turns into.
+
+    The provider's announced time minus the safety margin; without an
+    announced time, ``now`` + grace period − margin, as for SIGTERM. An
+    announced time that leaves nothing after the margin (the notice was read
+    late, clock skew, Azure's empty ``NotBefore``) would make the trainer
+    refuse the request outright, yet the machine is evidently still up: such
+    a notice gets the same deadline as one without a time, a best effort that
+    SIGTERM's own deadline supersedes when it comes.
+    """
+    fallback = now + max(0.0, grace_seconds - safety_margin_seconds)
+    if announced is None:
+        return fallback
+    deadline = announced - safety_margin_seconds
+    return deadline if deadline > now else fallback
+
+
 class ThroughputTracker:
     """Keeps the last few save and upload measurements (a small stateful shell
     around the pure functions above)."""

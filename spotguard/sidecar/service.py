@@ -35,7 +35,7 @@ from spotguard.sidecar.control import (
     is_trainer_process,
     signal_trainer,
 )
-from spotguard.sidecar.deadline import ThroughputTracker
+from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
 from spotguard.sidecar.shipper import (
@@ -160,7 +160,8 @@ class CheckpointAgent:
 
     def wake_trainer(self) -> bool:
         """SIGUSR1 to the trainer when its identity can be checked."""
-        return signal_trainer(self.channel.trainer_pid(), self.config.trainer_markers)
+        return signal_trainer(self.channel.trainer_pid(), self.config.trainer_markers,
+                              still_announced=lambda pid: self.channel.trainer_pid() == pid)
 
     # -- notices -------------------------------------------------------------
 
@@ -177,9 +178,12 @@ class CheckpointAgent:
                 return
             self.metrics.notice(notice.source)
             now = time.time()
-            deadline = notice.deadline if notice.deadline is not None else (
-                now + self.config.grace_seconds)
-            deadline -= self.config.safety_margin_seconds
+            deadline = notice_deadline(notice.deadline, now, self.config.grace_seconds,
+                                       self.config.safety_margin_seconds)
+            if notice.deadline is not None and notice.deadline - self.config.safety_margin_seconds <= now:
+                log.warning("notice source=%s: its announced time leaves %.1fs, not more than the "
+                            "safety margin of %.1fs: checkpointing anyway (best effort)",
+                            notice.source, notice.deadline - now, self.config.safety_margin_seconds)
             preempt = notice.preempt and self.config.notice_stops_training
             req = self.channel.request_checkpoint(f"notice:{notice.source}", deadline, preempt)
             if preempt and self.stop_reason is None:
@@ -369,8 +373,15 @@ class SignalLatch:
         self.received_at = 0.0
         self._previous: dict[int, Any] = {}
 
+    @property
+    def installed(self) -> bool:
+        """Whether this latch's handlers are in place."""
+        return bool(self._previous)
+
     def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        """Install handlers (main thread only)."""
+        """Install handlers (main thread only; a second call changes nothing)."""
+        if self.installed:
+            return
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -434,24 +445,25 @@ def _trainer_exit(agent: CheckpointAgent) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _trainer_was_preempted(agent: CheckpointAgent) -> bool:
+def _trainer_was_preempted(agent: CheckpointAgent, unknown: bool = True) -> bool:
     """Did the trainer that already exited stop for a preemption?
 
     Its ``trainer-exit.json`` says so; without it, the reason recorded in
     its newest checkpoint's manifest does (an emergency save is the last one).
+    ``unknown`` is the answer when neither can tell.
     """
     exit_doc = _trainer_exit(agent)
     if exit_doc is not None and "preempted" in exit_doc:
         return bool(exit_doc["preempted"])
     newest = agent.shipper.committed()
     if not newest:
-        return True  # nothing to go on: say preempted, the safe side for a retry
+        return unknown
     from spotguard.checkpoint import read_local_manifest
 
     try:
         reason = read_local_manifest(newest[-1]).reason
     except (OSError, ValueError):
-        return True
+        return unknown
     label = save_reason_label(reason)
     return label == "sigterm" or (label == "notice" and agent.stop_reason is not None)
 
@@ -473,7 +485,7 @@ def run_sidecar(
     """The sidecar's main loop. Returns the exit status."""
     latch = latch or SignalLatch()
     if threading.current_thread() is threading.main_thread():
-        latch.install()
+        latch.install()  # usually done already, before the slow part of startup
     if options.metrics_port is not None:
         port = agent.metrics.serve(options.metrics_port, options.metrics_addr)
         log.info("metrics on %s:%d/metrics", options.metrics_addr, port)
@@ -484,18 +496,26 @@ def run_sidecar(
     log.info("sidecar watching %s (grace %.0fs, notices: %s)", agent.config.checkpoint_dir,
              agent.config.grace_seconds, ",".join(s.name for s in sources) or "none")
     try:
-        seen_running = False
         while not latch.event.is_set():
             agent.step()
             state = agent.trainer_state()
-            seen_running = seen_running or state == "running"
+            if latch.event.is_set():
+                # SIGTERM came during this round (an upload can take a
+                # while): it is a preemption even if the trainer, signalled at
+                # the same time, has exited by now. Seen as "the trainer
+                # finished", the report would say so and no emergency would run.
+                break
             if options.exit_with_trainer and state == "gone":
                 # The trainer finished (or died): ship what it left and leave,
                 # so a classic (non-native) sidecar does not keep the pod alive.
                 flushed = agent.flush(time.time() + agent.config.grace_seconds)
                 if flushed:
                     log.info("trainer exited; everything committed is shipped")
-                _report(agent, options, agent.stop_reason is not None, agent.stop_reason or "finished")
+                # Preempted also when the trainer stopped on its own SIGTERM
+                # and ours is still on its way; nothing to go on means finished.
+                preempted = agent.stop_reason is not None or _trainer_was_preempted(agent, unknown=False)
+                reason = agent.stop_reason or ("sigterm" if preempted else "finished")
+                _report(agent, options, preempted, reason)
                 return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None

@@ -189,15 +189,28 @@ def serve(provider: FakeProvider) -> Iterator[Any]:
 # --- A notice from each provider gets a checkpoint verified before any SIGTERM ---------------
 
 
-SOON = (datetime.now(UTC) + timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _soon() -> str:
+    # AWS's two-minute warning, taken when the notice fires: a time taken at
+    # import would have passed by the time a long test session gets here.
+    return (datetime.now(UTC) + timedelta(minutes=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _aws_action(fake: Any) -> None:
-    fake.instance_action = {"action": "terminate", "time": SOON}
+    with fake.lock:
+        fake.instance_action = {"action": "terminate", "time": _soon()}
+
+
+def _aws_late(fake: Any) -> None:
+    # Read after its announced time (a sidecar that restarted, clock skew):
+    # the machine is still up, so the checkpoint is still worth a try.
+    past = (datetime.now(UTC) - timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with fake.lock:
+        fake.instance_action = {"action": "terminate", "time": past}
 
 
 def _aws_rebalance(fake: Any) -> None:
-    fake.rebalance = {"noticeTime": SOON}
+    with fake.lock:
+        fake.rebalance = {"noticeTime": _soon()}
 
 
 def _gce(fake: Any) -> None:
@@ -212,12 +225,13 @@ def _azure(fake: Any) -> None:
                     "Description": "", "EventSource": "Platform", "DurationInSeconds": -1})
 
 
-PROVIDERS: dict[str, tuple[Callable[[], FakeProvider], str, str, Callable[[Any], None]]] = {
-    # name: (fake, --notices value, endpoint flag, trigger); the metric source equals the name
-    "aws": (FakeAws, "aws", "--aws-imds-endpoint", _aws_action),
-    "aws_rebalance": (FakeAws, "aws", "--aws-imds-endpoint", _aws_rebalance),
-    "gce": (FakeGce, "gce", "--gce-metadata-endpoint", _gce),
-    "azure": (FakeAzure, "azure", "--azure-metadata-endpoint", _azure),
+PROVIDERS: dict[str, tuple[Callable[[], FakeProvider], str, str, Callable[[Any], None], str]] = {
+    # name: (fake, --notices value, endpoint flag, trigger, metric source)
+    "aws": (FakeAws, "aws", "--aws-imds-endpoint", _aws_action, "aws"),
+    "aws_late": (FakeAws, "aws", "--aws-imds-endpoint", _aws_late, "aws"),
+    "aws_rebalance": (FakeAws, "aws", "--aws-imds-endpoint", _aws_rebalance, "aws_rebalance"),
+    "gce": (FakeGce, "gce", "--gce-metadata-endpoint", _gce, "gce"),
+    "azure": (FakeAzure, "azure", "--azure-metadata-endpoint", _azure, "azure"),
 }
 
 
@@ -263,13 +277,13 @@ def _notice_run(tmp_path: Path, s3_store: Any, s3_uri: str, sidecar_args: list[s
 @pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(PROVIDERS))
 def test_cloud_notice_checkpoints_before_sigterm(name: str, s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
-    make, notices, flag, trigger = PROVIDERS[name]
+    make, notices, flag, trigger, source = PROVIDERS[name]
     with serve(make()) as fake:
         settled: Callable[[], bool] = lambda: True  # noqa: E731
         if name == "azure":
             settled = lambda: fake.approved == ["602d9444-d2cd-49c7-8624-8643e7171297"]  # noqa: E731
         _notice_run(tmp_path, s3_store, s3_uri, ["--notices", notices, flag, fake.url], {},
-                    lambda: trigger(fake), name, settled)
+                    lambda: trigger(fake), source, settled)
         if name == "azure":
             # Approved only after the checkpoint was verified: exactly once.
             assert fake.count("POST", "/metadata/scheduledevents") == 1

@@ -9,6 +9,7 @@ from spotguard.sidecar.deadline import (
     Transfer,
     assess,
     expected_seconds,
+    notice_deadline,
     rate_bytes_per_second,
 )
 
@@ -93,3 +94,23 @@ def test_tracker_window_follows_recent_samples() -> None:
     assert not got.at_risk
     tracker.record_save(10 * MB, 1.0)
     assert tracker.assessment().expected_seconds == pytest.approx(2.0)
+
+
+NOW = 1_000_000.0
+
+
+@pytest.mark.parametrize(
+    ("announced", "grace", "margin", "want"),
+    [
+        (None, 30.0, 5.0, NOW + 25.0),  # no time announced: like SIGTERM
+        (NOW + 120.0, 30.0, 5.0, NOW + 115.0),  # AWS's two minutes, less the margin
+        (NOW + 5.5, 30.0, 5.0, NOW + 0.5),  # tight, but still ahead
+        # Nothing left after the margin, or already past (read late, clock
+        # skew, Azure's empty NotBefore): best effort, never an expired deadline.
+        (NOW + 5.0, 30.0, 5.0, NOW + 25.0),
+        (NOW - 60.0, 30.0, 5.0, NOW + 25.0),
+        (None, 2.0, 5.0, NOW),  # margin larger than grace: clamps to now
+    ],
+)
+def test_notice_deadline(announced: float | None, grace: float, margin: float, want: float) -> None:
+    assert notice_deadline(announced, NOW, grace, margin) == want

@@ -1,10 +1,14 @@
-"""The control channel's pure rules: which acknowledgement answers which request."""
+"""The control channel's rules: which acknowledgement answers which request, when to signal."""
 
 from __future__ import annotations
 
+import os
+import signal
+from types import FrameType
+
 import pytest
 
-from spotguard.sidecar.control import CheckpointAck, CheckpointRequest, ack_answers
+from spotguard.sidecar.control import CheckpointAck, CheckpointRequest, ack_answers, signal_trainer
 
 REQ = CheckpointRequest(id="r1", reason="sigterm", deadline=200.0, preempt=True, written_at=100.0)
 
@@ -24,3 +28,27 @@ REQ = CheckpointRequest(id="r1", reason="sigterm", deadline=200.0, preempt=True,
 )
 def test_ack_answers(ack: CheckpointAck | None, want: bool) -> None:
     assert ack_answers(ack, REQ) is want
+
+
+@pytest.mark.parametrize(("announced", "want"), [(True, True), (False, False)])
+def test_signal_trainer_asks_last_whether_the_pid_is_still_announced(announced: bool, want: bool) -> None:
+    # This process plays the trainer: it catches SIGUSR1, its identity "checks out".
+    got: list[int] = []
+    asked: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        got.append(signum)
+
+    def still_announced(pid: int) -> bool:
+        asked.append(pid)
+        return announced
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        sent = signal_trainer(os.getpid(), {"K": "v"}, check=lambda _pid, _markers: True,
+                              still_announced=still_announced)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert sent is want
+    assert asked == [os.getpid()]
+    assert got == ([signal.SIGUSR1] if want else [])
