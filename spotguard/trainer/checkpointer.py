@@ -561,11 +561,13 @@ class Checkpointer:
             return
         self.wait()
         self._announce_exit()
-        self.uninstall_signal_handlers()
         if self._announced and threading.current_thread() is threading.main_thread():
             # A sidecar that read trainer.pid just before it went may still send
-            # SIGUSR1, whose default action would kill us: ignore it from now on.
+            # SIGUSR1, whose default action would kill us: go straight from our
+            # handler to ignoring it, never through the default.
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            self._previous_handlers.pop(signal.SIGUSR1, None)
+        self.uninstall_signal_handlers()
         self._closed = True
 
     def _atexit(self) -> None:
