@@ -199,6 +199,16 @@ def events(apis: tuple[Any, Any], ns: str, name: str) -> list[tuple[str, str, st
     return [(e.type, e.reason, e.message) for e in items if e.involved_object.kind == "TrainingJob"]
 
 
+def wait_events(apis: tuple[Any, Any], ns: str, name: str, wanted: set[str]) -> None:
+    """Wait until the job has Events with every reason in ``wanted``: kopf posts
+    Events from a background queue, so they may land just after the status."""
+    try:
+        wait_for(lambda: wanted <= {r for _t, r, _m in events(apis, ns, name)}, f"Events {sorted(wanted)}",
+                 timeout=30)
+    except TimeoutError:
+        raise AssertionError(f"{name}: Events {[r for _t, r, _m in events(apis, ns, name)]}") from None
+
+
 # --- tests ----------------------------------------------------------------------
 
 
@@ -239,9 +249,7 @@ def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, opera
     succeed_pod(apis, ns, "life-a2")
     st = wait_status(apis, ns, "life", "Succeeded", lambda s: s.get("phase") == "Succeeded")
     assert cond(st, "Succeeded")["status"] == "True" and st["attempt"] == 2
-    reasons = [r for _t, r, _m in events(apis, ns, "life")]
-    for reason in ("PodCreated", "PodRunning", "Preempted", "Completed"):
-        assert reason in reasons, reasons
+    wait_events(apis, ns, "life", {"PodCreated", "PodRunning", "Preempted", "Completed"})
 
     text = operator.metrics()
     labels = {"namespace": ns, "job": "life"}
@@ -265,7 +273,7 @@ def test_failure_consumes_backoff_limit(apis: tuple[Any, Any], ns: str, operator
     assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
     assert "exited with code 1" in failed["message"]
     assert pod_names(apis, ns, "crash") == ["crash-a1", "crash-a2"]
-    assert any(r == "BackoffLimitExceeded" for _t, r, _m in events(apis, ns, "crash"))
+    wait_events(apis, ns, "crash", {"BackoffLimitExceeded"})
     assert metric_value(operator.metrics(), "spotguard_job_failures_total", {"namespace": ns, "job": "crash"}) == 2.0
 
 
@@ -288,7 +296,7 @@ def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator
     assert st["phase"] == "Failed"
     assert "spec.template.spec.containers[0].name" in cond(st, "Invalid")["message"]
     assert pod_names(apis, ns, "reserved") == []
-    assert any(r == "InvalidSpec" for _t, r, _m in events(apis, ns, "reserved"))
+    wait_events(apis, ns, "reserved", {"InvalidSpec"})
     # Fixing the spec recovers the job.
     _, custom = apis
     fixed = get_job(apis, ns, "reserved")
