@@ -42,6 +42,7 @@ class Result:
     interval: str
     goodput: float
     wall_hours: float
+    finished: float  # share of simulated jobs that finished before the cap
 
 
 def young_daly(cost: float, mtbf: float) -> float:
@@ -49,7 +50,10 @@ def young_daly(cost: float, mtbf: float) -> float:
     return math.sqrt(2 * cost * mtbf)
 
 
-def simulate(costs: Costs, trace: Trace, strategy: str, rng: random.Random, cap_hours: float = 2000) -> float:
+CAP_HOURS = 2000.0
+
+
+def simulate(costs: Costs, trace: Trace, strategy: str, rng: random.Random, cap_hours: float = CAP_HOURS) -> float:
     """Wall seconds to finish the job under ``strategy``."""
     need = trace.job_hours * 3600
     mtbf = trace.mtbf_hours * 3600
@@ -103,5 +107,6 @@ def compare(costs: Costs, trace: Trace, trials: int = 400, seed: int = 0) -> lis
         else:
             cost = costs.stall_spotguard if name == "spotguard" else costs.stall_periodic
             interval = f"{young_daly(max(cost, 1e-3), mtbf) / 60:.1f} min"
-        out.append(Result(label, interval, trace.job_hours * 3600 / mean_wall, mean_wall / 3600))
+        finished = sum(w <= CAP_HOURS * 3600 for w in walls) / len(walls)
+        out.append(Result(label, interval, trace.job_hours * 3600 / mean_wall, mean_wall / 3600, finished))
     return out

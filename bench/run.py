@@ -222,6 +222,15 @@ def bench_stall(ctx: Ctx) -> Section:
     ]  # fmt: skip
     s2.goals.append(("persist throughput >=85% of a raw sequential write", sg_tp / raw_tp >= 0.85,
                      f"{sg_tp / raw_tp:.0%}"))  # fmt: skip
+    if sg_tp / raw_tp < 0.85:
+        s2.notes.append(
+            f"Missed by {85 - 100 * sg_tp / raw_tp:.0f} points. Why: the raw baseline rewrites one 64 MiB buffer "
+            "that stays in the CPU caches, while the persist streams the whole snapshot from memory, copies each "
+            "8 MiB chunk once for the CRC32C extension (google-crc32c accepts only immutable bytes), and fsyncs "
+            "several files and two directories. On this shared 2-core machine the ratio also moves with "
+            "background load from run to run (40% to 130% was seen while other work ran); a checksum that reads "
+            "the buffer in place, in a second thread, is the next step."
+        )
     s.plot = _plot_bars(PLOTS / "stall.png", "Trainer stall per checkpoint",
                         ["spotguard", "torch.save+fsync", "torch.save"], [stall, base_sync, base_nosync], "seconds")
     s2.plot = _plot_bars(PLOTS / "persist.png", "Persist throughput", ["spotguard", "raw write"],
@@ -282,6 +291,14 @@ def bench_upload(ctx: Ctx) -> Section:
     boto, s5w = rows["boto3 upload_file, defaults"][0], rows["s5cmd cp (default workers)"][0]
     s.goals.append(("at least s5cmd", sg_wall <= s5w * 1.05, f"spotguard {s5w / sg_wall:.2f}x s5cmd's speed"))
     s.goals.append((">=2x boto3 defaults", boto / sg_wall >= 2, f"{boto / sg_wall:.2f}x"))
+    if boto / sg_wall < 2:
+        s.notes.append(
+            f"The >=2x goal over boto3 defaults is missed ({boto / sg_wall:.2f}x). Why: the store runs on the "
+            "same 2 cores as the client and caps every client at about the same speed (the three methods land "
+            "within a few tens of MiB/s of each other), so no client can be twice as fast here; what differs is "
+            "the CPU each spends per GiB, where spotguard is the lowest. Against a remote, parallel store the "
+            "concurrent multipart upload is where the gap would show."
+        )
     s.notes.append(
         f"{nbytes / MiB:.0f} MiB checkpoint ({len(list(src.iterdir()))} files), median of {reps}. "
         f"Verifying it afterwards (download + CRC32C of every file) took {v.wall:.2f}s "
@@ -454,15 +471,21 @@ def bench_goodput(ctx: Ctx) -> Section:
         emergency=ctx.costs.get("emergency_fixed", 2.0) + per_gb * gb,
         restart=30.0 + ctx.costs.get("resume", 5.0),
     )
+    source = ("come from this run" if "stall_sg" in ctx.costs
+              else "are defaults (run it with the other benchmarks to use measured ones)")
     trace = goodput.Trace(mtbf_hours=1.0, notice_seconds=30.0, job_hours=24.0)
     res = goodput.compare(costs, trace, trials=400, seed=7)
     s = Section("Goodput over a preemption trace (simulation)", "goodput",
                 ["strategy", "checkpoint interval", "goodput", "wall hours for 24 h of compute"])  # fmt: skip
     for r in res:
-        s.rows.append([r.name, r.interval, f"{r.goodput:.1%}", fmt(r.wall_hours, 1)])
+        if r.finished < 1:
+            wall = f"over {goodput.CAP_HOURS:.0f} (the cap) in {1 - r.finished:.0%} of runs"
+            s.rows.append([r.name, r.interval, "~0%", wall])
+        else:
+            s.rows.append([r.name, r.interval, f"{r.goodput:.1%}", fmt(r.wall_hours, 1)])
     s.notes.append(
         f"Poisson preemptions, one per hour on average, each with a {trace.notice_seconds:.0f} s notice; "
-        f"400 simulated 24 h jobs per strategy, fixed seed. Costs come from this run: spotguard stall "
+        f"400 simulated 24 h jobs per strategy, fixed seed. Costs {source}: spotguard stall "
         f"{costs.stall_spotguard:.2f} s, periodic-only blocking checkpoint (torch.save + upload) "
         f"{costs.stall_periodic:.1f} s, emergency save + upload + verify {costs.emergency:.1f} s, "
         f"restart (pod start assumed 30 s + measured resume) {costs.restart:.1f} s, for the "
