@@ -301,7 +301,8 @@ def bench_upload(ctx: Ctx) -> Section:
             f"The >=2x goal over boto3 defaults is missed ({boto / sg_wall:.2f}x). Why: the store runs on the "
             "same 2 cores as the client and caps every client at about the same speed (the three methods land "
             "within a few tens of MiB/s of each other), so no client can be twice as fast here; what differs is "
-            "the CPU each spends per GiB, where spotguard is the lowest. Against a remote, parallel store the "
+            f"the CPU each spends per GiB (lowest here: {min(rows, key=lambda k: rows[k][1])}). Against a remote, "
+            "parallel store the "
             "concurrent multipart upload is where the gap would show."
         )
     s.notes.append(
@@ -558,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Every figure is measured side by side with its baseline in the same run, on the same machine; "
         "absolute numbers depend on the machine, the ratios are the point. Regenerate with `make bench` "
-        "(this file and the plots in `docs/bench/` are overwritten).",
+        "(this file and the plots in `docs/bench/` are overwritten). On this shared 2-core machine, with the "
+        "S3 store on the same cores, ratios move between runs of the same code (seen: resume 1.2x to 2.6x, "
+        "trainer stall 9x to 13x); each verdict below is from this one run.",
         "",
         f"Machine: {os.cpu_count()} cores, {_mem_gib():.0f} GiB memory, {platform.platform()}, "
         f"Python {platform.python_version()}, torch {_torch_version()}; the S3 store (SeaweedFS) and the "
