@@ -14,8 +14,7 @@ setup:
 	bash testenv/provision.sh
 
 # pytest exits 5 when it collected no tests: a suite that ran nothing is a failure.
-test: setup
-	$(MAKE) lint
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
