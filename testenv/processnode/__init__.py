@@ -1,0 +1,94 @@
+"""Process node: a test-support stand-in for kubelet.
+
+There is no kubelet or container runtime in the test environment, so this agent
+registers Node objects with a real kube-apiserver (spot GPU pool labels, GPU
+capacity, Ready condition, node-status and Lease heartbeats) and runs each pod
+bound to its nodes as local processes:
+
+- init containers in order, then the containers concurrently, each in its own
+  process group; ``command`` + ``args`` only (there are no images), ``env`` and
+  ``envFrom`` (plain values, downward API fields, Secret and ConfigMap keys),
+  ``workingDir``;
+- volumes (``emptyDir``, ``hostPath``, ``secret``, ``configMap``,
+  ``downwardAPI``, ``projected``) bind-mounted at their ``mountPath`` inside a
+  private mount namespace per container (needs root), with a private ``/dev``
+  (the usual devices, GPUs, a ``/dev/shm`` tmpfs); mount sources are opened
+  before anything is mounted, so an emptyDir at ``/tmp`` hides none of them;
+- termination messages like kubelet: a fresh file per run at
+  ``terminationMessagePath`` (default ``/dev/termination-log``, inside the
+  private ``/dev``, never the host's), whose last 4096 bytes become
+  ``terminated.message``; ``FallbackToLogsOnError`` uses the run's log (last 80
+  lines, at most 2048 bytes) after a failure with an empty file; a command that
+  cannot be executed ends ``StartError`` with exit code 128;
+- pod and container status like kubelet (Pending, Running, Succeeded/Failed,
+  exit codes, reasons), restart policies, graceful deletion (SIGTERM, wait
+  ``terminationGracePeriodSeconds``, SIGKILL, then delete with grace 0);
+- the three ways a spot node dies, on request: ``drain`` (cordon + eviction
+  API), ``shutdown`` (graceful node shutdown: pods end ``Failed`` /
+  ``Terminated`` with a ``DisruptionTarget`` condition) and ``kill`` (processes
+  SIGKILLed, heartbeats stop, Node deleted, a fresh node joins).
+
+Differences from a real runtime: SIGTERM goes to the container's whole process
+group (a runtime signals only PID 1, which also ignores signals it has no
+handler for); there is no PID or network namespace (podIP is 127.0.0.1); the
+root filesystem is the host's, so mount points outside ``/dev`` and outside
+volumes (directories, an empty file for a termination message path elsewhere)
+are created on the host and stay; ``/dev/shm`` is per container, not per pod. Not
+emulated: images, probes (a running container is ready), lifecycle hooks,
+resource limits, ``subPathExpr``, token refresh for projected ServiceAccount
+tokens. Container logs go to ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
+
+    python -m testenv.processnode run --kubeconfig K --nodes 2 --state-dir D
+    python -m testenv.processnode preempt --state-dir D --pod NAME --mode drain|shutdown|kill
+    python -m testenv.processnode nodes --state-dir D
+
+One module per idea: ``api`` (apiserver access), ``podspec`` (pure reading of
+a pod spec), ``container`` (what a container process sets up before its
+command: namespaces, mounts), ``processes`` (forking and signalling),
+``pod`` (the pod runner and its status), ``node`` (Node objects and
+heartbeats), ``agent`` (the node agent), ``control`` (the control API, server
+and client), ``cli``. The names tests and tools use are re-exported here.
+"""
+
+from testenv.processnode.agent import Agent
+from testenv.processnode.api import ApiError, Kube
+from testenv.processnode.cli import main
+from testenv.processnode.common import (
+    LOOPBACK,
+    MODES,
+    SHUTDOWN_MESSAGE,
+    SHUTDOWN_REJECT_MESSAGE,
+    PreemptError,
+)
+from testenv.processnode.container import LaunchSpec, container_init, launch_argv
+from testenv.processnode.control import ProcessNodes
+from testenv.processnode.node import NodeSettings, ProcessNode, node_manifest
+from testenv.processnode.pod import PodRunner
+from testenv.processnode.podspec import expand_vars, field_value, log_tail, projected_items, safe_relpath
+from testenv.processnode.processes import kill_recorded_processes
+
+__all__ = [
+    "LOOPBACK",
+    "MODES",
+    "SHUTDOWN_MESSAGE",
+    "SHUTDOWN_REJECT_MESSAGE",
+    "Agent",
+    "ApiError",
+    "Kube",
+    "LaunchSpec",
+    "NodeSettings",
+    "PodRunner",
+    "PreemptError",
+    "ProcessNode",
+    "ProcessNodes",
+    "container_init",
+    "expand_vars",
+    "field_value",
+    "kill_recorded_processes",
+    "launch_argv",
+    "log_tail",
+    "main",
+    "node_manifest",
+    "projected_items",
+    "safe_relpath",
+]
