@@ -1,28 +1,61 @@
-# The one spotguard image: `spotguard operator`, `spotguard sidecar` and
-# `spotguard restore` (the restore init container) are entry points of the
-# same package. It carries no torch: the trainer runs in the user's image,
-# which needs `pip install 'spotguard[torch]'` for the Checkpointer.
+# spotguard's two images, one build target each. The label
+# `dev.spotguard.image` of a target names the image it builds (without the
+# tag; images are tagged with the project's version). The chart and the
+# examples name only these images (tests/unit/test_images.py checks it).
 #
-#   docker build -t spotguard/spotguard:0.1.0 .
+#   spotguard        `spotguard operator`, `spotguard sidecar` and `spotguard restore`
+#                    (the restore init container): no torch. The default target.
+#   spotguard-torch  a trainer image: spotguard with its torch extra, and the examples
+#                    (examples/trainingjob.yaml runs it). TORCH_VARIANT picks the torch
+#                    wheel: cpu (default) or a CUDA build such as cu126.
+#
+#   docker build --target spotguard -t spotguard/spotguard:0.1.0 .
+#   docker build --target spotguard-torch --build-arg TORCH_VARIANT=cu126 -t spotguard/spotguard-torch:0.1.0 .
 #
 # (Not built by this repository's tests: the test machines have no container
 # engine; the chart's rendered manifests and the process nodes stand in.)
-FROM python:3.11-slim
+ARG PYTHON_IMAGE=python:3.11-slim
 
+FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
+# Unprivileged; matches the chart's runAsUser/runAsGroup.
+RUN groupadd --gid 65532 spotguard && useradd --uid 65532 --gid 65532 --no-create-home spotguard
 
+# The spotguard wheel, built once for both images (the source stays out of them).
+FROM base AS wheel
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY spotguard ./spotguard
-RUN pip install . && rm -rf /src
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
-# Unprivileged; matches the chart's runAsUser/runAsGroup.
-RUN groupadd --gid 65532 spotguard && useradd --uid 65532 --gid 65532 --no-create-home spotguard
+FROM base AS spotguard-torch
+LABEL dev.spotguard.image="spotguard/spotguard-torch"
+# cpu, or the CUDA build of the torch wheels (cu126, cu128, ...): the CUDA
+# libraries come as wheels, so the node needs only the NVIDIA driver.
+ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# torch first, from the index of the chosen variant: spotguard's `torch`
+# extra then finds it installed instead of pulling PyPI's default build.
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch]" && rm -rf /tmp/wheels
+# The examples; examples/train.py is a link to the packaged demo trainer.
+COPY examples /opt/spotguard/examples
+RUN ln -sf "$(python -c 'import spotguard.demo.train as m; print(m.__file__)')" /opt/spotguard/examples/train.py
 USER 65532:65532
 WORKDIR /home/spotguard
+ENTRYPOINT []
+CMD ["python", "-m", "spotguard.demo.train", "--help"]
 
+# Last, so that a plain `docker build .` builds it.
+FROM base AS spotguard
+LABEL dev.spotguard.image="spotguard/spotguard"
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install /tmp/wheels/spotguard-*.whl && rm -rf /tmp/wheels
+USER 65532:65532
+WORKDIR /home/spotguard
 ENTRYPOINT ["spotguard"]
 CMD ["--help"]
