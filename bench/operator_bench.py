@@ -7,11 +7,14 @@ shutdown leaves, patched through the apiserver).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,10 @@ NO_NODE = {"spotguard.dev/bench-no-node": "true"}
 SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
 
 
-def _job(name: str, storage: str) -> dict[str, Any]:
+def _job(name: str, storage: str, endpoint: str | None = None) -> dict[str, Any]:
+    checkpoint: dict[str, Any] = {"storage": storage, "everySteps": 100}
+    if endpoint:
+        checkpoint.update({"endpoint": endpoint, "credentialsSecret": {"name": "bench-s3"}})
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainingJob",
@@ -34,7 +40,7 @@ def _job(name: str, storage: str) -> dict[str, Any]:
                 "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
                                 "resources": {"limits": {"nvidia.com/gpu": 1}}}],
             }},
-            "checkpoint": {"storage": storage, "everySteps": 100},
+            "checkpoint": checkpoint,
             "preemption": {"maxPreemptions": 100, "backoffLimit": 3, "gracePeriodSeconds": 30,
                            "backoff": {"initialSeconds": 0}},
         },
@@ -98,15 +104,27 @@ class ProcSampler:
         return max(s[2] for s in self.samples)
 
 
+@contextlib.contextmanager
+def _paused(pid: int) -> Iterator[None]:
+    """The store stopped (SIGSTOP to its own process group): the kernel accepts connections, nobody answers."""
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+
+
 def bench_operator(ctx: Any) -> Section:
     from kubernetes import client
 
-    from spotguard.operator.testing import OperatorProcess, wait_for
+    from spotguard.operator.testing import OperatorProcess, metric_value, wait_for
+    from testenv import cluster
 
     kube = ctx.kube
     assert kube is not None
     n_jobs = int(os.environ.get("BENCH_OPERATOR_JOBS", "200"))
-    n_preempt = int(os.environ.get("BENCH_OPERATOR_PREEMPTIONS", "40"))
+    n_preempt = min(int(os.environ.get("BENCH_OPERATOR_PREEMPTIONS", "40")), n_jobs // 2)
+    poll = os.environ.get("BENCH_OPERATOR_POLL_SECONDS", "5")
     kubectl = str(kube.bin_dir / "kubectl")
     subprocess.run([kubectl, "apply", "-f", str(ROOT / "crds" / "trainingjob.yaml")], env={**os.environ, **kube.env()},
                    check=True, capture_output=True)  # fmt: skip
@@ -115,13 +133,30 @@ def bench_operator(ctx: Any) -> Section:
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
     wait_for(lambda: core.read_namespaced_service_account("default", ns), "default ServiceAccount", timeout=60)
-    storage = f"file://{ctx.work}/operator-store"
+    # A store of this benchmark's own: it is paused below, and no other user may be.
+    sup = cluster.Supervisor(ctx.work / "operator-store")
+    store = cluster.start_seaweedfs(sup, bucket="operator-bench")
+    weed_pid = sup.services[-1].popen.pid
+    core.create_namespaced_secret(ns, {"metadata": {"name": "bench-s3"}, "stringData": {
+        "AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key}})  # fmt: skip
+    storage = f"s3://{store.bucket}/jobs"
 
     def pods() -> dict[str, Any]:
         items = core.list_namespaced_pod(ns, label_selector="spotguard.dev/job").items
         return {p.metadata.name: p for p in items}
 
-    op = OperatorProcess(["-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off"],
+    def preempt(jobs: list[str]) -> list[float]:
+        """Pod end -> replacement pod listed, one job at a time."""
+        out = []
+        for job in jobs:
+            core.patch_namespaced_pod_status(f"{job}-a1", ns, _shutdown_status())
+            t1 = time.monotonic()
+            wait_for(lambda job=job: f"{job}-a2" in pods(), f"replacement of {job}", timeout=300, interval=0.02)
+            out.append(time.monotonic() - t1)
+        return out
+
+    op = OperatorProcess(["-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off",
+                          "--checkpoint-poll-seconds", poll],
                          env=kube.env(), log_path=ctx.work / "operator-bench.log").start()  # fmt: skip
     try:
         assert op.proc is not None
@@ -130,43 +165,55 @@ def bench_operator(ctx: Any) -> Section:
         t0 = time.monotonic()
         with ProcSampler(pid) as create_sample:
             for i in range(n_jobs):
-                custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job(f"job-{i:03d}", storage))
+                custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL,
+                                                       _job(f"job-{i:03d}", storage, store.endpoint_url))
             wait_for(lambda: len(pods()) >= n_jobs, f"{n_jobs} pods", timeout=600, interval=0.5)
         create_seconds = time.monotonic() - t0
-        # 2. Steady state: the operator just watches n_jobs jobs.
+        # 2. Steady state: the operator just watches n_jobs jobs (and reads their storage).
         with ProcSampler(pid) as idle_sample:
             time.sleep(float(os.environ.get("BENCH_OPERATOR_IDLE_SECONDS", "45")))
-        # 3. Preempt pods one at a time: pod end -> replacement pod created.
-        latencies = []
+        text = op.metrics()
+        clients = metric_value(text, "spotguard_operator_storage_clients") or 0
+        reads = metric_value(text, "spotguard_operator_storage_reads_total", {"result": "ok"}) or 0
+        # 3. Preempt pods one at a time, the store healthy.
         with ProcSampler(pid) as preempt_sample:
-            for i in range(min(n_preempt, n_jobs)):
-                job = f"job-{i:03d}"
-                core.patch_namespaced_pod_status(f"{job}-a1", ns, _shutdown_status())
-                t1 = time.monotonic()
-                wait_for(lambda job=job: f"{job}-a2" in pods(), f"replacement of {job}", timeout=120, interval=0.02)
-                latencies.append(time.monotonic() - t1)
+            latencies = preempt([f"job-{i:03d}" for i in range(n_preempt)])
+        # 4. The same with the store paused, after the probes have started hanging on it.
+        with _paused(weed_pid):
+            time.sleep(2 * float(poll))
+            paused = preempt([f"job-{i:03d}" for i in range(n_preempt, 2 * n_preempt)])
+        errors = metric_value(op.metrics(), "spotguard_operator_storage_reads_total", {"result": "error"}) or 0
     finally:
         op.stop()
         core.delete_namespace(ns)
+        sup.stop()
     peak_rss = max(x.max_rss() for x in (create_sample, idle_sample, preempt_sample))
+    p95, p95_paused = percentile(latencies, 0.95), percentile(paused, 0.95)
     s = Section(f"Operator: reschedule latency and cost with {n_jobs} TrainingJobs", "operator",
                 ["measure", "value"])  # fmt: skip
     s.rows += [
         ["pod end -> replacement pod created, p50", fmt(percentile(latencies, 0.5), 3) + " s"],
-        ["pod end -> replacement pod created, p95", fmt(percentile(latencies, 0.95), 3) + " s"],
+        ["pod end -> replacement pod created, p95", fmt(p95, 3) + " s"],
         ["pod end -> replacement pod created, p99", fmt(percentile(latencies, 0.99), 3) + " s"],
+        ["same, store paused (SIGSTOP), p50", fmt(percentile(paused, 0.5), 3) + " s"],
+        ["same, store paused (SIGSTOP), p95", fmt(p95_paused, 3) + " s"],
+        ["p95 store paused / p95 store healthy", f"{p95_paused / p95:.2f}x" if p95 else "n/a"],
         [f"{n_jobs} jobs created -> {n_jobs} pods exist", fmt(create_seconds, 1) + " s"],
         ["operator CPU while creating (share of one core)", f"{create_sample.cpu_share():.0%}"],
         [f"operator CPU while idle with {n_jobs} jobs", f"{idle_sample.cpu_share():.1%}"],
         ["operator CPU while rescheduling", f"{preempt_sample.cpu_share():.0%}"],
         ["operator peak resident memory", f"{peak_rss / MiB:.0f} MiB"],
+        [f"storage clients held after {reads:.0f} reads", f"{clients:.0f} (one per job)"],
     ]  # fmt: skip
     s.notes.append(
-        f"{len(latencies)} preemptions, one at a time, each the pod status kubelet's graceful node shutdown "
-        "leaves (Failed, reason Terminated, DisruptionTarget), patched through the apiserver; latency is "
+        f"{len(latencies)} + {len(paused)} preemptions, one at a time, each the pod status kubelet's graceful node "
+        "shutdown leaves (Failed, reason Terminated, DisruptionTarget), patched through the apiserver; latency is "
         "measured by the client from the patch to the replacement pod being listed (20 ms polling), so it "
-        "includes the watch delivery to the operator and the apiserver round trips. The apiserver, etcd and "
-        "the operator share this machine's 2 cores."
+        "includes the watch delivery to the operator and the apiserver round trips. Every job's checkpoints are "
+        f"in a SeaweedFS store the operator reads every {poll} s per job for status; for the second set the "
+        f"store's process is stopped (SIGSTOP), so those reads hang ({errors:.0f} failed by the end) on the "
+        "probe's own bounded pool while pod ends are handled. The apiserver, etcd, the store and the operator "
+        "share this machine's cores."
     )
     import matplotlib
 
@@ -174,11 +221,12 @@ def bench_operator(ctx: Any) -> Section:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.hist(latencies, bins=20, color="#2b7bba")
+    ax.hist([latencies, paused], bins=20, color=["#2b7bba", "#d95f02"], label=["store healthy", "store paused"])
     ax.set_xlabel("pod end -> replacement pod created (s)")
     ax.set_ylabel("preemptions")
+    ax.legend()
     fig.tight_layout()
-    fig.savefig(PLOTS / "operator.png", dpi=110)
+    fig.savefig(getattr(ctx, "plots", PLOTS) / "operator.png", dpi=110)
     plt.close(fig)
     s.plot = "bench/operator.png"
     return s

@@ -58,6 +58,44 @@ class PodEnd:
     #: The attempt ended but its pod lingers: "force" (its node is gone) or
     #: "graceful" (the trainer failed while a classic sidecar keeps the pod up).
     stop_pod: Literal["force", "graceful"] | None = None
+    #: A pod that has not started: "blocked" (it cannot start until someone acts:
+    #: a missing Secret or ConfigMap, an image that cannot be pulled) or
+    #: "unschedulable" (no node fits; worth a word only after a while, see ``since``).
+    start_problem: Literal["blocked", "unschedulable"] | None = None
+    #: When the start problem began (RFC 3339), if the pod says.
+    since: str | None = None
+
+
+#: Container ``state.waiting.reason`` values with which a pod will not start
+#: until someone changes something (kubelet keeps retrying, the pod stays Pending).
+START_FAILURES = frozenset(
+    {
+        "CreateContainerConfigError",  # a Secret, ConfigMap or key the env/volumes name is missing
+        "CreateContainerError",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+    }
+)
+
+
+def _start_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first container (init containers first) waiting for a reason it will not get past alone."""
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in _container_statuses(status, key):
+            state = cs.get("state") or {}
+            waiting = state.get("waiting") if isinstance(state, Mapping) else None
+            if not isinstance(waiting, Mapping) or waiting.get("reason") not in START_FAILURES:
+                continue
+            reason = str(waiting["reason"])
+            detail = str(waiting.get("message") or "").strip()
+            image = cs.get("image")
+            what = f"container {cs.get('name')}"
+            if reason in ("ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName") and image:
+                what += f" (image {image})"
+            return reason, f"{what}: {detail}" if detail else what
+    return None
 
 
 def _conditions(status: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
@@ -244,6 +282,11 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
                       stop_pod="force")
     if deleting or _disruption(status) is not None:
         return PodEnd("running", "Terminating", "the pod is shutting down")
+    # Before "Running": beside a classic sidecar that runs, the pod is Running
+    # while the trainer's image cannot be pulled.
+    blocked = _start_failure(status)
+    if blocked is not None:
+        return PodEnd("running", blocked[0], blocked[1], start_problem="blocked")
     if phase == "Running":
         crashed = _crashed_beside_sidecar(status)
         if crashed is not None:
@@ -253,5 +296,13 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
         return PodEnd("running", "Running")
     for cond in _conditions(status):
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return PodEnd("running", str(cond.get("reason") or "Pending"), str(cond.get("message") or ""))
+            reason = str(cond.get("reason") or "Pending")
+            since = cond.get("lastTransitionTime")
+            return PodEnd(
+                "running",
+                reason,
+                str(cond.get("message") or ""),
+                start_problem="unschedulable" if reason == "Unschedulable" else None,
+                since=since if isinstance(since, str) else None,
+            )
     return PodEnd("running", "Pending", pod_message)

@@ -15,6 +15,15 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return default
+
+
 def register(subparsers: Any) -> None:
     """Add the ``operator`` subcommand."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -67,6 +76,19 @@ def register(subparsers: Any) -> None:
         type=float,
         default=_env_float("SPOTGUARD_CHECKPOINT_POLL_SECONDS", 30.0),
         help="how often to read each job's newest verified checkpoint from storage",
+    )
+    p.add_argument(
+        "--read-checkpoints",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("SPOTGUARD_READ_CHECKPOINTS", True),
+        help="read each job's storage (with its credentials Secret) to report the newest verified checkpoint"
+        " in its status; --no-read-checkpoints: never read a Secret or a store (env SPOTGUARD_READ_CHECKPOINTS)",
+    )
+    p.add_argument(
+        "--probe-workers",
+        type=int,
+        default=4,
+        help="threads that read storage for job status, apart from those that handle pods (default 4)",
     )
     wh = p.add_argument_group("admission webhook (sidecar injection for pods labelled spotguard.dev/inject)")
     wh.add_argument("--webhook", action=argparse.BooleanOptionalAction, default=False, help="serve the webhook")
@@ -123,6 +145,8 @@ def run_operator(args: argparse.Namespace) -> int:
         native_sidecar=args.native_sidecar,
         resync_seconds=args.resync_seconds,
         checkpoint_poll_seconds=args.checkpoint_poll_seconds,
+        read_checkpoints=args.read_checkpoints,
+        probe_workers=max(1, args.probe_workers),
         webhook=args.webhook,
         webhook_addr=args.webhook_address,
         webhook_port=args.webhook_port,

@@ -37,6 +37,8 @@ COND_SUSPENDED = "Suspended"
 COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 COND_INVALID = "Invalid"
+#: The current attempt's pod cannot start (reason: kubelet's or the scheduler's).
+COND_BLOCKED = "PodBlocked"
 
 # Reasons (conditions and Events)
 R_INVALID_SPEC = "InvalidSpec"
@@ -53,6 +55,31 @@ R_SUSPENDED = "Suspended"
 R_RESUMED = "Resumed"
 R_RESTARTING = "Restarting"
 R_POD_FAILED = "PodFailed"
+R_UNBLOCKED = "Unblocked"
+
+#: How long a pod may wait for a node before the job says so (a cluster
+#: autoscaler often needs a few minutes to add a GPU node).
+UNSCHEDULABLE_WARN_SECONDS = 300.0
+
+#: What to do about each start problem (the kubelet's or scheduler's own message comes first).
+_START_HINTS = {
+    "CreateContainerConfigError": (
+        "a Secret or ConfigMap (or a key in it) that the pod's environment or volumes name does not exist:"
+        " create it in the job's namespace, or correct spec.checkpoint.credentialsSecret or the template"
+    ),
+    "CreateContainerError": "the container runtime could not create the container: see the message",
+    "ErrImagePull": (
+        "the image cannot be pulled: check its name and tag, that the registry is reachable from the node,"
+        " and imagePullSecrets for a private registry (spec.sidecar.image for spotguard's containers)"
+    ),
+    "ErrImageNeverPull": "the image is not on the node and imagePullPolicy is Never",
+    "InvalidImageName": "the image reference is not valid: correct it in the template (or spec.sidecar.image)",
+    "Unschedulable": (
+        "no node can run the pod: check its resources (nvidia.com/gpu), nodeSelector, tolerations and affinity,"
+        " or add nodes that fit"
+    ),
+}
+_START_HINTS["ImagePullBackOff"] = _START_HINTS["ErrImagePull"]
 
 EventType = Literal["Normal", "Warning"]
 
@@ -257,10 +284,14 @@ def decide(
                 d.phase(RUNNING, Event("Normal", R_POD_RUNNING, f"pod {current} is running (attempt {attempt})"))
                 if condition_is(st, COND_PREEMPTED):
                     d.cond(COND_PREEMPTED, False, R_RESUMED, f"resumed in pod {current}")
+                _clear_blocked(d, f"pod {current} is running")
             else:
                 d.cond(COND_RUNNING, False, end.reason, end.message or f"pod {current} is {end.reason}")
                 if st.get("phase") != RUNNING:
                     d.phase(PENDING)
+                wait = _start_problem(d, end, current)
+                if wait is not None:
+                    return _finish(d, requeue_after=wait)
             return _finish(d)
         return _account(d, spec, end, current)
 
@@ -282,6 +313,42 @@ def decide(
     if restart_at is not None and restart_at > now:
         return _finish(d, requeue_after=(restart_at - now).total_seconds())
     return _create_next(d)
+
+
+def start_problem_message(end: PodEnd, pod: str | None) -> str:
+    """What the TrainingJob says about a pod that cannot start: what is wrong, then what to do."""
+    detail = f": {end.message}" if end.message else ""
+    hint = _START_HINTS.get(end.reason)
+    return f"pod {pod} cannot start ({end.reason}){detail}" + (f". {hint}" if hint else "")
+
+
+def _start_problem(d: _Draft, end: PodEnd, current: str | None) -> float | None:
+    """Set (or clear) the PodBlocked condition for a pod that has not started.
+
+    Returns seconds until an unschedulable pod has waited long enough to be
+    reported, or None. An Event is posted when the condition turns on or its
+    reason changes, not at every look.
+    """
+    if end.start_problem is None:
+        _clear_blocked(d, f"pod {current} is {end.reason}")
+        return None
+    if end.start_problem == "unschedulable":
+        since = parse_time(end.since)
+        waited = (d.now - since).total_seconds() if since else UNSCHEDULABLE_WARN_SECONDS
+        if waited < UNSCHEDULABLE_WARN_SECONDS:
+            return UNSCHEDULABLE_WARN_SECONDS - waited
+    message = start_problem_message(end, current)
+    before = condition(d.st, COND_BLOCKED) or {}
+    if before.get("status") != "True" or before.get("reason") != end.reason:
+        d.events.append(Event("Warning", end.reason, message))
+    d.cond(COND_BLOCKED, True, end.reason, message)
+    return None
+
+
+def _clear_blocked(d: _Draft, message: str) -> None:
+    if condition_is(d.st, COND_BLOCKED):
+        d.cond(COND_BLOCKED, False, R_UNBLOCKED, message)
+        d.events.append(Event("Normal", R_UNBLOCKED, message))
 
 
 def _create_next(d: _Draft) -> Decision:
@@ -319,6 +386,8 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
     delete = current if end.stop_pod else None
     force = end.stop_pod == "force"
     d.cond(COND_RUNNING, False, R_POD_ENDED, f"pod {current} ended: {end.reason}")
+    if condition_is(st, COND_BLOCKED):
+        d.cond(COND_BLOCKED, False, R_POD_ENDED, f"pod {current} ended: {end.reason}")
 
     if end.kind == "succeeded":
         st["phase"] = SUCCEEDED

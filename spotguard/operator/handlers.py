@@ -12,13 +12,15 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
 from spotguard.operator import reconcile as rc
+from spotguard.operator.decide import TERMINAL_PHASES
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
     DEFAULT_IMAGE,
@@ -27,6 +29,7 @@ from spotguard.operator.podbuilder import (
     OperatorConfig,
     server_supports_native_sidecars,
 )
+from spotguard.operator.probe import CheckpointProbe
 from spotguard.operator.spec import GROUP, PLURAL, VERSION, SpecError
 
 log = logging.getLogger("spotguard.operator")
@@ -45,6 +48,10 @@ class OperatorOptions:
     native_sidecar: str = "auto"  # auto | on | off
     resync_seconds: float = 30.0
     checkpoint_poll_seconds: float = 30.0
+    #: Read storage (and credentials Secrets) to report each job's newest verified checkpoint.
+    read_checkpoints: bool = True
+    #: Threads of the storage probe's own pool (reads that hang on a dead store wait here).
+    probe_workers: int = 4
     webhook: bool = False
     webhook_addr: str = "0.0.0.0"
     webhook_port: int = 9443
@@ -82,7 +89,10 @@ class Runtime:
     """Per-process state the async handlers share (lives in kopf's memo)."""
 
     ctx: rc.Context
+    #: None when the operator may not read checkpoints (``--no-read-checkpoints``).
+    probe: CheckpointProbe | None = None
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    pokes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
 
     def waker(self, namespace: str, name: str) -> asyncio.Event:
         """The event that wakes a job's daemon (created on first use)."""
@@ -98,6 +108,28 @@ class Runtime:
         """Wake every job's daemon (a node vanished)."""
         for event in self.wakers.values():
             event.set()
+
+    def poke(self, namespace: str, name: str) -> asyncio.Event:
+        """The event that asks a job's storage probe for a read now."""
+        return self.pokes.setdefault((namespace, name), asyncio.Event())
+
+    def start_probe(self, namespace: str, name: str) -> asyncio.Task[str] | None:
+        """Start polling one job's storage (None when checkpoints are not read)."""
+        if self.probe is None:
+            return None
+        return asyncio.create_task(
+            self.probe.run(namespace, name, lambda: self.wake(namespace, name), self.poke(namespace, name))
+        )
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop everything kept for a deleted job."""
+        self.ctx.metrics.forget(namespace, name)
+        self.ctx.verified.forget(namespace, name)
+        self.ctx.phases.pop((namespace, name), None)
+        if self.probe is not None:
+            self.probe.forget(namespace, name)
+        self.wakers.pop((namespace, name), None)
+        self.pokes.pop((namespace, name), None)
 
 
 def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
@@ -129,11 +161,13 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
         if options.webhook:
             settings.admission.server = NamespaceAwareWebhookServer(
-                addr=options.webhook_addr,
-                port=options.webhook_port,
-                host=options.webhook_host,
-                certfile=options.webhook_cert,
-                pkeyfile=options.webhook_key,
+                kopf.WebhookServer(
+                    addr=options.webhook_addr,
+                    port=options.webhook_port,
+                    host=options.webhook_host,
+                    certfile=options.webhook_cert,
+                    pkeyfile=options.webhook_key,
+                )
             )
             settings.admission.managed = options.webhook_manage
         core, custom = api_clients()
@@ -148,8 +182,18 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             metrics=options.metrics or OperatorMetrics(),
             resync_seconds=options.resync_seconds,
             checkpoint_poll_seconds=options.checkpoint_poll_seconds,
+            read_checkpoints=options.read_checkpoints,
         )
-        memo.runtime = Runtime(ctx=ctx)
+        probe = CheckpointProbe(ctx, workers=options.probe_workers) if options.read_checkpoints else None
+        if probe is None:
+            logger.info("not reading checkpoints: no Secret and no store is read")
+        memo.runtime = Runtime(ctx=ctx, probe=probe)
+
+    @kopf.on.cleanup(registry=registry)
+    def stop_probe(memo: Any, **_: Any) -> None:
+        runtime: Runtime | None = getattr(memo, "runtime", None)
+        if runtime is not None and runtime.probe is not None:
+            runtime.probe.shutdown()
 
     @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=5.0)
     async def run_job(
@@ -158,21 +202,32 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         """One loop per TrainingJob: reconcile when woken, on a backoff timer, or every resync."""
         runtime: Runtime = memo.runtime
         ns = namespace or ""
+        key = (ns, name)
         waker = runtime.waker(ns, name)
-        probe = asyncio.create_task(_probe_loop(runtime, ns, name))
+        probe = runtime.start_probe(ns, name)
         try:
             while not stopped:
                 waker.clear()
+                before = runtime.ctx.phases.get(key)
                 try:
                     delay = await asyncio.to_thread(rc.reconcile, runtime.ctx, ns, name)
                 except Exception as exc:
                     logger.warning("reconcile failed, retrying: %s", rc.api_reason(exc))
                     delay = 5.0
+                after = runtime.ctx.phases.get(key)
+                finished_now = after in TERMINAL_PHASES and before != after
+                if probe is not None and not probe.done():
+                    if finished_now:
+                        runtime.poke(ns, name).set()  # read the final checkpoint now
+                elif after not in TERMINAL_PHASES or finished_now:
+                    # The probe stopped with the job finished, and the job runs again.
+                    probe = runtime.start_probe(ns, name)
                 timeout = runtime.ctx.resync_seconds if delay is None else max(0.05, delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waker.wait(), timeout=timeout)
         finally:
-            probe.cancel()
+            if probe is not None:
+                probe.cancel()
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     async def job_event(name: str, namespace: str | None, memo: Any, **_: Any) -> None:
@@ -194,9 +249,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         runtime: Runtime = memo.runtime
         ns = namespace or ""
         await asyncio.to_thread(_delete_job_pods, runtime.ctx, ns, name)
-        runtime.ctx.metrics.forget(ns, name)
-        runtime.ctx.verified.forget(ns, name)
-        runtime.wakers.pop((ns, name), None)
+        runtime.forget(ns, name)
         logger.info("deleted the pods of %s/%s; its checkpoints are kept", ns, name)
 
     if options.webhook:
@@ -221,41 +274,45 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     return registry
 
 
-class NamespaceAwareWebhookServer(kopf.WebhookServer):
-    """kopf's webhook server, plus the request's namespace copied into the object.
+def copy_request_namespace(request: Any) -> None:
+    """Copy an admission request's namespace into its object, where handlers can see it.
 
     A pod being created often has no ``metadata.namespace`` yet; the admission
-    request carries it beside the object, where kopf's handlers cannot see it.
+    request carries it beside the object, and kopf hands handlers only the object.
+    """
+    req = request.get("request") if isinstance(request, dict) else None
+    obj = req.get("object") if isinstance(req, dict) else None
+    if isinstance(obj, dict) and req and req.get("namespace"):
+        meta = obj.setdefault("metadata", {})
+        if isinstance(meta, dict) and not meta.get("namespace"):
+            meta["namespace"] = req["namespace"]
+
+
+class NamespaceAwareWebhookServer:
+    """kopf's webhook server, plus the request's namespace copied into the object.
+
+    Built on kopf's public server protocol only (a server is an async iterator
+    factory called with the webhook function; the function takes the request
+    and keyword arguments): it wraps the function it is given, and overrides
+    nothing of kopf's own server.
     """
 
-    @staticmethod
-    async def _serve(fn: Any, request: Any) -> Any:
-        async def with_namespace(data: Any, **kwargs: Any) -> Any:
-            req = data.get("request") if isinstance(data, dict) else None
-            obj = req.get("object") if isinstance(req, dict) else None
-            if isinstance(obj, dict) and req and req.get("namespace"):
-                meta = obj.setdefault("metadata", {})
-                if isinstance(meta, dict) and not meta.get("namespace"):
-                    meta["namespace"] = req["namespace"]
-            return await fn(data, **kwargs)
+    def __init__(self, inner: Callable[[Any], AsyncIterator[Any]]) -> None:
+        self.inner = inner
 
-        return await kopf.WebhookServer._serve(cast(Any, with_namespace), request)
+    async def __call__(self, fn: Callable[..., Awaitable[Any]]) -> AsyncIterator[Any]:
+        async def with_namespace(request: Any, **kwargs: Any) -> Any:
+            copy_request_namespace(request)
+            return await fn(request, **kwargs)
+
+        async for client_config in self.inner(with_namespace):
+            yield client_config
 
 
 def _delete_job_pods(ctx: rc.Context, namespace: str, name: str) -> None:
     pods = ctx.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}")
     for pod in pods.items:
         rc.delete_pod(ctx, namespace, pod.metadata.name, force=False)
-
-
-async def _probe_loop(runtime: Runtime, namespace: str, name: str) -> None:
-    """Poll the job's storage for its newest verified checkpoint; wake the job on news."""
-    ctx = runtime.ctx
-    while True:
-        changed = await asyncio.to_thread(rc.probe_once, ctx, namespace, name)
-        if changed:
-            runtime.wake(namespace, name)
-        await asyncio.sleep(ctx.checkpoint_poll_seconds)
 
 
 def run(options: OperatorOptions, *, liveness: str | None, peering: str | None) -> None:

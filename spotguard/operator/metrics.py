@@ -55,6 +55,17 @@ class OperatorMetrics:
             registry=self.registry,
         )
         self.jobs = Gauge("spotguard_jobs", "TrainingJobs by phase.", ["phase"], registry=self.registry)
+        self.storage_reads = Counter(
+            "spotguard_operator_storage_reads_total",
+            "Reads of a job's storage for its newest verified checkpoint, by result (ok, error).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.storage_clients = Gauge(
+            "spotguard_operator_storage_clients",
+            "Storage clients the operator holds (at most one per job it still reads).",
+            registry=self.registry,
+        )
         self._phases: dict[tuple[str, str], str] = {}
         for phase in PHASES:
             self.jobs.labels(phase=phase).set(0)

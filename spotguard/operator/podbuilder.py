@@ -18,6 +18,7 @@ Jobs or JobSets.
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,8 @@ class Injection:
     native_sidecar: bool = False
     metrics_port: int = 9400
     sidecar_resources: Mapping[str, Any] | None = None
+    #: Early notice sources the sidecar polls (``SPOTGUARD_NOTICES``).
+    notices: tuple[str, ...] = ()
 
 
 def server_supports_native_sidecars(major: str, minor: str) -> bool:
@@ -105,11 +108,13 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def contract_env(inj: Injection) -> list[dict[str, Any]]:
+def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, Any]]:
     """The in-pod contract's environment, shared by every container.
 
-    Credentials only ever appear as ``secretKeyRef``; their values never pass
-    through the operator.
+    ``credentials`` adds the storage credentials (as ``secretKeyRef``: their
+    values never pass through the operator). Only the restore init container
+    and the sidecar talk to storage, so the trainer gets them only when the
+    spec asks (``checkpoint.exposeCredentialsToTrainer``).
     """
     ck = inj.checkpoint
     env = [
@@ -134,10 +139,11 @@ def contract_env(inj: Injection) -> list[dict[str, Any]]:
     if ck.retention.keep_every:
         env.append(_env_value("SPOTGUARD_KEEP_EVERY", str(ck.retention.keep_every)))
     env += [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
-    sec = ck.credentials_secret
+    sec = ck.credentials_secret if credentials else None
     if sec is not None:
         env.append(_secret_env("AWS_ACCESS_KEY_ID", sec.name, sec.access_key_id_key))
         env.append(_secret_env("AWS_SECRET_ACCESS_KEY", sec.name, sec.secret_access_key_key))
+    # Where the store is (not a secret unless it comes from the Secret).
     if ck.endpoint:
         env.append(_env_value("AWS_ENDPOINT_URL_S3", ck.endpoint))
         env.append(_env_value("AWS_ENDPOINT_URL", ck.endpoint))
@@ -148,6 +154,11 @@ def contract_env(inj: Injection) -> list[dict[str, Any]]:
         env.append(_env_value("AWS_DEFAULT_REGION", ck.region))
         env.append(_env_value("AWS_REGION", ck.region))
     return env
+
+
+def trainer_env(inj: Injection) -> list[dict[str, Any]]:
+    """The environment of the user's containers: the contract, credentials only on request."""
+    return contract_env(inj, credentials=inj.checkpoint.expose_credentials_to_trainer)
 
 
 def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
@@ -194,6 +205,8 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
         _env_value("SPOTGUARD_SIDECAR_MODE", mode),
         _env_value("SPOTGUARD_METRICS_PORT", str(inj.metrics_port)),
     ]
+    if inj.notices:
+        c["env"].append(_env_value("SPOTGUARD_NOTICES", ",".join(inj.notices)))
     if inj.metrics_port:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
     # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.
@@ -210,7 +223,7 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     Idempotent: injecting twice gives the same pod spec as injecting once.
     """
     spec = copy.deepcopy(dict(pod_spec))
-    env = contract_env(inj)
+    env = trainer_env(inj)
     reserved = {SIDECAR_CONTAINER, RESTORE_CONTAINER}
     containers = [copy.deepcopy(c) for c in spec.get("containers") or [] if c.get("name") not in reserved]
     for c in containers:
@@ -257,9 +270,12 @@ def build_pod(
         native_sidecar=config.native_sidecar,
         metrics_port=spec.sidecar.metrics_port,
         sidecar_resources=spec.sidecar.resources or config.sidecar_resources,
+        notices=spec.preemption.notices,
     )
     pod_spec = inject(spec.template.spec, inj)
     pod_spec["restartPolicy"] = "Never"
+    if spec.preemption.watches_own_pod:
+        pod_spec["serviceAccountName"] = pod_service_account(job, spec)
     labels = {
         **spec.template.labels,
         LABEL_JOB: job,
@@ -275,16 +291,70 @@ def build_pod(
             "labels": labels,
             "annotations": dict(spec.template.annotations),
             # What kopf.adopt() would add; built here so the builder stays pure.
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": KIND,
-                    "name": job,
-                    "uid": uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [_owner_ref(job, uid)],
         },
         "spec": pod_spec,
     }
+
+
+# --- the k8s notice source's access --------------------------------------------------
+
+
+def notice_service_account(job: str) -> str:
+    """Name of the ServiceAccount (and Role, RoleBinding) spotguard creates for a job's pods."""
+    name = f"{job}-spotguard-notices"
+    if len(name) > 253:
+        name = f"{job[:200]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}-spotguard-notices"
+    return name
+
+
+def pod_service_account(job: str, spec: TrainingJobSpec) -> str:
+    """The ServiceAccount the attempt's pods run as: the template's own, else spotguard's."""
+    own = spec.template.spec.get("serviceAccountName") or spec.template.spec.get("serviceAccount")
+    return str(own) if own else notice_service_account(job)
+
+
+def _owner_ref(job: str, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def notice_access(job: str, namespace: str, uid: str, spec: TrainingJobSpec, attempt: int) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding that let an attempt's sidecar read its own pod.
+
+    Only for the ``k8s`` notice source (the sidecar polls its pod for a
+    ``DisruptionTarget`` condition). The Role grants ``get``/``watch`` on the
+    current attempt's pod by name (``resourceNames``), nothing else: the
+    operator rewrites it before each attempt, so a pod can never read another
+    pod, not even an older attempt of its own job. All three are owned by the
+    TrainingJob and go with it. A template with its own ``serviceAccountName``
+    keeps it: the RoleBinding then names that account and no ServiceAccount is
+    created. Empty when the spec does not ask for the ``k8s`` source.
+    """
+    if not spec.preemption.watches_own_pod:
+        return []
+    name = notice_service_account(job)
+    account = pod_service_account(job, spec)
+    labels = {LABEL_JOB: job, LABEL_MANAGED_BY: "spotguard"}
+
+    def meta() -> dict[str, Any]:
+        return {"name": name, "namespace": namespace, "labels": dict(labels), "ownerReferences": [_owner_ref(job, uid)]}
+
+    out: list[dict[str, Any]] = []
+    if account == name:
+        out.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
+    out.append({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta(),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch"],
+                   "resourceNames": [pod_name(job, attempt)]}],
+    })
+    out.append({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta(),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+    })
+    return out

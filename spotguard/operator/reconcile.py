@@ -10,12 +10,10 @@ duplicated.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,7 +33,7 @@ from spotguard.operator.decide import (
     status_patch,
 )
 from spotguard.operator.metrics import OperatorMetrics
-from spotguard.operator.podbuilder import OperatorConfig, build_pod
+from spotguard.operator.podbuilder import OperatorConfig, build_pod, notice_access
 from spotguard.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJobSpec, parse
 
 log = logging.getLogger("spotguard.operator")
@@ -78,10 +76,13 @@ class Context:
     config: OperatorConfig
     metrics: OperatorMetrics
     verified: VerifiedCache = field(default_factory=VerifiedCache)
-    probe_errors: dict[tuple[str, str], str] = field(default_factory=dict)
     resync_seconds: float = 30.0
     checkpoint_poll_seconds: float = 30.0
+    #: Read storage (and the credentials Secrets) to report the newest verified checkpoint.
+    read_checkpoints: bool = True
     instance: str = field(default_factory=socket.gethostname)
+    #: Phase of each job as the last reconcile left it (the probe and daemon read it).
+    phases: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -168,6 +169,38 @@ def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
     return False
 
 
+def _rbac(ctx: Context) -> Any:
+    from kubernetes import client
+
+    return client.RbacAuthorizationV1Api(ctx.core.api_client)
+
+
+def ensure_access(ctx: Context, objects: list[dict[str, Any]]) -> None:
+    """Create (or bring up to date) the ServiceAccount, Role and RoleBinding of a job's pods.
+
+    Idempotent: an existing ServiceAccount is kept, an existing Role gets the
+    rules built now (the current attempt's pod name), an existing RoleBinding
+    its subjects (its roleRef never changes).
+    """
+    for obj in objects:
+        kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        try:
+            if kind == "ServiceAccount":
+                ctx.core.create_namespaced_service_account(namespace, obj)
+            elif kind == "Role":
+                _rbac(ctx).create_namespaced_role(namespace, obj)
+            else:
+                _rbac(ctx).create_namespaced_role_binding(namespace, obj)
+            continue
+        except Exception as exc:
+            if api_status(exc) != 409:
+                raise
+        if kind == "Role":
+            _rbac(ctx).patch_namespaced_role(name, namespace, {"rules": obj["rules"]})
+        elif kind == "RoleBinding":
+            _rbac(ctx).patch_namespaced_role_binding(name, namespace, {"subjects": obj["subjects"]})
+
+
 def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
     """Delete a pod (at once when ``force``: its node is gone); a missing pod is fine."""
     try:
@@ -246,9 +279,9 @@ def observe(ctx: Context, job: Mapping[str, Any]) -> Observation:
         if node and phase not in ("Succeeded", "Failed"):
             exists = node_exists(ctx, node)
     end = classify_pod_end(pod, exists)
-    if end.kind == "succeeded" and probe_once(ctx, namespace, name):
-        # Record the final checkpoint with the success (the sidecar shipped it before exiting).
-        verified = ctx.verified.get(namespace, name)
+    # The final checkpoint of a success is recorded by the probe's next read (the
+    # daemon asks for one at once): storage is never read on this path, so a slow
+    # or dead store cannot delay the handling of a pod end.
     return Observation(pod_end=end, last_verified=verified)
 
 
@@ -270,6 +303,7 @@ def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = No
     decision = decide(name, status, spec, observation, now, generation)
     decision = apply(ctx, job, spec, decision, now)
     report(ctx, job, status, decision, now)
+    ctx.phases[(namespace, name)] = str(decision.status.get("phase") or "")
     if decision.status.get("phase") in TERMINAL_PHASES:
         return max(decision.requeue_after or 0.0, ctx.resync_seconds * 10)
     return decision.requeue_after
@@ -288,6 +322,8 @@ def apply(
     if decision.create_attempt is not None and isinstance(spec, TrainingJobSpec):
         pod = build_pod(name, namespace, uid, spec, decision.create_attempt, ctx.config)
         try:
+            # The pod's access first: its sidecar reads the pod from its first poll.
+            ensure_access(ctx, notice_access(name, namespace, uid, spec, decision.create_attempt))
             created = create_pod(ctx, pod, uid)
         except NotOursYet:
             # The previous job of this name is still being cleaned up; look again soon.
@@ -333,107 +369,3 @@ def report(
         elif end.kind == "failed":
             ctx.metrics.failed(namespace, name)
     ctx.metrics.observe_job(namespace, name, decision.status)
-
-
-# --- the checkpoint probe ----------------------------------------------------------
-
-
-def _secret_values(ctx: Context, namespace: str, spec: TrainingJobSpec) -> dict[str, str]:
-    sec = spec.checkpoint.credentials_secret
-    if sec is None:
-        return {}
-    secret = ctx.core.read_namespaced_secret(sec.name, namespace)
-    data = getattr(secret, "data", None) or {}
-    out: dict[str, str] = {}
-    for opt, key in (
-        ("access_key", sec.access_key_id_key),
-        ("secret_key", sec.secret_access_key_key),
-        ("endpoint_url", sec.endpoint_key),
-    ):
-        if key in data and data[key]:
-            out[opt] = base64.b64decode(data[key]).decode().strip()
-    return out
-
-
-class ProbeError(Exception):
-    """Storage could not be read; the message has no credentials in it."""
-
-
-def _scrub(text: str, options: Mapping[str, Any]) -> str:
-    for key in ("access_key", "secret_key"):
-        value = options.get(key)
-        if isinstance(value, str) and value:
-            text = text.replace(value, "***")
-    return text.splitlines()[0][:300] if text else text
-
-
-def read_latest_verified(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
-    """Read the job's newest verified checkpoint from storage (blocking; run it in a thread).
-
-    Uses the job's own credentials Secret. Returns ``{"step", "uri", "time"}`` or None.
-    Credentials are never logged.
-    """
-    job = get_job(ctx, namespace, name)
-    if job is None:
-        return None
-    status = job.get("status") or {}
-    if status.get("phase") in TERMINAL_PHASES and status.get("lastVerifiedCheckpoint"):
-        return None  # nothing will change any more
-    try:
-        spec = parse(job.get("spec"))
-    except SpecError:
-        return None
-    from spotguard.checkpoint import latest_verified
-    from spotguard.storage import open_storage
-
-    options: dict[str, Any] = {}
-    if spec.checkpoint.storage.startswith("s3://"):
-        options = _secret_values(ctx, namespace, spec)
-        if spec.checkpoint.endpoint:
-            options["endpoint_url"] = spec.checkpoint.endpoint
-        if spec.checkpoint.region:
-            options["region"] = spec.checkpoint.region
-    uri = spec.checkpoint.job_uri(namespace, name)
-    try:
-        storage = open_storage(uri, **options)
-        # Sizes and manifests only: the sidecar verified every checksum when it uploaded,
-        # and re-reading whole checkpoints every poll would double the egress.
-        info, _skipped = latest_verified(storage, checksums=False)
-    except Exception as exc:
-        raise ProbeError(_scrub(f"{type(exc).__name__}: {exc}", options)) from None
-    if info is None:
-        return None
-    created = parse_time(info.created)
-    stamp = format_time(created or datetime.now(UTC))
-    return {"step": int(info.step), "uri": info.uri, "time": stamp}
-
-
-def probe_once(ctx: Context, namespace: str, name: str) -> bool:
-    """Refresh the cache for one job; True when a newer verified checkpoint appeared."""
-    started = time.monotonic()
-    try:
-        entry = read_latest_verified(ctx, namespace, name)
-    except Exception as exc:
-        problem = _probe_problem(exc)
-        # Say it once per job and problem, not at every poll.
-        if ctx.probe_errors.get((namespace, name)) != problem:
-            ctx.probe_errors[(namespace, name)] = problem
-            log.warning("%s/%s: cannot read its checkpoints: %s", namespace, name, problem)
-        return False
-    ctx.probe_errors.pop((namespace, name), None)
-    if entry is None:
-        return False
-    log.debug("%s/%s: newest verified step %s (%.2fs)", namespace, name, entry["step"], time.monotonic() - started)
-    return ctx.verified.put(namespace, name, entry)
-
-
-def _probe_problem(exc: BaseException) -> str:
-    """One line about why storage could not be read (never credentials)."""
-    status = api_status(exc)
-    if status == 404:
-        return f"the credentials Secret was not found ({api_reason(exc)})"
-    if status == 403:
-        return "the operator may not read the credentials Secret (RBAC)"
-    if isinstance(exc, ProbeError):
-        return str(exc)
-    return type(exc).__name__

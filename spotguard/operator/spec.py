@@ -27,6 +27,8 @@ RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 CHECKSUMS = ("crc32c", "sha256")
 BEST_MODES = ("min", "max")
+#: Early preemption notice sources the sidecar can watch (``spotguard sidecar --notices``).
+NOTICE_SOURCES = ("aws", "gce", "azure", "k8s")
 
 _STORAGE_RE = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*)$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -78,6 +80,10 @@ class CheckpointSpec:
     every_seconds: float | None = None
     checksum: str = "crc32c"
     retention: Retention = field(default_factory=Retention)
+    #: Give the trainer containers the storage credentials too (only the restore
+    #: init container and the sidecar get them otherwise): for trainers that read
+    #: or write storage themselves.
+    expose_credentials_to_trainer: bool = False
 
     def job_uri(self, namespace: str, job: str) -> str:
         """The job's own checkpoint root: ``<storage>/<namespace>/<job>``."""
@@ -108,6 +114,13 @@ class PreemptionSpec:
     backoff: Backoff = field(default_factory=lambda: Backoff(10.0, 300.0, 2.0))
     preemption_backoff: Backoff = field(default_factory=lambda: Backoff(0.0, 60.0, 2.0))
     grace_period_seconds: int = 60
+    #: Early notice sources the sidecar polls (a checkpoint before SIGTERM).
+    notices: tuple[str, ...] = ()
+
+    @property
+    def watches_own_pod(self) -> bool:
+        """Whether the ``k8s`` source is on: the sidecar reads its own pod from the API."""
+        return "k8s" in self.notices
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +296,7 @@ def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
         every_seconds=every_seconds,
         checksum=_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
         retention=parse_retention(obj.get("retention"), f"{path}.retention"),
+        expose_credentials_to_trainer=_bool(obj, "exposeCredentialsToTrainer", path, False),
     )
 
 
@@ -295,6 +309,22 @@ def _parse_backoff(raw: Any, path: str, default: Backoff) -> Backoff:
     if maximum < initial:
         raise SpecError(f"{path}.maxSeconds", f"must be >= initialSeconds ({initial:g})")
     return Backoff(initial, maximum, factor)
+
+
+def parse_notices(raw: Any, path: str) -> tuple[str, ...]:
+    """Parse ``preemption.notices``: a list of known source names, each at most once."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SpecError(path, f"must be a list of {', '.join(NOTICE_SOURCES)}, not {type(raw).__name__}")
+    seen: list[str] = []
+    for i, name in enumerate(raw):
+        if not isinstance(name, str) or name not in NOTICE_SOURCES:
+            raise SpecError(f"{path}[{i}]", f"must be one of {', '.join(NOTICE_SOURCES)}, not {name!r}")
+        if name in seen:
+            raise SpecError(f"{path}[{i}]", f"{name!r} is listed twice")
+        seen.append(name)
+    return tuple(seen)
 
 
 def parse_preemption(raw: Any, path: str = "spec.preemption") -> PreemptionSpec:
@@ -310,6 +340,7 @@ def parse_preemption(raw: Any, path: str = "spec.preemption") -> PreemptionSpec:
             obj.get("preemptionBackoff"), f"{path}.preemptionBackoff", defaults.preemption_backoff
         ),
         grace_period_seconds=grace or defaults.grace_period_seconds,
+        notices=parse_notices(obj.get("notices"), f"{path}.notices"),
     )
 
 

@@ -15,6 +15,9 @@ configured by annotations:
 ``spotguard.dev/save-every-seconds``        checkpoint interval in seconds
 ``spotguard.dev/checksum``                  ``crc32c`` or ``sha256``
 ``spotguard.dev/keep-last``                 checkpoints to keep
+``spotguard.dev/expose-credentials-to-      ``"true"``: the pod's own containers get the
+trainer``                                   storage credentials too (default: only
+                                            spotguard's containers)
 ==========================================  ====================================
 
 The grace period is the pod's own ``terminationGracePeriodSeconds`` (default 60).
@@ -40,6 +43,7 @@ _ANNOTATIONS: dict[str, tuple[str, type]] = {
     "save-every-seconds": ("everySeconds", float),
     "checksum": ("checksum", str),
     "keep-last": ("keepLast", int),
+    "expose-credentials-to-trainer": ("exposeCredentialsToTrainer", bool),
 }
 _FIELD_TO_ANNOTATION = {f: f"metadata.annotations[{PREFIX}{a}]" for a, (f, _t) in _ANNOTATIONS.items()}
 
@@ -74,7 +78,11 @@ def injection_for_pod(pod: Mapping[str, Any], namespace: str, config: OperatorCo
         if value is None:
             continue
         where = _FIELD_TO_ANNOTATION[fld]
-        if typ is not str:
+        if typ is bool:
+            if value not in ("true", "false"):
+                raise SpecError(where, f"must be \"true\" or \"false\", not {value!r}")
+            value = value == "true"
+        elif typ is not str:
             try:
                 value = typ(value)
             except ValueError:

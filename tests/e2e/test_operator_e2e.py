@@ -313,3 +313,44 @@ def test_invalid_spec_is_refused_with_the_field(env: Env) -> None:
     result = env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path), check=False)
     assert result.returncode != 0
     assert "spec.checkpoint.storage" in result.stderr
+
+
+@pytest.mark.timeout(600)
+def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> None:
+    """spec.preemption.notices [k8s]: a DisruptionTarget on the pod -> a verified checkpoint, pod still running.
+
+    The operator (a pod, with the chart's RBAC) creates the pod's ServiceAccount and Role; the sidecar
+    reads its own pod with that account's token, as on a real node.
+    """
+    from datetime import UTC, datetime
+
+    doc = example()
+    job = doc["metadata"]["name"] = "notice-k8s"
+    spec = doc["spec"]
+    # No routine checkpoints: only the notice can cause one.
+    spec["checkpoint"]["everySteps"] = 1_000_000
+    trainer = spec["template"]["spec"]["containers"][0]
+    trainer["args"] = ["--steps", "100000", "--step-delay", "0.05", "--log-every", "1"]
+    spec["preemption"]["notices"] = ["k8s"]
+    path = env.log_dir / "notice.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path))
+    pod = f"{job}-a1"
+    env.wait_pod_running(pod)
+    assert env.core.read_namespaced_pod(pod, env.ns).spec.service_account_name == f"{job}-spotguard-notices"
+    wait_for(lambda: last_step(env.trainer_log(pod)) >= 3, "the trainer to step", timeout=180, interval=0.5)
+    assert verified_step(env, uri) == -1
+    noticed_at = last_step(env.trainer_log(pod))
+    # What Kubernetes 1.26+ writes before it evicts or shuts down (1.20 never does: write it as it would).
+    env.core.patch_namespaced_pod_status(pod, env.ns, {"status": {"conditions": [{
+        "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+        "message": "Pod was terminated in response to imminent node shutdown.",
+        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]}})
+    wait_for(lambda: verified_step(env, uri) >= noticed_at, "a checkpoint verified after the notice",
+             timeout=180, interval=0.5)
+    # Before any SIGTERM: the pod was never deleted and still runs.
+    p = env.core.read_namespaced_pod(pod, env.ns)
+    assert p.metadata.deletion_timestamp is None and p.status.phase == "Running"
+    assert env.status(job)["attempt"] == 1
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)

@@ -414,3 +414,269 @@ def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, A
         op.stop()
         print(f"--- operator log ---\n{op.log_tail(40)}")
         core.delete_namespace(ns2)
+
+
+# --- notices, start problems, the storage probe -----------------------------------
+
+
+def can_i(kube: Any, ns: str, account: str, verb: str, what: str) -> bool:
+    out = kubectl(kube, "auth", "can-i", verb, what, "-n", ns, f"--as=system:serviceaccount:{ns}:{account}",
+                  check=False)
+    return out.stdout.strip() == "yes"
+
+
+def test_k8s_notices_give_the_pod_read_access_to_itself_only(apis: tuple[Any, Any], ns: str, kube: Any,
+                                                             operator: OperatorProcess, tmp_path: Path) -> None:
+    from kubernetes import client
+
+    core, _ = apis
+    rbac = client.RbacAuthorizationV1Api(core.api_client)
+    job = create_job(apis, ns, job_body("notice", f"file://{tmp_path}/store", preemption={
+        "maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]}))
+    pod = wait_pod(apis, ns, "notice-a1")
+    account = "notice-spotguard-notices"
+    assert pod.spec.service_account_name == account
+    sidecar = next(c for c in pod.spec.containers if c.name == "spotguard-sidecar")
+    assert {e.name: e.value for e in sidecar.env}["SPOTGUARD_NOTICES"] == "k8s,aws"
+    owner = job["metadata"]["uid"]
+    for obj in (core.read_namespaced_service_account(account, ns), rbac.read_namespaced_role(account, ns),
+                rbac.read_namespaced_role_binding(account, ns)):
+        assert [r.uid for r in obj.metadata.owner_references] == [owner]
+    # What the apiserver's RBAC really allows the pod's account: its own pod, nothing else.
+    assert can_i(kube, ns, account, "get", "pod/notice-a1") and can_i(kube, ns, account, "watch", "pod/notice-a1")
+    assert not can_i(kube, ns, account, "get", "pod/notice-a2")
+    assert not can_i(kube, ns, account, "list", "pods") and not can_i(kube, ns, account, "get", "secrets")
+    assert not can_i(kube, ns, account, "patch", "pod/notice-a1")
+
+    # The next attempt's pod, and only it.
+    shutdown_pod(apis, ns, "notice-a1")
+    wait_pod(apis, ns, "notice-a2")
+    assert rbac.read_namespaced_role(account, ns).rules[0].resource_names == ["notice-a2"]
+    assert can_i(kube, ns, account, "get", "pod/notice-a2") and not can_i(kube, ns, account, "get", "pod/notice-a1")
+
+
+def test_without_k8s_notices_no_account_is_made(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                                tmp_path: Path) -> None:
+    core, _ = apis
+    create_job(apis, ns, job_body("cloudonly", f"file://{tmp_path}/store", preemption={"notices": ["gce"]}))
+    pod = wait_pod(apis, ns, "cloudonly-a1")
+    assert pod.spec.service_account_name == "default"
+    names = [a.metadata.name for a in core.list_namespaced_service_account(ns).items]
+    assert "cloudonly-spotguard-notices" not in names
+
+
+def test_unknown_notice_source_is_refused_by_the_schema(apis: tuple[Any, Any], ns: str, crd: None,
+                                                        tmp_path: Path) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as err:
+        create_job(apis, ns, job_body("badnotice", f"file://{tmp_path}", preemption={"notices": ["aws", "ibm"]}))
+    assert err.value.status == 422 and "spec.preemption.notices" in err.value.body
+
+
+def waiting(container: str, reason: str, message: str) -> dict[str, Any]:
+    """A container kubelet cannot start, as kubelet reports it."""
+    return {"name": container, "ready": False, "restartCount": 0, "image": "spotguard:test", "imageID": "",
+            "state": {"waiting": {"reason": reason, "message": message}}}
+
+
+def test_pod_that_cannot_start_is_reported_on_the_job(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                                      tmp_path: Path) -> None:
+    core, _ = apis
+    create_job(apis, ns, job_body("nosecret", "s3://bucket/jobs",
+                                  checkpoint={"storage": "s3://bucket/jobs", "credentialsSecret": {"name": "absent"}}))
+    wait_pod(apis, ns, "nosecret-a1")
+    wait_status(apis, ns, "nosecret", "attempt 1", lambda s: s.get("attempt") == 1)
+    # As kubelet reports a missing Secret (CreateContainerConfigError), on the restore init container.
+    patch_pod_status(apis, ns, "nosecret-a1", {"phase": "Pending", "initContainerStatuses": [
+        waiting("spotguard-restore", "CreateContainerConfigError", 'secret "absent" not found')]})
+    st = wait_status(apis, ns, "nosecret", "PodBlocked",
+                     lambda s: cond(s, "PodBlocked").get("status") == "True")
+    blocked = cond(st, "PodBlocked")
+    assert blocked["reason"] == "CreateContainerConfigError"
+    assert 'secret "absent" not found' in blocked["message"] and "create it" in blocked["message"]
+    assert st["phase"] == "Pending" and st["failures"] == 0 and st["preemptions"] == 0
+    wait_events(apis, ns, "nosecret", {"CreateContainerConfigError"})
+    warning = [(t, m) for t, r, m in events(apis, ns, "nosecret") if r == "CreateContainerConfigError"]
+    assert warning == [("Warning", blocked["message"])]
+
+    # A bad image next (reason changes: a new Event), then the pod runs (the condition clears).
+    patch_pod_status(apis, ns, "nosecret-a1", {
+        "initContainerStatuses": [terminated("spotguard-restore", 0)],
+        "containerStatuses": [waiting("trainer", "ImagePullBackOff", 'Back-off pulling image "trainer:1"')]})
+    wait_status(apis, ns, "nosecret", "ImagePullBackOff",
+                lambda s: cond(s, "PodBlocked").get("reason") == "ImagePullBackOff")
+    wait_events(apis, ns, "nosecret", {"ImagePullBackOff"})
+    core.patch_namespaced_pod_status("nosecret-a1", ns, {"status": {"phase": "Running", "containerStatuses": [
+        {"name": "trainer", "ready": True, "restartCount": 0, "image": "trainer:1", "imageID": "",
+         "state": {"running": {"startedAt": "2030-01-01T00:00:00Z"}}}]}})
+    st = wait_status(apis, ns, "nosecret", "unblocked", lambda s: cond(s, "PodBlocked").get("status") == "False")
+    assert st["phase"] == "Running" and cond(st, "PodBlocked")["reason"] == "Unblocked"
+
+
+def upload_verified(tmp_path: Path, remote: Path, step: int) -> None:
+    from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
+    from spotguard.storage import open_storage
+
+    local = write_checkpoint(tmp_path / f"local-{step}", step, snapshot_state({"step": step}))
+    upload_checkpoint(local, open_storage(f"file://{remote}"))
+
+
+def test_no_read_checkpoints_reads_no_secret_and_no_store(apis: tuple[Any, Any], kube: Any, crd: None,
+                                                          tmp_path: Path) -> None:
+    core, _ = apis
+    ns2 = new_namespace(core, "noread")
+    # A verified checkpoint the operator would report if it read storage.
+    upload_verified(tmp_path, tmp_path / "store" / ns2 / "quiet", 30)
+    op = OperatorProcess(
+        ["-n", ns2, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
+         "--checkpoint-poll-seconds", "1", "--no-read-checkpoints"],
+        env=kube.env(), log_path=tmp_path / "operator.log",
+    ).start()
+    try:
+        create_job(apis, ns2, job_body("quiet", f"file://{tmp_path}/store"))
+        wait_pod(apis, ns2, "quiet-a1")
+        run_pod(apis, ns2, "quiet-a1")
+        succeed_pod(apis, ns2, "quiet-a1")
+        st = wait_status(apis, ns2, "quiet", "Succeeded", lambda s: s.get("phase") == "Succeeded")
+        assert "lastVerifiedCheckpoint" not in st
+        text = op.metrics()
+        for result in ("ok", "error"):
+            assert metric_value(text, "spotguard_operator_storage_reads_total", {"result": result}) is None
+        log = op.log_path.read_text()
+        assert "not reading checkpoints" in log and "cannot read its checkpoints" not in log
+        delete_jobs(apis, ns2)
+    finally:
+        op.stop()
+        print(f"--- operator log ---\n{op.log_tail(40)}")
+        core.delete_namespace(ns2)
+
+
+def test_final_checkpoint_is_recorded_after_success(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
+                                                    tmp_path: Path) -> None:
+    create_job(apis, ns, job_body("final", f"file://{tmp_path}/store"))
+    wait_pod(apis, ns, "final-a1")
+    run_pod(apis, ns, "final-a1")
+    wait_status(apis, ns, "final", "Running", lambda s: s.get("phase") == "Running")
+    # The sidecar ships the last checkpoint just before the pod ends.
+    upload_verified(tmp_path, tmp_path / "store" / ns / "final", 99)
+    succeed_pod(apis, ns, "final-a1")
+    st = wait_status(apis, ns, "final", "Succeeded with step 99",
+                     lambda s: s.get("phase") == "Succeeded"
+                     and (s.get("lastVerifiedCheckpoint") or {}).get("step") == 99)
+    assert st["lastVerifiedCheckpoint"]["uri"].endswith("/final/ckpt-000000000099")
+    assert (metric_value(operator.metrics(), "spotguard_operator_storage_reads_total", {"result": "ok"}) or 0) >= 1
+
+
+def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, Any], crd: None,
+                                                             tmp_path: Path) -> None:
+    from spotguard.operator import reconcile as rc
+    from spotguard.operator.metrics import OperatorMetrics
+    from spotguard.operator.probe import CheckpointProbe
+    from spotguard.storage import open_storage
+
+    core, custom = apis
+    ns2 = new_namespace(core, "probe")  # no operator watches it: only this probe reads
+    ctx = rc.Context(core=core, custom=custom, config=OperatorConfig(image=IMAGE), metrics=OperatorMetrics())
+    opened: list[str] = []
+
+    def counting_open(uri: str, **options: Any) -> Any:
+        opened.append(uri)
+        return open_storage(uri, **options)
+
+    probe = CheckpointProbe(ctx, workers=1, open_storage=counting_open)
+    try:
+        create_job(apis, ns2, job_body("p", f"file://{tmp_path}/store"))
+        create_job(apis, ns2, job_body("q", "s3://bucket/x", checkpoint={
+            "storage": "s3://bucket/x", "credentialsSecret": {"name": "absent"}}))
+        remote = tmp_path / "store" / ns2 / "p"
+        assert probe.probe_once(ns2, "p") == "unchanged"  # nothing verified yet
+        upload_verified(tmp_path, remote, 10)
+        assert probe.probe_once(ns2, "p") == "changed"
+        assert (ctx.verified.get(ns2, "p") or {}).get("step") == 10
+        assert probe.probe_once(ns2, "p") == "unchanged"
+        upload_verified(tmp_path, remote, 20)
+        assert probe.probe_once(ns2, "p") == "changed"
+        assert opened == [f"file://{remote}"]  # one client for every read of the job
+        assert probe.clients() == 1
+
+        assert probe.probe_once(ns2, "q") == "error"
+        assert probe.errors[(ns2, "q")] == "the credentials Secret was not found"
+
+        # A finished job: read once more, then no client is kept and no more reads are needed.
+        rc.patch_status(ctx, ns2, "p", {"phase": "Succeeded"})
+        assert probe.probe_once(ns2, "p") == "settled"
+        assert probe.clients() == 0 and (ctx.verified.get(ns2, "p") or {}).get("step") == 20
+
+        # A deleted job: its error and cache entry go.
+        custom.delete_namespaced_custom_object(GROUP, VERSION, ns2, PLURAL, "q")
+        wait_for(lambda: probe.probe_once(ns2, "q") == "gone", "q to be gone")
+        assert (ns2, "q") not in probe.errors and ctx.verified.get(ns2, "q") is None
+        text = ctx.metrics.registry.get_sample_value("spotguard_operator_storage_clients")
+        assert text == 0.0
+    finally:
+        probe.shutdown()
+        core.delete_namespace(ns2)
+
+
+class SilentStore:
+    """A TCP endpoint that accepts connections and never answers: a hung object store."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[Any] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: Any, crd: None,
+                                                  tmp_path: Path) -> None:
+    core, _ = apis
+    ns2 = new_namespace(core, "hung")
+    store = SilentStore()
+    core.create_namespaced_secret(ns2, {"metadata": {"name": "s3"}, "stringData": {
+        "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}})
+    op = OperatorProcess(
+        ["-n", ns2, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
+         "--checkpoint-poll-seconds", "1", "--probe-workers", "2"],
+        env=kube.env(), log_path=tmp_path / "operator.log",
+    ).start()
+    # More jobs than a default thread pool has threads (min(32, cores + 4)), each probe hanging on the store.
+    jobs = [f"h{i}" for i in range(36)]
+    try:
+        for name in jobs:
+            create_job(apis, ns2, job_body(name, "s3://bucket/jobs", checkpoint={
+                "storage": "s3://bucket/jobs", "endpoint": store.url, "credentialsSecret": {"name": "s3"}}))
+        wait_for(lambda: len(store.conns) >= 2, "the probes to reach the hung store", timeout=60)
+        for name in jobs[:3]:
+            wait_pod(apis, ns2, f"{name}-a1")
+            shutdown_pod(apis, ns2, f"{name}-a1")
+        for name in jobs[:3]:
+            st = wait_status(apis, ns2, name, "attempt 2 while the store hangs", lambda s: s.get("attempt") == 2)
+            assert st["preemptions"] == 1
+            wait_pod(apis, ns2, f"{name}-a2")
+        delete_jobs(apis, ns2)
+    finally:
+        op.stop()
+        print(f"--- operator log ---\n{op.log_tail(40)}")
+        store.close()
+        core.delete_namespace(ns2)

@@ -60,23 +60,33 @@ def operator_command(docs: list[dict[str, Any]]) -> list[str]:
     return cmd
 
 
-EXPECTED_RULES = {
+NAMESPACED_RULES = {
     ("spotguard.dev", "trainingjobs"): {"get", "list", "watch", "patch"},
     ("spotguard.dev", "trainingjobs/status"): {"get", "patch"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "events"): {"create"},
-    ("", "nodes"): {"get", "list", "watch"},
+    # For jobs with the k8s notice source: the pods' ServiceAccount, Role and RoleBinding.
+    ("", "serviceaccounts"): {"create"},
+    ("rbac.authorization.k8s.io", "roles"): {"create", "patch"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"create", "patch"},
     ("", "secrets"): {"get"},
 }
+CLUSTER_RULES = {("", "nodes"): {"get", "list", "watch"}}
+EXPECTED_RULES = {**NAMESPACED_RULES, **CLUSTER_RULES}
 
 
-def rules(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
-    for rule in one(docs, "ClusterRole")["rules"]:
+    for rule in role["rules"]:
+        assert "resourceNames" not in rule or rule["resourceNames"]
         for group in rule["apiGroups"]:
             for res in rule["resources"]:
                 out.setdefault((group, res), set()).update(rule["verbs"])
     return out
+
+
+def rules(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
+    return rules_of(one(docs, "ClusterRole"))
 
 
 def test_crd_copy_is_identical() -> None:
@@ -135,10 +145,43 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
     assert rules(render("operator.readCheckpoints=false")) == without_secrets
 
 
+def test_read_checkpoints_false_reaches_the_operator() -> None:
+    # Documented to stop the storage polling: the operator is told so, and may read no Secret.
+    cmd = operator_command(render("operator.readCheckpoints=false"))
+    assert "--no-read-checkpoints" in cmd
+    assert not any(a.startswith("--checkpoint-poll-seconds") for a in cmd)
+    assert "--no-read-checkpoints" not in operator_command(render())
+    docs = render("operator.readCheckpoints=false", "operator.watchNamespaces={ml}")
+    for role in by_kind(docs, "Role") + by_kind(docs, "ClusterRole"):
+        assert ("", "secrets") not in rules_of(role), role["metadata"]
+
+
+def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
+    docs = render("operator.watchNamespaces={ml,research}")
+    # Cluster-wide: only Nodes (cluster-scoped; a vanished node is a preemption).
+    assert rules(docs) == CLUSTER_RULES
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role")}
+    assert sorted(roles) == ["ml", "research"]
+    for ns, role in roles.items():
+        assert role["metadata"]["name"] == "rel-spotguard"
+        assert rules_of(role) == NAMESPACED_RULES, ns
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(docs, "RoleBinding")}
+    assert sorted(bindings) == ["ml", "research"]
+    for b in bindings.values():
+        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rel-spotguard"}
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
+                                  "namespace": "spotguard-system"}]
+    assert one(docs, "ClusterRoleBinding")["roleRef"]["name"] == "rel-spotguard"
+    # All namespaces: no Role at all.
+    assert by_kind(render(), "Role") == [] and by_kind(render(), "RoleBinding") == []
+    assert by_kind(render("rbac.create=false", "operator.watchNamespaces={ml}"), "Role") == []
+
+
 def test_every_verb_the_operator_uses_is_granted() -> None:
     # Each API call in the operator's shell needs one of these (a call added there must be granted here).
     source = (ROOT / "spotguard" / "operator" / "reconcile.py").read_text()
     source += (ROOT / "spotguard" / "operator" / "handlers.py").read_text()
+    source += (ROOT / "spotguard" / "operator" / "probe.py").read_text()
     calls = {
         "get_namespaced_custom_object": ("spotguard.dev", "trainingjobs", "get"),
         "patch_namespaced_custom_object_status": ("spotguard.dev", "trainingjobs/status", "patch"),
@@ -149,6 +192,11 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
         "read_node": ("", "nodes", "get"),
         "create_namespaced_event": ("", "events", "create"),
         "read_namespaced_secret": ("", "secrets", "get"),
+        "create_namespaced_service_account": ("", "serviceaccounts", "create"),
+        "create_namespaced_role": ("rbac.authorization.k8s.io", "roles", "create"),
+        "patch_namespaced_role": ("rbac.authorization.k8s.io", "roles", "patch"),
+        "create_namespaced_role_binding": ("rbac.authorization.k8s.io", "rolebindings", "create"),
+        "patch_namespaced_role_binding": ("rbac.authorization.k8s.io", "rolebindings", "patch"),
     }
     granted = rules(render())
     for call, (group, resource, verb) in calls.items():

@@ -198,3 +198,61 @@ def test_malformed_sidecar_messages_are_ignored(message: str) -> None:
 ])
 def test_which_ended_pods_must_be_stopped(pod_obj: dict[str, Any] | None, node_exists: bool, stop: str | None) -> None:
     assert classify_pod_end(pod_obj, node_exists).stop_pod == stop
+
+
+def waiting(name: str, reason: str, message: str = "", image: str = "trainer:1") -> dict[str, Any]:
+    w: dict[str, Any] = {"reason": reason}
+    if message:
+        w["message"] = message
+    return {"name": name, "image": image, "state": {"waiting": w}}
+
+
+SCHEDULED = [{"type": "PodScheduled", "status": "True"}]
+
+START_CASES: list[tuple[str, dict[str, Any], str, str | None, str]] = [
+    # (case, pod, reason, start_problem, words in the message)
+    ("credentials Secret missing (restore init container)",
+     pod("Pending", init=[waiting(RESTORE, "CreateContainerConfigError", 'secret "spotguard-s3" not found')],
+         containers=[waiting("trainer", "PodInitializing")], conditions=SCHEDULED),
+     "CreateContainerConfigError", "blocked", 'container spotguard-restore: secret "spotguard-s3" not found'),
+    ("ConfigMap missing (trainer)",
+     pod("Pending", init=[term(RESTORE, 0)],
+         containers=[waiting("trainer", "CreateContainerConfigError", 'configmap "hp" not found'),
+                     running(SIDECAR)]),
+     "CreateContainerConfigError", "blocked", 'configmap "hp" not found'),
+    ("image cannot be pulled",
+     pod("Pending", containers=[waiting("trainer", "ErrImagePull", "manifest unknown", image="trainer:nope")]),
+     "ErrImagePull", "blocked", "container trainer (image trainer:nope): manifest unknown"),
+    ("image pull backing off",
+     pod("Pending", containers=[waiting("trainer", "ImagePullBackOff", 'Back-off pulling image "x"')]),
+     "ImagePullBackOff", "blocked", "Back-off pulling image"),
+    ("invalid image name", pod("Pending", containers=[waiting("trainer", "InvalidImageName", image="Bad::x")]),
+     "InvalidImageName", "blocked", "image Bad::x"),
+    ("image never pulled", pod("Pending", containers=[waiting("trainer", "ErrImageNeverPull")]),
+     "ErrImageNeverPull", "blocked", "container trainer"),
+    ("beside a running classic sidecar the pod is Running, but the trainer never started",
+     pod("Running", containers=[waiting("trainer", "ImagePullBackOff"), running(SIDECAR)]),
+     "ImagePullBackOff", "blocked", "container trainer"),
+    ("unschedulable", pod("Pending", node=None, conditions=[
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes: no GPU",
+         "lastTransitionTime": "2030-01-01T00:00:00Z"}]),
+     "Unschedulable", "unschedulable", "0/2 nodes: no GPU"),
+    ("still creating containers: not a problem",
+     pod("Pending", containers=[waiting("trainer", "ContainerCreating")], conditions=SCHEDULED),
+     "Pending", None, ""),
+    ("running", pod("Running", containers=[running("trainer"), running(SIDECAR)]), "Running", None, ""),
+]
+
+
+@pytest.mark.parametrize(("case", "pod_obj", "reason", "problem", "words"), START_CASES,
+                         ids=[c[0] for c in START_CASES])
+def test_pods_that_cannot_start(case: str, pod_obj: dict[str, Any], reason: str, problem: str | None,
+                                words: str) -> None:
+    end = classify_pod_end(pod_obj)
+    assert (end.kind, end.reason, end.start_problem) == ("running", reason, problem), end
+    assert words in end.message
+
+
+def test_unschedulable_carries_since() -> None:
+    p = START_CASES[7][1]
+    assert classify_pod_end(p).since == "2030-01-01T00:00:00Z"

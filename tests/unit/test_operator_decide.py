@@ -241,3 +241,56 @@ def test_create_errors() -> None:
 def test_status_patch_removes_keys() -> None:
     assert status_patch({"a": 1, "restartAt": "x"}, {"a": 1}) == {"restartAt": None}
     assert status_patch(None, {"a": 1}) == {"a": 1}
+
+
+NO_SECRET = PodEnd("running", "CreateContainerConfigError", 'container spotguard-restore: secret "s3" not found',
+                   start_problem="blocked")
+NO_IMAGE = PodEnd("running", "ImagePullBackOff", "container trainer (image trainer:nope): Back-off pulling image",
+                  start_problem="blocked")
+
+
+def unschedulable(since: datetime) -> PodEnd:
+    return PodEnd("running", "Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                  start_problem="unschedulable", since=since.strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+
+def test_pod_that_cannot_start_says_why_and_what_to_do() -> None:
+    s = step(None, None).status
+    d = step(s, NO_SECRET, T0 + timedelta(seconds=3))
+    assert d.status["phase"] == "Pending" and d.create_attempt is None and d.delete_pod is None
+    assert cond(d, "PodBlocked") == ("True", "CreateContainerConfigError")
+    message = (condition(d.status, "PodBlocked") or {})["message"]
+    assert message.startswith('pod job-a1 cannot start (CreateContainerConfigError): container spotguard-restore: '
+                              'secret "s3" not found')
+    assert "create it in the job's namespace" in message
+    assert [(e.type, e.reason, e.message) for e in d.events] == [("Warning", "CreateContainerConfigError", message)]
+    # Seen again: no second Event, no status change.
+    again = step(d.status, NO_SECRET, T0 + timedelta(seconds=30))
+    assert again.events == () and status_patch(d.status, again.status) == {}
+    # Another reason: a new Event.
+    image = step(again.status, NO_IMAGE, T0 + timedelta(seconds=40))
+    assert cond(image, "PodBlocked") == ("True", "ImagePullBackOff")
+    assert [e.reason for e in image.events] == ["ImagePullBackOff"]
+    assert "imagePullSecrets" in image.events[0].message
+    # Fixed: the pod runs, the condition clears.
+    ok = step(image.status, RUNNING, T0 + timedelta(seconds=60))
+    assert ok.status["phase"] == "Running" and cond(ok, "PodBlocked") == ("False", "Unblocked")
+    assert [e.reason for e in ok.events] == ["PodRunning", "Unblocked"]
+
+
+def test_unschedulable_is_reported_only_after_a_while() -> None:
+    s = step(None, None).status
+    early = step(s, unschedulable(T0), T0 + timedelta(seconds=60))
+    assert cond(early, "PodBlocked") == (None, None) and early.events == ()
+    assert early.requeue_after == pytest.approx(240.0)
+    late = step(early.status, unschedulable(T0), T0 + timedelta(seconds=301))
+    assert cond(late, "PodBlocked") == ("True", "Unschedulable")
+    assert [e.reason for e in late.events] == ["Unschedulable"]
+    assert "nvidia.com/gpu" in late.events[0].message and "nodeSelector, tolerations" in late.events[0].message
+    assert late.status["phase"] == "Pending"
+
+
+def test_a_blocked_pod_that_is_deleted_clears_the_condition() -> None:
+    s = step(step(None, None).status, NO_SECRET).status
+    d = step(s, None, T0 + timedelta(seconds=10))  # deleted by the user: counted as a preemption
+    assert d.create_attempt == 2 and cond(d, "PodBlocked") == ("False", "PodEnded")

@@ -130,3 +130,38 @@ def test_parse_does_not_alias_the_input() -> None:
 ])
 def test_backoff(backoff: Backoff, n: int, delay: float) -> None:
     assert backoff.delay(n) == delay
+
+
+def test_notices_parse_in_order() -> None:
+    spec = parse(with_("preemption.notices", ["k8s", "aws"]))
+    assert spec.preemption.notices == ("k8s", "aws") and spec.preemption.watches_own_pod
+    assert parse(base()).preemption.notices == ()
+    assert not parse(with_("preemption.notices", ["gce", "azure"])).preemption.watches_own_pod
+
+
+@pytest.mark.parametrize(("notices", "field", "words"), [
+    (["aws", "ibm"], "spec.preemption.notices[1]", "must be one of aws, gce, azure, k8s, not 'ibm'"),
+    (["AWS"], "spec.preemption.notices[0]", "not 'AWS'"),
+    (["aws", "aws"], "spec.preemption.notices[1]", "'aws' is listed twice"),
+    ("aws,gce", "spec.preemption.notices", "must be a list"),
+    ([3], "spec.preemption.notices[0]", "not 3"),
+])
+def test_unknown_notices_are_refused_naming_the_field(notices: Any, field: str, words: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse(with_("preemption.notices", notices))
+    assert err.value.field == field and words in err.value.message
+
+
+def test_notice_sources_match_the_sidecars() -> None:
+    from spotguard.operator.spec import NOTICE_SOURCES
+    from spotguard.sidecar.notices import KNOWN_SOURCES
+
+    assert NOTICE_SOURCES == KNOWN_SOURCES
+
+
+def test_expose_credentials_to_trainer() -> None:
+    assert parse(base()).checkpoint.expose_credentials_to_trainer is False
+    assert parse(with_("checkpoint.exposeCredentialsToTrainer", True)).checkpoint.expose_credentials_to_trainer
+    with pytest.raises(SpecError) as err:
+        parse(with_("checkpoint.exposeCredentialsToTrainer", "yes"))
+    assert err.value.field == "spec.checkpoint.exposeCredentialsToTrainer"

@@ -66,3 +66,53 @@ def test_mutated_pod_is_injected_once() -> None:
     assert [c["name"] for c in spec["containers"]] == ["main", "spotguard-sidecar"]
     again, _ = mutated_pod({**p, "spec": spec}, "ns", CFG)
     assert again == spec
+
+
+@pytest.mark.parametrize(("value", "exposed"), [("true", True), ("false", False), (None, False)])
+def test_trainer_credentials_by_annotation(value: str | None, exposed: bool) -> None:
+    ann = {"spotguard.dev/storage": "s3://bkt/p", "spotguard.dev/credentials-secret": "s3"}
+    if value is not None:
+        ann["spotguard.dev/expose-credentials-to-trainer"] = value
+    spec, _uri = mutated_pod(pod(ann), "ns", CFG)
+    main = {e["name"] for e in spec["containers"][0]["env"]}
+    assert ("AWS_SECRET_ACCESS_KEY" in main) is exposed
+    sidecar = next(c for c in spec["containers"] if c["name"] == "spotguard-sidecar")
+    assert "AWS_SECRET_ACCESS_KEY" in {e["name"] for e in sidecar["env"]}
+
+
+def test_trainer_credentials_annotation_must_be_a_boolean() -> None:
+    ann = {"spotguard.dev/storage": "s3://bkt/p", "spotguard.dev/expose-credentials-to-trainer": "yes"}
+    with pytest.raises(SpecError) as err:
+        injection_for_pod(pod(ann), "ns", CFG)
+    assert err.value.field == "metadata.annotations[spotguard.dev/expose-credentials-to-trainer]"
+
+
+def test_webhook_server_adds_the_request_namespace_through_the_public_protocol() -> None:
+    import asyncio
+
+    import kopf
+
+    from spotguard.operator.handlers import NamespaceAwareWebhookServer
+
+    seen: list[Any] = []
+
+    async def fn(request: Any, **kwargs: Any) -> Any:
+        seen.append((request["request"]["object"]["metadata"].get("namespace"), kwargs))
+        return {"ok": True}
+
+    async def inner(webhookfn: Any) -> Any:
+        # A kopf server is called with the webhook function and yields client configs.
+        answer = await webhookfn({"request": {"namespace": "team-a", "object": {"metadata": {}}}},
+                                 webhook="inject-sidecar", headers={})
+        yield {"url": "https://127.0.0.1:1", "answer": answer}
+
+    async def main() -> list[Any]:
+        return [c async for c in NamespaceAwareWebhookServer(inner)(fn)]
+
+    configs = asyncio.run(main())
+    assert configs == [{"url": "https://127.0.0.1:1", "answer": {"ok": True}}]
+    assert seen == [("team-a", {"webhook": "inject-sidecar", "headers": {}})]
+    # kopf's own server is used as it is, through the same protocol (no private method overridden).
+    server = NamespaceAwareWebhookServer(kopf.WebhookServer(addr="127.0.0.1", port=1))
+    assert callable(server.inner) and type(server.inner) is kopf.WebhookServer
+    assert "_serve" not in NamespaceAwareWebhookServer.__dict__

@@ -12,6 +12,8 @@ from spotguard.operator.podbuilder import (
     OperatorConfig,
     build_pod,
     inject,
+    notice_access,
+    notice_service_account,
     server_supports_native_sidecars,
 )
 from spotguard.operator.spec import parse
@@ -122,9 +124,12 @@ def test_contract_env() -> None:
     assert env["LR"] == "0.1"
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}}
-    assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"}}
-    assert env["AWS_ENDPOINT_URL_S3"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ENDPOINT_URL", "optional": True}}
+    # Storage credentials go to spotguard's containers only (see test_trainer_gets_credentials_only_on_request).
+    sidecar = env_of(spec["containers"][1])
+    assert sidecar["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}}
+    assert sidecar["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert sidecar["AWS_ENDPOINT_URL_S3"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ENDPOINT_URL",
+                                                               "optional": True}}
     names = [e["name"] for e in spec["containers"][0]["env"]]
     assert len(names) == len(set(names))
     # The sidecar gets the operator's interval, the trainer's override is the trainer's business.
@@ -187,3 +192,86 @@ def test_inject_is_idempotent(native: bool) -> None:
 ])
 def test_native_sidecar_detection(major: str, minor: str, native: bool) -> None:
     assert server_supports_native_sidecars(major, minor) is native
+
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_trainer_gets_credentials_only_on_request(native: bool) -> None:
+    def by_name(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return {c["name"]: env_of(c) for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]}
+
+    envs = by_name(build(native=native))
+    assert not CREDENTIALS & set(envs["trainer"]), envs["trainer"]
+    for name in ("spotguard-restore", "spotguard-sidecar"):
+        assert set(envs[name]) >= CREDENTIALS, name
+    # The trainer still knows where its checkpoints go.
+    assert envs["trainer"]["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
+
+    spec = job_spec()
+    spec["checkpoint"]["exposeCredentialsToTrainer"] = True
+    pod = build_pod("demo", "team-a", "uid-123", parse(spec), 1, OperatorConfig(native_sidecar=native))
+    trainer = by_name(pod)["trainer"]
+    assert trainer["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}}
+    assert set(trainer) >= CREDENTIALS
+
+
+def test_explicit_endpoint_reaches_the_trainer_without_credentials() -> None:
+    spec = job_spec()
+    spec["checkpoint"].update({"endpoint": "http://127.0.0.1:8333", "region": "us-west-2"})
+    env = env_of(build_pod("demo", "ns", "u", parse(spec), 1, OperatorConfig())["spec"]["containers"][0])
+    assert env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:8333" and env["AWS_REGION"] == "us-west-2"
+    assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+
+
+def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
+                if c["name"] == "spotguard-sidecar")
+
+
+def test_notices_reach_the_sidecar_only() -> None:
+    pod = build(preemption={"gracePeriodSeconds": 45, "notices": ["aws", "gce"]})
+    assert env_of(sidecar_of(pod))["SPOTGUARD_NOTICES"] == "aws,gce"
+    assert "SPOTGUARD_NOTICES" not in env_of(pod["spec"]["containers"][0])
+    assert "SPOTGUARD_NOTICES" not in env_of(sidecar_of(build()))
+    # No k8s source: the pod keeps the template's account and no access objects are made.
+    assert pod["spec"]["serviceAccountName"] == "trainer-sa"
+    spec = parse(job_spec(preemption={"notices": ["aws"]}))
+    assert notice_access("demo", "team-a", "uid-123", spec, 3) == []
+
+
+def test_k8s_notices_get_a_role_on_the_current_pod_only() -> None:
+    raw = job_spec(preemption={"notices": ["k8s"]})
+    del raw["template"]["spec"]["serviceAccountName"]
+    spec = parse(raw)
+    pod = build_pod("demo", "team-a", "uid-123", spec, 3, OperatorConfig())
+    account = notice_service_account("demo")
+    assert pod["spec"]["serviceAccountName"] == account == "demo-spotguard-notices"
+    assert env_of(sidecar_of(pod))["SPOTGUARD_NOTICES"] == "k8s"
+    objs = notice_access("demo", "team-a", "uid-123", spec, 3)
+    assert [o["kind"] for o in objs] == ["ServiceAccount", "Role", "RoleBinding"]
+    for o in objs:
+        assert o["metadata"]["name"] == account and o["metadata"]["namespace"] == "team-a"
+        assert o["metadata"]["ownerReferences"] == pod["metadata"]["ownerReferences"]
+    role, binding = objs[1], objs[2]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch"],
+                              "resourceNames": ["demo-a3"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
+    # The next attempt's Role names the next pod, and only it.
+    assert notice_access("demo", "team-a", "uid-123", spec, 4)[1]["rules"][0]["resourceNames"] == ["demo-a4"]
+
+
+def test_k8s_notices_keep_the_templates_own_account() -> None:
+    spec = parse(job_spec(preemption={"notices": ["k8s", "aws"]}))
+    pod = build_pod("demo", "team-a", "uid-123", spec, 1, OperatorConfig())
+    assert pod["spec"]["serviceAccountName"] == "trainer-sa"
+    objs = notice_access("demo", "team-a", "uid-123", spec, 1)
+    assert [o["kind"] for o in objs] == ["Role", "RoleBinding"]
+    assert objs[1]["subjects"] == [{"kind": "ServiceAccount", "name": "trainer-sa", "namespace": "team-a"}]
+
+
+def test_notice_account_name_fits_for_long_job_names() -> None:
+    name = notice_service_account("j" * 253)
+    assert len(name) <= 253 and name != notice_service_account("j" * 252)

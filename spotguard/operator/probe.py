@@ -1,0 +1,322 @@
+"""The operator's storage probe: each job's newest verified checkpoint, for its status.
+
+Storage is the one thing the operator talks to that it does not control: a
+store can be slow, paused or gone for minutes. So the probe
+
+* runs in its own bounded thread pool, never in the threads that reconcile
+  jobs: a hung store delays status reports, never the handling of a pod end;
+* keeps one storage client per job, reused while the job's storage and
+  credentials stay the same (a new client per poll costs a TLS handshake and
+  a credentials resolution each time);
+* stops polling a job once it is finished and its final checkpoint is read
+  (or after a few failed tries), and forgets a deleted job's client, error and
+  cache entry;
+* is not created at all when the operator may not read checkpoints
+  (``--no-read-checkpoints``): then no Secret and no store is ever read.
+
+Credentials come from the job's own Secret and never appear in a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from spotguard.operator.decide import TERMINAL_PHASES, format_time, parse_time
+from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
+
+log = logging.getLogger("spotguard.operator")
+
+#: What one probe of one job found.
+#: ``changed``: a newer verified checkpoint; ``unchanged``: nothing new;
+#: ``error``: storage or the Secret could not be read; ``settled``: the job is
+#: finished and its checkpoint read, no need to look again; ``gone``: the job no longer exists.
+Outcome = Literal["changed", "unchanged", "error", "settled", "gone"]
+
+#: Failed reads of a finished job before the probe gives up on it.
+FINISHED_JOB_TRIES = 5
+#: Attempts per storage request: the next poll is the retry.
+STORAGE_ATTEMPTS = 2
+
+
+class ProbeError(Exception):
+    """Storage could not be read; the message has no credentials in it."""
+
+
+def scrub(text: str, options: Mapping[str, Any]) -> str:
+    """First line of an error text, with any credential value in it masked."""
+    for key in ("access_key", "secret_key"):
+        value = options.get(key)
+        if isinstance(value, str) and value:
+            text = text.replace(value, "***")
+    return text.splitlines()[0][:300] if text else text
+
+
+def _api_status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def probe_problem(exc: BaseException) -> str:
+    """One line about why storage could not be read (never credentials)."""
+    status = _api_status(exc)
+    if status == 404:
+        return "the credentials Secret was not found"
+    if status == 403:
+        return "the operator may not read the credentials Secret (RBAC)"
+    if isinstance(exc, ProbeError):
+        return str(exc)
+    return type(exc).__name__
+
+
+class DaemonPool(Executor):
+    """A fixed pool of daemon threads.
+
+    Unlike ``ThreadPoolExecutor``, whose threads the interpreter joins at exit,
+    a read hung on a dead store cannot hold up the operator's shutdown.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Queue ``fn(*args)``; raises ``RuntimeError`` after shutdown."""
+        if self._closed:
+            raise RuntimeError("the probe pool is shut down")
+        future: Future[Any] = Future()
+        call = functools.partial(fn, **kwargs) if kwargs else fn
+        self._queue.put((future, call, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to whoever awaits the future
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking work; the threads end after their current read (never joined)."""
+        self._closed = True
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+@dataclass
+class _Client:
+    fingerprint: str
+    storage: Any
+
+
+class CheckpointProbe:
+    """Reads jobs' newest verified checkpoints on a bounded pool of its own.
+
+    ``ctx`` is the reconcile :class:`~spotguard.operator.reconcile.Context`
+    (API clients, the verified cache the reconcile reads). ``open_storage``
+    is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        *,
+        workers: int = 4,
+        open_storage: Callable[..., Any] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.pool = DaemonPool(workers, "spotguard-probe")
+        self._open = open_storage
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str], _Client] = {}
+        #: The last problem reported per job (said once, not at every poll).
+        self.errors: dict[tuple[str, str], str] = {}
+        self._finished_failures: dict[tuple[str, str], int] = {}
+
+    # -- blocking part (runs in the pool) -------------------------------------------
+
+    def _secret_values(self, namespace: str, spec: TrainingJobSpec) -> dict[str, str]:
+        sec = spec.checkpoint.credentials_secret
+        if sec is None:
+            return {}
+        secret = self.ctx.core.read_namespaced_secret(sec.name, namespace)
+        data = getattr(secret, "data", None) or {}
+        out: dict[str, str] = {}
+        for opt, key in (
+            ("access_key", sec.access_key_id_key),
+            ("secret_key", sec.secret_access_key_key),
+            ("endpoint_url", sec.endpoint_key),
+        ):
+            if key in data and data[key]:
+                out[opt] = base64.b64decode(data[key]).decode().strip()
+        return out
+
+    def _storage(self, key: tuple[str, str], uri: str, options: dict[str, Any]) -> Any:
+        """The job's client: reused while its storage URI and credentials stay the same."""
+        # A digest, so the cache holds no second copy of the credentials.
+        fingerprint = hashlib.sha256(repr((uri, sorted(options.items()))).encode()).hexdigest()
+        with self._lock:
+            cached = self._clients.get(key)
+        if cached is not None and cached.fingerprint == fingerprint:
+            return cached.storage
+        if self._open is not None:
+            storage = self._open(uri, **options)
+        else:
+            from spotguard.storage import open_storage
+
+            if uri.startswith("s3://"):
+                options = {**options, "max_attempts": STORAGE_ATTEMPTS}
+            storage = open_storage(uri, **options)
+        with self._lock:
+            self._clients[key] = _Client(fingerprint, storage)
+        self._count_clients()
+        return storage
+
+    def _count_clients(self) -> None:
+        self.ctx.metrics.storage_clients.set(self.clients())
+
+    def clients(self) -> int:
+        """How many storage clients are held (one per job at most)."""
+        with self._lock:
+            return len(self._clients)
+
+    def read(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, bool] | None:
+        """Read the newest verified checkpoint: ``(entry or None, job finished)``; None when the job is gone.
+
+        Raises on any storage or Secret error (the message carries no credentials).
+        """
+        from spotguard.operator.reconcile import get_job
+
+        job = get_job(self.ctx, namespace, name)
+        if job is None:
+            return None
+        finished = (job.get("status") or {}).get("phase") in TERMINAL_PHASES
+        try:
+            spec = parse(job.get("spec"))
+        except SpecError:
+            return None, finished
+        from spotguard.checkpoint import latest_verified
+
+        options: dict[str, Any] = {}
+        if spec.checkpoint.storage.startswith("s3://"):
+            options = self._secret_values(namespace, spec)
+            if spec.checkpoint.endpoint:
+                options["endpoint_url"] = spec.checkpoint.endpoint
+            if spec.checkpoint.region:
+                options["region"] = spec.checkpoint.region
+        uri = spec.checkpoint.job_uri(namespace, name)
+        try:
+            storage = self._storage((namespace, name), uri, options)
+            # Sizes and manifests only: the sidecar verified every checksum when it uploaded,
+            # and re-reading whole checkpoints every poll would double the egress.
+            info, _skipped = latest_verified(storage, checksums=False)
+        except Exception as exc:
+            raise ProbeError(scrub(f"{type(exc).__name__}: {exc}", options)) from None
+        if info is None:
+            return None, finished
+        created = parse_time(info.created)
+        stamp = format_time(created or datetime.now(UTC))
+        return {"step": int(info.step), "uri": info.uri, "time": stamp}, finished
+
+    def probe_once(self, namespace: str, name: str) -> Outcome:
+        """Read one job's storage and refresh the cache (blocking)."""
+        key = (namespace, name)
+        started = time.monotonic()
+        try:
+            result = self.read(namespace, name)
+        except Exception as exc:
+            self.ctx.metrics.storage_reads.labels("error").inc()
+            problem = probe_problem(exc)
+            if self.errors.get(key) != problem:
+                self.errors[key] = problem
+                log.warning("%s/%s: cannot read its checkpoints: %s", namespace, name, problem)
+            if self.ctx.phases.get(key) in TERMINAL_PHASES:
+                self._finished_failures[key] = self._finished_failures.get(key, 0) + 1
+                if self._finished_failures[key] >= FINISHED_JOB_TRIES:
+                    log.warning("%s/%s: finished; no longer reading its checkpoints", namespace, name)
+                    return "settled"
+            return "error"
+        if result is None:
+            self.forget(namespace, name)
+            return "gone"
+        self.ctx.metrics.storage_reads.labels("ok").inc()
+        if self.errors.pop(key, None) is not None:
+            log.info("%s/%s: its checkpoints can be read again", namespace, name)
+        entry, finished = result
+        changed = False
+        if entry is not None:
+            log.debug("%s/%s: newest verified step %s (%.2fs)", namespace, name, entry["step"],
+                      time.monotonic() - started)
+            changed = self.ctx.verified.put(namespace, name, entry)
+        if finished:
+            # Nothing will change any more: drop the client, keep the cached entry for the status.
+            with self._lock:
+                self._clients.pop(key, None)
+            self._count_clients()
+            return "changed" if changed else "settled"
+        return "changed" if changed else "unchanged"
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop everything kept for a job (it was deleted)."""
+        key = (namespace, name)
+        with self._lock:
+            self._clients.pop(key, None)
+        self._count_clients()
+        self.errors.pop(key, None)
+        self._finished_failures.pop(key, None)
+        self.ctx.verified.forget(namespace, name)
+
+    # -- async part (the job's daemon) -------------------------------------------------
+
+    async def run(self, namespace: str, name: str, wake_job: Callable[[], None], poke: asyncio.Event) -> Outcome:
+        """Poll one job until it is finished (and read) or gone; ``poke`` asks for a read now."""
+        loop = asyncio.get_running_loop()
+        while True:
+            poke.clear()
+            outcome: Outcome = await loop.run_in_executor(self.pool, self.probe_once, namespace, name)
+            if outcome == "changed":
+                wake_job()
+                # A finished job's final checkpoint: read once more to settle.
+                if self.ctx.phases.get((namespace, name)) in TERMINAL_PHASES:
+                    continue
+            if outcome in ("settled", "gone"):
+                return outcome
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(poke.wait(), timeout=self.ctx.checkpoint_poll_seconds)
+
+    def shutdown(self) -> None:
+        """Stop the pool without waiting for reads hung on a dead store."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
