@@ -315,6 +315,8 @@ class ControlPlane:
     server: str
     token: str
     bin_dir: Path
+    # The CA of the apiserver's client certificate for kubelets: process nodes serve logs only to it.
+    kubelet_client_ca: Path | None = None
 
     def api_client(self) -> Any:
         from kubernetes import client, config
@@ -356,6 +358,26 @@ def _https_get(url: str, token: str) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+def kubelet_client_certs(certs: Path) -> tuple[Path, Path, Path]:
+    """A CA and the apiserver's client certificate for calls to kubelets (``kubectl logs``): (ca, cert, key)."""
+    ca, ca_key = certs / "kubelet-client-ca.crt", certs / "kubelet-client-ca.key"
+    cert, key, csr = certs / "apiserver-kubelet-client.crt", certs / "apiserver-kubelet-client.key", certs / "c.csr"
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365", "-subj", "/CN=kubelet-client-ca",
+            "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client",
+            "-keyout", str(key), "-out", str(csr))  # fmt: skip
+    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+            "-days", "365", "-out", str(cert))  # fmt: skip
+    for secret in (ca_key, key):
+        secret.chmod(0o600)
+    csr.unlink()
+    return ca, cert, key
+
+
 def start_control_plane(sup: Supervisor) -> ControlPlane:
     bins = bin_dir()
     for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
@@ -370,6 +392,7 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     tokens.write_text(f"{token},admin,admin,system:masters\n")
     tokens.chmod(0o600)
 
+    kubelet_ca, kubelet_cert, kubelet_key = kubelet_client_certs(d / "certs")
     etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
     etcd_url, peer_url = f"http://127.0.0.1:{etcd_port}", f"http://127.0.0.1:{etcd_peer}"
     etcd = sup.start(
@@ -390,7 +413,10 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
          f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
          "--service-account-issuer=https://kubernetes.default.svc",
          "--service-cluster-ip-range=10.0.0.0/24", "--enable-priority-and-fairness=false",
-         "--allow-privileged=true", "--profiling=false"],
+         "--allow-privileged=true", "--profiling=false",
+         # Logs (kubectl logs) come from the node's kubelet endpoint: reach it at 127.0.0.1, with a client cert.
+         "--kubelet-preferred-address-types=InternalIP,Hostname",
+         f"--kubelet-client-certificate={kubelet_cert}", f"--kubelet-client-key={kubelet_key}"],
     )  # fmt: skip
     wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
 
@@ -414,7 +440,7 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
         90,
         "default ServiceAccount (kube-controller-manager)",
     )
-    return ControlPlane(kubeconfig, server, token, bins)
+    return ControlPlane(kubeconfig, server, token, bins, kubelet_ca)
 
 
 @dataclass
@@ -478,7 +504,8 @@ def _serve(args: argparse.Namespace) -> int:
             nodes = env.sup.start(
                 "processnode",
                 [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(state / "kubeconfig"),
-                 "--nodes", str(args.nodes), "--state-dir", str(node_state)],
+                 "--nodes", str(args.nodes), "--state-dir", str(node_state),
+                 "--client-ca-file", str(env.kube.kubelet_client_ca)],
                 extra_env={"PYTHONPATH": str(repo_root())},
             )  # fmt: skip
             # The agent writes its control file once its nodes are registered and Ready.

@@ -23,7 +23,13 @@ from testenv.processnode import ProcessNodes
 def process_nodes(kube: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNodes]:
     """A running process node agent; preempt its nodes with ``process_nodes.preempt(pod, ns, mode)``."""
     count = int(os.environ.get("SPOTGUARD_TEST_NODES", "2"))
-    nodes = ProcessNodes.start(kube.kubeconfig, tmp_path_factory.mktemp("process-nodes"), count=count)
+    ca = getattr(kube, "kubelet_client_ca", None)  # None for a cluster the tests did not start
+    nodes = ProcessNodes.start(
+        kube.kubeconfig,
+        tmp_path_factory.mktemp("process-nodes"),
+        count=count,
+        extra_args=["--client-ca-file", str(ca)] if ca else None,
+    )
     try:
         yield nodes
     finally:

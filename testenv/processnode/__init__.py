@@ -6,7 +6,10 @@ capacity, Ready condition, node-status and Lease heartbeats) and runs each pod
 bound to its nodes as local processes:
 
 - init containers in order, then the containers concurrently, each in its own
-  process group; ``command`` + ``args`` only (there are no images), ``env`` and
+  process group and (as root) its own PID namespace, where its command is PID 1
+  and a fresh ``/proc`` shows only that namespace, as in a container; with
+  ``shareProcessNamespace: true`` the pod's containers share one namespace whose
+  PID 1 is a sandbox process (kubelet's "pause"); ``command`` + ``args`` only (there are no images), ``env`` and
   ``envFrom`` (plain values, downward API fields, Secret and ConfigMap keys),
   ``workingDir``;
 - volumes (``emptyDir``, ``hostPath``, ``secret``, ``configMap``,
@@ -21,17 +24,17 @@ bound to its nodes as local processes:
   lines, at most 2048 bytes) after a failure with an empty file; a command that
   cannot be executed ends ``StartError`` with exit code 128;
 - pod and container status like kubelet (Pending, Running, Succeeded/Failed,
-  exit codes, reasons), restart policies, graceful deletion (SIGTERM, wait
-  ``terminationGracePeriodSeconds``, SIGKILL, then delete with grace 0);
+  exit codes, reasons), restart policies, graceful deletion (SIGTERM to the
+  container's main process only, which as PID 1 ignores it without a handler;
+  wait ``terminationGracePeriodSeconds``, SIGKILL, then delete with grace 0);
 - the three ways a spot node dies, on request: ``drain`` (cordon + eviction
   API), ``shutdown`` (graceful node shutdown: pods end ``Failed`` /
   ``Terminated`` with a ``DisruptionTarget`` condition) and ``kill`` (processes
   SIGKILLed, heartbeats stop, Node deleted, a fresh node joins).
 
-Differences from a real runtime: SIGTERM goes to the container's whole process
-group (a runtime signals only PID 1, which also ignores signals it has no
-handler for); there is no PID or network namespace (podIP is 127.0.0.1); the
-root filesystem is the host's, so mount points outside ``/dev`` and outside
+Differences from a real runtime: without root there are no namespaces, and
+SIGTERM goes to the container's whole process group; there is no network
+namespace (podIP is 127.0.0.1); the root filesystem is the host's, so mount points outside ``/dev`` and outside
 volumes (directories, an empty file for a termination message path elsewhere)
 are created on the host and stay; ``/dev/shm`` is per container, not per pod. Not
 emulated: images, probes (a running container is ready), lifecycle hooks,
@@ -50,22 +53,56 @@ heartbeats), ``agent`` (the node agent), ``control`` (the control API, server
 and client), ``cli``. The names tests and tools use are re-exported here.
 """
 
-from testenv.processnode.agent import Agent
-from testenv.processnode.api import ApiError, Kube
-from testenv.processnode.cli import main
-from testenv.processnode.common import (
-    LOOPBACK,
-    MODES,
-    SHUTDOWN_MESSAGE,
-    SHUTDOWN_REJECT_MESSAGE,
-    PreemptError,
-)
-from testenv.processnode.container import LaunchSpec, container_init, launch_argv
-from testenv.processnode.control import ProcessNodes
-from testenv.processnode.node import NodeSettings, ProcessNode, node_manifest
-from testenv.processnode.pod import PodRunner
-from testenv.processnode.podspec import expand_vars, field_value, log_tail, projected_items, safe_relpath
-from testenv.processnode.processes import kill_recorded_processes
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Re-exports, resolved on first use: a container's launcher imports only the
+# ``container`` module, and stays small for as long as the container runs.
+_EXPORTS = {
+    "Agent": "agent",
+    "ApiError": "api",
+    "Kube": "api",
+    "main": "cli",
+    "LOOPBACK": "common",
+    "MODES": "common",
+    "SHUTDOWN_MESSAGE": "common",
+    "SHUTDOWN_REJECT_MESSAGE": "common",
+    "PreemptError": "common",
+    "LaunchSpec": "container",
+    "container_init": "container",
+    "launch_argv": "container",
+    "ProcessNodes": "control",
+    "NodeSettings": "node",
+    "ProcessNode": "node",
+    "node_manifest": "node",
+    "PodRunner": "pod",
+    "expand_vars": "podspec",
+    "field_value": "podspec",
+    "log_tail": "podspec",
+    "projected_items": "podspec",
+    "safe_relpath": "podspec",
+    "kill_recorded_processes": "processes",
+}
+
+if TYPE_CHECKING:
+    from testenv.processnode.agent import Agent
+    from testenv.processnode.api import ApiError, Kube
+    from testenv.processnode.cli import main
+    from testenv.processnode.common import LOOPBACK, MODES, SHUTDOWN_MESSAGE, SHUTDOWN_REJECT_MESSAGE, PreemptError
+    from testenv.processnode.container import LaunchSpec, container_init, launch_argv
+    from testenv.processnode.control import ProcessNodes
+    from testenv.processnode.node import NodeSettings, ProcessNode, node_manifest
+    from testenv.processnode.pod import PodRunner
+    from testenv.processnode.podspec import expand_vars, field_value, log_tail, projected_items, safe_relpath
+    from testenv.processnode.processes import kill_recorded_processes
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "LOOPBACK",

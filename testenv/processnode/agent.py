@@ -26,6 +26,7 @@ from testenv.processnode.common import (
     log,
 )
 from testenv.processnode.control import ControlHandler
+from testenv.processnode.kubeletapi import self_signed_cert
 from testenv.processnode.node import NodeSettings, ProcessNode
 from testenv.processnode.pod import PodRunner
 from testenv.processnode.processes import Spawner, kill_recorded_processes
@@ -42,8 +43,12 @@ class Agent:
         settings: NodeSettings,
         shutdown_grace: int = 30,
         delete_nodes: bool = True,
+        client_ca: Path | None = None,
     ) -> None:
         self.kube, self.state_dir, self.count, self.settings = kube, state_dir, count, settings
+        # The kubelet endpoints' serving certificate, and the CA of the clients they serve.
+        self.kubelet_cert = self_signed_cert(state_dir / "kubelet")
+        self.client_ca = client_ca
         self.shutdown_grace = shutdown_grace
         self.delete_nodes = delete_nodes
         self.stopping = threading.Event()
@@ -101,6 +106,14 @@ class Agent:
         with self.lock:
             self.nodes[node.name] = node
         return node
+
+    def runner_of(self, node: ProcessNode, namespace: str, name: str) -> PodRunner | None:
+        """The runner of pod ``namespace/name`` on ``node``, if it runs there."""
+        with self.lock:
+            for runner in self.runners.values():
+                if runner.node is node and runner.namespace == namespace and runner.name == name:
+                    return runner
+        return None
 
     def node_names(self) -> list[str]:
         with self.lock:

@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"processnode: cannot load kubeconfig {args.kubeconfig}: {exc}", file=sys.stderr)
         return 2
     agent = Agent(kube, Path(args.state_dir).resolve(), args.nodes, settings, args.shutdown_grace_period,
-                  delete_nodes=not args.keep_nodes)  # fmt: skip
+                  delete_nodes=not args.keep_nodes, client_ca=args.client_ca_file)  # fmt: skip
     try:
         agent.start()
         while not stop.wait(1.0):
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="extra node label")
     run.add_argument("--shutdown-grace-period", type=int, default=30, help="seconds, for --mode shutdown")
     run.add_argument("--keep-nodes", action="store_true", help="leave the Node objects when stopping")
+    run.add_argument(
+        "--client-ca-file", type=Path, default=None, help="serve logs only to clients with a certificate from this CA"
+    )
     run.set_defaults(func=_run)
 
     pre = sub.add_parser("preempt", help="make the node running a pod die (drain, shutdown, kill)")

@@ -1,4 +1,8 @@
-"""Container namespaces: what a container process sets up (mounts, ``/dev``) before it execs its command."""
+"""Container namespaces: what a container process sets up before it execs its command.
+
+A PID namespace (the container's own, or its pod's), a mount namespace with a
+private ``/dev``, a fresh ``/proc`` and the volumes, then the command.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ import contextlib
 import fnmatch
 import json
 import os
+import signal
 import stat
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 # What a container's private /dev keeps of the host's, when present: the devices a
 # runtime gives every container, plus GPUs (CUDA needs /dev/nvidia*).
@@ -20,7 +26,15 @@ DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc
 # mount(2) and unshare(2) flags.
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE, MS_STRICTATIME = 4096, 16384, 1 << 18, 1 << 24
-CLONE_NEWNS = 0x00020000
+CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+PR_SET_PDEATHSIG = 1
+# What a runtime can deliver to a container (kubelet's stop signal, `kill -s`): the
+# shim in front of a container with its own PID namespace passes these on.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+NEW_PID_NAMESPACE = "new"
+# The pod's PID 1 when its containers share a process namespace (the "pause" container):
+# it only reaps the orphans that are re-parented to it.
+PAUSE_PROGRAM = "import signal\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\nwhile True:\n    signal.pause()\n"
 START_FAILED = 128  # the exit code a runtime reports for a container that could not start
 
 
@@ -36,6 +50,9 @@ class LaunchSpec:
     termination: tuple[str, str] | None = None
     # A private mount namespace with a private /dev (needs root).
     namespace: bool = True
+    # None: the host's PID namespace; "new": the container's own, its command is PID 1
+    # there; else the path of a namespace to join (a pod's, /proc/N/ns/pid_for_children).
+    pid_namespace: str | None = None
     # Write end of a pipe: an error before the exec is written there; the exec closes it.
     status_fd: int | None = None
 
@@ -64,15 +81,30 @@ def container_init(spec_json: str) -> int:
     at ``/tmp``) cannot hide the source of a later one (a secret volume kept
     under the state dir in ``/tmp``). A failure before the exec goes to the
     status pipe, and the process exits 128; returns only then.
+
+    With ``pid_namespace``, this process creates or joins the PID namespace and
+    forks: the child (PID 1 in a new namespace, as a container's main process
+    is) goes on as above and mounts a fresh ``/proc`` that shows only its
+    namespace; this process stays as the container's shim, passes signals on
+    to it and returns its exit code (128 + signal for a signal), like a
+    runtime's shim. Only the child holds the status pipe, so its EOF still
+    means that the command runs.
     """
     spec = json.loads(spec_json)
     status_fd = spec.get("status_fd")
     if status_fd is not None:
         os.set_inheritable(status_fd, False)  # the exec closes it: EOF tells the agent the command runs
     command: list[str] = spec["command"]
+    pid_namespace = spec.get("pid_namespace")
     try:
+        if pid_namespace:
+            child = _fork_into_pid_namespace(pid_namespace)
+            if child:
+                if status_fd is not None:
+                    os.close(status_fd)
+                return _shim(child)
         if spec["namespace"]:
-            _private_mounts([tuple(m) for m in spec["mounts"]], spec.get("termination"))
+            _private_mounts([tuple(m) for m in spec["mounts"]], spec.get("termination"), bool(pid_namespace))
         try:
             os.makedirs(spec["workdir"], exist_ok=True)
             os.chdir(spec["workdir"])
@@ -95,18 +127,71 @@ def container_init(spec_json: str) -> int:
     return START_FAILED  # not reached: execvp returns only by raising
 
 
-def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] | None) -> None:
-    """Enter a new mount namespace and lay out /dev, the volumes and the termination message file."""
+def _libc() -> Any:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     libc.unshare.argtypes = [ctypes.c_int]
+    libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return libc
 
-    def check(rc: int, what: str) -> None:  # errno in, OSError out
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+def _check(rc: int, what: str) -> None:
+    """errno in, OSError out."""
+    if rc != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _fork_into_pid_namespace(target: str) -> int:
+    """Create (``"new"``) or join (a namespace file) a PID namespace and fork into it.
+
+    Returns the child's pid in the parent, 0 in the child. Both calls only
+    change where *children* go, hence the fork; the child dies with its parent
+    (the shim), which dies with the agent.
+    """
+    libc = _libc()
+    if target == NEW_PID_NAMESPACE:
+        _check(libc.unshare(CLONE_NEWPID), "unshare the PID namespace")
+    else:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _check(libc.setns(fd, CLONE_NEWPID), f"join the PID namespace {target}")
+        finally:
+            os.close(fd)
+    pid = os.fork()
+    if pid == 0:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return pid
+
+
+def _shim(child: int) -> int:
+    """Stay in front of the container's process: pass signals on, wait, return its exit code."""
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    _, status = os.waitpid(child, 0)  # retried after each forwarded signal (PEP 475)
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] | None, fresh_proc: bool) -> None:
+    """Enter a new mount namespace and lay out /dev, the volumes and the termination message file.
+
+    With ``fresh_proc`` (a process in its own PID namespace), a new ``/proc``
+    shows that namespace's processes only, as in a container.
+    """
+    libc = _libc()
+    check = _check
 
     def mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
         check(libc.mount(*(None if v is None else v.encode() for v in (src, dst, fstype)), flags,
@@ -142,6 +227,8 @@ def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] 
         os.close(fd)
     for _, fd in dev:
         os.close(fd)
+    if fresh_proc:  # last: the binds above go through the old /proc's magic links
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
 
 def _open_path(path: str) -> int:

@@ -21,6 +21,7 @@ from testenv.processnode.common import (
     utc_now,
     utc_now_micro,
 )
+from testenv.processnode.kubeletapi import KubeletServer
 
 if TYPE_CHECKING:
     from testenv.processnode.agent import Agent
@@ -43,8 +44,11 @@ class NodeSettings:
 SPOT_TAINT = {"key": "spotguard.dev/spot", "value": "true", "effect": "NoSchedule"}
 
 
-def node_manifest(name: str, settings: NodeSettings, kubelet_version: str) -> JSON:
-    """The Node object of a spot GPU node (status included: nodes may set it on create)."""
+def node_manifest(name: str, settings: NodeSettings, kubelet_version: str, kubelet_port: int = 10250) -> JSON:
+    """The Node object of a spot GPU node (status included: nodes may set it on create).
+
+    The apiserver reaches the node's kubelet endpoint (logs) at the InternalIP and ``kubelet_port``.
+    """
     arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
     labels = {
         "kubernetes.io/hostname": name,
@@ -74,7 +78,7 @@ def node_manifest(name: str, settings: NodeSettings, kubelet_version: str) -> JS
             "capacity": resources,
             "allocatable": resources,
             "addresses": [{"type": "InternalIP", "address": LOOPBACK}, {"type": "Hostname", "address": name}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
             "nodeInfo": {
                 "machineID": uuid.uuid4().hex,
                 "systemUUID": str(uuid.uuid4()),
@@ -112,6 +116,7 @@ class ProcessNode:
         self._ready_since = utc_now()
         self._created = utc_now()
         self._stop = threading.Event()
+        self.kubelet: KubeletServer | None = None
         self._status_lock = threading.Lock()
 
     @property
@@ -123,7 +128,10 @@ class ProcessNode:
         return f"/apis/coordination.k8s.io/v1/namespaces/{NODE_LEASE_NAMESPACE}/leases/{self.name}"
 
     def register(self) -> None:
-        manifest = node_manifest(self.name, self.agent.settings, self.agent.kubelet_version)
+        cert, key = self.agent.kubelet_cert
+        self.kubelet = KubeletServer(self, cert, key, self.agent.client_ca)
+        self.kubelet.start()
+        manifest = node_manifest(self.name, self.agent.settings, self.agent.kubelet_version, self.kubelet.port)
         manifest["status"]["conditions"] = self._conditions()
         created = self.agent.kube.post("/api/v1/nodes", manifest)
         self.uid = created["metadata"]["uid"]
@@ -191,6 +199,8 @@ class ProcessNode:
         self._stop.set()
         with self._status_lock:
             self.dead = True
+        if self.kubelet is not None:
+            self.kubelet.stop()
         if not delete:
             return
         for path in (self.path, self.lease_path):

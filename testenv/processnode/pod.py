@@ -10,6 +10,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from testenv.processnode.api import ApiError, ignore_missing
 from testenv.processnode.common import DEFAULT_POD_GRACE, JSON, LOOPBACK, SHUTDOWN_MESSAGE, log, utc_now
-from testenv.processnode.container import LaunchSpec, launch_argv
+from testenv.processnode.container import NEW_PID_NAMESPACE, PAUSE_PROGRAM, LaunchSpec, launch_argv
 from testenv.processnode.podspec import (
     DEFAULT_TERMINATION_MESSAGE_PATH,
     MAX_LOG_TAIL_BYTES,
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
     from testenv.processnode.node import ProcessNode
 
 
+# Container names are DNS labels: no container's "<name>.pid" can be this one.
+SANDBOX_PIDFILE = "_sandbox.pid"
+# How often a pod waiting for a Secret or ConfigMap looks again (kubelet: its next pod sync).
+RETRY_SECONDS = 1.0
+
+
 @dataclass
 class Container:
     """One container of a pod and what kubelet would report about it."""
@@ -56,6 +63,11 @@ class Container:
     # This run's termination message file on the host, and where its log output starts.
     termination_file: Path | None = None
     log_offset: int = 0
+    # Where the run before this one started in the log (``kubectl logs --previous``).
+    prev_log_offset: int | None = None
+    # Whether ``proc`` is a shim in front of the container's own process (a PID namespace):
+    # a stop signal then goes to that process only, as a runtime sends it.
+    shim: bool = False
 
     @property
     def name(self) -> str:
@@ -133,6 +145,9 @@ class PodRunner:
         self.message: str | None = None
         self.disrupted = False
         self.start_time = utc_now()
+        self.share_processes = bool(spec.get("shareProcessNamespace"))
+        # With shareProcessNamespace, the PID 1 of the pod's namespace that its containers join.
+        self._sandbox: subprocess.Popen[bytes] | None = None
         self._volumes: dict[str, Path] = {}
         self._read_only: set[str] = set()
         self._q: queue.Queue[Request | Exited] = queue.Queue()
@@ -141,10 +156,16 @@ class PodRunner:
         self._closed = False
         self._transitions: dict[str, tuple[str, str]] = {}
         self._published: JSON | None = None
+        self._events: set[tuple[str, str]] = set()
         self._thread = threading.Thread(target=self._run, name=f"pod {self.key}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the runner has finished (its pod is gone from this node)."""
+        return self._closed
 
     def request(self, kind: str, grace: int | None = None) -> threading.Event:
         """Ask the runner to delete/shutdown/kill/forget the pod; returns an event set when done."""
@@ -317,7 +338,11 @@ class PodRunner:
         live = [c for c in (*self.init, *self.main) if c.proc is not None]
         for c in live:
             assert c.proc is not None
-            signal_group(c.proc.pid, signal.SIGTERM)
+            if c.shim:  # the shim passes it to the container's main process only, as a runtime does
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.proc.pid, signal.SIGTERM)
+            else:
+                signal_group(c.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         killed = False
         while any(c.proc is not None for c in live):
@@ -355,9 +380,11 @@ class PodRunner:
                 env = self._env(c)
                 break
             except NotYet as exc:
+                # Kubelet's reason, which the operator reports; retried, so a Secret created later starts it.
                 c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
                 self._publish()
-                self._sleep(1.0)
+                self._event("Failed", f"Error: {exc}")
+                self._sleep(RETRY_SECONDS)
             except Unsupported as exc:
                 self._not_started(c, "CreateContainerConfigError", str(exc))
                 return
@@ -375,12 +402,20 @@ class PodRunner:
         if mounts and not root:
             self._not_started(c, "ContainerCannotRun", "volumes need root (bind mounts in a private mount namespace)")
             return
+        try:
+            pid_namespace = self._pid_namespace() if root else None
+        except OSError as exc:
+            self._not_started(c, "StartError", f"pod sandbox: {exc.strerror or exc}")
+            return
         termination = self._termination_file(c) if root else None
         log_path = self.dir / f"{c.name}.log"
         read_status, status_fd = os.pipe()
-        spec = LaunchSpec([*command, *args], c.spec.get("workingDir") or "/", mounts, termination, root, status_fd)
+        spec = LaunchSpec([*command, *args], c.spec.get("workingDir") or "/", mounts, termination, root,
+                          pid_namespace=pid_namespace, status_fd=status_fd)  # fmt: skip
         try:
             with log_path.open("ab") as out:
+                if c.started_at is not None:  # it ran before
+                    c.prev_log_offset = c.log_offset
                 c.log_offset = os.fstat(out.fileno()).st_size  # the fallback message reads this run's output only
                 proc = self.agent.spawner.spawn(
                     launch_argv(spec),
@@ -409,12 +444,61 @@ class PodRunner:
             self._not_started(c, "StartError", error)
             return
         c.proc = proc
+        c.shim = pid_namespace is not None
         c.container_id = secrets.token_hex(32)
         c.started_at = utc_now()
         c.state = {"running": {"startedAt": c.started_at}}
         with contextlib.suppress(OSError):
             (self.dir / f"{c.name}.pid").write_text(f"{proc.pid} {process_start_time(proc.pid)}")
         threading.Thread(target=self._reap, args=(c, proc), name=f"reap {self.key}/{c.name}", daemon=True).start()
+
+    def _pid_namespace(self) -> str:
+        """The PID namespace of a container: its own, or with shareProcessNamespace the pod's.
+
+        The pod's is held by a sandbox process (kubelet's "pause" container),
+        started with the first container that needs it; raises OSError if it
+        cannot be started.
+        """
+        if not self.share_processes:
+            return NEW_PID_NAMESPACE
+        if self._sandbox is None or self._sandbox.poll() is not None:
+            read_status, status_fd = os.pipe()
+            spec = LaunchSpec([sys.executable, "-I", "-c", PAUSE_PROGRAM], namespace=False, status_fd=status_fd,
+                              pid_namespace=NEW_PID_NAMESPACE)  # fmt: skip
+            try:
+                proc = self.agent.spawner.spawn(
+                    launch_argv(spec),
+                    env=self.agent.base_env(self.pod["spec"].get("hostname") or self.name),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                    cwd="/",
+                    pass_fds=(status_fd,),
+                )
+            except OSError:
+                os.close(read_status)
+                raise
+            finally:
+                os.close(status_fd)
+            error = start_error(read_status)
+            os.close(read_status)
+            if error:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+                raise OSError(0, error)
+            self._sandbox = proc
+            with contextlib.suppress(OSError):
+                (self.dir / SANDBOX_PIDFILE).write_text(f"{proc.pid} {process_start_time(proc.pid)}")
+        # The sandbox's shim created the namespace; its child is the namespace's PID 1.
+        return f"/proc/{self._sandbox.pid}/ns/pid_for_children"
+
+    def _stop_sandbox(self) -> None:
+        proc, self._sandbox = self._sandbox, None
+        if proc is not None:
+            signal_group(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
 
     def _termination_file(self, c: Container) -> tuple[str, str] | None:
         """A fresh, empty message file for this run of ``c`` (host path, terminationMessagePath)."""
@@ -483,6 +567,7 @@ class PodRunner:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
                 c.proc = None
+        self._stop_sandbox()
 
     # -- env and volumes --
 
@@ -494,7 +579,7 @@ class PodRunner:
             ignore_missing(exc)
             if optional:
                 return None
-            raise NotYet(f"{kind[:-1]} {self.namespace}/{name} not found") from None
+            raise NotYet(f'{kind[:-1]} "{name}" not found') from None  # kubelet's words
         data = {k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()}
         for k, v in (obj.get("data") or {}).items():
             data[k] = base64.b64decode(v) if kind == "secrets" else v.encode()
@@ -523,7 +608,8 @@ class PodRunner:
                 if values is not None and ref["key"] in values:
                     env[var["name"]] = values[ref["key"]].decode("utf-8", "surrogateescape")
                 elif not optional:
-                    raise NotYet(f"key {ref['key']!r} not found in {kind[:-1]} {self.namespace}/{ref['name']}")
+                    what = "Secret" if kind == "secrets" else "ConfigMap"
+                    raise NotYet(f"couldn't find key {ref['key']} in {what} {self.namespace}/{ref['name']}")
             else:
                 raise Unsupported(f"env {var['name']}: valueFrom {sorted(source)} is not supported by the process node")
         return env
@@ -539,37 +625,44 @@ class PodRunner:
                 self._publish()
                 return False
             except NotYet as exc:
-                for c in (*self.init, *self.main):
-                    c.state = {"waiting": {"reason": "ContainerCreating", "message": f"MountVolume: {exc}"}}
+                # As kubelet: the containers stay waiting (ContainerCreating), the reason goes to an Event.
                 self._publish()
-                self._sleep(1.0)
+                self._event("FailedMount", str(exc))
+                self._sleep(RETRY_SECONDS)
 
     def _materialise_volumes(self) -> dict[str, Path]:
         out: dict[str, Path] = {}
         for vol in self.pod["spec"].get("volumes") or []:
-            name = vol["name"]
-            kind = next((k for k in vol if k != "name"), "")
-            target = self.volumes_dir / name
-            if kind in READ_ONLY_VOLUMES:
-                self._read_only.add(name)
-            if kind == "emptyDir":
-                target.mkdir(parents=True, exist_ok=True)
-            elif kind == "hostPath":
-                target = self._host_path(vol["hostPath"])
-            elif kind in READ_ONLY_VOLUMES:
-                files = self._volume_files(kind, vol[kind])
-                shutil.rmtree(target, ignore_errors=True)
-                mode = vol[kind].get("defaultMode", 0o644)
-                for rel, (content, item_mode) in files.items():
-                    path = target / rel
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(content)
-                    path.chmod(item_mode if item_mode is not None else mode)
-                target.mkdir(parents=True, exist_ok=True)
-            else:
-                raise Unsupported(f"volume {name!r}: type {kind!r} is not supported by the process node")
-            out[name] = target
+            try:
+                out[vol["name"]] = self._materialise_volume(vol)
+            except NotYet as exc:
+                raise NotYet(f'MountVolume.SetUp failed for volume "{vol["name"]}" : {exc}') from None
         return out
+
+    def _materialise_volume(self, vol: JSON) -> Path:
+        """One volume's directory (or hostPath) on the host."""
+        name = vol["name"]
+        kind = next((k for k in vol if k != "name"), "")
+        target: Path = self.volumes_dir / name
+        if kind in READ_ONLY_VOLUMES:
+            self._read_only.add(name)
+        if kind == "emptyDir":
+            target.mkdir(parents=True, exist_ok=True)
+        elif kind == "hostPath":
+            target = self._host_path(vol["hostPath"])
+        elif kind in READ_ONLY_VOLUMES:
+            files = self._volume_files(kind, vol[kind])
+            shutil.rmtree(target, ignore_errors=True)
+            mode = vol[kind].get("defaultMode", 0o644)
+            for rel, (content, item_mode) in files.items():
+                path = target / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(content)
+                path.chmod(item_mode if item_mode is not None else mode)
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            raise Unsupported(f"volume {name!r}: type {kind!r} is not supported by the process node")
+        return target
 
     @staticmethod
     def _host_path(src: JSON) -> Path:
@@ -608,7 +701,7 @@ class PodRunner:
     def _keyed_files(self, kind: str, name: str, src: JSON) -> dict[str, tuple[bytes, int | None]]:
         optional = bool(src.get("optional"))
         data = self._object_data(kind, name, optional)
-        return projected_items(data or {}, src.get("items"), optional, f"{kind[:-1]} {self.namespace}/{name}")
+        return projected_items(data or {}, src.get("items"), optional, "secret" if kind == "secrets" else "config")
 
     def _downward_files(self, items: list[JSON]) -> dict[str, tuple[bytes, int | None]]:
         out: dict[str, tuple[bytes, int | None]] = {}
@@ -647,6 +740,7 @@ class PodRunner:
 
     def _cleanup(self) -> None:
         """Drop the pod's materialised volumes (logs stay). Its mounts vanished with its processes."""
+        self._stop_sandbox()
         shutil.rmtree(self.volumes_dir, ignore_errors=True)
         for leftover in (*self.dir.glob("*.pid"), *self.dir.glob("*.termination-log")):
             with contextlib.suppress(OSError):
@@ -725,6 +819,31 @@ class PodRunner:
                 if exc.status < 500 and exc.status not in (0, 429):
                     return  # a refusal (e.g. the name now belongs to a new pod): retrying will not help
                 time.sleep(0.5)
+
+    def _event(self, reason: str, message: str) -> None:
+        """A Warning Event on the pod from kubelet, once per distinct reason and message (kubelet aggregates)."""
+        if (reason, message) in self._events or self.node.dead or self.agent.stopping.is_set():
+            return
+        self._events.add((reason, message))
+        now = utc_now()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{self.name}.{secrets.token_hex(8)}", "namespace": self.namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "namespace": self.namespace,
+                               "uid": self.uid},
+            "reason": reason,
+            "message": message,
+            "type": "Warning",
+            "source": {"component": "kubelet", "host": self.node.name},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }  # fmt: skip
+        try:
+            self.agent.kube.post(f"/api/v1/namespaces/{self.namespace}/events", event)
+        except ApiError as exc:
+            log.warning("pod %s: event %s not posted: %s", self.key, reason, exc)
 
     def _delete_pod(self) -> None:
         """Finish a graceful deletion, as kubelet does once the containers are gone."""

@@ -106,7 +106,10 @@ def safe_relpath(rel: str) -> str:
 def projected_items(
     data: dict[str, bytes], items: list[JSON] | None, optional: bool, what: str
 ) -> dict[str, tuple[bytes, int | None]]:
-    """Files of a secret/configMap volume source: every key, or just the listed ``items``."""
+    """Files of a secret/configMap volume source: every key, or just the listed ``items``.
+
+    ``what`` names the kind in kubelet's message for a missing key: ``secret`` or ``config``.
+    """
     if not items:
         return {safe_relpath(k): (v, None) for k, v in data.items()}
     out: dict[str, tuple[bytes, int | None]] = {}
@@ -114,6 +117,6 @@ def projected_items(
         if item["key"] not in data:
             if optional:
                 continue
-            raise NotYet(f"{what}: key {item['key']!r} not found")
+            raise NotYet(f"references non-existent {what} key: {item['key']}")
         out[safe_relpath(item["path"])] = (data[item["key"]], item.get("mode"))
     return out

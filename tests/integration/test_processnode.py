@@ -108,6 +108,27 @@ def pod_gone(core: Any, namespace: str, name: str) -> bool:
     return False
 
 
+def host_pid(marker: str) -> int | None:
+    """The host pid of the container process whose environment has ``PROBE=marker``.
+
+    A container's own pid is that of its PID namespace (1 for its command), so
+    the test finds the process from the host; the container's shim, which
+    carries the same environment, runs the process node's launcher.
+    """
+    needle = f"PROBE={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in environ and b"container_init" not in cmdline:
+            return int(entry.name)
+    return None
+
+
 def process_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -259,6 +280,86 @@ def test_secrets_configmaps_and_downward_api_reach_the_process(
     assert seen["api_status"] == 200  # the ServiceAccount token authenticates against the real apiserver
 
 
+def waiting_reason(core: Any, namespace: str, name: str) -> tuple[str, str] | None:
+    """(reason, message) of the pod's first container while it is waiting."""
+    statuses = core.read_namespaced_pod(name, namespace).status.container_statuses or []
+    if statuses and statuses[0].state.waiting is not None:
+        return statuses[0].state.waiting.reason, statuses[0].state.waiting.message or ""
+    return None
+
+
+def pod_events(core: Any, namespace: str, name: str, reason: str) -> list[Any]:
+    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    return [e for e in events if e.reason == reason]
+
+
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        ({"env": [{"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "late", "key": "PASSWORD"}}}]},
+         'secret "late" not found'),
+        ({"envFrom": [{"secretRef": {"name": "late"}}]}, 'secret "late" not found'),
+        ({"envFrom": [{"configMapRef": {"name": "late"}}]}, 'configmap "late" not found'),
+    ],
+    ids=["secretKeyRef", "envFrom-secret", "envFrom-configmap"],
+)  # fmt: skip
+def test_missing_secret_or_configmap_for_env_is_a_config_error_until_created(
+    core: Any, ns: str, process_nodes: ProcessNodes, ref: dict[str, Any], message: str
+) -> None:
+    """As kubelet: waiting with CreateContainerConfigError and its message; starts once the object exists."""
+    optional = [  # optional refs to objects that never exist: no error, the variable is just unset
+        {"name": "MAYBE", "valueFrom": {"secretKeyRef": {"name": "never", "key": "k", "optional": True}}},
+        {"name": "MAYBE_TOO", "valueFrom": {"configMapKeyRef": {"name": "never", "key": "k", "optional": True}}},
+    ]
+    spec = {**ref, "env": [*ref.get("env", []), *optional]}
+    spec.setdefault("envFrom", []).append({"secretRef": {"name": "never-either", "optional": True}})
+    create_pod(core, ns, pod_manifest("waits", [container("main", ["sh", "-c", 'echo "$PASSWORD"'], **spec)]))
+
+    def config_error() -> tuple[str, str] | None:
+        waiting = waiting_reason(core, ns, "waits")
+        return waiting if waiting is not None and waiting[0] == "CreateContainerConfigError" else None
+
+    assert wait_for(config_error, "CreateContainerConfigError")[1] == message
+    assert wait_for(lambda: pod_events(core, ns, "waits", "Failed"), "kubelet's Failed event")[0].message == (
+        f"Error: {message}"
+    )
+    data = {"PASSWORD": "s3cr3t"}
+    if "configmap" in message:
+        core.create_namespaced_config_map(ns, {"metadata": {"name": "late"}, "data": data})
+    else:
+        core.create_namespaced_secret(ns, {"metadata": {"name": "late"}, "stringData": data})
+    done = wait_phase(core, ns, "waits", ("Succeeded", "Failed"))
+    assert done.status.phase == "Succeeded"
+    assert process_nodes.log_path(ns, "waits", "main").read_text() == "s3cr3t\n"
+
+
+def test_missing_secret_volume_is_a_failed_mount_until_created(
+    core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: Path
+) -> None:
+    """As kubelet: the pod stays ContainerCreating, a FailedMount Event says why; mounts once the Secret exists."""
+    creds = str(tmp_path / "creds")
+    pod = pod_manifest(
+        "mounts",
+        [container("main", ["cat", f"{creds}/password"], volumeMounts=[{"name": "creds", "mountPath": creds}])],
+        volumes=[
+            {"name": "creds", "secret": {"secretName": "late-creds"}},
+            {"name": "maybe", "secret": {"secretName": "never", "optional": True}},
+        ],
+    )
+    create_pod(core, ns, pod)
+
+    (event,) = wait_for(lambda: pod_events(core, ns, "mounts", "FailedMount"), "kubelet's FailedMount event")
+    assert event.message == 'MountVolume.SetUp failed for volume "creds" : secret "late-creds" not found'
+    assert (event.type, event.source.component) == ("Warning", "kubelet")
+    pending = core.read_namespaced_pod("mounts", ns)
+    assert pending.status.phase == "Pending"
+    assert pending.status.container_statuses[0].state.waiting.reason == "ContainerCreating"
+    core.create_namespaced_secret(ns, {"metadata": {"name": "late-creds"}, "stringData": {"password": "s3cr3t"}})
+    done = wait_phase(core, ns, "mounts", ("Succeeded", "Failed"))
+    assert done.status.phase == "Succeeded"
+    assert process_nodes.log_path(ns, "mounts", "main").read_text() == "s3cr3t"
+
+
 def test_on_failure_restarts_the_container_and_keeps_its_emptydir(core: Any, ns: str, tmp_path: Path) -> None:
     work = tmp_path / "work"
     # Fails on its first run, succeeds on the second: the run count lives in the emptyDir.
@@ -288,12 +389,10 @@ def test_agent_killed_outright_takes_its_pod_processes_along(core: Any, ns: str,
     )
     try:
         (node,) = agent.node_names()
-        pidfile = tmp_path / "sleeper.pid"
-        write_pid = "import os, time; p = os.environ['OUT']; open(p + '.tmp', 'w').write(str(os.getpid()))"
-        sleep = f"{write_pid}; os.replace(p + '.tmp', p); time.sleep(600)"
-        sleeper = container("main", ["python", "-c", sleep], env=[{"name": "OUT", "value": str(pidfile)}])
+        marker = f"{ns}-sleeper"
+        sleeper = container("main", ["sleep", "600"], env=[{"name": "PROBE", "value": marker}])
         create_pod(core, ns, pod_manifest("sleeper", [sleeper], nodeName=node))
-        pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), "the sleeper's pid"))
+        pid = int(wait_for(lambda: host_pid(marker), "the sleeper's process"))
         assert process_alive(pid)
         assert agent.proc is not None
         agent.proc.kill()
@@ -302,6 +401,177 @@ def test_agent_killed_outright_takes_its_pod_processes_along(core: Any, ns: str,
     finally:
         agent.stop()
     assert node_gone(core, node)  # stop() removed the Node the dead agent left behind
+
+
+# --- PID namespaces ------------------------------------------------------------------------------
+
+# Waits until the other container is up, then prints what this one sees of the pod's processes.
+PROCESS_VIEW = textwrap.dedent(
+    """
+    import json, os, sys, time
+    for _ in range(600):
+        if os.path.exists(sys.argv[1]):
+            break
+        time.sleep(0.1)
+    seen = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                seen[entry] = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\\0", b" ").decode()
+            except OSError:
+                pass
+    print(json.dumps({"pid": os.getpid(), "processes": seen}))
+    """
+)
+
+
+def process_view(core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: Path, share: bool) -> dict[str, Any]:
+    """Run a pod whose "viewer" lists /proc while its "other" container sleeps; what the viewer saw."""
+    shared = str(tmp_path / "in-pod")
+    mount = [{"name": "shared", "mountPath": shared}]
+    other = 'touch "$DIR/other-up"; exec python -c "import time; time.sleep(600)" other-container-marker'
+    env = [{"name": "DIR", "value": shared}]
+    spec: dict[str, Any] = {"volumes": [{"name": "shared", "emptyDir": {}}]}
+    if share:
+        spec["shareProcessNamespace"] = True
+    pod = pod_manifest(
+        "pids",
+        [
+            container("viewer", ["python", "-c", PROCESS_VIEW, f"{shared}/other-up"], env=env, volumeMounts=mount),
+            container("other", ["sh", "-c", other], env=env, volumeMounts=mount),
+        ],
+        **spec,
+    )
+    create_pod(core, ns, pod)
+    wait_for(lambda: terminated_or_none(core, ns, "pids", "viewer"), "the viewer to finish")
+    assert terminated(core.read_namespaced_pod("pids", ns), "viewer").exit_code == 0
+    view: dict[str, Any] = json.loads(process_nodes.log_path(ns, "pids", "viewer").read_text().splitlines()[-1])
+    return view
+
+
+def terminated_or_none(core: Any, namespace: str, name: str, container_name: str) -> Any:
+    pod = core.read_namespaced_pod(name, namespace)
+    for status in pod.status.container_statuses or []:
+        if status.name == container_name and status.state.terminated is not None:
+            return status.state.terminated
+    return None
+
+
+def test_containers_of_a_pod_see_only_their_own_processes(
+    core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: Path
+) -> None:
+    """Without shareProcessNamespace each container has its own PID namespace, its command PID 1."""
+    view = process_view(core, ns, process_nodes, tmp_path, share=False)
+    assert view["pid"] == 1
+    commands = list(view["processes"].values())
+    assert not any("other-container-marker" in c for c in commands), commands
+    assert set(view["processes"]) == {"1"}, commands  # nothing but itself: no host process, no shim
+
+
+def test_shared_process_namespace_shows_the_other_containers(
+    core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: Path
+) -> None:
+    """With shareProcessNamespace the pod's containers see each other; PID 1 is the pod's sandbox."""
+    view = process_view(core, ns, process_nodes, tmp_path, share=True)
+    assert view["pid"] != 1
+    commands = list(view["processes"].values())
+    assert any("other-container-marker" in c for c in commands), commands
+    assert "1" in view["processes"] and "other-container-marker" not in view["processes"]["1"]
+    assert not any("container_init" in c for c in commands), "the shims stay outside the pod's namespace"
+
+
+# --- kubectl logs --------------------------------------------------------------------------------
+
+TALKER = """
+for i in 1 2 3 4 5; do echo "line $i"; done
+echo "to stderr" >&2
+until [ -f "$GO" ]; do sleep 0.1; done
+echo "after go"
+"""
+# Fails on its first run and stays up on its second: two runs for --previous.
+RESTARTER = """
+n=$(cat "$DIR/runs" 2>/dev/null || echo 0); n=$((n+1)); echo "$n" > "$DIR/runs"
+echo "run $n"
+[ "$n" -ge 2 ] && exec sleep 600
+exit 1
+"""
+
+
+def kubectl(kube: Any, *args: str, timeout: float = WAIT) -> subprocess.CompletedProcess[str]:
+    argv = [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def test_kubectl_logs_through_the_apiserver(
+    core: Any, ns: str, kube: Any, process_nodes: ProcessNodes, tmp_path: Path
+) -> None:
+    """kubectl logs (tail, limit, previous, follow) reaches the node's log endpoint through the apiserver."""
+    go = tmp_path / "go"  # a hostPath file the test creates: the talker's cue to finish
+    pod = pod_manifest(
+        "talker",
+        [
+            container("main", ["sh", "-c", TALKER], env=[{"name": "GO", "value": str(go)}]),
+            container("restarter", ["sh", "-c", RESTARTER], env=[{"name": "DIR", "value": "/state"}],
+                      volumeMounts=[{"name": "state", "mountPath": "/state"}]),
+        ],
+        restartPolicy="OnFailure",
+        volumes=[{"name": "state", "emptyDir": {}}],
+    )  # fmt: skip
+    create_pod(core, ns, pod)
+
+    def logs(*args: str) -> str:
+        out = kubectl(kube, "logs", "-n", ns, "talker", *args)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    wait_for(lambda: "to stderr" in logs("-c", "main"), "the talker's output in kubectl logs")
+    assert logs("-c", "main") == "".join(f"line {i}\n" for i in range(1, 6)) + "to stderr\n"
+    assert logs("-c", "main", "--tail=2") == "line 5\nto stderr\n"
+    assert logs("-c", "main", "--limit-bytes=6") == "line 1"
+    wait_for(lambda: logs("-c", "restarter") == "run 2\n", "the restarter's second run")
+    assert logs("-c", "restarter", "--previous") == "run 1\n"
+
+    follow = subprocess.Popen(
+        [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), "logs", "-f", "-n", ns, "talker",
+         "-c", "main"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert follow.stdout is not None
+        assert follow.stdout.readline() == "line 1\n"  # streaming while the container runs
+        go.touch()
+        rest = follow.stdout.read()  # to the end of the stream: it ends with the container
+        assert follow.wait(timeout=WAIT) == 0
+    finally:
+        follow.kill()
+        follow.wait()
+    assert rest == "".join(f"line {i}\n" for i in range(2, 6)) + "to stderr\nafter go\n"
+
+
+def test_kubelet_endpoint_serves_only_the_apiserver(core: Any, kube: Any, process_nodes: ProcessNodes) -> None:
+    """The node's log endpoint is on 127.0.0.1 and wants the apiserver's client certificate."""
+    import socket
+    import ssl
+
+    if getattr(kube, "kubelet_client_ca", None) is None:
+        pytest.skip("a cluster the tests did not start: its apiserver's kubelet client CA is unknown")
+    node = core.read_node(process_nodes.node_names()[0])
+    assert [a.address for a in node.status.addresses if a.type == "InternalIP"] == ["127.0.0.1"]
+    port = node.status.daemon_endpoints.kubelet_endpoint.port
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+
+    def answer() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as raw, ctx.wrap_socket(raw) as tls:
+            tls.sendall(b"GET /containerLogs/default/any/any HTTP/1.0\r\n\r\n")
+            return tls.recv(64)
+
+    try:
+        got = answer()
+    except (ssl.SSLError, ConnectionError):
+        got = b""  # refused in the handshake (TLS 1.2) or right after it (TLS 1.3)
+    assert not got.startswith(b"HTTP"), got
 
 
 # --- termination messages and mounts ------------------------------------------------------------
@@ -536,17 +806,25 @@ def test_spot_death(core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: P
     signals = tmp_path / "signals"  # a hostPath: the test reads what the pod's processes wrote
     inside = str(tmp_path / "in-pod")
     mount = [{"name": "signals", "mountPath": inside}]
+
+    def probe(name: str, command: list[str]) -> dict[str, Any]:
+        return container(name, command, volumeMounts=mount, env=[{"name": "PROBE", "value": f"{ns}-{name}"}])
+
     pod = pod_manifest(
         "victim",
         [
-            container("graceful", ["python", "-c", SIGNAL_PROBE, inside, "graceful", "graceful"], volumeMounts=mount),
-            container("stubborn", ["python", "-c", SIGNAL_PROBE, inside, "stubborn", "stubborn"], volumeMounts=mount),
+            probe("graceful", ["python", "-c", SIGNAL_PROBE, inside, "graceful", "graceful"]),
+            probe("stubborn", ["python", "-c", SIGNAL_PROBE, inside, "stubborn", "stubborn"]),
+            # PID 1 of its container with no SIGTERM handler: ignores SIGTERM, as in a real container.
+            probe("plain", ["sleep", "600"]),
         ],
         volumes=[{"name": "signals", "hostPath": {"path": str(signals), "type": "DirectoryOrCreate"}}],
     )
     create_pod(core, ns, pod)
     wait_for(lambda: (signals / "graceful.pid").exists() and (signals / "stubborn.pid").exists(), "both probes up")
-    pids = {name: int((signals / f"{name}.pid").read_text()) for name in ("graceful", "stubborn")}
+    pids = {
+        name: int(wait_for(lambda n=name: host_pid(f"{ns}-{n}"), name)) for name in ("graceful", "stubborn", "plain")
+    }
     node = core.read_namespaced_pod("victim", ns).spec.node_name
     nodes_before = process_nodes.node_names()
 
@@ -586,6 +864,7 @@ def test_spot_death(core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: P
     assert (target.status, target.reason) == ("True", "TerminationByKubelet")
     assert terminated(done, "graceful").exit_code == 0
     assert terminated(done, "stubborn").exit_code == 137  # 128 + SIGKILL
+    assert terminated(done, "plain").exit_code == 137  # PID 1 ignored SIGTERM: killed after the grace period
 
 
 def node_gone(core: Any, name: str) -> bool:
