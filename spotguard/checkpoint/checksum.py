@@ -99,3 +99,91 @@ def checksum_bytes(data: bytes, algorithm: str) -> str:
     h = new_hasher(algorithm)
     h.update(data)
     return h.hexdigest()
+
+
+# -- CRC32C arithmetic for checksums a store computed per part ---------------------------
+#
+# An S3 multipart upload with additional checksums stores one CRC32C per part
+# and, for the object, either the CRC32C of the whole object (``FULL_OBJECT``)
+# or a "checksum of checksums" (``COMPOSITE``: CRC32C over the concatenated
+# big-endian part CRCs, written ``<base64>-<parts>``). A manifest records the
+# CRC32C of the whole file, so part CRCs are combined into the whole-file CRC
+# (the zlib ``crc32_combine`` method, with the Castagnoli polynomial) before
+# comparing.
+
+_CRC32C_POLY_REFLECTED = 0x82F63B78
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total = 0
+    i = 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len(B)``."""
+    if len2 <= 0:
+        return crc1
+    # Operator for one zero bit, then squared up to the length of B, bit by bit.
+    odd = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def crc32c_of_parts(parts: Iterable[tuple[int, int]]) -> int:
+    """The whole-object CRC32C from ``(crc32c, size)`` of each part, in order."""
+    total = 0
+    for crc, size in parts:
+        total = crc32c_combine(total, crc, size)
+    return total
+
+
+def crc32c_composite(part_crcs: Iterable[int]) -> str:
+    """The S3 ``COMPOSITE`` checksum of a multipart object: ``<base64>-<parts>``."""
+    crcs = list(part_crcs)
+    joined = b"".join(c.to_bytes(4, "big") for c in crcs)
+    return f"{crc32c_to_base64(int(checksum_bytes(joined, 'crc32c'), 16))}-{len(crcs)}"
+
+
+def crc32c_to_base64(crc: int) -> str:
+    """A CRC32C as S3 writes it (base64 of 4 big-endian bytes)."""
+    import base64
+
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def crc32c_from_base64(value: str) -> int | None:
+    """The CRC32C an S3 checksum header carries (``<base64>`` or ``<base64>-<parts>``,
+    the part count dropped), or None when it is not one."""
+    import base64
+    import binascii
+
+    text = value.split("-", 1)[0]
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return int.from_bytes(raw, "big") if len(raw) == 4 else None

@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,13 @@ from spotguard.checkpoint.manifest import (
     parse_pointer,
     pointer_json,
 )
-from spotguard.checkpoint.verify import VerifyResult, verify_files
+from spotguard.checkpoint.verify import (
+    METHOD_READ_BACK,
+    METHOD_SIZES,
+    VerifyResult,
+    verify_files,
+    verify_files_by_store,
+)
 from spotguard.storage.base import (
     NotFoundError,
     ObjectInfo,
@@ -45,6 +51,8 @@ from spotguard.storage.base import (
     ProgressCallback,
     Storage,
     StorageError,
+    StoreChecksums,
+    StoredChecksum,
 )
 from spotguard.storage.file import fsync_dir
 
@@ -133,11 +141,21 @@ def _listing(storage: Storage, name: str) -> dict[str, ObjectInfo]:
     return {o.key[len(prefix) :]: o for o in storage.list_objects(prefix)}
 
 
-def verify_checkpoint(storage: Storage, name: str, *, checksums: bool = True, workers: int = 4) -> VerifyResult:
+def verify_checkpoint(
+    storage: Storage, name: str, *, checksums: bool = True, deep: bool = False, workers: int = 4
+) -> VerifyResult:
     """Check that every file in the checkpoint's manifest exists in storage
     with the recorded size and checksum (and that no pickle in it would run
     code). Never raises for a broken checkpoint; storage failures (network,
-    credentials) propagate."""
+    credentials) propagate.
+
+    Where the store computed a checksum on receipt (S3 additional checksums,
+    :class:`~spotguard.storage.base.StoreChecksums`) it is compared with the
+    manifest instead of reading the file back; files without one are read
+    back. ``deep=True`` reads every byte back regardless (bit rot, a store
+    that is not trusted). ``checksums=False`` checks sizes only.
+    ``VerifyResult.method`` says which way was taken.
+    """
     if parse_checkpoint_name(name) is None:
         return VerifyResult(name, False, [f"{name!r} is not a checkpoint name (ckpt-<12 digits>)"])
     try:
@@ -148,22 +166,45 @@ def verify_checkpoint(storage: Storage, name: str, *, checksums: bool = True, wo
         return VerifyResult(name, False, [f"{MANIFEST_NAME}: {exc}"])
     listing = _listing(storage, name)
     sizes = {path: info.size for path, info in listing.items()}
-    problems, nbytes = verify_files(
-        manifest,
-        sizes,
-        lambda path: storage.iter_chunks(f"{name}/{path}"),
-        checksums=checksums,
-        workers=workers,
-    )
-    return VerifyResult(name, not problems, problems, manifest, nbytes)
+
+    def read_chunks(path: str) -> Iterable[bytes]:
+        return storage.iter_chunks(f"{name}/{path}")
+
+    if checksums and not deep and isinstance(storage, StoreChecksums):
+        checker = storage
+
+        def stored(path: str) -> StoredChecksum | None:
+            return checker.stored_checksum(f"{name}/{path}")
+
+        checks = verify_files_by_store(manifest, sizes, stored, read_chunks, workers=workers)
+        result = VerifyResult(
+            name, not checks.problems, checks.problems, manifest, checks.read_bytes,
+            method=checks.method, store_checked=checks.store_checked, read_back=checks.read_back,
+        )  # fmt: skip
+    else:
+        problems, nbytes = verify_files(manifest, sizes, read_chunks, checksums=checksums, workers=workers)
+        method = METHOD_READ_BACK if checksums else METHOD_SIZES
+        result = VerifyResult(
+            name, not problems, problems, manifest, nbytes,
+            method=method, read_back=len(manifest.files) if checksums else 0,
+        )  # fmt: skip
+    log.info(
+        "verify %s: %s by %s (%d files by store checksum, %d read back, %d bytes read)",
+        storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
+        result.store_checked, result.read_back, result.checked_bytes,
+    )  # fmt: skip
+    return result
 
 
-def latest_verified(storage: Storage, *, checksums: bool = True) -> tuple[CheckpointInfo | None, list[Skipped]]:
+def latest_verified(
+    storage: Storage, *, checksums: bool = True, deep: bool = False
+) -> tuple[CheckpointInfo | None, list[Skipped]]:
     """The newest checkpoint that passes verification, and every newer one that
-    was passed over with the reason. ``(None, skipped)`` when none passes."""
+    was passed over with the reason. ``(None, skipped)`` when none passes.
+    ``checksums`` and ``deep`` as for :func:`verify_checkpoint`."""
     skipped: list[Skipped] = []
     for name in reversed(list_checkpoint_names(storage)):
-        result = verify_checkpoint(storage, name, checksums=checksums)
+        result = verify_checkpoint(storage, name, checksums=checksums, deep=deep)
         if result.ok and result.manifest is not None:
             return CheckpointInfo.from_manifest(result.manifest, storage.uri_for(name)), skipped
         skipped.append(Skipped(name, parse_checkpoint_name(name) or 0, result.reason))

@@ -18,6 +18,8 @@ from spotguard.storage.base import (
     ProgressCallback,
     Storage,
     StorageError,
+    StoreChecksums,
+    StoredChecksum,
     check_key,
     join_key,
 )
@@ -31,6 +33,8 @@ __all__ = [
     "ProgressCallback",
     "Storage",
     "StorageError",
+    "StoreChecksums",
+    "StoredChecksum",
     "check_key",
     "join_key",
     "open_storage",

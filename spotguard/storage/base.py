@@ -44,6 +44,22 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True)
+class StoredChecksum:
+    """A checksum the store computed over an object's bytes when it received them.
+
+    ``value`` is the checksum of the whole object, as lowercase hex in the
+    manifest's notation (8 digits for CRC32C), so it compares directly with a
+    manifest entry; ``source`` says how the store gave it (``full-object``, or
+    ``parts`` when it was combined from the store's per-part checksums).
+    """
+
+    algorithm: str
+    value: str
+    size: int
+    source: str
+
+
+@dataclass(frozen=True)
 class PendingUpload:
     """An unfinished upload that holds storage (an S3 multipart upload, or a
     temporary file of the file backend)."""
@@ -140,6 +156,21 @@ class Storage(Protocol):
 
     def abort_upload(self, upload: PendingUpload) -> None:
         """Abort an unfinished upload and free its storage."""
+        ...
+
+
+@runtime_checkable
+class StoreChecksums(Protocol):
+    """A backend whose store computes checksums on receipt (S3 additional checksums).
+
+    Optional: verification uses it where a backend offers it and reads the
+    bytes back otherwise.
+    """
+
+    def stored_checksum(self, key: str) -> StoredChecksum | None:
+        """The checksum the store computed for ``key`` when it received it, or None
+        when the store has none for it (it was uploaded without one, or the store
+        does not keep them). Raises :class:`NotFoundError` when ``key`` is absent."""
         ...
 
 

@@ -10,6 +10,7 @@ at a time. Large files go up and down as concurrent multipart transfers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ from spotguard.storage.base import (
     PreconditionFailedError,
     ProgressCallback,
     StorageError,
+    StoredChecksum,
     check_key,
 )
 
@@ -71,8 +73,42 @@ def _error_code(exc: BaseException) -> tuple[str, int]:
     return code, status
 
 
+class _ChecksumsUnsupported(Exception):
+    """The store refused the additional-checksum fields of a request."""
+
+
+class _FullObjectUnsupported(Exception):
+    """The store refused ``ChecksumType=FULL_OBJECT`` on a multipart upload."""
+
+
+def _raw(fn: Callable[[bool], _T], full_object: bool) -> _T:
+    """Call ``fn(full_object)``; a refusal of the checksum type raises :class:`_FullObjectUnsupported`."""
+    from botocore.exceptions import ClientError, ParamValidationError
+
+    try:
+        return fn(full_object)
+    except ParamValidationError:
+        raise _FullObjectUnsupported() from None  # an old botocore without ChecksumType
+    except ClientError as exc:
+        code, status = _error_code(exc)
+        if code in ("InvalidArgument", "InvalidRequest", "NotImplemented") or status == 501:
+            raise _FullObjectUnsupported() from None
+        raise
+
+
+def _part_ranges(size: int, part_size: int) -> list[tuple[int, int, int]]:
+    """(part number, offset, length) of each part; at most 10,000 parts (S3's limit)."""
+    part_size = max(part_size, -(-size // 10_000), 5 * MiB)
+    return [(i + 1, off, min(part_size, size - off)) for i, off in enumerate(range(0, size, part_size))]
+
+
 class S3Storage:
-    """Storage rooted at ``s3://bucket/prefix``."""
+    """Storage rooted at ``s3://bucket/prefix``.
+
+    Uploads carry CRC32C additional checksums (``send_checksums``), which the
+    store checks on receipt and returns from :meth:`stored_checksum`; stores that
+    refuse them get plain uploads.
+    """
 
     def __init__(
         self,
@@ -91,6 +127,7 @@ class S3Storage:
         max_concurrency: int = 8,
         read_chunk_size: int = 16 * MiB,
         addressing_style: str | None = None,
+        send_checksums: bool = True,
         client: Any = None,
     ) -> None:
         import boto3
@@ -101,6 +138,10 @@ class S3Storage:
         self._read_chunk = read_chunk_size
         self._concurrency = max_concurrency
         self._conditional = True
+        self._checksums = send_checksums
+        self._full_object = True
+        self._multipart_threshold = multipart_threshold
+        self._part_size = multipart_chunksize
         if client is None:
             session = boto3.session.Session(
                 aws_access_key_id=access_key,
@@ -364,15 +405,203 @@ class S3Storage:
     def upload_files(
         self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
     ) -> None:
+        """Upload files concurrently, each with the CRC32C of its bytes (per part
+        for multipart uploads) so that the store checks what it receives and
+        keeps the checksum (:meth:`stored_checksum`)."""
+        items = list(items)
+        if not self._checksums:
+            self._upload_files_plain(items, progress)
+            return
+        try:
+            self._upload_files_checksummed(items, progress)
+        except _ChecksumsUnsupported:
+            log.info("%s does not take additional checksums; uploading without them", self.uri)
+            self._checksums = False
+            self._upload_files_plain(items, progress)
+
+    def _upload_files_plain(self, items: list[tuple[Path, str]], progress: ProgressCallback | None) -> None:
         from boto3.s3.transfer import ProgressCallbackInvoker, create_transfer_manager
 
-        items = list(items)
         subscribers = [ProgressCallbackInvoker(_locked(progress))] if progress else None
         with self._errors(self.uri), create_transfer_manager(self.client, self._transfer_config) as tm:
             futures = [
                 tm.upload(str(src), self.bucket, self._key(key), subscribers=subscribers) for src, key in items
             ]
             _wait_all(futures)
+
+    def _upload_files_checksummed(
+        self, items: list[tuple[Path, str]], progress: ProgressCallback | None
+    ) -> None:
+        report = _locked(progress) if progress else None
+        sized = [(Path(src), key, Path(src).stat().st_size) for src, key in items]
+        pending: list[tuple[str, str, list[Future[dict[str, Any]]]]] = []
+        pool = ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="s3-upload")
+        created: list[tuple[str, str]] = []
+        try:
+            small: list[Future[None]] = []
+            for src, key, size in sized:
+                if size < self._multipart_threshold:
+                    small.append(pool.submit(self._put_file, src, key, report))
+                    continue
+                upload_id = self._create_multipart(key)
+                created.append((key, upload_id))
+                parts = [
+                    pool.submit(self._upload_part, src, key, upload_id, number, offset, length, report)
+                    for number, offset, length in _part_ranges(size, self._part_size)
+                ]
+                pending.append((key, upload_id, parts))
+            _wait_all(small)
+            for key, upload_id, parts in pending:
+                _wait_all(parts)
+                self._complete_multipart(key, upload_id, [f.result() for f in parts])
+                created.remove((key, upload_id))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            for key, upload_id in created:
+                # Free the parts of an upload that cannot complete now.
+                with contextlib.suppress(Exception):
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
+
+    def _checksum_call(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run a request that carries an additional checksum; a store that
+        refuses the checksum fields themselves raises :class:`_ChecksumsUnsupported`."""
+        from botocore.exceptions import ClientError
+
+        with self._errors(what):
+            try:
+                return fn()
+            except ClientError as exc:
+                code, status = _error_code(exc)
+                if code == "NotImplemented" or status == 501:
+                    raise _ChecksumsUnsupported() from None
+                raise
+
+    def _put_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
+        from spotguard.checkpoint.checksum import checksum_bytes, crc32c_to_base64
+
+        data = src.read_bytes()
+        crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
+        self._checksum_call(
+            self.uri_for(key),
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumCRC32C=crc
+            ),
+        )
+        if progress is not None:
+            progress(len(data))
+
+    def _create_multipart(self, key: str) -> str:
+        # FULL_OBJECT: the store keeps the CRC32C of the whole object (as a
+        # manifest records it), not only a checksum of the part checksums.
+        def create(full_object: bool) -> Any:
+            extra = {"ChecksumType": "FULL_OBJECT"} if full_object else {}
+            return self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key), ChecksumAlgorithm="CRC32C", **extra
+            )
+
+        resp: Any = None
+        if self._full_object:
+            try:
+                resp = self._checksum_call(self.uri_for(key), lambda: _raw(create, True))
+            except _FullObjectUnsupported:
+                log.info("%s does not take full-object checksums; using composite ones", self.uri)
+                self._full_object = False
+        if resp is None:
+            resp = self._checksum_call(self.uri_for(key), lambda: create(False))
+        return str(resp["UploadId"])
+
+    def _upload_part(
+        self,
+        src: Path,
+        key: str,
+        upload_id: str,
+        number: int,
+        offset: int,
+        length: int,
+        progress: ProgressCallback | None,
+    ) -> dict[str, Any]:
+        from spotguard.checkpoint.checksum import checksum_bytes, crc32c_to_base64
+
+        with open(src, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise StorageError(f"{src} changed while uploading (part {number} is short)")
+        crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
+        resp = self._checksum_call(
+            self.uri_for(key),
+            lambda: self.client.upload_part(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number,
+                Body=data, ChecksumCRC32C=crc,
+            ),
+        )  # fmt: skip
+        if progress is not None:
+            progress(len(data))
+        return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc, "_size": length}
+
+    def _complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        from spotguard.checkpoint.checksum import crc32c_from_base64, crc32c_of_parts, crc32c_to_base64
+
+        extra: dict[str, str] = {}
+        if self._full_object:
+            # The whole file's CRC32C, combined from the parts as sent; the store
+            # refuses the upload (BadDigest) unless it computes the same.
+            whole = crc32c_of_parts((crc32c_from_base64(p["ChecksumCRC32C"]) or 0, p["_size"]) for p in parts)
+            extra = {"ChecksumType": "FULL_OBJECT", "ChecksumCRC32C": crc32c_to_base64(whole)}
+        listed = [{k: v for k, v in p.items() if k != "_size"} for p in parts]
+        self._checksum_call(
+            self.uri_for(key),
+            lambda: self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, MultipartUpload={"Parts": listed},
+                **extra,
+            ),
+        )  # fmt: skip
+
+    def stored_checksum(self, key: str) -> StoredChecksum | None:
+        """The CRC32C SeaweedFS/S3 computed for ``key`` on receipt, as whole-object
+        hex; None when it keeps none. A multipart object's composite checksum is
+        turned into the whole-object CRC32C from its per-part checksums."""
+        from spotguard.checkpoint.checksum import crc32c_from_base64
+
+        with self._errors(self.uri_for(key)):
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+        size = int(head["ContentLength"])
+        value = head.get("ChecksumCRC32C")
+        if not value:
+            return None
+        crc = crc32c_from_base64(str(value))
+        if crc is None:
+            return None
+        composite = "-" in str(value) or head.get("ChecksumType") == "COMPOSITE"
+        if not composite:
+            return StoredChecksum("crc32c", f"{crc:08x}", size, "full-object")
+        whole = self._crc32c_from_parts(key, str(value), size)
+        if whole is None:
+            return None
+        return StoredChecksum("crc32c", f"{whole:08x}", size, "parts")
+
+    def _crc32c_from_parts(self, key: str, composite: str, size: int) -> int | None:
+        """The whole-object CRC32C of a multipart object, combined from the part
+        checksums the store reports, or None when it does not report them or
+        they do not add up to the object (its composite checksum and size)."""
+        from spotguard.checkpoint.checksum import crc32c_composite, crc32c_from_base64, crc32c_of_parts
+
+        count = int(composite.rsplit("-", 1)[1]) if "-" in composite else 0
+        parts: list[tuple[int, int]] = []
+        for number in range(1, count + 1):
+            with self._errors(self.uri_for(key)):
+                head = self.client.head_object(
+                    Bucket=self.bucket, Key=self._key(key), PartNumber=number, ChecksumMode="ENABLED"
+                )
+            crc = crc32c_from_base64(str(head.get("ChecksumCRC32C") or ""))
+            if crc is None or "-" in str(head.get("ChecksumCRC32C")):
+                return None
+            parts.append((crc, int(head["ContentLength"])))
+        if not parts or sum(n for _, n in parts) != size:
+            return None
+        if crc32c_composite(c for c, _ in parts) != composite:
+            return None
+        return crc32c_of_parts(parts)
 
     def download_files(
         self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
