@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from spotguard.checkpoint.manifest import parse_checkpoint_name
 
 
 @dataclass(frozen=True)
@@ -127,3 +129,22 @@ def plan_retention(
     keep = {n: tuple(r) for n, r in reasons.items() if r}
     delete = tuple(c.name for c in by_step if not reasons[c.name])
     return RetentionPlan(keep, delete)
+
+
+def plan_local_prune(committed: Sequence[str], verified: Collection[str], keep: int) -> list[str]:
+    """Pure: local checkpoints the uploader may delete once they are safe in storage.
+
+    Only checkpoints older than the newest one verified in storage (by
+    design they are verified themselves, or superseded: an older checkpoint
+    is never uploaded after a newer one is verified, it could only make
+    storage look older), and never the newest ``keep`` (at least 1)
+    committed ones (the trainer may be restoring from them).
+    """
+    keep = max(1, keep)
+    steps = {n: parse_checkpoint_name(n) for n in committed}
+    ordered = sorted((n for n in committed if steps[n] is not None), key=lambda n: steps[n] or 0)
+    newest_verified = max((s for n in verified if (s := parse_checkpoint_name(n)) is not None), default=None)
+    if newest_verified is None:
+        return []
+    protected = set(ordered[-keep:])
+    return [n for n in ordered if (steps[n] or 0) < newest_verified and n not in protected]

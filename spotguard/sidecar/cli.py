@@ -79,8 +79,7 @@ def _register_sidecar(subparsers: Any) -> None:
                    default=_env("SPOTGUARD_PROACTIVE_INTERVAL", "0.0"),
                    help="when the emergency checkpoint would not fit the grace period, request "
                    "a checkpoint every this many seconds (0: never, the default)")
-    p.add_argument("--keep-local", type=int, default=_env("SPOTGUARD_KEEP_LOCAL", str(1)),
-                   help="local checkpoints kept after a newer one is verified (default 1)")
+    _add_retention_args(p)
     p.add_argument("--termination-log", type=Path,
                    default=_env("SPOTGUARD_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
                    help="write a JSON report here on exit, for the operator "
@@ -111,6 +110,42 @@ def _add_notice_args(p: argparse.ArgumentParser) -> None:
                    "until SIGTERM")
 
 
+def _add_retention_args(p: argparse.ArgumentParser) -> None:
+    """Retention options shared by ``sidecar`` and ``run`` (defaults from ``SPOTGUARD_KEEP_*``)."""
+    g = p.add_argument_group("retention", "which checkpoints stay in storage (a checkpoint is kept "
+                             "if any rule keeps it; the newest verified one always is; no rule: keep all)")
+    g.add_argument("--keep-last", type=int, default=_env("SPOTGUARD_KEEP_LAST"),
+                   help="keep the N newest (env SPOTGUARD_KEEP_LAST)")
+    g.add_argument("--keep-best", type=int, default=_env("SPOTGUARD_KEEP_BEST"),
+                   help="keep the M best by --best-metric (env SPOTGUARD_KEEP_BEST)")
+    g.add_argument("--best-metric", default=_env("SPOTGUARD_BEST_METRIC"),
+                   help="metric for --keep-best, as saved with each checkpoint (env SPOTGUARD_BEST_METRIC)")
+    g.add_argument("--best-mode", choices=("min", "max"), default=_env("SPOTGUARD_BEST_MODE", "min"),
+                   help="whether lower or higher --best-metric is better (env SPOTGUARD_BEST_MODE, default min)")
+    g.add_argument("--keep-every", type=int, default=_env("SPOTGUARD_KEEP_EVERY"),
+                   help="keep every checkpoint whose step is a multiple of K (env SPOTGUARD_KEEP_EVERY)")
+    g.add_argument("--keep-local", type=int, default=_env("SPOTGUARD_KEEP_LOCAL", "1"),
+                   help="local checkpoints kept after a newer one is verified in storage "
+                   "(env SPOTGUARD_KEEP_LOCAL, default 1)")
+
+
+def retention_from_args(args: argparse.Namespace) -> Any | None:
+    """The retention policy the options ask for, or None to keep everything.
+
+    Raises ValueError (one line) for an inconsistent policy.
+    """
+    from spotguard.checkpoint import RetentionPolicy
+
+    policy = RetentionPolicy(
+        keep_last=args.keep_last,
+        keep_best=args.keep_best,
+        metric=args.best_metric or None,
+        mode=(args.best_mode or "min").strip().lower(),
+        keep_every=args.keep_every,
+    )
+    return None if policy.keeps_everything else policy
+
+
 def _notice_sources(args: argparse.Namespace) -> list[Any]:
     from spotguard.sidecar.notices import NoticeSettings, build_sources, parse_sources
 
@@ -121,14 +156,6 @@ def _notice_sources(args: argparse.Namespace) -> list[Any]:
     settings.azure_endpoint = args.azure_metadata_endpoint
     settings.interval_seconds = args.notice_interval
     return build_sources(settings)
-
-
-def _retention_from_env() -> Any | None:
-    """The job's retention policy (``SPOTGUARD_KEEP_*``), or None to keep everything."""
-    from spotguard.checkpoint import RetentionPolicy
-
-    policy = RetentionPolicy.from_env(os.environ)
-    return None if policy.keeps_everything else policy
 
 
 def _save_every_seconds() -> float | None:
@@ -180,7 +207,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     try:
         sources = _notice_sources(args)
         storage = open_storage(args.storage)
-        retention = _retention_from_env()
+        retention = retention_from_args(args)
     except (ValueError, StorageError) as exc:
         return _fail(str(exc))
     ckdir: Path = args.checkpoint_dir
@@ -246,6 +273,8 @@ def _register_run(subparsers: Any) -> None:
                    help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--job", default=_env("SPOTGUARD_JOB", ""), help="job name for metrics/logs")
+    _add_notice_args(p)
+    _add_retention_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     p.set_defaults(func=_run)
@@ -273,6 +302,12 @@ def _run(args: argparse.Namespace) -> int:
     workdir = args.workdir.resolve()
     ckdir = (args.checkpoint_dir or workdir / "checkpoints").resolve()
     storage_uri = args.storage or (workdir / "store").as_uri()
+    try:
+        retention = retention_from_args(args)
+        sources = _notice_sources(args)
+    except ValueError as exc:
+        _fail(str(exc))
+        return EXIT_USAGE
     config = RunConfig(
         command=command,
         workdir=workdir,
@@ -285,6 +320,11 @@ def _run(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         job=args.job,
         save_every_seconds=_save_every_seconds(),
+        keep_local=args.keep_local,
+        retention=retention,
+        notice_sources=sources,
+        notice_interval_seconds=args.notice_interval,
+        notice_stops_training=args.notice_stops_training,
     )
     try:
         with workdir_lock(workdir):

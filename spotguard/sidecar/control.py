@@ -1,19 +1,26 @@
-"""The sidecar's side of the control channel with the trainer.
+"""The trainer <-> uploader control protocol: one module, used by both sides.
 
-The channel is a directory shared with the trainer (``SPOTGUARD_CONTROL_DIR``,
-default ``<checkpoint dir>/.control``):
+The Checkpointer (trainer side) and the sidecar or ``spotguard run``
+(uploader side) talk through files in a shared directory
+(``SPOTGUARD_CONTROL_DIR``, default ``<checkpoint dir>/.control``):
 
-- ``checkpoint-request.json`` (written here, atomically):
+- ``checkpoint-request.json`` (uploader, atomically):
   ``{"id", "reason", "deadline", "preempt"}``;
-- ``checkpoint-ack.json`` (written by the Checkpointer after it committed
-  the requested checkpoint): ``{"id", "step", "name"}``;
-- ``trainer.pid`` (written by the Checkpointer): the trainer's process id,
-  so a signal can wake it up when the process is visible;
-- ``trainer-exit.json`` (written by the trainer when it is done, optional):
-  tells a sidecar that cannot see the trainer's process that it has exited.
+- ``checkpoint-ack.json`` (trainer, after it committed the requested
+  checkpoint): ``{"id", "step", "name"}`` plus ``"complete": false`` when it
+  could not commit one in time;
+- ``trainer.pid`` (trainer): ``{"pid": N}``, so a signal can wake it up when
+  the process is visible;
+- ``trainer-exit.json`` (trainer, when it is done):
+  ``{"pid", "preempted", "last_step"}``; tells an uploader that cannot see
+  the trainer's process that it has exited, and why.
 
-The Checkpointer reads requests at step boundaries; the signal only makes
-it notice sooner. Files are the contract, signals are a courtesy.
+The trainer reads requests at step boundaries; the signal (SIGUSR1) only
+makes it notice sooner. Files are the contract, signals are a courtesy.
+
+Also here, so that both sides agree: the reasons a save records in its
+manifest (:func:`save_reason_label`) and whether a run ended preempted or
+finished (:func:`decide_run_end`, the only place that decides it).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +40,56 @@ REQUEST_FILE = "checkpoint-request.json"
 ACK_FILE = "checkpoint-ack.json"
 PID_FILE = "trainer.pid"
 EXIT_FILE = "trainer-exit.json"
+CONTROL_SUBDIR = ".control"
+CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE)
+
+# Ids of requests the trainer makes for itself (a signal, an in-process
+# call); the uploader's requests carry random hex ids.
+INTERNAL_REQUEST_PREFIXES = ("sigterm-", "sigusr1-", "local-")
 
 
 @dataclass(frozen=True)
 class CheckpointRequest:
-    """A request for the trainer to checkpoint at its next step boundary."""
+    """A request for the trainer to checkpoint at its next step boundary.
+
+    ``deadline`` is unix time (None: no deadline); ``preempt`` asks the
+    trainer to stop after the checkpoint. ``written_at`` is when the
+    uploader wrote it (not part of the wire form).
+    """
 
     id: str
     reason: str
-    deadline: float
-    preempt: bool
-    written_at: float
+    deadline: float | None = None
+    preempt: bool = False
+    written_at: float | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The wire form (the contract's four keys)."""
         return {"id": self.id, "reason": self.reason, "deadline": self.deadline,
                 "preempt": self.preempt}
+
+
+def parse_request(data: bytes | str) -> CheckpointRequest:
+    """Parse ``checkpoint-request.json``; raises ValueError when malformed."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("checkpoint request is not a JSON object")
+    rid = doc.get("id")
+    if not isinstance(rid, str) or not rid:
+        raise ValueError("checkpoint request has no string 'id'")
+    reason = doc.get("reason", "")
+    deadline = doc.get("deadline")
+    if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)):
+        raise ValueError(f"checkpoint request deadline {deadline!r} is not a number")
+    preempt = doc.get("preempt", False)
+    if not isinstance(preempt, bool):
+        raise ValueError(f"checkpoint request 'preempt' {preempt!r} is not a boolean")
+    return CheckpointRequest(
+        id=rid,
+        reason=str(reason),
+        deadline=None if deadline is None else float(deadline),
+        preempt=preempt,
+    )
 
 
 @dataclass(frozen=True)
@@ -66,11 +107,54 @@ class CheckpointAck:
     complete: bool = True
 
 
+def ack_json(request_id: str, committed_name: str | None, complete: bool) -> dict[str, Any]:
+    """Pure: the wire form of an acknowledgement (trainer side).
+
+    ``committed_name`` is the newest committed checkpoint (the requested one,
+    or an older one when the request could not be met).
+    """
+    doc: dict[str, Any] = {"id": request_id, "step": None, "name": None}
+    if committed_name is not None:
+        doc.update(step=int(committed_name.rsplit("-", 1)[1]), name=committed_name)
+    if not complete or committed_name is None:
+        doc["complete"] = False
+    return doc
+
+
+@dataclass(frozen=True)
+class TrainerExit:
+    """``trainer-exit.json``: the trainer is done (``preempted`` None: it did not say)."""
+
+    pid: int | None
+    preempted: bool | None
+    last_step: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form."""
+        return {"pid": self.pid, "preempted": self.preempted, "last_step": self.last_step}
+
+
+def read_trainer_exit(control_dir: Path) -> TrainerExit | None:
+    """The trainer's exit file, if it wrote one (None also when unreadable)."""
+    try:
+        doc = json.loads((control_dir / EXIT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    pid, preempted, last = doc.get("pid"), doc.get("preempted"), doc.get("last_step")
+    return TrainerExit(
+        pid=pid if isinstance(pid, int) else None,
+        preempted=preempted if isinstance(preempted, bool) else None,
+        last_step=last if isinstance(last, int) and not isinstance(last, bool) else None,
+    )
+
+
 def control_dir_from_env(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> Path:
     """``SPOTGUARD_CONTROL_DIR``, else ``<checkpoint dir>/.control``."""
     env = os.environ if env is None else env
     value = env.get("SPOTGUARD_CONTROL_DIR")
-    return Path(value) if value else checkpoint_dir / ".control"
+    return Path(value) if value else checkpoint_dir / CONTROL_SUBDIR
 
 
 def atomic_write_json(path: Path, payload: Mapping[str, Any]) -> None:
@@ -82,6 +166,86 @@ def atomic_write_json(path: Path, payload: Mapping[str, Any]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+# -- what a save was for, and how a run ended ---------------------------------
+
+
+def save_reason_label(reason: str | None) -> str:
+    """Pure: a manifest's save reason as a bounded label.
+
+    ``interval`` (routine), ``sigterm``, ``notice``, ``proactive`` or ``other``.
+    """
+    if reason in (None, "", "interval"):
+        return "interval"
+    assert reason is not None
+    if reason.startswith("notice:"):
+        return "notice"
+    if reason in ("sigterm", "signal", "sigint"):
+        return "sigterm"
+    if reason == "proactive":
+        return "proactive"
+    return "other"
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a run ended: ``preempted`` and the reason (``sigterm``, ``sigint``,
+    ``notice:<source>``, or ``finished``)."""
+
+    preempted: bool
+    reason: str
+
+
+def trainer_said_preempted(
+    trainer_exit: TrainerExit | None, newest_save_reason: str | None, stop_reason: str | None
+) -> bool | None:
+    """Pure: did a trainer that has exited stop for a preemption?
+
+    Its exit file says so; without one, the reason recorded in its newest
+    checkpoint does (an emergency save is the last one; a notice's save only
+    when that notice was asked to stop training, ``stop_reason``). None when
+    neither can tell.
+    """
+    if trainer_exit is not None and trainer_exit.preempted is not None:
+        return trainer_exit.preempted
+    if newest_save_reason is None:
+        return None
+    label = save_reason_label(newest_save_reason)
+    return label == "sigterm" or (label == "notice" and stop_reason is not None)
+
+
+def decide_run_end(
+    *,
+    signal_source: str | None,
+    trainer_gone_before_signal: bool,
+    trainer_preempted: bool | None,
+    stop_reason: str | None,
+) -> RunEnd:
+    """Pure: whether a run ended preempted or finished; the one place that decides.
+
+    - ``signal_source``: the preemption signal the uploader got (``sigterm``,
+      ``sigint``), None when the trainer exited on its own first;
+    - ``trainer_gone_before_signal``: the trainer had already exited when the
+      signal came (a native sidecar is stopped after the trainer, also when
+      the trainer simply finished);
+    - ``trainer_preempted``: :func:`trainer_said_preempted`;
+    - ``stop_reason``: a notice asked the trainer to stop after its checkpoint.
+    """
+    if signal_source is not None:
+        if not trainer_gone_before_signal or trainer_preempted is not False:
+            # Unknown counts as preempted: a wrong "finished" would end the job.
+            return RunEnd(True, signal_source)
+        return RunEnd(False, "finished")
+    if stop_reason is not None:
+        return RunEnd(True, stop_reason)
+    if trainer_preempted:
+        # The trainer stopped on its own SIGTERM; ours is still on its way.
+        return RunEnd(True, "sigterm")
+    return RunEnd(False, "finished")
+
+
+# -- the uploader's side -------------------------------------------------------
 
 
 class ControlChannel:
@@ -131,6 +295,10 @@ class ControlChannel:
         except (OSError, ValueError, TypeError, AttributeError):
             return None
 
+    def read_exit(self) -> TrainerExit | None:
+        """The trainer's ``trainer-exit.json``, if any."""
+        return read_trainer_exit(self.dir)
+
     def trainer_pid(self) -> int | None:
         """The trainer's pid as the Checkpointer recorded it, if any."""
         try:
@@ -146,8 +314,8 @@ class ControlChannel:
             return None
 
     def clear(self) -> None:
-        """Remove request, ack and pid files left by an earlier run."""
-        for name in (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE):
+        """Remove request, ack, pid and exit files left by an earlier run."""
+        for name in CONTROL_FILES:
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
 
@@ -161,8 +329,10 @@ def ack_answers(ack: CheckpointAck | None, request: CheckpointRequest) -> bool:
     """
     if ack is None:
         return False
+    if ack.id == request.id:
+        return True
     # 50 ms slack: file mtimes and time.time() are not taken at the same instant.
-    return ack.id == request.id or ack.mtime >= request.written_at - 0.05
+    return request.written_at is not None and ack.mtime >= request.written_at - 0.05
 
 
 def pid_alive(pid: int) -> bool:

@@ -30,10 +30,13 @@ from spotguard.sidecar.control import (
     CheckpointAck,
     CheckpointRequest,
     ControlChannel,
+    RunEnd,
     ack_answers,
+    decide_run_end,
     find_trainer_processes,
     is_trainer_process,
     signal_trainer,
+    trainer_said_preempted,
 )
 from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
 from spotguard.sidecar.metrics import SidecarMetrics
@@ -43,7 +46,6 @@ from spotguard.sidecar.shipper import (
     Shipped,
     log_stage,
     retry_delay,
-    save_reason_label,
     step_of,
 )
 
@@ -56,6 +58,11 @@ log = logging.getLogger(__name__)
 # Exit statuses of the sidecar.
 EXIT_OK = 0
 EXIT_EMERGENCY_FAILED = 1
+
+# Retries of a failed emergency upload: soon, then a little less often; the
+# deadline bounds them all.
+EMERGENCY_RETRY_INITIAL = 0.25
+EMERGENCY_RETRY_MAX = 2.0
 
 
 @dataclass
@@ -122,6 +129,8 @@ class CheckpointAgent:
         # Set when a notice asked the trainer to stop after its checkpoint.
         self.stop_reason: str | None = None
         self._state_cache: tuple[float, TrainerState] | None = None
+        # Set on a preemption (the signal latch's event): housekeeping stops.
+        self.interrupt: threading.Event | None = None
         metrics.grace.labels(**metrics.labels).set(config.grace_seconds)
 
     # -- trainer -------------------------------------------------------------
@@ -222,12 +231,17 @@ class CheckpointAgent:
     # -- routine -------------------------------------------------------------
 
     def step(self) -> list[Shipped]:
-        """One round of routine duties."""
+        """One round of routine duties: notices, shipping, housekeeping."""
         self.handle_notices()
-        shipped = self.shipper.ship()
+        shipped = self.shipper.ship(housekeeping=False)
         self.settle_pending()
+        if shipped and not self._interrupted():
+            self.shipper.housekeeping(self._interrupted)
         self._deadline_check()
         return shipped
+
+    def _interrupted(self) -> bool:
+        return self.interrupt is not None and self.interrupt.is_set()
 
     def _deadline_check(self) -> None:
         assessment = self.tracker.assessment()
@@ -254,9 +268,13 @@ class CheckpointAgent:
                   forward: Callable[[CheckpointRequest], None] | None = None) -> bool:
         """Preemption now: get the newest state verified in storage before the deadline.
 
-        ``forward`` delivers the request beyond the control file (``spotguard
-        run`` signals its child's process group). Returns True when a
-        checkpoint at or after the trainer's last step is verified.
+        The emergency path is save -> upload -> verify -> pointer, and
+        nothing else (no retention, no local pruning, no re-reading of what
+        is already verified); the caller reports. A storage error is retried
+        with backoff until the deadline. ``forward`` delivers the request
+        beyond the control file (``spotguard run`` signals its child's
+        process group). Returns True when a checkpoint at or after the
+        trainer's last step is verified.
         """
         deadline = received_at + self.config.grace_seconds - self.config.safety_margin_seconds
         state = self.trainer_state()
@@ -275,19 +293,37 @@ class CheckpointAgent:
             target = self._await_trainer(req, deadline)
             log_stage("save", time.monotonic() - t0, name=target or "none")
         t1 = time.monotonic()
-        self.shipper.ship(newest_only=True)
-        want = max(step_of(target) if target else -1, self._newest_committed_step())
-        verified_at = time.time() if self._verified_at_least(want) else None
-        # A trainer we can watch may still commit once more on its way out.
-        while self.trainer_state() == "running" and time.time() < deadline:
-            time.sleep(self.config.poll_seconds / 2)
-        if self._newest_committed_step() > want or verified_at is None:
-            self.shipper.ship(newest_only=True)
+        want = step_of(target) if target else -1
+        verified_at: float | None = None
+        attempt = 0
+        while True:
             want = max(want, self._newest_committed_step())
-            verified_at = time.time() if self._verified_at_least(want) else None
-        log_stage("ship", time.monotonic() - t1)
+            if not self._verified_at_least(want):
+                verified_at = None
+                self.shipper.ship(newest_only=True, housekeeping=False)
+                if self._verified_at_least(want):
+                    verified_at = time.time()
+            elif verified_at is None:
+                verified_at = time.time()
+            now = time.time()
+            if now >= deadline:
+                break
+            if verified_at is not None:
+                # A trainer we can watch may still commit once more on its way out.
+                if self.trainer_state() != "running":
+                    if self._newest_committed_step() <= want:
+                        break
+                    continue
+                time.sleep(self.config.poll_seconds / 2)
+                continue
+            attempt += 1
+            pause = min(retry_delay(attempt, EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX), deadline - now)
+            log.warning("stage=retry attempt=%d in=%.2fs want_step=%s reason=%s", attempt, pause, want,
+                        "; ".join(self.shipper.failed.values()) or "not committed yet")
+            time.sleep(max(0.0, pause))
+        log_stage("ship", time.monotonic() - t1, attempts=attempt + 1)
         last = self.shipper.last_shipped
-        if verified_at is not None:
+        if verified_at is not None and self._verified_at_least(want):
             elapsed = verified_at - received_at
             self.metrics.observe_emergency(elapsed, source)
             log_stage("emergency", elapsed, result="verified",
@@ -302,11 +338,13 @@ class CheckpointAgent:
         """Ship until the newest committed checkpoint is verified, or ``deadline``.
 
         For a trainer that has exited: its last checkpoint must not be left
-        behind because the store hiccupped once.
+        behind because the store hiccupped once. No housekeeping: the
+        caller runs it once it knows the run finished (not on the way out of
+        a preemption).
         """
         attempt = 0
         while True:
-            self.shipper.ship(newest_only=attempt > 0)
+            self.shipper.ship(newest_only=attempt > 0, housekeeping=False)
             if self._verified_at_least(self._newest_committed_step()):
                 return True
             attempt += 1
@@ -317,6 +355,29 @@ class CheckpointAgent:
                 return False
             time.sleep(pause)
 
+    def run_end(self, signal_source: str | None, trainer_gone_before_signal: bool) -> RunEnd:
+        """How the run ended, from what the trainer left behind (see :func:`decide_run_end`)."""
+        newest = self.shipper.committed()
+        reason: str | None = None
+        if newest:
+            from spotguard.checkpoint import read_local_manifest
+
+            try:
+                reason = read_local_manifest(newest[-1]).reason or "interval"
+            except (OSError, ValueError):
+                reason = None
+        said = trainer_said_preempted(self.channel.read_exit(), reason, self.stop_reason)
+        return decide_run_end(signal_source=signal_source, trainer_gone_before_signal=trainer_gone_before_signal,
+                              trainer_preempted=said, stop_reason=self.stop_reason)
+
+    def trainer_last_step(self) -> int | None:
+        """The last step the trainer reached, as it said on exit or in its last ack."""
+        exit_doc = self.channel.read_exit()
+        if exit_doc is not None and exit_doc.last_step is not None:
+            return exit_doc.last_step
+        ack = self.channel.read_ack()
+        return ack.step if ack is not None else None
+
     def _verified_at_least(self, step: int) -> bool:
         if step < 0:
             return True  # nothing was ever committed: nothing to lose
@@ -326,6 +387,7 @@ class CheckpointAgent:
     def _await_trainer(self, req: CheckpointRequest, deadline: float) -> str | None:
         """Wait for the trainer's answer: an ack, or its exit. Returns the ckpt name."""
         signalled_again = False
+        written_at = req.written_at if req.written_at is not None else time.time()
         while time.time() < deadline:
             ack = self.channel.read_ack()
             if ack_answers(ack, req):
@@ -340,7 +402,7 @@ class CheckpointAgent:
             if state == "gone":
                 newest = self._newest_committed()
                 return newest
-            if not signalled_again and time.time() > req.written_at + 1.0:
+            if not signalled_again and time.time() > written_at + 1.0:
                 # A trainer that installed its handler late gets one more
                 # nudge (the control file stays the contract either way).
                 self.wake_trainer()
@@ -353,7 +415,8 @@ class CheckpointAgent:
         # Request to acknowledgement: the wait for the trainer's next step
         # boundary plus the synchronous write (the write alone is in the
         # manifest's timing and in the save histogram).
-        self.metrics.request_latency.labels(**self.metrics.labels).observe(max(0.0, ack.mtime - req.written_at))
+        if req.written_at is not None:
+            self.metrics.request_latency.labels(**self.metrics.labels).observe(max(0.0, ack.mtime - req.written_at))
 
     def _newest_committed(self) -> str | None:
         names = [p.name for p in self.shipper.committed()]
@@ -436,46 +499,6 @@ def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
         log.warning("could not write the termination report to %s: %s", path, exc)
 
 
-def _trainer_exit(agent: CheckpointAgent) -> dict[str, Any] | None:
-    """The trainer's ``trainer-exit.json`` (``{"pid", "preempted", "last_step"}``), if any."""
-    try:
-        doc = json.loads((agent.config.control_dir / EXIT_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _trainer_was_preempted(agent: CheckpointAgent, unknown: bool = True) -> bool:
-    """Did the trainer that already exited stop for a preemption?
-
-    Its ``trainer-exit.json`` says so; without it, the reason recorded in
-    its newest checkpoint's manifest does (an emergency save is the last one).
-    ``unknown`` is the answer when neither can tell.
-    """
-    exit_doc = _trainer_exit(agent)
-    if exit_doc is not None and "preempted" in exit_doc:
-        return bool(exit_doc["preempted"])
-    newest = agent.shipper.committed()
-    if not newest:
-        return unknown
-    from spotguard.checkpoint import read_local_manifest
-
-    try:
-        reason = read_local_manifest(newest[-1]).reason
-    except (OSError, ValueError):
-        return unknown
-    label = save_reason_label(reason)
-    return label == "sigterm" or (label == "notice" and agent.stop_reason is not None)
-
-
-def _trainer_last_step(agent: CheckpointAgent) -> int | None:
-    step = (_trainer_exit(agent) or {}).get("last_step")
-    if isinstance(step, int):
-        return step
-    ack = agent.channel.read_ack()
-    return ack.step if ack is not None else None
-
-
 def run_sidecar(
     agent: CheckpointAgent,
     options: SidecarOptions,
@@ -495,6 +518,7 @@ def run_sidecar(
     agent.shipper.adopt_existing()
     log.info("sidecar watching %s (grace %.0fs, notices: %s)", agent.config.checkpoint_dir,
              agent.config.grace_seconds, ",".join(s.name for s in sources) or "none")
+    agent.interrupt = latch.event
     try:
         while not latch.event.is_set():
             agent.step()
@@ -511,11 +535,10 @@ def run_sidecar(
                 flushed = agent.flush(time.time() + agent.config.grace_seconds)
                 if flushed:
                     log.info("trainer exited; everything committed is shipped")
-                # Preempted also when the trainer stopped on its own SIGTERM
-                # and ours is still on its way; nothing to go on means finished.
-                preempted = agent.stop_reason is not None or _trainer_was_preempted(agent, unknown=False)
-                reason = agent.stop_reason or ("sigterm" if preempted else "finished")
-                _report(agent, options, preempted, reason)
+                end = agent.run_end(None, trainer_gone_before_signal=True)
+                _report(agent, options, end)
+                if flushed and not end.preempted and not latch.event.is_set():
+                    agent.shipper.housekeeping(latch.event.is_set)
                 return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None
@@ -523,21 +546,22 @@ def run_sidecar(
         trainer_before = agent.trainer_state()
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
-        preempted, reason = True, latch.source
-        if trainer_before == "gone" and not _trainer_was_preempted(agent):
-            # A native sidecar is stopped after the trainer, also when the
-            # trainer simply finished: that is no preemption.
-            preempted, reason = False, "finished"
-        _report(agent, options, preempted, reason)
+        _report(agent, options, agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"))
+        # Retention waits for the next routine round (the next pod's sidecar):
+        # the grace period is for the checkpoint only.
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
     finally:
         watcher.stop()
 
 
-def _report(agent: CheckpointAgent, options: SidecarOptions, preempted: bool, reason: str) -> None:
+def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd) -> None:
+    t0 = time.monotonic()
     last = agent.shipper.last_shipped
-    report = termination_report(preempted, reason, last.step if last else None, _trainer_last_step(agent))
+    report = termination_report(end.preempted, end.reason, last.step if last else None,
+                                agent.trainer_last_step())
     write_termination_report(options.termination_log, report)
+    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason,
+              step=report.get("step"))
 
 
 def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,8 +1,14 @@
-"""Ship committed local checkpoints to storage: upload, verify, retention, local prune.
+"""Ship committed local checkpoints to storage: upload, verify, pointer; then housekeeping.
 
 Used by the sidecar's loop and by ``spotguard run``. Upload and verification
 are ``spotguard.checkpoint``'s; this module decides *which* checkpoints to
 ship and when, and keeps the books (metrics, throughput, structured logs).
+
+Shipping one checkpoint is upload (data, then manifest) -> verify -> move
+the ``latest`` pointer. Housekeeping (retention in storage, pruning local
+copies) is separate: the routine loop runs it after shipping, the
+emergency path never does. This shipper is the only one that deletes local
+checkpoints, and only those older than one it verified in storage.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotguard.checkpoint.retention import plan_local_prune
+from spotguard.sidecar.control import save_reason_label
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 
@@ -59,22 +67,6 @@ def plan_shipping(committed: list[str], shipped: set[str], newest_only: bool) ->
     return pending
 
 
-def plan_local_prune(committed: list[str], shipped: set[str], keep: int) -> list[str]:
-    """Pure: local checkpoints that may be deleted.
-
-    Only those older than the newest shipped checkpoint, and never the
-    newest ``keep`` committed ones (the trainer may be restoring from them).
-    """
-    if keep < 1:
-        keep = 1
-    ordered = sorted(committed, key=step_of)
-    newest_shipped = max((step_of(n) for n in shipped), default=None)
-    if newest_shipped is None:
-        return []
-    protected = set(ordered[-keep:])
-    return [n for n in ordered if step_of(n) < newest_shipped and n not in protected]
-
-
 def observed_interval(times: list[float]) -> float | None:
     """Pure: the median gap between consecutive routine checkpoint times (None with fewer than two)."""
     ordered = sorted(times)
@@ -83,20 +75,6 @@ def observed_interval(times: list[float]) -> float | None:
         return None
     mid = len(gaps) // 2
     return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
-
-
-def save_reason_label(reason: str | None) -> str:
-    """Pure: a manifest's save reason as a bounded metric label."""
-    if reason in (None, "", "interval"):
-        return "interval"
-    assert reason is not None
-    if reason.startswith("notice:"):
-        return "notice"
-    if reason in ("sigterm", "signal", "sigint"):
-        return "sigterm"
-    if reason == "proactive":
-        return "proactive"
-    return "other"
 
 
 def retry_delay(failures: int, initial: float = 1.0, maximum: float = 30.0) -> float:
@@ -161,35 +139,63 @@ class CheckpointShipper:
             return []
         return list(list_local_committed(self.checkpoint_dir))
 
+    def mark_verified(self, name: str) -> None:
+        """Record ``name`` as verified in storage without reading it again.
+
+        For a checkpoint restored from storage just now: the restore checked
+        every byte it downloaded against the stored manifest.
+        """
+        with self._lock:
+            if name in self.shipped:
+                return
+            now = time.time()
+            self.shipped[name] = Shipped(name, step_of(name), 0, 0.0, 0.0, now)
+            self.failed.pop(name, None)
+            self.metrics.observe_verified(0.0, step_of(name), now)
+
     def adopt_existing(self) -> None:
-        """Mark local checkpoints that are already verified in storage as shipped.
+        """Mark local checkpoints that are already complete in storage as shipped.
 
         After a restore (init container, restart) the local directory holds a
-        checkpoint that came *from* storage; uploading it again is wasted time.
+        checkpoint that came *from* storage; uploading it again is wasted
+        time, and so is reading it back: the restore verified every byte it
+        downloaded. A local checkpoint counts as stored when storage holds a
+        byte-identical manifest (written only after every data file was
+        stored) and every file with its recorded size. Stops at the first
+        storage error: an unreachable store is not asked once per checkpoint.
         """
-        from spotguard.checkpoint import verify_checkpoint
+        from spotguard.checkpoint import MANIFEST_NAME, verify_checkpoint
+        from spotguard.storage import NotFoundError
 
         with self._lock:
-            for path in self.committed():
+            for path in reversed(self.committed()):
                 if path.name in self.shipped:
                     continue
                 try:
-                    result = verify_checkpoint(self.storage, path.name)
-                except Exception as exc:  # noqa: BLE001 - absent or unreadable: ship it
-                    log.debug("not in storage yet: %s (%s)", path.name, exc)
+                    local = (path / MANIFEST_NAME).read_bytes()
+                    stored = self.storage.read_bytes(f"{path.name}/{MANIFEST_NAME}")
+                    same = stored == local and verify_checkpoint(self.storage, path.name, checksums=False).ok
+                except (NotFoundError, OSError):
                     continue
-                if result.ok:
-                    self.shipped[path.name] = Shipped(path.name, step_of(path.name), 0, 0.0, 0.0,
-                                                      time.time())
-                    self.metrics.observe_verified(0.0, step_of(path.name), time.time())
-                    log.info("already verified in storage: %s", path.name)
+                except Exception as exc:  # noqa: BLE001 - unreachable store: ship later
+                    log.warning("cannot check storage for %s: %s", path.name, _one_line(exc))
+                    return
+                if same:
+                    now = time.time()
+                    self.shipped[path.name] = Shipped(path.name, step_of(path.name), 0, 0.0, 0.0, now)
+                    self.metrics.observe_verified(0.0, step_of(path.name), now)
+                    log.info("already in storage: %s", path.name)
 
-    def ship(self, newest_only: bool = False, upto_step: int | None = None) -> list[Shipped]:
-        """Upload and verify what is pending; apply retention; prune local copies.
+    def ship(self, newest_only: bool = False, upto_step: int | None = None,
+             housekeeping: bool = True) -> list[Shipped]:
+        """Upload, verify and point to what is pending; then, with
+        ``housekeeping``, apply retention and prune local copies.
 
-        ``upto_step`` restricts to checkpoints at or below a step (unused by
-        default). Failures are logged and counted, never raised: the next
-        call tries again.
+        ``newest_only`` (against a deadline) ships only the newest pending
+        checkpoint and ignores the retry backoff; ``upto_step`` restricts to
+        checkpoints at or below a step. Failures are logged and counted,
+        never raised: the next call tries again. A round stops at its first
+        failure (the store is likely down for the rest too).
         """
         with self._lock:
             paths = {p.name: p for p in self.committed()}
@@ -205,12 +211,24 @@ class CheckpointShipper:
             done: list[Shipped] = []
             for name in names:
                 shipped = self._ship_one(paths[name])
-                if shipped is not None:
-                    done.append(shipped)
-            if done:
-                self._retention()
-                self._prune_local()
-            return done
+                if shipped is None:
+                    if name in self.failed:
+                        break
+                    continue
+                done.append(shipped)
+        if done and housekeeping:
+            self.housekeeping()
+        return done
+
+    def housekeeping(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Retention in storage, then local pruning; never part of the emergency path.
+
+        ``should_stop`` is asked before each deletion: a preemption that comes
+        meanwhile gets the shipper back at once.
+        """
+        with self._lock:
+            self._retention(should_stop)
+            self._prune_local()
 
     def _observe_saves(self, paths: dict[str, Path]) -> None:
         """Record each new checkpoint's save time, as its manifest reports it."""
@@ -245,18 +263,19 @@ class CheckpointShipper:
             self.metrics.set_interval(interval)
 
     def _ship_one(self, path: Path) -> Shipped | None:
-        from spotguard.checkpoint import upload_checkpoint, verify_checkpoint
+        from spotguard.checkpoint import update_latest_pointer, upload_checkpoint, verify_checkpoint
 
         name = path.name
         t0 = time.monotonic()
         try:
-            result = upload_checkpoint(path, self.storage)
+            # The pointer moves only after verification (below).
+            result = upload_checkpoint(path, self.storage, update_pointer=False)
         except Exception as exc:  # noqa: BLE001 - storage errors are retried later
             if not (path / "manifest.json").exists():
-                # The trainer pruned it meanwhile: a newer checkpoint supersedes it.
+                # Removed locally meanwhile (only a newer verified one supersedes it).
                 log.info("skipped %s: removed locally while uploading (superseded)", name)
                 return None
-            self.failed[name] = f"upload: {exc}"
+            self.failed[name] = f"upload: {_one_line(exc)}"
             self._backoff(name)
             self.metrics.observe_upload_failed("upload")
             log.error("upload of %s failed after %.3fs: %s", name, time.monotonic() - t0,
@@ -286,9 +305,18 @@ class CheckpointShipper:
         shipped = Shipped(name, step_of(name), nbytes, upload_seconds, verify_seconds, now)
         self.shipped[name] = shipped
         self.failed.pop(name, None)
+        self._failures.pop(name, None)
+        self._retry_at.pop(name, None)
         self.metrics.observe_verified(verify_seconds, shipped.step, now)
         self.tracker.record_upload(nbytes, upload_seconds + verify_seconds)
         self.metrics.set_deadline(self.tracker.assessment(), self.tracker.grace_seconds)
+        t2 = time.monotonic()
+        try:
+            moved = update_latest_pointer(self.storage, shipped.step)
+            log_stage("pointer", time.monotonic() - t2, name=name, moved=moved)
+        except Exception as exc:  # noqa: BLE001 - the pointer is advisory; verified stays verified
+            self.metrics.failure("pointer")
+            log.warning("could not move the latest pointer to %s: %s", name, _one_line(exc))
         if self.on_verified is not None:
             self.on_verified(shipped)
         return shipped
@@ -298,18 +326,45 @@ class CheckpointShipper:
         delay = retry_delay(self._failures[name])
         self._retry_at[name] = time.monotonic() + delay
 
-    def _retention(self) -> None:
-        if self.retention is None:
+    def _retention(self, should_stop: Callable[[], bool]) -> None:
+        """Delete what the policy does not keep.
+
+        The plan is built from the manifests in storage and the newest
+        checkpoint this shipper verified (nothing is read back to verify it
+        again); everything newer than that one is kept by the planner.
+        """
+        last = self.last_shipped
+        if self.retention is None or last is None:
             return
-        from spotguard.checkpoint import apply_retention
+        from spotguard.checkpoint import (
+            ManifestError,
+            RetentionCandidate,
+            delete_checkpoint,
+            list_checkpoint_names,
+            plan_retention,
+            read_manifest,
+        )
+        from spotguard.storage import NotFoundError
 
         t0 = time.monotonic()
+        deleted: list[str] = []
         try:
-            deleted = apply_retention(self.storage, self.retention)
+            candidates = []
+            for name in list_checkpoint_names(self.storage):
+                try:
+                    manifest = read_manifest(self.storage, name)
+                except (NotFoundError, ManifestError):
+                    continue  # incomplete or broken: garbage collection's business
+                candidates.append(RetentionCandidate(name, manifest.step, dict(manifest.metrics)))
+            plan = plan_retention(candidates, self.retention, last.name)
+            for name in plan.delete:
+                if should_stop():
+                    break
+                delete_checkpoint(self.storage, name)
+                deleted.append(name)
         except Exception as exc:  # noqa: BLE001
             self.metrics.failure("retention")
             log.error("retention failed: %s", _one_line(exc))
-            return
         if deleted:
             log_stage("retention", time.monotonic() - t0, deleted=",".join(deleted))
 

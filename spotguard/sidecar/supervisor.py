@@ -7,8 +7,17 @@ upload, verify, exit) and restarts the command after a crash within a
 budget. It keeps nothing in memory that the next start needs: a supervisor
 killed with SIGKILL is replaced by running the same command again.
 
+A complete local checkpoint is never dropped because storage is down: one
+that verifies against its own manifest and is newer than anything
+verified in storage is kept, resumed from, and shipped once storage
+answers again. Retention (``--keep-*``) is the sidecar's: applied after
+routine uploads and when the command finished, never on the way out of a
+preemption. ``--notices`` turns on the sidecar's cloud and Kubernetes
+notice pollers: a notice yields a verified checkpoint before SIGTERM.
+
 Exit statuses: 0 the command finished; 128+N preempted by signal N with a
-verified checkpoint (143 for SIGTERM, 130 for SIGINT); 3 the newest
+verified checkpoint (143 for SIGTERM, 130 for SIGINT; 143 too when the
+command stopped for a preemption it was told about directly); 3 the newest
 checkpoint (after a preemption, or the last one of a finished command) could
 not be verified in storage; 2 a usage or setup error; else the command's own
 status once the restart budget is spent.
@@ -35,10 +44,12 @@ from typing import IO, TYPE_CHECKING
 
 from spotguard.sidecar.control import CheckpointRequest, ControlChannel
 from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
 from spotguard.sidecar.service import AgentConfig, CheckpointAgent, SignalLatch
-from spotguard.sidecar.shipper import log_stage
+from spotguard.sidecar.shipper import log_stage, step_of
 
 if TYPE_CHECKING:
+    from spotguard.checkpoint import CheckpointInfo, RetentionPolicy
     from spotguard.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -77,6 +88,10 @@ class RunConfig:
     job: str = ""
     save_every_seconds: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    retention: RetentionPolicy | None = None
+    notice_sources: list[NoticeSource] = field(default_factory=list)
+    notice_interval_seconds: float = 2.0
+    notice_stops_training: bool = False
 
     @property
     def control_dir(self) -> Path:
@@ -167,8 +182,11 @@ class Supervisor:
             keep_local=config.keep_local,
             trainer_markers={RUN_ID_ENV: self.run_id},
             save_every_seconds=config.save_every_seconds,
+            notice_stops_training=config.notice_stops_training,
         )
-        self.agent = CheckpointAgent(agent_config, storage, metrics, trainer_state=self._child_state)
+        self.agent = CheckpointAgent(agent_config, storage, metrics, config.retention,
+                                     trainer_state=self._child_state)
+        self.agent.interrupt = self.latch.event
         self.attempt = 0
 
     def _child_state(self) -> str:
@@ -181,12 +199,16 @@ class Supervisor:
     def recover(self) -> None:
         """Make the work directory safe to start from, whatever happened before.
 
-        Ship complete local checkpoints that never reached storage (the
-        previous supervisor may have died before uploading them), drop local
-        ones that fail verification, forget the old control channel, and
-        stage the newest verified checkpoint.
+        Forget the old control channel and half-written checkpoints; drop
+        local checkpoints that fail their own manifest (they cannot be
+        loaded); ship complete ones that never reached storage (the previous
+        supervisor may have died before, or storage was down); stage a
+        checkpoint from storage only when it is newer than the newest local
+        one. With storage unreachable, the newest complete local checkpoint
+        is resumed from (and shipped once storage answers); only with
+        nothing local either is that a reason to stop.
         """
-        from spotguard.checkpoint import restore_latest
+        from spotguard.checkpoint import verify_local_checkpoint
 
         ckdir = self.config.checkpoint_dir
         ckdir.mkdir(parents=True, exist_ok=True)
@@ -194,27 +216,57 @@ class Supervisor:
             # Half-written by a trainer that died; no writer can be alive now.
             shutil.rmtree(tmp, ignore_errors=True)
         ControlChannel(self.config.control_dir).clear()
-        self.agent.shipper.adopt_existing()
-        self.agent.shipper.ship()
-        for path in self.agent.shipper.committed():
-            if path.name not in self.agent.shipper.shipped:
-                log.warning("dropping local %s: it could not be verified in storage (%s)",
-                            path.name, self.agent.shipper.failed.get(path.name, "not shipped"))
-                shutil.rmtree(path, ignore_errors=True)
+        shipper = self.agent.shipper
+        shipper.adopt_existing()
+        newest_local: str | None = None
+        for path in reversed(shipper.committed()):
+            if path.name in shipper.shipped:
+                newest_local = newest_local or path.name
+                continue
+            result = verify_local_checkpoint(path)
+            if result.ok:
+                newest_local = newest_local or path.name
+                continue
+            log.warning("dropping local %s: it fails its own manifest (%s)", path.name, result.reason)
+            shutil.rmtree(path, ignore_errors=True)
+        shipper.ship(housekeeping=False)
         t0 = time.monotonic()
         try:
-            info = restore_latest(self.storage, ckdir)
-        except Exception as exc:  # noqa: BLE001 - reported, then start from scratch is wrong: stop
+            info = self._restore_newer_than(step_of(newest_local) if newest_local else -1)
+        except Exception as exc:  # noqa: BLE001 - storage down: the local state decides
             self.metrics.failure("restore")
-            raise SetupError(f"cannot restore from {self.config.storage_uri}: {exc}") from exc
-        if info is None:
+            if newest_local is None:
+                raise SetupError(f"cannot restore from {self.config.storage_uri}: {exc}") from exc
+            log.warning("storage unreachable (%s): resuming from local %s, which is not verified in "
+                        "storage yet; it is shipped once storage answers", " ".join(str(exc).split()),
+                        newest_local)
+            return
+        if info is not None:
+            log_stage("restore", time.monotonic() - t0, name=info.name, step=info.step)
+            # The restore verified every byte against the stored manifest.
+            shipper.mark_verified(info.name)
+        elif newest_local is not None:
+            verified = newest_local in shipper.shipped
+            log.info("resuming from local %s%s", newest_local,
+                     "" if verified else " (not verified in storage yet; shipping it)")
+        else:
             log.info("no verified checkpoint in %s yet: starting from scratch",
                      self.config.storage_uri)
-        else:
-            log_stage("restore", time.monotonic() - t0, name=getattr(info, "name", None),
-                      step=getattr(info, "step", None))
-        # Whatever restore staged came from storage: mark it shipped.
-        self.agent.shipper.adopt_existing()
+
+    def _restore_newer_than(self, step: int) -> CheckpointInfo | None:
+        """Stage the newest checkpoint in storage newer than ``step`` that
+        verifies (walking back past broken ones); None when there is none.
+        Storage errors propagate."""
+        from spotguard.checkpoint import CheckpointCorruptError, list_checkpoint_names, restore_checkpoint
+
+        for name in reversed(list_checkpoint_names(self.storage)):
+            if step_of(name) <= step:
+                return None
+            try:
+                return restore_checkpoint(self.storage, name, self.config.checkpoint_dir)
+            except CheckpointCorruptError as exc:
+                log.warning("skipping checkpoint %s: %s", self.storage.uri_for(name), "; ".join(exc.problems))
+        return None
 
     # -- child ---------------------------------------------------------------
 
@@ -267,9 +319,15 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until the command finishes, is preempted, or runs out of restarts."""
         self.latch.install()
+        watcher = NoticeWatcher(self.config.notice_sources, self.agent.enqueue_notice,
+                                self.config.notice_interval_seconds,
+                                on_error=lambda _name: self.metrics.failure("notice"))
         try:
             kill_leftovers(self.config.workdir)
             self.recover()
+            if self.config.notice_sources:
+                watcher.start()
+                log.info("polling notices: %s", ",".join(s.name for s in self.config.notice_sources))
             restarts = 0
             while True:
                 if self.latch.event.is_set():
@@ -285,11 +343,7 @@ class Supervisor:
                 rc = self.child.returncode
                 shipped = self.agent.flush(time.time() + self.config.grace_seconds)
                 if rc == 0:
-                    if not shipped:
-                        return EXIT_EMERGENCY_FAILED
-                    log.info("command finished; newest verified checkpoint: %s",
-                             self._last_name())
-                    return EXIT_FINISHED
+                    return self._ended(shipped)
                 restarts += 1
                 reason = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
                 if restarts > self.config.max_restarts:
@@ -305,8 +359,22 @@ class Supervisor:
                     return self._preempted()
                 self.recover()
         finally:
+            watcher.stop()
             self._signal_group(signal.SIGKILL)
             self.latch.restore()
+
+    def _ended(self, shipped: bool) -> int:
+        """The command exited 0: finished, or stopped for a preemption it was told about."""
+        end = self.agent.run_end(None, trainer_gone_before_signal=True)
+        if not shipped:
+            return EXIT_EMERGENCY_FAILED
+        if end.preempted:
+            log.info("preempted (%s): newest verified checkpoint %s; run the same command to resume",
+                     end.reason, self._last_name())
+            return 128 + int(signal.SIGTERM)
+        log.info("command finished; newest verified checkpoint: %s", self._last_name())
+        self.agent.shipper.housekeeping(self.latch.event.is_set)
+        return EXIT_FINISHED
 
     def _preempted(self) -> int:
         source = self.latch.source or "sigterm"
@@ -320,6 +388,10 @@ class Supervisor:
                 log.error("command still running at the deadline: killing it")
                 self._signal_group(signal.SIGKILL)
                 self.child.wait()
+        self.agent.settle_pending()
+        end = self.agent.run_end(source, trainer_gone_before_signal=False)
+        log_stage("report", 0.0, preempted=end.preempted, reason=end.reason,
+                  step=self.agent.shipper.last_shipped.step if self.agent.shipper.last_shipped else None)
         if not ok:
             return EXIT_EMERGENCY_FAILED
         signum = signal.SIGINT if source == "sigint" else signal.SIGTERM

@@ -6,15 +6,15 @@ and numpy only when they are already imported by the training code.
 
 from __future__ import annotations
 
-from spotguard.trainer.checkpointer import (
+from spotguard.sidecar.control import (
     ACK_FILE,
     EXIT_FILE,
     PID_FILE,
     REQUEST_FILE,
-    Checkpointer,
     CheckpointRequest,
     parse_request,
 )
+from spotguard.trainer.checkpointer import Checkpointer
 from spotguard.trainer.state import RestoredState, capture_rng, restore_rng, torch_state
 
 __all__ = [

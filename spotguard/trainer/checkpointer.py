@@ -30,7 +30,6 @@ import os
 import signal
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -53,50 +52,23 @@ from spotguard.checkpoint.local import (
     write_checkpoint,
 )
 from spotguard.checkpoint.manifest import ManifestError, checkpoint_name
-from spotguard.checkpoint.retention import RetentionCandidate, RetentionPolicy, plan_retention
+from spotguard.checkpoint.retention import RetentionCandidate, RetentionPolicy, plan_local_prune, plan_retention
+from spotguard.sidecar.control import (
+    ACK_FILE,
+    CONTROL_SUBDIR,
+    EXIT_FILE,
+    INTERNAL_REQUEST_PREFIXES,
+    PID_FILE,
+    REQUEST_FILE,
+    CheckpointRequest,
+    TrainerExit,
+    ack_json,
+    parse_request,
+)
+from spotguard.sidecar.control import atomic_write_json as _write_json_atomic
 from spotguard.trainer.state import RestoredState, restore_rng
 
 log = logging.getLogger(__name__)
-
-REQUEST_FILE = "checkpoint-request.json"
-ACK_FILE = "checkpoint-ack.json"
-PID_FILE = "trainer.pid"
-EXIT_FILE = "trainer-exit.json"
-CONTROL_SUBDIR = ".control"
-
-
-@dataclass(frozen=True)
-class CheckpointRequest:
-    """A request to checkpoint now (from the sidecar, a signal, or a supervisor)."""
-
-    id: str
-    reason: str
-    deadline: float | None = None
-    preempt: bool = False
-
-
-def parse_request(data: bytes | str) -> CheckpointRequest:
-    """Parse ``checkpoint-request.json``; raises ValueError when malformed."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict):
-        raise ValueError("checkpoint request is not a JSON object")
-    rid = doc.get("id")
-    if not isinstance(rid, str) or not rid:
-        raise ValueError("checkpoint request has no string 'id'")
-    reason = doc.get("reason", "")
-    deadline = doc.get("deadline")
-    if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)):
-        raise ValueError(f"checkpoint request deadline {deadline!r} is not a number")
-    preempt = doc.get("preempt", False)
-    if not isinstance(preempt, bool):
-        raise ValueError(f"checkpoint request 'preempt' {preempt!r} is not a boolean")
-    return CheckpointRequest(
-        id=rid,
-        reason=str(reason),
-        deadline=None if deadline is None else float(deadline),
-        preempt=preempt,
-    )
-
 
 @dataclass
 class _PersistJob:
@@ -135,14 +107,30 @@ def _env_float(env: Mapping[str, str], key: str) -> float | None:
     return value
 
 
-def _write_json_atomic(path: Path, doc: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+PRUNE_SELF = "self"
+PRUNE_UPLOADER = "uploader"
+PRUNE_LOCAL_ONLY = "local-only"
+
+
+def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool) -> str:
+    """Pure: who deletes this trainer's local checkpoints.
+
+    Only the uploader prunes, and only what is safe in storage:
+
+    - ``self``: the Checkpointer uploads itself (``upload=True``), so it
+      prunes checkpoints older than one it verified in storage;
+    - ``uploader``: a storage URI or a shared control directory means a
+      sidecar or ``spotguard run`` ships the checkpoints; it prunes, the
+      trainer never does (a checkpoint deleted before its upload is lost);
+    - ``local-only``: nothing ever ships them; a newer local checkpoint
+      supersedes an older one by design, so ``keep_local`` / the retention
+      policy prune locally.
+    """
+    if upload:
+        return PRUNE_SELF
+    if storage_uri or shares_control_dir:
+        return PRUNE_UPLOADER
+    return PRUNE_LOCAL_ONLY
 
 
 class Checkpointer:
@@ -152,6 +140,12 @@ class Checkpointer:
     ``storage_uri`` is the job's remote root, used by :meth:`restore` when no
     local checkpoint exists and, with ``upload=True``, to upload each
     checkpoint after it is committed (in a pod the sidecar uploads instead).
+
+    Local checkpoints are deleted only by whoever uploads them (see
+    :func:`local_pruner`): with a storage URI and no ``upload``, never by
+    the Checkpointer; with ``upload=True``, those older than one it
+    verified in storage, keeping the newest ``keep_local``; without any
+    storage, all but the newest ``keep_local`` (or as ``retention`` says).
     """
 
     def __init__(
@@ -187,6 +181,10 @@ class Checkpointer:
         self.keep_local = keep_local
         self.retention = retention
         self.upload = upload and self.storage_uri is not None
+        self.local_pruner = local_pruner(self.upload, self.storage_uri, control_dir is not None)
+        # Checkpoints this process knows are verified in storage (uploaded and
+        # verified here, or restored from storage).
+        self._verified: set[str] = set()
         self.job = job
         self.attempt = attempt
         self.async_save = async_save
@@ -485,25 +483,40 @@ class Checkpointer:
 
     def _after_commit(self, path: Path) -> None:
         if self.upload:
-            try:
-                from spotguard.checkpoint.gc import apply_retention
-                from spotguard.checkpoint.remote import upload_checkpoint
-
-                storage = self._open_storage()
-                result = upload_checkpoint(path, storage)
-                log.info("uploaded %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
-                if self.retention is not None and not self.retention.keeps_everything:
-                    apply_retention(storage, self.retention)
-            except Exception as exc:
-                self.last_error = exc
-                log.error("upload of %s failed: %s", path.name, exc)
+            self._upload(path)
         try:
-            if self.retention is not None and not self.retention.keeps_everything and self.storage_uri is None:
-                self._apply_local_retention(path)
-            else:
-                prune_local(self.directory, self.keep_local, protect=[path])
+            if self.local_pruner == PRUNE_SELF:
+                for name in plan_local_prune([p.name for p in list_local_committed(self.directory)],
+                                             self._verified, self.keep_local):
+                    remove_checkpoint_dir(self.directory / name)
+            elif self.local_pruner == PRUNE_LOCAL_ONLY:
+                if self.retention is not None and not self.retention.keeps_everything:
+                    self._apply_local_retention(path)
+                else:
+                    prune_local(self.directory, self.keep_local, protect=[path])
+            # PRUNE_UPLOADER: the sidecar / ``spotguard run`` prunes what it verified.
         except OSError as exc:
             log.warning("could not prune local checkpoints: %s", exc)
+
+    def _upload(self, path: Path) -> None:
+        """Upload, verify, move the pointer, then apply retention in storage."""
+        try:
+            from spotguard.checkpoint.gc import apply_retention
+            from spotguard.checkpoint.remote import update_latest_pointer, upload_checkpoint, verify_checkpoint
+
+            storage = self._open_storage()
+            result = upload_checkpoint(path, storage, update_pointer=False)
+            verdict = verify_checkpoint(storage, path.name)
+            if not verdict.ok:
+                raise RuntimeError("verification failed: " + verdict.reason)
+            self._verified.add(path.name)
+            update_latest_pointer(storage, result.step)
+            log.info("uploaded and verified %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
+            if self.retention is not None and not self.retention.keeps_everything:
+                apply_retention(storage, self.retention)
+        except Exception as exc:
+            self.last_error = exc
+            log.error("upload of %s failed: %s", path.name, exc)
 
     def _apply_local_retention(self, newest: Path) -> None:
         assert self.retention is not None
@@ -524,14 +537,10 @@ class Checkpointer:
         committed = path or self._newest_local()
         # Internal (signal) requests first: the last ack written is the one a
         # sidecar waiting on a file request reads.
-        for request in sorted(requests, key=lambda r: not r.id.startswith(("sigterm-", "sigusr1-", "local-"))):
+        for request in sorted(requests, key=lambda r: not r.id.startswith(INTERNAL_REQUEST_PREFIXES)):
             self._handled.add(request.id)
-            doc: dict[str, Any] = {"id": request.id, "step": None, "name": None}
-            if committed is not None:
-                step = int(committed.name.split("-")[1])
-                doc.update(step=step, name=committed.name)
-            if deadline_exceeded or path is None:
-                doc["complete"] = False
+            doc = ack_json(request.id, committed.name if committed is not None else None,
+                           complete=path is not None and not deadline_exceeded)
             try:
                 _write_json_atomic(self.control_dir / ACK_FILE, doc)
             except OSError as exc:
@@ -586,7 +595,7 @@ class Checkpointer:
         with contextlib.suppress(OSError):
             _write_json_atomic(
                 self.control_dir / EXIT_FILE,
-                {"pid": os.getpid(), "preempted": self._preempted, "last_step": self._last_snapshot_step},
+                TrainerExit(os.getpid(), self._preempted, self._last_snapshot_step).to_json(),
             )
 
     def __enter__(self) -> Checkpointer:
@@ -629,6 +638,7 @@ class Checkpointer:
 
             info = restore_latest(self._open_storage(), self.directory)
             if info is not None:
+                self._verified.add(info.name)
                 restored = self._load_local(Path(info.uri))
         if restored is None:
             log.info("no checkpoint to restore; starting fresh")

@@ -329,3 +329,34 @@ def test_a_state_that_cannot_be_saved_still_ends_a_preemption(ckdir: Path) -> No
     with pytest.raises(StateError, match="cannot be checkpointed"):
         ck.save(1, {"bad": object()})
     assert ck.preempted and read_ack(ckdir / ".control")["id"] == "x"
+
+
+# -- only the uploader prunes, and only what is safe in storage --------------------------------
+
+
+def test_a_trainer_with_an_uploader_never_prunes(ckdir: Path, s3_store: Any, s3_uri: str) -> None:
+    # In a pod or under `spotguard run` the sidecar ships the checkpoints; a
+    # checkpoint the trainer deleted before its upload (a keep-every or
+    # keep-best candidate) would be gone for good.
+    ck = Checkpointer(ckdir, storage_uri=s3_uri, storage_options=s3_options(s3_store), keep_local=1)
+    for step in range(1, 6):
+        ck.save(step, step_tensors(step), blocking=True)
+    ck.close()
+    assert steps_of(ckdir) == [1, 2, 3, 4, 5]
+
+
+def test_an_uploading_trainer_prunes_only_what_it_verified(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
+    ckdir = tmp_path / "ck"
+    ck = Checkpointer(ckdir, storage_uri=s3_uri, storage_options=s3_options(s3_store), upload=True, keep_local=1)
+    ck.save(1, step_tensors(1), blocking=True)
+    ck.save(2, step_tensors(2), blocking=True)
+    assert steps_of(ckdir) == [2]  # 1 is superseded by 2, which is verified in storage
+    # Storage refuses every request from now on (the credentials were
+    # revoked): nothing newer is verified, so nothing is pruned.
+    ck.storage_options = {**s3_options(s3_store), "secret_key": "revoked"}
+    ck._storage = None  # noqa: SLF001 - reopen with the new credentials
+    for step in (3, 4, 5):
+        ck.save(step, step_tensors(step), blocking=True)
+    ck.close()
+    assert steps_of(ckdir) == [2, 3, 4, 5]
+    assert ck.last_error is not None

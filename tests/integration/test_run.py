@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -185,3 +186,31 @@ def test_a_second_supervisor_on_the_same_workdir_is_refused(tmp_path: Path) -> N
         assert "another spotguard run is using" in result.stderr
         first.signal(signal.SIGINT)
         assert first.wait() == 128 + signal.SIGINT, first.tail()
+
+
+@pytest.mark.integration
+def test_applies_the_sidecars_retention_policy(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    from spotguard.checkpoint import RetentionCandidate, RetentionPolicy, list_checkpoint_names, plan_retention
+
+    storage = s3_storage(s3_store, s3_uri)
+    env = base_env({**s3_store.env(), "SPOTGUARD_KEEP_LAST": "1", "SPOTGUARD_KEEP_BEST": "2",
+                    "SPOTGUARD_BEST_METRIC": "loss"})
+    with reaping() as procs:
+        proc = Proc(run_argv(tmp_path / "work", s3_uri, *train_argv(STEPS, None, 0.0, SAVE_EVERY)), env,
+                    tmp_path / "run.log")
+        procs.append(proc)
+        assert proc.wait() == 0, proc.tail()
+    # Checkpoints after steps 10, 20, ..., 110 carry their step's loss; the
+    # final one (119) none. What the policy keeps, from the losses printed.
+    # (The trainer's line and its newline are two writes: a log line may come between.)
+    losses = {int(m.group(1)): float(m.group(2))
+              for m in re.finditer(r"step (\d+) loss (-?\d+\.\d{6})", proc.text())}
+    candidates = [RetentionCandidate(f"ckpt-{s:012d}", s, {"loss": losses[s]}) for s in range(SAVE_EVERY, STEPS,
+                                                                                          SAVE_EVERY)]
+    candidates.append(RetentionCandidate(f"ckpt-{STEPS - 1:012d}", STEPS - 1, {}))
+    plan = plan_retention(candidates, RetentionPolicy(keep_last=1, keep_best=2, metric="loss"),
+                          f"ckpt-{STEPS - 1:012d}")
+    assert len(plan.keep) == 3
+    assert list_checkpoint_names(storage) == sorted(plan.keep)
+    # Locally, only the newest is left (the older ones are safe in storage or superseded).
+    assert [p.name for p in (tmp_path / "work" / "checkpoints").glob("ckpt-*")] == [f"ckpt-{STEPS - 1:012d}"]

@@ -189,3 +189,133 @@ def s3_storage(s3_store: Any, uri: str) -> Any:
 
     return open_storage(uri, endpoint_url=s3_store.endpoint_url, access_key=s3_store.access_key,
                         secret_key=s3_store.secret_key, region=s3_store.region)
+
+
+class StoreProxy:
+    """An HTTP proxy in front of the real S3 store that can fail on demand, and counts requests.
+
+    ``down()``: every connection is closed without an answer (the store is
+    unreachable); ``fail_for(seconds)``: every request answers 500
+    InternalError until then; ``up()``: requests pass through. ``requests``
+    logs ``(time, method, path, status)`` of each request; SigV4 signatures
+    stay valid because the Host header is passed on unchanged.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        up = urlsplit(upstream)
+        self.lock = threading.Lock()
+        self.requests: list[tuple[float, str, str, int]] = []
+        self._down = False
+        self._fail_until = 0.0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def handle_one_request(self) -> None:
+                if proxy.is_down():
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                super().handle_one_request()
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if proxy.failing():
+                    payload = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+                               b"<Message>injected by the test</Message></Error>")
+                    proxy.log(self.command, self.path, 500)
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("expect", "connection")}
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=60)
+                try:
+                    conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for k, v in headers.items():
+                        conn.putheader(k, v)
+                    conn.endheaders(body)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    proxy.log(self.command, self.path, resp.status)
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(k, v)
+                    if self.command != "HEAD":
+                        self.send_header("Content-Length", str(len(data)))
+                    else:
+                        self.send_header("Content-Length", resp.getheader("Content-Length") or "0")
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward  # noqa: N815 - http.server's naming
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def is_down(self) -> bool:
+        with self.lock:
+            return self._down
+
+    def failing(self) -> bool:
+        with self.lock:
+            return time.monotonic() < self._fail_until
+
+    def log(self, method: str, path: str, status: int) -> None:
+        with self.lock:
+            self.requests.append((time.time(), method, path, status))
+
+    def down(self) -> None:
+        with self.lock:
+            self._down = True
+
+    def up(self) -> None:
+        with self.lock:
+            self._down = False
+            self._fail_until = 0.0
+
+    def fail_for(self, seconds: float) -> None:
+        with self.lock:
+            self._fail_until = time.monotonic() + seconds
+
+    def since(self, when: float) -> list[tuple[float, str, str, int]]:
+        with self.lock:
+            return [r for r in self.requests if r[0] >= when]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=5)
+
+    def env(self, s3_env: Mapping[str, str]) -> dict[str, str]:
+        """The store's environment with the endpoint pointing at this proxy."""
+        return {**s3_env, "AWS_ENDPOINT_URL_S3": self.url, "AWS_ENDPOINT_URL": self.url}
+
+
+@contextlib.contextmanager
+def store_proxy(s3_store: Any) -> Iterator[StoreProxy]:
+    """A :class:`StoreProxy` in front of the test store for the duration of the block."""
+    proxy = StoreProxy(s3_store.endpoint_url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

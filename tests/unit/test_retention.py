@@ -157,3 +157,25 @@ def test_policy_from_env(env: dict[str, str], expected: RetentionPolicy) -> None
 def test_policy_from_env_rejects_garbage() -> None:
     with pytest.raises(ValueError, match="SPOTGUARD_KEEP_LAST must be an integer"):
         RetentionPolicy.from_env({"SPOTGUARD_KEEP_LAST": "many"})
+
+
+def ck(*steps: int) -> list[str]:
+    return [f"ckpt-{s:012d}" for s in steps]
+
+
+@pytest.mark.parametrize(
+    ("committed", "verified", "keep", "want"),
+    [
+        (ck(10, 20, 30), set(), 1, []),  # nothing verified in storage: keep everything
+        (ck(10, 20, 30), set(ck(30)), 1, ck(10, 20)),
+        (ck(10, 20, 30), set(ck(30)), 2, ck(10)),
+        (ck(10, 20, 30), set(ck(20)), 1, ck(10)),  # 30 is not verified yet: kept
+        (ck(10, 20, 30, 40), set(ck(10, 20)), 1, ck(10)),  # never what is newer than the newest verified
+        (ck(10, 20, 30), set(ck(30)), 0, ck(10, 20)),  # keep at least one
+        (ck(30, 10, 20), set(ck(30)), 1, ck(10, 20)),  # by step, not listing order
+    ],
+)
+def test_plan_local_prune(committed: list[str], verified: set[str], keep: int, want: list[str]) -> None:
+    from spotguard.checkpoint.retention import plan_local_prune
+
+    assert plan_local_prune(committed, verified, keep) == want

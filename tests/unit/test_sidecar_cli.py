@@ -59,3 +59,45 @@ def test_bad_number_in_the_environment_only_affects_its_command(
     with pytest.raises(SystemExit):
         p.parse_args(["sidecar"])
     assert "--grace-seconds: invalid float value: 'soon'" in capsys.readouterr().err
+
+
+RETENTION_ENV = ("SPOTGUARD_KEEP_LAST", "SPOTGUARD_KEEP_BEST", "SPOTGUARD_BEST_METRIC", "SPOTGUARD_BEST_MODE",
+                 "SPOTGUARD_KEEP_EVERY", "SPOTGUARD_KEEP_LOCAL", "SPOTGUARD_NOTICES")
+
+
+@pytest.mark.parametrize("command", [["sidecar", "--storage", "file:///x"], ["run", "--", "true"]])
+def test_run_and_sidecar_share_the_retention_policy(command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotguard.checkpoint import RetentionPolicy
+
+    for key in RETENTION_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert cli.retention_from_args(parser().parse_args(command)) is None  # no rule: keep everything
+    monkeypatch.setenv("SPOTGUARD_KEEP_LAST", "1")
+    monkeypatch.setenv("SPOTGUARD_KEEP_BEST", "2")
+    monkeypatch.setenv("SPOTGUARD_BEST_METRIC", "loss")
+    args = parser().parse_args(command)
+    assert cli.retention_from_args(args) == RetentionPolicy(keep_last=1, keep_best=2, metric="loss")
+    # Options override the environment.
+    args = parser().parse_args([command[0], "--keep-last", "3", "--keep-every", "100", "--best-mode", "max",
+                                *command[1:]])
+    assert cli.retention_from_args(args) == RetentionPolicy(keep_last=3, keep_best=2, metric="loss", mode="max",
+                                                            keep_every=100)
+    assert args.keep_local == 1
+
+
+def test_run_turns_on_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in RETENTION_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert parser().parse_args(["run", "--", "true"]).notices == ""
+    args = parser().parse_args(["run", "--notices", "aws,gce", "--aws-imds-endpoint", "http://127.0.0.1:1",
+                                "--notice-interval", "0.5", "--", "true"])
+    assert (args.notices, args.aws_imds_endpoint, args.notice_interval) == ("aws,gce", "http://127.0.0.1:1", 0.5)
+    monkeypatch.setenv("SPOTGUARD_NOTICES", "azure")
+    assert parser().parse_args(["run", "--", "true"]).notices == "azure"
+
+
+def test_a_retention_rule_without_its_metric_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in RETENTION_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="keep_best needs a metric name"):
+        cli.retention_from_args(parser().parse_args(["run", "--keep-best", "2", "--", "true"]))

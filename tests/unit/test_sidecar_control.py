@@ -52,3 +52,91 @@ def test_signal_trainer_asks_last_whether_the_pid_is_still_announced(announced: 
     assert sent is want
     assert asked == [os.getpid()]
     assert got == ([signal.SIGUSR1] if want else [])
+
+
+# -- one protocol for both sides -------------------------------------------------------------
+
+
+def test_trainer_and_uploader_share_one_protocol_module() -> None:
+    import spotguard.sidecar.control as protocol
+    import spotguard.trainer as trainer
+    import spotguard.trainer.checkpointer as checkpointer
+
+    # One request type, one parser, one set of file names: the trainer's are the protocol's.
+    assert trainer.CheckpointRequest is protocol.CheckpointRequest
+    assert trainer.parse_request is protocol.parse_request
+    for name in ("REQUEST_FILE", "ACK_FILE", "PID_FILE", "EXIT_FILE"):
+        assert getattr(trainer, name) == getattr(protocol, name)
+    assert checkpointer.CONTROL_SUBDIR == protocol.CONTROL_SUBDIR
+    # A request as the uploader writes it parses back to the same request on the trainer's side.
+    req = CheckpointRequest(id="r9", reason="notice:aws", deadline=123.5, preempt=True, written_at=99.0)
+    assert protocol.parse_request(__import__("json").dumps(req.to_json())) == req
+
+
+@pytest.mark.parametrize(
+    ("request_id", "committed", "complete", "want"),
+    [
+        ("r1", "ckpt-000000000007", True, {"id": "r1", "step": 7, "name": "ckpt-000000000007"}),
+        ("r1", "ckpt-000000000005", False,
+         {"id": "r1", "step": 5, "name": "ckpt-000000000005", "complete": False}),
+        ("r1", None, True, {"id": "r1", "step": None, "name": None, "complete": False}),
+    ],
+)
+def test_ack_json(request_id: str, committed: str | None, complete: bool, want: dict[str, object]) -> None:
+    from spotguard.sidecar.control import ack_json
+
+    assert ack_json(request_id, committed, complete) == want
+
+
+def _exit(preempted: bool | None) -> object:
+    from spotguard.sidecar.control import TrainerExit
+
+    return TrainerExit(pid=12, preempted=preempted, last_step=40)
+
+
+@pytest.mark.parametrize(
+    ("exit_preempted", "newest_reason", "stop_reason", "want"),
+    [
+        (True, "interval", None, True),  # the exit file wins
+        (False, "sigterm", None, False),
+        ("absent", "sigterm", None, True),  # no exit file: the newest save's reason
+        ("absent", "interval", None, False),
+        ("absent", "notice:aws", None, False),  # a notice's save does not stop training...
+        ("absent", "notice:aws", "notice:aws", True),  # ...unless the notice asked it to
+        ("absent", None, None, None),  # nothing to go on
+        (None, "sigterm", None, True),  # an exit file that does not say: the manifest
+    ],
+)
+def test_trainer_said_preempted(exit_preempted: object, newest_reason: str | None, stop_reason: str | None,
+                                want: bool | None) -> None:
+    from spotguard.sidecar.control import trainer_said_preempted
+
+    exit_doc = None if exit_preempted == "absent" else _exit(exit_preempted)  # type: ignore[arg-type]
+    assert trainer_said_preempted(exit_doc, newest_reason, stop_reason) is want  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("signal_source", "gone_before", "trainer_preempted", "stop_reason", "want"),
+    [
+        # A signal while the trainer runs: a preemption, whatever else.
+        ("sigterm", False, False, None, (True, "sigterm")),
+        ("sigint", False, None, None, (True, "sigint")),
+        # A native sidecar stopped after a trainer that simply finished.
+        ("sigterm", True, False, None, (False, "finished")),
+        ("sigterm", True, True, None, (True, "sigterm")),
+        ("sigterm", True, None, None, (True, "sigterm")),  # unknown: never a wrong "finished"
+        # The trainer exited first (no signal for us, yet).
+        (None, True, True, None, (True, "sigterm")),
+        (None, True, False, None, (False, "finished")),
+        (None, True, None, None, (False, "finished")),
+        (None, True, True, "notice:gce", (True, "notice:gce")),
+        (None, True, False, "notice:gce", (True, "notice:gce")),
+    ],
+)
+def test_decide_run_end(signal_source: str | None, gone_before: bool, trainer_preempted: bool | None,
+                        stop_reason: str | None, want: tuple[bool, str]) -> None:
+    from spotguard.sidecar.control import RunEnd, decide_run_end
+
+    got = decide_run_end(signal_source=signal_source, trainer_gone_before_signal=gone_before,
+                         trainer_preempted=trainer_preempted, stop_reason=stop_reason)
+    assert got == RunEnd(*want)

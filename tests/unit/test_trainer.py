@@ -135,3 +135,20 @@ def test_load_into_names_what_is_missing() -> None:
         restored.load_into(gen=torch.Generator())
     with pytest.raises(TypeError, match="saved as a plain value"):
         restored.load_into(epoch=object())
+
+
+@pytest.mark.parametrize(
+    ("upload", "storage_uri", "shares_control_dir", "want"),
+    [
+        (True, "s3://b/job", False, "self"),  # uploads itself: prunes what it verified
+        (False, "s3://b/job", False, "uploader"),  # a sidecar / spotguard run ships and prunes
+        (False, None, True, "uploader"),
+        (False, "s3://b/job", True, "uploader"),
+        (False, None, False, "local-only"),  # nothing ever ships: newer supersedes older
+    ],
+)
+def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_control_dir: bool,
+                                  want: str) -> None:
+    from spotguard.trainer.checkpointer import local_pruner
+
+    assert local_pruner(upload, storage_uri, shares_control_dir) == want

@@ -1,0 +1,135 @@
+"""The sidecar's emergency path: save -> upload -> verify -> pointer -> report, and nothing else.
+
+The store (real SeaweedFS) sits behind a proxy of the test's own that logs
+every request and can answer 500 for a while. The trainer and sidecar are
+real processes, as in a pod.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import pytest
+from test_sidecar_helpers import (
+    Proc,
+    base_env,
+    reaping,
+    s3_storage,
+    spotguard_argv,
+    store_proxy,
+    train_argv,
+    wait_until,
+)
+
+from spotguard.checkpoint import latest_verified, list_checkpoint_names
+
+pytestmark = pytest.mark.integration
+
+
+def _pod(tmp_path: Path, env: dict[str, str], sidecar_args: list[str], steps: int = 100_000,
+         save_every: int = 1_000_000) -> tuple[Proc, Proc]:
+    # No routine checkpoints by default: only the emergency one is new.
+    trainer = Proc(train_argv(steps, None, 0.02, save_every), env, tmp_path / "trainer.log")
+    sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "25",
+                                  "--termination-log", str(tmp_path / "termination-log"), *sidecar_args),
+                   env, tmp_path / "sidecar.log")
+    return trainer, sidecar
+
+
+def _preempt(trainer: Proc, sidecar: Proc) -> int:
+    """SIGTERM to both containers at once, as kubelet does; the step the trainer stopped after."""
+    trainer.signal(signal.SIGTERM)
+    sidecar.signal(signal.SIGTERM)
+    assert sidecar.wait() == 0, sidecar.tail()
+    assert trainer.wait() == 0, trainer.tail()
+    return int(trainer.wait_for_line(lambda ln: ln.startswith("preempted after step ")).rsplit(" ", 1)[1])
+
+
+def test_emergency_upload_rides_out_a_store_answering_500(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    storage = s3_storage(s3_store, s3_uri)
+    with store_proxy(s3_store) as proxy, reaping() as procs:
+        env = base_env({**proxy.env(s3_store.env()), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+                        "SPOTGUARD_STORAGE_URI": s3_uri})
+        trainer, sidecar = _pod(tmp_path, env, [])
+        procs += [trainer, sidecar]
+        trainer.wait_for_step(5)
+        wait_until(lambda: "sidecar watching" in sidecar.text(), 60, "the sidecar to start")
+        # The store fails every request for 8 seconds of the 25-second grace period.
+        proxy.fail_for(8.0)
+        t_term = time.time()
+        stopped = _preempt(trainer, sidecar)
+    assert any(status == 500 for _, _, _, status in proxy.since(t_term)), "the fault was never hit"
+    text = sidecar.text()
+    assert "result=verified" in text and "stage=retry" in text, text
+    info, _ = latest_verified(storage)
+    assert info is not None and info.step >= stopped
+    report = json.loads((tmp_path / "termination-log").read_text())
+    assert report == {"preempted": True, "reason": "sigterm", "step": info.step, "trainerStep": stopped}
+
+
+def _data_gets(requests: list[tuple[float, str, str, int]], name: str) -> dict[str, int]:
+    """GETs per data file of checkpoint ``name`` (the manifest and the pointer are metadata)."""
+    counts: dict[str, int] = {}
+    for _, method, path, _ in requests:
+        key = unquote(urlsplit(path).path)
+        if method == "GET" and f"/{name}/" in key and not key.endswith("/manifest.json"):
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_no_retention_and_no_rereading_between_sigterm_and_the_report(s3_store: Any, s3_uri: str,
+                                                                     tmp_path: Path) -> None:
+    storage = s3_storage(s3_store, s3_uri)
+    # An earlier attempt left three checkpoints in storage (no retention then).
+    first = tmp_path / "first"
+    result = subprocess.run(
+        spotguard_argv("run", "--workdir", str(first), "--storage", s3_uri, "--",
+                       *train_argv(25, None, 0.0, 10)),
+        env=base_env(s3_store.env()), capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    before = list_checkpoint_names(storage)
+    assert before == [f"ckpt-{s:012d}" for s in (10, 20, 24)]
+
+    pod = tmp_path / "pod"
+    ckdir = pod / "ckpt"
+    with store_proxy(s3_store) as proxy, reaping() as procs:
+        # The init container stages the newest verified checkpoint.
+        restore = subprocess.run(spotguard_argv("restore", "--storage", s3_uri, "--dest", str(ckdir)),
+                                 env=base_env(s3_store.env()), capture_output=True, text=True, timeout=300,
+                                 check=False)
+        assert restore.returncode == 0, restore.stderr
+        # This pod's policy would keep only the newest checkpoint.
+        env = base_env({**proxy.env(s3_store.env()), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
+                        "SPOTGUARD_STORAGE_URI": s3_uri, "SPOTGUARD_KEEP_LAST": "1"})
+        t_start = time.time()
+        trainer, sidecar = _pod(pod, env, [])
+        procs += [trainer, sidecar]
+        trainer.wait_for_line(lambda ln: ln == "resumed from step 24")
+        trainer.wait_for_step(30)
+        wait_until(lambda: "sidecar watching" in sidecar.text(), 60, "the sidecar to start")
+        t_term = time.time()
+        stopped = _preempt(trainer, sidecar)
+    emergency = f"ckpt-{stopped:012d}"
+    report = json.loads((pod / "termination-log").read_text())
+    assert report["preempted"] is True and report["step"] == stopped
+    # Nothing deleted on the way out: retention waits for a routine round.
+    assert list_checkpoint_names(storage) == [*before, emergency]
+    requests = proxy.since(t_start)
+    assert not [r for r in requests if r[1] == "DELETE" or (r[1] == "POST" and "delete" in r[2])], requests
+    # The restored checkpoint is not read back (the restore verified it) ...
+    assert _data_gets(requests, "ckpt-000000000024") == {}
+    # ... and the emergency checkpoint's data is read at most once, by its own verification.
+    gets = _data_gets(proxy.since(t_term), emergency)
+    assert all(n == 1 for n in gets.values()), gets
+    text = sidecar.text()
+    after_term = text[text.index("preemption source="):]
+    assert "stage=retention" not in after_term
+    stages = [ln.split("stage=", 1)[1].split()[0] for ln in after_term.splitlines() if "stage=" in ln]
+    # In this order, with nothing else in between.
+    assert stages == ["request", "save", "upload", "verify", "pointer", "ship", "emergency", "report"], stages
