@@ -116,6 +116,7 @@ class Rule:
     path: str | None = None
     times: int | None = None
     until: float | None = None
+    skip: int = 0
     hits: int = 0
 
     def live(self, now: float) -> bool:
@@ -135,6 +136,9 @@ def pick_rule(rules: list[Rule], method: str, target: str, now: float) -> Rule |
     """The first live rule matching the request, with its hit counted; None if none."""
     for rule in rules:
         if rule.live(now) and rule.matches(method, target):
+            if rule.skip > 0:
+                rule.skip -= 1  # let this one pass untouched
+                continue
             rule.hits += 1
             return rule
     return None
@@ -260,18 +264,20 @@ class FaultProxy:
         path: str | None = None,
         times: int | None = None,
         seconds: float | None = None,
+        skip: int = 0,
     ) -> Rule:
         """Apply ``action`` to matching requests (``path``: regex over ``/bucket/key?query``),
-        for the next ``times`` of them and/or for ``seconds`` from now. Rules added
-        first take precedence."""
-        rule = Rule(action, method, path, times, None if seconds is None else time.monotonic() + seconds)
+        for the next ``times`` of them and/or for ``seconds`` from now, after letting
+        the first ``skip`` pass. Rules added first take precedence."""
+        until = None if seconds is None else time.monotonic() + seconds
+        rule = Rule(action, method, path, times, until, skip)
         with self._lock:
             self._rules.append(rule)
         return rule
 
-    def hold(self, *, method: str | None = None, path: str | None = None) -> Hold:
-        """Park the next matching request; see :class:`Hold`."""
-        rule = self.add(hold(), method=method, path=path, times=1)
+    def hold(self, *, method: str | None = None, path: str | None = None, skip: int = 0) -> Hold:
+        """Park the next matching request (after ``skip`` of them); see :class:`Hold`."""
+        rule = self.add(hold(), method=method, path=path, times=1, skip=skip)
         h = Hold(rule)
         with self._lock:
             self._holds[id(rule)] = h
@@ -319,6 +325,14 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     proxy: FaultProxy
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients that vanish mid-request (killed on purpose by crash trials) are normal here.
+        import sys
+
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -4,6 +4,12 @@ checkpoint loads with exactly the content it was saved with.
 
 60 trials: 20 kill a Checkpointer writing locally, 20 kill an uploader (with
 retention) writing to file://, 20 to S3. The outcome of every trial is printed.
+
+Then kills aimed at each stage of the upload protocol (during data, after data,
+after the manifest, after the pointer, during retention): the fault proxy
+(``testenv/faultproxy.py``) holds the first request of the stage, the test kills
+the uploader while it waits, and the proxy's request log shows which stage the
+kill hit. This file is also the uploader those trials run (``python THIS upload-one``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_helpers import HELPERS, assert_state_matches, s3_options, subprocess_env
+from ckpt_helpers import HELPERS, assert_state_matches, commit_local, s3_options, subprocess_env
 
 from spotguard.checkpoint import (
     ManifestError,
@@ -163,3 +169,124 @@ def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     print_table(outcomes)
     assert len(outcomes) >= 50
     assert all(had_verified.values()), "a mode never produced a single checkpoint: the trials tested nothing"
+
+
+# -- kills aimed at each protocol stage ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Where to stop the uploader: the request to hold (method, regex over the target,
+    after ``skip`` matching ones), and what storage must show after the kill."""
+
+    name: str
+    method: str
+    path: str
+    newest: str  # "new": the checkpoint being uploaded is the newest verified; "previous": the one before
+    skip: int = 0
+
+
+STAGES = [
+    Stage("during data", "PUT", r"/{new}/model\.safetensors$", "previous"),
+    Stage("after data", "PUT", r"/{new}/manifest\.json$", "previous"),
+    Stage("after manifest", "PUT", r"/latest$", "new"),
+    Stage("after pointer", "GET", r"list-type=2", "new"),
+    Stage("retention: before the manifest goes", "POST", r"\?delete", "new"),
+    Stage("retention: after the manifest went", "POST", r"\?delete", "new", skip=1),
+]
+STAGE_NUMEL = NUMEL  # check_storage loads with this size
+STAGE_KEEP_LAST = 2
+
+
+def deleted_keys(records: list[Any]) -> list[str]:
+    """Keys named in the multi-object deletes the proxy forwarded."""
+    import re
+
+    keys: list[str] = []
+    for rec in records:
+        if rec.method == "POST" and rec.query.startswith("delete") and rec.status == 200 and rec.body:
+            keys += re.findall(r"<Key>([^<]+)</Key>", rec.body.decode())
+    return keys
+
+
+def test_kills_aimed_at_each_upload_stage(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
+    from testenv.faultproxy import FaultProxy
+
+    storage = open_storage(s3_uri, **s3_options(s3_store))
+    local = tmp_path / "local"
+    rows: list[str] = []
+    with FaultProxy(s3_store.endpoint_url) as proxy:
+        env = subprocess_env(s3_store, AWS_ENDPOINT_URL_S3=proxy.url, AWS_ENDPOINT_URL=proxy.url)
+
+        def upload_one(step: int) -> subprocess.Popen[str]:
+            return subprocess.Popen([sys.executable, __file__, "upload-one", s3_uri, str(local), str(step)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+        # Two complete checkpoints first, so that retention has something to delete.
+        for step in (1, 2):
+            proc = upload_one(step)
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+        verified = [1, 2]
+        for number, stage in enumerate(STAGES, start=3):
+            new = f"ckpt-{number:012d}"
+            proxy.log.clear()
+            held = proxy.hold(method=stage.method, path=stage.path.format(new=new), skip=stage.skip)
+            proc = upload_one(number)
+            try:
+                reached = held.wait(120)
+            finally:
+                proc.kill()
+                out, _ = proc.communicate(timeout=60)
+                held.release(forward=False)
+            assert reached, f"{stage.name}: the uploader never got there; output:\n{out}"
+            assert held.record is not None
+            log = list(proxy.log)
+            at = log.index(held.record)
+            before = log[:at]
+            # Which stage the kill hit, from what the store had answered before it.
+            stored = {r.key.split("/", 1)[-1] for r in before if r.status == 200 and r.method in ("PUT", "POST")}
+            data_done = {f"{new}/model.safetensors", f"{new}/optimizer.safetensors", f"{new}/state.json"} <= stored
+            manifest_done = f"{new}/manifest.json" in stored
+            pointer_done = any(r.method == "PUT" and r.key.endswith("/latest") and r.status == 200 for r in before)
+            hit = {
+                "during data": not data_done and not manifest_done,
+                "after data": data_done and not manifest_done,
+                "after manifest": manifest_done and not pointer_done,
+                "after pointer": pointer_done,
+            }
+            if stage.name.startswith("retention"):
+                assert pointer_done, stage.name
+                # Deleting a checkpoint starts with its manifest (alone), then its data.
+                first = deleted_keys(before)
+                assert len(first) == (0 if stage.skip == 0 else 1), first
+                assert all(k.endswith("/manifest.json") for k in first), first
+            else:
+                assert hit[stage.name], (stage.name, hit, sorted(stored))
+
+            if stage.newest == "new":
+                verified.append(number)
+            with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
+                newest, skipped = check_storage(storage, Path(scratch))
+            assert newest == max(verified), (stage.name, newest, verified)
+            # Nothing at or above the newest verified checkpoint was deleted.
+            gone = deleted_keys(log)
+            assert all(int(k.split("ckpt-")[1][:12]) < newest for k in gone if "ckpt-" in k), gone
+            pointer = read_latest_pointer(storage)
+            rows.append(f"{stage.name:<38} held {held.record.method:<4} {held.record.target[-48:]:<48} "
+                        f"newest verified {newest}, pointer {pointer}, skipped {skipped}")  # fmt: skip
+    print("\n" + "\n".join(rows))
+
+
+def _upload_one(uri: str, directory: Path, step: int) -> None:
+    """One checkpoint: commit locally, upload (data, manifest, pointer), apply retention."""
+    from spotguard.checkpoint import RetentionPolicy, apply_retention, upload_checkpoint
+
+    storage = open_storage(uri)
+    path = commit_local(directory, step, STAGE_NUMEL)
+    upload_checkpoint(path, storage)
+    apply_retention(storage, RetentionPolicy(keep_last=STAGE_KEEP_LAST))
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "upload-one":
+    _upload_one(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))
