@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import resource
 import statistics
 import time
@@ -120,3 +121,114 @@ class Section:
 
 def fmt(x: float, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), ``q`` in [0, 1]."""
+    return percentile(xs, q)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Per-round values of one measure (a ratio, a share) over interleaved rounds.
+
+    Reported as the median with its interquartile range and its min-max. A
+    goal is judged on the *worse* quartile (:meth:`worse`): the lower one when
+    higher is better. Quartiles rather than extremes, so that one round hit
+    by a burst of background load on a shared machine does not decide the
+    verdict, while a goal met only in the better half of the rounds is missed.
+    """
+
+    values: tuple[float, ...]
+    higher_is_better: bool = True
+
+    @classmethod
+    def of(cls, values: list[float], *, higher_is_better: bool = True) -> Spread:
+        if not values:
+            raise ValueError("a spread needs at least one round")
+        return cls(tuple(values), higher_is_better)
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def median(self) -> float:
+        return float(statistics.median(self.values))
+
+    @property
+    def q1(self) -> float:
+        return quantile(list(self.values), 0.25)
+
+    @property
+    def q3(self) -> float:
+        return quantile(list(self.values), 0.75)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values)
+
+    @property
+    def hi(self) -> float:
+        return max(self.values)
+
+    def worse(self) -> float:
+        """The quartile that the verdict on a goal uses."""
+        return self.q1 if self.higher_is_better else self.q3
+
+    def meets(self, threshold: float) -> bool:
+        """Whether the worse quartile meets ``threshold`` (>= when higher is better)."""
+        return self.worse() >= threshold if self.higher_is_better else self.worse() <= threshold
+
+    def text(self, suffix: str = "x", digits: int = 2) -> str:
+        """``2.21x (IQR 2.05-2.40x, min-max 1.90-2.60x, 7 rounds)``."""
+
+        def f(x: float) -> str:
+            return f"{x:.{digits}f}"
+
+        if self.n == 1:
+            return f"{f(self.median)}{suffix} (1 round: no spread)"
+        return (f"{f(self.median)}{suffix} (IQR {f(self.q1)}-{f(self.q3)}{suffix}, "
+                f"min-max {f(self.lo)}-{f(self.hi)}{suffix}, {self.n} rounds)")  # fmt: skip
+
+    def cell(self, suffix: str = "x", digits: int = 2) -> str:
+        """Short form for a table cell: ``2.21x [2.05-2.40]``."""
+        if self.n == 1:
+            return f"{self.median:.{digits}f}{suffix}"
+        return f"{self.median:.{digits}f}{suffix} [{self.q1:.{digits}f}-{self.q3:.{digits}f}]"
+
+
+def goal(section: Section, text: str, spread: Spread, threshold: float, *, suffix: str = "x",
+         detail: str = "") -> bool:
+    """Record a goal judged on the worse quartile of ``spread``; returns whether it is met."""
+    met = spread.meets(threshold)
+    worse = "lower" if spread.higher_is_better else "upper"
+    verdict = f"{spread.text(suffix)}; {worse} quartile {spread.worse():.2f}{suffix}"
+    section.goals.append((text, met, verdict + (f"; {detail}" if detail else "")))
+    return met
+
+
+def parse_stage_lines(text: str) -> dict[str, float]:
+    """Seconds per stage from spotguard's ``stage=<name> seconds=<s>`` log lines
+    (summed when a stage appears more than once)."""
+    out: dict[str, float] = {}
+    for m in re.finditer(r"stage=(\w+) seconds=([0-9.]+)", text):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def interleaved(rounds: int, methods: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
+    """Run every method once per round, rotating which goes first, so that
+    background load and cache state hit them alike; results per method."""
+    names = list(methods)
+    out: dict[str, list[Any]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            out[name].append(methods[name]())
+    return out
+
+
+def per_round(num: list[float], den: list[float], *, higher_is_better: bool = True) -> Spread:
+    """The spread of ``num[i] / den[i]`` over rounds."""
+    return Spread.of([a / b for a, b in zip(num, den, strict=True)], higher_is_better=higher_is_better)
