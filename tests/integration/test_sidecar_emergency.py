@@ -32,12 +32,11 @@ from spotguard.checkpoint import latest_verified, list_checkpoint_names
 pytestmark = pytest.mark.integration
 
 
-def _pod(tmp_path: Path, env: dict[str, str], sidecar_args: list[str], steps: int = 100_000,
-         save_every: int = 1_000_000) -> tuple[Proc, Proc]:
-    # No routine checkpoints by default: only the emergency one is new.
-    trainer = Proc(train_argv(steps, None, 0.02, save_every), env, tmp_path / "trainer.log")
-    sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "25",
-                                  "--termination-log", str(tmp_path / "termination-log"), *sidecar_args),
+def _pod(tmp_path: Path, env: dict[str, str], grace: int = 25) -> tuple[Proc, Proc]:
+    # No routine checkpoints: only the emergency one is new.
+    trainer = Proc(train_argv(100_000, None, 0.02, 1_000_000), env, tmp_path / "trainer.log")
+    sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", str(grace),
+                                  "--termination-log", str(tmp_path / "termination-log")),
                    env, tmp_path / "sidecar.log")
     return trainer, sidecar
 
@@ -56,12 +55,13 @@ def test_emergency_upload_rides_out_a_store_answering_500(s3_store: Any, s3_uri:
     with store_proxy(s3_store) as proxy, reaping() as procs:
         env = base_env({**proxy.env(s3_store.env()), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
                         "SPOTGUARD_STORAGE_URI": s3_uri})
-        trainer, sidecar = _pod(tmp_path, env, [])
+        trainer, sidecar = _pod(tmp_path, env, grace=40)
         procs += [trainer, sidecar]
         trainer.wait_for_step(5)
         wait_until(lambda: "sidecar watching" in sidecar.text(), 60, "the sidecar to start")
-        # The store fails every request for 8 seconds of the 25-second grace period.
-        proxy.fail_for(8.0)
+        # The store fails every request for 25 seconds of the 40-second grace
+        # period (deadline: 35 s): longer than one upload's own retries last.
+        proxy.fail_for(25.0)
         t_term = time.time()
         stopped = _preempt(trainer, sidecar)
     assert any(status == 500 for _, _, _, status in proxy.since(t_term)), "the fault was never hit"
@@ -108,7 +108,7 @@ def test_no_retention_and_no_rereading_between_sigterm_and_the_report(s3_store: 
         env = base_env({**proxy.env(s3_store.env()), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
                         "SPOTGUARD_STORAGE_URI": s3_uri, "SPOTGUARD_KEEP_LAST": "1"})
         t_start = time.time()
-        trainer, sidecar = _pod(pod, env, [])
+        trainer, sidecar = _pod(pod, env)
         procs += [trainer, sidecar]
         trainer.wait_for_line(lambda ln: ln == "resumed from step 24")
         trainer.wait_for_step(30)
