@@ -157,8 +157,20 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
 
 
 def trainer_env(inj: Injection) -> list[dict[str, Any]]:
-    """The environment of the user's containers: the contract, credentials only on request."""
-    return contract_env(inj, credentials=inj.checkpoint.expose_credentials_to_trainer)
+    """The environment of the user's containers: the contract, credentials only on request.
+
+    Without the job's credentials the trainer gets no ``SPOTGUARD_STORAGE_URI``
+    either: the restore init container has staged the newest verified
+    checkpoint, and a Checkpointer that found none would otherwise try the
+    store itself and fail for want of credentials. A job without a credentials
+    Secret (node or workload identity) keeps the URI.
+    """
+    ck = inj.checkpoint
+    exposed = ck.expose_credentials_to_trainer
+    env = contract_env(inj, credentials=exposed)
+    if ck.credentials_secret is not None and not exposed:
+        env = [e for e in env if e["name"] != "SPOTGUARD_STORAGE_URI"]
+    return env
 
 
 def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:

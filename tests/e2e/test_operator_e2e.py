@@ -339,7 +339,10 @@ def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> Non
     pod = f"{job}-a1"
     env.wait_pod_running(pod)
     assert env.core.read_namespaced_pod(pod, env.ns).spec.service_account_name == f"{job}-spotguard-notices"
-    wait_for(lambda: last_step(env.trainer_log(pod)) >= 3, "the trainer to step", timeout=180, interval=0.5)
+    try:
+        wait_for(lambda: last_step(env.trainer_log(pod)) >= 3, "the trainer to step", timeout=180, interval=0.5)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{env.trainer_log(pod)[-3000:]}\n{env.describe(job)}") from None
     assert verified_step(env, uri) == -1
     noticed_at = last_step(env.trainer_log(pod))
     # What Kubernetes 1.26+ writes before it evicts or shuts down (1.20 never does: write it as it would).

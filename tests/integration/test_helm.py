@@ -60,6 +60,10 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             ("patch", "trainingjobs.spotguard.dev"), ("patch", "trainingjobs.spotguard.dev/status"),
             ("create", "pods"), ("delete", "pods"), ("watch", "pods"), ("create", "events"),
             ("get", "secrets"), ("get", "trainingjobs.spotguard.dev/status"),
+            # For jobs with the k8s notice source: their pods' account and Role (on the pod by name).
+            ("create", "serviceaccounts"), ("create", "roles.rbac.authorization.k8s.io"),
+            ("patch", "roles.rbac.authorization.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
+            ("patch", "rolebindings.rbac.authorization.k8s.io"),
         ]
         for verb, resource in allowed:
             assert can_i(kube, verb, resource), (verb, resource)
@@ -70,13 +74,35 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             ("update", "trainingjobs.spotguard.dev/status"), ("patch", "pods/status"),
             ("list", "secrets"), ("create", "secrets"), ("delete", "events"), ("create", "deployments"),
             ("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
+            # It may grant only what it holds itself (no escalate/bind), and deletes none of it.
+            ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
+            ("delete", "roles.rbac.authorization.k8s.io"), ("delete", "serviceaccounts"),
+            ("create", "serviceaccounts/token"),
         ]
         for verb, resource in denied:
             assert not can_i(kube, verb, resource), (verb, resource)
         assert not can_i(kube, "delete", "nodes", None)
         assert not can_i(kube, "list", "customresourcedefinitions.apiextensions.k8s.io", None)
+
+        # Watching chosen namespaces: Roles there, nothing namespaced anywhere else.
+        watched = "sg-watched-" + RELEASE
+        tool(kube, "kubectl", "create", "namespace", watched, check=False)
+        result = tool(kube, "helm", "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
+                      "--set", f"operator.watchNamespaces={{{watched}}}", check=False)
+        assert result.returncode == 0, result.stderr
+        for verb, resource in allowed:
+            assert can_i(kube, verb, resource, watched), (verb, resource)
+            assert not can_i(kube, verb, resource, "default"), (verb, resource, "default")
+        assert not can_i(kube, "get", "secrets", None) and not can_i(kube, "list", "pods", None)
+        assert can_i(kube, "watch", "nodes", None)
+        # readCheckpoints=false: no Secret anywhere.
+        result = tool(kube, "helm", "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
+                      "--set", "operator.readCheckpoints=false", check=False)
+        assert result.returncode == 0, result.stderr
+        assert not can_i(kube, "get", "secrets", watched) and can_i(kube, "create", "pods", watched)
     finally:
         out = tool(kube, "helm", "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", check=False)
+        tool(kube, "kubectl", "delete", "namespace", "sg-watched-" + RELEASE, "--wait=false", check=False)
         assert out.returncode == 0, out.stderr
     # The CRD (and with it every TrainingJob) survives the uninstall.
     assert tool(kube, "kubectl", "get", "crd/trainingjobs.spotguard.dev", check=False).returncode == 0

@@ -92,9 +92,12 @@ def test_labelled_pod_gets_the_sidecar(core: Any, webhook: str) -> None:
     assert [c.name for c in created.spec.init_containers] == ["spotguard-restore"]
     assert [c.name for c in created.spec.containers] == ["trainer", "spotguard-sidecar"]
     env = {e.name: (e.value, e.value_from) for e in created.spec.containers[0].env}
-    assert env["SPOTGUARD_STORAGE_URI"][0] == f"s3://bucket/runs/{ns}/my-job"
     assert env["SPOTGUARD_SAVE_EVERY_STEPS"][0] == "25"
-    assert env["AWS_SECRET_ACCESS_KEY"][1].secret_key_ref.name == "s3"
+    # The storage and its credentials are the sidecar's business (the namespace came from the request).
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "SPOTGUARD_STORAGE_URI" not in env
+    sidecar = {e.name: (e.value, e.value_from) for e in created.spec.containers[1].env}
+    assert sidecar["SPOTGUARD_STORAGE_URI"][0] == f"s3://bucket/runs/{ns}/my-job"
+    assert sidecar["AWS_SECRET_ACCESS_KEY"][1].secret_key_ref.name == "s3"
     assert created.spec.termination_grace_period_seconds == 20
     assert any(v.name == "spotguard" for v in created.spec.volumes)
     assert created.metadata.annotations["spotguard.dev/injected"] == f"s3://bucket/runs/{ns}/my-job"

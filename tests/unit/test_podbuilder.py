@@ -116,7 +116,8 @@ def test_contract_env() -> None:
     env = env_of(spec["containers"][0])
     assert env["SPOTGUARD_CHECKPOINT_DIR"] == "/var/lib/spotguard/checkpoints"
     assert env["SPOTGUARD_CONTROL_DIR"] == "/var/lib/spotguard/checkpoints/.control"
-    assert env["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
+    assert "SPOTGUARD_STORAGE_URI" not in env  # the restore init container staged the checkpoint
+    assert env_of(spec["containers"][1])["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
     assert env["SPOTGUARD_JOB"] == "demo" and env["SPOTGUARD_ATTEMPT"] == "3"
     assert env["SPOTGUARD_CHECKSUM"] == "sha256"
     assert env["SPOTGUARD_GRACE_SECONDS"] == "45"
@@ -206,8 +207,10 @@ def test_trainer_gets_credentials_only_on_request(native: bool) -> None:
     assert not CREDENTIALS & set(envs["trainer"]), envs["trainer"]
     for name in ("spotguard-restore", "spotguard-sidecar"):
         assert set(envs[name]) >= CREDENTIALS, name
-    # The trainer still knows where its checkpoints go.
-    assert envs["trainer"]["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
+    # Without credentials the trainer is not sent to the store either (its Checkpointer would try it
+    # when nothing was restored, and fail): the restore init container staged the checkpoint.
+    assert "SPOTGUARD_STORAGE_URI" not in envs["trainer"]
+    assert envs["spotguard-restore"]["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
 
     spec = job_spec()
     spec["checkpoint"]["exposeCredentialsToTrainer"] = True
@@ -215,6 +218,15 @@ def test_trainer_gets_credentials_only_on_request(native: bool) -> None:
     trainer = by_name(pod)["trainer"]
     assert trainer["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}}
     assert set(trainer) >= CREDENTIALS
+    assert trainer["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/team-a/demo"
+
+
+def test_trainer_keeps_the_storage_uri_without_a_credentials_secret() -> None:
+    # Node or workload identity: nothing to withhold.
+    spec = job_spec()
+    del spec["checkpoint"]["credentialsSecret"]
+    env = env_of(build_pod("demo", "ns", "u", parse(spec), 1, OperatorConfig())["spec"]["containers"][0])
+    assert env["SPOTGUARD_STORAGE_URI"] == "s3://bucket/root/ns/demo"
 
 
 def test_explicit_endpoint_reaches_the_trainer_without_credentials() -> None:
