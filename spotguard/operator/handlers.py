@@ -222,7 +222,15 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 elif after not in TERMINAL_PHASES or finished_now:
                     # The probe stopped with the job finished, and the job runs again.
                     probe = runtime.start_probe(ns, name)
-                timeout = runtime.ctx.resync_seconds if delay is None else max(0.05, delay)
+                resync = runtime.ctx.resync_seconds
+                if delay is None:
+                    timeout = resync
+                elif after in TERMINAL_PHASES:
+                    timeout = max(0.05, delay)
+                else:
+                    # A far-off look (a long backoff, a pod not yet unschedulable for long) never
+                    # stretches the safety-net resync of a live job.
+                    timeout = max(0.05, min(delay, resync))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waker.wait(), timeout=timeout)
         finally:
