@@ -1,8 +1,9 @@
 """``s3://bucket/prefix`` storage through boto3 and s3transfer.
 
-Endpoint, region and credentials come from the standard AWS environment and
-config files (``AWS_ENDPOINT_URL_S3``, ``AWS_DEFAULT_REGION``,
-``AWS_ACCESS_KEY_ID`` ...) unless given explicitly. Transient errors are
+Endpoint, region, credentials and the number of attempts per request come
+from the standard AWS environment and config files (``AWS_ENDPOINT_URL_S3``,
+``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_MAX_ATTEMPTS`` ...)
+unless given explicitly. Transient errors are
 retried by botocore (standard mode, exponential backoff with jitter); reads of
 large objects are split into concurrent ranged GETs that are retried one range
 at a time. Large files go up and down as concurrent multipart transfers.
@@ -120,7 +121,7 @@ class S3Storage:
         secret_key: str | None = None,
         session_token: str | None = None,
         profile: str | None = None,
-        max_attempts: int = 8,
+        max_attempts: int | None = None,
         max_pool_connections: int = 32,
         multipart_threshold: int = 32 * MiB,
         multipart_chunksize: int = 32 * MiB,
@@ -135,6 +136,10 @@ class S3Storage:
         from botocore.config import Config
 
         self.bucket, self.prefix = parse_s3_uri(uri)
+        if max_attempts is None:
+            # The standard AWS setting, else 8 attempts per request.
+            env_attempts = os.environ.get("AWS_MAX_ATTEMPTS", "")
+            max_attempts = int(env_attempts) if env_attempts.isdigit() and int(env_attempts) > 0 else 8
         self._read_chunk = read_chunk_size
         self._concurrency = max_concurrency
         self._conditional = True
