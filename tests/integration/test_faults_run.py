@@ -33,8 +33,8 @@ from test_sidecar_helpers import (
     wait_until,
 )
 
-from spotguard.checkpoint import latest_verified, list_local_committed, verify_checkpoint
-from spotguard.storage import open_storage
+from spotguard.checkpoint import latest_verified, list_local_committed, upload_checkpoint, verify_checkpoint
+from spotguard.storage import StorageError, open_storage
 from testenv import cluster
 from testenv.faultproxy import FaultProxy, reset, status
 
@@ -162,9 +162,9 @@ def failures(port: int, stage: str | None = None) -> float:
     return sum(v for (name, _), v in samples.items() if name == FAILURES)
 
 
-def direct(store: Any, uri: str) -> Any:
+def direct(store: Any, uri: str, **options: Any) -> Any:
     return open_storage(uri, endpoint_url=store.endpoint_url, access_key=store.access_key,
-                        secret_key=store.secret_key, region=store.region)  # fmt: skip
+                        secret_key=store.secret_key, region=store.region, **options)  # fmt: skip
 
 
 def assert_ends_safe(proc: Proc, monitor: LossMonitor, proxy: FaultProxy, storage: Any) -> None:
@@ -250,6 +250,12 @@ def test_run_rides_out_slowdown_resets_and_a_store_restart(own_store: Restartabl
         wait_until(lambda: step_of(max(monitor.seen, key=step_of)) > step_of(newest_before), 60,
                    "a checkpoint written while the store is down")  # fmt: skip
         counted = failures(port)
+        # A store that cannot be reached is an error, never "no checkpoint" or "broken".
+        unreachable = direct(store, uri, max_attempts=1)
+        with pytest.raises(StorageError):
+            latest_verified(unreachable)
+        with pytest.raises(StorageError):
+            upload_checkpoint(workdir / "checkpoints" / newest_before, unreachable)
         own_store.start()
         wait_until(lambda: manifests_stored(proxy) > stored_before, 120, "a checkpoint stored after the restart")
         assert run.wait(240) == 0, run.tail()
