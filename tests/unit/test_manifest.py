@@ -1,12 +1,23 @@
-"""Manifest format: building, parsing, and rejecting malformed or unsafe manifests."""
+"""Manifest format: building, parsing, and rejecting malformed or unsafe manifests; checking
+files against it from checksums the store computed (CRC32C arithmetic included)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 from typing import Any
 
 import pytest
 
+from spotguard.checkpoint.checksum import (
+    checksum_bytes,
+    crc32c_combine,
+    crc32c_composite,
+    crc32c_from_base64,
+    crc32c_of_parts,
+    crc32c_to_base64,
+)
 from spotguard.checkpoint.manifest import (
     FORMAT_VERSION,
     FileEntry,
@@ -20,6 +31,8 @@ from spotguard.checkpoint.manifest import (
     parse_pointer,
     pointer_json,
 )
+from spotguard.checkpoint.verify import check_stored_checksum, needs_content, verify_files_by_store
+from spotguard.storage.base import NotFoundError, StoredChecksum
 
 GOOD_CRC = "0a1b2c3d"
 GOOD_SHA = "ab" * 32
@@ -195,3 +208,107 @@ def test_clean_metrics_rejects_non_numbers() -> None:
 )
 def test_pointer_parsing(data: bytes, step: int | None) -> None:
     assert parse_pointer(data) == step
+
+
+# -- checksums the store computed: CRC32C arithmetic and the verification that uses it ---------
+
+
+def crc(data: bytes) -> int:
+    return int(checksum_bytes(data, "crc32c"), 16)
+
+
+@pytest.mark.parametrize("sizes", [(0, 0), (1, 0), (0, 7), (5, 3), (1000, 1), (4096, 12345)])
+def test_crc32c_combine_equals_the_crc_of_the_concatenation(sizes: tuple[int, int]) -> None:
+    rng = random.Random(sum(sizes))
+    a, b = rng.randbytes(sizes[0]), rng.randbytes(sizes[1])
+    assert crc32c_combine(crc(a), crc(b), len(b)) == crc(a + b)
+
+
+def test_whole_object_crc32c_from_parts() -> None:
+    rng = random.Random(1)
+    parts = [rng.randbytes(n) for n in (5000, 5000, 17, 0, 333)]
+    assert crc32c_of_parts((crc(p), len(p)) for p in parts) == crc(b"".join(parts))
+    assert crc32c_of_parts([]) == crc(b"")
+
+
+def test_composite_checksum_is_the_crc_of_the_part_crcs() -> None:
+    parts = [b"a" * 10, b"b" * 3]
+    joined = crc(parts[0]).to_bytes(4, "big") + crc(parts[1]).to_bytes(4, "big")
+    assert crc32c_composite(crc(p) for p in parts) == f"{base64.b64encode(crc(joined).to_bytes(4, 'big')).decode()}-2"
+
+
+def test_crc32c_base64_round_trip_and_junk() -> None:
+    value = crc(b"spotguard")
+    assert crc32c_from_base64(crc32c_to_base64(value)) == value
+    assert crc32c_from_base64(crc32c_to_base64(value) + "-3") == value
+    assert crc32c_from_base64("not base64!") is None
+    assert crc32c_from_base64(base64.b64encode(b"12345").decode()) is None
+
+
+def _manifest(files: dict[str, bytes], algorithm: str = "crc32c") -> Any:
+    entries = [FileEntry(p, len(d), checksum_bytes(d, algorithm)) for p, d in files.items()]
+    return new_manifest(5, entries, algorithm)
+
+
+FILES = {"model.safetensors": b"m" * 100, "state.json": b"{}", "legacy.pt": b"\x80\x04N."}
+
+
+def _stored(data: bytes) -> StoredChecksum:
+    return StoredChecksum("crc32c", checksum_bytes(data, "crc32c"), len(data), "full-object")
+
+
+def test_store_checksums_replace_reading_back_except_for_possible_pickles() -> None:
+    manifest = _manifest(FILES)
+    reads: list[str] = []
+
+    def read_chunks(path: str) -> list[bytes]:
+        reads.append(path)
+        return [FILES[path]]
+
+    checks = verify_files_by_store(manifest, {p: len(d) for p, d in FILES.items()},
+                                   lambda p: _stored(FILES[p]), read_chunks)  # fmt: skip
+    assert checks.problems == []
+    assert reads == ["legacy.pt"]  # a possible pickle is always inspected byte by byte
+    assert (checks.store_checked, checks.read_back, checks.method) == (2, 1, "mixed")
+    assert needs_content("legacy.pt") and not needs_content("model.safetensors")
+
+
+def test_a_store_checksum_that_differs_from_the_manifest_is_a_problem() -> None:
+    files = {"model.safetensors": b"m" * 100}
+    manifest = _manifest(files)
+    checks = verify_files_by_store(manifest, {"model.safetensors": 100}, lambda p: _stored(b"x" * 100),
+                                   lambda p: pytest.fail("read back"))  # fmt: skip
+    assert checks.method == "store-checksum"
+    assert len(checks.problems) == 1 and "crc32c checksum mismatch (the store computed" in checks.problems[0]
+
+
+def test_without_a_store_checksum_the_bytes_are_read_back() -> None:
+    files = {"model.safetensors": b"m" * 100, "state.json": b"{}"}
+    manifest = _manifest(files)
+    checks = verify_files_by_store(manifest, {p: len(d) for p, d in files.items()}, lambda p: None,
+                                   lambda p: [files[p]])  # fmt: skip
+    assert checks.problems == [] and checks.method == "read-back" and checks.read_bytes == 102
+
+
+def test_a_sha256_manifest_is_read_back_even_with_a_store_crc32c() -> None:
+    files = {"model.safetensors": b"m" * 100}
+    manifest = _manifest(files, "sha256")
+    checks = verify_files_by_store(manifest, {"model.safetensors": 100}, lambda p: _stored(files[p]),
+                                   lambda p: [files[p]])  # fmt: skip
+    assert checks.problems == [] and checks.method == "read-back"
+
+
+def test_missing_and_resized_files_are_named_without_asking_the_store() -> None:
+    files = {"model.safetensors": b"m" * 100, "state.json": b"{}"}
+    manifest = _manifest(files)
+
+    def gone(path: str) -> StoredChecksum | None:
+        raise NotFoundError(path)
+
+    checks = verify_files_by_store(manifest, {"model.safetensors": 99}, gone, lambda p: pytest.fail("read"))
+    assert checks.problems == [
+        "model.safetensors: size 99 bytes, manifest says 100 (truncated)",
+        "state.json: missing",
+    ]
+    entry = FileEntry("model.safetensors", 100, checksum_bytes(files["model.safetensors"], "crc32c"))
+    assert "size 90 bytes" in (check_stored_checksum(entry, "crc32c", _stored(b"m" * 90)) or "")
