@@ -242,6 +242,11 @@ class S3Storage:
                 raise CredentialsError(
                     f"access to {what} denied ({code or status}): check the AWS credentials"
                 ) from None
+            if code == "BadDigest":
+                raise StorageError(
+                    f"S3 error on {what}: BadDigest (the store received other bytes than were sent, "
+                    "repeatedly: a faulty network path or proxy?)"
+                ) from None
             raise StorageError(f"S3 error on {what}: {code or status}") from None
         except bx.BotoCoreError as exc:
             raise StorageError(f"S3 error on {what}: {exc}") from None
@@ -467,19 +472,29 @@ class S3Storage:
                 with contextlib.suppress(Exception):
                     self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
 
-    def _checksum_call(self, what: str, fn: Callable[[], _T]) -> _T:
-        """Run a request that carries an additional checksum; a store that
-        refuses the checksum fields themselves raises :class:`_ChecksumsUnsupported`."""
+    def _checksum_call(self, what: str, fn: Callable[[], _T], attempts: int = 3) -> _T:
+        """Run a request that carries an additional checksum.
+
+        ``BadDigest`` means the store received other bytes than were sent (damaged
+        on the way): they are sent again, up to ``attempts`` times, then the error
+        is raised. A store that refuses the checksum fields themselves raises
+        :class:`_ChecksumsUnsupported`.
+        """
         from botocore.exceptions import ClientError
 
-        with self._errors(what):
-            try:
-                return fn()
-            except ClientError as exc:
-                code, status = _error_code(exc)
-                if code == "NotImplemented" or status == 501:
-                    raise _ChecksumsUnsupported() from None
-                raise
+        for attempt in range(attempts):
+            with self._errors(what):
+                try:
+                    return fn()
+                except ClientError as exc:
+                    code, status = _error_code(exc)
+                    if code == "NotImplemented" or status == 501:
+                        raise _ChecksumsUnsupported() from None
+                    if code != "BadDigest" or attempt == attempts - 1:
+                        raise
+                    log.warning("%s: the store refused the bytes it received (BadDigest); sending them again",
+                                what)
+        raise AssertionError("unreachable")
 
     def _put_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
         from spotguard.checkpoint.checksum import checksum_bytes, crc32c_to_base64

@@ -137,23 +137,37 @@ def test_a_local_file_damaged_before_upload_is_not_verified_by_store_checksums(
 
 
 @pytest.mark.parametrize("target", [r"/model\.safetensors\?.*partNumber=2", r"/state\.json$"])
-def test_bytes_corrupted_in_transit_are_refused_and_never_verified(
+def test_bytes_corrupted_in_transit_are_refused_sent_again_and_verified(
     s3_store: Any, s3_uri: str, proxy: FaultProxy, tmp_path: Path, target: str
 ) -> None:
     storage = via(proxy, s3_store, s3_uri)
     path = commit_local(tmp_path / "local", 9, NUMEL)
     proxy.add(corrupt(), method="PUT", path=target, times=1)
-    with pytest.raises(StorageError, match="BadDigest"):
-        upload_checkpoint(path, storage)
+    upload_checkpoint(path, storage)
     hit = proxy.faults()
     assert [r.status for r in hit] == [400], [(r.target, r.status) for r in hit]
+    resent = [r for r in proxy.log if r.target == hit[0].target and r.fault is None]
+    assert [r.status for r in resent] == [200]
     result = verify_checkpoint(storage, ckpt(9))
+    assert result.ok and result.method == "store-checksum", result
+
+
+def test_bytes_always_corrupted_in_transit_are_never_stored_or_verified(
+    s3_store: Any, s3_uri: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    storage = via(proxy, s3_store, s3_uri)
+    path = commit_local(tmp_path / "local", 10, NUMEL)
+    proxy.add(corrupt(), method="PUT", path=r"/optimizer\.safetensors\?")
+    with pytest.raises(StorageError, match="BadDigest"):
+        upload_checkpoint(path, storage)
+    assert proxy.faults() and all(r.status == 400 for r in proxy.faults())
+    result = verify_checkpoint(storage, ckpt(10))
     assert not result.ok and "manifest.json: missing" in result.reason
     assert latest_verified(storage)[0] is None
-    # The retry (the sidecar's next attempt) goes through and verifies from the store's checksums.
+    # Once the path is clean again, the next attempt goes through.
+    proxy.clear()
     upload_checkpoint(path, storage)
-    again = verify_checkpoint(storage, ckpt(9))
-    assert again.ok and again.method == "store-checksum"
+    assert verify_checkpoint(storage, ckpt(10)).ok
 
 
 def test_the_file_backend_reads_back(tmp_path: Path) -> None:
