@@ -59,15 +59,23 @@ class Outcome:
     skipped: int
 
 
-def run_and_kill(args: list[str], env: dict[str, str], delay: float) -> str:
-    """Start the worker, wait until it is ready, let it work ``delay`` seconds, SIGKILL it."""
+def run_and_kill(args: list[str], env: dict[str, str], delay: float, until: str | None = None) -> tuple[str, float]:
+    """Start the worker, wait until it is ready, let it work ``delay`` seconds (or, with
+    ``until``, until it prints a line starting so), SIGKILL it. Returns its last event and
+    how long it worked."""
     proc = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline().strip()
         assert first == "ready", (first, proc.stderr.read() if proc.stderr else "")
-        time.sleep(delay)
+        started = time.monotonic()
+        if until is None:
+            time.sleep(delay)
+        else:
+            while not (line := proc.stdout.readline()).startswith(until):
+                assert line, f"worker ended before {until!r}: {proc.stderr.read() if proc.stderr else ''}"
+        worked = time.monotonic() - started
         proc.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -76,7 +84,7 @@ def run_and_kill(args: list[str], env: dict[str, str], delay: float) -> str:
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"worker ended on its own: {err}"
     lines = [line for line in out.splitlines() if line]
-    return lines[-1] if lines else "ready"
+    return (lines[-1] if lines else (until or "ready")), worked
 
 
 def check_local(directory: Path) -> int | None:
@@ -148,19 +156,27 @@ def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     had_verified: dict[str, bool] = {}
     trial = 0
     for mode in ("write", "upload-file", "upload-s3"):
+        # The first trial of a mode runs until one cycle is complete and measures it; the
+        # others are killed at random instants within about two cycles (a loaded machine
+        # is slower, and the kills must still land everywhere in the cycle).
+        cycle = 0.3
         for i in range(TRIALS_PER_MODE):
             trial += 1
             start = (i + 1) * 1000
-            delay = rng.uniform(0.0, 0.6)
+            until = ("committed" if mode == "write" else "uploaded") if i == 0 else None
+            delay = rng.uniform(0.0, 2 * cycle)
             if mode == "write":
                 directory = tmp_path / "local-write"
-                last = run_and_kill(["write", str(directory), str(start)], subprocess_env(), delay)
+                last, worked = run_and_kill(["write", str(directory), str(start)], subprocess_env(), delay, until)
                 newest, skipped = check_local(directory), 0
             else:
                 uri, storage, env = stores[mode]
-                last = run_and_kill(["upload", uri, str(tmp_path / f"local-{mode}"), str(start)], env, delay)
+                last, worked = run_and_kill(["upload", uri, str(tmp_path / f"local-{mode}"), str(start)], env,
+                                            delay, until)  # fmt: skip
                 with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
                     newest, skipped = check_storage(storage, Path(scratch))
+            if until is not None:
+                cycle, delay = max(cycle, worked), worked
             # Once a checkpoint was complete, a crash never leaves us with none.
             if had_verified.get(mode):
                 assert newest is not None, f"trial {trial}: lost every checkpoint"
