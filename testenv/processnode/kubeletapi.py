@@ -112,6 +112,18 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@dataclass(frozen=True)
+class LogRange:
+    """A part of a container's log: ``start`` to ``end`` (None: to the end, and on with ``follow``)."""
+
+    runner: PodRunner
+    container: Container
+    path: Path
+    start: int
+    end: int | None
+    follow: bool
+
+
 class KubeletServer:
     """One node's kubelet endpoint on 127.0.0.1 (a free port), over TLS."""
 
@@ -148,10 +160,9 @@ class KubeletServer:
                 return runner, c
         raise LogError(404, f'container "{name}" in pod "{pod}" is not valid')
 
-    def write_log(self, out: Any, namespace: str, pod: str, name: str, query: LogQuery) -> None:
-        """Write the requested part of a container's log to ``out``; with ``follow``, until the run ends."""
+    def log_range(self, namespace: str, pod: str, name: str, query: LogQuery) -> LogRange:
+        """Which part of which log a request asks for; LogError (before any answer) if there is none."""
         runner, c = self.container(namespace, pod, name)
-        path = runner.dir / f"{name}.log"
         if query.previous:
             if c.prev_log_offset is None:
                 raise LogError(400, f'previous terminated container "{name}" in pod "{pod}" not found')
@@ -162,7 +173,11 @@ class KubeletServer:
                 reason = (c.state.get("waiting") or {}).get("reason", "ContainerCreating")
                 raise LogError(400, f'container "{name}" in pod "{pod}" is waiting to start: {reason}')
             start, end, follow = c.log_offset, None, query.follow
-        run = c.log_offset  # the run being served; a restart ends a follow
+        return LogRange(runner, c, runner.dir / f"{name}.log", start, end, follow)
+
+    def write_log(self, out: Any, where: LogRange, query: LogQuery) -> None:
+        """Write the requested part of a container's log to ``out``; with ``follow``, until the run ends."""
+        runner, c, path, start, end = where.runner, where.container, where.path, where.start, where.end
         budget = query.limit_bytes
         with contextlib.ExitStack() as stack:
             f: Any = None
@@ -186,8 +201,8 @@ class KubeletServer:
                     offset += len(chunk)
                     budget = self._send(out, chunk, budget)
                     continue
-                running = c.proc is not None and c.log_offset == run
-                if not follow or not running or self._stopped.is_set() or runner.closed:
+                running = c.proc is not None and c.log_offset == start  # a restart ends a follow
+                if not where.follow or not running or self._stopped.is_set() or runner.closed:
                     break
                 time.sleep(FOLLOW_POLL_SECONDS)
 
@@ -212,20 +227,15 @@ class _LogHandler(http.server.BaseHTTPRequestHandler):
         try:
             namespace, pod, name = parse_log_path(self.path)
             query = parse_log_query(self.path)
-            kubelet.container(namespace, pod, name)  # errors before the 200
+            where = kubelet.log_range(namespace, pod, name, query)  # errors go before the 200
         except LogError as exc:
             self._error(exc)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()
-        try:
-            kubelet.write_log(self.wfile, namespace, pod, name, query)
-        except LogError as exc:  # the pod went between the check and the read: the body says so
-            with contextlib.suppress(OSError):
-                self.wfile.write(f"{exc}\n".encode())
-        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
-            pass  # the client stopped following
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, ssl.SSLError):  # the client went
+            kubelet.write_log(self.wfile, where, query)
 
     def _error(self, exc: LogError) -> None:
         body = f"{exc}\n".encode()

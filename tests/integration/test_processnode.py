@@ -304,7 +304,7 @@ def pod_events(core: Any, namespace: str, name: str, reason: str) -> list[Any]:
     ids=["secretKeyRef", "envFrom-secret", "envFrom-configmap"],
 )  # fmt: skip
 def test_missing_secret_or_configmap_for_env_is_a_config_error_until_created(
-    core: Any, ns: str, process_nodes: ProcessNodes, ref: dict[str, Any], message: str
+    core: Any, ns: str, kube: Any, process_nodes: ProcessNodes, ref: dict[str, Any], message: str
 ) -> None:
     """As kubelet: waiting with CreateContainerConfigError and its message; starts once the object exists."""
     optional = [  # optional refs to objects that never exist: no error, the variable is just unset
@@ -320,6 +320,9 @@ def test_missing_secret_or_configmap_for_env_is_a_config_error_until_created(
         return waiting if waiting is not None and waiting[0] == "CreateContainerConfigError" else None
 
     assert wait_for(config_error, "CreateContainerConfigError")[1] == message
+    no_logs = kubectl(kube, "logs", "-n", ns, "waits")  # an error, as from kubelet: nothing ran yet
+    assert no_logs.returncode != 0
+    assert 'container "main" in pod "waits" is waiting to start: CreateContainerConfigError' in no_logs.stderr
     assert wait_for(lambda: pod_events(core, ns, "waits", "Failed"), "kubelet's Failed event")[0].message == (
         f"Error: {message}"
     )
