@@ -265,3 +265,51 @@ def test_s3_ranged_read_retries_transient_stream_errors(s3_store: Any, s3_uri: s
     storage.client.get_object = flaky_get
     assert b"".join(storage.iter_chunks("r/x")) == data
     assert failures["left"] == 0
+
+
+def test_s3_stored_checksums_are_the_whole_object_crc32c(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    """What the store computed on receipt: for single puts and (full-object) multipart uploads
+    the CRC32C of the whole object; none for objects uploaded without one, or whose
+    composite checksum cannot be turned into a whole-object one (SeaweedFS reports no
+    part checksums)."""
+    import base64
+
+    from spotguard.checkpoint.checksum import checksum_bytes, checksum_file
+    from spotguard.storage import StoreChecksums
+
+    storage = open_storage(s3_uri, **s3_options(s3_store), multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+    assert isinstance(storage, S3Storage) and isinstance(storage, StoreChecksums)
+    small, big = tmp_path / "small.bin", tmp_path / "big.bin"
+    small.write_bytes(os.urandom(1000))
+    big.write_bytes(os.urandom(12 * MiB + 7))
+    storage.upload_files([(small, "a/small.bin"), (big, "a/big.bin")])
+    for path, key, source in ((small, "a/small.bin", "full-object"), (big, "a/big.bin", "full-object")):
+        stored = storage.stored_checksum(key)
+        assert stored is not None, key
+        assert (stored.algorithm, stored.value, stored.size, stored.source) == (
+            "crc32c", checksum_file(path, "crc32c")[0], path.stat().st_size, source)
+    storage.write_bytes("a/plain.bin", b"no checksum sent")
+    assert storage.stored_checksum("a/plain.bin") is None
+    with pytest.raises(NotFoundError):
+        storage.stored_checksum("a/missing.bin")
+    # A composite multipart object, as another client would upload it.
+    client, bucket, key = storage.client, storage.bucket, storage._key("a/composite.bin")  # noqa: SLF001
+    parts = [os.urandom(5 * MiB), os.urandom(100)]
+    up = client.create_multipart_upload(Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C")
+    done = []
+    for number, part in enumerate(parts, 1):
+        crc = base64.b64encode(int(checksum_bytes(part, "crc32c"), 16).to_bytes(4, "big")).decode()
+        resp = client.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=number, Body=part,
+                                  ChecksumCRC32C=crc)  # fmt: skip
+        done.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc})
+    client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": done})
+    assert storage.stored_checksum("a/composite.bin") is None
+
+
+def test_s3_upload_without_checksums_still_works(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    storage = open_storage(s3_uri, **s3_options(s3_store), send_checksums=False)
+    src = tmp_path / "f.bin"
+    src.write_bytes(os.urandom(3000))
+    storage.upload_files([(src, "f.bin")])
+    assert storage.read_bytes("f.bin") == src.read_bytes()
+    assert isinstance(storage, S3Storage) and storage.stored_checksum("f.bin") is None
