@@ -44,7 +44,8 @@ COPY --from=wheel /wheels /tmp/wheels
 RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch]" && rm -rf /tmp/wheels
 # The examples; examples/train.py is a link to the packaged demo trainer.
 COPY examples /opt/spotguard/examples
-RUN ln -sf "$(python -c 'import spotguard.demo.train as m; print(m.__file__)')" /opt/spotguard/examples/train.py
+RUN ln -sf "$(python -c 'import importlib.util as u; print(u.find_spec("spotguard.demo.train").origin)')" \
+        /opt/spotguard/examples/train.py
 USER 65532:65532
 WORKDIR /home/spotguard
 ENTRYPOINT []
