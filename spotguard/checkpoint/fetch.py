@@ -17,6 +17,7 @@ torn by a crash is detected and fetched again, never loaded.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def fetch_verified(
     broken).
     """
     dest = Path(dest)
+    lock = threading.Lock()  # files stream in on several threads; the callback sees one at a time
 
     def read_chunks(path: str) -> Iterator[bytes]:
         target = dest / path
@@ -65,7 +67,8 @@ def fetch_verified(
             for chunk in storage.iter_chunks(f"{name}/{path}"):
                 _write_all(fd, chunk)
                 if progress is not None:
-                    progress(len(chunk))
+                    with lock:
+                        progress(len(chunk))
                 yield chunk
         finally:
             os.close(fd)
