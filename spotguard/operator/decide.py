@@ -319,7 +319,7 @@ def start_problem_message(end: PodEnd, pod: str | None) -> str:
     """What the TrainingJob says about a pod that cannot start: what is wrong, then what to do."""
     detail = f": {end.message}" if end.message else ""
     hint = _START_HINTS.get(end.reason)
-    return f"pod {pod} cannot start ({end.reason}){detail}" + (f". {hint}" if hint else "")
+    return f"pod {pod} cannot start ({end.reason}){detail}" + (f". {hint[:1].upper()}{hint[1:]}" if hint else "")
 
 
 def _start_problem(d: _Draft, end: PodEnd, current: str | None) -> float | None:

@@ -126,6 +126,7 @@ class Runtime:
         self.ctx.metrics.forget(namespace, name)
         self.ctx.verified.forget(namespace, name)
         self.ctx.phases.pop((namespace, name), None)
+        self.ctx.jobs.pop((namespace, name), None)
         if self.probe is not None:
             self.probe.forget(namespace, name)
         self.wakers.pop((namespace, name), None)

@@ -63,7 +63,12 @@ class OperatorMetrics:
         )
         self.storage_clients = Gauge(
             "spotguard_operator_storage_clients",
-            "Storage clients the operator holds (at most one per job it still reads).",
+            "Storage handles the operator holds (at most one per job it still reads).",
+            registry=self.registry,
+        )
+        self.storage_connections = Gauge(
+            "spotguard_operator_storage_connections",
+            "S3 clients the operator holds (one per endpoint and credentials in use, shared by jobs).",
             registry=self.registry,
         )
         self._phases: dict[tuple[str, str], str] = {}

@@ -5,9 +5,14 @@ store can be slow, paused or gone for minutes. So the probe
 
 * runs in its own bounded thread pool, never in the threads that reconcile
   jobs: a hung store delays status reports, never the handling of a pod end;
-* keeps one storage client per job, reused while the job's storage and
-  credentials stay the same (a new client per poll costs a TLS handshake and
-  a credentials resolution each time);
+* keeps one storage handle per job, reused while the job's storage and
+  credentials stay the same, and one S3 connection client per distinct
+  endpoint and credentials, shared by the jobs that use them (a boto3 client
+  costs tens of megabytes and a tenth of a second of CPU to build: one per
+  poll, or even one per job, starves an operator of 200 jobs);
+* reads the job from the reconcile's last look (no API call per poll), and
+  its credentials Secret at most every ``SECRET_TTL_SECONDS`` or after an
+  error (a rotated Secret is picked up);
 * stops polling a job once it is finished and its final checkpoint is read
   (or after a few failed tries), and forgets a deleted job's client, error and
   cache entry;
@@ -49,6 +54,8 @@ Outcome = Literal["changed", "unchanged", "error", "settled", "gone"]
 FINISHED_JOB_TRIES = 5
 #: Attempts per storage request: the next poll is the retry.
 STORAGE_ATTEMPTS = 2
+#: How long credentials read from a Secret are reused before it is read again.
+SECRET_TTL_SECONDS = 300.0
 
 
 class ProbeError(Exception):
@@ -140,6 +147,13 @@ class DaemonPool(Executor):
 class _Client:
     fingerprint: str
     storage: Any
+    #: Digest of the connection settings (endpoint, region, credentials) of an S3 client, else "".
+    connection: str = ""
+
+
+def _digest(value: Any) -> str:
+    # A digest, so no cache holds a second copy of the credentials.
+    return hashlib.sha256(repr(value).encode()).hexdigest()
 
 
 class CheckpointProbe:
@@ -162,6 +176,9 @@ class CheckpointProbe:
         self._open = open_storage
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, str], _Client] = {}
+        #: S3 clients shared by the jobs with the same endpoint and credentials.
+        self._connections: dict[str, Any] = {}
+        self._secrets: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
         #: The last problem reported per job (said once, not at every poll).
         self.errors: dict[tuple[str, str], str] = {}
         self._finished_failures: dict[tuple[str, str], int] = {}
@@ -172,46 +189,80 @@ class CheckpointProbe:
         sec = spec.checkpoint.credentials_secret
         if sec is None:
             return {}
-        secret = self.ctx.core.read_namespaced_secret(sec.name, namespace)
-        data = getattr(secret, "data", None) or {}
+        key = (namespace, sec.name)
+        with self._lock:
+            cached = self._secrets.get(key)
+        if cached is not None and time.monotonic() - cached[0] < SECRET_TTL_SECONDS:
+            values = cached[1]
+        else:
+            values = self._read_secret(namespace, sec.name)
+            with self._lock:
+                self._secrets[key] = (time.monotonic(), values)
         out: dict[str, str] = {}
-        for opt, key in (
+        for opt, name in (
             ("access_key", sec.access_key_id_key),
             ("secret_key", sec.secret_access_key_key),
             ("endpoint_url", sec.endpoint_key),
         ):
-            if key in data and data[key]:
-                out[opt] = base64.b64decode(data[key]).decode().strip()
+            if values.get(name):
+                out[opt] = values[name]
         return out
 
+    def _read_secret(self, namespace: str, name: str) -> dict[str, str]:
+        secret = self.ctx.core.read_namespaced_secret(name, namespace)
+        data = getattr(secret, "data", None) or {}
+        return {str(k): base64.b64decode(v).decode().strip() for k, v in data.items() if v}
+
     def _storage(self, key: tuple[str, str], uri: str, options: dict[str, Any]) -> Any:
-        """The job's client: reused while its storage URI and credentials stay the same."""
-        # A digest, so the cache holds no second copy of the credentials.
-        fingerprint = hashlib.sha256(repr((uri, sorted(options.items()))).encode()).hexdigest()
+        """The job's storage: reused while its URI and credentials stay the same."""
+        fingerprint = _digest((uri, sorted(options.items())))
         with self._lock:
             cached = self._clients.get(key)
         if cached is not None and cached.fingerprint == fingerprint:
             return cached.storage
+        connection = ""
         if self._open is not None:
             storage = self._open(uri, **options)
         else:
             from spotguard.storage import open_storage
 
             if uri.startswith("s3://"):
-                options = {**options, "max_attempts": STORAGE_ATTEMPTS}
-            storage = open_storage(uri, **options)
+                connection = _digest(sorted(options.items()))
+                with self._lock:
+                    shared = self._connections.get(connection)
+                if shared is not None:
+                    storage = open_storage(uri, client=shared)
+                else:
+                    storage = open_storage(uri, **options, max_attempts=STORAGE_ATTEMPTS)
+                    with self._lock:
+                        self._connections[connection] = getattr(storage, "client")  # noqa: B009 - S3 only
+            else:
+                storage = open_storage(uri, **options)
         with self._lock:
-            self._clients[key] = _Client(fingerprint, storage)
+            self._clients[key] = _Client(fingerprint, storage, connection)
+            self._drop_unused_connections()
         self._count_clients()
         return storage
 
-    def _count_clients(self) -> None:
-        self.ctx.metrics.storage_clients.set(self.clients())
+    def _drop_unused_connections(self) -> None:
+        # Called with the lock held.
+        used = {c.connection for c in self._clients.values()}
+        for connection in [c for c in self._connections if c not in used]:
+            del self._connections[connection]
+
+    def connections(self) -> int:
+        """How many S3 connection clients are held (one per endpoint and credentials in use)."""
+        with self._lock:
+            return len(self._connections)
 
     def clients(self) -> int:
-        """How many storage clients are held (one per job at most)."""
+        """How many jobs have a storage handle (one each at most)."""
         with self._lock:
             return len(self._clients)
+
+    def _count_clients(self) -> None:
+        self.ctx.metrics.storage_clients.set(self.clients())
+        self.ctx.metrics.storage_connections.set(self.connections())
 
     def read(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, bool] | None:
         """Read the newest verified checkpoint: ``(entry or None, job finished)``; None when the job is gone.
@@ -220,7 +271,9 @@ class CheckpointProbe:
         """
         from spotguard.operator.reconcile import get_job
 
-        job = get_job(self.ctx, namespace, name)
+        # The reconcile's last look at the job (it is woken by every change of it);
+        # the apiserver only when there was none yet.
+        job = self.ctx.jobs.get((namespace, name)) or get_job(self.ctx, namespace, name)
         if job is None:
             return None
         finished = (job.get("status") or {}).get("phase") in TERMINAL_PHASES
@@ -259,6 +312,7 @@ class CheckpointProbe:
             result = self.read(namespace, name)
         except Exception as exc:
             self.ctx.metrics.storage_reads.labels("error").inc()
+            self._forget_credentials(namespace, name)
             problem = probe_problem(exc)
             if self.errors.get(key) != problem:
                 self.errors[key] = problem
@@ -285,15 +339,27 @@ class CheckpointProbe:
             # Nothing will change any more: drop the client, keep the cached entry for the status.
             with self._lock:
                 self._clients.pop(key, None)
+                self._drop_unused_connections()
             self._count_clients()
             return "changed" if changed else "settled"
         return "changed" if changed else "unchanged"
 
+    def _forget_credentials(self, namespace: str, name: str) -> None:
+        """Read the job's Secret again next time (it may have been created, fixed or rotated)."""
+        job = self.ctx.jobs.get((namespace, name)) or {}
+        ref = ((job.get("spec") or {}).get("checkpoint") or {}).get("credentialsSecret")
+        secret = ref.get("name") if isinstance(ref, Mapping) else ref
+        if isinstance(secret, str):
+            with self._lock:
+                self._secrets.pop((namespace, secret), None)
+
     def forget(self, namespace: str, name: str) -> None:
         """Drop everything kept for a job (it was deleted)."""
         key = (namespace, name)
+        self._forget_credentials(namespace, name)
         with self._lock:
             self._clients.pop(key, None)
+            self._drop_unused_connections()
         self._count_clients()
         self.errors.pop(key, None)
         self._finished_failures.pop(key, None)

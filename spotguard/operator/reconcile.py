@@ -83,6 +83,8 @@ class Context:
     instance: str = field(default_factory=socket.gethostname)
     #: Phase of each job as the last reconcile left it (the probe and daemon read it).
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: Each job as the last reconcile read it (the storage probe reads its spec from here).
+    jobs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -289,6 +291,7 @@ def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = No
     """Bring one TrainingJob one step closer to done. Returns seconds until the next look."""
     job = get_job(ctx, namespace, name)
     if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
+        ctx.jobs.pop((namespace, name), None)
         return None
     meta = job["metadata"]
     generation = meta.get("generation")
@@ -304,6 +307,7 @@ def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = No
     decision = apply(ctx, job, spec, decision, now)
     report(ctx, job, status, decision, now)
     ctx.phases[(namespace, name)] = str(decision.status.get("phase") or "")
+    ctx.jobs[(namespace, name)] = {**job, "status": decision.status}
     if decision.status.get("phase") in TERMINAL_PHASES:
         return max(decision.requeue_after or 0.0, ctx.resync_seconds * 10)
     return decision.requeue_after

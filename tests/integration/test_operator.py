@@ -680,3 +680,34 @@ def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: A
         print(f"--- operator log ---\n{op.log_tail(40)}")
         store.close()
         core.delete_namespace(ns2)
+
+
+def test_probe_shares_one_s3_client_between_jobs_with_the_same_credentials(apis: tuple[Any, Any], crd: None,
+                                                                           s3_store: Any, tmp_path: Path) -> None:
+    from spotguard.operator import reconcile as rc
+    from spotguard.operator.metrics import OperatorMetrics
+    from spotguard.operator.probe import CheckpointProbe
+
+    core, custom = apis
+    ns2 = new_namespace(core, "probe-s3")  # no operator watches it: only this probe reads
+    core.create_namespaced_secret(ns2, {"metadata": {"name": "s3"}, "stringData": {
+        "AWS_ACCESS_KEY_ID": s3_store.access_key, "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
+        "AWS_ENDPOINT_URL": s3_store.endpoint_url}})
+    ctx = rc.Context(core=core, custom=custom, config=OperatorConfig(image=IMAGE), metrics=OperatorMetrics())
+    probe = CheckpointProbe(ctx, workers=1)
+    storage = f"s3://{s3_store.bucket}/probe-{ns2}"
+    try:
+        for name in ("a", "b", "c"):
+            create_job(apis, ns2, job_body(name, storage, checkpoint={"storage": storage,
+                                                                       "credentialsSecret": {"name": "s3"}}))
+        for _ in range(2):
+            for name in ("a", "b", "c"):
+                assert probe.probe_once(ns2, name) == "unchanged", probe.errors
+        assert probe.clients() == 3 and probe.connections() == 1
+        for name in ("a", "b", "c"):
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns2, PLURAL, name)
+            wait_for(lambda n=name: probe.probe_once(ns2, n) == "gone", f"{name} to be gone")
+        assert probe.clients() == 0 and probe.connections() == 0
+    finally:
+        probe.shutdown()
+        core.delete_namespace(ns2)

@@ -262,7 +262,7 @@ def test_pod_that_cannot_start_says_why_and_what_to_do() -> None:
     message = (condition(d.status, "PodBlocked") or {})["message"]
     assert message.startswith('pod job-a1 cannot start (CreateContainerConfigError): container spotguard-restore: '
                               'secret "s3" not found')
-    assert "create it in the job's namespace" in message
+    assert ". A Secret or ConfigMap" in message and "create it in the job's namespace" in message
     assert [(e.type, e.reason, e.message) for e in d.events] == [("Warning", "CreateContainerConfigError", message)]
     # Seen again: no second Event, no status change.
     again = step(d.status, NO_SECRET, T0 + timedelta(seconds=30))
