@@ -238,11 +238,11 @@ def test_kills_aimed_at_each_upload_stage(tmp_path: Path, s3_store: Any, s3_uri:
             return subprocess.Popen([sys.executable, __file__, "upload-one", s3_uri, str(local), str(step)],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
-        # Two complete checkpoints first, so that retention has something to delete.
+        # Two complete checkpoints first (in this process), so that retention has something to delete.
+        from spotguard.checkpoint import upload_checkpoint
+
         for step in (1, 2):
-            proc = upload_one(step)
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, out
+            upload_checkpoint(commit_local(local, step, STAGE_NUMEL), storage)
         verified = [1, 2]
         for number, stage in enumerate(STAGES, start=3):
             new = f"ckpt-{number:012d}"

@@ -44,12 +44,14 @@ FAILURES = "spotguard_checkpoint_failures_total"
 
 #: A trainer without torch (starts in a second): numpy state through the Checkpointer,
 #: the demo trainer's output lines ("resumed from step N", "step N", "preempted after step N").
+#: It finishes early, with a final checkpoint, once the stop file exists.
 TRAINER = """
 import sys, time
 import numpy as np
 import spotguard
 
-steps, delay, every = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+import os
+steps, delay, every, stop_file = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 ckpt = spotguard.Checkpointer.from_env(save_every_steps=every)
 restored = ckpt.restore()
 w = np.zeros(100_000, dtype=np.float32)
@@ -69,6 +71,8 @@ for step in range(start, steps):
         ckpt.close()
         print(f"preempted after step {step}", flush=True)
         sys.exit(0)
+    if os.path.exists(stop_file):
+        break  # the test has seen what it needed: finish now
     time.sleep(delay)
 ckpt.save(step, {"w": w, "step": step}, blocking=True)
 ckpt.close()
@@ -76,8 +80,8 @@ print(f"finished {steps} steps", flush=True)
 """
 
 
-def trainer(steps: int, delay: float, save_every: int) -> list[str]:
-    return [sys.executable, "-c", TRAINER, str(steps), str(delay), str(save_every)]
+def trainer(steps: int, delay: float, save_every: int, stop_file: Path) -> list[str]:
+    return [sys.executable, "-c", TRAINER, str(steps), str(delay), str(save_every), str(stop_file)]
 
 
 def step_of(name: str) -> int:
@@ -227,8 +231,9 @@ def test_run_rides_out_slowdown_resets_and_a_store_restart(own_store: Restartabl
     uri = f"s3://{store.bucket}/run-{tmp_path.name}"
     port = free_port()
     workdir = tmp_path / "work"
-    # Long enough that the store is back before training ends (it takes a while to start).
-    argv = run_argv(workdir, uri, port, *trainer(600, 0.05, 10))
+    stop = tmp_path / "stop"
+    # Trains until the scenario is over (the step count only bounds a hang).
+    argv = run_argv(workdir, uri, port, *trainer(5000, 0.05, 10, stop))
     with FaultProxy(store.endpoint_url) as proxy, reaping() as procs, LossMonitor(workdir / "checkpoints") as monitor:
         run = Proc(argv, run_env(store, proxy), tmp_path / "run.log")
         procs.append(run)
@@ -258,6 +263,7 @@ def test_run_rides_out_slowdown_resets_and_a_store_restart(own_store: Restartabl
             upload_checkpoint(workdir / "checkpoints" / newest_before, unreachable)
         own_store.start()
         wait_until(lambda: manifests_stored(proxy) > stored_before, 120, "a checkpoint stored after the restart")
+        stop.touch()
         assert run.wait(240) == 0, run.tail()
     assert counted >= 2
     assert "failed" in run.text()
@@ -269,7 +275,8 @@ def test_preemption_while_the_store_is_unreachable_keeps_the_checkpoint_and_resu
 ) -> None:
     port = free_port()
     workdir = tmp_path / "work"
-    argv = run_argv(workdir, s3_uri, port, *trainer(200, 0.04, 10), grace=4.0)
+    stop = tmp_path / "stop"
+    argv = run_argv(workdir, s3_uri, port, *trainer(5000, 0.04, 10, stop), grace=4.0)
     storage = direct(s3_store, s3_uri)
     with reaping() as procs, LossMonitor(workdir / "checkpoints") as monitor:
         first = Proc(argv, run_env(s3_store, proxy), tmp_path / "run1.log")
@@ -291,5 +298,6 @@ def test_preemption_while_the_store_is_unreachable_keeps_the_checkpoint_and_resu
         procs.append(second)
         line = second.wait_for_line(lambda ln: ln.startswith(("resumed from step", "starting from scratch")))
         assert line == f"resumed from step {stopped}", (line, second.tail())
+        stop.touch()
         assert second.wait(180) == 0, second.tail()
     assert_ends_safe(second, monitor, proxy, storage)
