@@ -301,3 +301,27 @@ def test_preemption_while_the_store_is_unreachable_keeps_the_checkpoint_and_resu
         stop.touch()
         assert second.wait(180) == 0, second.tail()
     assert_ends_safe(second, monitor, proxy, storage)
+
+
+def test_preemption_while_the_store_sheds_load_still_verifies_the_emergency_checkpoint(
+    s3_store: Any, s3_uri: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """503 SlowDown for the first seconds of the grace period: the emergency upload is
+    retried with backoff until the deadline, not given up after the first refusals."""
+    port = free_port()
+    workdir = tmp_path / "work"
+    argv = run_argv(workdir, s3_uri, port, *trainer(5000, 0.04, 10, tmp_path / "stop"), grace=20.0)
+    storage = direct(s3_store, s3_uri)
+    with reaping() as procs, LossMonitor(workdir / "checkpoints") as monitor:
+        run = Proc(argv, run_env(s3_store, proxy), tmp_path / "run.log")
+        procs.append(run)
+        wait_until(lambda: manifests_stored(proxy) >= 1, 120, "a first checkpoint in storage")
+        for method in ("PUT", "POST"):
+            proxy.add(status(503, "SlowDown"), method=method, seconds=4)
+        run.signal(signal.SIGTERM)
+        run.wait(60)
+        stopped = int(run.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+    assert [r for r in proxy.log if r.status == 503], "the store never refused anything: the test tested nothing"
+    info, _ = latest_verified(storage)
+    assert info is not None and info.step == stopped, (info, stopped, run.tail())
+    assert not monitor.lost(proxy, storage)
