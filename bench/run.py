@@ -656,14 +656,28 @@ def bench_sigterm(ctx: Ctx) -> Section:
     reps = ctx.rounds_for(3)
     # size -> rounds of (SIGTERM -> verified, exit code, stages, raw upload of the same bytes)
     results: dict[float, list[tuple[float, int, dict[str, float], float]]] = {gb: [] for gb in sizes}
+    # The raw upload goes after the SIGTERM run in even rounds and before it in odd ones (uploading the
+    # previous round's checkpoint of the same size: the same files, the same sizes), so that neither
+    # always meets the store first (a store grows its volumes on the first writes after a deletion).
+    kept: dict[float, Path] = {}
     for r in range(reps):
         for gb in sizes:
+            first = r % 2 == 1 and gb in kept
+            raw = _raw_upload(ctx, kept[gb]) if first else 0.0
             latency, rc, stages, copy = _sigterm_once(ctx, int(gb * GiB))
-            raw = _raw_upload(ctx, copy)
-            results[gb].append((latency, rc, stages, raw))
+            keep = ctx.work / f"sigterm-copy-{gb:g}" / copy.name
+            shutil.rmtree(keep.parent, ignore_errors=True)
+            keep.parent.mkdir(parents=True)
+            shutil.move(copy, keep)
             shutil.rmtree(copy.parents[1], ignore_errors=True)
-            print(f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw upload {raw:.2f}s, "
-                  f"stages {stages}", flush=True)  # fmt: skip
+            kept[gb] = keep
+            if not first:
+                raw = _raw_upload(ctx, keep)
+            results[gb].append((latency, rc, stages, raw))
+            print(f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw upload {raw:.2f}s "
+                  f"({'before' if first else 'after'}), stages {stages}", flush=True)  # fmt: skip
+    for keep in kept.values():
+        shutil.rmtree(keep.parent, ignore_errors=True)
     # Linear fit latency = a + b * size over the medians, to estimate the largest state that fits 25 s.
     xs = sizes
     ys = [median([x[0] for x in results[gb]]) for gb in sizes]
@@ -692,8 +706,9 @@ def bench_sigterm(ctx: Ctx) -> Section:
     s.notes.append(
         f"`spotguard run` supervising a trainer with the given state, SIGTERM to the supervisor: the "
         f"trainer saves at its next step boundary, the supervisor uploads, verifies and exits. In the "
-        f"same round the same checkpoint files are uploaded again with the project's own concurrent "
-        f"multipart upload (`Storage.upload_files`) and nothing else: no pointer, no verification. "
+        f"same round the checkpoint files of that size are uploaded again with the project's own concurrent "
+        f"multipart upload (`Storage.upload_files`) and nothing else: no pointer, no verification (after the "
+        f"SIGTERM run in even rounds, before it in odd ones, then with the previous round's files). "
         f"{reps} rounds, sizes interleaved; dirty pages flushed before each timed step. A linear fit gives "
         f"{a:.1f} s + {b:.1f} s/GiB, so the largest state that fits a 25 s budget on this machine is about "
         f"**{max(fits, 0):.2f} GiB**; on a real cloud node the store is remote and parallel, so the per-GiB "
