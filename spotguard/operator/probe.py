@@ -196,8 +196,12 @@ class CheckpointProbe:
             values = cached[1]
         else:
             values = self._read_secret(namespace, sec.name)
+            now = time.monotonic()
             with self._lock:
-                self._secrets[key] = (time.monotonic(), values)
+                # Expired entries go (Secrets of deleted jobs and namespaces included).
+                for old in [k for k, (at, _v) in self._secrets.items() if now - at >= SECRET_TTL_SECONDS]:
+                    del self._secrets[old]
+                self._secrets[key] = (now, values)
         out: dict[str, str] = {}
         for opt, name in (
             ("access_key", sec.access_key_id_key),

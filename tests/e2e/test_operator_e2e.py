@@ -357,3 +357,30 @@ def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> Non
     assert p.metadata.deletion_timestamp is None and p.status.phase == "Running"
     assert env.status(job)["attempt"] == 1
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
+
+
+@pytest.mark.timeout(600)
+def test_missing_credentials_secret_is_reported_then_recovers(env: Env) -> None:
+    """A job whose credentials Secret does not exist says so (as kubelet reports it), then starts once it does."""
+    doc = example()
+    job = doc["metadata"]["name"] = "no-secret"
+    doc["spec"]["checkpoint"]["credentialsSecret"] = {"name": "created-later"}
+    path = env.log_dir / "no-secret.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path))
+    st = env.wait_status(job, "PodBlocked", lambda s: any(
+        c["type"] == "PodBlocked" and c["status"] == "True" for c in s.get("conditions") or []), timeout=180)
+    blocked = next(c for c in st["conditions"] if c["type"] == "PodBlocked")
+    assert blocked["reason"] == "CreateContainerConfigError", blocked
+    assert 'secret "created-later" not found' in blocked["message"], blocked
+    assert st["phase"] == "Pending" and st["failures"] == 0 and st["preemptions"] == 0
+    events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
+    assert any(e.reason == "CreateContainerConfigError" and e.type == "Warning" for e in events)
+    # Create the Secret: kubelet retries, the pod starts, the condition clears.
+    secret = env.core.read_namespaced_secret("spotguard-s3", env.ns)
+    env.core.create_namespaced_secret(env.ns, {"metadata": {"name": "created-later"}, "data": secret.data})
+    env.wait_pod_running(f"{job}-a1")
+    st = env.wait_status(job, "unblocked", lambda s: any(
+        c["type"] == "PodBlocked" and c["status"] == "False" for c in s.get("conditions") or []))
+    assert st["attempt"] == 1
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
