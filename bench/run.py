@@ -825,8 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[Section] = []
     with tempfile.TemporaryDirectory(prefix="spotguard-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
         work = Path(tmp)
-        # The operator benchmark keeps its jobs' checkpoints in the store (and pauses it).
-        needs_s3 = bool({"upload", "resume", "sigterm", "operator"} & set(chosen))
+        needs_s3 = bool({"upload", "resume", "sigterm"} & set(chosen))  # the operator benchmark starts its own
         needs_kube = "operator" in chosen
         with cluster.running(work / "services", kube=needs_kube, s3=needs_s3) as env:
             ctx = Ctx(work, env.s3, state_mb, rounds=args.rounds, plots=plots, profile=args.profile)
