@@ -430,10 +430,13 @@ class CheckpointAgent:
 class SignalLatch:
     """Records the first SIGTERM/SIGINT and when it came; handlers only set flags."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_signal: Callable[[str], None] | None = None) -> None:
         self.event = threading.Event()
         self.source: str | None = None
         self.received_at = 0.0
+        # Called once, from the handler, with the source: only for what must
+        # not wait for the main loop (and is safe in a signal handler).
+        self.on_signal = on_signal
         self._previous: dict[int, Any] = {}
 
     @property
@@ -459,6 +462,8 @@ class SignalLatch:
             self.received_at = time.time()
             self.source = "sigint" if signum == signal.SIGINT else "sigterm"
             self.event.set()
+            if self.on_signal is not None:
+                self.on_signal(self.source)
 
 
 @dataclass

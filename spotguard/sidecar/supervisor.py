@@ -172,7 +172,10 @@ class Supervisor:
         self.metrics = metrics
         self.run_id = uuid.uuid4().hex
         self.child: subprocess.Popen[bytes] | None = None
-        self.latch = SignalLatch()
+        # The command hears of a preemption at once, from the signal handler:
+        # the supervisor's own loop may be inside a slow storage call then.
+        self.latch = SignalLatch(on_signal=lambda _source: self._forward_once())
+        self._forwarded = False
         agent_config = AgentConfig(
             checkpoint_dir=config.checkpoint_dir,
             control_dir=config.control_dir,
@@ -310,8 +313,16 @@ class Supervisor:
             os.killpg(self.child.pid, sig)
 
     def _forward(self, _req: CheckpointRequest) -> None:
+        self._forward_once()
+
+    def _forward_once(self) -> None:
         # The Checkpointer treats SIGTERM as a preemption request, and any
         # other program gets the signal it would get on a real shutdown.
+        # Once only: a second SIGTERM could reach a trainer that has already
+        # put the default handler back on its way out, and kill it there.
+        if self._forwarded or self.child is None or self.child.poll() is not None:
+            return
+        self._forwarded = True
         self._signal_group(signal.SIGTERM)
 
     # -- main ----------------------------------------------------------------
@@ -334,6 +345,7 @@ class Supervisor:
                     return self._preempted()
                 self.attempt += 1
                 ControlChannel(self.config.control_dir).clear()
+                self._forwarded = False
                 self.child = self.spawn()
                 while self.child.poll() is None and not self.latch.event.is_set():
                     self.agent.step()

@@ -61,7 +61,10 @@ def test_storage_outage_keeps_and_resumes_the_newest_local_checkpoint(
                               "--backoff", "0.1", "--", *train_argv(STEPS, out, 0.05, SAVE_EVERY))
         first = Proc(argv, env, tmp_path / "run1.log")
         procs.append(first)
-        verified = wait_until(lambda: latest_verified(storage)[0], 120, "a verified checkpoint")
+        # The run itself has verified a checkpoint (and moved the pointer).
+        first.wait_for_line(lambda ln: "stage=pointer" in ln)
+        verified = latest_verified(storage)[0]
+        assert verified is not None
 
         # Storage goes away; training goes on and commits locally.
         proxy.down()
