@@ -102,9 +102,16 @@ class Agent:
     def _add_node(self) -> ProcessNode:
         suffix = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(5))
         node = ProcessNode(self, f"{self.settings.prefix}-{suffix}")
-        node.register()
+        # Known before the Node exists: the scheduler can bind a pod to it while it registers
+        # (a replacement node, pods waiting), and a pod event for an unknown node is dropped.
         with self.lock:
             self.nodes[node.name] = node
+        try:
+            node.register()
+        except BaseException:
+            with self.lock:
+                self.nodes.pop(node.name, None)
+            raise
         return node
 
     def runner_of(self, node: ProcessNode, namespace: str, name: str) -> PodRunner | None:
