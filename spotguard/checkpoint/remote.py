@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotguard.checkpoint.fetch import fetch_verified
 from spotguard.checkpoint.local import (
     TMP_PREFIX,
     list_local_committed,
-    local_reader,
     read_local_manifest,
     remove_checkpoint_dir,
     verify_local_checkpoint,
@@ -319,27 +319,13 @@ def restore_checkpoint(
         missing = [e.path for e in manifest.files if e.path not in listing]
         if missing:
             raise CheckpointCorruptError(name, [f"{p}: missing" for p in missing])
-        try:
-            storage.download_files([(f"{name}/{e.path}", tmp / e.path) for e in manifest.files], progress)
-        except NotFoundError as exc:
-            raise CheckpointCorruptError(name, [f"missing while downloading ({exc})"]) from None
-        for entry in manifest.files:
-            fd = os.open(tmp / entry.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        # Verify the local copy: it is what will be loaded.
-        sizes = {e.path: (tmp / e.path).stat().st_size for e in manifest.files if (tmp / e.path).is_file()}
-        problems, _ = verify_files(manifest, sizes, local_reader(tmp), workers=2)
+        # One pass: each file is checked as it streams in; not fsynced, as
+        # every reader verifies a local copy before using it.
+        sizes = {path: info.size for path, info in listing.items()}
+        problems = fetch_verified(storage, name, manifest, sizes, tmp, progress=progress)
         if problems:
             raise CheckpointCorruptError(name, problems)
         (tmp / MANIFEST_NAME).write_bytes(manifest_bytes)
-        fd = os.open(tmp / MANIFEST_NAME, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         fsync_dir(tmp)
         if final.exists():
             remove_checkpoint_dir(final)
