@@ -42,11 +42,16 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("ls", help="list checkpoints: step, time, size, metrics, verified yes/no and why")
     p.add_argument("uri", metavar="URI")
     p.add_argument("--quick", action="store_true", help="check sizes only, do not read the data")
+    p.add_argument("--deep", action="store_true",
+                   help="read every byte back instead of trusting checksums the store computed on receipt")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_guard(cmd_ls))
 
     p = sub.add_parser("verify", help="verify checkpoints (all, or URI/ckpt-N); non-zero exit names what is bad")
     p.add_argument("uri", metavar="URI[/ckpt-N]")
+    p.add_argument("--deep", action="store_true",
+                   help="read every byte back instead of trusting checksums the store computed on receipt "
+                   "(finds damage that happened after the store accepted the data)")
     p.set_defaults(func=_guard(cmd_verify))
 
     p = sub.add_parser("restore", help="download the newest verified checkpoint (or URI/ckpt-N) into DEST")
@@ -252,7 +257,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     pointer = read_latest_pointer(storage)
     rows: list[dict[str, Any]] = []
     for name in names:
-        result = verify_checkpoint(storage, name, checksums=not args.quick)
+        result = verify_checkpoint(storage, name, checksums=not args.quick, deep=args.deep)
         m = result.manifest
         rows.append(
             {
@@ -263,6 +268,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "epoch": m.epoch if m else None,
                 "metrics": dict(m.metrics) if m else {},
                 "verified": result.ok,
+                "method": result.method,
                 "problems": result.problems,
                 "latest": pointer == int(name.split("-")[1]),
             }
@@ -295,10 +301,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UserError(f"no checkpoints at {storage.uri}")
     failed = 0
     for n in names:
-        result = verify_checkpoint(storage, n)
+        result = verify_checkpoint(storage, n, deep=args.deep)
         if result.ok and result.manifest is not None:
             m = result.manifest
-            print(f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm})")
+            print(f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm}, "
+                  f"by {result.method or 'manifest'})")
         else:
             failed += 1
             print(f"{n}: FAILED")

@@ -226,3 +226,21 @@ def test_help_is_fast_and_complete() -> None:
     code = "import sys, spotguard.cli as c; c.build_parser(); print('torch' in sys.modules, 'boto3' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_verify_deep_reads_back(target: tuple[str, Storage, dict[str, str]]) -> None:
+    """S3 verification trusts the checksums the store computed on receipt; ``--deep``
+    reads every byte back (the file backend always does); both say which they did."""
+    uri, _, env = target
+    fast = cli("ckpt", "verify", f"{uri}/{name(20)}", env=env)
+    deep = cli("ckpt", "verify", f"{uri}/{name(20)}", "--deep", env=env)
+    assert fast.returncode == 0 and deep.returncode == 0, fast.stderr + deep.stderr
+    assert deep.stdout.rstrip().endswith("by read-back)"), deep.stdout
+    if uri.startswith("s3://"):
+        assert "by store-checksum)" in fast.stdout or "by mixed)" in fast.stdout, fast.stdout
+    else:
+        assert fast.stdout.rstrip().endswith("by read-back)"), fast.stdout
+    rows = json.loads(cli("ckpt", "ls", uri, "--json", "--deep", env=env).stdout)["checkpoints"]
+    assert {r["method"] for r in rows} == {"read-back"}
+    bad = cli("ckpt", "verify", f"{uri}/{name(30)}", "--deep", env=env)
+    assert bad.returncode == 1 and "crc32c checksum mismatch" in bad.stdout
