@@ -139,6 +139,12 @@ class CheckpointShipper:
             return []
         return list(list_local_committed(self.checkpoint_dir))
 
+    def forget(self, name: str) -> None:
+        """Stop counting a local copy as shipped (it is about to be removed
+        because it is damaged; the stored checkpoint is untouched)."""
+        with self._lock:
+            self.shipped.pop(name, None)
+
     def mark_verified(self, name: str) -> None:
         """Record ``name`` as verified in storage without reading it again.
 

@@ -223,14 +223,22 @@ class Supervisor:
         shipper.adopt_existing()
         newest_local: str | None = None
         for path in reversed(shipper.committed()):
-            if path.name in shipper.shipped:
-                newest_local = newest_local or path.name
-                continue
+            stored = path.name in shipper.shipped
+            if stored and newest_local is not None:
+                continue  # older and safe in storage: never resumed from, never shipped again
+            # The one to resume from is checked even when storage holds it: a
+            # restored copy is not fsynced (fetch.py), so a machine that
+            # crashed may have left it torn. Its stored copy is fetched again.
             result = verify_local_checkpoint(path)
             if result.ok:
                 newest_local = newest_local or path.name
                 continue
-            log.warning("dropping local %s: it fails its own manifest (%s)", path.name, result.reason)
+            if stored:
+                log.warning("local copy of %s is damaged (%s): it is in storage, fetching it again",
+                            path.name, result.reason)
+                shipper.forget(path.name)
+            else:
+                log.warning("dropping local %s: it fails its own manifest (%s)", path.name, result.reason)
             shutil.rmtree(path, ignore_errors=True)
         shipper.ship(housekeeping=False)
         t0 = time.monotonic()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from ckpt_helpers import s3_options, step_tensors
 
-from spotguard.checkpoint import latest_verified, list_local_committed, upload_checkpoint
+from spotguard.checkpoint import latest_verified, list_local_committed, upload_checkpoint, verify_local_checkpoint
 from spotguard.checkpoint.manifest import checkpoint_name
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.supervisor import RunConfig, SetupError, Supervisor
@@ -87,3 +87,25 @@ def test_recover_restores_from_storage_only_what_is_newer(s3_store: Any, s3_uri:
     # 6 (in storage) is newer than 5 (local, now shipped too): staged, and known verified without a re-read.
     assert local_steps(ckdir) == [5, 6]
     assert sup.agent.shipper.last_shipped is not None and sup.agent.shipper.last_shipped.step == 6
+
+
+def test_recover_fetches_again_a_damaged_local_copy_of_a_stored_checkpoint(s3_store: Any, s3_uri: str,
+                                                                          tmp_path: Path) -> None:
+    """A restored copy is not fsynced: after a machine crash it may be torn. The
+    newest local copy is checked even when storage holds it, and fetched again."""
+    good = open_storage(s3_uri, **s3_options(s3_store))
+    ckdir = tmp_path / "work" / "checkpoints"
+    ck = Checkpointer(ckdir, storage_uri=s3_uri)
+    for step in (7, 8):
+        ck.save(step, step_tensors(step), blocking=True)
+    ck.close()
+    for step in (7, 8):
+        upload_checkpoint(ckdir / checkpoint_name(step), good)
+    data = next(p for p in (ckdir / checkpoint_name(8)).iterdir() if p.name.endswith(".safetensors"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # torn by a crash
+
+    sup = supervisor(tmp_path, s3_uri, good)
+    sup.recover()
+    assert local_steps(ckdir) == [7, 8]
+    assert verify_local_checkpoint(ckdir / checkpoint_name(8)).ok  # the stored copy, fetched again
+    assert sup.agent.shipper.last_shipped is not None and sup.agent.shipper.last_shipped.step == 8
