@@ -91,6 +91,8 @@ class Service:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    #: Seconds to wait after SIGTERM before SIGKILL (None: the supervisor's default).
+    stop_timeout: float | None = None
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -114,7 +116,9 @@ class Supervisor:
         env.update(extra or {})
         return env
 
-    def start(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Service:
+    def start(
+        self, name: str, argv: list[str], extra_env: dict[str, str] | None = None, stop_timeout: float | None = None
+    ) -> Service:
         log = self.state_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
@@ -127,7 +131,7 @@ class Supervisor:
                 preexec_fn=_child_setup,  # noqa: PLW1509 - needed for setsid + pdeathsig
                 cwd=self.state_dir,
             )
-        svc = Service(name, popen, log)
+        svc = Service(name, popen, log, stop_timeout)
         self.services.append(svc)
         self._write_pids()
         return svc
@@ -142,7 +146,7 @@ class Supervisor:
         for svc in reversed(self.services):
             _signal_group(svc.popen.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                svc.popen.wait(timeout)
+                svc.popen.wait(timeout if svc.stop_timeout is None else svc.stop_timeout)
             _signal_group(svc.popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 svc.popen.wait(5)
@@ -242,6 +246,8 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-iam.port={p['iam']}",
             f"-metricsPort={p['metrics']}",
         ],
+        # weed takes over 10 s to leave on SIGTERM; its data is throwaway test state.
+        stop_timeout=2.0,
     )  # fmt: skip
     store = S3Store(f"http://127.0.0.1:{p['s3']}", access, secret, "us-east-1", bucket)
 
