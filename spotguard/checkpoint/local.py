@@ -70,8 +70,15 @@ class LocalWriter:
         *,
         algorithm: str = DEFAULT_ALGORITHM,
         deadline: float | None = None,
+        durable: bool = True,
     ) -> None:
         self.directory = Path(directory)
+        # False: data files are not fsynced (the manifest and directories still
+        # are). For an emergency save that an uploader ships at once: the
+        # verified upload is what makes it durable, and waiting for the disk
+        # would spend the grace period on a copy the node takes with it. A
+        # copy torn by a crash fails its manifest and is never loaded.
+        self.durable = durable
         self.step = step
         self.name = checkpoint_name(step)
         self.algorithm = check_algorithm(algorithm)
@@ -102,7 +109,8 @@ class LocalWriter:
                 hasher.update(chunk)
                 _write_all(fd, chunk)
                 size += len(chunk)
-            os.fsync(fd)
+            if self.durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         entry = FileEntry(path=path, size=size, checksum=hasher.hexdigest())
@@ -179,12 +187,14 @@ def write_checkpoint(
     reason: str | None = None,
     request_id: str | None = None,
     snapshot_seconds: float | None = None,
+    durable: bool = True,
 ) -> Path:
     """Persist a snapshot as ``<directory>/ckpt-<step>`` atomically (phase two
     of a save). Raises :class:`DeadlineExceeded` (leaving nothing behind) when
-    ``deadline`` (unix time) passes first."""
+    ``deadline`` (unix time) passes first. ``durable=False`` skips the fsync
+    of data files (see :class:`LocalWriter`)."""
     start = time.perf_counter()
-    writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline)
+    writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline, durable=durable)
     try:
         writer.add_snapshot(snapshot)
         timing = {"persist_seconds": round(time.perf_counter() - start, 6)}

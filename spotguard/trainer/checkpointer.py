@@ -133,6 +133,17 @@ def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool
     return PRUNE_LOCAL_ONLY
 
 
+def emergency_save_is_durable(preempt: bool, pruner: str) -> bool:
+    """Pure: whether a save fsyncs its data files before it is acknowledged.
+
+    Every save does, except a preemption's when an uploader ships it at once
+    (the sidecar, ``spotguard run``, or ``upload=True``): its durability is the
+    verified upload, and the seconds an fsync of gigabytes takes are the
+    grace period's. Without an uploader the local copy is all there is.
+    """
+    return not preempt or pruner == PRUNE_LOCAL_ONLY
+
+
 class Checkpointer:
     """Saves and restores training state through local, atomic checkpoints.
 
@@ -462,6 +473,7 @@ class Checkpointer:
                 reason=_reason(job.requests),
                 request_id=next((r.id for r in reversed(job.requests)), None),
                 snapshot_seconds=job.snapshot_seconds,
+                durable=emergency_save_is_durable(any(r.preempt for r in job.requests), self.local_pruner),
             )
             self.last_committed = path
             self.last_persist_seconds = time.perf_counter() - start

@@ -360,3 +360,30 @@ def test_an_uploading_trainer_prunes_only_what_it_verified(tmp_path: Path, s3_st
     ck.close()
     assert steps_of(ckdir) == [2, 3, 4, 5]
     assert ck.last_error is not None
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_non_durable_save_skips_only_the_data_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     durable: bool) -> None:
+    """An emergency save that an uploader ships does not wait for the disk; the
+    manifest and directories are still fsynced, and the checkpoint verifies."""
+    import stat
+
+    import spotguard.checkpoint.local as local_mod
+    from spotguard.checkpoint import snapshot_state, verify_local_checkpoint, write_checkpoint
+
+    synced: list[str] = []  # names of the regular files fsynced (directories left out)
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    monkeypatch.setattr(local_mod.os, "fsync", counting_fsync)
+    snap = snapshot_state(step_tensors(3))
+    path = write_checkpoint(tmp_path, 3, snap, durable=durable)
+    assert verify_local_checkpoint(path).ok
+    assert "manifest.json" in synced
+    data_files = [n for n in synced if n != "manifest.json"]
+    assert bool(data_files) is durable, synced

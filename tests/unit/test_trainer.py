@@ -152,3 +152,20 @@ def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_
     from spotguard.trainer.checkpointer import local_pruner
 
     assert local_pruner(upload, storage_uri, shares_control_dir) == want
+
+
+@pytest.mark.parametrize(
+    "preempt, pruner, durable",
+    [
+        (False, "uploader", True),   # routine saves are always fsynced
+        (False, "self", True),
+        (False, "local-only", True),
+        (True, "uploader", False),   # a preemption's save is made durable by its verified upload
+        (True, "self", False),
+        (True, "local-only", True),  # nothing ships it: the local copy is all there is
+    ],
+)
+def test_emergency_save_is_durable(preempt: bool, pruner: str, durable: bool) -> None:
+    from spotguard.trainer.checkpointer import emergency_save_is_durable
+
+    assert emergency_save_is_durable(preempt, pruner) is durable
