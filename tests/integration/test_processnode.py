@@ -527,11 +527,15 @@ def test_kubectl_logs_through_the_apiserver(
         assert out.returncode == 0, out.stderr
         return out.stdout
 
-    wait_for(lambda: "to stderr" in logs("-c", "main"), "the talker's output in kubectl logs")
+    def logs_once_started(*args: str) -> str:  # "waiting to start" is kubelet's answer until then
+        out = kubectl(kube, "logs", "-n", ns, "talker", *args)
+        return out.stdout if out.returncode == 0 else ""
+
+    wait_for(lambda: "to stderr" in logs_once_started("-c", "main"), "the talker's output in kubectl logs")
     assert logs("-c", "main") == "".join(f"line {i}\n" for i in range(1, 6)) + "to stderr\n"
     assert logs("-c", "main", "--tail=2") == "line 5\nto stderr\n"
     assert logs("-c", "main", "--limit-bytes=6") == "line 1"
-    wait_for(lambda: logs("-c", "restarter") == "run 2\n", "the restarter's second run")
+    wait_for(lambda: logs_once_started("-c", "restarter") == "run 2\n", "the restarter's second run")
     assert logs("-c", "restarter", "--previous") == "run 1\n"
 
     follow = subprocess.Popen(

@@ -21,6 +21,7 @@ from test_sidecar_helpers import (
     s3_storage,
     spotguard_argv,
     train_argv,
+    uninterrupted_final,
     wait_until,
 )
 
@@ -34,14 +35,7 @@ SAVE_EVERY = 10
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """Final state of an uninterrupted run."""
-    root = tmp_path_factory.mktemp("reference")
-    out = root / "final.safetensors"
-    with reaping() as procs:
-        proc = Proc(train_argv(STEPS, out, save_every=SAVE_EVERY),
-                    base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}), root / "train.log")
-        procs.append(proc)
-        assert proc.wait() == 0, proc.tail()
-    return out.read_bytes()
+    return uninterrupted_final(tmp_path_factory.mktemp("reference"), STEPS, SAVE_EVERY)
 
 
 def run_argv(workdir: Path, storage: str, *train: str, max_restarts: int = 3) -> list[str]:

@@ -21,6 +21,7 @@ from test_sidecar_helpers import (
     spotguard_argv,
     store_proxy,
     train_argv,
+    uninterrupted_final,
     wait_until,
 )
 
@@ -33,14 +34,7 @@ SAVE_EVERY = 10
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """Final state of an uninterrupted run."""
-    root = tmp_path_factory.mktemp("reference")
-    out = root / "final.safetensors"
-    with reaping() as procs:
-        proc = Proc(train_argv(STEPS, out, save_every=SAVE_EVERY),
-                    base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}), root / "train.log")
-        procs.append(proc)
-        assert proc.wait() == 0, proc.tail()
-    return out.read_bytes()
+    return uninterrupted_final(tmp_path_factory.mktemp("reference"), STEPS, SAVE_EVERY)
 
 
 def local_steps(ckdir: Path) -> list[int]:

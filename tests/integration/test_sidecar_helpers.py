@@ -150,6 +150,18 @@ def train_argv(steps: int, output: Path | None = None, step_delay: float = 0.0, 
     return argv
 
 
+def uninterrupted_final(root: Path, steps: int, save_every: int) -> bytes:
+    """The final weights of the demo trainer run without interruption: the
+    reference a resumed run must match byte for byte."""
+    out = root / "final.safetensors"
+    with reaping() as procs:
+        proc = Proc(train_argv(steps, out, save_every=save_every),
+                    base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}), root / "train.log")
+        procs.append(proc)
+        assert proc.wait() == 0, proc.tail()
+    return out.read_bytes()
+
+
 def spotguard_argv(*args: str) -> list[str]:
     return [PY, "-m", "spotguard.cli", *args]
 
