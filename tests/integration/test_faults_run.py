@@ -171,6 +171,20 @@ def failures(port: int, stage: str | None = None) -> float:
     return sum(v for (name, _), v in samples.items() if name == FAILURES)
 
 
+def shed_load_then_reset(proxy: FaultProxy, port: int) -> None:
+    """The store sheds load (every write answers 503 SlowDown until SHED of them are
+    spent: counted, not timed, as a loaded machine may send nothing for seconds)
+    until the metrics on ``port`` count a failure; then the next three requests,
+    whenever they come, have their connection reset."""
+    slow = [proxy.add(status(503, "SlowDown"), method=m, times=SHED) for m in ("PUT", "POST")]
+    wait_until(lambda: failures(port) >= 1, 60, "a failure counted")
+    # Small checkpoints are single PUTs: the episode ends when the PUTs are spent.
+    wait_until(lambda: not slow[0].live(time.monotonic()), 60, "the 503s to end")
+    proxy.remove(slow[1])
+    resets = proxy.add(reset(), times=3)
+    wait_until(lambda: resets.hits >= 3, 90, "three reset connections")
+
+
 def direct(store: Any, uri: str, **options: Any) -> Any:
     return open_storage(uri, endpoint_url=store.endpoint_url, access_key=store.access_key,
                         secret_key=store.secret_key, region=store.region, **options)  # fmt: skip
@@ -243,16 +257,7 @@ def test_run_rides_out_slowdown_resets_and_a_store_restart(own_store: Restartabl
         run = Proc(argv, run_env(store, proxy), tmp_path / "run.log")
         procs.append(run)
         wait_until(lambda: manifests_stored(proxy) >= 1, 120, "a first checkpoint in storage")
-        # The store sheds load: every write answers 503 SlowDown for a while.
-        # Counted, not timed: a loaded machine may send nothing for seconds.
-        slow = [proxy.add(status(503, "SlowDown"), method=m, times=SHED) for m in ("PUT", "POST")]
-        wait_until(lambda: failures(port) >= 1, 60, "a failure counted")
-        # Small checkpoints are single PUTs: the episode ends when the PUTs are spent.
-        wait_until(lambda: not slow[0].live(time.monotonic()), 60, "the 503s to end")
-        proxy.remove(slow[1])
-        # Then the next requests (whenever spotguard sends them) have their connection reset.
-        resets = proxy.add(reset(), times=3)
-        wait_until(lambda: resets.hits >= 3, 90, "three reset connections")
+        shed_load_then_reset(proxy, port)
         # Then the store goes away, and comes back.
         stored_before = manifests_stored(proxy)
         failed_before = failures(port)
@@ -352,15 +357,7 @@ def test_sidecar_rides_out_503_slowdown_and_resets(
         training = Proc(trainer(5000, 0.04, 10, stop), env, tmp_path / "trainer.log")
         procs += [sidecar, training]
         wait_until(lambda: manifests_stored(proxy) >= 1, 120, "a first checkpoint in storage")
-        # Counted, not timed: a loaded machine may send nothing for seconds.
-        slow = [proxy.add(status(503, "SlowDown"), method=m, times=SHED) for m in ("PUT", "POST")]
-        wait_until(lambda: failures(port) >= 1, 60, "a failure counted")
-        # Small checkpoints are single PUTs: the episode ends when the PUTs are spent.
-        wait_until(lambda: not slow[0].live(time.monotonic()), 60, "the 503s to end")
-        proxy.remove(slow[1])
-        # The next requests (whenever the sidecar retries) have their connection reset.
-        resets = proxy.add(reset(), times=3)
-        wait_until(lambda: resets.hits >= 3, 90, "three reset connections")
+        shed_load_then_reset(proxy, port)
         counted = failures(port)
         stored = manifests_stored(proxy)
         wait_until(lambda: manifests_stored(proxy) > stored, 60, "a checkpoint stored after the faults")

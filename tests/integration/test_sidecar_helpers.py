@@ -153,6 +153,7 @@ def train_argv(steps: int, output: Path | None = None, step_delay: float = 0.0, 
 def uninterrupted_final(root: Path, steps: int, save_every: int) -> bytes:
     """The final weights of the demo trainer run without interruption: the
     reference a resumed run must match byte for byte."""
+    root.mkdir(parents=True, exist_ok=True)
     out = root / "final.safetensors"
     with reaping() as procs:
         proc = Proc(train_argv(steps, out, save_every=save_every),

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv
+from test_sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv, uninterrupted_final
 
 from spotguard.checkpoint import latest_verified
 
@@ -30,13 +30,7 @@ TRIALS = int(os.environ.get("SPOTGUARD_SIGTERM_TRIALS", "20"))
 def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: Path) -> None:
     rng = random.Random(os.environ.get("SPOTGUARD_TRIAL_SEED"))
     s3_env = s3_store.env()
-    reference = tmp_path / "reference.safetensors"
-    with reaping() as procs:
-        ref = Proc(train_argv(STEPS, reference, save_every=SAVE_EVERY),
-                   base_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref-ckpt")}), tmp_path / "reference.log")
-        procs.append(ref)
-        assert ref.wait() == 0, ref.tail()
-    ref_bytes = reference.read_bytes()
+    ref_bytes = uninterrupted_final(tmp_path / "reference", STEPS, SAVE_EVERY)
 
     outcomes: list[tuple[int, int, int, int]] = []
     pending_resumes: list[tuple[int, Proc, Path]] = []
