@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint.manifest import ManifestError, parse_checkpoint_name
@@ -42,10 +43,15 @@ class GcReport:
     newest_verified: str | None = None
 
 
-def plan_storage_retention(storage: Storage, policy: RetentionPolicy) -> tuple[RetentionPlan, str | None]:
+def plan_storage_retention(
+    storage: Storage, policy: RetentionPolicy, newest_verified: str | None = None
+) -> tuple[RetentionPlan, str | None]:
     """Build the retention plan for a storage root: candidates are checkpoints
-    with a readable manifest; the newest verified one is found by verification."""
-    info, _ = latest_verified(storage)
+    with a readable manifest; the newest verified one is found by verification
+    unless the caller knows it (an uploader that just verified it)."""
+    if newest_verified is None:
+        info, _ = latest_verified(storage)
+        newest_verified = info.name if info else None
     candidates: list[RetentionCandidate] = []
     for name in list_checkpoint_names(storage):
         try:
@@ -53,18 +59,32 @@ def plan_storage_retention(storage: Storage, policy: RetentionPolicy) -> tuple[R
         except (NotFoundError, ManifestError):
             continue  # incomplete or broken: the orphan sweep's business
         candidates.append(RetentionCandidate(name, manifest.step, dict(manifest.metrics)))
-    return plan_retention(candidates, policy, info.name if info else None), (info.name if info else None)
+    return plan_retention(candidates, policy, newest_verified), newest_verified
 
 
-def apply_retention(storage: Storage, policy: RetentionPolicy, dry_run: bool = False) -> list[str]:
+def apply_retention(
+    storage: Storage,
+    policy: RetentionPolicy,
+    dry_run: bool = False,
+    *,
+    newest_verified: str | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[str]:
     """Delete the checkpoints the policy does not keep; returns their names
-    (the names that would be deleted, with ``dry_run``)."""
-    plan, _ = plan_storage_retention(storage, policy)
-    if not dry_run:
-        for name in plan.delete:
-            log.info("retention: deleting %s", storage.uri_for(name))
-            delete_checkpoint(storage, name)
-    return list(plan.delete)
+    (the names that would be deleted, with ``dry_run``). ``newest_verified``
+    spares a verification the caller has just done; ``should_stop`` is asked
+    before each deletion (a preemption stops housekeeping at once)."""
+    plan, _ = plan_storage_retention(storage, policy, newest_verified)
+    if dry_run:
+        return list(plan.delete)
+    deleted: list[str] = []
+    for name in plan.delete:
+        if should_stop is not None and should_stop():
+            break
+        log.info("retention: deleting %s", storage.uri_for(name))
+        delete_checkpoint(storage, name)
+        deleted.append(name)
+    return deleted
 
 
 def find_orphans(

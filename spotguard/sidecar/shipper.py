@@ -342,32 +342,13 @@ class CheckpointShipper:
         last = self.last_shipped
         if self.retention is None or last is None:
             return
-        from spotguard.checkpoint import (
-            ManifestError,
-            RetentionCandidate,
-            delete_checkpoint,
-            list_checkpoint_names,
-            plan_retention,
-            read_manifest,
-        )
-        from spotguard.storage import NotFoundError
+        from spotguard.checkpoint import apply_retention
 
         t0 = time.monotonic()
         deleted: list[str] = []
         try:
-            candidates = []
-            for name in list_checkpoint_names(self.storage):
-                try:
-                    manifest = read_manifest(self.storage, name)
-                except (NotFoundError, ManifestError):
-                    continue  # incomplete or broken: garbage collection's business
-                candidates.append(RetentionCandidate(name, manifest.step, dict(manifest.metrics)))
-            plan = plan_retention(candidates, self.retention, last.name)
-            for name in plan.delete:
-                if should_stop():
-                    break
-                delete_checkpoint(self.storage, name)
-                deleted.append(name)
+            deleted = apply_retention(self.storage, self.retention, newest_verified=last.name,
+                                      should_stop=should_stop)
         except Exception as exc:  # noqa: BLE001
             self.metrics.failure("retention")
             log.error("retention failed: %s", _one_line(exc))
