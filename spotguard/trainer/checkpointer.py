@@ -525,7 +525,7 @@ class Checkpointer:
             update_latest_pointer(storage, result.step)
             log.info("uploaded and verified %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
             if self.retention is not None and not self.retention.keeps_everything:
-                apply_retention(storage, self.retention)
+                apply_retention(storage, self.retention, newest_verified=path.name)
         except Exception as exc:
             self.last_error = exc
             log.error("upload of %s failed: %s", path.name, exc)
