@@ -15,10 +15,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotguard import __version__
-from spotguard.checkpoint.checksum import ALGORITHMS
+from spotguard.checkpoint.checksum import ALGORITHMS, checksum_bytes
 
-FORMAT_VERSION = 1
+#: The newest format this spotguard reads and writes. A manifest without
+#: ``sharding`` (one process) is still written as version 1, byte for byte
+#: what earlier versions wrote; a sharded one (``sharding`` set) as version 2,
+#: which a spotguard that only knows version 1 refuses instead of mistaking a
+#: part of a distributed checkpoint for a whole one.
+FORMAT_VERSION = 2
+FORMAT_VERSION_SINGLE = 1
+FORMAT_VERSION_SHARDED = 2
 MANIFEST_NAME = "manifest.json"
+PARTS_DIR = "parts"
 POINTER_NAME = "latest"
 NAME_PREFIX = "ckpt-"
 _NAME_RE = re.compile(r"^ckpt-(\d{12})$")
@@ -41,6 +49,22 @@ def checkpoint_name(step: int) -> str:
 def parse_checkpoint_name(name: str) -> int | None:
     """The step of a checkpoint name, or None when ``name`` is not one."""
     m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def part_manifest_path(part: int) -> str:
+    """``parts/<part:05d>.json``: where part ``part``'s manifest is stored below its checkpoint."""
+    if not isinstance(part, int) or isinstance(part, bool) or not 0 <= part <= 99999:
+        raise ValueError(f"part index must be an integer in [0, 99999], got {part!r}")
+    return f"{PARTS_DIR}/{part:05d}.json"
+
+
+_PART_PATH_RE = re.compile(r"^parts/(\d{5})\.json$")
+
+
+def parse_part_manifest_path(path: str) -> int | None:
+    """The part index of a ``parts/<i:05d>.json`` path, or None."""
+    m = _PART_PATH_RE.match(path)
     return int(m.group(1)) if m else None
 
 
@@ -78,6 +102,26 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How a distributed checkpoint is split.
+
+    ``world_size`` ranks wrote it, grouped into ``parts`` parts (one per
+    node); ``part`` is this manifest's part index (None for the global
+    manifest, which covers every part) and ``ranks`` the global ranks it
+    covers, sorted.
+    """
+
+    world_size: int
+    parts: int
+    part: int | None
+    ranks: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``sharding`` object of the manifest."""
+        return {"world_size": self.world_size, "parts": self.parts, "part": self.part, "ranks": list(self.ranks)}
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The parsed ``manifest.json`` of one checkpoint."""
 
@@ -93,7 +137,24 @@ class Manifest:
     reason: str | None = None
     request_id: str | None = None
     timing: Mapping[str, float] | None = None
-    format_version: int = FORMAT_VERSION
+    format_version: int = FORMAT_VERSION_SINGLE
+    sharding: Sharding | None = None
+
+    @property
+    def is_part(self) -> bool:
+        """A part manifest: one node's files of a distributed checkpoint."""
+        return self.sharding is not None and self.sharding.part is not None
+
+    @property
+    def is_global(self) -> bool:
+        """The global manifest of a distributed checkpoint (covers every part)."""
+        return self.sharding is not None and self.sharding.part is None
+
+    @property
+    def locally_complete(self) -> bool:
+        """Whether a directory with this manifest can be loaded without any
+        other node's files: not a part, or the only part."""
+        return self.sharding is None or self.sharding.part is None or self.sharding.parts == 1
 
     @property
     def name(self) -> str:
@@ -120,8 +181,10 @@ class Manifest:
             "created": self.created,
             "writer": self.writer,
             "checksum_algorithm": self.checksum_algorithm,
-            "files": [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in self.files],
         }
+        if self.sharding is not None:
+            doc["sharding"] = self.sharding.to_dict()
+        doc["files"] = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in self.files]
         if self.job is not None:
             doc["job"] = self.job
         if self.attempt is not None:
@@ -178,8 +241,14 @@ def new_manifest(
     reason: str | None = None,
     request_id: str | None = None,
     timing: Mapping[str, float] | None = None,
+    sharding: Sharding | None = None,
+    writer: str | None = None,
 ) -> Manifest:
-    """Build a manifest, validating every field the way :func:`parse_manifest` does."""
+    """Build a manifest, validating every field the way :func:`parse_manifest` does.
+
+    With ``sharding`` it is a format version 2 manifest (a part, or the
+    global manifest of a distributed checkpoint); without, version 1.
+    """
     manifest = Manifest(
         step=step,
         files=tuple(files),
@@ -192,6 +261,9 @@ def new_manifest(
         reason=reason,
         request_id=request_id,
         timing=timing,
+        format_version=FORMAT_VERSION_SINGLE if sharding is None else FORMAT_VERSION_SHARDED,
+        sharding=sharding,
+        **({"writer": writer} if writer is not None else {}),
     )
     return parse_manifest(manifest.to_json())
 
@@ -270,6 +342,7 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
         ):
             raise ManifestError("field 'timing' must map names to seconds")
         timing = {str(k): float(v) for k, v in timing_doc.items()}
+    sharding = _parse_sharding(doc.get("sharding"), version)
     files_doc = doc.get("files")
     if not isinstance(files_doc, list):
         raise ManifestError("field 'files' must be a list")
@@ -293,6 +366,8 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
         ):
             raise ManifestError(f"{path}: checksum {checksum!r} is not a {algorithm} hex digest")
         files.append(FileEntry(path=path, size=size, checksum=checksum))
+    if sharding is not None:
+        _check_sharded_files(sharding, seen)
     return Manifest(
         step=step,
         files=tuple(files),
@@ -307,7 +382,150 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
         request_id=request_id,
         timing=timing,
         format_version=version,
+        sharding=sharding,
     )
+
+
+def _parse_sharding(value: Any, version: int) -> Sharding | None:
+    if value is None:
+        return None
+    if version < FORMAT_VERSION_SHARDED:
+        raise ManifestError(f"field 'sharding' needs format_version {FORMAT_VERSION_SHARDED}, got {version}")
+    if not isinstance(value, dict):
+        raise ManifestError("field 'sharding' must be an object")
+    world_size = _int(value, "world_size")
+    parts = _int(value, "parts")
+    part = _int(value, "part", optional=True)
+    assert world_size is not None and parts is not None
+    if world_size < 1:
+        raise ManifestError(f"sharding: world_size must be at least 1, got {world_size}")
+    if not 1 <= parts <= min(world_size, 99999):
+        raise ManifestError(f"sharding: parts must be in [1, world_size={world_size}], got {parts}")
+    if part is not None and not 0 <= part < parts:
+        raise ManifestError(f"sharding: part {part} out of range for {parts} part(s)")
+    ranks_doc = value.get("ranks")
+    if not isinstance(ranks_doc, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks_doc):
+        raise ManifestError("sharding: 'ranks' must be a list of integers")
+    ranks = tuple(ranks_doc)
+    if not ranks:
+        raise ManifestError("sharding: 'ranks' is empty")
+    if list(ranks) != sorted(set(ranks)):
+        raise ManifestError(f"sharding: ranks {list(ranks)} are not sorted and distinct")
+    if ranks[0] < 0 or ranks[-1] >= world_size:
+        raise ManifestError(f"sharding: ranks {list(ranks)} out of range for world_size {world_size}")
+    if (part is None or parts == 1) and ranks != tuple(range(world_size)):
+        what = "the global manifest" if part is None else "the only part"
+        raise ManifestError(f"sharding: {what} must cover ranks 0..{world_size - 1}, got {list(ranks)}")
+    return Sharding(world_size=world_size, parts=parts, part=part, ranks=ranks)
+
+
+def _check_sharded_files(sharding: Sharding, paths: set[str]) -> None:
+    """A part lists no ``parts/`` file; the global manifest lists exactly one per part."""
+    listed = {i for p in paths if (i := parse_part_manifest_path(p)) is not None}
+    stray = sorted(p for p in paths if p.split("/", 1)[0] == PARTS_DIR and parse_part_manifest_path(p) is None)
+    if sharding.part is not None:
+        inside = sorted(p for p in paths if p.split("/", 1)[0] == PARTS_DIR)
+        if inside:
+            raise ManifestError(f"part {sharding.part} lists {inside[0]!r}, inside {PARTS_DIR}/ "
+                                "where the part manifests go")  # fmt: skip
+        return
+    if stray:
+        raise ManifestError(f"file {stray[0]!r} inside {PARTS_DIR}/ is not a part manifest")
+    missing = [i for i in range(sharding.parts) if i not in listed]
+    if missing:
+        raise ManifestError(f"global manifest does not list {part_manifest_path(missing[0])} "
+                            f"(part {missing[0]} of {sharding.parts})")  # fmt: skip
+    extra = sorted(i for i in listed if i >= sharding.parts)
+    if extra:
+        raise ManifestError(f"global manifest lists {part_manifest_path(extra[0])}, "
+                            f"but the checkpoint has {sharding.parts} part(s)")  # fmt: skip
+
+
+def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
+    """The global manifest of a distributed checkpoint from its part manifests.
+
+    ``parts`` holds each part manifest's bytes (as stored in
+    ``parts/<i>.json``) and its parsed form, in any order. The result is a
+    pure, deterministic function of those bytes, so two uploaders that find
+    every part present write byte-identical manifests: its files are every
+    part's files (part 0's first, in manifest order) followed by one entry per
+    ``parts/<i:05d>.json`` (size and checksum of the part manifest's bytes);
+    step, epoch, metrics, job, attempt, reason, request_id, writer, timing
+    and the checksum algorithm come from part 0; ``created`` is the latest of
+    the parts'.
+
+    Raises :class:`ManifestError` naming the offending part when the parts do
+    not make one checkpoint: not a part manifest, a part given twice or
+    missing, disagreeing step, world size, part count or algorithm,
+    overlapping ranks or ranks that do not cover ``0..world_size-1``, a file
+    path listed by two parts, or a part listing a ``parts/`` path.
+    """
+    items = list(parts)
+    if not items:
+        raise ManifestError("no part manifests")
+    by_index: dict[int, tuple[bytes, Manifest]] = {}
+    for data, manifest in items:
+        sh = manifest.sharding
+        if sh is None or sh.part is None:
+            raise ManifestError(f"manifest of step {manifest.step} is not a part manifest")
+        if parse_manifest(data) != manifest:
+            raise ManifestError(f"part {sh.part}: its bytes do not parse to the manifest given")
+        if sh.part in by_index:
+            raise ManifestError(f"part {sh.part}: given twice")
+        by_index[sh.part] = (data, manifest)
+    first = by_index[min(by_index)][1]
+    assert first.sharding is not None
+    world_size, count = first.sharding.world_size, first.sharding.parts
+    for index in sorted(by_index):
+        m = by_index[index][1]
+        assert m.sharding is not None
+        if m.step != first.step:
+            raise ManifestError(f"part {index}: step {m.step}, but part {min(by_index)} has step {first.step}")
+        if m.sharding.world_size != world_size:
+            raise ManifestError(f"part {index}: world_size {m.sharding.world_size}, "
+                                f"but part {min(by_index)} has {world_size}")  # fmt: skip
+        if m.sharding.parts != count:
+            raise ManifestError(f"part {index}: {m.sharding.parts} parts, but part {min(by_index)} says {count}")
+        if m.checksum_algorithm != first.checksum_algorithm:
+            raise ManifestError(f"part {index}: checksum algorithm {m.checksum_algorithm}, "
+                                f"but part {min(by_index)} uses {first.checksum_algorithm}")  # fmt: skip
+    missing = [i for i in range(count) if i not in by_index]
+    if missing:
+        raise ManifestError(f"part(s) {', '.join(map(str, missing))} of {count} missing")
+    rank_owner: dict[int, int] = {}
+    path_owner: dict[str, int] = {}
+    files: list[FileEntry] = []
+    for index in range(count):
+        m = by_index[index][1]
+        assert m.sharding is not None
+        for rank in m.sharding.ranks:
+            if rank in rank_owner:
+                raise ManifestError(f"part {index}: rank {rank} is also in part {rank_owner[rank]}")
+            rank_owner[rank] = index
+        for entry in m.files:
+            if entry.path.split("/", 1)[0] == PARTS_DIR:
+                raise ManifestError(f"part {index}: file {entry.path!r} is inside {PARTS_DIR}/, "
+                                    "where the part manifests go")  # fmt: skip
+            if entry.path in path_owner:
+                raise ManifestError(f"part {index}: file {entry.path!r} is also in part {path_owner[entry.path]}")
+            path_owner[entry.path] = index
+            files.append(entry)
+    uncovered = sorted(set(range(world_size)) - set(rank_owner))
+    if uncovered:
+        raise ManifestError(f"ranks {uncovered} of world_size {world_size} are in no part")
+    algorithm = first.checksum_algorithm
+    for index in range(count):
+        data = by_index[index][0]
+        files.append(FileEntry(part_manifest_path(index), len(data), checksum_bytes(data, algorithm)))
+    head = by_index[0][1]
+    created = max((by_index[i][1] for i in range(count)), key=lambda m: (m.created_at, m.created)).created
+    manifest = Manifest(
+        step=head.step, files=tuple(files), checksum_algorithm=algorithm, created=created, writer=head.writer,
+        epoch=head.epoch, metrics=dict(head.metrics), job=head.job, attempt=head.attempt, reason=head.reason,
+        request_id=head.request_id, timing=head.timing, format_version=FORMAT_VERSION_SHARDED,
+        sharding=Sharding(world_size=world_size, parts=count, part=None, ranks=tuple(range(world_size))),
+    )  # fmt: skip
+    return parse_manifest(manifest.to_json())
 
 
 def pointer_json(step: int) -> bytes:

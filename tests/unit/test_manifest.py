@@ -19,7 +19,6 @@ from spotguard.checkpoint.checksum import (
     crc32c_to_base64,
 )
 from spotguard.checkpoint.manifest import (
-    FORMAT_VERSION,
     FileEntry,
     ManifestError,
     check_file_path,
@@ -122,7 +121,7 @@ def test_roundtrip_preserves_every_field() -> None:
     assert again.metrics == {"loss": 0.25, "acc": 1.0, "bad": None}
     assert again.total_size == 13
     assert again.name == "ckpt-000000000042"
-    assert again.format_version == FORMAT_VERSION
+    assert again.format_version == 1  # no sharding: written as version 1, as before
     assert again.created.endswith("Z")
     assert again.created_at.tzinfo is not None
 
@@ -142,7 +141,7 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
         (b"{not json", "malformed JSON"),
         (b"\xff\xfe", "malformed JSON"),
         (b"[]", "top level is not a JSON object"),
-        (raw(doc(format_version=2)), "format_version 2 is not supported"),
+        (raw(doc(format_version=3)), "format_version 3 is not supported"),
         (raw(doc(format_version=0)), "format_version 0 is not supported"),
         (raw(doc(format_version="1")), "'format_version' must be an integer"),
         (raw(doc(step=-5)), "out of range"),
