@@ -30,6 +30,7 @@ import ctypes
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -60,6 +61,9 @@ EXIT_EMERGENCY_FAILED = 3
 RUN_ID_ENV = "SPOTGUARD_RUN_ID"
 LOCK_FILE = "supervisor.lock"
 CHILD_FILE = "child.json"
+# torchrun forwards SIGTERM to its workers and SIGKILLs them after this many
+# seconds (30 by default); ``spotguard run`` sets it to the grace period.
+TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 _PR_SET_PDEATHSIG = 1
 
@@ -154,12 +158,23 @@ def kill_leftovers(workdir: Path) -> list[int]:
         run_id = str(previous["run_id"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
+    pids = kill_run(run_id)
+    if pids:
+        log.warning("killed %d process(es) left by an earlier spotguard run: %s", len(pids), pids)
+    return pids
+
+
+def kill_run(run_id: str) -> list[int]:
+    """SIGKILL every visible process carrying ``SPOTGUARD_RUN_ID=run_id``.
+
+    A launcher's workers live outside its process group (torchrun starts
+    each in a session of its own), so a group signal does not reach them;
+    the run id in their environment does.
+    """
     pids = processes_with_env(RUN_ID_ENV, run_id)
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    if pids:
-        log.warning("killed %d process(es) left by an earlier spotguard run: %s", len(pids), pids)
     return pids
 
 
@@ -241,6 +256,7 @@ class Supervisor:
                 log.warning("dropping local %s: it fails its own manifest (%s)", path.name, result.reason)
             shutil.rmtree(path, ignore_errors=True)
         shipper.ship(housekeeping=False)
+        newest_local = self._loadable_local()
         t0 = time.monotonic()
         try:
             info = self._restore_newer_than(step_of(newest_local) if newest_local else -1)
@@ -263,6 +279,43 @@ class Supervisor:
         else:
             log.info("no verified checkpoint in %s yet: starting from scratch",
                      self.config.storage_uri)
+
+    def _loadable_local(self) -> str | None:
+        """The newest local checkpoint a trainer can load.
+
+        One node's part of a multi-node checkpoint cannot be loaded alone: it
+        counts only once every part is verified in storage, and then as the
+        global checkpoint, fetched here in its place. A part still waiting
+        for the other nodes' parts stays (it is shipped again each round) but
+        is not resumed from.
+        """
+        from spotguard.checkpoint import CheckpointCorruptError, read_local_manifest, restore_checkpoint
+        from spotguard.checkpoint.manifest import ManifestError
+
+        shipper = self.agent.shipper
+        for path in reversed(shipper.committed()):
+            try:
+                manifest = read_local_manifest(path)
+            except (OSError, ManifestError):
+                continue
+            if manifest.locally_complete:
+                return path.name
+            if path.name not in shipper.shipped:
+                log.info("local %s is part %s of %d: not resumable until every part is verified in storage",
+                         path.name, manifest.sharding.part if manifest.sharding else "?",
+                         manifest.sharding.parts if manifest.sharding else 0)
+                continue
+            try:
+                restore_checkpoint(self.storage, path.name, self.config.checkpoint_dir)
+            except CheckpointCorruptError as exc:
+                log.warning("cannot fetch the global %s: %s", path.name, "; ".join(exc.problems))
+                continue
+            except Exception as exc:  # noqa: BLE001 - storage down: an older local one may do
+                log.warning("cannot fetch the global %s: %s", path.name, " ".join(str(exc).split()))
+                continue
+            log.info("fetched the global %s in place of this node's part", path.name)
+            return path.name
+        return None
 
     def _restore_newer_than(self, step: int) -> CheckpointInfo | None:
         """Stage the newest checkpoint in storage newer than ``step`` that
@@ -292,6 +345,9 @@ class Supervisor:
             "SPOTGUARD_ATTEMPT": str(self.attempt),
             RUN_ID_ENV: self.run_id,
         })
+        # Under torchrun the workers must get the whole grace period for their
+        # emergency checkpoint; the supervisor kills them at its own deadline.
+        env.setdefault(TORCHRUN_SHUTDOWN_ENV, str(max(1, math.ceil(self.config.grace_seconds))))
         if self.config.job:
             env["SPOTGUARD_JOB"] = self.config.job
         return env
@@ -319,6 +375,14 @@ class Supervisor:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.child.pid, sig)
+
+    def _reap(self) -> None:
+        """Once the command has exited: kill what it left running (a launcher's
+        workers that outlived it), so nothing writes to the checkpoint
+        directory behind the supervisor's back."""
+        pids = kill_run(self.run_id)
+        if pids:
+            log.warning("killed %d process(es) the command left running: %s", len(pids), pids)
 
     def _forward(self, _req: CheckpointRequest) -> None:
         self._forward_once()
@@ -361,6 +425,7 @@ class Supervisor:
                 if self.latch.event.is_set():
                     return self._preempted()
                 rc = self.child.returncode
+                self._reap()
                 shipped = self.agent.flush(time.time() + self.config.grace_seconds)
                 if rc == 0:
                     return self._ended(shipped)
@@ -381,6 +446,8 @@ class Supervisor:
         finally:
             watcher.stop()
             self._signal_group(signal.SIGKILL)
+            if self.child is not None:
+                self._reap()
             self.latch.restore()
 
     def _ended(self, shipped: bool) -> int:
@@ -408,6 +475,7 @@ class Supervisor:
                 log.error("command still running at the deadline: killing it")
                 self._signal_group(signal.SIGKILL)
                 self.child.wait()
+            self._reap()
         self.agent.settle_pending()
         end = self.agent.run_end(source, trainer_gone_before_signal=False)
         log_stage("report", 0.0, preempted=end.preempted, reason=end.reason,
