@@ -1,7 +1,11 @@
 """Applying retention in storage, and removing what crashed uploads leave behind.
 
 Deleting a checkpoint removes its manifest first, so at no instant is a
-checkpoint listed as complete while its files are going away.
+checkpoint listed as complete while its files are going away. Nothing
+deletes a distributed checkpoint's prefix that waits for its other parts
+while it is newer than the newest verified checkpoint (see
+:func:`find_orphans`); retention plans over complete (global) manifests as
+for a single process.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spotguard.checkpoint.manifest import ManifestError, parse_checkpoint_name
+from spotguard.checkpoint.manifest import PARTS_DIR, ManifestError, parse_checkpoint_name
 from spotguard.checkpoint.remote import (
     delete_checkpoint,
     latest_verified,
@@ -24,7 +28,7 @@ from spotguard.checkpoint.retention import (
     RetentionPolicy,
     plan_retention,
 )
-from spotguard.storage.base import NotFoundError, PendingUpload, Storage
+from spotguard.storage.base import NotFoundError, ObjectInfo, PendingUpload, Storage
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,9 @@ class GcReport:
     orphans: list[str] = field(default_factory=list)
     aborted_uploads: list[PendingUpload] = field(default_factory=list)
     newest_verified: str | None = None
+    #: Distributed checkpoints newer than the newest verified one whose parts
+    #: are not all stored yet: kept, whatever their age.
+    waiting: list[str] = field(default_factory=list)
 
 
 def plan_storage_retention(
@@ -87,16 +94,32 @@ def apply_retention(
     return deleted
 
 
+def _holds_parts(objects: list[ObjectInfo], name: str) -> bool:
+    prefix = f"{name}/{PARTS_DIR}/"
+    return any(o.key.startswith(prefix) for o in objects)
+
+
 def find_orphans(
     storage: Storage,
     *,
     grace: float = DEFAULT_ORPHAN_GRACE,
     newest_verified: str | None = None,
     now: float | None = None,
+    waiting: list[str] | None = None,
 ) -> list[str]:
     """Checkpoint prefixes without a usable manifest whose newest object is
-    older than ``grace`` seconds (interrupted uploads), never the newest verified."""
+    older than ``grace`` seconds (interrupted uploads), never the newest verified.
+
+    A prefix holding part manifests of a distributed checkpoint but no global
+    manifest is waiting for its other parts (another node's uploader may be
+    slow, or down for a while): it is never an orphan while its step is newer
+    than the newest verified checkpoint (``newest_verified``; None: there is
+    none, so every such prefix waits), whatever its age; such prefixes are
+    appended to ``waiting`` when given. Older ones can no longer become the
+    checkpoint to resume from and are orphans as before.
+    """
     now = time.time() if now is None else now
+    newest_step = parse_checkpoint_name(newest_verified) if newest_verified else None
     orphans: list[str] = []
     for name in list_checkpoint_names(storage):
         if name == newest_verified:
@@ -109,6 +132,11 @@ def find_orphans(
         except ManifestError:
             pass
         objects = list(storage.list_objects(f"{name}/"))
+        step = parse_checkpoint_name(name) or 0
+        if _holds_parts(objects, name) and (newest_step is None or step > newest_step):
+            if waiting is not None:
+                waiting.append(name)
+            continue  # a distributed checkpoint waiting for its other parts
         if objects and now - max(o.modified for o in objects) < grace:
             continue  # possibly still being uploaded
         orphans.append(name)
@@ -134,7 +162,7 @@ def collect_garbage(
     """Apply retention, delete orphaned prefixes, abort stale multipart uploads."""
     plan, newest = plan_storage_retention(storage, policy)
     report = GcReport(plan=plan, newest_verified=newest)
-    report.orphans = find_orphans(storage, grace=orphan_grace, newest_verified=newest)
+    report.orphans = find_orphans(storage, grace=orphan_grace, newest_verified=newest, waiting=report.waiting)
     report.aborted_uploads = stale_uploads(storage, max_age=stale_upload_age)
     report.deleted = list(plan.delete)
     if dry_run:

@@ -4,7 +4,9 @@ spotguard itself never writes pickles. A checkpoint may still carry a legacy
 ``.pt`` file; before it is handed to ``torch.load(weights_only=True)`` the
 pickle's opcodes are inspected and any import outside a small allow-list of
 tensor-rebuilding functions is reported, so a checkpoint "whose pickle would
-run code" is named and refused.
+run code" is named and refused. The same scan accepts the metadata of
+``torch.distributed.checkpoint`` (``.metadata``), whose pickle holds only
+DCP's plain data classes (:data:`DCP_METADATA_GLOBALS`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class UnsafePickleError(ValueError):
 
 
 def _is_safe(module: str, name: str) -> bool:
-    if (module, name) in _SAFE_GLOBALS:
+    if (module, name) in _SAFE_GLOBALS or (module, name) in DCP_METADATA_GLOBALS:
         return True
     return module == "torch" and (name.endswith(_SAFE_TORCH_SUFFIXES) or name in _TORCH_DTYPES)
 
@@ -147,13 +149,23 @@ def check_pickle_safe(data: bytes | BinaryIO) -> None:
                 raise UnsafePickleError(f"pickle{where} would import {target}, which can run code")
 
 
+#: Files never inspected as pickles: spotguard's own formats (a safetensors
+#: header length can start with the byte 0x80), and the data files of
+#: ``torch.distributed.checkpoint`` (``.distcp``: tensors written back to back
+#: by ``torch.save``, which spotguard reads only through a reader that loads
+#: tensors with ``torch.load(weights_only=True)`` and refuses byte items; they
+#: are not one zip archive a scanner could open).
+NOT_PICKLE_SUFFIXES = (".safetensors", ".json", ".distcp")
+
+
 def looks_like_pickle(path: str, head: bytes) -> bool:
     """Whether a checkpoint file must be treated as a pickle (by name or content).
 
-    spotguard's own ``.safetensors`` and ``.json`` files are never sniffed:
-    a safetensors header length can start with the byte 0x80."""
+    Files with a suffix in :data:`NOT_PICKLE_SUFFIXES` never are. DCP's
+    ``.metadata`` is (by content): its pickle may import only
+    :data:`DCP_METADATA_GLOBALS` and torch's tensor classes."""
     if path.endswith(PICKLE_SUFFIXES):
         return True
-    if path.endswith((".safetensors", ".json")):
+    if path.endswith(NOT_PICKLE_SUFFIXES):
         return False
     return head[:1] == b"\x80" or head[:4] == b"PK\x03\x04"

@@ -5,6 +5,13 @@ Layout below the storage root: ``ckpt-<step:012d>/<data files>``,
 advisory ``latest`` pointer (uploaded last). Which checkpoint is usable is
 decided from the listing and the manifests alone; the pointer is never
 trusted.
+
+A distributed checkpoint is uploaded part by part (one part per node): each
+uploader stores its part's data files, verifies them in storage, then stores
+the part manifest as ``ckpt-<step>/parts/<i:05d>.json``, then tries the
+global commit (:func:`commit_global`): whoever finds every part present
+writes ``ckpt-<step>/manifest.json``, built from the part manifests alone
+(so racing uploaders produce the same bytes), with a conditional put.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.fetch import fetch_verified
 from spotguard.checkpoint.local import (
     TMP_PREFIX,
@@ -28,13 +36,17 @@ from spotguard.checkpoint.local import (
 )
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
+    PARTS_DIR,
     POINTER_NAME,
     Manifest,
     ManifestError,
+    build_global_manifest,
     checkpoint_name,
     parse_checkpoint_name,
     parse_manifest,
+    parse_part_manifest_path,
     parse_pointer,
+    part_manifest_path,
     pointer_json,
 )
 from spotguard.checkpoint.verify import (
@@ -108,6 +120,39 @@ class UploadResult:
     seconds: float
     uri: str
     pointer_updated: bool
+    #: Whether the checkpoint is complete in storage now (its manifest is
+    #: there): always for a single-process checkpoint; for a part of a
+    #: distributed one, when the global manifest exists (this uploader wrote
+    #: it, or another did).
+    committed: bool = True
+    #: Parts of the checkpoint found in storage, and how many it has (1 and 1
+    #: for a single-process checkpoint).
+    parts_present: int = 1
+    parts_total: int = 1
+
+
+@dataclass(frozen=True)
+class GlobalCommit:
+    """What :func:`commit_global` found or did.
+
+    ``status``: ``written`` (this call wrote the global manifest), ``exists``
+    (it was there already, or another uploader won the race), ``waiting``
+    (parts are missing, or the stored parts do not make one checkpoint:
+    ``problem`` says why). ``present``: part indices found; ``total``: the
+    number of parts (None when no part could be read); ``missing``: indices
+    not found.
+    """
+
+    status: str
+    present: list[int]
+    total: int | None
+    missing: list[int]
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        """The global manifest is in storage."""
+        return self.status in ("written", "exists")
 
 
 class CheckpointCorruptError(Exception):
@@ -141,6 +186,152 @@ def _listing(storage: Storage, name: str) -> dict[str, ObjectInfo]:
     return {o.key[len(prefix) :]: o for o in storage.list_objects(prefix)}
 
 
+def read_parts(storage: Storage, name: str) -> tuple[dict[int, tuple[bytes, Manifest]], list[str]]:
+    """The part manifests stored below ``name/parts/``: each readable one by
+    part index (its bytes and parsed form), and a problem for each that is
+    not (unparsable, another step, a part manifest stored under the wrong
+    index)."""
+    parts: dict[int, tuple[bytes, Manifest]] = {}
+    problems: list[str] = []
+    prefix = f"{name}/{PARTS_DIR}/"
+    for info in sorted(storage.list_objects(prefix), key=lambda o: o.key):
+        rel = info.key[len(f"{name}/") :]
+        index = parse_part_manifest_path(rel)
+        if index is None:
+            continue
+        try:
+            data = storage.read_bytes(info.key)
+        except NotFoundError:
+            continue  # deleted meanwhile
+        try:
+            manifest = parse_manifest(data, expected_name=name)
+        except ManifestError as exc:
+            problems.append(f"{rel}: {exc}")
+            continue
+        if manifest.sharding is None or manifest.sharding.part != index:
+            problems.append(f"{rel}: not the manifest of part {index}")
+            continue
+        parts[index] = (data, manifest)
+    return parts, problems
+
+
+def _parts_total(parts: dict[int, tuple[bytes, Manifest]]) -> int | None:
+    """The number of parts the stored part manifests declare (part 0's, else the lowest's)."""
+    if not parts:
+        return None
+    sharding = parts[min(parts)][1].sharding
+    return sharding.parts if sharding is not None else None
+
+
+def commit_global(storage: Storage, name: str) -> GlobalCommit:
+    """Write the global manifest of distributed checkpoint ``name`` if every
+    part manifest is in storage and none is there yet.
+
+    Part manifests are stored only after their part's data files are stored
+    and verified, so when all are present the checkpoint is complete. The
+    global manifest is :func:`build_global_manifest` of them (a pure function
+    of their bytes) and is written with a conditional put (``If-None-Match:
+    *``): of uploaders racing, one writes it and the others get ``exists``;
+    all would have written the same bytes. Storage errors propagate.
+    """
+    key = f"{name}/{MANIFEST_NAME}"
+    if storage.stat(key) is not None:
+        return _existing_commit(storage, name)
+    parts, problems = read_parts(storage, name)
+    present = sorted(parts)
+    total = _parts_total(parts)
+    missing = [i for i in range(total) if i not in parts] if total is not None else []
+    if total is None or missing or problems:
+        return GlobalCommit("waiting", present, total, missing, "; ".join(problems) or None)
+    try:
+        manifest = build_global_manifest(parts.values())
+    except ManifestError as exc:
+        # Typically a part left by an earlier attempt at the same step; its
+        # uploader replaces it when it ships the part again.
+        log.warning("cannot commit %s yet: %s", storage.uri_for(name), exc)
+        return GlobalCommit("waiting", present, total, missing, str(exc))
+    try:
+        storage.write_bytes(key, manifest.to_json(), if_none_match=True)
+    except PreconditionFailedError:
+        return GlobalCommit("exists", present, total, [])
+    log.info("committed %s: all %d part(s) present, global manifest written", storage.uri_for(name), total)
+    return GlobalCommit("written", present, total, [])
+
+
+def _existing_commit(storage: Storage, name: str) -> GlobalCommit:
+    try:
+        manifest = read_manifest(storage, name)
+    except (NotFoundError, ManifestError):
+        return GlobalCommit("exists", [], None, [])
+    total = manifest.sharding.parts if manifest.sharding is not None else 1
+    return GlobalCommit("exists", list(range(total)), total, [])
+
+
+def _missing_manifest_problems(storage: Storage, name: str) -> tuple[list[str], list[int] | None, int | None]:
+    """Why a prefix without ``manifest.json`` is not a checkpoint: an
+    interrupted upload, or a distributed checkpoint whose parts are not all
+    there (which ones are, which are missing). Also the parts present and total."""
+    parts, problems = read_parts(storage, name)
+    if not parts and not problems:
+        return [f"{MANIFEST_NAME}: missing (upload incomplete or interrupted)"], None, None
+    total = _parts_total(parts)
+    present = sorted(parts)
+    if total is None:
+        return [f"{MANIFEST_NAME}: missing; no readable part manifest", *problems], present, None
+    missing = [i for i in range(total) if i not in parts]
+    line = f"{MANIFEST_NAME}: missing; parts present: {len(present)} of {total}"
+    if present:
+        line += f" ({_indices('part', present)})"
+    if missing:
+        line += f"; missing {_indices('part', missing)}"
+    else:
+        line += "; not committed yet"
+        if not problems:
+            try:
+                build_global_manifest(parts.values())
+            except ManifestError as exc:
+                problems = [f"parts do not make one checkpoint: {exc}"]
+    return [line, *problems], present, total
+
+
+def _indices(word: str, values: list[int]) -> str:
+    shown = ", ".join(str(v) for v in values[:16]) + (", ..." if len(values) > 16 else "")
+    return f"{word}{'s' if len(values) > 1 else ''} {shown}"
+
+
+def _part_of_files(storage: Storage, name: str) -> dict[str, int]:
+    """Which part lists each file, from the stored part manifests (those readable)."""
+    owners: dict[str, int] = {}
+    parts, _ = read_parts(storage, name)
+    for index, (_, manifest) in parts.items():
+        for entry in manifest.files:
+            owners[entry.path] = index
+        owners[part_manifest_path(index)] = index
+    return owners
+
+
+def name_parts(storage: Storage, name: str, manifest: Manifest, problems: list[str]) -> list[str]:
+    """Problems of a distributed checkpoint's files, each followed by the part
+    it belongs to (the part whose manifest lists the file)."""
+    if manifest.sharding is None or not problems:
+        return problems
+    owners = _part_of_files(storage, name)
+    for entry in manifest.files:
+        index = parse_part_manifest_path(entry.path)
+        if index is not None:
+            owners.setdefault(entry.path, index)
+    out: list[str] = []
+    for problem in problems:
+        path = next((p for p in sorted(owners, key=len, reverse=True) if problem.startswith(f"{p}: ")), None)
+        if path is None:
+            out.append(problem)
+        elif parse_part_manifest_path(path) is not None:
+            out.append(f"{problem} (manifest of part {owners[path]})")
+        else:
+            out.append(f"{problem} (part {owners[path]})")
+    return out
+
+
 def verify_checkpoint(
     storage: Storage, name: str, *, checksums: bool = True, deep: bool = False, workers: int = 4
 ) -> VerifyResult:
@@ -155,15 +346,28 @@ def verify_checkpoint(
     back. ``deep=True`` reads every byte back regardless (bit rot, a store
     that is not trusted). ``checksums=False`` checks sizes only.
     ``VerifyResult.method`` says which way was taken.
+
+    A distributed checkpoint is verified by its global manifest, which lists
+    every part's files and every part manifest; a problem with a file names
+    the part it belongs to. A prefix with part manifests but no global
+    manifest is not verified: the reason says which parts are present and
+    which are missing.
     """
     if parse_checkpoint_name(name) is None:
         return VerifyResult(name, False, [f"{name!r} is not a checkpoint name (ckpt-<12 digits>)"])
     try:
         manifest = read_manifest(storage, name)
     except NotFoundError:
-        return VerifyResult(name, False, [f"{MANIFEST_NAME}: missing (upload incomplete or interrupted)"])
+        problems, present, total = _missing_manifest_problems(storage, name)
+        return VerifyResult(name, False, problems, parts_present=present, parts_total=total)
     except ManifestError as exc:
         return VerifyResult(name, False, [f"{MANIFEST_NAME}: {exc}"])
+    if manifest.is_part:
+        assert manifest.sharding is not None
+        return VerifyResult(name, False, [
+            f"{MANIFEST_NAME}: the manifest of part {manifest.sharding.part} of {manifest.sharding.parts}, "
+            "not of the whole checkpoint"
+        ])  # fmt: skip
     listing = _listing(storage, name)
     sizes = {path: info.size for path, info in listing.items()}
 
@@ -188,6 +392,10 @@ def verify_checkpoint(
             name, not problems, problems, manifest, nbytes,
             method=method, read_back=len(manifest.files) if checksums else 0,
         )  # fmt: skip
+    if manifest.sharding is not None:
+        result.problems = name_parts(storage, name, manifest, result.problems)
+        result.parts_total = manifest.sharding.parts
+        result.parts_present = list(range(manifest.sharding.parts))
     log.info(
         "verify %s: %s by %s (%d files by store checksum, %d read back, %d bytes read)",
         storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
@@ -255,8 +463,20 @@ def upload_checkpoint(
     """Upload a committed local checkpoint: data files (concurrently), then the
     manifest, then the ``latest`` pointer.
 
+    A part of a distributed checkpoint (its local manifest is a part
+    manifest) goes: data files, then a check of those files in storage
+    against the part manifest (by the checksums the store computed where it
+    has them, else read back), then the part manifest as
+    ``parts/<i:05d>.json``, then :func:`commit_global`; the pointer moves
+    (with ``update_pointer``) only when the global manifest exists.
+    ``UploadResult.committed`` says whether it does. A part whose checkpoint
+    is already committed with this very part manifest uploads nothing again.
+
     Raises :class:`ManifestError` / ``FileNotFoundError`` when the local
-    checkpoint is not complete, :class:`StorageError` on storage failures.
+    checkpoint is not complete (or, for a part, when storage already holds
+    the step committed from other parts), :class:`CheckpointCorruptError`
+    when a part's files do not verify after the upload,
+    :class:`StorageError` on storage failures.
     """
     start = time.monotonic()
     local_ckpt_dir = Path(local_ckpt_dir)
@@ -266,6 +486,8 @@ def upload_checkpoint(
         size = (local_ckpt_dir / entry.path).stat().st_size
         if size != entry.size:
             raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
+    if manifest.is_part:
+        return _upload_part(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
     name = manifest.name
     storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
     # The manifest goes last: its presence means every data file is stored.
@@ -278,6 +500,85 @@ def upload_checkpoint(
         seconds=time.monotonic() - start,
         uri=storage.uri_for(name),
         pointer_updated=pointer,
+    )
+
+
+def verify_uploaded_files(storage: Storage, name: str, manifest: Manifest, *, workers: int = 4) -> list[str]:
+    """Problems of ``manifest``'s files in storage below ``name`` (by store
+    checksum where the store has one, else read back); [] when all match."""
+    sizes = {path: info.size for path, info in _listing(storage, name).items()}
+
+    def read_chunks(path: str) -> Iterable[bytes]:
+        return storage.iter_chunks(f"{name}/{path}")
+
+    if isinstance(storage, StoreChecksums):
+        checker = storage
+
+        def stored(path: str) -> StoredChecksum | None:
+            return checker.stored_checksum(f"{name}/{path}")
+
+        return verify_files_by_store(manifest, sizes, stored, read_chunks, workers=workers).problems
+    problems, _ = verify_files(manifest, sizes, read_chunks, workers=workers)
+    return problems
+
+
+def _upload_part(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    start: float,
+) -> UploadResult:
+    sharding = manifest.sharding
+    assert sharding is not None and sharding.part is not None
+    name = manifest.name
+    index = sharding.part
+    part_key = f"{name}/{part_manifest_path(index)}"
+    uploaded = 0
+    try:
+        stored_global: Manifest | None = read_manifest(storage, name)
+    except NotFoundError:
+        stored_global = None
+    if stored_global is not None:
+        # Committed already (this part shipped before a restart, or an
+        # earlier attempt committed the step): never overwrite the files of
+        # a committed checkpoint with other bytes.
+        listed = next((f for f in stored_global.files if f.path == part_manifest_path(index)), None)
+        if (
+            listed is None
+            or listed.size != len(manifest_bytes)
+            or listed.checksum != checksum_bytes(manifest_bytes, stored_global.checksum_algorithm)
+        ):
+            raise ManifestError(
+                f"{name} is already committed in storage with a different part {index}; "
+                "not overwriting the files of a committed checkpoint"
+            )
+        commit = _existing_commit(storage, name)
+    else:
+        storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
+        # The part manifest says its files are stored and verified: check them first.
+        problems = verify_uploaded_files(storage, name, manifest)
+        if problems:
+            raise CheckpointCorruptError(name, [f"{p} (part {index})" for p in problems])
+        storage.write_bytes(part_key, manifest_bytes)
+        uploaded = manifest.total_size + len(manifest_bytes)
+        commit = commit_global(storage, name)
+    pointer = update_latest_pointer(storage, manifest.step) if update_pointer and commit.committed else False
+    total = commit.total or sharding.parts
+    log.info("uploaded part %d of %s: %s (%d of %d parts present)", index, storage.uri_for(name), commit.status,
+             len(commit.present), total)  # fmt: skip
+    return UploadResult(
+        step=manifest.step,
+        name=name,
+        bytes=uploaded,
+        seconds=time.monotonic() - start,
+        uri=storage.uri_for(name),
+        pointer_updated=pointer,
+        committed=commit.committed,
+        parts_present=len(commit.present),
+        parts_total=total,
     )
 
 
@@ -299,11 +600,13 @@ def restore_checkpoint(
     try:
         manifest_bytes = read_manifest_bytes(storage, name)
     except NotFoundError:
-        raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: missing (upload incomplete or interrupted)"]) from None
+        raise CheckpointCorruptError(name, _missing_manifest_problems(storage, name)[0]) from None
     try:
         manifest = parse_manifest(manifest_bytes, expected_name=name)
     except ManifestError as exc:
         raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: {exc}"]) from None
+    if not manifest.locally_complete:
+        raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: the manifest of one part, not of the whole checkpoint"])
     final = dest / name
     if (
         (final / MANIFEST_NAME).is_file()
@@ -318,13 +621,13 @@ def restore_checkpoint(
         listing = _listing(storage, name)
         missing = [e.path for e in manifest.files if e.path not in listing]
         if missing:
-            raise CheckpointCorruptError(name, [f"{p}: missing" for p in missing])
+            raise CheckpointCorruptError(name, name_parts(storage, name, manifest, [f"{p}: missing" for p in missing]))
         # One pass: each file is checked as it streams in; not fsynced, as
         # every reader verifies a local copy before using it.
         sizes = {path: info.size for path, info in listing.items()}
         problems = fetch_verified(storage, name, manifest, sizes, tmp, progress=progress)
         if problems:
-            raise CheckpointCorruptError(name, problems)
+            raise CheckpointCorruptError(name, name_parts(storage, name, manifest, problems))
         (tmp / MANIFEST_NAME).write_bytes(manifest_bytes)
         fsync_dir(tmp)
         if final.exists():
@@ -382,15 +685,18 @@ def newest_local_or_none(directory: Path) -> Path | None:
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointInfo",
+    "GlobalCommit",
     "Skipped",
     "StorageError",
     "UploadResult",
     "checkpoint_name",
+    "commit_global",
     "delete_checkpoint",
     "latest_verified",
     "list_checkpoint_names",
     "read_local_manifest",
     "read_manifest",
+    "read_parts",
     "restore_checkpoint",
     "restore_latest",
     "update_latest_pointer",

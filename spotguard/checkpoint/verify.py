@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 
 from spotguard.checkpoint.checksum import Crc32cHasher, new_hasher
 from spotguard.checkpoint.manifest import FileEntry, Manifest
-from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe, looks_like_pickle
+from spotguard.checkpoint.pickle_scan import (
+    NOT_PICKLE_SUFFIXES,
+    UnsafePickleError,
+    check_pickle_safe,
+    looks_like_pickle,
+)
 from spotguard.storage.base import NotFoundError, StoredChecksum
 
 _SPOOL_MAX = 64 << 20
@@ -42,6 +47,10 @@ class VerifyResult:
     method: str = ""
     store_checked: int = 0
     read_back: int = 0
+    #: For a distributed checkpoint: the part indices found in storage and how
+    #: many it has (None for a single-process checkpoint, or when unknown).
+    parts_present: list[int] | None = None
+    parts_total: int | None = None
 
     @property
     def reason(self) -> str:
@@ -153,8 +162,9 @@ class FileChecks:
 def needs_content(path: str) -> bool:
     """Whether a file must be read even when the store vouches for its checksum:
     anything that may be a pickle is inspected byte by byte (spotguard's own
-    ``.safetensors`` and ``.json`` files never are, see ``looks_like_pickle``)."""
-    return not path.endswith((".safetensors", ".json"))
+    ``.safetensors`` and ``.json`` files and DCP's ``.distcp`` data files never
+    are, see ``looks_like_pickle``)."""
+    return not path.endswith(NOT_PICKLE_SUFFIXES)
 
 
 def check_stored_checksum(entry: FileEntry, algorithm: str, stored: StoredChecksum) -> str | None:
