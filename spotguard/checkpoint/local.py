@@ -34,6 +34,7 @@ from spotguard.checkpoint.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    Sharding,
     checkpoint_name,
     new_manifest,
     parse_checkpoint_name,
@@ -71,6 +72,7 @@ class LocalWriter:
         algorithm: str = DEFAULT_ALGORITHM,
         deadline: float | None = None,
         durable: bool = True,
+        tmp: Path | None = None,
     ) -> None:
         self.directory = Path(directory)
         # False: data files are not fsynced (the manifest and directories still
@@ -85,8 +87,15 @@ class LocalWriter:
         self.deadline = deadline
         self.entries: list[FileEntry] = []
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        if tmp is None:
+            self.tmp = self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{uuid.uuid4().hex[:8]}"
+            self.tmp.mkdir()
+        else:
+            # A temporary directory shared by the writers of one node (a
+            # distributed checkpoint): every rank adds its own files to it,
+            # one of them commits.
+            self.tmp = Path(tmp)
+            self.tmp.mkdir(exist_ok=True)
         self.bytes_written = 0
 
     def _check_deadline(self) -> None:
@@ -122,11 +131,28 @@ class LocalWriter:
         """Write one small data file."""
         return self.add_file(path, [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""])
 
-    def add_snapshot(self, snapshot: Snapshot) -> None:
-        """Write a state snapshot: one safetensors file per part, then ``state.json``."""
+    def add_snapshot(self, snapshot: Snapshot, prefix: str = "") -> None:
+        """Write a state snapshot: one safetensors file per part, then
+        ``state.json`` (below ``prefix``, e.g. ``ranks/00001/``)."""
         for file, blobs in sorted(snapshot.tensors.items()):
-            self.add_file(file, iter_safetensors(blobs))
-        self.add_bytes(STATE_FILE, json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())
+            self.add_file(prefix + file, iter_safetensors(blobs))
+        self.add_bytes(prefix + STATE_FILE,
+                       json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())  # fmt: skip
+
+    def add_written(self, path: str) -> FileEntry:
+        """Record a data file another library already wrote into the
+        temporary directory (checksummed by reading it back)."""
+        hasher = new_hasher(self.algorithm)
+        size = 0
+        with open(self.tmp / path, "rb", buffering=0) as f:
+            while chunk := f.read(CHUNK):
+                self._check_deadline()
+                hasher.update(chunk)
+                size += len(chunk)
+        entry = FileEntry(path=path, size=size, checksum=hasher.hexdigest())
+        self.entries.append(entry)
+        self.bytes_written += size
+        return entry
 
     def commit(
         self,
@@ -138,15 +164,26 @@ class LocalWriter:
         reason: str | None = None,
         request_id: str | None = None,
         timing: Mapping[str, float] | None = None,
+        sharding: Sharding | None = None,
+        entries: Iterable[FileEntry] | None = None,
+        check_deadline: bool = True,
     ) -> Path:
         """Write the manifest last, fsync, and rename into place; returns the
         committed directory. Committing a step that already exists keeps the
-        existing checkpoint."""
-        self._check_deadline()
+        existing checkpoint. ``entries`` (default: the files this writer
+        wrote) and ``sharding`` describe the part of a distributed checkpoint."""
+        if check_deadline:
+            self._check_deadline()
+        files = list(self.entries) if entries is None else sorted(entries, key=lambda e: e.path)
         manifest = new_manifest(
-            self.step, self.entries, self.algorithm, epoch=epoch, metrics=metrics, job=job, attempt=attempt,
-            reason=reason, request_id=request_id, timing=timing,
+            self.step, files, self.algorithm, epoch=epoch, metrics=metrics, job=job, attempt=attempt,
+            reason=reason, request_id=request_id, timing=timing, sharding=sharding,
         )  # fmt: skip
+        # Nested directories (dcp/, ranks/<r>/): their entries must be durable too.
+        for sub in sorted({str(Path(f.path).parent) for f in files if "/" in f.path}, reverse=True):
+            fsync_dir(self.tmp / sub)
+        for sub in sorted({f.path.split("/", 1)[0] for f in files if f.path.count("/") > 1}):
+            fsync_dir(self.tmp / sub)
         data = manifest.to_json()
         fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -363,3 +400,30 @@ def clean_stale_tmp(directory: Path, prefix: str = TMP_PREFIX, older_than: float
                     os.unlink(e.path)
             removed.append(Path(e.path))
     return removed
+
+
+def load_rank_state(path: Path, manifest: Manifest, prefix: str) -> dict[str, Any]:
+    """Load the codec state stored below ``prefix`` (``ranks/<rank:05d>/``)
+    of a local checkpoint: its ``state.json`` and the safetensors files it
+    references, only files listed in the manifest. Raises :class:`StateError`."""
+    path = Path(path)
+    listed = {f.path for f in manifest.files}
+    cache: dict[tuple[str, bool], Mapping[str, Any]] = {}
+
+    def load_file(name: str, as_torch: bool) -> Mapping[str, Any]:
+        full = prefix + name
+        if "/" in name or full not in listed or not name.endswith(".safetensors"):
+            raise StateError(f"{prefix}{STATE_FILE} references {name!r}, which is not a safetensors file "
+                             "of this checkpoint")  # fmt: skip
+        key = (full, as_torch)
+        if key not in cache:
+            cache[key] = load_safetensors(path / full, as_torch)
+        return cache[key]
+
+    if prefix + STATE_FILE not in listed:
+        raise StateError(f"{path.name}: no {prefix}{STATE_FILE}")
+    try:
+        doc = json.loads((path / (prefix + STATE_FILE)).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise StateError(f"{prefix}{STATE_FILE}: unreadable ({exc})") from None
+    return decode_state(doc, load_file)

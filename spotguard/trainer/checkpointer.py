@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ from spotguard.checkpoint.codec import Snapshot, StateError, snapshot_state
 from spotguard.checkpoint.local import (
     WRITER_TMP_PREFIX,
     DeadlineExceeded,
+    LocalWriter,
     clean_stale_tmp,
     list_local_committed,
     load_checkpoint_state,
@@ -51,7 +53,7 @@ from spotguard.checkpoint.local import (
     verify_local_checkpoint,
     write_checkpoint,
 )
-from spotguard.checkpoint.manifest import ManifestError, checkpoint_name
+from spotguard.checkpoint.manifest import FileEntry, ManifestError, checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.retention import RetentionCandidate, RetentionPolicy, plan_local_prune, plan_retention
 from spotguard.sidecar.control import (
     ACK_FILE,
@@ -66,6 +68,8 @@ from spotguard.sidecar.control import (
     parse_request,
 )
 from spotguard.sidecar.control import atomic_write_json as _write_json_atomic
+from spotguard.trainer import distributed as _distributed
+from spotguard.trainer.distributed import DCP_DIR, DCP_METADATA, DistContext, wants_distributed
 from spotguard.trainer.state import RestoredState, restore_rng
 
 log = logging.getLogger(__name__)
@@ -79,6 +83,22 @@ class _PersistJob:
     requests: list[CheckpointRequest] = field(default_factory=list)
     deadline: float | None = None
     snapshot_seconds: float = 0.0
+    # Distributed saves: the staged DCP tensors, the shared tmp-dir token,
+    # whether it is a preemption's save, and what the writer thread found.
+    sharded: Any = None
+    token: int = 0
+    preempt: bool = False
+    result: Path | None = None
+
+
+@dataclass
+class _Agreed:
+    """What every rank agreed on in ``should_save(step)``."""
+
+    step: int
+    requests: list[CheckpointRequest]
+    preempt: bool
+    deadline: float | None
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:
@@ -177,6 +197,7 @@ class Checkpointer:
         async_save: bool = True,
         handle_signals: bool = False,
         reuse_host_buffers: bool = True,
+        distributed: bool | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.storage_uri = storage_uri or None
@@ -222,15 +243,29 @@ class Checkpointer:
         self._pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
         self._storage: Any = None
         self._closed = False
+        # Under torch.distributed (see spotguard.trainer.distributed): the
+        # process groups, the decision of the last should_save, DCP's stager.
+        self._dist: DistContext | None = None
+        self._agreed: _Agreed | None = None
+        self._stager: Any = None
+        self._reuse_host_buffers = reuse_host_buffers
+        if wants_distributed(distributed):
+            self._dist = DistContext()
+            _distributed._active += 1
+        # Only local rank 0 of a node reads requests and writes the control files.
+        self._control_owner = self._dist is None or self._dist.leader
 
         self.directory.mkdir(parents=True, exist_ok=True)
         # Only one trainer writes to a checkpoint directory: leftovers of this
         # prefix are from a writer that died, never from a live one.
-        clean_stale_tmp(self.directory, WRITER_TMP_PREFIX)
+        if self._control_owner:
+            clean_stale_tmp(self.directory, WRITER_TMP_PREFIX)
+        if self._dist is not None:
+            self._dist.barrier()
         self._load_previous_ack()
         self._announced = False
         self._exit_announced = False
-        if handle_signals and self.install_signal_handlers():
+        if handle_signals and self.install_signal_handlers() and self._control_owner:
             self._announce()
         atexit.register(_flush_at_exit, weakref.ref(self))
 
@@ -334,6 +369,8 @@ class Checkpointer:
             self._add_request(CheckpointRequest(f"sigterm-{os.getpid()}-{self._signal_count}", "sigterm", None, True))
         force = self._sigusr1
         self._sigusr1 = False
+        if not self._control_owner:
+            return
         path = self.control_dir / REQUEST_FILE
         try:
             st = os.stat(path)
@@ -378,13 +415,30 @@ class Checkpointer:
         ``step`` is a positive multiple of ``save_every_steps``, or
         ``save_every_seconds`` passed since the last save."""
         self._poll_control()
+        if self._dist is not None:
+            return self._should_save_dist(step)
         if self._pending:
             return True
+        return self._interval_due(step)
+
+    def _interval_due(self, step: int) -> bool:
         if step == self._last_snapshot_step:
             return False
         if self.save_every_steps and step > 0 and step % self.save_every_steps == 0:
             return True
         return bool(self.save_every_seconds and time.monotonic() - self._last_save_time >= self.save_every_seconds)
+
+    def _should_save_dist(self, step: int) -> bool:
+        """Every rank's flags OR-ed (one all_reduce): the same answer everywhere."""
+        assert self._dist is not None
+        requests = list(self._pending)
+        deadlines = [r.deadline for r in requests if r.deadline is not None]
+        preempt, save_now, deadline, due = self._dist.agree(
+            any(r.preempt for r in requests), bool(requests), min(deadlines) if deadlines else None,
+            self._interval_due(step),
+        )  # fmt: skip
+        self._agreed = _Agreed(step, requests, preempt, deadline)
+        return preempt or save_now or due
 
     def save(
         self,
@@ -407,6 +461,9 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         checkpoint_name(step)  # range check
+        if self._dist is not None:
+            with self._save_lock:
+                return self._save_dist(step, state, epoch, metrics, blocking)
         with self._save_lock:
             self._poll_control()
             requests, self._pending = self._pending, []
@@ -442,6 +499,200 @@ class Checkpointer:
             self._thread = threading.Thread(target=self._persist, args=(job,), name="spotguard-persist", daemon=True)
             self._thread.start()
             return None
+
+    # -- distributed saves -----------------------------------------------------------
+    def _save_dist(
+        self, step: int, state: Mapping[str, Any], epoch: int | None, metrics: Mapping[str, Any] | None,
+        blocking: bool | None,
+    ) -> Path | None:
+        """``save`` under torch.distributed (collective: every rank, same step)."""
+        assert self._dist is not None
+        agreed = self._agreed if self._agreed is not None and self._agreed.step == step else None
+        self._agreed = None
+        # Only what every rank agreed on in should_save counts; a request that
+        # arrived since waits for the next should_save.
+        requests = agreed.requests if agreed is not None else []
+        ids = {r.id for r in requests}
+        self._pending = [r for r in self._pending if r.id not in ids]
+        preempt = agreed.preempt if agreed is not None else False
+        deadline = agreed.deadline if agreed is not None else None
+        sync = blocking if blocking is not None else (preempt or not self.async_save)
+        if step == self._last_snapshot_step:
+            self._wait_until(deadline)
+            self._finish(requests, self.last_committed if self._thread is None else None)
+            if preempt:
+                self._preempted = True
+            return self.last_committed
+        busy = not self._wait_until(deadline)
+        start = time.perf_counter()
+        error: BaseException | None = None
+        sharded: Any = None
+        snapshot: Snapshot | None = None
+        if not busy:
+            try:
+                sharded, snapshot = self._snapshot_dist(state)
+            except BaseException as exc:
+                error = exc
+        any_busy, any_failed, token = self._dist.start_save(busy, error is not None)
+        if any_busy or any_failed:
+            if any_busy:
+                log.error("a previous checkpoint is still being written at the deadline; not starting step %d", step)
+            else:
+                log.error("a rank could not snapshot its state; not saving step %d", step)
+            self._finish(requests, None, deadline_exceeded=any_busy)
+            if preempt:
+                self._preempted = True
+            if error is not None:
+                raise error
+            return None
+        self.last_stall_seconds = time.perf_counter() - start
+        self._last_snapshot_step = step
+        self._last_save_time = time.monotonic()
+        job = _PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, requests, deadline,
+                          self.last_stall_seconds, sharded=sharded, token=token, preempt=preempt)  # fmt: skip
+        thread = threading.Thread(target=self._persist_dist, args=(job,), name="spotguard-persist", daemon=True)
+        self._thread = thread
+        thread.start()
+        if not sync:
+            return None
+        # The writer thread owns the persist group; wait for it, but not past
+        # the deadline (a rank that died would hold the others in a collective).
+        timeout = None if deadline is None else max(0.0, deadline - time.time()) + 1.0
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._thread = None
+        else:
+            log.error("checkpoint of step %d not committed by its deadline", step)
+        if preempt:
+            self._preempted = True
+        return job.result
+
+    def _snapshot_dist(self, state: Mapping[str, Any]) -> tuple[Any, Snapshot]:
+        """Phase one: the DCP tensors staged in host memory by torch's stager,
+        everything else of this rank's state through the codec."""
+        if not isinstance(state, Mapping):
+            raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")
+        tensors, skeleton = _distributed.split_tensors({k: state[k] for k in _distributed.DCP_KEYS if k in state})
+        rank_state = {k: (skeleton[k] if k in _distributed.DCP_KEYS else v) for k, v in state.items()}
+        staged = None
+        if tensors:
+            if self._stager is None:
+                import torch
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                pin = bool(torch.cuda.is_available())
+                options = StagingOptions(use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False,
+                                         use_non_blocking_copy=pin)  # fmt: skip
+                self._stager = DefaultStager(options)
+            staged = self._stager.stage(tensors)
+            if not self._reuse_host_buffers:
+                self._stager.close()
+                self._stager = None
+        return staged, snapshot_state(rank_state, pinned=self._pinned)
+
+    def _persist_dist(self, job: _PersistJob) -> None:
+        """Phase two on the writer thread: every rank writes its files into the
+        node's temporary directory, local rank 0 commits the node's part once
+        every rank's files are written and checksummed."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        from spotguard.checkpoint.manifest import Sharding
+
+        d = self._dist
+        assert d is not None
+        start = time.perf_counter()
+        tmp = self.directory / f"{WRITER_TMP_PREFIX}{job.step:012d}-{job.token:08x}"
+        durable = emergency_save_is_durable(job.preempt, self.local_pruner)
+        error: str | None = None
+        writer: LocalWriter | None = None
+        deadline_exceeded = False
+        try:
+            writer = LocalWriter(self.directory, job.step, algorithm=self.checksum, deadline=job.deadline,
+                                 durable=durable, tmp=tmp)  # fmt: skip
+            assert job.snapshot is not None
+            writer.add_snapshot(job.snapshot, prefix=_distributed.rank_prefix(d.rank))
+        except DeadlineExceeded as exc:
+            error, deadline_exceeded = str(exc), True
+        except Exception as exc:
+            error = f"rank {d.rank}: {exc}"
+        # Every rank takes part in dcp.save, whatever happened above: a rank
+        # that skipped a collective would leave the others waiting.
+        dcp_dir = tmp / DCP_DIR
+        try:
+            if job.sharded is not None:
+                dcp_save(job.sharded, storage_writer=FileSystemWriter(dcp_dir, sync_files=durable),
+                         process_group=d.persist)  # fmt: skip
+            if writer is not None and error is None:
+                mine = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
+                if d.rank == 0 and job.sharded is not None:
+                    mine.append(DCP_METADATA)
+                for name in mine:
+                    writer.add_written(f"{DCP_DIR}/{name}")
+        except DeadlineExceeded as exc:
+            error, deadline_exceeded = error or str(exc), True
+        except Exception as exc:
+            error = error or f"rank {d.rank}: {exc}"
+        finally:
+            job.snapshot = None
+            job.sharded = None
+        entries = [(e.path, e.size, e.checksum) for e in writer.entries] if writer is not None and error is None else []
+        try:
+            results = d.gather((d.info.node, entries, error, deadline_exceeded), persist=True)
+        except Exception as exc:
+            log.error("checkpoint of step %d failed: %s", job.step, exc)
+            self.last_error = exc
+            self._finish(job.requests, None)
+            return
+        errors = [e for _, _, e, _ in results if e]
+        deadline_exceeded = any(x for _, _, _, x in results)
+        path: Path | None = None
+        committed_here = not d.leader
+        if d.leader:
+            if not errors and writer is not None:
+                node_entries = [FileEntry(p, n, c) for node, ents, _, _ in results if node == d.info.node
+                                for p, n, c in ents]  # fmt: skip
+                persist_seconds = round(time.perf_counter() - start, 6)
+                timing = {"persist_seconds": persist_seconds, "snapshot_seconds": round(job.snapshot_seconds, 6),
+                          "save_seconds": round(job.snapshot_seconds + persist_seconds, 6)}  # fmt: skip
+                try:
+                    path = writer.commit(
+                        epoch=job.epoch, metrics=job.metrics, job=self.job, attempt=self.attempt,
+                        reason=_reason(job.requests) if job.requests or not job.preempt else "sigterm",
+                        request_id=next((r.id for r in reversed(job.requests)), None), timing=timing,
+                        sharding=Sharding(world_size=d.world_size, parts=d.parts, part=d.info.node,
+                                          ranks=d.node_ranks),
+                        entries=node_entries, check_deadline=False,
+                    )  # fmt: skip
+                    committed_here = True
+                except Exception as exc:
+                    error = f"node {d.info.node}: commit failed: {exc}"
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            commits = d.gather((committed_here, error), persist=True)
+        except Exception as exc:
+            commits = [(False, f"rank {d.rank}: {exc}")]
+        problems = errors or [e for ok, e in commits if not ok and e]
+        final: Path | None = None
+        if all(ok for ok, _ in commits) and not errors:
+            final = self.directory / checkpoint_name(job.step)
+            self.last_committed = final
+            self.last_persist_seconds = time.perf_counter() - start
+            log.info("checkpoint %s committed on every rank (%.2fs)", final, self.last_persist_seconds)
+        else:
+            self.last_error = RuntimeError("; ".join(problems) or "commit failed")
+            if deadline_exceeded:
+                newest = self._newest_local()
+                log.error("checkpoint of step %d not finished before its deadline (%s); the newest committed "
+                          "checkpoint is %s", job.step, "; ".join(problems),
+                          newest.name if newest else "none")  # fmt: skip
+            else:
+                log.error("checkpoint of step %d failed: %s", job.step, "; ".join(problems))
+        job.result = final
+        self._finish(job.requests, final, deadline_exceeded=deadline_exceeded)
+        if final is not None and d.leader and path is not None:
+            self._after_commit(path)
 
     def _wait_until(self, deadline: float | None) -> bool:
         thread = self._thread
@@ -546,6 +797,12 @@ class Checkpointer:
     def _finish(self, requests: list[CheckpointRequest], path: Path | None, *, deadline_exceeded: bool = False) -> None:
         if not requests:
             return
+        if not self._control_owner:
+            # Another rank of this node answers the uploader.
+            self._handled.update(r.id for r in requests)
+            if any(r.preempt for r in requests):
+                self._preempted = True
+            return
         committed = path or self._newest_local()
         # Internal (signal) requests first: the last ack written is the one a
         # sidecar waiting on a file request reads.
@@ -582,6 +839,8 @@ class Checkpointer:
             return
         self.wait()
         self._announce_exit()
+        if self._dist is not None:
+            _distributed._active -= 1
         if self._announced and threading.current_thread() is threading.main_thread():
             # A sidecar that read trainer.pid just before it went may still send
             # SIGUSR1, whose default action would kill us: go straight from our
@@ -639,7 +898,14 @@ class Checkpointer:
         manifest); without one, download the newest verified checkpoint from
         ``storage_uri``. Loads into the given objects and restores the global
         RNGs (call it after building model and optimizer, right before the
-        loop). Returns None when there is nothing to restore."""
+        loop). Returns None when there is nothing to restore.
+
+        Under torch.distributed every rank calls it: the ranks agree on the
+        newest checkpoint every node can load (or a newer verified one in
+        storage) and each loads its part; see :mod:`spotguard.trainer.distributed`."""
+        if self._dist is not None:
+            return self._restore_dist(model, optimizer, scheduler, restore_rng=restore_rng, strict=strict,
+                                      objects=objects)  # fmt: skip
         restored: RestoredState | None = None
         for path in reversed(list_local_committed(self.directory)):
             restored = self._load_local(path)
@@ -664,6 +930,96 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         log.info("restored %s (step %d)", restored.path, restored.step)
         return restored
+
+    # -- distributed restore -----------------------------------------------------------
+    def _restore_dist(
+        self, model: Any, optimizer: Any, scheduler: Any, *, restore_rng: bool, strict: bool,
+        objects: Mapping[str, Any],
+    ) -> RestoredState | None:
+        """``restore`` under torch.distributed (collective)."""
+        assert self._dist is not None
+        d = self._dist
+        name = self._choose_restore()
+        if name is None:
+            log.info("no checkpoint to restore; starting fresh")
+            return None
+        path = self.directory / name
+        restored: RestoredState = _distributed.load_sharded(path, d, model, optimizer, strict=strict)
+        if scheduler is not None or objects:
+            restored.load_into(None, None, scheduler, restore_rng=False, strict=strict, **objects)
+        if restore_rng and restored.rank_state_own and isinstance(restored.state.get("rng"), Mapping):
+            restore_rng_state(restored.state["rng"])
+        self._last_snapshot_step = restored.step
+        self.last_committed = path
+        self._last_save_time = time.monotonic()
+        log.info("rank %d restored %s (step %d)%s", d.rank, path, restored.step,
+                 "" if restored.exact else f", resharded from {restored.resharded_from} ranks")  # fmt: skip
+        return restored
+
+    def _choose_restore(self) -> str | None:
+        """The checkpoint every rank restores: the newest that every node
+        holds complete and intact locally, unless storage holds a newer
+        verified one (then each node fetches it). Collective."""
+        d = self._dist
+        assert d is not None
+        checked: dict[str, bool] = {}
+
+        def loadable(p: Path) -> bool:
+            if p.name not in checked:
+                result = verify_local_checkpoint(p)
+                ok = result.ok and result.manifest is not None and result.manifest.locally_complete
+                if not ok:
+                    why = result.reason if not result.ok else "holds only this node's part"
+                    log.warning("local checkpoint %s cannot be restored here: %s", p, why)
+                checked[p.name] = ok
+            return checked[p.name]
+
+        bound: int | None = None
+        while True:
+            best = -1
+            if d.leader:
+                for p in reversed(list_local_committed(self.directory)):
+                    step = parse_checkpoint_name(p.name)
+                    if step is None or (bound is not None and step > bound):
+                        continue
+                    if loadable(p):
+                        best = step
+                        break
+            bests = [b for b, leader in d.gather((best, d.leader), persist=False) if leader]
+            agreed = min(bests)
+            if all(b == agreed for b in bests):
+                break
+            bound = agreed
+        local_name = checkpoint_name(agreed) if agreed >= 0 else None
+        if not self.storage_uri:
+            return local_name
+        remote: str | None = None
+        if d.rank == 0:
+            try:
+                from spotguard.checkpoint.remote import latest_verified
+
+                info, _ = latest_verified(self._open_storage())
+                if info is not None and info.step > agreed:
+                    remote = info.name
+            except Exception as exc:
+                log.warning("could not look for a newer checkpoint in storage: %s", exc)
+        remote = d.broadcast(remote)
+        if remote is None:
+            return local_name
+        ok = True
+        if d.leader:
+            try:
+                from spotguard.checkpoint.remote import restore_checkpoint
+
+                restore_checkpoint(self._open_storage(), remote, self.directory)
+            except Exception as exc:
+                ok = False
+                log.error("could not restore %s from storage: %s", remote, exc)
+        if all(d.gather(ok, persist=False)):
+            self._verified.add(remote)
+            return remote
+        log.warning("restoring %s", local_name or "nothing (fresh start)")
+        return local_name
 
     def _load_local(self, path: Path) -> RestoredState | None:
         result = verify_local_checkpoint(path)

@@ -110,12 +110,22 @@ def torch_state(model: Any = None, optimizer: Any = None, scheduler: Any = None,
     ``load_state_dict()`` (a sampler, a ``GradScaler``) by its state dict, and
     anything else (epoch, batch index, a dict of counters) as a value.
     Call it right at the save, so the state is captured at that instant.
+
+    Under torch.distributed (a distributed Checkpointer exists, or a process
+    group of more than one rank is initialized) model and optimizer state
+    come from ``torch.distributed.checkpoint.state_dict.get_state_dict``.
     """
+    from spotguard.trainer import distributed
+
     state: dict[str, Any] = {}
-    if model is not None:
-        state["model"] = model.state_dict()
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+    if distributed.active():
+        # Sharded state dicts (FQN keys, DTensor shards) that DCP can reshard.
+        state.update(distributed.get_state_dicts(model, optimizer))
+    else:
+        if model is not None:
+            state["model"] = model.state_dict()
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     state["rng"] = capture_rng()
@@ -128,7 +138,21 @@ class RestoredState(Mapping[str, Any]):
 
     Behaves as a read-only mapping of the saved state (``state["model"]``).
     ``step`` is the step passed to ``save``; resume with ``step + 1``.
+
+    ``exact`` is False when a distributed checkpoint was restored on a
+    different number of ranks (``resharded_from``: the world size that wrote
+    it): model and optimizer are resharded, per-rank RNG states and data
+    positions cannot be exact.
     """
+
+    #: False when resharded (see the class docstring).
+    exact: bool = True
+    #: The world size that wrote a checkpoint restored on a different one.
+    resharded_from: int | None = None
+    #: Loaded under torch.distributed (model/optimizer as sharded state dicts).
+    sharded: bool = False
+    #: This rank's own saved state was loaded (not rank 0's stand-in).
+    rank_state_own: bool = True
 
     def __init__(
         self,
@@ -189,6 +213,14 @@ class RestoredState(Mapping[str, Any]):
         object from the extra of the same name (generators, samplers, ...).
         Returns :attr:`extra`.
         """
+        if self.sharded and (model is not None or optimizer is not None):
+            from spotguard.trainer.distributed import set_state_dicts
+
+            for key, obj in (("model", model), ("optimizer", optimizer)):
+                if obj is not None and key not in self.state:
+                    raise KeyError(f"checkpoint {self.name} holds no {key} state")
+            set_state_dicts(model, optimizer, self.state, strict=strict)
+            model = optimizer = None
         if model is not None:
             if "model" not in self.state:
                 raise KeyError(f"checkpoint {self.name} holds no model state")

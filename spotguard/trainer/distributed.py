@@ -1,0 +1,392 @@
+"""The Checkpointer under ``torch.distributed`` (torchrun, DDP, FSDP2).
+
+Every rank constructs the :class:`~spotguard.trainer.checkpointer.Checkpointer`
+at the same point of the program and calls ``should_save`` / ``save`` /
+``restore`` at the same steps; those calls are collective:
+
+- ``should_save`` agrees on one answer with a single ``all_reduce(MAX)`` of
+  ``[preempt, save now, -deadline, interval due]`` on a gloo group of the
+  main thread, so a SIGTERM or a request seen by any rank makes every rank
+  save that step (with the earliest deadline) and stop.
+- ``save`` stages the tensors of ``state["model"]`` and
+  ``state["optimizer"]`` (from ``get_state_dict``: FQN keys, DTensor shards)
+  in host memory with DCP's stager, and everything else of the rank's state
+  (non-tensor leaves, RNG, scheduler, extras) with spotguard's codec. A
+  background thread then writes them on a second gloo group that only
+  persist threads use: ``dcp.save`` into ``<tmp>/dcp`` (DDP replicas are
+  written once, DTensor shards by their owners), the rank's own files into
+  ``<tmp>/ranks/<rank:05d>/``; each rank checksums its files, the entries are
+  gathered, and local rank 0 of each node commits that node's part manifest
+  (atomic rename); a second gather tells every rank whether every node
+  committed before requests are acknowledged.
+- ``restore`` agrees on the newest checkpoint every node can load (or a
+  newer verified one in storage), loads the tensors with ``dcp.load``
+  through :class:`~spotguard.checkpoint.dcp.SafeFileSystemReader` into the
+  live model's and optimizer's own state dicts (resharding when the world
+  size changed) and puts them back with ``set_state_dict``.
+
+The torchrun environment names the rank's place: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (the node index; all
+ranks on one node without it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Top-level keys of a state whose tensors go through DCP.
+DCP_KEYS = ("model", "optimizer")
+#: Where each rank's own files go inside a distributed checkpoint.
+RANKS_DIR = "ranks"
+#: The DCP directory inside a distributed checkpoint, and DCP's metadata file.
+DCP_DIR = "dcp"
+DCP_METADATA = ".metadata"
+_MARK = "__spotguard_dcp__"
+
+_active = 0  # distributed Checkpointers alive in this process
+
+
+def rank_prefix(rank: int) -> str:
+    """``ranks/<rank:05d>/``: the directory of one rank's own files."""
+    return f"{RANKS_DIR}/{rank:05d}/"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+
+    @property
+    def parts(self) -> int:
+        """Nodes (parts of a checkpoint): ``WORLD_SIZE / LOCAL_WORLD_SIZE``."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    @property
+    def node_leader(self) -> bool:
+        """Local rank 0: commits the node's part and talks to the uploader."""
+        return self.local_rank == 0
+
+
+def _int_env(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+
+
+def rank_info_from_env(env: Mapping[str, str], rank: int, world_size: int) -> RankInfo:
+    """Pure: the torchrun facts for ``rank`` of ``world_size`` (the process
+    group's view wins over the environment). Without torchrun's variables:
+    one node holding every rank."""
+    local_world = _int_env(env, "LOCAL_WORLD_SIZE", 0)
+    if local_world <= 0 or world_size % local_world:
+        local_world = world_size
+        local_rank, node = rank, 0
+    else:
+        local_rank = _int_env(env, "LOCAL_RANK", rank % local_world)
+        node = _int_env(env, "GROUP_RANK", rank // local_world)
+    return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world, node=node)
+
+
+def wants_distributed(distributed: bool | None) -> bool:
+    """Whether a Checkpointer is collective: ``distributed`` when given, else
+    when torch.distributed is initialized with more than one rank."""
+    if distributed is not None:
+        return distributed
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def active() -> bool:
+    """Whether :func:`~spotguard.torch_state` should capture sharded state
+    dicts: a distributed Checkpointer exists, or a process group with more
+    than one rank is initialized."""
+    return _active > 0 or wants_distributed(None)
+
+
+# -- the state tree: tensors for DCP, everything else for the codec -------------
+
+
+def _is_tensor(value: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def split_tensors(tree: Any, path: tuple[str, ...] = ()) -> tuple[Any, Any]:
+    """Split a state dict into (tensors, skeleton).
+
+    ``tensors``: nested dicts with string keys holding only the tensor
+    leaves (list positions become ``"0"``, ``"1"``, ...), None when there are
+    none; ``skeleton``: the same tree with each tensor replaced by a marker
+    naming its path in ``tensors``.
+    """
+    if _is_tensor(tree):
+        return tree, {_MARK: list(path)}
+    if isinstance(tree, Mapping):
+        tensors: dict[str, Any] = {}
+        items = []
+        for key, value in tree.items():
+            skey = str(key)
+            if skey in tensors:
+                raise ValueError(f"state keys {key!r} collide as strings at {'.'.join(path) or 'top level'}")
+            sub, skel = split_tensors(value, (*path, skey))
+            if sub is not None:
+                tensors[skey] = sub
+            items.append((key, skel))
+        skeleton: Any = type(tree)(items) if isinstance(tree, dict) else dict(items)
+        return (tensors or None), skeleton
+    if isinstance(tree, list | tuple):
+        tensors = {}
+        skels = []
+        for i, value in enumerate(tree):
+            sub, skel = split_tensors(value, (*path, str(i)))
+            if sub is not None:
+                tensors[str(i)] = sub
+            skels.append(skel)
+        return (tensors or None), (tuple(skels) if isinstance(tree, tuple) else skels)
+    return None, tree
+
+
+def fill_tensors(skeleton: Any, tensors: Mapping[str, Any] | None, base: tuple[str, ...] = ()) -> Any:
+    """Put tensors back into a skeleton made by :func:`split_tensors`;
+    ``tensors`` is rooted at ``base`` (the skeleton's markers hold full paths)."""
+    if isinstance(skeleton, Mapping):
+        if set(skeleton) == {_MARK}:
+            node: Any = tensors
+            for key in list(skeleton[_MARK])[len(base):]:
+                if not isinstance(node, Mapping) or key not in node:
+                    raise KeyError(".".join(skeleton[_MARK]))
+                node = node[key]
+            return node
+        items = [(k, fill_tensors(v, tensors, base)) for k, v in skeleton.items()]
+        return type(skeleton)(items) if isinstance(skeleton, dict) else dict(items)
+    if isinstance(skeleton, list):
+        return [fill_tensors(v, tensors, base) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(fill_tensors(v, tensors, base) for v in skeleton)
+    return skeleton
+
+
+# -- state dicts of live objects -------------------------------------------------
+
+
+def get_state_dicts(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` through torch's distributed
+    state-dict API (FQN keys, wrappers' prefixes stripped, DTensor shards)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    out: dict[str, Any] = {}
+    if model is not None and optimizer is not None:
+        out["model"], out["optimizer"] = get_state_dict(model, optimizer)
+    elif model is not None:
+        out["model"] = get_model_state_dict(model)
+    elif optimizer is not None:
+        raise ValueError("a distributed optimizer state needs its model (torch_state(model, optimizer, ...))")
+    return out
+
+
+def set_state_dicts(model: Any, optimizer: Any, state: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load model/optimizer state dicts made by :func:`get_state_dicts`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    options = StateDictOptions(strict=strict)
+    if model is not None and optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)  # fmt: skip
+    elif model is not None:
+        set_model_state_dict(model, state["model"], options=options)
+
+
+# -- the process groups ------------------------------------------------------------
+
+
+class DistContext:
+    """The process groups and rank facts of a distributed Checkpointer.
+
+    ``main``: collectives of the training thread (flags, save agreement,
+    restore); ``persist``: collectives of the background writer only
+    (``dcp.save``, commit). Never two threads on one group.
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("distributed checkpoints need torch.distributed to be initialized "
+                               "(dist.init_process_group) before the Checkpointer is built")  # fmt: skip
+        self.dist = dist
+        env = os.environ if env is None else env
+        self.info = rank_info_from_env(env, dist.get_rank(), dist.get_world_size())
+        self.main: Any = dist.new_group(backend="gloo")
+        self.persist: Any = dist.new_group(backend="gloo")
+        # Which node every rank is on (the environment could lie; the group cannot).
+        nodes: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(nodes, (self.info.node, self.info.local_rank), group=self.main)
+        self.node_of = [int(n) for n, _ in nodes]
+        self.node_ranks = tuple(r for r, n in enumerate(self.node_of) if n == self.info.node)
+        self.parts = len(set(self.node_of))
+        if sorted(set(self.node_of)) != list(range(self.parts)):
+            raise RuntimeError(f"node indices (GROUP_RANK) of the ranks are not 0..n-1: {sorted(set(self.node_of))}")
+        leaders = [r for r, (_, lr) in enumerate(nodes) if int(lr) == 0]
+        if len(leaders) != self.parts or any(sum(1 for r in leaders if self.node_of[r] == n) != 1
+                                             for n in range(self.parts)):  # fmt: skip
+            raise RuntimeError("every node needs exactly one local rank 0 (LOCAL_RANK)")
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def leader(self) -> bool:
+        return self.info.node_leader
+
+    def agree(
+        self, preempt: bool, save_now: bool, deadline: float | None, due: bool
+    ) -> tuple[bool, bool, float | None, bool]:
+        """One ``all_reduce(MAX)`` of this rank's flags: any rank's preempt or
+        save-now counts, the earliest deadline wins."""
+        import torch
+
+        flags = torch.tensor(
+            [float(preempt), float(save_now), -deadline if deadline is not None else -math.inf, float(due)],
+            dtype=torch.float64,
+        )
+        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
+        p, s, d, t = flags.tolist()
+        return p > 0, s > 0, (None if d == -math.inf else -d), t > 0
+
+    def start_save(self, busy: bool, failed: bool) -> tuple[bool, bool, int]:
+        """Before a save: whether any rank still writes the previous one or
+        could not snapshot, and a token (from rank 0) naming the temporary
+        directory every rank of a node shares."""
+        import torch
+
+        token = secrets.randbelow(1 << 31) + 1 if self.rank == 0 else 0
+        flags = torch.tensor([float(busy), float(failed), float(token)], dtype=torch.float64)
+        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
+        b, f, t = flags.tolist()
+        return b > 0, f > 0, int(t)
+
+    def gather(self, obj: Any, *, persist: bool) -> list[Any]:
+        """Every rank's ``obj`` (on the persist group from the writer thread)."""
+        out: list[Any] = [None] * self.world_size
+        self.dist.all_gather_object(out, obj, group=self.persist if persist else self.main)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (main group)."""
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0, group=self.main)
+        return box[0]
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.main)
+
+
+# -- loading ------------------------------------------------------------------------
+
+
+def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, strict: bool = True) -> Any:
+    """Load this rank's part of a local checkpoint into ``model`` and
+    ``optimizer`` (collective: ``dcp.load`` on the main group) and return
+    the :class:`~spotguard.trainer.state.RestoredState` (scheduler, extras and
+    RNG not applied yet).
+
+    The tensors are read into the live objects' own state dicts (so DCP
+    reshards them to the current world size and sharding); the rest of the
+    model/optimizer state comes from this rank's saved files, or rank 0's
+    when this rank did not exist when it was saved.
+    """
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from spotguard.checkpoint.codec import StateError
+    from spotguard.checkpoint.dcp import SafeFileSystemReader
+    from spotguard.checkpoint.local import load_checkpoint_state, load_rank_state, read_local_manifest
+    from spotguard.trainer.state import RestoredState
+
+    path = Path(path)
+    manifest = read_local_manifest(path)
+    sharding = manifest.sharding
+    live = get_state_dicts(model, optimizer)
+    if sharding is None:
+        # A single-process checkpoint: full state dicts, loaded by every rank.
+        full = load_checkpoint_state(path, manifest)
+        restored = RestoredState(full, step=manifest.step, name=manifest.name, path=str(path),
+                                 epoch=manifest.epoch, metrics=manifest.metrics)  # fmt: skip
+        restored.exact, restored.resharded_from = ctx.world_size == 1, 1
+        restored.rank_state_own = ctx.rank == 0
+        if live:
+            set_state_dicts(model, optimizer, {k: full[k] for k in live}, strict=strict)
+        restored.sharded = True
+        _warn_inexact(restored, ctx)
+        return restored
+    listed = {f.path for f in manifest.files}
+    own = rank_prefix(ctx.rank) + "state.json" in listed
+    prefix = rank_prefix(ctx.rank) if own else rank_prefix(0)
+    rank_state = load_rank_state(path, manifest, prefix)
+    tensors, _ = split_tensors(live)
+    if tensors:
+        dcp_load(tensors, storage_reader=SafeFileSystemReader(path / DCP_DIR), process_group=ctx.main)
+    state: dict[str, Any] = {}
+    for key, value in rank_state.items():
+        if key in DCP_KEYS:
+            if key not in live:
+                continue  # not asked for: its tensors were not read
+            try:
+                state[key] = fill_tensors(value, (tensors or {}).get(key), (key,))
+            except KeyError as exc:
+                raise StateError(f"{path.name}: the saved {key} state has tensor {exc.args[0]!r}, "
+                                 f"which the live {key} does not") from None  # fmt: skip
+        else:
+            state[key] = value
+    if live:
+        set_state_dicts(model, optimizer, state, strict=strict)
+    restored = RestoredState(state, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch,
+                             metrics=manifest.metrics)  # fmt: skip
+    restored.sharded = True
+    restored.rank_state_own = own
+    if sharding.world_size != ctx.world_size:
+        restored.exact, restored.resharded_from = False, sharding.world_size
+    _warn_inexact(restored, ctx)
+    return restored
+
+
+def _warn_inexact(restored: Any, ctx: DistContext) -> None:
+    if restored.exact:
+        return
+    log.warning(
+        "checkpoint %s was written by %d rank(s), restored on %d: model and optimizer are resharded, but "
+        "per-rank RNG states and data positions cannot be exact%s",
+        restored.name, restored.resharded_from, ctx.world_size,
+        "" if restored.rank_state_own else f" (rank {ctx.rank} has no saved state: it keeps its fresh RNG and "
+        "uses rank 0's scheduler and extras)",
+    )  # fmt: skip

@@ -1,0 +1,232 @@
+"""The Checkpointer under torch.distributed: real ranks (torchrun, gloo on CPU).
+
+Run as a script under torchrun, this file is the training worker the tests
+start: a small model (DDP or FSDP2), AdamW, a scheduler, dropout and per-rank
+data drawn from the global RNGs, checkpointed with the public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+
+
+# -- the worker ------------------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--mode", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--sync", action="store_true")
+    parser.add_argument("--sigterm-at", type=int, default=-1)
+    parser.add_argument("--sigterm-rank", type=int, default=1)
+    parser.add_argument("--request-at", type=int, default=-1)
+    args = parser.parse_args(argv)
+
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import spotguard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model: Any = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                     torch.nn.Linear(16, 4))  # fmt: skip
+    if args.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[3]):
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    random.seed(100 + rank)
+    np.random.seed(200 + rank)
+    torch.manual_seed(300 + rank)
+
+    ckpt = spotguard.Checkpointer(args.dir, save_every_steps=args.save_every, async_save=not args.sync,
+                                  handle_signals=True)  # fmt: skip
+    restored = ckpt.restore(model, optimizer, scheduler)
+    start = restored.step + 1 if restored is not None else 0
+    info: dict[str, Any] = {
+        "rank": rank, "world": world, "start": start, "stopped": None,
+        "exact": None if restored is None else restored.exact,
+        "resharded_from": None if restored is None else restored.resharded_from,
+        "stalls": [],
+    }  # fmt: skip
+    for step in range(start, args.steps):
+        x = torch.randn(6, 8) + float(np.random.rand()) + random.random()
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        if step == args.sigterm_at and rank == args.sigterm_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step == args.request_at and rank == 0:
+            from spotguard.sidecar.control import ControlChannel
+
+            ControlChannel(ckpt.control_dir).request_checkpoint("test", time.time() + 60, True, "req-1")
+        if ckpt.should_save(step):
+            ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler))
+            info["stalls"].append(ckpt.last_stall_seconds)
+        if ckpt.preempted:
+            info["stopped"] = step
+            break
+    ckpt.close()
+    def local(v: Any) -> Any:
+        return (v.to_local() if hasattr(v, "to_local") else v).clone() if isinstance(v, torch.Tensor) else v
+
+    osd = optimizer.state_dict()
+    final = {
+        "model": {k: local(v) for k, v in model.state_dict().items()},
+        "optimizer": {"state": {i: {k: local(v) for k, v in s.items()} for i, s in osd["state"].items()},
+                      "param_groups": osd["param_groups"]},
+        "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state()),
+        "lr": scheduler.get_last_lr(),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if info["stopped"] is None:
+        torch.save(final, out / f"final-{rank}.pt")
+    (out / f"info-{rank}.json").write_text(json.dumps(info))
+    dist.destroy_process_group()
+    return 0
+
+
+# -- the tests ---------------------------------------------------------------------
+
+
+def torchrun(nproc: int, ckdir: Path, out: Path, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in list(env):
+        if key.startswith("SPOTGUARD_"):
+            del env[key]
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", __file__, "--dir", str(ckdir),
+           "--out", str(out), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    infos = [json.loads((out / f"info-{r}.json").read_text()) for r in range(nproc)]
+    for f in out.glob("info-*.json"):
+        f.unlink()
+    return infos
+
+
+def assert_same_final(a: Path, b: Path, nproc: int) -> None:
+    import torch
+
+    for r in range(nproc):
+        x = torch.load(a / f"final-{r}.pt", weights_only=False)
+        y = torch.load(b / f"final-{r}.pt", weights_only=False)
+        assert x["model"].keys() == y["model"].keys()
+        for k in x["model"]:
+            assert torch.equal(x["model"][k], y["model"][k]), (r, k)
+        xs, ys = x["optimizer"]["state"], y["optimizer"]["state"]
+        assert xs.keys() == ys.keys()
+        for i in xs:
+            for k in xs[i]:
+                assert torch.equal(torch.as_tensor(xs[i][k]), torch.as_tensor(ys[i][k])), (r, i, k)
+        assert x["optimizer"]["param_groups"] == y["optimizer"]["param_groups"]
+        assert x["rng"][0] == y["rng"][0]
+        for p, q in zip(x["rng"][1], y["rng"][1], strict=True):
+            assert bool((p == q).all()) if hasattr(p, "all") else p == q
+        assert torch.equal(x["rng"][2], y["rng"][2])
+        assert x["lr"] == y["lr"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 2-rank DDP run (checkpointing as it goes)."""
+    base = tmp_path_factory.mktemp("ref")
+    infos = torchrun(2, base / "ck", base / "out")
+    assert all(i["start"] == 0 and i["stopped"] is None for i in infos)
+    return base / "out"
+
+
+def part_manifest(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((path / "manifest.json").read_text())
+    return doc
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_path: Path, sync: bool) -> None:
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    flags = ["--sync"] if sync else []
+    infos = torchrun(2, ck, out, "--sigterm-at", "6", "--sigterm-rank", "1", *flags)
+    assert [i["stopped"] for i in infos] == [6, 6]
+    doc = part_manifest(ck / "ckpt-000000000006")
+    assert doc["format_version"] == 2
+    assert doc["sharding"] == {"world_size": 2, "parts": 1, "part": 0, "ranks": [0, 1]}
+    paths = {f["path"] for f in doc["files"]}
+    assert "dcp/.metadata" in paths and "ranks/00000/state.json" in paths and "ranks/00001/state.json" in paths
+    assert any(p.startswith("dcp/__1_") for p in paths)
+    assert (ck / "ckpt-000000000004" / "manifest.json").is_file()  # the interval save before
+    infos = torchrun(2, ck, out, *flags)
+    assert [i["start"] for i in infos] == [7, 7]
+    assert all(i["exact"] is True and i["resharded_from"] is None for i in infos)
+    assert_same_final(reference, out, 2)
+
+
+def test_request_seen_by_local_rank_0_only_stops_every_rank(reference: Path, tmp_path: Path) -> None:
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    infos = torchrun(2, ck, out, "--request-at", "5")
+    assert [i["stopped"] for i in infos] == [5, 5]
+    ack = json.loads((ck / ".control" / "checkpoint-ack.json").read_text())
+    assert ack == {"id": "req-1", "step": 5, "name": "ckpt-000000000005"}
+    assert part_manifest(ck / "ckpt-000000000005")["reason"] == "test"
+    infos = torchrun(2, ck, out)
+    assert [i["start"] for i in infos] == [6, 6]
+    assert_same_final(reference, out, 2)
+
+
+def test_two_rank_checkpoint_restored_on_four_ranks_is_resharded(tmp_path: Path) -> None:
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    torchrun(2, ck, out, "--steps", "6", "--save-every", "5")
+    infos = torchrun(4, ck, tmp_path / "out4", "--steps", "9", "--save-every", "100")
+    assert [i["start"] for i in infos] == [6] * 4
+    assert all(i["exact"] is False and i["resharded_from"] == 2 for i in infos)
+    import torch
+
+    finals = [torch.load(tmp_path / "out4" / f"final-{r}.pt", weights_only=False) for r in range(4)]
+    for f in finals[1:]:  # DDP keeps the replicas identical after resharding
+        for k in f["model"]:
+            assert torch.equal(f["model"][k], finals[0]["model"][k])
+
+
+def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    torchrun(2, ref / "ck", ref / "out", "--mode", "fsdp")
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    infos = torchrun(2, ck, out, "--mode", "fsdp", "--sigterm-at", "6", "--sigterm-rank", "0")
+    assert [i["stopped"] for i in infos] == [6, 6]
+    infos = torchrun(2, ck, out, "--mode", "fsdp")
+    assert [i["start"] for i in infos] == [7, 7]
+    assert_same_final(ref / "out", out, 2)
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))
