@@ -9,6 +9,14 @@ the ``latest`` pointer. Housekeeping (retention in storage, pruning local
 copies) is separate: the routine loop runs it after shipping, the
 emergency path never does. This shipper is the only one that deletes local
 checkpoints, and only those older than one it verified in storage.
+
+A part of a distributed checkpoint (one node's files) is shipped by
+uploading it and then trying the global commit. When other parts are not
+in storage yet the part is *awaiting* (:attr:`CheckpointShipper.awaiting`):
+not a failure, no backoff; each later round tries the global commit again
+(nothing is uploaded again), and the part counts as shipped only when the
+global manifest is in storage and the whole checkpoint verifies. An
+awaiting part is never pruned locally.
 """
 
 from __future__ import annotations
@@ -115,6 +123,10 @@ class CheckpointShipper:
         self.on_verified = on_verified
         self.shipped: dict[str, Shipped] = {}
         self.failed: dict[str, str] = {}
+        #: Parts of distributed checkpoints uploaded and verified, waiting for
+        #: the other parts: name -> what is missing.
+        self.awaiting: dict[str, str] = {}
+        self._awaiting_since: dict[str, tuple[float, int, float]] = {}
         self._lock = threading.Lock()
         self._failures: dict[str, int] = {}
         self._seen_saves: set[str] = set()
@@ -171,6 +183,7 @@ class CheckpointShipper:
         storage error: an unreachable store is not asked once per checkpoint.
         """
         from spotguard.checkpoint import MANIFEST_NAME, verify_checkpoint
+        from spotguard.checkpoint.manifest import part_manifest_path
         from spotguard.storage import NotFoundError
 
         with self._lock:
@@ -179,7 +192,12 @@ class CheckpointShipper:
                     continue
                 try:
                     local = (path / MANIFEST_NAME).read_bytes()
-                    stored = self.storage.read_bytes(f"{path.name}/{MANIFEST_NAME}")
+                    key = f"{path.name}/{MANIFEST_NAME}"
+                    index = _part_index(local)
+                    if index is not None:
+                        # A part: the same part manifest stored, and the checkpoint committed.
+                        key = f"{path.name}/{part_manifest_path(index)}"
+                    stored = self.storage.read_bytes(key)
                     same = stored == local and verify_checkpoint(self.storage, path.name, checksums=False).ok
                 except (NotFoundError, OSError):
                     continue
@@ -206,7 +224,18 @@ class CheckpointShipper:
         with self._lock:
             paths = {p.name: p for p in self.committed()}
             self._observe_saves(paths)
-            names = plan_shipping(list(paths), set(self.shipped), newest_only)
+            done: list[Shipped] = []
+            # Parts waiting for the other nodes' parts: try the global commit
+            # again (cheap: a listing and the part manifests), every round,
+            # also against a deadline.
+            for name in sorted(self.awaiting, key=step_of):
+                if upto_step is not None and step_of(name) > upto_step:
+                    continue
+                shipped = self._retry_commit(name)
+                if shipped is not None:
+                    done.append(shipped)
+            candidates = [n for n in paths if n not in self.awaiting]
+            names = plan_shipping(candidates, set(self.shipped), newest_only)
             if upto_step is not None:
                 names = [n for n in names if step_of(n) <= upto_step]
             if not newest_only:
@@ -214,7 +243,6 @@ class CheckpointShipper:
                 # (a missing bucket must not produce four errors a second).
                 now = time.monotonic()
                 names = [n for n in names if self._retry_at.get(n, 0.0) <= now]
-            done: list[Shipped] = []
             for name in names:
                 shipped = self._ship_one(paths[name])
                 if shipped is None:
@@ -269,7 +297,7 @@ class CheckpointShipper:
             self.metrics.set_interval(interval)
 
     def _ship_one(self, path: Path) -> Shipped | None:
-        from spotguard.checkpoint import update_latest_pointer, upload_checkpoint, verify_checkpoint
+        from spotguard.checkpoint import upload_checkpoint
 
         name = path.name
         t0 = time.monotonic()
@@ -291,6 +319,54 @@ class CheckpointShipper:
         nbytes = int(getattr(result, "bytes", 0))
         self.metrics.observe_upload(upload_seconds, nbytes)
         log_stage("upload", upload_seconds, name=name, bytes=nbytes)
+        if not getattr(result, "committed", True):
+            # A part, uploaded and verified; the other parts are not all there yet.
+            self._await(name, result.parts_present, result.parts_total, nbytes, upload_seconds)
+            return None
+        return self._verify_and_point(name, nbytes, upload_seconds)
+
+    def _await(self, name: str, present: int, total: int, nbytes: int, upload_seconds: float) -> None:
+        first = name not in self.awaiting
+        self.awaiting[name] = f"parts {present}/{total} in storage"
+        self.failed.pop(name, None)
+        self._failures.pop(name, None)
+        self._retry_at.pop(name, None)
+        if first:
+            self._awaiting_since[name] = (time.monotonic(), nbytes, upload_seconds)
+            log.info("stage=await name=%s parts=%d/%d: this part is stored and verified; waiting for the "
+                     "other parts before the global commit", name, present, total)  # fmt: skip
+
+    def _retry_commit(self, name: str) -> Shipped | None:
+        """One more try at the global commit of an awaiting part."""
+        from spotguard.checkpoint import commit_global
+
+        newest = self.last_shipped
+        if newest is not None and newest.step >= step_of(name):
+            # Superseded by a newer verified checkpoint: it would never be resumed from.
+            self.awaiting.pop(name, None)
+            self._awaiting_since.pop(name, None)
+            log.info("no longer waiting for the parts of %s: %s is verified", name, newest.name)
+            return None
+        try:
+            commit = commit_global(self.storage, name)
+        except Exception as exc:  # noqa: BLE001 - storage errors: the next round tries again
+            log.warning("global commit of %s: %s", name, _one_line(exc))
+            return None
+        if not commit.committed:
+            total = commit.total if commit.total is not None else "?"
+            self.awaiting[name] = f"parts {len(commit.present)}/{total} in storage" + (
+                f" ({commit.problem})" if commit.problem else "")  # fmt: skip
+            return None
+        log.info("stage=commit name=%s status=%s parts=%d", name, commit.status, commit.total or 0)
+        _, nbytes, upload_seconds = self._awaiting_since.get(name, (0.0, 0, 0.0))
+        shipped = self._verify_and_point(name, nbytes, upload_seconds)
+        if shipped is not None or name in self.failed:
+            self.awaiting.pop(name, None)
+            self._awaiting_since.pop(name, None)
+        return shipped
+
+    def _verify_and_point(self, name: str, nbytes: int, upload_seconds: float) -> Shipped | None:
+        from spotguard.checkpoint import update_latest_pointer, verify_checkpoint
 
         t1 = time.monotonic()
         try:
@@ -356,7 +432,8 @@ class CheckpointShipper:
             log_stage("retention", time.monotonic() - t0, deleted=",".join(deleted))
 
     def _prune_local(self) -> None:
-        names = [p.name for p in self.committed()]
+        # An awaiting part is never pruned: the other nodes' parts may still come.
+        names = [p.name for p in self.committed() if p.name not in self.awaiting]
         from spotguard.checkpoint import remove_checkpoint_dir
 
         for name in plan_local_prune(names, set(self.shipped), self.keep_local):
@@ -367,6 +444,17 @@ class CheckpointShipper:
                 continue
             self.metrics.deleted_local.labels(**self.metrics.labels).inc()
             log.info("pruned local %s (a newer checkpoint is verified in storage)", name)
+
+
+def _part_index(manifest_bytes: bytes) -> int | None:
+    """The part index of a part manifest's bytes, None for any other manifest."""
+    from spotguard.checkpoint.manifest import parse_manifest
+
+    try:
+        sharding = parse_manifest(manifest_bytes).sharding
+    except ValueError:
+        return None
+    return sharding.part if sharding is not None else None
 
 
 def _one_line(exc: BaseException) -> str:
