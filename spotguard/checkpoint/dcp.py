@@ -37,9 +37,13 @@ class UnsafeMetadataError(ValueError):
     describes something other than tensors)."""
 
 
+# Built (a plain data class), then refused by parse_metadata with a clear reason.
+_REFUSED_LATER = frozenset({("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")})
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in DCP_METADATA_GLOBALS:
+        if (module, name) in DCP_METADATA_GLOBALS or (module, name) in _REFUSED_LATER:
             return super().find_class(module, name)
         if module == "torch" and name.isidentifier() and not name.startswith("_"):
             import torch
@@ -99,11 +103,10 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file system reader, with metadata read by :func:`parse_metadata`
     (no arbitrary unpickling)."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+    def read_metadata(self, *args: Any) -> Any:  # no **kwargs: DCP then never falls back to rank-local files
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
+        path = self._get_metadata_path(None)
         with self.fs.create_stream(path, "rb") as f:
             metadata = parse_metadata(f.read())
         if getattr(metadata, "storage_meta", None) is None:
@@ -116,9 +119,12 @@ def load_full_state(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Every tensor of a DCP directory as one nested state dict, in this
     process (no process group; the whole state must fit in memory)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    # Like torch's dcp_to_torch_save: the planner builds the state from the metadata.
+    reader = SafeFileSystemReader(Path(dcp_dir))
+    reader.read_metadata()  # refused here, with its own error, before DCP wraps it
     state: dict[str, Any] = {}
-    load(state, storage_reader=SafeFileSystemReader(Path(dcp_dir)), planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
-         no_dist=True)  # fmt: skip
+    planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     return state
