@@ -87,9 +87,14 @@ def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
     cannot be determined statically. Raises :class:`UnsafePickleError` on a
     malformed pickle."""
     found: list[tuple[str, str]] = []
-    strings: list[str] = []  # recently pushed string constants
-    memo: dict[int, str] = {}
-    last_was_string = False
+    # What each value-producing opcode pushed, when it is a known string
+    # (None otherwise); STACK_GLOBAL takes the last two. The memo maps each
+    # index to the string stored there (None: something else), with an entry
+    # for every PUT and MEMOIZE as the unpickler's memo has, so a string
+    # fetched back with a GET is still known. Anything not followed exactly
+    # makes a STACK_GLOBAL unknown, which is refused.
+    pushed: list[str | None] = []
+    memo: dict[int, str | None] = {}
     try:
         ops = list(pickletools.genops(io.BytesIO(data) if isinstance(data, bytes) else data))
     except Exception as exc:
@@ -99,26 +104,24 @@ def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
         if name in ("GLOBAL", "INST"):
             module, _, attr = str(arg).partition(" ")
             found.append((module, attr))
+            pushed.append(None)
         elif name == "STACK_GLOBAL":
-            if len(strings) >= 2:
-                found.append((strings[-2], strings[-1]))
+            module_name = pushed[-2:] if len(pushed) >= 2 else [None, None]
+            if module_name[0] is not None and module_name[1] is not None:
+                found.append((module_name[0], module_name[1]))
             else:
                 found.append(("?", "?"))
+            pushed.append(None)
         elif name in _STRING_OPS:
-            strings.append(str(arg))
-            last_was_string = True
-            continue
-        elif name in ("BINPUT", "LONG_BINPUT", "PUT") and last_was_string:
-            memo[int(str(arg))] = strings[-1]
-            continue
-        elif name == "MEMOIZE" and last_was_string:
-            memo[len(memo)] = strings[-1]
-            continue
-        elif name in ("BINGET", "LONG_BINGET", "GET") and int(str(arg)) in memo:
-            strings.append(memo[int(str(arg))])
-            last_was_string = True
-            continue
-        last_was_string = False
+            pushed.append(str(arg))
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(str(arg))] = pushed[-1] if pushed else None
+        elif name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None  # as the unpickler numbers it
+        elif name in ("BINGET", "LONG_BINGET", "GET"):
+            pushed.append(memo.get(int(str(arg))))
+        else:
+            pushed.append(None)
     return found
 
 
