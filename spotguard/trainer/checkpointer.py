@@ -769,6 +769,12 @@ class Checkpointer:
 
             storage = self._open_storage()
             result = upload_checkpoint(path, storage, update_pointer=False)
+            if not result.committed:
+                # One node's part of a distributed checkpoint: the uploader of
+                # the last part to arrive writes the global manifest.
+                log.info("uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage", path.name,
+                         result.bytes, result.seconds, result.parts_present, result.parts_total)  # fmt: skip
+                return
             verdict = verify_checkpoint(storage, path.name)
             if not verdict.ok:
                 raise RuntimeError("verification failed: " + verdict.reason)

@@ -39,6 +39,7 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--sigterm-at", type=int, default=-1)
     parser.add_argument("--sigterm-rank", type=int, default=1)
     parser.add_argument("--request-at", type=int, default=-1)
+    parser.add_argument("--storage", default=None)
     args = parser.parse_args(argv)
 
     import random
@@ -69,7 +70,7 @@ def _worker(argv: list[str]) -> int:
     torch.manual_seed(300 + rank)
 
     ckpt = spotguard.Checkpointer(args.dir, save_every_steps=args.save_every, async_save=not args.sync,
-                                  handle_signals=True)  # fmt: skip
+                                  handle_signals=True, storage_uri=args.storage, upload=bool(args.storage))  # fmt: skip
     restored = ckpt.restore(model, optimizer, scheduler)
     start = restored.step + 1 if restored is not None else 0
     info: dict[str, Any] = {
@@ -121,19 +122,54 @@ def _worker(argv: list[str]) -> int:
 # -- the tests ---------------------------------------------------------------------
 
 
-def torchrun(nproc: int, ckdir: Path, out: Path, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
+def worker_env(s3_store: Any = None) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     for key in list(env):
         if key.startswith("SPOTGUARD_"):
             del env[key]
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", __file__, "--dir", str(ckdir),
-           "--out", str(out), *extra]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if s3_store is not None:
+        env.update(s3_store.env())
+    return env
+
+
+def collect(out: Path, nproc: int) -> list[dict[str, Any]]:
     infos = [json.loads((out / f"info-{r}.json").read_text()) for r in range(nproc)]
     for f in out.glob("info-*.json"):
         f.unlink()
     return infos
+
+
+def torchrun(nproc: int, ckdir: Path, out: Path, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", __file__, "--dir", str(ckdir),
+           "--out", str(out), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return collect(out, nproc)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def two_nodes(base: Path, out: Path, s3_store: Any, s3_uri: str, *extra: str,
+              timeout: float = 120) -> list[dict[str, Any]]:  # fmt: skip
+    """One rank on each of two "nodes" (two torchrun agents, each with its own checkpoint directory)."""
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+               f"--master-port={port}", __file__, "--dir", str(base / f"node{node}"), "--out", str(out),
+               "--storage", s3_uri, *extra]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=worker_env(s3_store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))  # fmt: skip
+    for proc in procs:
+        output, _ = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, output[-6000:]
+    return collect(out, 2)
 
 
 def assert_same_final(a: Path, b: Path, nproc: int) -> None:
@@ -226,6 +262,32 @@ def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
     infos = torchrun(2, ck, out, "--mode", "fsdp")
     assert [i["start"] for i in infos] == [7, 7]
     assert_same_final(ref / "out", out, 2)
+
+
+def test_two_nodes_write_their_parts_and_resume_through_storage(reference: Path, tmp_path: Path, s3_store: Any,
+                                                                s3_uri: str) -> None:  # fmt: skip
+    from ckpt_helpers import s3_options
+
+    from spotguard.checkpoint.remote import verify_checkpoint
+    from spotguard.storage import open_storage
+
+    out = tmp_path / "out"
+    infos = two_nodes(tmp_path, out, s3_store, s3_uri, "--sigterm-at", "6", "--sigterm-rank", "1")
+    assert [i["stopped"] for i in infos] == [6, 6]
+    for node in (0, 1):
+        doc = part_manifest(tmp_path / f"node{node}" / "ckpt-000000000006")
+        assert doc["sharding"] == {"world_size": 2, "parts": 2, "part": node, "ranks": [node]}
+        paths = {f["path"] for f in doc["files"]}
+        assert ("dcp/.metadata" in paths) == (node == 0)
+        assert all(p.startswith((f"dcp/__{node}_", f"ranks/{node:05d}/", "dcp/.metadata")) for p in paths), paths
+    verdict = verify_checkpoint(open_storage(s3_uri, **s3_options(s3_store)), "ckpt-000000000006")
+    assert verdict.ok, verdict.reason
+    assert verdict.manifest is not None and verdict.manifest.is_global
+    # The same nodes come back: their local parts alone cannot be loaded, the global checkpoint is fetched.
+    infos = two_nodes(tmp_path, out, s3_store, s3_uri)
+    assert [i["start"] for i in infos] == [7, 7]
+    assert all(i["exact"] is True for i in infos)
+    assert_same_final(reference, out, 2)
 
 
 if __name__ == "__main__":
