@@ -261,6 +261,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         m = result.manifest
         rows.append(
             {
+                "sharding": _sharding_row(result),
                 "name": name,
                 "step": int(name.split("-")[1]),
                 "created": m.created if m else None,
@@ -279,15 +280,43 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints at {storage.uri}")
         return EXIT_OK
-    print(f"{'STEP':>12}  {'CREATED':<20}  {'SIZE':>10}  {'METRICS':<24}  VERIFIED")
+    # The SHARDS column appears when a distributed checkpoint is listed.
+    sharded = any(r["sharding"] is not None for r in rows)
+    shards_head = f"{'SHARDS':<16}  " if sharded else ""
+    print(f"{'STEP':>12}  {'CREATED':<20}  {'SIZE':>10}  {shards_head}{'METRICS':<24}  VERIFIED")
     for r in rows:
         created = r["created"][:19].replace("T", " ") if r["created"] else "-"
         size = _human(r["size"]) if r["size"] is not None else "-"
         ok = "yes (sizes only)" if args.quick else "yes"
         verified = ok if r["verified"] else "no: " + "; ".join(r["problems"])
         mark = "*" if r["latest"] else " "
-        print(f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {_metrics_str(r['metrics']):<24}  {verified}")
+        shards = f"{_sharding_str(r['sharding']):<16}  " if sharded else ""
+        print(f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {shards}{_metrics_str(r['metrics']):<24}  {verified}")
     return EXIT_OK
+
+
+def _sharding_row(result: Any) -> dict[str, Any] | None:
+    """``ls --json``'s ``sharding``: None for a single-process checkpoint (or an
+    interrupted upload without parts); else world size (None when no global
+    manifest), parts and the parts present."""
+    m = result.manifest
+    if m is not None and m.sharding is not None:
+        return {"world_size": m.sharding.world_size, "parts": m.sharding.parts,
+                "parts_present": list(range(m.sharding.parts)), "complete": True}  # fmt: skip
+    if result.parts_total is not None or result.parts_present:
+        return {"world_size": None, "parts": result.parts_total, "parts_present": list(result.parts_present or []),
+                "complete": False}  # fmt: skip
+    return None
+
+
+def _sharding_str(sharding: dict[str, Any] | None) -> str:
+    """``4 ranks/2 parts`` for a committed distributed checkpoint, ``parts 1/2`` for one waiting for parts."""
+    if sharding is None:
+        return "-"
+    if sharding["complete"]:
+        return f"{sharding['world_size']} ranks/{sharding['parts']} parts"
+    total = sharding["parts"] if sharding["parts"] is not None else "?"
+    return f"parts {len(sharding['parts_present'])}/{total}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -304,7 +333,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = verify_checkpoint(storage, n, deep=args.deep)
         if result.ok and result.manifest is not None:
             m = result.manifest
-            print(f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm}, "
+            shards = (f", {m.sharding.world_size} ranks in {m.sharding.parts} parts"
+                      if m.sharding is not None else "")  # fmt: skip
+            print(f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm}{shards}, "
                   f"by {result.method or 'manifest'})")
         else:
             failed += 1
@@ -392,6 +423,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"keep    {name}  ({', '.join(reasons)})")
     for name in report.deleted:
         print(f"{verb:<7} {name}  (retention)")
+    for name in report.waiting:
+        print(f"keep    {name}  (distributed checkpoint waiting for its other parts)")
     for name in report.orphans:
         print(f"{verb:<7} {name}  (orphaned: no manifest)")
     for upload in report.aborted_uploads:
@@ -401,16 +434,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    """Average one state part over the last K verified checkpoints."""
+    """Average one state part over the last K verified checkpoints.
+
+    A single-process checkpoint holds the part as ``<part>.safetensors``; a
+    distributed one holds it in its DCP files (every part's), which are
+    fetched, checked and loaded whole in this process
+    (:func:`spotguard.checkpoint.dcp.load_full_state`); nested keys are
+    joined with ``.``.
+    """
     from spotguard.checkpoint.remote import list_checkpoint_names, verify_checkpoint
-    from spotguard.checkpoint.verify import check_one_file
 
     try:
         import torch
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
     except ImportError:
         raise UserError("averaging needs torch and safetensors: pip install 'spotguard[torch]'") from None
-    from spotguard.checkpoint.local import local_reader
 
     storage = _open(args.uri)
     part_file = f"{args.part}.safetensors"
@@ -420,7 +458,11 @@ def cmd_average(args: argparse.Namespace) -> int:
         if not result.ok or result.manifest is None:
             print(f"spotguard: skipped {name}: {result.reason}", file=sys.stderr)
             continue
-        if not any(f.path == part_file for f in result.manifest.files):
+        paths = {f.path for f in result.manifest.files}
+        if result.manifest.sharding is not None:
+            if _DCP_METADATA not in paths:
+                raise UserError(f"{name} is a distributed checkpoint without {_DCP_METADATA}")
+        elif part_file not in paths:
             raise UserError(f"{name} has no {part_file} (choose the state part with --part)")
         chosen.append(result.manifest)
         if len(chosen) == args.last:
@@ -431,19 +473,15 @@ def cmd_average(args: argparse.Namespace) -> int:
     newest: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="spotguard-avg-") as tmp:
         for manifest in chosen:
-            entry = next(f for f in manifest.files if f.path == part_file)
             local = Path(tmp) / manifest.name
-            bar = Progress(entry.size, f"fetching {manifest.name}/{part_file}", args.progress)
-            storage.download_files([(f"{manifest.name}/{part_file}", local / part_file)], bar)
-            if bar.done:
-                bar.close()
-            problem, _ = check_one_file(entry, manifest.checksum_algorithm, (local / part_file).stat().st_size,
-                                        local_reader(local))  # fmt: skip
-            if problem:
-                raise UserError(f"{manifest.name}/{problem}")
-            tensors = load_file(str(local / part_file))
+            if manifest.sharding is not None:
+                tensors = _sharded_part_tensors(storage, manifest, local, args.part, args.progress)
+                what = f"state part {args.part!r}"
+            else:
+                tensors = _part_file_tensors(storage, manifest, local, part_file, args.progress)
+                what = part_file
             if sums and set(tensors) != set(sums):
-                raise UserError(f"{manifest.name}/{part_file} holds different tensors than {chosen[0].name}")
+                raise UserError(f"{manifest.name}: {what} holds different tensors than {chosen[0].name}")
             for key, t in tensors.items():
                 if t.is_floating_point() or t.is_complex():
                     acc = t.to(torch.float64 if t.is_floating_point() else torch.complex128)
@@ -451,7 +489,6 @@ def cmd_average(args: argparse.Namespace) -> int:
                 else:
                     sums.setdefault(key, None)
                 newest.setdefault(key, t)  # chosen is newest first
-            (local / part_file).unlink()
     out: dict[str, Any] = {}
     for key, ref in newest.items():
         # Integer tensors (step counters, masks) are taken from the newest checkpoint.
@@ -462,5 +499,70 @@ def cmd_average(args: argparse.Namespace) -> int:
     save_file(out, str(tmp_out), metadata={"format": "pt", "spotguard_average_of": ",".join(m.name for m in chosen)})
     os.replace(tmp_out, target)
     steps = ", ".join(str(m.step) for m in chosen)
-    print(f"averaged {len(out)} tensors of {part_file} over steps {steps} into {target}")
+    what = part_file if chosen[0].sharding is None else f"state part {args.part!r}"
+    print(f"averaged {len(out)} tensors of {what} over steps {steps} into {target}")
     return EXIT_OK
+
+
+_DCP_DIR = "dcp"
+_DCP_METADATA = f"{_DCP_DIR}/.metadata"
+
+
+def _fetch_checked(storage: Any, manifest: Any, paths: list[str], local: Path, progress: bool | None) -> None:
+    """Download files of a verified checkpoint and check each against its manifest."""
+    from spotguard.checkpoint.local import local_reader
+    from spotguard.checkpoint.verify import check_one_file
+
+    entries = [f for f in manifest.files if f.path in set(paths)]
+    bar = Progress(sum(e.size for e in entries), f"fetching {manifest.name}", progress)
+    storage.download_files([(f"{manifest.name}/{e.path}", local / e.path) for e in entries], bar)
+    if bar.done:
+        bar.close()
+    for entry in entries:
+        problem, _ = check_one_file(entry, manifest.checksum_algorithm, (local / entry.path).stat().st_size,
+                                    local_reader(local))  # fmt: skip
+        if problem:
+            raise UserError(f"{manifest.name}/{problem}")
+
+
+def _part_file_tensors(
+    storage: Any, manifest: Any, local: Path, part_file: str, progress: bool | None
+) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    _fetch_checked(storage, manifest, [part_file], local, progress)
+    tensors = load_file(str(local / part_file))
+    (local / part_file).unlink()
+    return dict(tensors)
+
+
+def _sharded_part_tensors(storage: Any, manifest: Any, local: Path, part: str, progress: bool | None) -> dict[str, Any]:
+    """The tensors of state part ``part`` of a distributed checkpoint, whole, keys joined with ``.``."""
+    import shutil
+
+    import torch
+
+    from spotguard.checkpoint.dcp import load_full_state
+
+    dcp_files = [f.path for f in manifest.files if f.path.startswith(f"{_DCP_DIR}/")]
+    _fetch_checked(storage, manifest, dcp_files, local, progress)
+    try:
+        state = load_full_state(local / _DCP_DIR)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    if part not in state:
+        raise UserError(f"{manifest.name} has no state part {part!r} (it has {', '.join(sorted(state))}; "
+                        "choose it with --part)")  # fmt: skip
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value.detach().contiguous()
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+
+    walk("", state[part])
+    if not flat:
+        raise UserError(f"{manifest.name}: state part {part!r} holds no tensors")
+    return flat

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_helpers import s3_options
+from ckpt_helpers import s3_options, subprocess_env
 
 from spotguard.checkpoint import (
     MANIFEST_NAME,
@@ -350,3 +352,99 @@ def test_emergency_rounds_make_progress_on_awaiting_parts(tmp_path: Path, stores
     assert shipper.last_shipped is not None and shipper.last_shipped.step == 30
     assert shipper.awaiting == {} and failures(metrics) == 0
     assert read_latest_pointer(a) == 30
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "spotguard.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+
+
+def test_cli_ls_verify_gc_name_ranks_and_parts(
+    tmp_path: Path, stores: tuple[Storage, Storage], s3_store: Any, s3_uri: str
+) -> None:
+    a, b = stores
+    env = subprocess_env(s3_store)
+    upload_both(tmp_path, stores, 10)
+    upload_both(tmp_path, stores, 20)
+    upload_checkpoint(write_part(tmp_path / "node0", 30, 0), a)  # part 1 missing
+    key = f"{checkpoint_name(20)}/ranks/00003/state.json"
+    a.write_bytes(key, a.read_bytes(key).replace(b"3", b"9"))
+
+    proc = cli(env, "ckpt", "ls", s3_uri)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["STEP", "CREATED", "SIZE", "SHARDS", "METRICS", "VERIFIED"]
+    assert lines[1].split()[0] == "10" and "4 ranks/2 parts" in lines[1] and lines[1].rstrip().endswith("yes")
+    assert lines[2].split()[0] == "20*" and "4 ranks/2 parts" in lines[2] and "(part 1)" in lines[2] and "ranks/00003/state.json" in lines[2]
+    assert lines[3].split()[0] == "30" and "parts 1/2" in lines[3] and "missing part 1" in lines[3]
+    doc = json.loads(cli(env, "ckpt", "ls", s3_uri, "--json").stdout)
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert rows[10]["sharding"] == {"world_size": 4, "parts": 2, "parts_present": [0, 1], "complete": True}
+    assert rows[30]["sharding"] == {"world_size": None, "parts": 2, "parts_present": [0], "complete": False}
+
+    ok = cli(env, "ckpt", "verify", f"{s3_uri}/ckpt-10")
+    assert ok.returncode == 0 and "4 ranks in 2 parts" in ok.stdout, ok.stdout + ok.stderr
+    bad = cli(env, "ckpt", "verify", f"{s3_uri}/ckpt-20")
+    assert bad.returncode == 1
+    assert "ckpt-000000000020/ranks/00003/state.json: crc32c checksum mismatch" in bad.stdout
+    assert bad.stdout.rstrip().endswith("(part 1)")
+    waiting = cli(env, "ckpt", "verify", f"{s3_uri}/ckpt-30")
+    assert waiting.returncode == 1
+    assert "ckpt-000000000030/manifest.json: missing; parts present: 1 of 2 (part 0); missing part 1" in waiting.stdout
+
+    gc = cli(env, "ckpt", "gc", s3_uri, "--keep-last", "1", "--orphan-grace", "0")
+    assert gc.returncode == 0, gc.stderr
+    assert f"keep    {checkpoint_name(30)}  (distributed checkpoint waiting for its other parts)" in gc.stdout
+    assert list_checkpoint_names(a) == [checkpoint_name(10), checkpoint_name(20), checkpoint_name(30)]
+
+
+def write_dcp_part(root: Path, step: int, index: int, scale: float) -> Path:
+    """A real DCP checkpoint (no process group) split over two parts: part 0 holds
+    the DCP files and rank 0's state, part 1 rank 1's state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = root / checkpoint_name(step)
+    files: dict[str, bytes] = {f"ranks/{index:05d}/state.json": json.dumps({"rank": index}).encode()}
+    if index == 0:
+        out = root / f"dcp-{step}"
+        state = {"model": {"fc.weight": torch.full((3, 2), scale), "fc.bias": torch.arange(2.0) * scale,
+                           "steps": torch.tensor([step])},
+                 "optimizer": {"state": {"fc.weight": {"exp_avg": torch.ones(3, 2)}}}}  # fmt: skip
+        dcp.save(state, checkpoint_id=str(out), no_dist=True)
+        files.update({f"dcp/{p.name}": p.read_bytes() for p in out.iterdir()})
+    entries = []
+    for path, data in sorted(files.items()):
+        (ckpt / path).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / path).write_bytes(data)
+        entries.append(FileEntry(path, len(data), checksum_bytes(data, "crc32c")))
+    manifest = new_manifest(step, entries, "crc32c", sharding=Sharding(2, 2, index, (index,)))
+    (ckpt / MANIFEST_NAME).write_bytes(manifest.to_json())
+    return ckpt
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cli_average_of_sharded_checkpoints(
+    tmp_path: Path, stores: tuple[Storage, Storage], s3_store: Any, s3_uri: str
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    for step, scale in [(10, 1.0), (20, 3.0)]:
+        for index in (0, 1):
+            upload_checkpoint(write_dcp_part(tmp_path / f"node{index}", step, index, scale), stores[index])
+    assert verify_checkpoint(stores[0], checkpoint_name(20)).ok
+    env = subprocess_env(s3_store)
+    out = tmp_path / "avg.safetensors"
+    proc = cli(env, "ckpt", "average", s3_uri, "--last", "2", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "averaged 3 tensors of state part 'model' over steps 20, 10" in proc.stdout
+    avg = load_file(str(out))
+    assert torch.equal(avg["fc.weight"], torch.full((3, 2), 2.0))
+    assert torch.equal(avg["fc.bias"], torch.arange(2.0) * 2.0)
+    assert torch.equal(avg["steps"], torch.tensor([20]))  # integers from the newest
+    opt = cli(env, "ckpt", "average", s3_uri, "--last", "1", "--part", "optimizer", str(tmp_path / "o.safetensors"))
+    assert opt.returncode == 0, opt.stderr
+    assert set(load_file(str(tmp_path / "o.safetensors"))) == {"state.fc.weight.exp_avg"}
+    wrong = cli(env, "ckpt", "average", s3_uri, "--last", "1", "--part", "ema", str(tmp_path / "x.safetensors"))
+    assert wrong.returncode == 1 and "has no state part 'ema'" in wrong.stderr
