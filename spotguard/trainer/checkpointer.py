@@ -1002,9 +1002,12 @@ class Checkpointer:
         remote: str | None = None
         if d.rank == 0:
             try:
-                from spotguard.checkpoint.remote import latest_verified
+                from spotguard.checkpoint.remote import latest_verified, list_checkpoint_names
 
-                info, _ = latest_verified(self._open_storage())
+                storage = self._open_storage()
+                # Verify in storage only when it names something newer than the local choice.
+                newer = [n for n in list_checkpoint_names(storage) if (parse_checkpoint_name(n) or -1) > agreed]
+                info = latest_verified(storage)[0] if newer else None
                 if info is not None and info.step > agreed:
                     remote = info.name
             except Exception as exc:
