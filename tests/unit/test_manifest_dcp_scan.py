@@ -22,6 +22,8 @@ from spotguard.checkpoint.pickle_scan import (
 )
 from spotguard.checkpoint.verify import needs_content, verify_files
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
