@@ -18,6 +18,13 @@ A preemption request (SIGTERM, or ``checkpoint-request.json`` with
 ``"preempt": true`` in the control directory) makes the next save
 synchronous and deadline-aware; signal handlers only set flags, so a signal
 never interrupts a write.
+
+Under ``torch.distributed`` (a process group of more than one rank, or
+``distributed=True``) every rank builds the Checkpointer at the same point
+and calls ``should_save`` at every step and ``save``/``restore`` at the same
+steps: they are collective. Model and optimizer tensors go through
+``torch.distributed.checkpoint``, each node's local rank 0 commits the
+node's part; see :mod:`spotguard.trainer.distributed`.
 """
 
 from __future__ import annotations
@@ -177,6 +184,11 @@ class Checkpointer:
     the Checkpointer; with ``upload=True``, those older than one it
     verified in storage, keeping the newest ``keep_local``; without any
     storage, all but the newest ``keep_local`` (or as ``retention`` says).
+
+    ``distributed``: None (default) makes the Checkpointer collective when
+    ``torch.distributed`` is initialized with more than one rank; True forces
+    it (one rank included), False never. All ranks of a node must use the
+    same ``directory``.
     """
 
     def __init__(
@@ -261,7 +273,13 @@ class Checkpointer:
         if self._control_owner:
             clean_stale_tmp(self.directory, WRITER_TMP_PREFIX)
         if self._dist is not None:
-            self._dist.barrier()
+            # The ranks of a node share one directory (they build each checkpoint together).
+            seen = self._dist.gather((self._dist.info.node, str(self.directory.resolve())), persist=False)
+            for node in sorted({n for n, _ in seen}):  # every rank decides alike
+                paths = {path for n, path in seen if n == node}
+                if len(paths) > 1:
+                    raise ValueError(f"the ranks of node {node} must use one checkpoint directory, "
+                                     f"got {sorted(paths)}")  # fmt: skip
         self._load_previous_ack()
         self._announced = False
         self._exit_announced = False

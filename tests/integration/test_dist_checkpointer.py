@@ -251,6 +251,8 @@ def test_two_rank_checkpoint_restored_on_four_ranks_is_resharded(tmp_path: Path)
     for f in finals[1:]:  # DDP keeps the replicas identical after resharding
         for k in f["model"]:
             assert torch.equal(f["model"][k], finals[0]["model"][k])
+        # Ranks 2 and 3 did not exist: they took rank 0's scheduler.
+        assert f["lr"] == finals[0]["lr"]
 
 
 def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
