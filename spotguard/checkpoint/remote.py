@@ -332,6 +332,23 @@ def name_parts(storage: Storage, name: str, manifest: Manifest, problems: list[s
     return out
 
 
+def _check_against_parts(storage: Storage, name: str, manifest: Manifest) -> list[str]:
+    """A global manifest must be what its (verified) part manifests make: the
+    same files and sharding. Reads the part manifests (small)."""
+    parts, problems = read_parts(storage, name)
+    if problems:
+        return problems
+    try:
+        expected = build_global_manifest(parts.values())
+    except ManifestError as exc:
+        return [f"{PARTS_DIR}/: {exc}"]
+    if expected.sharding != manifest.sharding or set(expected.files) != set(manifest.files):
+        extra = sorted({f.path for f in manifest.files} - {f.path for f in expected.files})
+        return [f"{MANIFEST_NAME}: does not match the part manifests"
+                + (f" (lists {extra[0]!r}, which no part lists)" if extra else "")]  # fmt: skip
+    return []
+
+
 def verify_checkpoint(
     storage: Storage, name: str, *, checksums: bool = True, deep: bool = False, workers: int = 4
 ) -> VerifyResult:
@@ -394,6 +411,9 @@ def verify_checkpoint(
         )  # fmt: skip
     if manifest.sharding is not None:
         result.problems = name_parts(storage, name, manifest, result.problems)
+        if not result.problems:
+            result.problems = _check_against_parts(storage, name, manifest)
+            result.ok = not result.problems
         result.parts_total = manifest.sharding.parts
         result.parts_present = list(range(manifest.sharding.parts))
     log.info(

@@ -236,6 +236,22 @@ def test_a_corrupted_file_names_its_part(tmp_path: Path, stores: tuple[Storage, 
     assert any(p.startswith("parts/00000.json: size") and p.endswith("(manifest of part 0)") for p in problems)
 
 
+def test_a_global_manifest_that_is_not_its_parts_fails(tmp_path: Path, stores: tuple[Storage, Storage]) -> None:
+    a, _ = stores
+    upload_both(tmp_path, stores, 35)
+    name = checkpoint_name(35)
+    good = parse_manifest(a.read_bytes(f"{name}/{MANIFEST_NAME}"))
+    a.write_bytes(f"{name}/extra.json", b"x")
+    forged = new_manifest(35, [*good.files, FileEntry("extra.json", 1, checksum_bytes(b"x", "crc32c"))], "crc32c",
+                          sharding=good.sharding)  # fmt: skip
+    a.write_bytes(f"{name}/{MANIFEST_NAME}", forged.to_json())
+    result = verify_checkpoint(a, name)
+    assert not result.ok
+    assert result.problems == [
+        "manifest.json: does not match the part manifests (lists 'extra.json', which no part lists)"
+    ]
+
+
 def test_gc_keeps_parts_waiting_for_their_other_parts(tmp_path: Path, stores: tuple[Storage, Storage]) -> None:
     a, b = stores
     upload_checkpoint(write_part(tmp_path / "node0", 5, 0), a)  # never completed, older than the verified
@@ -375,7 +391,8 @@ def test_cli_ls_verify_gc_name_ranks_and_parts(
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["STEP", "CREATED", "SIZE", "SHARDS", "METRICS", "VERIFIED"]
     assert lines[1].split()[0] == "10" and "4 ranks/2 parts" in lines[1] and lines[1].rstrip().endswith("yes")
-    assert lines[2].split()[0] == "20*" and "4 ranks/2 parts" in lines[2] and "(part 1)" in lines[2] and "ranks/00003/state.json" in lines[2]
+    assert lines[2].split()[0] == "20*" and "4 ranks/2 parts" in lines[2] and "(part 1)" in lines[2]
+    assert "ranks/00003/state.json" in lines[2]
     assert lines[3].split()[0] == "30" and "parts 1/2" in lines[3] and "missing part 1" in lines[3]
     doc = json.loads(cli(env, "ckpt", "ls", s3_uri, "--json").stdout)
     rows = {r["step"]: r for r in doc["checkpoints"]}
