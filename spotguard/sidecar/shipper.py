@@ -199,6 +199,12 @@ class CheckpointShipper:
                         key = f"{path.name}/{part_manifest_path(index)}"
                     stored = self.storage.read_bytes(key)
                     same = stored == local and verify_checkpoint(self.storage, path.name, checksums=False).ok
+                    if index is not None and stored == local and not same and self.storage.stat(
+                        f"{path.name}/{MANIFEST_NAME}"
+                    ) is None:
+                        # This part is stored (after its files verified); the others are not all there.
+                        self._await(path.name, 1, 0, 0, 0.0)
+                        continue
                 except (NotFoundError, OSError):
                     continue
                 except Exception as exc:  # noqa: BLE001 - unreachable store: ship later
@@ -327,7 +333,7 @@ class CheckpointShipper:
 
     def _await(self, name: str, present: int, total: int, nbytes: int, upload_seconds: float) -> None:
         first = name not in self.awaiting
-        self.awaiting[name] = f"parts {present}/{total} in storage"
+        self.awaiting[name] = f"parts {present}/{total or '?'} in storage"
         self.failed.pop(name, None)
         self._failures.pop(name, None)
         self._retry_at.pop(name, None)

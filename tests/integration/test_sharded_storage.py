@@ -341,8 +341,16 @@ def test_shipper_awaits_the_other_parts_then_ships(tmp_path: Path, stores: tuple
     shipper.housekeeping()
     assert (node0 / checkpoint_name(20) / MANIFEST_NAME).is_file()
 
+    # A restarted uploader recognises the stored part as awaiting, without uploading it again.
+    restarted, restarted_metrics = shipper_for(node0, a)
+    restarted.adopt_existing()
+    assert checkpoint_name(20) in restarted.awaiting and checkpoint_name(10) in restarted.shipped
+
     # The other node's uploader stores its part (and commits: it finds both).
     assert upload_checkpoint(write_part(node1, 20, 1), b, update_pointer=False).committed
+    assert [s.name for s in restarted.ship(housekeeping=False)] == [checkpoint_name(20)]
+    again = a.stat(f"{checkpoint_name(20)}/dcp/__0_0.distcp")
+    assert again is not None and again.modified == puts.modified and failures(restarted_metrics) == 0
     done = shipper.ship()
     assert [s.name for s in done] == [checkpoint_name(20)]
     assert shipper.awaiting == {} and shipper.failed == {} and failures(metrics) == 0
