@@ -13,7 +13,9 @@ to a temporary directory (printed), never over docs/.
 
 Environment: BENCH_STATE_MB (default 512) sizes the training state of the
 stall/persist/upload/resume benchmarks; BENCH_SIGTERM_GB (default 0.25,1,2)
-the SIGTERM -> verified sizes; BENCH_OPERATOR_JOBS (default 200).
+the SIGTERM -> verified sizes; BENCH_OPERATOR_JOBS (default 200); BENCH_DIST_STATE_MB
+(default 256) and BENCH_DIST_SIGTERM_GB (default 0.5) the sharded state of the
+distributed stall and SIGTERM benchmarks.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import goodput  # noqa: E402
+from bench import dist, goodput  # noqa: E402
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -791,6 +793,9 @@ BENCHES: dict[str, Any] = {
     "sigterm": bench_sigterm,
     "operator": None,  # filled in below when the operator benchmark module is present
     "goodput": bench_goodput,
+    "flags": dist.bench_flags,
+    "dist-stall": dist.bench_dist_stall,
+    "dist-sigterm": dist.bench_dist_sigterm,
 }
 try:
     from bench import operator_bench
@@ -825,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[Section] = []
     with tempfile.TemporaryDirectory(prefix="spotguard-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
         work = Path(tmp)
-        needs_s3 = bool({"upload", "resume", "sigterm"} & set(chosen))  # the operator benchmark starts its own
+        # The operator benchmark starts its own store.
+        needs_s3 = bool({"upload", "resume", "sigterm", "dist-sigterm"} & set(chosen))
         needs_kube = "operator" in chosen
         with cluster.running(work / "services", kube=needs_kube, s3=needs_s3) as env:
             ctx = Ctx(work, env.s3, state_mb, rounds=args.rounds, plots=plots, profile=args.profile)
