@@ -40,6 +40,9 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--sigterm-rank", type=int, default=1)
     parser.add_argument("--request-at", type=int, default=-1)
     parser.add_argument("--storage", default=None)
+    parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while the save of this step runs")
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-delay", type=float, default=0.0)
     args = parser.parse_args(argv)
 
     import random
@@ -92,6 +95,10 @@ def _worker(argv: list[str]) -> int:
             from spotguard.sidecar.control import ControlChannel
 
             ControlChannel(ckpt.control_dir).request_checkpoint("test", time.time() + 60, True, "req-1")
+        if step == args.kill_at and rank == args.kill_rank:
+            import threading
+
+            threading.Timer(args.kill_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         if ckpt.should_save(step):
             ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler))
             info["stalls"].append(ckpt.last_stall_seconds)
@@ -289,6 +296,31 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(reference: Path,
     infos = two_nodes(tmp_path, out, s3_store, s3_uri)
     assert [i["start"] for i in infos] == [7, 7]
     assert all(i["exact"] is True for i in infos)
+    assert_same_final(reference, out, 2)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_during_a_save_never_leaves_a_checkpoint_that_does_not_load(reference: Path, tmp_path: Path,
+                                                                                   victim: int) -> None:  # fmt: skip
+    import random
+
+    from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint
+
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    delay = random.uniform(0.0, 0.08)
+    print(f"SIGKILL to rank {victim} {delay:.3f}s into the save of step 8")
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", __file__, "--dir", str(ck), "--out", str(out),
+           "--kill-at", "8", "--kill-rank", str(victim), "--kill-delay", f"{delay:.4f}"]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    committed = list_local_committed(ck)
+    for path in committed:
+        verdict = verify_local_checkpoint(path)
+        assert verdict.ok, verdict.reason
+    infos = torchrun(2, ck, out)
+    newest = int(committed[-1].name.split("-")[1]) + 1 if committed else 0
+    assert [i["start"] for i in infos] == [newest, newest]
+    assert not list(ck.glob(".tmp-*"))
     assert_same_final(reference, out, 2)
 
 
