@@ -187,8 +187,10 @@ class Checkpointer:
 
     ``distributed``: None (default) makes the Checkpointer collective when
     ``torch.distributed`` is initialized with more than one rank; True forces
-    it (one rank included), False never. All ranks of a node must use the
-    same ``directory``.
+    it (one rank included); False never (this process checkpoints alone,
+    e.g. rank 0 of a DDP job, with plain state dicts). All ranks of a node
+    must use the same ``directory``. A single process restores a
+    distributed checkpoint whole (``exact`` False when several ranks wrote it).
     """
 
     def __init__(
@@ -1053,12 +1055,23 @@ class Checkpointer:
         if not result.ok or result.manifest is None:
             log.warning("skipping local checkpoint %s: %s", path, result.reason)
             return None
+        m = result.manifest
+        if m.sharding is not None:
+            # Written under torch.distributed: loaded whole by this one process.
+            if not m.locally_complete:
+                log.warning("skipping local checkpoint %s: it holds only one node's part", path)
+                return None
+            try:
+                loaded: RestoredState = _distributed.load_sharded_whole(path, m)
+            except Exception as exc:
+                log.warning("skipping local checkpoint %s: %s", path, exc)
+                return None
+            return loaded
         try:
-            state = load_checkpoint_state(path, result.manifest)
+            state = load_checkpoint_state(path, m)
         except StateError as exc:
             log.warning("skipping local checkpoint %s: %s", path, exc)
             return None
-        m = result.manifest
         return RestoredState(state, step=m.step, name=m.name, path=str(path), epoch=m.epoch, metrics=m.metrics)
 
 

@@ -120,9 +120,9 @@ def wants_distributed(distributed: bool | None) -> bool:
 
 def active() -> bool:
     """Whether :func:`~spotguard.torch_state` should capture sharded state
-    dicts: a distributed Checkpointer exists, or a process group with more
-    than one rank is initialized."""
-    return _active > 0 or wants_distributed(None)
+    dicts: a distributed Checkpointer exists in this process (one built with
+    ``distributed=False``, e.g. by rank 0 alone, gets plain state dicts)."""
+    return _active > 0
 
 
 # -- the state tree: tensors for DCP, everything else for the codec -------------
@@ -377,6 +377,38 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
     if sharding.world_size != ctx.world_size:
         restored.exact, restored.resharded_from = False, sharding.world_size
     _warn_inexact(restored, ctx)
+    return restored
+
+
+def load_sharded_whole(path: Any, manifest: Any) -> Any:
+    """A distributed checkpoint loaded by one process without a process
+    group: every tensor whole (through the safe DCP reader), and rank 0's
+    own state (RNG, scheduler, extras, non-tensor leaves)."""
+    from pathlib import Path
+
+    from spotguard.checkpoint.codec import StateError
+    from spotguard.checkpoint.dcp import load_full_state
+    from spotguard.checkpoint.local import load_rank_state
+    from spotguard.trainer.state import RestoredState
+
+    path = Path(path)
+    rank_state = load_rank_state(path, manifest, rank_prefix(0))
+    listed = {f.path for f in manifest.files}
+    tensors = load_full_state(path / DCP_DIR) if f"{DCP_DIR}/{DCP_METADATA}" in listed else {}
+    state: dict[str, Any] = {}
+    for key, value in rank_state.items():
+        try:
+            state[key] = fill_tensors(value, tensors.get(key), (key,)) if key in DCP_KEYS else value
+        except KeyError as exc:
+            raise StateError(f"{path.name}: tensor {exc.args[0]!r} is missing from its DCP files") from None
+    restored = RestoredState(state, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch,
+                             metrics=manifest.metrics)  # fmt: skip
+    restored.sharded = True
+    world = manifest.sharding.world_size
+    if world != 1:
+        restored.exact, restored.resharded_from = False, world
+        log.warning("checkpoint %s was written by %d ranks, restored by one process: model and optimizer are "
+                    "whole, RNG states and data position are rank 0's", restored.name, world)  # fmt: skip
     return restored
 
 

@@ -260,6 +260,14 @@ def test_two_rank_checkpoint_restored_on_four_ranks_is_resharded(tmp_path: Path)
             assert torch.equal(f["model"][k], finals[0]["model"][k])
         # Ranks 2 and 3 did not exist: they took rank 0's scheduler.
         assert f["lr"] == finals[0]["lr"]
+    # One process (no process group) loads the same checkpoint whole.
+    import spotguard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    restored = spotguard.Checkpointer(ck).restore(model, optimizer, restore_rng=False)
+    assert restored is not None and restored.step == 5 and not restored.exact and restored.resharded_from == 2
+    assert len(optimizer.state_dict()["state"]) == 4
 
 
 def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:

@@ -166,3 +166,25 @@ def test_the_manifest_says_which_ranks_and_files(group: None, tmp_path: Path) ->
     assert doc["metrics"] == {"loss": 1.5} and doc["reason"] == "interval"
     assert [f["path"] for f in doc["files"]] == sorted(f["path"] for f in doc["files"])
     assert {f["path"] for f in doc["files"]} >= {"dcp/.metadata", "dcp/__0_0.distcp", "ranks/00000/state.json"}
+
+
+def test_one_process_restores_a_distributed_checkpoint_whole(tmp_path: Path) -> None:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model, opt, sched = make()
+        train(model, opt, sched, 3)
+        ckpt = spotguard.Checkpointer(tmp_path / "ck", distributed=True)
+        ckpt.save(3, spotguard.torch_state(model, opt, sched), blocking=True)
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+    model2, opt2, sched2 = make()
+    restored = spotguard.Checkpointer(tmp_path / "ck").restore(model2, opt2, sched2)
+    assert restored is not None and restored.step == 3 and restored.exact
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v)
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(opt2.state_dict()["state"][i][k], v)
+    assert sched2.state_dict() == sched.state_dict()
