@@ -1,0 +1,379 @@
+"""``spotguard run -- torchrun ...``: distributed training kept alive end to end.
+
+Real processes throughout: ``spotguard run`` supervises torchrun, whose
+workers run ``examples/train_ddp.py`` (DDP, gloo on CPU) or
+``dist_train.py`` (the same loop with FSDP2-sharded state); checkpoints go
+to the real SeaweedFS store. Each test compares the final digest (model,
+optimizer and every rank's RNG) with an uninterrupted run of the same
+command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_sidecar_helpers import PY, Proc, base_env, free_port, reaping, s3_storage, spotguard_argv
+
+from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_checkpoint
+from spotguard.checkpoint.remote import read_latest_pointer, read_manifest
+from spotguard.sidecar.supervisor import RUN_ID_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+SHARDED = Path(__file__).with_name("dist_train.py")
+
+STEPS = 60
+SAVE_EVERY = 10
+STEP_DELAY = "0.03"
+PREEMPTIONS = 3
+CRASH_TRIALS = int(os.environ.get("SPOTGUARD_TORCHRUN_CRASH_TRIALS", "30"))
+
+RESUMED_RE = re.compile(r"^resumed from step (\d+) exact=(True|False) resharded_from=(\S+)$")
+DIGEST_RE = re.compile(r"^final digest ([0-9a-f]{64})$")
+EMERGENCY_RE = re.compile(r"stage=emergency seconds=([0-9.]+) result=verified")
+
+pytestmark = pytest.mark.integration
+
+
+def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script), *args]
+
+
+def train_args(steps: int = STEPS, save_every: int = SAVE_EVERY, delay: str = STEP_DELAY) -> list[str]:
+    return ["--steps", str(steps), "--save-every", str(save_every), "--step-delay", delay, "--log-every", "1"]
+
+
+def run_argv(workdir: Path, storage: str, command: list[str], max_restarts: int = 3) -> list[str]:
+    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts",
+                          str(max_restarts), "--backoff", "0.1", "--", *command)
+
+
+def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
+    # One thread per rank (and no warning about it from torchrun).
+    return base_env({"OMP_NUM_THREADS": "1", **(extra or {})})
+
+
+def digest_of(proc: Proc) -> str:
+    m = DIGEST_RE.match(proc.wait_for_line(lambda ln: bool(DIGEST_RE.match(ln))))
+    assert m is not None
+    return m.group(1)
+
+
+def start_line(proc: Proc, nth: int = 1) -> tuple[int, int | None, bool | None, str | None]:
+    """The ``nth`` start line of the trainer: (its index in the output, step,
+    exact, resharded_from); step and the rest are None for a fresh start."""
+    seen = 0
+    index = -1
+
+    def match(line: str) -> bool:
+        nonlocal seen, index
+        index += 1
+        if line == "starting from scratch" or RESUMED_RE.match(line):
+            seen += 1
+            return seen == nth
+        return False
+
+    line = proc.wait_for_line(match)
+    m = RESUMED_RE.match(line)
+    if m is None:
+        return index, None, None, None
+    return index, int(m.group(1)), m.group(2) == "True", m.group(3)
+
+
+def resumed(proc: Proc, nth: int = 1) -> tuple[int | None, bool | None, str | None]:
+    """The ``nth`` start line of the trainer: (step, exact, resharded_from), or Nones for a fresh start."""
+    return start_line(proc, nth)[1:]
+
+
+def wait_for_step_after(proc: Proc, index: int, step: int) -> None:
+    """Wait for a ``step N`` line with N >= ``step`` after output line ``index``."""
+    seen = -1
+
+    def match(line: str) -> bool:
+        nonlocal seen
+        seen += 1
+        return seen > index and line.startswith("step ") and int(line.split()[1]) >= step
+
+    proc.wait_for_line(match)
+
+
+def stopped_step(proc: Proc) -> int:
+    return int(proc.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+
+
+def emergency_seconds(proc: Proc) -> float:
+    m = EMERGENCY_RE.search(proc.wait_for_line(lambda ln: bool(EMERGENCY_RE.search(ln))))
+    assert m is not None
+    return float(m.group(1))
+
+
+def worker_pids(run_id: str) -> dict[int, int]:
+    """Global rank -> pid of the torchrun workers of one ``spotguard run``."""
+    found: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        if env.get(RUN_ID_ENV.encode()) == run_id.encode() and b"LOCAL_RANK" in env and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(entry)
+    return found
+
+
+def run_id_of(workdir: Path) -> str:
+    import json
+
+    return str(json.loads((workdir / "child.json").read_text(encoding="utf-8"))["run_id"])
+
+
+def check_store(storage: Any, world_size: int) -> int | None:
+    """Storage invariants at any instant; returns the newest verified step.
+
+    A prefix with a global manifest verifies (every file of every part) and
+    covers every rank; a prefix without one never verifies; the pointer
+    names a verified checkpoint.
+    """
+    newest: int | None = None
+    for name in list_checkpoint_names(storage):
+        keys = {o.key[len(name) + 1:] for o in storage.list_objects(f"{name}/")}
+        verdict = verify_checkpoint(storage, name)
+        if "manifest.json" not in keys:
+            assert not verdict.ok, f"{name} verifies without a global manifest: {sorted(keys)}"
+            continue
+        assert verdict.ok, f"{name} has a global manifest but does not verify: {verdict.reason}"
+        manifest = read_manifest(storage, name)
+        assert manifest.sharding is not None and manifest.sharding.part is None, name
+        assert manifest.sharding.ranks == tuple(range(manifest.sharding.world_size)), name
+        assert manifest.sharding.world_size == world_size, name
+        listed = {f.path for f in manifest.files}
+        assert {f"parts/{i:05d}.json" for i in range(manifest.sharding.parts)} <= listed, name
+        newest = manifest.step if newest is None else max(newest, manifest.step)
+    pointer = read_latest_pointer(storage)
+    if pointer is not None:
+        assert verify_checkpoint(storage, f"ckpt-{pointer:012d}").ok, f"latest -> {pointer} does not verify"
+    return newest
+
+
+class References:
+    """Digests of uninterrupted runs (plain torchrun, no supervisor), computed once each."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[tuple[str, int, int, int], str] = {}
+
+    def get(self, script: Path, nproc: int, steps: int = STEPS, save_every: int = SAVE_EVERY) -> str:
+        key = (script.stem, nproc, steps, save_every)
+        if key not in self.cache:
+            d = self.root / "-".join(map(str, key))
+            d.mkdir(parents=True)
+            with reaping() as procs:
+                proc = Proc(torchrun(nproc, script, *train_args(steps, save_every, "0")),
+                            env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt")}), d / "train.log")
+                procs.append(proc)
+                assert proc.wait(300) == 0, proc.tail()
+                self.cache[key] = digest_of(proc)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> References:
+    return References(tmp_path_factory.mktemp("references"))
+
+
+@contextlib.contextmanager
+def measured(name: str) -> Iterator[list[float]]:
+    """Collects SIGTERM -> globally verified seconds and prints them (``-s``) at the end."""
+    seconds: list[float] = []
+    yield seconds
+    if seconds:
+        print(f"\n{name}: SIGTERM -> globally verified seconds: "
+              + " ".join(f"{s:.2f}" for s in seconds), flush=True)
+
+
+@pytest.mark.parametrize(("script", "nproc", "machine_dies"),
+                         [(EXAMPLE, 2, True), (EXAMPLE, 4, False), (SHARDED, 2, False)],
+                         ids=["ddp-2", "ddp-4", "fsdp2-2"])
+def test_preempted_torchrun_resumes_bit_identical(s3_store: Any, s3_uri: str, tmp_path: Path,
+                                                  references: References, script: Path, nproc: int,
+                                                  machine_dies: bool) -> None:
+    """SIGTERM at random steps, three times; with ``machine_dies`` then also a
+    SIGKILL of the supervisor and torchrun at once (their workers, in sessions
+    of their own, live on until the next start kills them by run id)."""
+    reference = references.get(script, nproc)
+    seed = int.from_bytes(os.urandom(4), "big")
+    rng = random.Random(seed)
+    storage = s3_storage(s3_store, s3_uri)
+    workdir = tmp_path / "work"
+    argv = run_argv(workdir, s3_uri, torchrun(nproc, script, *train_args()))
+    env = env_for(s3_store.env())
+    stopped: int | None = None
+    with reaping() as procs, measured(f"{script.stem} x{nproc}") as seconds:
+        for i in range(PREEMPTIONS):
+            proc = Proc(argv, env, tmp_path / f"run{i}.log")
+            procs.append(proc)
+            step, exact, _ = resumed(proc)
+            assert step == stopped, f"seed {seed}: resumed from {step}, stopped at {stopped}"
+            assert exact in (None, True)
+            proc.wait_for_step((step if step is not None else -1) + rng.randint(2, 12))
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(120) == 128 + signal.SIGTERM, proc.tail()
+            stopped = stopped_step(proc)
+            seconds.append(emergency_seconds(proc))
+            info, _ = latest_verified(storage)
+            assert info is not None and info.step == stopped, (seed, info, stopped)
+            assert check_store(storage, nproc) == stopped
+        assert stopped is not None
+        if machine_dies:
+            proc = Proc(argv, env, tmp_path / "killed.log")
+            procs.append(proc)
+            assert resumed(proc)[0] == stopped
+            proc.wait_for_step(stopped + rng.randint(2, 8))
+            run_id = run_id_of(workdir)
+            started = re.search(r"started attempt \d+: pid (\d+)", proc.text())
+            assert started is not None and worker_pids(run_id)
+            os.kill(proc.popen.pid, signal.SIGKILL)
+            os.kill(int(started.group(1)), signal.SIGKILL)
+            proc.wait()
+            stopped = check_store(storage, nproc)
+            assert stopped is not None
+        final = Proc(argv, env, tmp_path / "final.log")
+        procs.append(final)
+        step, exact, _ = resumed(final)
+        # The newest verified checkpoint, or a newer complete local one.
+        assert step is not None and step >= stopped and exact, (seed, step, stopped)
+        if machine_dies:
+            assert not worker_pids(run_id), "the dead run's workers live on"
+        assert final.wait(180) == 0, final.tail()
+        assert digest_of(final) == reference, f"seed {seed}"
+
+
+def test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    storage = s3_storage(s3_store, s3_uri)
+    env = env_for(s3_store.env())
+    with reaping() as procs:
+        first = Proc(run_argv(tmp_path / "work", s3_uri, torchrun(2, EXAMPLE, *train_args(30))), env,
+                     tmp_path / "two.log")
+        procs.append(first)
+        first.wait_for_step(random.randint(5, 15))
+        first.signal(signal.SIGTERM)
+        assert first.wait(120) == 128 + signal.SIGTERM, first.tail()
+        stopped = stopped_step(first)
+        second = Proc(run_argv(tmp_path / "work", s3_uri, torchrun(4, EXAMPLE, *train_args(30))), env,
+                      tmp_path / "four.log")
+        procs.append(second)
+        assert resumed(second) == (stopped, False, "2")
+        assert second.wait(180) == 0, second.tail()
+        assert "finished 30 steps" in second.text()
+    info, _ = latest_verified(storage)
+    assert info is not None and info.step == 29
+    manifest = read_manifest(storage, info.name)
+    assert manifest.sharding is not None and manifest.sharding.world_size == 4
+
+
+@pytest.mark.timeout(1500)  # about 8 s per trial on 2 idle cores; far more on a loaded machine
+def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
+        s3_store: Any, s3_uri: str, tmp_path: Path, references: References) -> None:
+    """Save every step; in each trial one worker is SIGKILLed at a random instant.
+
+    Saving and uploading take most of each step, so the kill lands in a
+    collective save or while its upload runs. Each kill ends the group;
+    ``spotguard run`` kills what is left of it and restarts it from the
+    newest verified (or a newer complete local) checkpoint. After each
+    trial: nothing of the killed group runs, storage holds no verified
+    checkpoint with a missing or bad part, and the next start resumes from
+    a loadable checkpoint at least as new as the newest verified one. The
+    run ends exactly where an uninterrupted run ends.
+    """
+    steps = 200
+    reference = references.get(EXAMPLE, 2, steps)
+    seed = int.from_bytes(os.urandom(4), "big")
+    rng = random.Random(seed)
+    storage = s3_storage(s3_store, s3_uri)
+    workdir = tmp_path / "work"
+    command = torchrun(2, EXAMPLE, *train_args(steps, 1, "0.01"))
+    argv = run_argv(workdir, s3_uri, command, max_restarts=CRASH_TRIALS + 5)
+    argv[argv.index("--backoff") + 1:argv.index("--backoff") + 2] = ["0.1", "--backoff-max", "0.5"]
+    with reaping() as procs:
+        proc = Proc(argv, env_for(s3_store.env()), tmp_path / "run.log")
+        procs.append(proc)
+        trials = 0
+        verified: int | None = None
+        while trials < CRASH_TRIALS:
+            index, step, exact, _ = start_line(proc, trials + 1)
+            if verified is not None:
+                assert step is not None and step >= verified and exact, (seed, trials, step, verified)
+            assert step is None or step < steps - 10, f"seed {seed}: the run got too far for {CRASH_TRIALS} trials"
+            wait_for_step_after(proc, index, (step if step is not None else -1) + 2)
+            time.sleep(rng.uniform(0.0, 0.25))
+            run_id = run_id_of(workdir)
+            pids = worker_pids(run_id)
+            assert sorted(pids) == [0, 1], pids
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[rng.choice([0, 1])], signal.SIGKILL)
+            trials += 1
+            proc.wait_for_line(lambda ln, n=trials: "command failed" in ln and f"restart {n}/" in ln)
+            assert not set(pids.values()) & set(worker_pids(run_id).values()), "the killed group lives on"
+            verified = check_store(storage, 2)
+        assert proc.wait(300) == 0, proc.tail()
+        assert digest_of(proc) == reference, f"seed {seed}"
+    assert check_store(storage, 2) == steps - 1
+
+
+def test_two_nodes_race_to_commit_the_global_manifest(s3_store: Any, s3_uri: str, tmp_path: Path,
+                                                      references: References) -> None:
+    """Two supervisors ("nodes", one rank each) share one storage root; SIGTERM reaches one.
+
+    Both ranks save the same step; each supervisor uploads its part; one
+    global manifest write wins, the pointer moves once; both resume and end
+    exactly where a single-node 2-rank run ends.
+    """
+    reference = references.get(EXAMPLE, 2)
+    storage = s3_storage(s3_store, s3_uri)
+    env = env_for(s3_store.env())
+
+    def node_argv(node: int, port: int) -> list[str]:
+        command = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   str(EXAMPLE), *train_args()]
+        return run_argv(tmp_path / f"node{node}", s3_uri, command)
+
+    with reaping() as procs:
+        port = free_port()
+        nodes = [Proc(node_argv(i, port), env, tmp_path / f"node{i}-1.log") for i in (0, 1)]
+        procs.extend(nodes)
+        nodes[0].wait_for_step(random.randint(12, 25))
+        nodes[0].signal(signal.SIGTERM)
+        assert nodes[0].wait(120) == 128 + signal.SIGTERM, nodes[0].tail()
+        assert nodes[1].wait(120) == 128 + signal.SIGTERM, nodes[1].tail()
+        stopped = stopped_step(nodes[0])
+        info, _ = latest_verified(storage)
+        assert info is not None and info.step == stopped
+        manifest = read_manifest(storage, info.name)
+        assert manifest.sharding is not None and manifest.sharding.parts == 2
+        assert check_store(storage, 2) == stopped
+        # One global manifest write won (the other uploader found it there);
+        # each supervisor verified the step and asked to move the pointer; it moved once.
+        writes = [ln for n in nodes for ln in n.lines if f"{info.name}: all" in ln and "global manifest written" in ln]
+        assert len(writes) == 1, writes
+        moves = [ln for n in nodes for ln in n.lines if "stage=pointer" in ln and f"name={info.name}" in ln]
+        assert sum("moved=True" in ln for ln in moves) == 1, moves
+
+        port = free_port()
+        again = [Proc(node_argv(i, port), env, tmp_path / f"node{i}-2.log") for i in (0, 1)]
+        procs.extend(again)
+        assert resumed(again[0])[:2] == (stopped, True)
+        for proc in again:
+            assert proc.wait(180) == 0, proc.tail()
+        assert digest_of(again[0]) == reference
