@@ -268,7 +268,10 @@ def _register_run(subparsers: Any) -> None:
                    default=_env("SPOTGUARD_GRACE_SECONDS", "30.0"),
                    help="time allowed for the emergency checkpoint after SIGTERM (default 30)")
     p.add_argument("--backoff", type=float, default=1.0,
-                   help="seconds before the first restart, doubling each time (default 1)")
+                   help="seconds before the first restart, doubling with each failure that made "
+                   "no progress (default 1)")
+    p.add_argument("--backoff-max", type=float, default=60.0,
+                   help="longest wait before a restart (default 60)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
@@ -316,6 +319,7 @@ def _run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         grace_seconds=args.grace_seconds,
         backoff_seconds=args.backoff,
+        backoff_max_seconds=args.backoff_max,
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
         job=args.job,

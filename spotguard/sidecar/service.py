@@ -319,7 +319,7 @@ class CheckpointAgent:
             attempt += 1
             pause = min(retry_delay(attempt, EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX), deadline - now)
             log.warning("stage=retry attempt=%d in=%.2fs want_step=%s reason=%s", attempt, pause, want,
-                        "; ".join(self.shipper.failed.values()) or "not committed yet")
+                        self._why_not_verified() or "not committed yet")
             time.sleep(max(0.0, pause))
         log_stage("ship", time.monotonic() - t1, attempts=attempt + 1)
         last = self.shipper.last_shipped
@@ -351,9 +351,14 @@ class CheckpointAgent:
             pause = min(retry_delay(attempt), deadline - time.time())
             if pause <= 0:
                 log.error("the newest checkpoint could not be verified in storage: %s",
-                          "; ".join(self.shipper.failed.values()) or "unknown reason")
+                          self._why_not_verified() or "unknown reason")
                 return False
             time.sleep(pause)
+
+    def _why_not_verified(self) -> str:
+        """Failures, and parts stored but waiting for other nodes' parts, in one line."""
+        return "; ".join([*self.shipper.failed.values(),
+                          *(f"{name}: awaiting {what}" for name, what in self.shipper.awaiting.items())])
 
     def run_end(self, signal_source: str | None, trainer_gone_before_signal: bool) -> RunEnd:
         """How the run ended, from what the trainer left behind (see :func:`decide_run_end`)."""

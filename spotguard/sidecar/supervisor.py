@@ -412,9 +412,14 @@ class Supervisor:
                 watcher.start()
                 log.info("polling notices: %s", ",".join(s.name for s in self.config.notice_sources))
             restarts = 0
+            # Restarts since the last one after which training made progress:
+            # the backoff doubles only while the command keeps failing
+            # without a newer checkpoint verified in between.
+            streak = 0
             while True:
                 if self.latch.event.is_set():
                     return self._preempted()
+                verified_before = self._verified_step()
                 self.attempt += 1
                 ControlChannel(self.config.control_dir).clear()
                 self._forwarded = False
@@ -435,7 +440,8 @@ class Supervisor:
                     log.error("command failed (%s); restart budget of %d spent", reason,
                               self.config.max_restarts)
                     return rc if rc > 0 else 128 - rc
-                delay = backoff_delay(restarts, self.config.backoff_seconds,
+                streak = 1 if self._verified_step() > verified_before else streak + 1
+                delay = backoff_delay(streak, self.config.backoff_seconds,
                                       self.config.backoff_max_seconds)
                 self.metrics.restart("crash")
                 log.warning("command failed (%s); restart %d/%d in %.1fs", reason, restarts,
@@ -486,6 +492,10 @@ class Supervisor:
         log.info("preempted: newest verified checkpoint %s; run the same command to resume",
                  self._last_name())
         return 128 + int(signum)
+
+    def _verified_step(self) -> int:
+        last = self.agent.shipper.last_shipped
+        return last.step if last is not None else -1
 
     def _last_name(self) -> str:
         last = self.agent.shipper.last_shipped
