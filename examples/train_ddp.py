@@ -112,10 +112,17 @@ def build_model(hidden: int, seed: int) -> nn.Module:
 def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     """Data parallelism: DDP (every rank holds the whole model and optimizer).
 
+    ``find_unused_parameters=True`` keeps DDP's gradient buckets as they are
+    built here. By default DDP re-buckets after the first step of every
+    (re)start; with more than two ranks another bucket layout sums the
+    gradients in another order, and a resumed run would drift from an
+    uninterrupted one in the last bits.
+
     A sharded wrapper (FSDP2's ``fully_shard``) works the same way with
     spotguard: torch_state/restore go through torch.distributed.checkpoint.
     """
-    return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=True)
 
 
 def local_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
