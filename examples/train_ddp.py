@@ -116,7 +116,8 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     built here. By default DDP re-buckets after the first step of every
     (re)start; with more than two ranks another bucket layout sums the
     gradients in another order, and a resumed run would drift from an
-    uninterrupted one in the last bits.
+    uninterrupted one in the last bits. (Torch then warns once per rank that
+    no parameter was unused: expected.)
 
     A sharded wrapper (FSDP2's ``fully_shard``) works the same way with
     spotguard: torch_state/restore go through torch.distributed.checkpoint.
