@@ -67,7 +67,7 @@ def run_flags(args: argparse.Namespace) -> dict[str, Any]:
     x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
     work = Path(args.work) / f"flags-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
     ckpt = spotguard.Checkpointer(work, save_every_steps=10**9, keep_local=1)
-    if not (getattr(ckpt, "distributed", False) or getattr(ckpt, "_dist", None) is not None):
+    if not ckpt.distributed:
         raise SystemExit("the Checkpointer did not go distributed under torchrun")
 
     def train_step() -> None:
@@ -118,7 +118,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work)
     rank = dist.get_rank()
     ckpt = spotguard.Checkpointer(work / "spotguard", async_save=True, keep_local=1)
-    if not (getattr(ckpt, "distributed", False) or getattr(ckpt, "_dist", None) is not None):
+    if not ckpt.distributed:
         raise SystemExit("the Checkpointer did not go distributed under torchrun")
     ckpt.save(0, spotguard.torch_state(model, opt))  # warm-up: allocates the reusable host buffers
     ckpt.wait()

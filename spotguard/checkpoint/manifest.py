@@ -32,6 +32,7 @@ NAME_PREFIX = "ckpt-"
 _NAME_RE = re.compile(r"^ckpt-(\d{12})$")
 _HEX_LEN = {"crc32c": 8, "sha256": 64}
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
+_SAVE_ID_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 MAX_STEP = 10**12 - 1
 
 
@@ -108,17 +109,25 @@ class Sharding:
     ``world_size`` ranks wrote it, grouped into ``parts`` parts (one per
     node); ``part`` is this manifest's part index (None for the global
     manifest, which covers every part) and ``ranks`` the global ranks it
-    covers, sorted.
+    covers, sorted. ``save_id`` names the collective save that wrote the
+    part (drawn once per save and the same on every rank): parts of two
+    saves of one step (two attempts that reached it, which nondeterministic
+    kernels make differ) never make one checkpoint.
     """
 
     world_size: int
     parts: int
     part: int | None
     ranks: tuple[int, ...]
+    save_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``sharding`` object of the manifest."""
-        return {"world_size": self.world_size, "parts": self.parts, "part": self.part, "ranks": list(self.ranks)}
+        doc: dict[str, Any] = {"world_size": self.world_size, "parts": self.parts, "part": self.part,
+                               "ranks": list(self.ranks)}  # fmt: skip
+        if self.save_id is not None:
+            doc["save_id"] = self.save_id
+        return doc
 
 
 @dataclass(frozen=True)
@@ -416,7 +425,10 @@ def _parse_sharding(value: Any, version: int) -> Sharding | None:
     if (part is None or parts == 1) and ranks != tuple(range(world_size)):
         what = "the global manifest" if part is None else "the only part"
         raise ManifestError(f"sharding: {what} must cover ranks 0..{world_size - 1}, got {list(ranks)}")
-    return Sharding(world_size=world_size, parts=parts, part=part, ranks=ranks)
+    save_id = value.get("save_id")
+    if save_id is not None and (not isinstance(save_id, str) or not _SAVE_ID_RE.match(save_id)):
+        raise ManifestError(f"sharding: save_id {save_id!r} is not 1-64 letters, digits or dashes")
+    return Sharding(world_size=world_size, parts=parts, part=part, ranks=ranks, save_id=save_id)
 
 
 def _check_sharded_files(sharding: Sharding, paths: set[str]) -> None:
@@ -486,6 +498,10 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
                                 f"but part {min(by_index)} has {world_size}")  # fmt: skip
         if m.sharding.parts != count:
             raise ManifestError(f"part {index}: {m.sharding.parts} parts, but part {min(by_index)} says {count}")
+        if m.sharding.save_id != first.sharding.save_id:
+            raise ManifestError(f"part {index} is from another save of step {m.step} (save {m.sharding.save_id}, "
+                                f"part {min(by_index)}'s is {first.sharding.save_id}); waiting for its node "
+                                "to ship this save's part")  # fmt: skip
         if m.checksum_algorithm != first.checksum_algorithm:
             raise ManifestError(f"part {index}: checksum algorithm {m.checksum_algorithm}, "
                                 f"but part {min(by_index)} uses {first.checksum_algorithm}")  # fmt: skip
@@ -523,7 +539,8 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
         step=head.step, files=tuple(files), checksum_algorithm=algorithm, created=created, writer=head.writer,
         epoch=head.epoch, metrics=dict(head.metrics), job=head.job, attempt=head.attempt, reason=head.reason,
         request_id=head.request_id, timing=head.timing, format_version=FORMAT_VERSION_SHARDED,
-        sharding=Sharding(world_size=world_size, parts=count, part=None, ranks=tuple(range(world_size))),
+        sharding=Sharding(world_size=world_size, parts=count, part=None, ranks=tuple(range(world_size)),
+                          save_id=first.sharding.save_id),
     )  # fmt: skip
     return parse_manifest(manifest.to_json())
 

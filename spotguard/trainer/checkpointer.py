@@ -414,6 +414,12 @@ class Checkpointer:
 
     # -- the training-loop API ---------------------------------------------------
     @property
+    def distributed(self) -> bool:
+        """Whether this Checkpointer is collective (torch.distributed): every
+        rank must call should_save, save and restore at the same steps."""
+        return self._dist is not None
+
+    @property
     def preempted(self) -> bool:
         """True once a preempting request's checkpoint is committed (or could
         not be before its deadline): the training loop should stop."""
@@ -681,7 +687,7 @@ class Checkpointer:
                         reason=_reason(job.requests) if job.requests or not job.preempt else "sigterm",
                         request_id=next((r.id for r in reversed(job.requests)), None), timing=timing,
                         sharding=Sharding(world_size=d.world_size, parts=d.parts, part=d.info.node,
-                                          ranks=d.node_ranks),
+                                          ranks=d.node_ranks, save_id=f"{job.token:013x}"),
                         entries=node_entries, check_deadline=False,
                     )  # fmt: skip
                     committed_here = True

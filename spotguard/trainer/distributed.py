@@ -285,10 +285,12 @@ class DistContext:
     def start_save(self, busy: bool, failed: bool) -> tuple[bool, bool, int]:
         """Before a save: whether any rank still writes the previous one or
         could not snapshot, and a token (from rank 0) naming the temporary
-        directory every rank of a node shares."""
+        directory every rank of a node shares and naming the save in the
+        part manifests (``Sharding.save_id``)."""
         import torch
 
-        token = secrets.randbelow(1 << 31) + 1 if self.rank == 0 else 0
+        # Below 2**53: exact through the float64 all_reduce.
+        token = secrets.randbelow(1 << 52) + 1 if self.rank == 0 else 0
         flags = torch.tensor([float(busy), float(failed), float(token)], dtype=torch.float64)
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
         b, f, t = flags.tolist()

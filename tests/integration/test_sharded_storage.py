@@ -62,7 +62,7 @@ def part_files(step: int, index: int, ranks: tuple[int, ...]) -> dict[str, bytes
 
 
 def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int, ...]] = LAYOUT,
-               world_size: int = WORLD, algorithm: str = "crc32c") -> Path:  # fmt: skip
+               world_size: int = WORLD, algorithm: str = "crc32c", save_id: str | None = None) -> Path:  # fmt: skip
     """A committed local part directory ``root/ckpt-<step>`` (files, then the part manifest)."""
     ranks = layout[index]
     ckpt = root / checkpoint_name(step)
@@ -72,7 +72,7 @@ def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int
         (ckpt / path).write_bytes(data)
         entries.append(FileEntry(path, len(data), checksum_bytes(data, algorithm)))
     manifest = new_manifest(step, entries, algorithm, metrics={"loss": 1.0 / (step + 1)}, epoch=step // 10,
-                            sharding=Sharding(world_size, len(layout), index, ranks))  # fmt: skip
+                            sharding=Sharding(world_size, len(layout), index, ranks, save_id))  # fmt: skip
     (ckpt / MANIFEST_NAME).write_bytes(manifest.to_json())
     return ckpt
 
@@ -214,6 +214,31 @@ def test_a_missing_part_is_named_and_resume_walks_back(tmp_path: Path, stores: t
     assert [s.name for s in skipped] == [checkpoint_name(20)] and "missing part 0" in skipped[0].reason
     restored = restore_latest(a, tmp_path / "restore")
     assert restored is not None and restored.step == 10
+
+
+def test_parts_of_two_saves_of_a_step_never_make_one_checkpoint(
+    tmp_path: Path, stores: tuple[Storage, Storage]
+) -> None:
+    """A part left by an earlier attempt at the same step (its node died
+    before the other parts arrived) is not combined with a later attempt's:
+    the step commits only once the node ships the later save's part."""
+    a, b = stores
+    name = checkpoint_name(30)
+    upload_checkpoint(write_part(tmp_path / "attempt1", 30, 0, save_id="a1"), a)  # then the node died
+    late = upload_checkpoint(write_part(tmp_path / "attempt2-node1", 30, 1, save_id="b2"), b)
+    assert not late.committed and a.stat(f"{name}/{MANIFEST_NAME}") is None
+    waiting = commit_global(a, name)
+    assert waiting.status == "waiting" and waiting.missing == []
+    assert waiting.problem is not None and "another save" in waiting.problem
+    result = verify_checkpoint(a, name)
+    assert not result.ok and "another save" in result.reason
+    assert latest_verified(a)[0] is None
+    done = upload_checkpoint(write_part(tmp_path / "attempt2-node0", 30, 0, save_id="b2"), a)
+    assert done.committed
+    verdict = verify_checkpoint(b, name)
+    assert verdict.ok, verdict.problems
+    assert verdict.manifest is not None and verdict.manifest.sharding is not None
+    assert verdict.manifest.sharding.save_id == "b2"
 
 
 def test_a_corrupted_file_names_its_part(tmp_path: Path, stores: tuple[Storage, Storage]) -> None:

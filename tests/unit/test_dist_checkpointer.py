@@ -159,10 +159,16 @@ def test_the_manifest_says_which_ranks_and_files(group: None, tmp_path: Path) ->
     train(model, opt, sched, 1)
     ckpt = spotguard.Checkpointer(tmp_path / "ck", distributed=True, job="j", attempt=2)
     ckpt.save(7, spotguard.torch_state(model, opt, sched), metrics={"loss": 1.5}, blocking=True)
+    ckpt.save(8, spotguard.torch_state(model, opt, sched), blocking=True)
+    assert ckpt.distributed
     ckpt.close()
     doc = json.loads((tmp_path / "ck" / "ckpt-000000000007" / "manifest.json").read_text())
     assert doc["format_version"] == 2 and doc["job"] == "j" and doc["attempt"] == 2
+    save_id = doc["sharding"].pop("save_id")
     assert doc["sharding"] == {"world_size": 1, "parts": 1, "part": 0, "ranks": [0]}
+    # Each collective save has its own id: parts of two saves of a step never mix.
+    next_doc = json.loads((tmp_path / "ck" / "ckpt-000000000008" / "manifest.json").read_text())
+    assert len(save_id) == 13 and next_doc["sharding"]["save_id"] != save_id
     assert doc["metrics"] == {"loss": 1.5} and doc["reason"] == "interval"
     assert [f["path"] for f in doc["files"]] == sorted(f["path"] for f in doc["files"])
     assert {f["path"] for f in doc["files"]} >= {"dcp/.metadata", "dcp/__0_0.distcp", "ranks/00000/state.json"}

@@ -34,6 +34,7 @@ def part(
     files: list[str] | None = None,
     algorithm: str = "crc32c",
     created: str = "2026-01-02T03:04:05.000000Z",
+    sharding_id: str | None = None,
     **kw: Any,
 ) -> tuple[bytes, Manifest]:
     names = files if files is not None else [f"dcp/__{r}_0.distcp" for r in ranks] + [
@@ -42,7 +43,7 @@ def part(
     digest = CRC if algorithm == "crc32c" else "ab" * 32
     m = new_manifest(
         step, [FileEntry(n, 7, digest) for n in names], algorithm, created=created,
-        sharding=Sharding(world_size, parts, index, ranks), **kw,
+        sharding=Sharding(world_size, parts, index, ranks, sharding_id), **kw,
     )  # fmt: skip
     return m.to_json(), m
 
@@ -191,6 +192,18 @@ def test_sha256_parts() -> None:
 def test_inconsistent_parts_are_refused_naming_the_part(parts: list[tuple[bytes, Manifest]], problem: str) -> None:
     with pytest.raises(ManifestError, match=problem):
         build_global_manifest(parts)
+
+
+def test_parts_of_different_saves_are_refused_and_the_save_id_is_kept() -> None:
+    p0 = part(0, (0, 1))
+    with_id = [part(0, (0, 1), sharding_id="s1"), part(1, (2, 3), sharding_id="s1")]
+    assert build_global_manifest(with_id).sharding == Sharding(4, 2, None, (0, 1, 2, 3), "s1")
+    with pytest.raises(ManifestError, match="part 1 is from another save of step 10"):
+        build_global_manifest([part(0, (0, 1), sharding_id="s1"), part(1, (2, 3), sharding_id="s2")])
+    with pytest.raises(ManifestError, match="another save"):
+        build_global_manifest([p0, part(1, (2, 3), sharding_id="s2")])
+    with pytest.raises(ManifestError, match="save_id"):
+        parse_manifest(p0[0].replace(b'"ranks"', b'"save_id": "../x", "ranks"'))
 
 
 def test_a_global_or_single_manifest_is_not_a_part() -> None:
