@@ -223,6 +223,7 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
     assert [i["stopped"] for i in infos] == [6, 6]
     doc = part_manifest(ck / "ckpt-000000000006")
     assert doc["format_version"] == 2
+    assert doc["sharding"].pop("save_id") != part_manifest(ck / "ckpt-000000000004")["sharding"]["save_id"]
     assert doc["sharding"] == {"world_size": 2, "parts": 1, "part": 0, "ranks": [0, 1]}
     paths = {f["path"] for f in doc["files"]}
     assert "dcp/.metadata" in paths and "ranks/00000/state.json" in paths and "ranks/00001/state.json" in paths
@@ -291,12 +292,15 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(reference: Path,
     out = tmp_path / "out"
     infos = two_nodes(tmp_path, out, s3_store, s3_uri, "--sigterm-at", "6", "--sigterm-rank", "1")
     assert [i["stopped"] for i in infos] == [6, 6]
+    save_ids = set()
     for node in (0, 1):
         doc = part_manifest(tmp_path / f"node{node}" / "ckpt-000000000006")
+        save_ids.add(doc["sharding"].pop("save_id"))
         assert doc["sharding"] == {"world_size": 2, "parts": 2, "part": node, "ranks": [node]}
         paths = {f["path"] for f in doc["files"]}
         assert ("dcp/.metadata" in paths) == (node == 0)
         assert all(p.startswith((f"dcp/__{node}_", f"ranks/{node:05d}/", "dcp/.metadata")) for p in paths), paths
+    assert len(save_ids) == 1  # one collective save: both nodes' parts carry its id
     verdict = verify_checkpoint(open_storage(s3_uri, **s3_options(s3_store)), "ckpt-000000000006")
     assert verdict.ok, verdict.reason
     assert verdict.manifest is not None and verdict.manifest.is_global
