@@ -6,8 +6,8 @@ configured by annotations:
 
 ==========================================  ====================================
 ``spotguard.dev/storage`` (required)        storage root (``s3://…`` / ``file:///…``)
-``spotguard.dev/job-name``                  job name (default: the ``job-name`` or
-                                            JobSet label, else the owner's name)
+``spotguard.dev/job-name``                  job name (default: the JobSet's name, else
+                                            the Job's name, else the owner's name)
 ``spotguard.dev/credentials-secret``        Secret with ``AWS_ACCESS_KEY_ID`` etc.
 ``spotguard.dev/endpoint``                  S3 endpoint URL
 ``spotguard.dev/region``                    S3 region
@@ -21,6 +21,17 @@ trainer``                                   storage credentials too (default: on
 ==========================================  ====================================
 
 The grace period is the pod's own ``terminationGracePeriodSeconds`` (default 60).
+
+Pods of one distributed job (a JobSet, or an indexed Job, one pod per
+``torchrun`` node) must share one checkpoint prefix, so that the parts of a
+step meet in storage: the job name comes from the JobSet's name label
+(``jobset.sigs.k8s.io/jobset-name``, shared by all its replicated jobs),
+else from the Job's name label, never from the pod (whose name and index
+differ per node). A JobSet's ``jobset.sigs.k8s.io/restart-attempt`` becomes
+``SPOTGUARD_ATTEMPT``. The pod's own containers get
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` equal to the grace period unless they set
+it, so that ``torchrun`` does not kill its workers in the middle of the
+emergency checkpoint. Restarting failed pods stays with the pod's controller.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotguard.operator.podbuilder import ANNOTATION_INJECTED, Injection, OperatorConfig, inject
-from spotguard.operator.spec import SpecError, parse_checkpoint
+from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER, SpecError, parse_checkpoint
 
 PREFIX = "spotguard.dev/"
 
@@ -47,24 +58,72 @@ _ANNOTATIONS: dict[str, tuple[str, type]] = {
 }
 _FIELD_TO_ANNOTATION = {f: f"metadata.annotations[{PREFIX}{a}]" for a, (f, _t) in _ANNOTATIONS.items()}
 
-_JOB_LABELS = ("job-name", "batch.kubernetes.io/job-name", "jobset.sigs.k8s.io/jobset-name")
+#: Set by the JobSet controller (as label and annotation) on every pod of a JobSet.
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+JOBSET_RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
+#: Set by the Job controller on its pods. A JobSet's pods carry them too, but
+#: with the name of their child Job (one per replicated job and index).
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+#: ``torchrun`` SIGKILLs its workers this many seconds after a SIGTERM (30 by default).
+TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def _meta_value(meta: Mapping[str, Any], key: str) -> str | None:
+    """A label, else the annotation of the same key; None when empty or absent."""
+    for where in ("labels", "annotations"):
+        value = (meta.get(where) or {}).get(key)
+        if value:
+            return str(value)
+    return None
 
 
 def job_name_of(pod: Mapping[str, Any]) -> str | None:
-    """The job a labelled pod belongs to (annotation, Job/JobSet label, or owner)."""
+    """The job a labelled pod belongs to: the same for every pod of one JobSet or Job.
+
+    In order: the ``spotguard.dev/job-name`` annotation, the JobSet's name
+    (all replicated jobs of a JobSet share it), the Job's name, the
+    controlling owner's name. Never the pod's own name, which differs per pod.
+    """
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
-    labels = meta.get("labels") or {}
     name = annotations.get(f"{PREFIX}job-name")
     if name:
         return str(name)
-    for key in _JOB_LABELS:
-        if labels.get(key):
-            return str(labels[key])
+    for key in (JOBSET_NAME, *JOB_NAME_LABELS):
+        value = _meta_value(meta, key)
+        if value:
+            return value
     for ref in meta.get("ownerReferences") or []:
         if isinstance(ref, Mapping) and ref.get("controller") and ref.get("name"):
             return str(ref["name"])
     return None
+
+
+def attempt_of(pod: Mapping[str, Any]) -> int | None:
+    """The JobSet restart attempt a pod belongs to (``SPOTGUARD_ATTEMPT``); None elsewhere."""
+    value = _meta_value(pod.get("metadata") or {}, JOBSET_RESTART_ATTEMPT)
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+def with_torchrun_shutdown(pod_spec: Mapping[str, Any], grace_seconds: int) -> dict[str, Any]:
+    """Give the pod's own containers ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` = the grace period.
+
+    ``torchrun`` forwards a SIGTERM to its workers and kills them after this
+    many seconds (30 by default), which would cut a longer emergency save
+    short. A value the container sets in ``env`` wins. Returns a new spec.
+    """
+    spec = dict(pod_spec)
+    reserved = {SIDECAR_CONTAINER, RESTORE_CONTAINER}
+    containers = []
+    for container in spec.get("containers") or []:
+        env = list(container.get("env") or [])
+        if container.get("name") not in reserved and not any(
+            isinstance(e, Mapping) and e.get("name") == TORCHRUN_SHUTDOWN_ENV for e in env
+        ):
+            container = {**container, "env": [*env, {"name": TORCHRUN_SHUTDOWN_ENV, "value": str(grace_seconds)}]}
+        containers.append(container)
+    spec["containers"] = containers
+    return spec
 
 
 def injection_for_pod(pod: Mapping[str, Any], namespace: str, config: OperatorConfig) -> Injection:
@@ -80,7 +139,7 @@ def injection_for_pod(pod: Mapping[str, Any], namespace: str, config: OperatorCo
         where = _FIELD_TO_ANNOTATION[fld]
         if typ is bool:
             if value not in ("true", "false"):
-                raise SpecError(where, f"must be \"true\" or \"false\", not {value!r}")
+                raise SpecError(where, f'must be "true" or "false", not {value!r}')
             value = value == "true"
         elif typ is not str:
             try:
@@ -109,6 +168,7 @@ def injection_for_pod(pod: Mapping[str, Any], namespace: str, config: OperatorCo
         storage_uri=checkpoint.job_uri(namespace, job),
         checkpoint=checkpoint,
         grace_period_seconds=grace,
+        attempt=attempt_of(pod),
         image=config.image,
         image_pull_policy=config.image_pull_policy,
         native_sidecar=config.native_sidecar,
@@ -119,7 +179,8 @@ def injection_for_pod(pod: Mapping[str, Any], namespace: str, config: OperatorCo
 def mutated_pod(pod: Mapping[str, Any], namespace: str, config: OperatorConfig) -> tuple[dict[str, Any], str]:
     """The pod's new spec and the annotation value recording the injection."""
     inj = injection_for_pod(pod, namespace, config)
-    return inject(pod.get("spec") or {}, inj), inj.storage_uri
+    spec = inject(pod.get("spec") or {}, inj)
+    return with_torchrun_shutdown(spec, inj.grace_period_seconds), inj.storage_uri
 
 
 def apply_to_patch(body: Mapping[str, Any], patch: Any, namespace: str | None, config: OperatorConfig) -> None:
