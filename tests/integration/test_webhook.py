@@ -31,22 +31,72 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     """An operator serving the webhook; yields the namespace to create pods in."""
     from kubernetes import client
 
-    subprocess.run([str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), "apply", "-f",
-                    str(ROOT / "crds" / "trainingjob.yaml")], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            str(kube.bin_dir / "kubectl"),
+            "--kubeconfig",
+            str(kube.kubeconfig),
+            "apply",
+            "-f",
+            str(ROOT / "crds" / "trainingjob.yaml"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     tmp = tmp_path_factory.mktemp("webhook")
     cert, key = tmp / "tls.crt", tmp / "tls.key"
     # kopf's self-generated certificates fail on this machine; a self-signed one for 127.0.0.1 works.
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     ns = f"wh-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
     config_name = f"t{uuid.uuid4().hex[:6]}.test.spotguard.dev"
     op = OperatorProcess(
-        ["-n", ns, "--image", "spotguard:test", "--native-sidecar", "off", "--webhook",
-         "--webhook-address", "127.0.0.1", "--webhook-port", str(free_port()), "--webhook-host", "127.0.0.1",
-         "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-manage", config_name],
-        env=kube.env(), log_path=tmp / "operator.log",
+        [
+            "-n",
+            ns,
+            "--image",
+            "spotguard:test",
+            "--native-sidecar",
+            "off",
+            "--webhook",
+            "--webhook-address",
+            "127.0.0.1",
+            "--webhook-port",
+            str(free_port()),
+            "--webhook-host",
+            "127.0.0.1",
+            "--webhook-cert",
+            str(cert),
+            "--webhook-key",
+            str(key),
+            "--webhook-manage",
+            config_name,
+        ],
+        env=kube.env(),
+        log_path=tmp / "operator.log",
     ).start()
     admission = client.AdmissionregistrationV1Api(kube.api_client())
     try:
@@ -63,8 +113,12 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
 def pod(name: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
     return {
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
-        "spec": {"restartPolicy": "Never", "nodeSelector": NO_NODE, "terminationGracePeriodSeconds": 20,
-                 "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "train.py"]}]},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": NO_NODE,
+            "terminationGracePeriodSeconds": 20,
+            "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "train.py"]}],
+        },
     }
 
 
@@ -85,10 +139,19 @@ def create_until_admitted(core: Any, ns: str, body: dict[str, Any]) -> Any:
 
 def test_labelled_pod_gets_the_sidecar(core: Any, webhook: str) -> None:
     ns = webhook
-    created = create_until_admitted(core, ns, pod(
-        "injected", {"spotguard.dev/inject": "true", "job-name": "my-job"},
-        {"spotguard.dev/storage": "s3://bucket/runs", "spotguard.dev/credentials-secret": "s3",
-         "spotguard.dev/save-every-steps": "25"}))
+    created = create_until_admitted(
+        core,
+        ns,
+        pod(
+            "injected",
+            {"spotguard.dev/inject": "true", "job-name": "my-job"},
+            {
+                "spotguard.dev/storage": "s3://bucket/runs",
+                "spotguard.dev/credentials-secret": "s3",
+                "spotguard.dev/save-every-steps": "25",
+            },
+        ),
+    )
     assert [c.name for c in created.spec.init_containers] == ["spotguard-restore"]
     assert [c.name for c in created.spec.containers] == ["trainer", "spotguard-sidecar"]
     env = {e.name: (e.value, e.value_from) for e in created.spec.containers[0].env}
@@ -117,3 +180,32 @@ def test_unlabelled_pod_is_untouched(core: Any, webhook: str) -> None:
     created = create_until_admitted(core, webhook, pod("plain", {"app": "x"}, {"spotguard.dev/storage": "s3://b/x"}))
     assert [c.name for c in created.spec.containers] == ["trainer"]
     assert not created.spec.init_containers
+
+
+def test_pods_of_one_jobset_share_the_checkpoint_prefix(core: Any, webhook: str) -> None:
+    """Two nodes of one JobSet (different child Jobs, indexes and names): one prefix, one attempt."""
+    ns = webhook
+    envs = []
+    for job_index in (0, 1):
+        child = f"llm-workers-{job_index}"
+        labels = {
+            "spotguard.dev/inject": "true",
+            "jobset.sigs.k8s.io/jobset-name": "llm",
+            "jobset.sigs.k8s.io/replicatedjob-name": "workers",
+            "jobset.sigs.k8s.io/job-index": str(job_index),
+            "jobset.sigs.k8s.io/restart-attempt": "2",
+            "batch.kubernetes.io/job-name": child,
+            "job-name": child,
+            "batch.kubernetes.io/job-completion-index": "0",
+        }
+        body = pod(f"{child}-0-{uuid.uuid4().hex[:5]}", labels, {"spotguard.dev/storage": "s3://bucket/runs"})
+        created = create_until_admitted(core, ns, body)
+        by_name = {c.name: c for c in [*created.spec.init_containers, *created.spec.containers]}
+        envs.append({name: {e.name: e.value for e in c.env} for name, c in by_name.items()})
+        assert created.metadata.annotations["spotguard.dev/injected"] == f"s3://bucket/runs/{ns}/llm"
+    for env in envs:
+        # No credentials Secret: the trainer keeps the URI too (node or workload identity).
+        for name in ("spotguard-restore", "spotguard-sidecar", "trainer"):
+            assert env[name]["SPOTGUARD_STORAGE_URI"] == f"s3://bucket/runs/{ns}/llm"
+            assert env[name]["SPOTGUARD_ATTEMPT"] == "2"
+        assert env["trainer"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "20"
