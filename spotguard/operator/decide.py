@@ -56,6 +56,9 @@ R_RESUMED = "Resumed"
 R_RESTARTING = "Restarting"
 R_POD_FAILED = "PodFailed"
 R_UNBLOCKED = "Unblocked"
+R_GANG_STOPPING = "StoppingGang"
+R_NODES_MISSING = "NodesMissing"
+R_GANG_STARTING = "GangStarting"
 
 #: How long a pod may wait for a node before the job says so (a cluster
 #: autoscaler often needs a few minutes to add a GPU node).
@@ -94,6 +97,24 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True)
+class Member:
+    """One pod of a gang (an attempt of several nodes), as observed."""
+
+    rank: int
+    pod: str
+    #: Its classification (a pod that does not exist: preempted, ``PodDeleted``).
+    end: PodEnd
+    #: The node it is bound to, if any.
+    node: str | None = None
+    #: The pod object exists.
+    present: bool = True
+    #: No process of it can run any more: gone, or ``Succeeded``/``Failed``.
+    settled: bool = False
+    #: It is being deleted already (``deletionTimestamp``).
+    deleting: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """What the operator saw of the current attempt."""
 
@@ -101,6 +122,8 @@ class Observation:
     pod_end: PodEnd | None = None
     #: Newest verified checkpoint ``{"step", "uri", "time"}`` if freshly read.
     last_verified: Mapping[str, Any] | None = None
+    #: Every pod of the current attempt by node rank, when it has several nodes.
+    members: tuple[Member, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +136,8 @@ class Decision:
     #: Name of a pod to delete, and whether at once (its node is gone).
     delete_pod: str | None = None
     force_delete: bool = False
+    #: Pods of a gang to delete: (name, at once).
+    delete_pods: tuple[tuple[str, bool], ...] = ()
     #: Seconds until the next look (backoff), or None for "on the next event".
     requeue_after: float | None = None
     events: tuple[Event, ...] = ()
@@ -123,6 +148,16 @@ class Decision:
 def pod_name(job: str, attempt: int) -> str:
     """Deterministic pod name of an attempt: ``<job>-a<attempt>``."""
     return f"{job}-a{attempt}"
+
+
+def member_pod_name(job: str, attempt: int, rank: int, nodes: int) -> str:
+    """Pod of node rank ``rank`` in an attempt: ``<job>-a<attempt>`` alone, ``<job>-a<attempt>-<rank>`` in a gang."""
+    return pod_name(job, attempt) if nodes <= 1 else f"{job}-a{attempt}-{rank}"
+
+
+def attempt_pods(job: str, attempt: int, nodes: int) -> list[str]:
+    """Every pod of an attempt, by node rank."""
+    return [member_pod_name(job, attempt, r, nodes) for r in range(max(1, nodes))]
 
 
 def format_time(t: datetime) -> str:
@@ -271,6 +306,8 @@ def decide(
     current = pod_name(job, attempt) if attempt else None
 
     # 1. The current attempt, if its end is not accounted for yet.
+    if attempt and accounted_attempt != attempt and d.int("nodes") > 1:
+        return _gang(d, spec, observation.members)
     if attempt and accounted_attempt != attempt:
         end = observation.pod_end
         if end is None:
@@ -312,7 +349,7 @@ def decide(
     restart_at = parse_time(st.get("restartAt"))
     if restart_at is not None and restart_at > now:
         return _finish(d, requeue_after=(restart_at - now).total_seconds())
-    return _create_next(d)
+    return _create_next(d, spec.nodes)
 
 
 def start_problem_message(end: PodEnd, pod: str | None) -> str:
@@ -351,23 +388,36 @@ def _clear_blocked(d: _Draft, message: str) -> None:
         d.events.append(Event("Normal", R_UNBLOCKED, message))
 
 
-def _create_next(d: _Draft) -> Decision:
+def _create_next(d: _Draft, nodes: int) -> Decision:
     st = d.st
     attempt = st["attempt"] + 1
-    name = pod_name(d.job, attempt)
+    name = attempt_pods(d.job, attempt, nodes)[0]
     st["attempt"] = attempt
     st["currentPod"] = name
+    if nodes > 1:
+        st["nodes"] = nodes
+    else:
+        st.pop("nodes", None)
+    st.pop("teardown", None)
     st.pop("restartAt", None)
     st.setdefault("startTime", format_time(d.now))
     st["phase"] = PENDING
-    d.cond(COND_CREATED, True, R_POD_CREATED, f"pod {name} created (attempt {attempt})")
-    d.cond(COND_RUNNING, False, R_POD_PENDING, f"pod {name} is pending")
-    d.events.append(Event("Normal", R_POD_CREATED, f"created pod {name} (attempt {attempt})"))
+    if nodes <= 1:
+        d.cond(COND_CREATED, True, R_POD_CREATED, f"pod {name} created (attempt {attempt})")
+        d.cond(COND_RUNNING, False, R_POD_PENDING, f"pod {name} is pending")
+        d.events.append(Event("Normal", R_POD_CREATED, f"created pod {name} (attempt {attempt})"))
+    else:
+        pods = ", ".join(attempt_pods(d.job, attempt, nodes))
+        d.cond(COND_CREATED, True, R_POD_CREATED, f"{nodes} pods created (attempt {attempt}): {pods}")
+        d.cond(COND_RUNNING, False, R_POD_PENDING, f"{nodes} pods are pending")
+        d.events.append(Event("Normal", R_POD_CREATED, f"created {nodes} pods (attempt {attempt}): {pods}"))
     return _finish(d, create_attempt=attempt)
 
 
-def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None) -> Decision:
+def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None, who: str | None = None) -> Decision:
+    """Account an attempt's end once; ``who`` says what ended it (default: its pod)."""
     st = d.st
+    who = who or f"pod {current}"
     attempt = st["attempt"]
     prior = st.get("lastVerifiedCheckpoint") or {}
     step = end.step if end.step is not None else prior.get("step")
@@ -385,15 +435,15 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
     # trainer failed beside a classic sidecar might never end: remove them now.
     delete = current if end.stop_pod else None
     force = end.stop_pod == "force"
-    d.cond(COND_RUNNING, False, R_POD_ENDED, f"pod {current} ended: {end.reason}")
+    d.cond(COND_RUNNING, False, R_POD_ENDED, f"{who} ended: {end.reason}")
     if condition_is(st, COND_BLOCKED):
-        d.cond(COND_BLOCKED, False, R_POD_ENDED, f"pod {current} ended: {end.reason}")
+        d.cond(COND_BLOCKED, False, R_POD_ENDED, f"{who} ended: {end.reason}")
 
     if end.kind == "succeeded":
         st["phase"] = SUCCEEDED
         st["completionTime"] = format_time(d.now)
-        d.cond(COND_SUCCEEDED, True, R_COMPLETED, f"training finished in pod {current}")
-        d.events.append(Event("Normal", R_COMPLETED, f"training finished in pod {current}"))
+        d.cond(COND_SUCCEEDED, True, R_COMPLETED, f"training finished in {who}")
+        d.events.append(Event("Normal", R_COMPLETED, f"training finished in {who}"))
         return _finish(d, accounted=end, delete_pod=delete, force_delete=force)
 
     if spec.suspend:
@@ -401,14 +451,14 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
         st["phase"] = SUSPENDED
         d.cond(COND_SUSPENDED, True, R_SUSPENDED, "spec.suspend is true")
         d.cond(COND_RUNNING, False, R_SUSPENDED, "the job is suspended")
-        d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; pod {current} stopped"))
+        d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; {who} stopped"))
         return _finish(d, delete_pod=delete, force_delete=force)
 
     at = f" at step {step}" if isinstance(step, int) else ""
     if end.kind == "preempted":
         st["preemptions"] += 1
         n, limit = st["preemptions"], spec.preemption.max_preemptions
-        d.cond(COND_PREEMPTED, True, end.reason, f"pod {current}: {end.message or end.reason}")
+        d.cond(COND_PREEMPTED, True, end.reason, f"{who}: {end.message or end.reason}")
         if n > limit:
             return _fail(d, R_PREEMPTION_LIMIT, f"preempted {n} times (maxPreemptions {limit})", end, delete, force)
         delay = spec.preemption.preemption_backoff.delay(n)
@@ -416,13 +466,13 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
             Event(
                 "Warning",
                 "Preempted",
-                f"pod {current} preempted ({end.reason}){at}; restarting ({n}/{limit} preemptions)",
+                f"{who} preempted ({end.reason}){at}; restarting ({n}/{limit} preemptions)",
             )
         )
     else:
         st["failures"] += 1
         n, limit = st["failures"], spec.preemption.backoff_limit
-        d.events.append(Event("Warning", R_POD_FAILED, f"pod {current} failed ({end.reason}): {end.message}"))
+        d.events.append(Event("Warning", R_POD_FAILED, f"{who} failed ({end.reason}): {end.message}"))
         if n > limit:
             return _fail(
                 d,
@@ -439,7 +489,7 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None)
         st["restartAt"] = format_time(d.now + timedelta(seconds=delay))
         return _finish(d, accounted=end, delete_pod=delete, force_delete=force, requeue_after=delay)
     st.pop("restartAt", None)
-    decision = _create_next(d)
+    decision = _create_next(d, spec.nodes)
     return Decision(
         status=decision.status,
         create_attempt=decision.create_attempt,
@@ -457,6 +507,208 @@ def _fail(d: _Draft, reason: str, message: str, end: PodEnd, delete: str | None,
     d.cond(COND_FAILED, True, reason, message)
     d.events.append(Event("Warning", reason, message))
     return _finish(d, accounted=end, delete_pod=delete, force_delete=force)
+
+
+# --- gangs: an attempt of several nodes, one pod each -------------------------------
+
+#: Sidecar reasons that only say the trainer got a SIGTERM: from a drain, or
+#: from the operator stopping the rest of a gang. They never outrank a failure.
+_WEAK_REASONS = frozenset({"PodDeleted", "sigterm", "sigint"})
+
+
+def _strength(end: PodEnd) -> int:
+    """How much an end says about why a gang stopped: the machine went (2), the code failed (1), a signal (1)."""
+    if end.kind == "preempted" and end.reason not in _WEAK_REASONS:
+        return 2
+    return 1 if end.kind in ("failed", "preempted") else 0
+
+
+def gang_trigger(members: Sequence[Member]) -> Member | None:
+    """The member whose end ends the attempt, or None while every member runs (or some succeeded).
+
+    A preemption the node or cloud reported beats everything (the other ranks
+    failing because a peer vanished is a consequence); otherwise the member
+    that ended first (a pod that is gone first of all), then the lowest rank.
+    """
+    ended = [m for m in members if _strength(m.end) > 0]
+    if not ended:
+        return None
+    strong = [m for m in ended if _strength(m.end) == 2]
+    pool = strong or ended
+    return min(pool, key=lambda m: (m.end.ended_at is not None and m.present, m.end.ended_at or "", m.rank))
+
+
+def _member_where(m: Member) -> str:
+    return f"pod {m.pod}" + (f" on node {m.node}" if m.node else "")
+
+
+def _gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> Decision:
+    """One look at a gang: running, waiting for nodes, stopping, or ended (accounted once, when all are gone)."""
+    st = d.st
+    attempt = st["attempt"]
+    nodes = d.int("nodes")
+    if len(members) != nodes:
+        # Not observed (the reconcile always lists them); treat every missing rank as gone.
+        have = {m.rank for m in members}
+        members = [*members] + [
+            Member(r, member_pod_name(d.job, attempt, r, nodes),
+                   PodEnd("preempted", "PodDeleted", "the pod was deleted before it finished"),
+                   present=False, settled=True)
+            for r in range(nodes) if r not in have
+        ]  # fmt: skip
+    members = sorted(members, key=lambda m: m.rank)
+    teardown = st.get("teardown")
+    if not isinstance(teardown, Mapping) or teardown.get("attempt") != attempt:
+        teardown = None
+
+    if teardown is None:
+        if all(m.end.kind == "succeeded" for m in members):
+            last = max(members, key=lambda m: m.end.ended_at or "")
+            step = max((m.end.step for m in members if m.end.step is not None), default=None)
+            end = PodEnd("succeeded", "Completed", f"all {nodes} pods succeeded", step, ended_at=last.end.ended_at)
+            return _account(d, spec, end, None, who=f"attempt {attempt} (all {nodes} pods)")
+        trigger = gang_trigger(members)
+        if trigger is None and spec.suspend:
+            return _start_teardown(d, members, None, "suspended", "Suspended", "spec.suspend is true")
+        if trigger is not None:
+            return _start_teardown(d, members, trigger, trigger.end.kind, trigger.end.reason,
+                                   trigger.end.message)  # fmt: skip
+        return _gang_running(d, members)
+
+    # Stopping: upgrade the cause if the machine turns out to have gone, then wait for every pod.
+    if teardown.get("kind") != "suspended" and teardown.get("strength", 0) < 2:
+        trigger = gang_trigger(members)
+        if trigger is not None and _strength(trigger.end) == 2:
+            st["teardown"] = {**teardown, **_teardown_cause(trigger, "preempted", trigger.end.reason,
+                                                            trigger.end.message)}  # fmt: skip
+            teardown = st["teardown"]
+    pending = [m for m in members if not m.settled]
+    if pending:
+        deletes = tuple((m.pod, m.end.stop_pod == "force") for m in pending
+                        if m.present and (not m.deleting or m.end.stop_pod == "force"))  # fmt: skip
+        waiting = ", ".join(m.pod for m in pending)
+        d.cond(COND_RUNNING, False, R_GANG_STOPPING, f"stopping attempt {attempt}: waiting for {waiting} to end")
+        return _finish(d, delete_pods=deletes, requeue_after=None if not deletes else 2.0)
+    return _end_gang(d, spec, members, teardown)
+
+
+def _teardown_cause(m: Member, kind: str, reason: str, message: str) -> dict[str, Any]:
+    # No None values: the stored status has no such keys, and a status that
+    # differs from what is stored would be patched again at every look.
+    cause = {
+        "kind": kind,
+        "reason": reason,
+        "message": message,
+        "pod": m.pod,
+        "rank": m.rank,
+        "node": m.node,
+        "strength": _strength(m.end),
+        "endedAt": m.end.ended_at,
+        "lostSteps": m.end.lost_steps,
+    }
+    return {k: v for k, v in cause.items() if v is not None}
+
+
+def _start_teardown(
+    d: _Draft, members: Sequence[Member], trigger: Member | None, kind: str, reason: str, message: str
+) -> Decision:
+    """Record why the attempt ends (before any pod is deleted: a restarted operator reads it), then look again."""
+    st = d.st
+    attempt = st["attempt"]
+    record: dict[str, Any] = {"attempt": attempt, "since": format_time(d.now)}
+    if trigger is not None:
+        record.update(_teardown_cause(trigger, kind, reason, message))
+    else:
+        record.update({"kind": kind, "reason": reason, "message": message})
+    st["teardown"] = record
+    others = [m.pod for m in members if not m.settled and (trigger is None or m.rank != trigger.rank)]
+    if trigger is not None:
+        what = "preempted" if kind == "preempted" else "failed"
+        text = f"{_member_where(trigger)} {what} ({reason})" + (f": {message}" if message else "")
+    else:
+        text = message
+    stop = f"; stopping {len(others)} other pod(s) of attempt {attempt}: {', '.join(others)}" if others else ""
+    d.cond(COND_RUNNING, False, R_GANG_STOPPING, f"{text}{stop}")
+    if st.get("phase") not in (SUSPENDED,) and kind != "suspended":
+        st["phase"] = RESTARTING
+    if kind == "suspended":
+        d.cond(COND_SUSPENDED, True, R_SUSPENDED, f"stopping the {len(others)} pods of attempt {attempt}")
+    d.events.append(Event("Normal" if kind == "suspended" else "Warning", R_GANG_STOPPING, f"{text}{stop}"))
+    return _finish(d, requeue_after=0.05)
+
+
+def _end_gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member], teardown: Mapping[str, Any]) -> Decision:
+    """Every pod of the attempt is gone: account its end once, then the next attempt or the end."""
+    st = d.st
+    st.pop("teardown", None)
+    kind = str(teardown.get("kind") or "preempted")
+    step = max((m.end.step for m in members if m.end.step is not None), default=None)
+    where = str(teardown.get("pod") or "")
+    node = teardown.get("node")
+    if kind == "suspended":
+        st["lastPodEnd"] = {"attempt": st["attempt"], "kind": "suspended", "reason": R_SUSPENDED,
+                            "message": "spec.suspend is true", "time": format_time(d.now)}  # fmt: skip
+        st["phase"] = SUSPENDED
+        d.cond(COND_RUNNING, False, R_SUSPENDED, "the job is suspended")
+        d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; the {len(members)} pods stopped"))
+        return _finish(d)
+    lost = teardown.get("lostSteps")
+    end = PodEnd(
+        "failed" if kind == "failed" else "preempted",
+        str(teardown.get("reason") or kind),
+        str(teardown.get("message") or ""),
+        step,
+        lost_steps=lost if isinstance(lost, int) else None,
+        ended_at=teardown.get("endedAt") if isinstance(teardown.get("endedAt"), str) else None,
+    )
+    who = f"pod {where}" + (f" on node {node}" if node else "") + f" (rank {teardown.get('rank')})"
+    decision = _account(d, spec, end, where, who=who)
+    record = decision.status.get("lastPodEnd")
+    if isinstance(record, dict):
+        record["pod"] = where
+        if node:
+            record["node"] = node
+    return decision
+
+
+def _gang_running(d: _Draft, members: Sequence[Member]) -> Decision:
+    """No member ended: Running when all run, else say which nodes are missing and why."""
+    st = d.st
+    attempt = st["attempt"]
+    nodes = len(members)
+    running = [m for m in members if m.end.reason == "Running"]
+    if len(running) == nodes:
+        d.cond(COND_RUNNING, True, R_POD_RUNNING, f"all {nodes} pods are running")
+        d.phase(RUNNING, Event("Normal", R_POD_RUNNING, f"all {nodes} pods are running (attempt {attempt})"))
+        if condition_is(st, COND_PREEMPTED):
+            d.cond(COND_PREEMPTED, False, R_RESUMED, f"resumed in attempt {attempt}")
+        _clear_blocked(d, f"all {nodes} pods are running")
+        return _finish(d)
+    if st.get("phase") != RUNNING:
+        d.phase(PENDING)
+    unschedulable = [m for m in members if m.end.start_problem == "unschedulable"]
+    blocked = [m for m in members if m.end.start_problem == "blocked"]
+    if unschedulable:
+        first = unschedulable[0]
+        names = ", ".join(m.pod for m in unschedulable)
+        message = (
+            f"{len(unschedulable)} of {nodes} nodes missing: {names} cannot be scheduled"
+            + (f": {first.end.message}" if first.end.message else "")
+            + f" ({len(running)} of {nodes} pods running)"
+        )
+        d.cond(COND_RUNNING, False, R_NODES_MISSING, message)
+    else:
+        waiting = [m for m in members if m.end.reason != "Running"]
+        detail = "; ".join(f"{m.pod}: {m.end.reason}" for m in waiting[:4])
+        d.cond(COND_RUNNING, False, R_GANG_STARTING, f"{len(running)} of {nodes} pods running; waiting for {detail}")
+    problem = (blocked or unschedulable)[0] if blocked or unschedulable else None
+    if problem is not None:
+        wait = _start_problem(d, problem.end, problem.pod)
+        if wait is not None:
+            return _finish(d, requeue_after=wait)
+    else:
+        _clear_blocked(d, f"{len(running)} of {nodes} pods running")
+    return _finish(d)
 
 
 def on_create_error(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotguard import __version__
-from spotguard.operator.decide import pod_name
+from spotguard.operator.decide import attempt_pods, member_pod_name
 from spotguard.operator.spec import (
     API_VERSION,
     KIND,
@@ -37,6 +37,7 @@ from spotguard.operator.spec import (
 
 LABEL_JOB = "spotguard.dev/job"
 LABEL_ATTEMPT = "spotguard.dev/attempt"
+LABEL_NODE_RANK = "spotguard.dev/node-rank"
 LABEL_INJECT = "spotguard.dev/inject"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_INJECTED = "spotguard.dev/injected"
@@ -83,6 +84,8 @@ class Injection:
     sidecar_resources: Mapping[str, Any] | None = None
     #: Early notice sources the sidecar polls (``SPOTGUARD_NOTICES``).
     notices: tuple[str, ...] = ()
+    #: torchrun's environment for this pod (every container), empty for one process.
+    torchrun_env: tuple[tuple[str, str], ...] = ()
 
 
 def server_supports_native_sidecars(major: str, minor: str) -> bool:
@@ -153,6 +156,7 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
     if ck.region:
         env.append(_env_value("AWS_DEFAULT_REGION", ck.region))
         env.append(_env_value("AWS_REGION", ck.region))
+    env += [_env_value(k, v) for k, v in inj.torchrun_env]
     return env
 
 
@@ -261,6 +265,68 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     return spec
 
 
+#: With ``hostNetwork`` and no port in the spec, each job takes a pair of ports
+#: from here (below the usual ephemeral range), picked from its uid.
+HOST_PORT_BASE = 30000
+HOST_PORT_PAIRS = 1000
+
+
+def host_ports(uid: str) -> tuple[int, int]:
+    """(master port, sidecar metrics port) of a job whose pods share their node's network.
+
+    Both are declared as container ports, so with ``hostNetwork`` they are host
+    ports and the scheduler never puts two pods that use one on the same node;
+    picking them per job makes that rare in the first place.
+    """
+    k = int(hashlib.sha256(uid.encode()).hexdigest()[:8], 16) % HOST_PORT_PAIRS
+    return HOST_PORT_BASE + 2 * k, HOST_PORT_BASE + 2 * k + 1
+
+
+def effective_ports(spec: TrainingJobSpec, uid: str) -> tuple[int, int]:
+    """The master port and the sidecar's metrics port the pods of this job use."""
+    master, metrics = spec.master_port, spec.sidecar.metrics_port
+    if spec.host_network:
+        auto_master, auto_metrics = host_ports(uid)
+        master = master if spec.master_port_set else auto_master
+        metrics = metrics if spec.metrics_port_set else auto_metrics
+    return master, metrics
+
+
+def service_name(job: str) -> str:
+    """The headless Service of a job of several nodes (and the pods' subdomain)."""
+    return job
+
+
+def node_hostname(job: str, rank: int) -> str:
+    """Stable hostname of node rank ``rank`` (the same in every attempt)."""
+    return f"{job}-{rank}"
+
+
+def master_addr(job: str, namespace: str, spec: TrainingJobSpec) -> str:
+    """Where node rank 0's rendezvous store listens: its DNS name behind the headless Service."""
+    if spec.nodes <= 1:
+        return "127.0.0.1"
+    return f"{node_hostname(job, 0)}.{service_name(job)}.{namespace}.svc.cluster.local"
+
+
+def torchrun_env(job: str, namespace: str, spec: TrainingJobSpec, rank: int, port: int) -> tuple[tuple[str, str], ...]:
+    """torchrun's environment (``PET_*`` are its option defaults) plus the usual torch.distributed names."""
+    if not spec.distributed:
+        return ()
+    addr = master_addr(job, namespace, spec)
+    return (
+        ("PET_NNODES", str(spec.nodes)),
+        ("PET_NPROC_PER_NODE", str(spec.nproc_per_node)),
+        ("PET_NODE_RANK", str(rank)),
+        ("PET_MASTER_ADDR", addr),
+        ("PET_MASTER_PORT", str(port)),
+        ("MASTER_ADDR", addr),
+        ("MASTER_PORT", str(port)),
+        ("WORLD_SIZE", str(spec.world_size)),
+        ("NODE_RANK", str(rank)),
+    )
+
+
 def build_pod(
     job: str,
     namespace: str,
@@ -268,8 +334,10 @@ def build_pod(
     spec: TrainingJobSpec,
     attempt: int,
     config: OperatorConfig,
+    rank: int = 0,
 ) -> dict[str, Any]:
-    """The pod of attempt ``attempt`` of TrainingJob ``namespace/job`` (owner ``uid``)."""
+    """The pod of node rank ``rank`` in attempt ``attempt`` of TrainingJob ``namespace/job`` (owner ``uid``)."""
+    master, metrics = effective_ports(spec, uid)
     inj = Injection(
         job=job,
         namespace=namespace,
@@ -280,9 +348,10 @@ def build_pod(
         image=spec.sidecar.image or config.image,
         image_pull_policy=config.image_pull_policy,
         native_sidecar=config.native_sidecar,
-        metrics_port=spec.sidecar.metrics_port,
+        metrics_port=metrics,
         sidecar_resources=spec.sidecar.resources or config.sidecar_resources,
         notices=spec.preemption.notices,
+        torchrun_env=torchrun_env(job, namespace, spec, rank, master),
     )
     pod_spec = inject(spec.template.spec, inj)
     pod_spec["restartPolicy"] = "Never"
@@ -294,11 +363,20 @@ def build_pod(
         LABEL_ATTEMPT: str(attempt),
         LABEL_MANAGED_BY: "spotguard",
     }
+    if spec.nodes > 1:
+        labels[LABEL_NODE_RANK] = str(rank)
+        pod_spec["hostname"] = node_hostname(job, rank)
+        pod_spec["subdomain"] = service_name(job)
+    if spec.distributed and rank == 0 and spec.host_network:
+        # Rank 0's rendezvous store listens on the node's network: a host port.
+        trainer = pod_spec["containers"][0]
+        ports = [p for p in trainer.get("ports") or [] if p.get("containerPort") != master]
+        trainer["ports"] = [*ports, {"name": "sg-c10d", "containerPort": master, "protocol": "TCP"}]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": pod_name(job, attempt),
+            "name": member_pod_name(job, attempt, rank, spec.nodes),
             "namespace": namespace,
             "labels": labels,
             "annotations": dict(spec.template.annotations),
@@ -306,6 +384,40 @@ def build_pod(
             "ownerReferences": [_owner_ref(job, uid)],
         },
         "spec": pod_spec,
+    }
+
+
+def build_pods(
+    job: str, namespace: str, uid: str, spec: TrainingJobSpec, attempt: int, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """Every pod of an attempt, by node rank."""
+    return [build_pod(job, namespace, uid, spec, attempt, config, rank) for rank in range(spec.nodes)]
+
+
+def build_service(job: str, namespace: str, uid: str, spec: TrainingJobSpec) -> dict[str, Any] | None:
+    """The headless Service that gives a gang's pods their DNS names (None for one node).
+
+    ``publishNotReadyAddresses``: rank 0's name must resolve as soon as its pod
+    has an address, before any readiness, or the other ranks cannot rendezvous.
+    """
+    if spec.nodes <= 1:
+        return None
+    master, _ = effective_ports(spec, uid)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(job),
+            "namespace": namespace,
+            "labels": {LABEL_JOB: job, LABEL_MANAGED_BY: "spotguard"},
+            "ownerReferences": [_owner_ref(job, uid)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job},
+            "ports": [{"name": "c10d", "port": master, "targetPort": master, "protocol": "TCP"}],
+        },
     }
 
 
@@ -327,8 +439,14 @@ def pod_service_account(job: str, spec: TrainingJobSpec) -> str:
 
 
 def _owner_ref(job: str, uid: str) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": job, "uid": uid, "controller": True,
-            "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def notice_access(job: str, namespace: str, uid: str, spec: TrainingJobSpec, attempt: int) -> list[dict[str, Any]]:
@@ -355,18 +473,30 @@ def notice_access(job: str, namespace: str, uid: str, spec: TrainingJobSpec, att
     out: list[dict[str, Any]] = []
     if account == name:
         out.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
-    out.append({
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": meta(),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch"],
-                   "resourceNames": [pod_name(job, attempt)]}],
-    })
-    out.append({
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": meta(),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-    })
+    out.append(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(),
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["pods"],
+                    "verbs": ["get", "watch"],
+                    "resourceNames": attempt_pods(job, attempt, spec.nodes),
+                },
+                # The sidecar says on its pod when it cannot serve metrics (MetricsPortUnavailable).
+                {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+            ],
+        }
+    )
+    out.append(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+        }
+    )
     return out

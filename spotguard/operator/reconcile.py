@@ -24,7 +24,9 @@ from spotguard.operator.decide import (
     TERMINAL_PHASES,
     Decision,
     Event,
+    Member,
     Observation,
+    attempt_pods,
     decide,
     format_time,
     on_create_error,
@@ -33,8 +35,25 @@ from spotguard.operator.decide import (
     status_patch,
 )
 from spotguard.operator.metrics import OperatorMetrics
-from spotguard.operator.podbuilder import OperatorConfig, build_pod, notice_access
-from spotguard.operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, SpecError, TrainingJobSpec, parse
+from spotguard.operator.podbuilder import (
+    LABEL_ATTEMPT,
+    LABEL_JOB,
+    OperatorConfig,
+    build_pods,
+    build_service,
+    notice_access,
+)
+from spotguard.operator.spec import (
+    API_VERSION,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+    SpecError,
+    TrainingJobSpec,
+    check_name,
+    parse,
+)
 
 log = logging.getLogger("spotguard.operator")
 
@@ -203,6 +222,21 @@ def ensure_access(ctx: Context, objects: list[dict[str, Any]]) -> None:
             _rbac(ctx).patch_namespaced_role_binding(name, namespace, {"subjects": obj["subjects"]})
 
 
+def ensure_service(ctx: Context, service: dict[str, Any], owner_uid: str) -> None:
+    """Create a gang's headless Service; an existing one of this job is kept (its spec never changes)."""
+    namespace = service["metadata"]["namespace"]
+    try:
+        ctx.core.create_namespaced_service(namespace, service)
+        return
+    except Exception as exc:
+        if api_status(exc) != 409:
+            raise
+    existing = ctx.core.read_namespaced_service(service["metadata"]["name"], namespace)
+    refs = existing.metadata.owner_references or []
+    if not any(r.uid == owner_uid for r in refs):
+        raise NotOursYet(f"service {service['metadata']['name']}")
+
+
 def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
     """Delete a pod (at once when ``force``: its node is gone); a missing pod is fine."""
     try:
@@ -271,6 +305,9 @@ def observe(ctx: Context, job: Mapping[str, Any]) -> Observation:
         verified = None
     if not attempt or last_end.get("attempt") == attempt or status.get("phase") in TERMINAL_PHASES:
         return Observation(pod_end=None, last_verified=verified)
+    nodes = status.get("nodes")
+    if isinstance(nodes, int) and nodes > 1:
+        return Observation(last_verified=verified, members=observe_gang(ctx, namespace, name, uid, attempt, nodes))
     pod = get_pod(ctx, namespace, pod_name(name, attempt))
     if pod is not None and uid and not _owned_by(pod, uid):
         pod = None  # a leftover of an older job with the same name
@@ -287,6 +324,42 @@ def observe(ctx: Context, job: Mapping[str, Any]) -> Observation:
     return Observation(pod_end=end, last_verified=verified)
 
 
+def observe_gang(
+    ctx: Context, namespace: str, job: str, uid: str | None, attempt: int, nodes: int
+) -> tuple[Member, ...]:
+    """Every pod of a gang's attempt (one list call), classified, with whether it is gone for good."""
+    listed = ctx.core.list_namespaced_pod(
+        namespace, label_selector=f"{LABEL_JOB}={job},{LABEL_ATTEMPT}={attempt}", _preload_content=False
+    )
+    by_name = {p["metadata"]["name"]: p for p in json.loads(listed.data).get("items") or []}
+    node_alive: dict[str, bool] = {}
+    members = []
+    for rank, pod_name_ in enumerate(attempt_pods(job, attempt, nodes)):
+        pod = by_name.get(pod_name_)
+        if pod is not None and uid and not _owned_by(pod, uid):
+            pod = None
+        node = ((pod or {}).get("spec") or {}).get("nodeName")
+        phase = ((pod or {}).get("status") or {}).get("phase")
+        exists = True
+        if pod is not None and node and phase not in ("Succeeded", "Failed"):
+            if node not in node_alive:
+                node_alive[node] = node_exists(ctx, node)
+            exists = node_alive[node]
+        end = classify_pod_end(pod, exists)
+        members.append(
+            Member(
+                rank=rank,
+                pod=pod_name_,
+                end=end,
+                node=node,
+                present=pod is not None,
+                settled=pod is None or phase in ("Succeeded", "Failed"),
+                deleting=bool(((pod or {}).get("metadata") or {}).get("deletionTimestamp")),
+            )
+        )
+    return tuple(members)
+
+
 def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = None) -> float | None:
     """Bring one TrainingJob one step closer to done. Returns seconds until the next look."""
     job = get_job(ctx, namespace, name)
@@ -299,6 +372,7 @@ def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = No
     spec: TrainingJobSpec | SpecError
     try:
         spec = parse(job.get("spec"))
+        check_name(name, spec)
     except SpecError as exc:
         spec = exc
     observation = observe(ctx, job)
@@ -323,12 +397,23 @@ def apply(
         delete_pod(ctx, namespace, decision.delete_pod, force=decision.force_delete)
         if decision.force_delete:
             log.info("deleted pod %s/%s at once: its node is gone", namespace, decision.delete_pod)
+    for pod_to_delete, force in decision.delete_pods:
+        delete_pod(ctx, namespace, pod_to_delete, force=force)
+        why = " at once: its node is gone" if force else ""
+        log.info("stopping pod %s/%s of a gang%s", namespace, pod_to_delete, why)
     if decision.create_attempt is not None and isinstance(spec, TrainingJobSpec):
-        pod = build_pod(name, namespace, uid, spec, decision.create_attempt, ctx.config)
+        pods = build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config)
+        made: list[str] = []
         try:
-            # The pod's access first: its sidecar reads the pod from its first poll.
+            # The pods' access first: a sidecar reads its pod from its first poll.
             ensure_access(ctx, notice_access(name, namespace, uid, spec, decision.create_attempt))
-            created = create_pod(ctx, pod, uid)
+            service = build_service(name, namespace, uid, spec)
+            if service is not None:
+                ensure_service(ctx, service, uid)
+            created = True
+            for pod in pods:
+                created = create_pod(ctx, pod, uid) and created
+                made.append(pod["metadata"]["name"])
         except NotOursYet:
             # The previous job of this name is still being cleaned up; look again soon.
             return Decision(status=dict(job.get("status") or {}), requeue_after=2.0)
@@ -336,6 +421,9 @@ def apply(
             code = api_status(exc)
             if code is None or code >= 500:
                 raise
+            # Never half a gang: the pods made so far go again.
+            for made_pod in made:
+                delete_pod(ctx, namespace, made_pod, force=True)
             return on_create_error(
                 name,
                 job.get("status") or {},
@@ -346,7 +434,7 @@ def apply(
                 meta.get("generation"),
             )
         if not created:
-            log.info("pod %s/%s already existed: adopted", namespace, pod["metadata"]["name"])
+            log.info("pods of attempt %d of %s/%s already existed: adopted", decision.create_attempt, namespace, name)
         if decision.create_attempt > 1:
             ended = parse_time((decision.status.get("lastPodEnd") or {}).get("time"))
             latency = (datetime.now(UTC) - ended).total_seconds() if ended else None

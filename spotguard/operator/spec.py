@@ -26,6 +26,12 @@ SHARED_VOLUME = "spotguard"
 RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 CHECKSUMS = ("crc32c", "sha256")
+DEFAULT_MASTER_PORT = 29500
+#: More nodes than any spot pool offers is a typo (and a name-length problem).
+MAX_NODES = 1000
+#: Kubernetes label values and DNS labels (pod hostnames, Service names) are at most 63 characters.
+MAX_LABEL = 63
+GPU_RESOURCE = "nvidia.com/gpu"
 BEST_MODES = ("min", "max")
 #: Early preemption notice sources the sidecar can watch (``spotguard sidecar --notices``).
 NOTICE_SOURCES = ("aws", "gce", "azure", "k8s")
@@ -150,6 +156,31 @@ class TrainingJobSpec:
     preemption: PreemptionSpec = field(default_factory=PreemptionSpec)
     sidecar: SidecarSpec = field(default_factory=SidecarSpec)
     suspend: bool = False
+    #: Nodes (one pod each) of every attempt; 1 is a single pod as before.
+    nodes: int = 1
+    #: Training processes per node (torchrun's ``--nproc-per-node``).
+    nproc_per_node: int = 1
+    #: Port of the rendezvous store on node rank 0 (torchrun's ``--master-port``).
+    master_port: int = DEFAULT_MASTER_PORT
+    #: ``spec.masterPort`` was given (with ``hostNetwork`` the operator picks one otherwise).
+    master_port_set: bool = False
+    #: ``spec.sidecar.metricsPort`` was given.
+    metrics_port_set: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the pods get torchrun's environment (several nodes or processes)."""
+        return self.nodes > 1 or self.nproc_per_node > 1
+
+    @property
+    def world_size(self) -> int:
+        """Training processes of one attempt, all nodes together."""
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def host_network(self) -> bool:
+        """Whether the pods share their node's network (``hostNetwork: true``)."""
+        return bool(self.template.spec.get("hostNetwork"))
 
 
 # --- small typed readers: each names the field it reads ----------------------
@@ -397,13 +428,81 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
     )
 
 
+def gpu_limit(template: PodTemplate) -> int | None:
+    """The ``nvidia.com/gpu`` limit of the trainer (the template's first container), if it has one."""
+    containers = template.spec.get("containers") or []
+    first = containers[0] if containers and isinstance(containers[0], Mapping) else {}
+    limits = (first.get("resources") or {}).get("limits") or {}
+    value = limits.get(GPU_RESOURCE) if isinstance(limits, Mapping) else None
+    try:
+        n = int(str(value)) if value is not None else None
+    except ValueError:
+        return None
+    return n if n is not None and n > 0 else None
+
+
 def parse(spec: Any) -> TrainingJobSpec:
     """Parse and validate a ``TrainingJob.spec``; raises ``SpecError`` naming the field."""
     obj = _obj(spec, "spec", required=True)
+    template = parse_template(obj.get("template"))
+    nodes = _int(obj, "nodes", "spec", 1, minimum=1)
+    assert nodes is not None
+    if nodes > MAX_NODES:
+        raise SpecError("spec.nodes", f"must be at most {MAX_NODES}, not {nodes}")
+    nproc = _int(obj, "nprocPerNode", "spec", gpu_limit(template) or 1, minimum=1)
+    assert nproc is not None
+    if nproc > 1024:
+        raise SpecError("spec.nprocPerNode", f"must be at most 1024, not {nproc}")
+    master_port = _int(obj, "masterPort", "spec", DEFAULT_MASTER_PORT, minimum=1)
+    assert master_port is not None
+    if master_port > 65535:
+        raise SpecError("spec.masterPort", f"must be <= 65535, not {master_port}")
+    sidecar = parse_sidecar(obj.get("sidecar"))
+    if obj.get("masterPort") is not None and master_port == sidecar.metrics_port:
+        raise SpecError("spec.masterPort", f"{master_port} is also spec.sidecar.metricsPort: use two ports")
+    sidecar_raw = obj.get("sidecar")
     return TrainingJobSpec(
-        template=parse_template(obj.get("template")),
+        template=template,
         checkpoint=parse_checkpoint(obj.get("checkpoint")),
         preemption=parse_preemption(obj.get("preemption")),
-        sidecar=parse_sidecar(obj.get("sidecar")),
+        sidecar=sidecar,
         suspend=_bool(obj, "suspend", "spec", False),
+        nodes=nodes,
+        nproc_per_node=nproc,
+        master_port=master_port,
+        master_port_set=obj.get("masterPort") is not None,
+        metrics_port_set=isinstance(sidecar_raw, Mapping) and sidecar_raw.get("metricsPort") is not None,
     )
+
+
+_DNS_1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_name(name: str, spec: TrainingJobSpec) -> None:
+    """Refuse a job name that cannot make the pods' names, labels and hostnames; the limit is named.
+
+    The name is the value of the ``spotguard.dev/job`` label on every pod (at
+    most 63 characters). A job of several nodes also names its headless Service
+    (a DNS-1035 label: a lowercase letter first, no dots) and the pods'
+    hostnames ``<name>-<node rank>`` (DNS labels of at most 63 characters).
+    """
+    if len(name) > MAX_LABEL:
+        raise SpecError(
+            "metadata.name",
+            f"is {len(name)} characters; at most {MAX_LABEL} (it is the value of the spotguard.dev/job label"
+            " on every pod): choose a shorter name",
+        )
+    if spec.nodes > 1:
+        longest = MAX_LABEL - len(f"-{spec.nodes - 1}")
+        if len(name) > longest:
+            raise SpecError(
+                "metadata.name",
+                f"is {len(name)} characters; with spec.nodes {spec.nodes} at most {longest} (the pods' hostnames"
+                f" <name>-<node rank> are DNS labels of at most {MAX_LABEL}): choose a shorter name",
+            )
+        if not _DNS_1035_RE.match(name):
+            raise SpecError(
+                "metadata.name",
+                f"{name!r} cannot name the job's headless Service (spec.nodes > 1): use lowercase letters, digits"
+                " and '-', starting with a letter, without dots",
+            )

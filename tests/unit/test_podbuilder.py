@@ -268,7 +268,8 @@ def test_k8s_notices_get_a_role_on_the_current_pod_only() -> None:
         assert o["metadata"]["ownerReferences"] == pod["metadata"]["ownerReferences"]
     role, binding = objs[1], objs[2]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch"],
-                              "resourceNames": ["demo-a3"]}]
+                              "resourceNames": ["demo-a3"]},
+                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
     # The next attempt's Role names the next pod, and only it.
