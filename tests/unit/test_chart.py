@@ -65,6 +65,8 @@ NAMESPACED_RULES = {
     ("spotguard.dev", "trainingjobs/status"): {"get", "patch"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "events"): {"create"},
+    # The headless Service of a job of several nodes.
+    ("", "services"): {"get", "create"},
     # For jobs with the k8s notice source: the pods' ServiceAccount, Role and RoleBinding.
     ("", "serviceaccounts"): {"create"},
     ("rbac.authorization.k8s.io", "roles"): {"create", "patch"},
@@ -192,6 +194,8 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
         "read_node": ("", "nodes", "get"),
         "create_namespaced_event": ("", "events", "create"),
         "read_namespaced_secret": ("", "secrets", "get"),
+        "create_namespaced_service": ("", "services", "create"),
+        "read_namespaced_service": ("", "services", "get"),
         "create_namespaced_service_account": ("", "serviceaccounts", "create"),
         "create_namespaced_role": ("rbac.authorization.k8s.io", "roles", "create"),
         "patch_namespaced_role": ("rbac.authorization.k8s.io", "roles", "patch"),
