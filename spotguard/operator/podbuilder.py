@@ -324,6 +324,9 @@ def torchrun_env(job: str, namespace: str, spec: TrainingJobSpec, rank: int, por
         ("MASTER_PORT", str(port)),
         ("WORLD_SIZE", str(spec.world_size)),
         ("NODE_RANK", str(rank)),
+        # torchrun SIGKILLs its workers 30 s after a SIGTERM unless told otherwise:
+        # the emergency save gets the whole grace period.
+        ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(spec.preemption.grace_period_seconds)),
     )
 
 

@@ -308,6 +308,7 @@ def test_gang_pods_service_and_torchrun_env() -> None:
             assert env["PET_MASTER_ADDR"] == env["MASTER_ADDR"] == "job-0.job.ns.svc.cluster.local"
             assert env["PET_MASTER_PORT"] == env["MASTER_PORT"] == "29600"
             assert env["WORLD_SIZE"] == "4"
+            assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "60"  # the grace period
     svc = build_service("job", "ns", "uid-1", s)
     assert svc is not None
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
