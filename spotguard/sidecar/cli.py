@@ -284,7 +284,7 @@ def _register_run(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.metrics import RUN_PORT_HINT, SidecarMetrics
     from spotguard.sidecar.supervisor import (
         EXIT_USAGE,
         RunConfig,
@@ -335,7 +335,8 @@ def _run(args: argparse.Namespace) -> int:
             storage = open_storage(storage_uri)
             metrics = SidecarMetrics(namespace="", job=args.job)
             if config.metrics_port:
-                metrics.serve(config.metrics_port, config.metrics_addr)
+                # A busy port is a warning: the run goes on without metrics.
+                metrics.serve_or_warn(config.metrics_port, config.metrics_addr, RUN_PORT_HINT)
             return Supervisor(config, storage, metrics).run()
     except (SetupError, StorageError) as exc:
         _fail(str(exc))

@@ -10,6 +10,7 @@ lists every series.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,23 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 STAGES = ("save", "upload", "verify", "retention", "emergency", "restore", "notice")
 NOTICE_SOURCES = ("aws", "aws_rebalance", "gce", "azure", "k8s", "sigterm", "sigint")
 SAVE_REASONS = ("interval", "sigterm", "notice", "proactive", "other")
+
+log = logging.getLogger(__name__)
+
+# What to do when the metrics port cannot be bound, for the sidecar (set by the
+# operator from the TrainingJob) and for ``spotguard run``.
+SIDECAR_PORT_HINT = ("set spec.sidecar.metricsPort (--metrics-port, SPOTGUARD_METRICS_PORT) to a free "
+                     "port, or to 0 to turn metrics off")
+RUN_PORT_HINT = "pass --metrics-port with a free port, or 0 to turn metrics off"
+
+
+def metrics_unavailable_message(port: int, addr: str, error: BaseException | str, hint: str) -> str:
+    """Pure: the one line that says metrics could not be served, and what to do.
+
+    ``error`` is the exception (or its text), e.g. ``[Errno 98] Address already in use``.
+    """
+    return (f"cannot serve metrics on {addr}:{port}: {error}; checkpoints are still shipped, "
+            f"only metrics are off; {hint}")
 
 
 class SidecarMetrics:
@@ -179,3 +197,19 @@ class SidecarMetrics:
         """
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return int(server.server_address[1])
+
+    def serve_or_warn(self, port: int, addr: str, hint: str) -> tuple[int | None, str | None]:
+        """Like :meth:`serve`, but a port that cannot be bound is a WARNING, not an error.
+
+        Metrics are secondary: a busy port (two pods with ``hostNetwork`` on one
+        node), a privileged port or an unknown address must not stop checkpoints
+        from being shipped. Returns ``(bound port, None)`` or ``(None, message)``.
+        """
+        try:
+            bound = self.serve(port, addr)
+        except (OSError, OverflowError, ValueError) as exc:
+            message = metrics_unavailable_message(port, addr, exc, hint)
+            log.warning("%s", message)
+            return None, message
+        log.info("metrics on %s:%d/metrics", addr, bound)
+        return bound, None

@@ -39,7 +39,8 @@ from spotguard.sidecar.control import (
     trainer_said_preempted,
 )
 from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
-from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
+from spotguard.sidecar.metrics import SIDECAR_PORT_HINT, SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
 from spotguard.sidecar.shipper import (
     CheckpointShipper,
@@ -63,6 +64,8 @@ EXIT_EMERGENCY_FAILED = 1
 # deadline bounds them all.
 EMERGENCY_RETRY_INITIAL = 0.25
 EMERGENCY_RETRY_MAX = 2.0
+# How long a classic sidecar whose trainer finished waits for an Event still being posted.
+EVENT_JOIN_SECONDS = 10.0
 
 
 @dataclass
@@ -482,20 +485,26 @@ class SidecarOptions:
     # Kubernetes shows this file's content as the container's termination
     # message; the operator reads the report from there.
     termination_log: Path | None = None
+    # Post Kubernetes Events on the own pod (when POD_NAME/POD_NAMESPACE and
+    # an apiserver configuration are there; best effort).
+    post_events: bool = True
 
 
 def termination_report(preempted: bool, reason: str, verified_step: int | None,
-                       trainer_step: int | None) -> dict[str, Any]:
-    """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep"}``.
+                       trainer_step: int | None, metrics_error: str | None = None) -> dict[str, Any]:
+    """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep", "metricsError"}``.
 
     ``step`` is the newest checkpoint verified in storage, ``trainerStep``
-    the last step the trainer reached (so the operator can count lost steps).
+    the last step the trainer reached (so the operator can count lost steps),
+    ``metricsError`` why metrics could not be served (only when they could not).
     """
     report: dict[str, Any] = {"preempted": preempted, "reason": reason}
     if verified_step is not None:
         report["step"] = verified_step
     if trainer_step is not None:
         report["trainerStep"] = trainer_step
+    if metrics_error:
+        report["metricsError"] = metrics_error
     return report
 
 
@@ -519,9 +528,15 @@ def run_sidecar(
     latch = latch or SignalLatch()
     if threading.current_thread() is threading.main_thread():
         latch.install()  # usually done already, before the slow part of startup
+    metrics_error: str | None = None
+    event: threading.Thread | None = None
     if options.metrics_port is not None:
-        port = agent.metrics.serve(options.metrics_port, options.metrics_addr)
-        log.info("metrics on %s:%d/metrics", options.metrics_addr, port)
+        # Metrics are secondary: a port taken by another pod on a hostNetwork
+        # node is a warning (log, Event, report), and shipping goes on.
+        _port, metrics_error = agent.metrics.serve_or_warn(options.metrics_port, options.metrics_addr,
+                                                           SIDECAR_PORT_HINT)
+        if metrics_error is not None and options.post_events:
+            event = post_pod_event_async(REASON_METRICS_PORT_UNAVAILABLE, metrics_error)
     watcher = NoticeWatcher(sources, agent.enqueue_notice, options.notice_interval_seconds,
                             on_error=lambda _name: agent.metrics.failure("notice"))
     watcher.start()
@@ -546,9 +561,14 @@ def run_sidecar(
                 if flushed:
                     log.info("trainer exited; everything committed is shipped")
                 end = agent.run_end(None, trainer_gone_before_signal=True)
-                _report(agent, options, end)
+                _report(agent, options, end, metrics_error)
                 if flushed and not end.preempted and not latch.event.is_set():
                     agent.shipper.housekeeping(latch.event.is_set)
+                if event is not None:
+                    # A trainer that finished within seconds must not take the
+                    # Event with it (bounded by the request timeouts; never on
+                    # the way out of a preemption, where the grace period counts).
+                    event.join(EVENT_JOIN_SECONDS)
                 return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None
@@ -556,7 +576,8 @@ def run_sidecar(
         trainer_before = agent.trainer_state()
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
-        _report(agent, options, agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"))
+        _report(agent, options, agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"),
+                metrics_error)
         # Retention waits for the next routine round (the next pod's sidecar):
         # the grace period is for the checkpoint only.
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
@@ -564,11 +585,11 @@ def run_sidecar(
         watcher.stop()
 
 
-def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd) -> None:
+def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> None:
     t0 = time.monotonic()
     last = agent.shipper.last_shipped
     report = termination_report(end.preempted, end.reason, last.step if last else None,
-                                agent.trainer_last_step())
+                                agent.trainer_last_step(), metrics_error)
     write_termination_report(options.termination_log, report)
     log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason,
               step=report.get("step"))
