@@ -26,9 +26,11 @@ from testenv.processnode.common import (
     log,
 )
 from testenv.processnode.control import ControlHandler
+from testenv.processnode.hosts import ClusterHosts
 from testenv.processnode.kubeletapi import self_signed_cert
 from testenv.processnode.node import NodeSettings, ProcessNode
 from testenv.processnode.pod import PodRunner
+from testenv.processnode.podnet import IpPool, available
 from testenv.processnode.processes import Spawner, kill_recorded_processes
 
 
@@ -62,6 +64,9 @@ class Agent:
         self.kubelet_version = "v1.20.2"
         self.eviction_version = "policy/v1beta1"
         self._server: http.server.ThreadingHTTPServer | None = None
+        # Pod networks (as root): IPs from the machine-wide pool; None: pods share the host's network.
+        self.ip_pool: IpPool | None = IpPool() if available() else None
+        self.hosts = ClusterHosts()
 
     # -- start / stop --
 
@@ -72,6 +77,8 @@ class Agent:
         minor = int(re.sub(r"\D", "", str(version.get("minor", "20"))) or 20)
         # policy/v1 Eviction arrived in 1.22; 1.20 takes only policy/v1beta1.
         self.eviction_version = "policy/v1" if minor >= 22 else "policy/v1beta1"
+        if self.ip_pool is not None:
+            self.ip_pool.register()  # also clears what a crashed agent left
         for _ in range(self.count):
             self._add_node()
         threading.Thread(target=self._watch_pods, name="pod watch", daemon=True).start()
@@ -93,6 +100,11 @@ class Agent:
             done.wait(15)
         for node in nodes:
             node.retire(delete=self.delete_nodes)
+        if self.ip_pool is not None:
+            try:
+                self.ip_pool.unregister()
+            except OSError as exc:
+                log.warning("pod network cleanup: %s", exc)
         if self._server is not None:
             self._server.shutdown()
         with contextlib.suppress(OSError):
@@ -180,6 +192,7 @@ class Agent:
         return rv
 
     def _resync(self, pods: list[JSON]) -> None:
+        self.hosts.resync(pods)
         for pod in pods:
             self.on_pod("MODIFIED", pod)
         uids = {p["metadata"]["uid"] for p in pods}
@@ -192,6 +205,7 @@ class Agent:
         """React to a pod event: start a runner, forward a deletion, or forget the pod."""
         md = pod["metadata"]
         uid = md["uid"]
+        self.hosts.observe(kind, pod)
         with self.lock:
             runner = self.runners.get(uid)
             if kind == "DELETED":

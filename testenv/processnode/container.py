@@ -1,6 +1,7 @@
 """Container namespaces: what a container process sets up before it execs its command.
 
-A PID namespace (the container's own, or its pod's), a mount namespace with a
+The pod's network and UTS namespaces (held by its sandbox), a PID namespace (the
+container's own, or its pod's), a mount namespace with a
 private ``/dev``, a fresh ``/proc`` and the volumes, then the command.
 """
 
@@ -26,7 +27,7 @@ DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc
 # mount(2) and unshare(2) flags.
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE, MS_STRICTATIME = 4096, 16384, 1 << 18, 1 << 24
-CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWUTS = 0x00020000, 0x20000000, 0x40000000, 0x04000000
 PR_SET_PDEATHSIG = 1
 # What a runtime can deliver to a container (kubelet's stop signal, `kill -s`): the
 # shim in front of a container with its own PID namespace passes these on.
@@ -55,6 +56,10 @@ class LaunchSpec:
     pid_namespace: str | None = None
     # Write end of a pipe: an error before the exec is written there; the exec closes it.
     status_fd: int | None = None
+    # The pod's network and UTS namespaces to join (/proc/N/ns/net, /proc/N/ns/uts of its
+    # sandbox); None: the host's (hostNetwork).
+    net_namespace: str | None = None
+    uts_namespace: str | None = None
 
 
 def launch_argv(spec: LaunchSpec) -> list[str]:
@@ -97,6 +102,10 @@ def container_init(spec_json: str) -> int:
     command: list[str] = spec["command"]
     pid_namespace = spec.get("pid_namespace")
     try:
+        for path, kind, what in ((spec.get("net_namespace"), CLONE_NEWNET, "network"),
+                                 (spec.get("uts_namespace"), CLONE_NEWUTS, "UTS")):  # fmt: skip
+            if path:
+                _join_namespace(path, kind, what)
         if pid_namespace:
             child = _fork_into_pid_namespace(pid_namespace)
             if child:
@@ -145,6 +154,19 @@ def _check(rc: int, what: str) -> None:
 
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _join_namespace(path: str, kind: int, what: str) -> None:
+    """Join the pod's namespace held by its sandbox (before the fork: children inherit it)."""
+    libc = _libc()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OSError(exc.errno, f"pod sandbox is gone: {path}: {exc.strerror}") from None
+    try:
+        _check(libc.setns(fd, kind), f"join the pod's {what} namespace {path}")
+    finally:
+        os.close(fd)
 
 
 def _fork_into_pid_namespace(target: str) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from testenv.processnode.api import ApiError, Kube
 from testenv.processnode.common import JSON, LOOPBACK, NODE_LEASE_NAMESPACE, PreemptError, log
+from testenv.processnode.podnet import IpPool, available
 from testenv.processnode.processes import kill_recorded_processes, signal_group
 
 if TYPE_CHECKING:
@@ -192,6 +193,29 @@ class ProcessNodes:
         body = {"pod": pod, "namespace": namespace, "mode": mode, "grace_seconds": grace_seconds, "wait": wait}
         return self._call("POST", "/preempt", body)
 
+    def pod_ip(self, namespace: str, pod: str, timeout: float = 60.0) -> str:
+        """The pod's IP (``status.podIP``, as the apiserver has it), waiting until it has one.
+
+        Pods of a process node have their own network namespace and IP in
+        127.64.0.0/16 (reachable from the host); hostNetwork pods have the node's, 127.0.0.1.
+        """
+        if self.kubeconfig is None:
+            raise RuntimeError("pod_ip needs the kubeconfig (ProcessNodes.start or ProcessNodes(..., kubeconfig=))")
+        kube = Kube(self.kubeconfig)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ip = (kube.get(f"/api/v1/namespaces/{namespace}/pods/{pod}").get("status") or {}).get("podIP")
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                ip = None
+            if ip:
+                return str(ip)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pod {namespace}/{pod} has no IP after {timeout:.0f}s")
+            time.sleep(0.2)
+
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
         """Where a container's stdout/stderr are written."""
         return self.state_dir / "pods" / f"{namespace}_{pod}" / f"{container}.log"
@@ -208,6 +232,9 @@ class ProcessNodes:
         if self.proc is not None:
             signal_group(self.proc.pid, signal.SIGKILL)  # anything left in the agent's session
         kill_recorded_processes(self.state_dir)
+        if available():
+            with contextlib.suppress(OSError):
+                IpPool().sweep()  # what an agent that died without cleaning up left of pod networks
         control = self.state_dir / "control.json"
         if control.exists() and self.kubeconfig is not None:
             # The agent died without cleaning up (it removes this file when it does): its Nodes too.

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 from testenv.processnode.api import ApiError, ignore_missing
 from testenv.processnode.common import DEFAULT_POD_GRACE, JSON, LOOPBACK, SHUTDOWN_MESSAGE, log, utc_now
 from testenv.processnode.container import NEW_PID_NAMESPACE, PAUSE_PROGRAM, LaunchSpec, launch_argv
+from testenv.processnode.hosts import HostsFile
+from testenv.processnode.podnet import PodNetwork
 from testenv.processnode.podspec import (
     DEFAULT_TERMINATION_MESSAGE_PATH,
     MAX_LOG_TAIL_BYTES,
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 
 # Container names are DNS labels: no container's "<name>.pid" can be this one.
 SANDBOX_PIDFILE = "_sandbox.pid"
+NETWORK_PIDFILE = "_network.pid"
+HOSTS_FILE = "_etc-hosts"
 # How often a pod waiting for a Secret or ConfigMap looks again (kubelet: its next pod sync).
 RETRY_SECONDS = 1.0
 
@@ -146,6 +150,12 @@ class PodRunner:
         self.disrupted = False
         self.start_time = utc_now()
         self.share_processes = bool(spec.get("shareProcessNamespace"))
+        self.host_network = bool(spec.get("hostNetwork"))
+        self.hostname: str = spec.get("hostname") or self.name
+        # The pod's network namespace (None: the host's) and the IP it reports.
+        self.network: PodNetwork | None = None
+        self.pod_ip = LOOPBACK
+        self._hosts_attached = False
         # With shareProcessNamespace, the PID 1 of the pod's namespace that its containers join.
         self._sandbox: subprocess.Popen[bytes] | None = None
         self._volumes: dict[str, Path] = {}
@@ -183,6 +193,8 @@ class PodRunner:
         try:
             try:
                 self._lifecycle()
+                self._kill_all()  # the pod has ended: its sandbox goes, as kubelet tears it down
+                self._release_network()
             except _Stop as stop:
                 if self._handle_stop(stop.request):
                     return
@@ -191,6 +203,7 @@ class PodRunner:
             log.exception("pod %s: runner failed", self.key)
         finally:
             self._kill_all()
+            self._release_network()
             for leftover in self.dir.glob("*.termination-log"):
                 with contextlib.suppress(OSError):
                     leftover.unlink()
@@ -205,6 +218,7 @@ class PodRunner:
 
     def _lifecycle(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._prepare_network()
         self._publish()
         if not self._prepare_volumes():
             return
@@ -407,11 +421,16 @@ class PodRunner:
         except OSError as exc:
             self._not_started(c, "StartError", f"pod sandbox: {exc.strerror or exc}")
             return
+        if root and self._hosts_attached:  # kubelet's per-pod /etc/hosts, kept current by the agent
+            mounts.append((str(self.dir / HOSTS_FILE), "/etc/hosts", False))
         termination = self._termination_file(c) if root else None
         log_path = self.dir / f"{c.name}.log"
         read_status, status_fd = os.pipe()
+        network = self.network
         spec = LaunchSpec([*command, *args], c.spec.get("workingDir") or "/", mounts, termination, root,
-                          pid_namespace=pid_namespace, status_fd=status_fd)  # fmt: skip
+                          pid_namespace=pid_namespace, status_fd=status_fd,
+                          net_namespace=network.net_namespace if network else None,
+                          uts_namespace=network.uts_namespace if network else None)  # fmt: skip
         try:
             with log_path.open("ab") as out:
                 if c.started_at is not None:  # it ran before
@@ -451,6 +470,48 @@ class PodRunner:
         with contextlib.suppress(OSError):
             (self.dir / f"{c.name}.pid").write_text(f"{proc.pid} {process_start_time(proc.pid)}")
         threading.Thread(target=self._reap, args=(c, proc), name=f"reap {self.key}/{c.name}", daemon=True).start()
+
+    def _prepare_network(self) -> None:
+        """The pod sandbox: its own network (IP, ``lo``, ``eth0``), hostname, and hosts file.
+
+        hostNetwork pods, and every pod of an agent that cannot build
+        namespaces, stay on the host's network with the node's address.
+        Retried, like kubelet's sandbox creation, until it works.
+        """
+        pool = self.agent.ip_pool
+        if pool is not None and not self.host_network:
+            while True:
+                network = PodNetwork(pool, self.key, self.hostname)
+                try:
+                    network.create(self.agent.spawner.spawn)
+                    break
+                except OSError as exc:
+                    log.warning("pod %s: sandbox: %s", self.key, exc.strerror or exc)
+                    self._publish()
+                    self._event("FailedCreatePodSandBox", f"Failed to create pod sandbox: {exc.strerror or exc}")
+                    self._sleep(RETRY_SECONDS)
+            assert network.sandbox is not None and network.ip is not None
+            self.network, self.pod_ip = network, network.ip
+            with contextlib.suppress(OSError):
+                pid = network.sandbox.pid
+                (self.dir / NETWORK_PIDFILE).write_text(f"{pid} {process_start_time(pid)}")
+        if os.geteuid() == 0:
+            spec = self.pod["spec"]
+            hosts = HostsFile(self.dir / HOSTS_FILE, self.namespace, self.pod_ip, self.hostname,
+                              spec.get("subdomain") or "", self.network is None)  # fmt: skip
+            self.agent.hosts.attach(self.uid, hosts)
+            self._hosts_attached = True
+
+    def _release_network(self) -> None:
+        """Tear the pod's network down (its processes are gone); the reported IP stays, as with kubelet."""
+        network, self.network = self.network, None
+        if network is not None:
+            network.destroy()
+            with contextlib.suppress(OSError):
+                (self.dir / NETWORK_PIDFILE).unlink()
+        if self._hosts_attached:
+            self._hosts_attached = False
+            self.agent.hosts.detach(self.uid)
 
     def _pid_namespace(self) -> str:
         """The PID namespace of a container: its own, or with shareProcessNamespace the pod's.
@@ -586,7 +647,7 @@ class PodRunner:
         return data
 
     def _env(self, c: Container) -> dict[str, str]:
-        env = self.agent.base_env(self.pod["spec"].get("hostname") or self.name)
+        env = self.agent.base_env(self.hostname)
         for src in c.spec.get("envFrom") or []:
             for kind, key in (("configmaps", "configMapRef"), ("secrets", "secretRef")):
                 ref = src.get(key)
@@ -599,7 +660,7 @@ class PodRunner:
             if source is None:
                 env[var["name"]] = expand_vars(var.get("value", ""), env)
             elif "fieldRef" in source:
-                env[var["name"]] = field_value(self.pod, source["fieldRef"]["fieldPath"])
+                env[var["name"]] = field_value(self.pod, source["fieldRef"]["fieldPath"], self.pod_ip)
             elif "secretKeyRef" in source or "configMapKeyRef" in source:
                 kind = "secrets" if "secretKeyRef" in source else "configmaps"
                 ref = source.get("secretKeyRef") or source["configMapKeyRef"]
@@ -708,7 +769,7 @@ class PodRunner:
         for item in items:
             if "fieldRef" not in item:
                 raise Unsupported(f"downwardAPI item {item.get('path')!r}: only fieldRef is supported")
-            value = field_value(self.pod, item["fieldRef"]["fieldPath"])
+            value = field_value(self.pod, item["fieldRef"]["fieldPath"], self.pod_ip)
             out[safe_relpath(item["path"])] = (value.encode(), item.get("mode"))
         return out
 
@@ -741,6 +802,7 @@ class PodRunner:
     def _cleanup(self) -> None:
         """Drop the pod's materialised volumes (logs stay). Its mounts vanished with its processes."""
         self._stop_sandbox()
+        self._release_network()
         shutil.rmtree(self.volumes_dir, ignore_errors=True)
         for leftover in (*self.dir.glob("*.pid"), *self.dir.glob("*.termination-log")):
             with contextlib.suppress(OSError):
@@ -788,8 +850,8 @@ class PodRunner:
             "phase": self.phase,
             "conditions": conditions,
             "hostIP": LOOPBACK,
-            "podIP": LOOPBACK,
-            "podIPs": [{"ip": LOOPBACK}],
+            "podIP": self.pod_ip,
+            "podIPs": [{"ip": self.pod_ip}],
             "startTime": self.start_time,
             "containerStatuses": [c.status() for c in self.main],
             "reason": self.reason,

@@ -46,8 +46,8 @@ class NotYet(Exception):
 _LABEL_REF = re.compile(r"metadata\.(labels|annotations)\['(.+)'\]")
 
 
-def field_value(pod: JSON, path: str) -> str:
-    """A downward API ``fieldRef`` value for a pod running on this loopback node."""
+def field_value(pod: JSON, path: str, pod_ip: str = LOOPBACK) -> str:
+    """A downward API ``fieldRef`` value for a pod with IP ``pod_ip`` running on this loopback node."""
     md, spec = pod["metadata"], pod["spec"]
     m = _LABEL_REF.fullmatch(path)
     if m:
@@ -61,8 +61,8 @@ def field_value(pod: JSON, path: str) -> str:
         "metadata.uid": md.get("uid", ""),
         "spec.nodeName": spec.get("nodeName", ""),
         "spec.serviceAccountName": spec.get("serviceAccountName", ""),
-        "status.podIP": LOOPBACK,
-        "status.podIPs": LOOPBACK,
+        "status.podIP": pod_ip,
+        "status.podIPs": pod_ip,
         "status.hostIP": LOOPBACK,
     }
     if path not in simple:

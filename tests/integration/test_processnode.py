@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from testenv.processnode import SHUTDOWN_MESSAGE, ProcessNodes, log_tail
+from testenv.processnode.podnet import available as pod_networks
 
 pytestmark = pytest.mark.integration
 
@@ -174,7 +175,7 @@ def test_gpu_pod_is_scheduled_and_its_containers_share_an_emptydir(
         assert (term.exit_code, term.reason) == (0, "Completed")
     assert process_nodes.log_path(ns, "gpu", "reader").read_text() == "ready\nhello\n"
     assert shared.is_dir() and not any(shared.iterdir()), "files landed in the host dir, not in the emptyDir"
-    assert done.status.pod_ip == "127.0.0.1"
+    assert done.status.pod_ip.startswith("127.64." if pod_networks() else "127.0.0.1")  # its own network
     ready = {c.type: c.status for c in done.status.conditions}
     assert ready["PodScheduled"] == "True" and ready["Initialized"] == "True"
 
@@ -270,7 +271,7 @@ def test_secrets_configmaps_and_downward_api_reach_the_process(
         "POD_NAMESPACE": ns,
         "POD_UID": done.metadata.uid,
         "NODE_NAME": done.spec.node_name,
-        "POD_IP": "127.0.0.1",
+        "POD_IP": done.status.pod_ip,
         "APP": "processnode-test",
         "GREETING": "hi-config",
     }

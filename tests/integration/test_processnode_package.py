@@ -7,7 +7,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ("api", "podspec", "container", "processes", "pod", "node", "agent", "control", "kubeletapi", "cli")
+MODULES = (
+    "api",
+    "podspec",
+    "container",
+    "processes",
+    "pod",
+    "node",
+    "agent",
+    "control",
+    "kubeletapi",
+    "cli",
+    "podnet",
+    "hosts",
+)
 
 
 def run_python(code: str) -> str:
