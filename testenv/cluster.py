@@ -286,20 +286,40 @@ class PrometheusServer:
 
 
 def start_prometheus(
-    sup: Supervisor, scrape: dict[str, list[str]], *, interval: str = "1s", rule_files: list[Path] | None = None
+    sup: Supervisor,
+    scrape: dict[str, list[str]],
+    *,
+    interval: str = "1s",
+    rule_files: list[Path] | None = None,
+    pods: dict[str, tuple[str | Path, str, str]] | None = None,
 ) -> PrometheusServer:
     """Prometheus scraping ``scrape`` (job name -> ["127.0.0.1:port", ...]) with honor_labels,
-    so the scraped series keep their own ``namespace``/``job`` labels (as the chart's monitors do)."""
+    so the scraped series keep their own ``namespace``/``job`` labels (as the chart's monitors do).
+
+    ``pods`` (job name -> (kubeconfig, namespace, container port name)) scrapes pods
+    found through the apiserver at their pod IP and that declared port, as a
+    PodMonitor does: pod IPs change with every new pod.
+    """
     port = free_port()
     d = sup.state_dir / f"prometheus-{port}"
     d.mkdir(parents=True, exist_ok=True)
+    scrape_configs: list[dict[str, Any]] = [
+        {"job_name": name, "honor_labels": True, "static_configs": [{"targets": targets}]}
+        for name, targets in scrape.items()
+    ]
+    for name, (kubeconfig, namespace, port_name) in (pods or {}).items():
+        sd = {"role": "pod", "kubeconfig_file": str(kubeconfig), "namespaces": {"names": [namespace]}}
+        keep = [
+            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": port_name, "action": "keep"},
+            {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Pending|Running", "action": "keep"},
+        ]
+        scrape_configs.append(
+            {"job_name": name, "honor_labels": True, "kubernetes_sd_configs": [sd], "relabel_configs": keep}
+        )
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(f) for f in rule_files or []],
-        "scrape_configs": [
-            {"job_name": name, "honor_labels": True, "static_configs": [{"targets": targets}]}
-            for name, targets in scrape.items()
-        ],
+        "scrape_configs": scrape_configs,
     }
     (d / "prometheus.yml").write_text(json.dumps(config))  # JSON is valid YAML
     url = f"http://127.0.0.1:{port}"

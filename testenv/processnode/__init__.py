@@ -27,14 +27,50 @@ bound to its nodes as local processes:
   exit codes, reasons), restart policies, graceful deletion (SIGTERM to the
   container's main process only, which as PID 1 ignores it without a handler;
   wait ``terminationGracePeriodSeconds``, SIGKILL, then delete with grace 0);
+- pod networking like kubelet with a CNI plugin: every pod without
+  ``hostNetwork`` gets a sandbox process (kubelet's "pause") holding the pod's
+  network and UTS namespaces, which its containers join: its own ``lo`` (so
+  127.0.0.1 inside is the pod's own), ``eth0`` with a pod IP in 127.64.0.0/16
+  on a veth pair to the machine's bridge ``sgpod0`` (127.64.0.1), reachable
+  from the host and from every pod of every process node on the machine, and
+  the hostname ``spec.hostname`` or the pod name. ``status.podIP``/``podIPs``
+  and the downward API report that IP (hostNetwork pods: the node's 127.0.0.1
+  and the host's network and hostname, as before). ``ProcessNodes.pod_ip``
+  finds it for tests. IPs are unique across the agents of a machine (a table
+  under a lock) and freed with the pod's sandbox when the pod ends or goes;
+  what a crashed agent left is reclaimed by the next one;
+- name resolution like kubelet + cluster DNS: a per-pod ``/etc/hosts``
+  bind-mounted into every container with ``localhost``, the pod's own IP and
+  names, and, standing in for the DNS of headless Services, every pod of the
+  cluster with ``spec.hostname`` H, ``spec.subdomain`` S and an IP as
+  ``H.S.NS.svc.cluster.local`` / ``H.S.NS.svc`` (and ``H.S`` in its own
+  namespace NS), from the moment it has an IP until it has ended
+  (``publishNotReadyAddresses``); the agent watches all pods and rewrites the
+  files in place;
+- the outside world is reachable from pods: the test world's services
+  (apiserver, object store, fault proxies, Prometheus) listen on the host's
+  127.0.0.1 at ephemeral ports and are handed to pods as
+  ``http://127.0.0.1:PORT``; each pod's sandbox mirrors every such host
+  listener (port in ``ip_local_port_range``, refreshed every 0.5 s) on the
+  pod's own 127.0.0.1 and forwards connections to the host (``splice``), so
+  those URLs work unchanged inside pods, also for services started later.
+  Fixed ports below that range (29500, 9400) stay the pod's own;
 - the three ways a spot node dies, on request: ``drain`` (cordon + eviction
   API), ``shutdown`` (graceful node shutdown: pods end ``Failed`` /
   ``Terminated`` with a ``DisruptionTarget`` condition) and ``kill`` (processes
   SIGKILLed, heartbeats stop, Node deleted, a fresh node joins).
 
-Differences from a real runtime: without root there are no namespaces, and
-SIGTERM goes to the container's whole process group; there is no network
-namespace (podIP is 127.0.0.1); the root filesystem is the host's, so mount points outside ``/dev`` and outside
+Differences from a real runtime: without root there are no namespaces (no
+pod network either: every pod shares the host's, podIP 127.0.0.1), and
+SIGTERM goes to the container's whole process group. Pod networks stay inside
+127.0.0.0/8 on purpose: no packet can leave the machine, nothing collides with
+the machine's own addresses, and the host routes to pod IPs over the bridge
+(``route_localnet`` lets 127/8 addresses live on a non-loopback interface).
+There is no DNS server and no Service IP (no kube-proxy): the hosts files
+stand in for headless Services only, and the apiserver is reached at the
+host's address through the listener mirror (``KUBERNETES_SERVICE_HOST``
+127.0.0.1); a pod cannot bind 127.0.0.1 at a port where the host listens (the
+mirror holds it). The root filesystem is the host's, so mount points outside ``/dev`` and outside
 volumes (directories, an empty file for a termination message path elsewhere)
 are created on the host and stay; ``/dev/shm`` is per container, not per pod. Not
 emulated: images, probes (a running container is ready), lifecycle hooks,
@@ -48,7 +84,8 @@ tokens. Container logs go to ``<state-dir>/pods/<namespace>_<pod>/<container>.lo
 One module per idea: ``api`` (apiserver access), ``podspec`` (pure reading of
 a pod spec), ``container`` (what a container process sets up before its
 command: namespaces, mounts), ``processes`` (forking and signalling),
-``pod`` (the pod runner and its status), ``node`` (Node objects and
+``pod`` (the pod runner and its status), ``podnet`` (pod network namespaces,
+IPs, the host-service mirror), ``hosts`` (per-pod hosts files), ``node`` (Node objects and
 heartbeats), ``agent`` (the node agent), ``control`` (the control API, server
 and client), ``cli``. The names tests and tools use are re-exported here.
 """

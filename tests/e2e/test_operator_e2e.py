@@ -122,8 +122,8 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
 
     values = log_dir / "values.yaml"
     values.write_text(yaml.safe_dump({
-        "metrics": {"address": "127.0.0.1", "port": metrics_port},
-        "liveness": {"address": "127.0.0.1", "port": liveness_port},
+        "metrics": {"address": "0.0.0.0", "port": metrics_port},
+        "liveness": {"address": "0.0.0.0", "port": liveness_port},
         "operator": {"watchNamespaces": [ns], "resyncSeconds": 2, "checkpointPollSeconds": 1},
     }))
     # The dev values keep the operator away from training pods in `default`; here they run in `ns`.
@@ -135,13 +135,13 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
         e.tool("helm", "upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
                "-f", str(log_dir / "dev-values.yaml"), "-f", str(values))
         # The operator runs as a pod on a process node, with its ServiceAccount and the chart's RBAC.
-        wait_for(lambda: http_get(f"http://127.0.0.1:{liveness_port}/healthz"), "the operator pod to be live",
-                 timeout=180, interval=0.5)
-        # A real Prometheus scrapes the operator and the training pods' sidecars (process
-        # nodes share the host network: the sidecar's default port) and evaluates the alerts.
-        sidecar_port = int((example()["spec"].get("sidecar") or {}).get("metricsPort", 9400))
-        e.prom = prometheus_module({"spotguard-operator": [f"127.0.0.1:{metrics_port}"],
-                                    "spotguard-sidecar": [f"127.0.0.1:{sidecar_port}"]},
+        # Pods of process nodes have their own network: the operator is reached at its pod IP.
+        wait_for(lambda: http_get(f"http://{operator_ip(core)}:{liveness_port}/healthz"),
+                 "the operator pod to be live", timeout=180, interval=0.5)
+        # A real Prometheus scrapes the operator and the training pods' sidecars (found through
+        # the apiserver at their pod IPs and declared ports, as PodMonitors do) and evaluates the alerts.
+        e.prom = prometheus_module({}, pods={"spotguard-operator": (kube.kubeconfig, OPERATOR_NS, "metrics"),
+                                             "spotguard-sidecar": (kube.kubeconfig, ns, "sg-metrics")},
                                    rule_files=[CHART / "files" / "prometheus-rules.yaml"])
         yield e
     finally:
@@ -159,6 +159,14 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
                 print(f"--- operator log ({p.metadata.name}) ---\n" + "\n".join(log.read_text().splitlines()[-60:]))
         e.tool("helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", check=False)
         core.delete_namespace(ns)
+
+
+def operator_ip(core: Any) -> str:
+    """The running operator pod's IP (pods of process nodes have their own network)."""
+    pods = [p for p in core.list_namespaced_pod(OPERATOR_NS).items
+            if p.status.pod_ip and p.metadata.deletion_timestamp is None]
+    assert pods, "no operator pod with an IP yet"
+    return str(pods[0].status.pod_ip)
 
 
 def verified_step(e: Env, uri: str) -> int:
@@ -260,7 +268,7 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     # The operator (on another node) lived through all of it, and its metrics count the preemptions.
     operators = env.core.list_namespaced_pod(OPERATOR_NS).items
     assert len(operators) == 1 and operators[0].status.phase == "Running", [p.metadata.name for p in operators]
-    text = http_get(f"http://127.0.0.1:{env.metrics_port}/metrics")
+    text = http_get(f"http://{operators[0].status.pod_ip}:{env.metrics_port}/metrics")
     labels = {"namespace": env.ns, "job": job}
     assert metric_value(text, "spotguard_job_preemptions_total", labels) == 3.0
     assert metric_value(text, "spotguard_job_restarts_total", labels) == 3.0
