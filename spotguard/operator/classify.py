@@ -7,13 +7,17 @@ Every attempt ends in exactly one of three ways, and the budgets differ:
   shutdown, a node that vanished, a ``DisruptionTarget`` condition, a cloud
   notice the sidecar acted on) -> counts against ``maxPreemptions``;
 * ``failed``: the user's code or configuration failed (non-zero exit, OOM,
-  deadline) -> counts against ``backoffLimit``.
+  deadline) -> counts against ``backoffLimit``. So does a failure of
+  spotguard's own containers (the sidecar, the restore init container), so
+  that a crash loop ends too; its reason (``SidecarFailed``,
+  ``RestoreFailed``) and message say it was spotguard's, not the training code.
 
 ``running`` means the attempt has not ended yet.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -121,7 +125,8 @@ def sidecar_report(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The JSON the sidecar left as its termination message, if any.
 
     The sidecar ends with ``{"preempted": bool, "reason": str, "step": int}`` in
-    its termination message; it is the only way to tell a trainer that stopped
+    its termination message (plus ``trainerStep``, and ``metricsError`` when it
+    could not serve metrics); it is the only way to tell a trainer that stopped
     early because of a cloud notice from one that finished, when both exit 0.
     """
     status = pod.get("status") or {}
@@ -171,38 +176,135 @@ def _disruption(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
-def _user_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The first failure attributable to the user's containers: (reason, message)."""
+#: spotguard's own containers: their failure is spotguard's, not the training code's.
+SPOTGUARD_CONTAINERS = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
+
+# Longest detail taken from a container's termination message.
+_DETAIL_MAX = 300
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """One container that ended badly: non-zero exit or OOMKilled."""
+
+    name: str
+    code: Any
+    oom: bool
+    finished: dt.datetime | None
+    message: str
+
+
+def _parse_time(value: Any) -> dt.datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _failed(cs: Mapping[str, Any], current_only: bool = False) -> _Failed | None:
+    """``cs`` as a failure, or None. ``current_only``: ignore a crash it has restarted from."""
+    if current_only:
+        state = cs.get("state") or {}
+        term = state.get("terminated") if isinstance(state, Mapping) else None
+        running = isinstance(state, Mapping) and isinstance(state.get("running"), Mapping)
+        if not isinstance(term, Mapping) and not running:
+            term = _terminated(cs)  # waiting to restart: its last crash still stands
+    else:
+        term = _terminated(cs)
+    if not isinstance(term, Mapping):
+        return None
+    oom = term.get("reason") == "OOMKilled"
+    code = term.get("exitCode", 0)
+    if not oom and code == 0:
+        return None
+    message = term.get("message")
+    return _Failed(
+        str(cs.get("name")), code, oom, _parse_time(term.get("finishedAt")), message if isinstance(message, str) else ""
+    )
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of a termination message (the sidecar's JSON report says nothing here)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            doc = None
+        if isinstance(doc, Mapping):
+            detail = doc.get("error") or doc.get("metricsError")
+            return str(detail)[:_DETAIL_MAX] if detail else ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:_DETAIL_MAX] if lines else ""
+
+
+def _spotguard_failure(f: _Failed) -> tuple[str, str]:
+    """(reason, message) for a failure of spotguard's own container: named, and said not to be the user's."""
+    how = "was killed for using too much memory (OOMKilled)" if f.oom else f"exited with code {f.code}"
+    message = f"spotguard's container {f.name} {how} (not the training code)"
+    detail = _last_line(f.message)
+    if f.name == RESTORE_CONTAINER:
+        reason = "RestoreFailed"
+        message += ": could not stage the latest verified checkpoint (check the storage URI and credentials)"
+    else:
+        reason = "SidecarFailed"
+        if f.oom:
+            message += ": give it more memory (spec.sidecar.resources)"
+        elif not detail and f.code == 1:
+            message += ": the newest checkpoint could not be verified in storage"
+    return reason, f"{message}: {detail}" if detail else f"{message}; see its log"
+
+
+def _user_message(f: _Failed) -> tuple[str, str]:
+    if f.oom:
+        return "OOMKilled", f"container {f.name} was killed for using too much memory (OOMKilled)"
+    return "Error", f"container {f.name} exited with code {f.code}"
+
+
+def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why a Failed pod failed: (reason, message), naming the container to blame.
+
+    Init containers run one after another before the rest, so a failed one
+    (spotguard's restore or the user's) is the cause. Otherwise, when both
+    the training code and spotguard's sidecar ended badly, the one that
+    ended first is the cause (by ``finishedAt``; a tie or an unknown time
+    blames the training code, whose own exit is the first thing to read),
+    and the message mentions the other.
+    """
     for cs in _container_statuses(status, "initContainerStatuses"):
-        term = _terminated(cs)
-        if term and term.get("exitCode", 0) != 0 and cs.get("name") != SIDECAR_CONTAINER:
-            name = cs.get("name")
-            code = term.get("exitCode")
-            if name == RESTORE_CONTAINER:
-                return "RestoreFailed", (
-                    f"the restore init container exited with code {code}: could not stage the"
-                    " latest verified checkpoint (check the storage URI and credentials)"
-                )
-            return "InitContainerFailed", f"init container {name} exited with code {code}"
-    first: tuple[str, str] | None = None
-    for cs in _container_statuses(status, "containerStatuses"):
-        term = _terminated(cs)
-        if not term:
+        if cs.get("name") == SIDECAR_CONTAINER:
             continue
-        name = cs.get("name")
-        code = term.get("exitCode", 0)
-        if term.get("reason") == "OOMKilled":
-            return "OOMKilled", f"container {name} was killed for using too much memory (OOMKilled)"
-        if code != 0 and name != SIDECAR_CONTAINER and first is None:
-            first = ("Error", f"container {name} exited with code {code}")
-    if first is not None:
-        return first
+        f = _failed(cs)
+        if f is None:
+            continue
+        if f.name in SPOTGUARD_CONTAINERS:
+            return _spotguard_failure(f)
+        return "InitContainerFailed", f"init container {f.name} exited with code {f.code}"
+    user: list[_Failed] = []
+    sidecar: _Failed | None = None
     for key in ("containerStatuses", "initContainerStatuses"):
         for cs in _container_statuses(status, key):
-            term = _terminated(cs)
-            if cs.get("name") == SIDECAR_CONTAINER and term and term.get("exitCode", 0) != 0:
-                return "SidecarFailed", (f"the spotguard sidecar exited with code {term.get('exitCode')}; see its log")
-    return None
+            name = cs.get("name")
+            if name == SIDECAR_CONTAINER:
+                # A native sidecar that kubelet restarted and that runs again has recovered.
+                sidecar = sidecar or _failed(cs, current_only=key == "initContainerStatuses")
+            elif key == "containerStatuses" and (f := _failed(cs)) is not None:
+                user.append(f)
+    if not user:
+        return _spotguard_failure(sidecar) if sidecar is not None else None
+    # An OOM kill is the clearest word on the user's side; else the first container that failed.
+    first_user = next((f for f in user if f.oom), user[0])
+    if sidecar is None:
+        return _user_message(first_user)
+    earliest_user = min((f.finished for f in user if f.finished is not None), default=None)
+    if sidecar.finished is not None and earliest_user is not None and sidecar.finished < earliest_user:
+        reason, message = _spotguard_failure(sidecar)
+        return reason, f"{message} (then container {first_user.name} failed too)"
+    reason, message = _user_message(first_user)
+    how = "was OOMKilled" if sidecar.oom else f"exited with code {sidecar.code}"
+    return reason, f"{message} (spotguard's container {sidecar.name} also {how}, not before it)"
 
 
 def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) -> PodEnd:
@@ -269,7 +371,7 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
             return PodEnd("preempted", reason, "the trainer stopped early after a checkpoint", step)
         if pod_reason == "DeadlineExceeded":
             return PodEnd("failed", "DeadlineExceeded", pod_message or "activeDeadlineSeconds passed", step)
-        failure = _user_failure(status)
+        failure = _pod_failure(status)
         if failure is not None:
             return PodEnd("failed", failure[0], failure[1], step)
         return PodEnd("failed", str(pod_reason or "Failed"), pod_message or "the pod failed", step)
@@ -278,8 +380,7 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
     if node and not node_exists:
         return PodEnd("preempted", "NodeLost", f"node {node} is gone", step, stop_pod="force")
     if pod_reason == "NodeLost":
-        return PodEnd("preempted", "NodeLost", pod_message or f"node {node} is unreachable", step,
-                      stop_pod="force")
+        return PodEnd("preempted", "NodeLost", pod_message or f"node {node} is unreachable", step, stop_pod="force")
     if deleting or _disruption(status) is not None:
         return PodEnd("running", "Terminating", "the pod is shutting down")
     # Before "Running": beside a classic sidecar that runs, the pod is Running

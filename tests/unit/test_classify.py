@@ -256,3 +256,108 @@ def test_pods_that_cannot_start(case: str, pod_obj: dict[str, Any], reason: str,
 def test_unschedulable_carries_since() -> None:
     p = START_CASES[7][1]
     assert classify_pod_end(p).since == "2030-01-01T00:00:00Z"
+
+
+# -- whose container failed: spotguard's own or the training code's --------------------------------------------------
+
+
+def at(second: int) -> str:
+    return f"2030-01-01T00:00:{second:02d}Z"
+
+
+def restarted_native(code: int, finished: str) -> dict[str, Any]:
+    """A native sidecar that crashed once and runs again (kubelet restarted it)."""
+    return {"name": SIDECAR, "state": {"running": {"startedAt": finished}},
+            "lastState": {"terminated": {"exitCode": code, "reason": "Error", "finishedAt": finished}}}
+
+
+def crashlooping_native(code: int, finished: str) -> dict[str, Any]:
+    """A native sidecar that crashed and waits to be restarted."""
+    return {"name": SIDECAR, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": code, "reason": "Error", "finishedAt": finished}}}
+
+
+SETUP_ERROR = "spotguard: error: s3://b/p: the bucket does not exist"
+BLAME_CASES: list[tuple[str, dict[str, Any], str, str]] = [
+    # (case, pod, reason, message)
+    ("classic sidecar failed alone, trainer finished",
+     pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 2)]), "SidecarFailed",
+     "spotguard's container spotguard-sidecar exited with code 2 (not the training code); see its log"),
+    ("sidecar's own error in its termination message",
+     pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 2, message=f"Traceback ...\n{SETUP_ERROR}\n")]),
+     "SidecarFailed",
+     f"spotguard's container spotguard-sidecar exited with code 2 (not the training code): {SETUP_ERROR}"),
+    ("sidecar could not verify the last checkpoint (its report is JSON)",
+     pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1, message=report(False, 30, "finished"))]),
+     "SidecarFailed",
+     "spotguard's container spotguard-sidecar exited with code 1 (not the training code): the newest checkpoint "
+     "could not be verified in storage; see its log"),
+    ("sidecar OOMKilled", pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 137, "OOMKilled")]),
+     "SidecarFailed",
+     "spotguard's container spotguard-sidecar was killed for using too much memory (OOMKilled) (not the training "
+     "code): give it more memory (spec.sidecar.resources); see its log"),
+    ("sidecar died first, then the trainer failed",
+     pod("Failed", containers=[term("trainer", 1, finished=at(20)), term(SIDECAR, 2, finished=at(5))]),
+     "SidecarFailed",
+     "spotguard's container spotguard-sidecar exited with code 2 (not the training code); see its log "
+     "(then container trainer failed too)"),
+    ("native sidecar died first (init container status), then the trainer failed",
+     pod("Failed", containers=[term("trainer", 1, finished=at(20))],
+         init=[term(RESTORE, 0, finished=at(1)), term(SIDECAR, 1, finished=at(5))]),
+     "SidecarFailed",
+     "spotguard's container spotguard-sidecar exited with code 1 (not the training code): the newest checkpoint "
+     "could not be verified in storage; see its log (then container trainer failed too)"),
+    ("crash-looping native sidecar died first",
+     pod("Failed", containers=[term("trainer", 1, finished=at(20))], init=[crashlooping_native(2, at(5))]),
+     "SidecarFailed",
+     "spotguard's container spotguard-sidecar exited with code 2 (not the training code); see its log "
+     "(then container trainer failed too)"),
+    ("trainer failed first, then the sidecar",
+     pod("Failed", containers=[term("trainer", 3, finished=at(5)), term(SIDECAR, 1, finished=at(20))]),
+     "Error",
+     "container trainer exited with code 3 (spotguard's container spotguard-sidecar also exited with code 1, "
+     "not before it)"),
+    ("both in the same second: the training code's own exit is the cause",
+     pod("Failed", containers=[term("trainer", 3, finished=at(5)), term(SIDECAR, 1, finished=at(5))]),
+     "Error",
+     "container trainer exited with code 3 (spotguard's container spotguard-sidecar also exited with code 1, "
+     "not before it)"),
+    ("trainer OOMKilled after the sidecar failed: still the sidecar first",
+     pod("Failed", containers=[term("trainer", 137, "OOMKilled", finished=at(9)), term(SIDECAR, 2, finished=at(3))]),
+     "SidecarFailed",
+     "spotguard's container spotguard-sidecar exited with code 2 (not the training code); see its log "
+     "(then container trainer failed too)"),
+    ("trainer OOMKilled first, sidecar failed later",
+     pod("Failed", containers=[term("trainer", 137, "OOMKilled", finished=at(3)), term(SIDECAR, 1, finished=at(9))]),
+     "OOMKilled",
+     "container trainer was killed for using too much memory (OOMKilled) (spotguard's container spotguard-sidecar "
+     "also exited with code 1, not before it)"),
+    ("native sidecar crashed once but runs again: not blamed",
+     pod("Failed", containers=[term("trainer", 1, finished=at(20))], init=[restarted_native(2, at(5))]),
+     "Error", "container trainer exited with code 1"),
+    ("restore failed, with its error",
+     pod("Failed", init=[term(RESTORE, 1, message="error: no verified checkpoint readable: AccessDenied\n")]),
+     "RestoreFailed",
+     "spotguard's container spotguard-restore exited with code 1 (not the training code): could not stage the "
+     "latest verified checkpoint (check the storage URI and credentials): error: no verified checkpoint readable: "
+     "AccessDenied"),
+    ("restore failed, no message",
+     pod("Failed", init=[term(RESTORE, 1)]), "RestoreFailed",
+     "spotguard's container spotguard-restore exited with code 1 (not the training code): could not stage the "
+     "latest verified checkpoint (check the storage URI and credentials); see its log"),
+    ("the user's init container failed: theirs",
+     pod("Failed", init=[term(RESTORE, 0), term("fetch-data", 3)]), "InitContainerFailed",
+     "init container fetch-data exited with code 3"),
+]
+
+
+@pytest.mark.parametrize(("case", "pod_obj", "reason", "message"), BLAME_CASES, ids=[c[0] for c in BLAME_CASES])
+def test_failures_name_whose_container_failed(case: str, pod_obj: dict[str, Any], reason: str, message: str) -> None:
+    end = classify_pod_end(pod_obj)
+    # Still a failure (it counts against backoffLimit: a crash loop must end), but attributed.
+    assert (end.kind, end.reason, end.message) == ("failed", reason, message), end
+
+
+def test_a_long_termination_message_is_cut() -> None:
+    end = classify_pod_end(pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 2, message="x" * 5000)]))
+    assert end.reason == "SidecarFailed" and len(end.message) < 500
