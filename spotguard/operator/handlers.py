@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ from spotguard.operator.spec import GROUP, PLURAL, VERSION, SpecError
 log = logging.getLogger("spotguard.operator")
 
 FINALIZER = "spotguard.dev/finalizer"
+#: How long a silent replica is presumed alive (kopf's default is 60 s).
+PEERING_LIFETIME_SECONDS = 20
 ANNOTATION_PREFIX = "spotguard.dev"
 
 
@@ -145,6 +148,12 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
+        # Several replicas (peering): kopf pauses every operator that sees another of the
+        # same priority, so each replica draws its own; the highest acts, the others wait.
+        # A replica that dies without a goodbye (force-deleted pod, lost node) is presumed
+        # dead after its lifetime, and the next one takes over.
+        settings.peering.priority = secrets.randbelow(1 << 30) + 1
+        settings.peering.lifetime = PEERING_LIFETIME_SECONDS
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
