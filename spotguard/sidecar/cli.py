@@ -197,19 +197,27 @@ def _sidecar(args: argparse.Namespace) -> int:
         SidecarOptions,
         default_markers,
         run_sidecar,
+        write_termination_text,
     )
     from spotguard.sidecar.supervisor import configure_logging
     from spotguard.storage import StorageError, open_storage
 
     configure_logging(args.verbose)
+    termination_log = _termination_log(args.termination_log)
+
+    def fail(message: str) -> int:
+        # Also where kubectl and the operator read it: the pod's failure names it.
+        write_termination_text(termination_log, f"spotguard: error: {message}")
+        return _fail(message)
+
     if not args.storage:
-        return _fail("no storage: pass --storage URI or set SPOTGUARD_STORAGE_URI")
+        return fail("no storage: pass --storage URI or set SPOTGUARD_STORAGE_URI")
     try:
         sources = _notice_sources(args)
         storage = open_storage(args.storage)
         retention = retention_from_args(args)
     except (ValueError, StorageError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     ckdir: Path = args.checkpoint_dir
     control_dir = args.control_dir or control_dir_from_env(ckdir)
     config = AgentConfig(
@@ -234,12 +242,15 @@ def _sidecar(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
         notice_interval_seconds=args.notice_interval,
-        termination_log=_termination_log(args.termination_log),
+        termination_log=termination_log,
     )
     try:
         return run_sidecar(agent, options, sources, latch)
     except OSError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
+    except Exception as exc:
+        write_termination_text(termination_log, f"spotguard: internal error: {type(exc).__name__}: {exc}")
+        raise
 
 
 # -- run ----------------------------------------------------------------------

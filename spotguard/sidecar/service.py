@@ -510,10 +510,19 @@ def termination_report(preempted: bool, reason: str, verified_step: int | None,
 
 def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
     """Write the report where Kubernetes picks it up; never fails the exit."""
+    write_termination_text(path, json.dumps(report))
+
+
+def write_termination_text(path: Path | None, text: str) -> None:
+    """Write ``text`` as the container's termination message; never fails the exit.
+
+    A sidecar that cannot start leaves its error here (not a JSON report), so
+    the pod's failure says what went wrong.
+    """
     if path is None:
         return
     try:
-        path.write_text(json.dumps(report), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
     except OSError as exc:
         log.warning("could not write the termination report to %s: %s", path, exc)
 

@@ -278,3 +278,39 @@ def test_event_is_posted_on_the_own_pod(kube: Any, own_pod: tuple[Any, Any]) -> 
     assert (ev.type, ev.reason, ev.message) == ("Warning", "MetricsPortUnavailable", message)
     # Tied to this very pod (what `kubectl describe pod` matches on).
     assert ev.involved_object.uid == created.metadata.uid and ev.involved_object.kind == "Pod"
+
+
+def test_a_sidecar_that_cannot_start_leaves_its_error_for_the_pods_failure(tmp_path: Path) -> None:
+    """Its error goes to the termination message, and the pod's failure names spotguard's container with it."""
+    from spotguard.operator.classify import classify_pod_end
+
+    log = tmp_path / "termination-log"
+    with reaping() as procs:
+        sidecar = Proc(
+            spotguard_argv("sidecar", "--storage", "bogus://x", "--metrics-port", "0", "--termination-log", str(log)),
+            base_env(),
+            tmp_path / "sidecar.log",
+        )
+        procs.append(sidecar)
+        code = sidecar.wait()
+    assert code == 2
+    message = log.read_text()
+    assert message.startswith("spotguard: error: unsupported storage URI scheme 'bogus'")
+    finished = {"exitCode": code, "reason": "Error", "message": message, "finishedAt": "2030-01-01T00:00:01Z"}
+    done = {"exitCode": 0, "reason": "Completed", "finishedAt": "2030-01-01T00:09:00Z"}
+    pod = {
+        "metadata": {"name": "j-a1", "namespace": "ns"},
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": done}},
+                {"name": "spotguard-sidecar", "state": {"terminated": finished}},
+            ],
+        },
+    }
+    end = classify_pod_end(pod)
+    assert (end.kind, end.reason) == ("failed", "SidecarFailed")
+    assert (
+        end.message == f"spotguard's container spotguard-sidecar exited with code 2 (not the training code): {message}"
+    )
