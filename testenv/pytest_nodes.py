@@ -5,7 +5,7 @@ process node agent (``python -m testenv.processnode run``) for the session on
 the ``kube`` control plane, waits until its nodes are Ready, and stops it at
 the end, also when tests fail, so that no pod process outlives the session.
 
-``SPOTGUARD_TEST_NODES`` sets how many nodes (default 2).
+``SPOTGUARD_TEST_NODES`` sets how many nodes (default 4: a gang of two, the operator, and a spare).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from testenv.processnode import ProcessNodes
 @pytest.fixture(scope="session")
 def process_nodes(kube: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNodes]:
     """A running process node agent; preempt its nodes with ``process_nodes.preempt(pod, ns, mode)``."""
-    count = int(os.environ.get("SPOTGUARD_TEST_NODES", "2"))
+    count = int(os.environ.get("SPOTGUARD_TEST_NODES", "4"))
     ca = getattr(kube, "kubelet_client_ca", None)  # None for a cluster the tests did not start
     nodes = ProcessNodes.start(
         kube.kubeconfig,

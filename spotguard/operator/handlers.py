@@ -154,6 +154,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         # dead after its lifetime, and the next one takes over.
         settings.peering.priority = secrets.randbelow(1 << 30) + 1
         settings.peering.lifetime = PEERING_LIFETIME_SECONDS
+        # One ClusterKopfPeering (the chart's) for the replicas, also when they watch
+        # only some namespaces (kopf would look for a KopfPeering in each of them).
+        settings.peering.clusterwide = True
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"

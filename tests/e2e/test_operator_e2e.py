@@ -392,3 +392,115 @@ def test_missing_credentials_secret_is_reported_then_recovers(env: Env) -> None:
         c["type"] == "PodBlocked" and c["status"] == "False" for c in s.get("conditions") or []))
     assert st["attempt"] == 1
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
+
+
+DDP_EXAMPLE = ROOT / "examples" / "trainingjob-ddp.yaml"
+
+
+def final_digest(log: str) -> str | None:
+    m = re.search(r"^final digest ([0-9a-f]{64})", log, re.M)
+    return m.group(1) if m else None
+
+
+def active_operator(e: Env) -> str | None:
+    """The replica with the highest kopf peering priority: the one that acts (peers are named by their pod)."""
+    pods = {p.metadata.name for p in e.core.list_namespaced_pod(OPERATOR_NS).items}
+    for body in e.custom.list_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings")["items"]:
+        peers = {k: v for k, v in (body.get("status") or {}).items() if k in pods}
+        if peers:
+            return str(max(peers.items(), key=lambda kv: int(kv[1].get("priority", 0)))[0])
+    return None
+
+
+@pytest.mark.timeout(1500)
+def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwise(env: Env, tmp_path: Path) -> None:
+    """2 nodes x 2 processes: drain (rank 1), shutdown (rank 0, with the active operator force-deleted mid-way),
+    abrupt loss (rank 1); Succeeded with 3 preemptions and the digest of an uninterrupted 4-process run."""
+    doc = yaml.safe_load(DDP_EXAMPLE.read_text())
+    job = doc["metadata"]["name"]
+    spec = doc["spec"]
+    every = int(spec["checkpoint"]["everySteps"])
+    args = list(spec["template"]["spec"]["containers"][0]["args"])
+    steps = int(args[args.index("--steps") + 1])
+    uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
+
+    # Two operator replicas (kopf peering: one acts, the other stands by).
+    env.tool("helm", "upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
+             "--set", "replicaCount=2")
+    wait_for(lambda: len([p for p in env.core.list_namespaced_pod(OPERATOR_NS).items
+                          if p.status.phase == "Running"]) == 2, "two operator replicas", timeout=180, interval=1)
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(DDP_EXAMPLE))
+
+    svc = env.core.read_namespaced_service(job, env.ns)
+    assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
+
+    seen: dict[str, str] = {}  # pod -> uid: each pod name is created once
+    modes = [("drain", 1, 0.2), ("shutdown", 0, 0.45), ("kill", 1, 0.7)]
+    for attempt, (mode, rank, fraction) in enumerate(modes, start=1):
+        pods = [f"{job}-a{attempt}-{r}" for r in (0, 1)]
+        for pod in pods:
+            env.wait_pod_running(pod)
+        target = int(steps * fraction)
+        wait_for(lambda t=target: verified_step(env, uri) >= t, f"a globally verified checkpoint at step {target}",
+                 timeout=300, interval=0.5)
+        if mode == "kill":
+            base = verified_step(env, uri)
+            wait_for(lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint",
+                     timeout=120, interval=0.05)
+        result = env.nodes.preempt(pods[rank], env.ns, mode)
+        print(f"preempted {pods[rank]} by {mode}: {result}")
+        if mode == "shutdown":
+            # Fail the active operator over in the middle of the gang's teardown.
+            env.wait_status(job, "the teardown", lambda s: bool(s.get("teardown")), timeout=120)
+            active = active_operator(env)
+            assert active, "no active operator in the peering object"
+            env.core.delete_namespaced_pod(active, OPERATOR_NS, grace_period_seconds=0)
+            print(f"force-deleted the active operator {active}")
+        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a,
+                        timeout=300)
+        for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items:
+            assert seen.setdefault(p.metadata.name, p.metadata.uid) == p.metadata.uid, f"{p.metadata.name} twice"
+        # The next attempt started only once every pod of this one had stopped.
+        new = [p for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items
+               if p.metadata.labels.get("spotguard.dev/attempt") == str(attempt + 1)]
+        old = [p for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items
+               if p.metadata.labels.get("spotguard.dev/attempt") == str(attempt)]
+        for p in old:
+            assert p.status.phase in ("Succeeded", "Failed"), (p.metadata.name, p.status.phase)
+        assert len(new) <= 2
+
+    st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=600)
+    assert st["phase"] == "Succeeded", st
+    assert st["preemptions"] == 3 and st["failures"] == 0 and st["attempt"] == 4, st
+    events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
+    preempted = [e.message for e in events if e.reason == "Preempted"]
+    print("preempted events:", preempted)
+    assert len(preempted) == 3, preempted
+    assert any("(NodeLost)" in m for m in preempted), preempted
+    assert any(f"{job}-a2-0 on node" in m for m in preempted), preempted  # rank 0's node
+
+    logs = {a: env.trainer_log(f"{job}-a{a}-0") for a in range(1, 5)}
+    for a in (1, 2):  # the graceful modes lose nothing: every rank saved the same step
+        stopped, resumed = preempted_after(logs[a]), resumed_from(logs[a + 1])
+        assert stopped is not None and resumed == stopped, (a, stopped, resumed)
+    lost = last_step(logs[3]) - (resumed_from(logs[4]) or -1)
+    print(f"steps lost: drain 0, shutdown 0, kill {lost} (save interval {every})")
+    assert 0 <= lost <= every, lost
+    got = final_digest(logs[4])
+    assert got is not None, logs[4][-2000:]
+
+    # An uninterrupted run of the same 4 ranks on this machine.
+    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    ref = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "--module", "spotguard.demo.train_ddp", *ref_args],
+        env={"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+             "SPOTGUARD_SAVE_EVERY_STEPS": str(every), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert final_digest(ref.stdout) == got, (final_digest(ref.stdout), got)
+
+    # The standby took over: one replica left running, the job finished under it.
+    running = [p for p in env.core.list_namespaced_pod(OPERATOR_NS).items if p.status.phase == "Running"]
+    assert running, "no operator replica running"
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
