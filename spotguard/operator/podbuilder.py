@@ -141,7 +141,12 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
         env.append(_env_value("SPOTGUARD_BEST_MODE", ck.retention.best_mode))
     if ck.retention.keep_every:
         env.append(_env_value("SPOTGUARD_KEEP_EVERY", str(ck.retention.keep_every)))
-    env += [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
+    env += [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        # The sidecar ties its Events (MetricsPortUnavailable) to its pod without reading it.
+        _field_env("POD_UID", "metadata.uid"),
+    ]
     sec = ck.credentials_secret if credentials else None
     if sec is not None:
         env.append(_secret_env("AWS_ACCESS_KEY_ID", sec.name, sec.access_key_id_key))
@@ -206,11 +211,14 @@ def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[
 
 def restore_container(inj: Injection) -> dict[str, Any]:
     """The init container that stages the newest verified checkpoint."""
-    return _spotguard_container(
+    c = _spotguard_container(
         RESTORE_CONTAINER,
         inj,
         ["spotguard", "restore", "--storage", "$(SPOTGUARD_STORAGE_URI)", "--dest", CHECKPOINT_DIR],
     )
+    # A failed restore says why in its log: its tail becomes the termination message.
+    c["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    return c
 
 
 def sidecar_container(inj: Injection) -> dict[str, Any]:
@@ -227,7 +235,8 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
     # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.
     c["terminationMessagePath"] = "/dev/termination-log"
-    c["terminationMessagePolicy"] = "File"
+    # Its log's tail when it failed without a report: the operator quotes it.
+    c["terminationMessagePolicy"] = "FallbackToLogsOnError"
     if inj.native_sidecar:
         c["restartPolicy"] = "Always"
     return c

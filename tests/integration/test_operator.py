@@ -234,8 +234,8 @@ def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, opera
     run_pod(apis, ns, "life-a1")
     wait_status(apis, ns, "life", "Running", lambda s: s.get("phase") == "Running")
     table = kubectl(kube, "get", "trainingjob", "life", "-n", ns).stdout
-    assert table.split("\n")[0].split() == ["NAME", "PHASE", "ATTEMPT", "PREEMPTIONS", "VERIFIED-STEP", "AGE"]
-    assert table.split("\n")[1].split()[:4] == ["life", "Running", "1", "0"]
+    assert table.split("\n")[0].split() == ["NAME", "PHASE", "ATTEMPT", "NODES", "PREEMPTIONS", "VERIFIED-STEP", "AGE"]
+    assert table.split("\n")[1].split()[:5] == ["life", "Running", "1", "1", "0"]
 
     shutdown_pod(apis, ns, "life-a1")
     st = wait_status(apis, ns, "life", "attempt 2 after a preemption", lambda s: s.get("attempt") == 2)
