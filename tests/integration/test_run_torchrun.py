@@ -35,7 +35,7 @@ STEPS = 60
 SAVE_EVERY = 10
 STEP_DELAY = "0.03"
 PREEMPTIONS = 3
-CRASH_TRIALS = int(os.environ.get("SPOTGUARD_TORCHRUN_CRASH_TRIALS", "30"))
+CRASH_TRIALS = int(os.environ.get("SPOTGUARD_TORCHRUN_CRASH_TRIALS", "20"))
 
 # The workers' output shares one pipe: a line of rank 0 may come glued to
 # another process's (torch's C++ warnings), so lines are searched, not matched.
