@@ -25,6 +25,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -296,9 +297,11 @@ def start_prometheus(
     """Prometheus scraping ``scrape`` (job name -> ["127.0.0.1:port", ...]) with honor_labels,
     so the scraped series keep their own ``namespace``/``job`` labels (as the chart's monitors do).
 
-    ``pods`` (job name -> (kubeconfig, namespace, container port name)) scrapes pods
-    found through the apiserver at their pod IP and that declared port, as a
-    PodMonitor does: pod IPs change with every new pod.
+    ``pods`` (job name -> (kubeconfig, namespace, container port name)) scrapes the
+    Pending/Running pods of the namespace at their pod IP and that declared port,
+    as a PodMonitor does (pod IPs change with every new pod). Debian's Prometheus
+    has no Kubernetes discovery, so a thread of this process lists the pods every
+    second into a ``file_sd`` file, for as long as Prometheus runs.
     """
     port = free_port()
     d = sup.state_dir / f"prometheus-{port}"
@@ -307,15 +310,12 @@ def start_prometheus(
         {"job_name": name, "honor_labels": True, "static_configs": [{"targets": targets}]}
         for name, targets in scrape.items()
     ]
-    for name, (kubeconfig, namespace, port_name) in (pods or {}).items():
-        sd = {"role": "pod", "kubeconfig_file": str(kubeconfig), "namespaces": {"names": [namespace]}}
-        keep = [
-            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": port_name, "action": "keep"},
-            {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Pending|Running", "action": "keep"},
-        ]
+    for name in pods or {}:
+        (d / f"{name}.targets.json").write_text("[]")
         scrape_configs.append(
-            {"job_name": name, "honor_labels": True, "kubernetes_sd_configs": [sd], "relabel_configs": keep}
-        )
+            {"job_name": name, "honor_labels": True,
+             "file_sd_configs": [{"files": [str(d / f"{name}.targets.json")], "refresh_interval": "1s"}]}
+        )  # fmt: skip
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(f) for f in rule_files or []],
@@ -329,7 +329,40 @@ def start_prometheus(
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
     )  # fmt: skip
     wait_until(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 60, "prometheus", svc)
+    if pods:
+        threading.Thread(target=_pod_targets, args=(svc, d, pods), name="prometheus pods", daemon=True).start()
     return PrometheusServer(url)
+
+
+def _pod_targets(svc: Service, d: Path, pods: dict[str, tuple[str | Path, str, str]]) -> None:
+    """Keep the ``file_sd`` files of :func:`start_prometheus` current while its Prometheus runs."""
+    from kubernetes import client, config
+
+    apis: dict[str, Any] = {}
+    while svc.popen.poll() is None:
+        for name, (kubeconfig, namespace, port_name) in pods.items():
+            try:
+                if str(kubeconfig) not in apis:
+                    cfg = client.Configuration()
+                    config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+                    apis[str(kubeconfig)] = client.CoreV1Api(client.ApiClient(cfg))
+                targets = []
+                for pod in apis[str(kubeconfig)].list_namespaced_pod(namespace).items:
+                    if pod.status.phase not in ("Pending", "Running") or not pod.status.pod_ip:
+                        continue
+                    for c in pod.spec.containers:
+                        for p in c.ports or []:
+                            if p.name == port_name:
+                                targets.append(f"{pod.status.pod_ip}:{p.container_port}")
+                text = json.dumps([{"targets": sorted(targets)}])
+                path = d / f"{name}.targets.json"
+                if path.read_text() != text:
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(text)
+                    tmp.replace(path)
+            except Exception:  # noqa: BLE001, S112 - the apiserver may be restarting; try again
+                continue
+        time.sleep(1.0)
 
 
 # --- Kubernetes control plane ------------------------------------------------
