@@ -350,7 +350,7 @@ def _pod_targets(svc: Service, d: Path, pods: dict[str, tuple[str | Path, str, s
                 for pod in apis[str(kubeconfig)].list_namespaced_pod(namespace).items:
                     if pod.status.phase not in ("Pending", "Running") or not pod.status.pod_ip:
                         continue
-                    for c in pod.spec.containers:
+                    for c in [*(pod.spec.init_containers or []), *pod.spec.containers]:  # native sidecars too
                         for p in c.ports or []:
                             if p.name == port_name:
                                 targets.append(f"{pod.status.pod_ip}:{p.container_port}")

@@ -431,6 +431,8 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
                           if p.status.phase == "Running"]) == 2, "two operator replicas", timeout=180, interval=1)
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(DDP_EXAMPLE))
 
+    wait_for(lambda: env.core.list_namespaced_service(env.ns, field_selector=f"metadata.name={job}").items,
+             "the headless Service", timeout=120, interval=0.5)
     svc = env.core.read_namespaced_service(job, env.ns)
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
 
