@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import dist, goodput  # noqa: E402
+from bench import dist, gang, goodput  # noqa: E402
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -796,6 +796,7 @@ BENCHES: dict[str, Any] = {
     "flags": dist.bench_flags,
     "dist-stall": dist.bench_dist_stall,
     "dist-sigterm": dist.bench_dist_sigterm,
+    "gang": gang.bench_gang,
 }
 try:
     from bench import operator_bench
@@ -832,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         # The operator benchmark starts its own store.
         needs_s3 = bool({"upload", "resume", "sigterm", "dist-sigterm"} & set(chosen))
-        needs_kube = "operator" in chosen
+        needs_kube = bool({"operator", "gang"} & set(chosen))
         with cluster.running(work / "services", kube=needs_kube, s3=needs_s3) as env:
             ctx = Ctx(work, env.s3, state_mb, rounds=args.rounds, plots=plots, profile=args.profile)
             ctx.kube = env.kube

@@ -435,6 +435,10 @@ def trainer_log(e: Env, pod: str) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def wait_trainer_log(e: Env, pod: str) -> str:
+    return wait_for(lambda: trainer_log(e, pod), f"{pod}'s trainer log")
+
+
 # --- tests ----------------------------------------------------------------------
 
 
@@ -466,7 +470,7 @@ def test_two_node_job_pods_service_env_and_running(env: Env, tmp_path: Path) -> 
             assert cenv["PET_MASTER_PORT"] == cenv["MASTER_PORT"] and cenv["WORLD_SIZE"] == "2"
             port = int(cenv["MASTER_PORT"])
         # What the trainer process really got.
-        log = wait_for(lambda p=pod.metadata.name: trainer_log(e, p), f"{pod.metadata.name}'s trainer log")
+        log = wait_trainer_log(e, pod.metadata.name)
         assert f"rank={rank} pet_rank={rank} nnodes=2 master=duo-0.duo.{e.ns}.svc.cluster.local:" in log, log
 
     svc = e.core.read_namespaced_service("duo", e.ns)
