@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -530,12 +530,24 @@ def gang_trigger(members: Sequence[Member]) -> Member | None:
     failing because a peer vanished is a consequence); otherwise the member
     that ended first (a pod that is gone first of all), then the lowest rank.
     """
-    ended = [m for m in members if _strength(m.end) > 0]
+    ended = [_being_deleted(m) for m in members]
+    ended = [m for m in ended if _strength(m.end) > 0]
     if not ended:
         return None
     strong = [m for m in ended if _strength(m.end) == 2]
     pool = strong or ended
     return min(pool, key=lambda m: (m.end.ended_at is not None and m.present, m.end.ended_at or "", m.rank))
+
+
+def _being_deleted(m: Member) -> Member:
+    """A running member someone else is deleting (a drain, an eviction, kubectl) ends the attempt now.
+
+    Waiting until it is gone would lose its node from the record and keep the
+    other ranks training until its grace period is over.
+    """
+    if m.end.kind == "running" and m.deleting:
+        return replace(m, end=PodEnd("preempted", "PodDeleted", "the pod is being deleted (drain or eviction)"))
+    return m
 
 
 def _member_where(m: Member) -> str:

@@ -371,3 +371,14 @@ def test_a_look_at_an_unchanged_gang_patches_nothing() -> None:
         again = step(stored, members)
         assert status_patch(stored, again.status) == {}, status_patch(stored, again.status)
         st = stored
+
+
+def test_a_member_being_deleted_by_someone_else_ends_the_attempt_at_once_with_its_node() -> None:
+    st = running()
+    d = step(st, (m(0, RUN), m(1, TERMINATING, deleting=True)))  # a drain: evicted, still in its grace period
+    assert d.status["teardown"]["pod"] == "job-a1-1" and d.status["teardown"]["node"] == "spot-1"
+    assert d.status["teardown"]["reason"] == "PodDeleted"
+    d = step(d.status, (m(0, RUN), m(1, TERMINATING, deleting=True)))
+    assert d.delete_pods == (("job-a1-0", False),)  # the other rank is told to stop now
+    d = step(d.status, (m(0, SIGTERMED, deleting=True), m(1, DELETED, present=False, settled=True, node=None)))
+    assert d.status["preemptions"] == 1 and d.status["lastPodEnd"]["node"] == "spot-1"
