@@ -206,6 +206,7 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
 
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(EXAMPLE))
 
+    verified_at_kill = -1
     modes = [("drain", 0.2), ("shutdown", 0.45), ("kill", 0.7)]
     for attempt, (mode, fraction) in enumerate(modes, start=1):
         pod = f"{job}-a{attempt}"
@@ -218,6 +219,7 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
             base = verified_step(env, uri)
             wait_for(lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint",
                      timeout=120, interval=0.05)
+            verified_at_kill = verified_step(env, uri)
         result = env.nodes.preempt(pod, env.ns, mode)
         print(f"preempted {pod} by {mode}: {result}")
         env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a)
@@ -236,9 +238,12 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     for a in (1, 2):
         stopped, resumed = preempted_after(logs[a]), resumed_from(logs[a + 1])
         assert stopped is not None and resumed == stopped, (a, stopped, resumed)
-    lost = last_step(logs[3]) - (resumed_from(logs[4]) or -1)
-    print(f"steps lost: drain 0, shutdown 0, kill {lost} (save interval {every})")
-    assert 0 <= lost <= every, lost
+    # The abrupt loss: what came after the newest verified checkpoint is lost, never more (how many
+    # steps that is depends on how long the upload and the kill took, not on the product).
+    resumed = resumed_from(logs[4])
+    lost = last_step(logs[3]) - (resumed if resumed is not None else -1)
+    print(f"steps lost: drain 0, shutdown 0, kill {lost} (every {every}, verified at the kill {verified_at_kill})")
+    assert resumed is not None and resumed >= verified_at_kill and lost >= 0, (resumed, verified_at_kill, lost)
     assert f"finished {steps} steps" in logs[4]
 
     # Bitwise: the final checkpoint in storage against an uninterrupted run here.
@@ -382,8 +387,10 @@ def test_missing_credentials_secret_is_reported_then_recovers(env: Env) -> None:
     assert blocked["reason"] == "CreateContainerConfigError", blocked
     assert 'secret "created-later" not found' in blocked["message"], blocked
     assert st["phase"] == "Pending" and st["failures"] == 0 and st["preemptions"] == 0
-    events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
-    assert any(e.reason == "CreateContainerConfigError" and e.type == "Warning" for e in events)
+    # The status is patched first, then the Event is posted: wait for it.
+    wait_for(lambda: any(e.reason == "CreateContainerConfigError" and e.type == "Warning" for e in
+                         env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items),
+             "the CreateContainerConfigError Event", timeout=30, interval=0.5)
     # Create the Secret: kubelet retries, the pod starts, the condition clears.
     secret = env.core.read_namespaced_secret("spotguard-s3", env.ns)
     env.core.create_namespaced_secret(env.ns, {"metadata": {"name": "created-later"}, "data": secret.data})
@@ -424,6 +431,9 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     steps = int(args[args.index("--steps") + 1])
     uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
 
+    # Jobs an earlier test left behind (it failed before deleting them) would hold nodes the gang needs.
+    for left in env.custom.list_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL)["items"]:
+        env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, left["metadata"]["name"])
     # Two operator replicas (kopf peering: one acts, the other stands by).
     env.tool("helm", "upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
              "--set", "replicaCount=2")
