@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEV ?= .dev
-NODES ?= 2
+NODES ?= 4
 PYTEST_ARGS ?=
 
 .PHONY: setup test unit lint demo dev-cluster dev-cluster-down preempt bench clean
