@@ -453,7 +453,8 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         pods = [f"{job}-a{attempt}-{r}" for r in (0, 1)]
         for pod in pods:
             env.wait_pod_running(pod)
-        target = int(steps * fraction)
+        # Preempt each attempt only after it trained and saved something of its own.
+        target = max(int(steps * fraction), verified_step(env, uri) + every)
         wait_for(lambda t=target: verified_step(env, uri) >= t, f"a globally verified checkpoint at step {target}",
                  timeout=300, interval=0.5)
         if mode == "kill":
