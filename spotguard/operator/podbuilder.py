@@ -379,6 +379,10 @@ def build_pod(
         labels[LABEL_NODE_RANK] = str(rank)
         pod_spec["hostname"] = node_hostname(job, rank)
         pod_spec["subdomain"] = service_name(job)
+    if spec.nodes > 1 and spec.host_network and not pod_spec.get("dnsPolicy"):
+        # With the node's network a pod uses the node's resolver unless told otherwise:
+        # rank 0's name behind the headless Service must resolve.
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     if spec.distributed and rank == 0 and spec.host_network:
         # Rank 0's rendezvous store listens on the node's network: a host port.
         trainer = pod_spec["containers"][0]

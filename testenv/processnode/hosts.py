@@ -122,6 +122,11 @@ class ClusterHosts:
             except OSError:
                 head = LOCALHOST
             lines = [head.rstrip("\n") + "\n", "# Cluster DNS of headless Services (process node).\n"]
+            if hosts.subdomain:
+                # Its own name too: a gang's rank 0 connects to its own MASTER_ADDR.
+                base = f"{hosts.hostname}.{hosts.subdomain}"
+                names = f"{base}.{hosts.namespace}.svc.{CLUSTER_DOMAIN} {base}.{hosts.namespace}.svc {base}"
+                lines.append(f"{hosts.ip}\t{names}\n")
         else:
             own = [hosts.hostname]
             if hosts.subdomain:

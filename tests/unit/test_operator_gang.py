@@ -339,6 +339,7 @@ def test_host_network_ports_are_per_job_and_declared() -> None:
         assert sidecar["ports"][0]["containerPort"] == metrics
         assert {e["name"]: e.get("value") for e in trainer["env"]}["PET_MASTER_PORT"] == str(master)
         assert "ports" not in pods[1]["spec"]["containers"][0]  # only rank 0 serves the rendezvous
+        assert all(p["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet" for p in pods)
     # ports written in the spec win
     own = build_pods("c", "ns", "uid-c", spec(nodes=2, template=tmpl, masterPort=29501,
                                              sidecar={"metricsPort": 9555}), 1, OperatorConfig())
