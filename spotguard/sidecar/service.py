@@ -236,7 +236,7 @@ class CheckpointAgent:
     def step(self) -> list[Shipped]:
         """One round of routine duties: notices, shipping, housekeeping."""
         self.handle_notices()
-        shipped = self.shipper.ship(housekeeping=False)
+        shipped = self.shipper.ship(housekeeping=False, should_stop=self._interrupted)
         self.settle_pending()
         if shipped and not self._interrupted():
             self.shipper.housekeeping(self._interrupted)

@@ -217,7 +217,7 @@ class CheckpointShipper:
                     log.info("already in storage: %s", path.name)
 
     def ship(self, newest_only: bool = False, upto_step: int | None = None,
-             housekeeping: bool = True) -> list[Shipped]:
+             housekeeping: bool = True, should_stop: Callable[[], bool] | None = None) -> list[Shipped]:
         """Upload, verify and point to what is pending; then, with
         ``housekeeping``, apply retention and prune local copies.
 
@@ -225,7 +225,10 @@ class CheckpointShipper:
         checkpoint and ignores the retry backoff; ``upto_step`` restricts to
         checkpoints at or below a step. Failures are logged and counted,
         never raised: the next call tries again. A round stops at its first
-        failure (the store is likely down for the rest too).
+        failure (the store is likely down for the rest too). ``should_stop``
+        is asked before each checkpoint: a preemption in the middle of a
+        backlog (a slow store) gets the shipper back at once, for the
+        emergency path to ship only the newest.
         """
         with self._lock:
             paths = {p.name: p for p in self.committed()}
@@ -250,6 +253,8 @@ class CheckpointShipper:
                 now = time.monotonic()
                 names = [n for n in names if self._retry_at.get(n, 0.0) <= now]
             for name in names:
+                if should_stop is not None and should_stop():
+                    break
                 shipped = self._ship_one(paths[name])
                 if shipped is None:
                     if name in self.failed:

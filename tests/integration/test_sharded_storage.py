@@ -498,3 +498,26 @@ def test_cli_average_of_sharded_checkpoints(
     assert set(load_file(str(tmp_path / "o.safetensors"))) == {"state.fc.weight.exp_avg"}
     wrong = cli(env, "ckpt", "average", s3_uri, "--last", "1", "--part", "ema", str(tmp_path / "x.safetensors"))
     assert wrong.returncode == 1 and "has no state part 'ema'" in wrong.stderr
+
+
+def test_a_preemption_in_a_backlog_gets_the_shipper_back_before_the_next_checkpoint(
+    tmp_path: Path, stores: tuple[Storage, Storage]
+) -> None:
+    """A slow store leaves a backlog; a SIGTERM must not wait for all of it before the emergency path."""
+    a, _ = stores
+    node0 = tmp_path / "node0"
+    for step in (10, 20, 30):
+        write_part(node0, step, 0, layout={0: (0,)}, world_size=1)
+    shipper, _ = shipper_for(node0, a)
+    calls: list[int] = []
+
+    def stop_after_first() -> bool:
+        calls.append(len(calls))
+        return len(calls) > 1  # the signal arrives while the first checkpoint is shipped
+
+    done = shipper.ship(housekeeping=False, should_stop=stop_after_first)
+    assert [s.name for s in done] == [checkpoint_name(10)]
+    assert checkpoint_name(20) not in shipper.shipped and checkpoint_name(30) not in shipper.shipped
+    # The emergency path then ships the newest only.
+    newest = shipper.ship(newest_only=True, housekeeping=False)
+    assert [s.name for s in newest] == [checkpoint_name(30)]
