@@ -23,7 +23,7 @@ from spotguard.checkpoint import latest_verified
 STEPS = 80
 SAVE_EVERY = 25
 STEP_DELAY = 0.01
-TRIALS = int(os.environ.get("SPOTGUARD_SIGTERM_TRIALS", "15"))
+TRIALS = int(os.environ.get("SPOTGUARD_SIGTERM_TRIALS", "20"))
 
 
 @pytest.mark.integration
