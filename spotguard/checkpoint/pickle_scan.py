@@ -37,6 +37,15 @@ _SAFE_GLOBALS = {
     ("builtins", "frozenset"),
     ("builtins", "complex"),
     ("builtins", "slice"),
+    # numpy arrays and dtypes (the RNG state frameworks save: HF's
+    # rng_state.pth, numpy.random.get_state()), as torch's weights_only
+    # unpickler accepts them: an empty array of a shape and dtype whose bytes
+    # are then set, and the latin-1 encoding of those bytes. No user code.
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("_codecs", "encode"),
 }
 _SAFE_TORCH_SUFFIXES = ("Storage",)
 

@@ -39,7 +39,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -526,6 +526,266 @@ class Checkpointer:
             self._thread.start()
             return None
 
+    # -- checkpoints a framework writes (Hugging Face Trainer, Lightning) -------------
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the checkpoint due now is a preemption's: save this step,
+        then stop. After :meth:`should_save` under torch.distributed, what
+        every rank agreed on; otherwise whether a preempting request is
+        pending."""
+        if self._dist is not None:
+            return self._agreed is not None and self._agreed.preempt
+        self._poll_control()
+        return any(r.preempt for r in self._pending)
+
+    def commit_folder(
+        self,
+        step: int,
+        folder: str | os.PathLike[str],
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        exclude: Sequence[str] = (),
+    ) -> Path | None:
+        """Commit the checkpoint folder a framework wrote (the Trainer's
+        ``checkpoint-<step>/``, a folder holding a Lightning ``.ckpt``) as
+        spotguard checkpoint ``ckpt-<step>``: every file (hard-linked where
+        possible, else copied; paths matching a glob in ``exclude`` left
+        out), the manifest with checksums written last, atomic rename. It
+        answers the pending requests like :meth:`save` (so a preemption's
+        folder sets :attr:`preempted`), then uploads or prunes like
+        :meth:`save`. The framework's folder is never modified.
+
+        Returns the committed directory, or None when it could not be
+        committed before a preemption's deadline. Collective under
+        torch.distributed: every rank calls it once the framework's save
+        returned; each node's local rank 0 commits the node's part."""
+        from spotguard.trainer import folder as _folder
+
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        checkpoint_name(step)
+        source = Path(folder)
+        if self._dist is not None:
+            with self._save_lock:
+                return self._commit_folder_dist(step, source, epoch, metrics, tuple(exclude))
+        with self._save_lock:
+            self._poll_control()
+            requests, self._pending = self._pending, []
+            preempt = any(r.preempt for r in requests)
+            deadlines = [r.deadline for r in requests if r.deadline is not None]
+            deadline = min(deadlines) if deadlines else None
+            if not self._wait_until(deadline):
+                log.error("previous checkpoint still being written at the deadline; not committing step %d", step)
+                self._finish(requests, None, deadline_exceeded=True)
+                return None
+            start = time.perf_counter()
+            writer = LocalWriter(self.directory, step, algorithm=self.checksum, deadline=deadline,
+                                 durable=emergency_save_is_durable(preempt, self.local_pruner))  # fmt: skip
+            try:
+                for rel in _folder.folder_files(source, exclude):
+                    _folder.link_or_copy(source / rel, writer.tmp / rel, durable=writer.durable)
+                    writer.add_written(rel)
+                seconds = round(time.perf_counter() - start, 6)
+                path = writer.commit(epoch=epoch, metrics=_folder.metrics_of(metrics), job=self.job,
+                                     attempt=self.attempt, reason=_reason(requests),
+                                     request_id=next((r.id for r in reversed(requests)), None),
+                                     timing={"persist_seconds": seconds})  # fmt: skip
+            except DeadlineExceeded as exc:
+                writer.abort()
+                self.last_error = exc
+                log.error("checkpoint of step %d not committed before its deadline", step)
+                self._finish(requests, None, deadline_exceeded=True)
+                return None
+            except BaseException:
+                writer.abort()
+                self._finish(requests, None)
+                raise
+            self._last_snapshot_step = step
+            self._last_save_time = time.monotonic()
+            self.last_committed = path
+            self.last_stall_seconds = self.last_persist_seconds = time.perf_counter() - start
+            log.info("checkpoint %s committed from %s (%.2fs)", path, source, self.last_persist_seconds)
+            self._finish(requests, path)
+            self._after_commit(path)
+            return path
+
+    def _commit_folder_dist(
+        self, step: int, source: Path, epoch: int | None, metrics: Mapping[str, Any] | None, exclude: tuple[str, ...]
+    ) -> Path | None:
+        """``commit_folder`` under torch.distributed (collective)."""
+        from spotguard.checkpoint.manifest import Sharding
+        from spotguard.trainer import folder as _folder
+
+        d = self._dist
+        assert d is not None
+        agreed = self._agreed if self._agreed is not None and self._agreed.step == step else None
+        self._agreed = None
+        requests = agreed.requests if agreed is not None else []
+        ids = {r.id for r in requests}
+        self._pending = [r for r in self._pending if r.id not in ids]
+        preempt = agreed.preempt if agreed is not None else False
+        deadline = agreed.deadline if agreed is not None else None
+        start = time.perf_counter()
+        busy = not self._wait_until(deadline)
+        # Also the barrier: every rank's framework save has returned.
+        any_busy, _, token = d.start_save(busy, False)
+        if any_busy:
+            log.error("a previous checkpoint is still being written at the deadline; not committing step %d", step)
+            self._finish(requests, None, deadline_exceeded=True)
+            if preempt:
+                self._preempted = True
+            return None
+        writer: LocalWriter | None = None
+        listed: list[tuple[str, int, str]] | None = None
+        error: str | None = None
+        deadline_exceeded = False
+        if d.leader:
+            tmp = self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{token:08x}"
+            try:
+                durable = emergency_save_is_durable(preempt, self.local_pruner)
+                writer = LocalWriter(self.directory, step, algorithm=self.checksum, deadline=deadline,
+                                     durable=durable, tmp=tmp)  # fmt: skip
+                for rel in _folder.folder_files(source, exclude):
+                    _folder.link_or_copy(source / rel, writer.tmp / rel, durable=writer.durable)
+                    writer.add_written(rel)
+                listed = _folder.entries_json(writer.entries)
+            except DeadlineExceeded as exc:
+                error, deadline_exceeded = f"node {d.info.node}: {exc}", True
+            except Exception as exc:
+                error = f"node {d.info.node}: {exc}"
+        results = d.gather((d.info.node, d.leader, listed, error, deadline_exceeded), persist=False)
+        errors = [e for _, _, _, e, _ in results if e]
+        deadline_exceeded = any(x for *_, x in results)
+        committed_here = not d.leader
+        if d.leader and writer is not None:
+            if not errors:
+                try:
+                    mine, drop = _folder.node_files([(n, ls) for n, lead, ls, _, _ in results if lead], d.info.node)
+                    for rel in drop:
+                        (writer.tmp / rel).unlink()
+                    seconds = round(time.perf_counter() - start, 6)
+                    writer.commit(
+                        epoch=epoch, metrics=_folder.metrics_of(metrics), job=self.job, attempt=self.attempt,
+                        reason=_reason(requests) if requests or not preempt else "sigterm",
+                        request_id=next((r.id for r in reversed(requests)), None),
+                        timing={"persist_seconds": seconds},
+                        sharding=Sharding(world_size=d.world_size, parts=d.parts, part=d.info.node,
+                                          ranks=d.node_ranks, save_id=f"{token:013x}"),
+                        entries=mine, check_deadline=False,
+                    )  # fmt: skip
+                    committed_here = True
+                except Exception as exc:
+                    error = f"node {d.info.node}: commit failed: {exc}"
+            if not committed_here:
+                writer.abort()
+        commits = d.gather((committed_here, error), persist=False)
+        problems = errors or [e for ok, e in commits if not ok and e]
+        final: Path | None = None
+        if all(ok for ok, _ in commits) and not errors:
+            final = self.directory / checkpoint_name(step)
+            self._last_snapshot_step = step
+            self._last_save_time = time.monotonic()
+            self.last_committed = final
+            self.last_stall_seconds = self.last_persist_seconds = time.perf_counter() - start
+            if d.rank == 0:
+                log.info("checkpoint %s committed from %s on every rank (%.2fs)", final, source,
+                         self.last_persist_seconds)  # fmt: skip
+        else:
+            self.last_error = RuntimeError("; ".join(problems) or "commit failed")
+            log.error("checkpoint of step %d not committed: %s", step, "; ".join(problems))
+        self._finish(requests, final, deadline_exceeded=deadline_exceeded)
+        if preempt:
+            self._preempted = True
+        if final is not None and d.leader:
+            self._after_commit(final)
+        return final
+
+    def resume_folder(self) -> Path | None:
+        """The checkpoint folder to hand to the framework on resume, or None
+        (a fresh start): the newest local checkpoint that verifies (sizes,
+        checksums, every pickle scanned and refused if it would import
+        anything but tensor and array rebuilding, no file the manifest does
+        not list), walking back past bad ones with a warning that names the
+        file; with a storage URI, the newest verified checkpoint in storage
+        instead when it is newer than every good local one (fetched and
+        checked again locally; walking back there too).
+
+        Collective under torch.distributed: every rank gets the same folder."""
+        if self._dist is not None:
+            name = self._choose_restore()
+            if name is None:
+                log.info("no checkpoint to resume from; starting fresh")
+                return None
+            path = self.directory / name
+        else:
+            found: Path | None = None
+            for candidate in reversed(list_local_committed(self.directory)):
+                problem = self._folder_problem(candidate)
+                if problem is None:
+                    found = candidate
+                    break
+                log.warning("not resuming from local checkpoint %s: %s", candidate, problem)
+            if self.storage_uri:
+                fetched = self._fetch_newer(parse_checkpoint_name(found.name) if found is not None else None)
+                found = fetched or found
+            if found is None:
+                log.info("no checkpoint to resume from; starting fresh")
+                return None
+            path = found
+        step = parse_checkpoint_name(path.name)
+        self._last_snapshot_step = step
+        self.last_committed = path
+        self._last_save_time = time.monotonic()
+        log.info("resuming from %s (step %s)", path, step)
+        return path
+
+    def _folder_problem(self, path: Path) -> str | None:
+        """Why a local checkpoint cannot be handed to a framework (None: it can)."""
+        from spotguard.trainer.folder import unlisted_files
+
+        result = verify_local_checkpoint(path)
+        if not result.ok or result.manifest is None:
+            return result.reason
+        if not result.manifest.locally_complete:
+            return "it holds only this node's part"
+        extra = unlisted_files(path, result.manifest)
+        if extra:
+            return f"{extra[0]}: a file the manifest does not list (never checksummed nor scanned; refused)"
+        return None
+
+    def _fetch_newer(self, local_step: int | None) -> Path | None:
+        """Fetch the newest checkpoint in storage newer than ``local_step``
+        that verifies there and again locally, walking back; None if none."""
+        from spotguard.checkpoint.remote import CheckpointCorruptError, list_checkpoint_names, restore_checkpoint
+
+        try:
+            storage = self._open_storage()
+            names = list_checkpoint_names(storage)
+        except Exception as exc:
+            log.warning("could not look for a checkpoint in storage: %s", exc)
+            return None
+        for name in reversed(names):
+            step = parse_checkpoint_name(name)
+            if step is None or (local_step is not None and step <= local_step):
+                break
+            try:
+                info = restore_checkpoint(storage, name, self.directory)
+            except CheckpointCorruptError as exc:
+                log.warning("not resuming from %s: %s", storage.uri_for(name), "; ".join(exc.problems))
+                continue
+            except Exception as exc:
+                log.warning("could not fetch %s: %s", storage.uri_for(name), exc)
+                return None
+            path = Path(info.uri)
+            problem = self._folder_problem(path)
+            if problem is not None:
+                log.warning("not resuming from %s: %s", path, problem)
+                continue
+            self._verified.add(name)
+            return path
+        return None
+
     # -- distributed saves -----------------------------------------------------------
     def _save_dist(
         self, step: int, state: Mapping[str, Any], epoch: int | None, metrics: Mapping[str, Any] | None,
@@ -998,12 +1258,10 @@ class Checkpointer:
 
         def loadable(p: Path) -> bool:
             if p.name not in checked:
-                result = verify_local_checkpoint(p)
-                ok = result.ok and result.manifest is not None and result.manifest.locally_complete
-                if not ok:
-                    why = result.reason if not result.ok else "holds only this node's part"
+                why = self._folder_problem(p)
+                if why is not None:
                     log.warning("local checkpoint %s cannot be restored here: %s", p, why)
-                checked[p.name] = ok
+                checked[p.name] = why is None
             return checked[p.name]
 
         bound: int | None = None
@@ -1025,35 +1283,51 @@ class Checkpointer:
         local_name = checkpoint_name(agreed) if agreed >= 0 else None
         if not self.storage_uri:
             return local_name
-        remote: str | None = None
+        # Newer checkpoints in storage, newest first (rank 0 looks), each
+        # verified there, then fetched by every node and checked again:
+        # the first that every node has wins; a bad one is walked past.
+        candidates: list[str] = []
         if d.rank == 0:
             try:
-                from spotguard.checkpoint.remote import latest_verified, list_checkpoint_names
+                from spotguard.checkpoint.remote import list_checkpoint_names
 
-                storage = self._open_storage()
-                # Verify in storage only when it names something newer than the local choice.
-                newer = [n for n in list_checkpoint_names(storage) if (parse_checkpoint_name(n) or -1) > agreed]
-                info = latest_verified(storage)[0] if newer else None
-                if info is not None and info.step > agreed:
-                    remote = info.name
+                candidates = [n for n in reversed(list_checkpoint_names(self._open_storage()))
+                              if (parse_checkpoint_name(n) or -1) > agreed]  # fmt: skip
             except Exception as exc:
                 log.warning("could not look for a newer checkpoint in storage: %s", exc)
-        remote = d.broadcast(remote)
-        if remote is None:
-            return local_name
-        ok = True
-        if d.leader:
-            try:
-                from spotguard.checkpoint.remote import restore_checkpoint
+        candidates = d.broadcast(candidates)
+        for remote in candidates:
+            ok = True
+            if d.rank == 0:
+                try:
+                    from spotguard.checkpoint.remote import verify_checkpoint
 
-                restore_checkpoint(self._open_storage(), remote, self.directory)
-            except Exception as exc:
-                ok = False
-                log.error("could not restore %s from storage: %s", remote, exc)
-        if all(d.gather(ok, persist=False)):
-            self._verified.add(remote)
-            return remote
-        log.warning("restoring %s", local_name or "nothing (fresh start)")
+                    verdict = verify_checkpoint(self._open_storage(), remote)
+                    ok = verdict.ok
+                    if not ok:
+                        log.warning("not resuming from %s: %s", remote, verdict.reason)
+                except Exception as exc:
+                    ok = False
+                    log.warning("could not verify %s in storage: %s", remote, exc)
+            if not d.broadcast(ok):
+                continue
+            if d.leader:
+                try:
+                    from spotguard.checkpoint.remote import restore_checkpoint
+
+                    restore_checkpoint(self._open_storage(), remote, self.directory)
+                    why = self._folder_problem(self.directory / remote)
+                    if why is not None:
+                        ok = False
+                        log.warning("not resuming from %s: %s", self.directory / remote, why)
+                except Exception as exc:
+                    ok = False
+                    log.error("could not restore %s from storage: %s", remote, exc)
+            if all(d.gather(ok, persist=False)):
+                self._verified.add(remote)
+                return remote
+        if candidates:
+            log.warning("restoring %s", local_name or "nothing (fresh start)")
         return local_name
 
     def _load_local(self, path: Path) -> RestoredState | None:
