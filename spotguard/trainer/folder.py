@@ -134,7 +134,9 @@ def metrics_of(metrics: Mapping[str, object] | None) -> dict[str, float] | None:
         return None
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if isinstance(value, bool | str):
+            continue
+        if not isinstance(value, int | float):
             try:
                 value = float(value)  # type: ignore[arg-type]  # a 0-d tensor
             except (TypeError, ValueError):
