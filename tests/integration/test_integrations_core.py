@@ -62,8 +62,9 @@ def _worker(argv: list[str]) -> int:
                 (frame / "model.safetensors").write_bytes(model)
             committed[step] = str(ck.commit_folder(step, frame))
     _core.reset()
-    Path(args.out, f"info-{rank}.json").write_text(json.dumps({"resumed": str(resumed) if resumed else None,
-                                                                "files": files, "committed": committed}))
+    Path(args.out, f"info-{rank}.json").write_text(
+        json.dumps({"resumed": str(resumed) if resumed else None, "files": files, "committed": committed})
+    )
     dist.destroy_process_group()
     return 0
 
@@ -91,8 +92,10 @@ def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
     opts = s3_options(s3_store)
     ck = Checkpointer(tmp_path / "a", storage_uri=s3_uri, storage_options=opts, upload=True, handle_signals=False)
     for step in (5, 10):
-        src = write_folder(tmp_path / f"checkpoint-{step}", {"model.safetensors": b"w%d" % step,
-                                                           "rng_state.pth": pickle.dumps({"s": step}, protocol=2)})
+        src = write_folder(
+            tmp_path / f"checkpoint-{step}",
+            {"model.safetensors": b"w%d" % step, "rng_state.pth": pickle.dumps({"s": step}, protocol=2)},
+        )
         assert ck.commit_folder(step, src) is not None
     ck.close()
     storage = open_storage(s3_uri, **opts)
