@@ -41,11 +41,14 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
 # extra then finds it installed instead of pulling PyPI's default build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch
 COPY --from=wheel /wheels /tmp/wheels
-RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch]" && rm -rf /tmp/wheels
-# The examples; examples/train.py is a link to the packaged demo trainer.
+# With the framework integrations (Hugging Face Trainer, Lightning).
+RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch,hf,lightning]" && rm -rf /tmp/wheels
+# The examples; examples/train*.py are links to the packaged example trainers.
 COPY examples /opt/spotguard/examples
-RUN ln -sf "$(python -c 'import importlib.util as u; print(u.find_spec("spotguard.demo.train").origin)')" \
-        /opt/spotguard/examples/train.py
+RUN for m in train train_ddp train_hf train_lightning; do \
+        ln -sf "$(python -c "import importlib.util as u; print(u.find_spec('spotguard.demo.$m').origin)")" \
+            "/opt/spotguard/examples/$m.py"; \
+    done
 USER 65532:65532
 WORKDIR /home/spotguard
 ENTRYPOINT []

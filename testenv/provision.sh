@@ -93,12 +93,12 @@ fi  # PYTHON_ONLY
 stamp=$VENV/.spotguard-provisioned
 want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  step "python: virtualenv at $VENV (torch $TORCH_VERSION CPU, dev extras)"
+  step "python: virtualenv at $VENV (torch $TORCH_VERSION CPU, dev, hf and lightning extras)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first and pinned, so nothing resolves a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[torch,dev]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[torch,dev,hf,lightning]"
   "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check >&2; die "pip check failed"; }
   echo "$want" > "$stamp"
 fi

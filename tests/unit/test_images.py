@@ -297,7 +297,11 @@ def test_trainer_image_carries_what_the_example_runs() -> None:
             for c in d["spec"]["template"]["spec"]["containers"]:
                 stage = images[split_image(c["image"])[0]]
                 runs = " ".join(a for i, a in stage.instructions if i == "RUN")
-                assert re.search(r"\.whl\)?\[torch\]", runs), f"{stage.name} does not install spotguard[torch]"
+                extras = re.search(r"\.whl\)?\[([a-z,]+)\]", runs)
+                installed = set(extras.group(1).split(",")) if extras else set()
+                assert "torch" in installed, f"{stage.name} does not install spotguard[torch]"
+                # The framework examples (train_hf, train_lightning) run in the same image.
+                assert {"hf", "lightning"} <= installed, f"{stage.name}: no framework extras"
                 args = {a.split("=")[0].split()[0] for i, a in stage.instructions if i == "ARG"}
                 assert "TORCH_VARIANT" in args, f"{stage.name}: no build argument picks the CPU or CUDA torch wheel"
                 assert any(i == "COPY" and a.split()[0] == "examples" for i, a in stage.instructions), (
