@@ -546,6 +546,7 @@ class Checkpointer:
         epoch: int | None = None,
         metrics: Mapping[str, Any] | None = None,
         exclude: Sequence[str] = (),
+        blocking: bool | None = None,
     ) -> Path | None:
         """Commit the checkpoint folder a framework wrote (the Trainer's
         ``checkpoint-<step>/``, a folder holding a Lightning ``.ckpt``) as
@@ -556,10 +557,17 @@ class Checkpointer:
         folder sets :attr:`preempted`), then uploads or prunes like
         :meth:`save`. The framework's folder is never modified.
 
-        Returns the committed directory, or None when it could not be
-        committed before a preemption's deadline. Collective under
-        torch.distributed: every rank calls it once the framework's save
-        returned; each node's local rank 0 commits the node's part."""
+        Two-phase like :meth:`save`: the files are linked now (the only time
+        training waits; the framework may rotate its folder away right
+        after), their checksums and the manifest follow in the background
+        (returns None; a later save or :meth:`wait` waits for it), or at once
+        when ``blocking``, for a preemption, or with ``async_save=False``
+        (returns the committed directory, or None when it could not be
+        committed before the deadline).
+
+        Collective under torch.distributed: every rank calls it once the
+        framework's save returned; each node's local rank 0 commits the
+        node's part (synchronously)."""
         from spotguard.trainer import folder as _folder
 
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -583,32 +591,64 @@ class Checkpointer:
             writer = LocalWriter(self.directory, step, algorithm=self.checksum, deadline=deadline,
                                  durable=emergency_save_is_durable(preempt, self.local_pruner))  # fmt: skip
             try:
-                for rel in _folder.folder_files(source, exclude):
+                names = _folder.folder_files(source, exclude)
+                for rel in names:
                     _folder.link_or_copy(source / rel, writer.tmp / rel, durable=writer.durable)
-                    writer.add_written(rel)
-                seconds = round(time.perf_counter() - start, 6)
-                path = writer.commit(epoch=epoch, metrics=_folder.metrics_of(metrics), job=self.job,
-                                     attempt=self.attempt, reason=_reason(requests),
-                                     request_id=next((r.id for r in reversed(requests)), None),
-                                     timing={"persist_seconds": seconds})  # fmt: skip
-            except DeadlineExceeded as exc:
-                writer.abort()
-                self.last_error = exc
-                log.error("checkpoint of step %d not committed before its deadline", step)
-                self._finish(requests, None, deadline_exceeded=True)
-                return None
             except BaseException:
                 writer.abort()
                 self._finish(requests, None)
                 raise
+            # From here on the framework may delete or rotate its folder: the
+            # checkpoint holds its own links. Checksums and the manifest are
+            # phase two: in the background, or now for a preemption.
+            self.last_stall_seconds = time.perf_counter() - start
             self._last_snapshot_step = step
             self._last_save_time = time.monotonic()
-            self.last_committed = path
-            self.last_stall_seconds = self.last_persist_seconds = time.perf_counter() - start
-            log.info("checkpoint %s committed from %s (%.2fs)", path, source, self.last_persist_seconds)
-            self._finish(requests, path)
-            self._after_commit(path)
-            return path
+            job = _PersistJob(step, None, epoch, _folder.metrics_of(metrics), requests, deadline,
+                              self.last_stall_seconds)  # fmt: skip
+
+            def persist() -> Path | None:
+                return self._persist_folder(job, writer, names, source)
+
+            sync = blocking if blocking is not None else (preempt or not self.async_save)
+            if sync:
+                return persist()
+            self._thread = threading.Thread(target=persist, name="spotguard-persist", daemon=True)
+            self._thread.start()
+            return None
+
+    def _persist_folder(self, job: _PersistJob, writer: LocalWriter, names: list[str], source: Path) -> Path | None:
+        """Phase two of ``commit_folder``: checksum the linked files, write the
+        manifest last, rename; then answer the requests and ship."""
+        start = time.perf_counter()
+        try:
+            for rel in names:
+                writer.add_written(rel)
+            persist = round(time.perf_counter() - start, 6)
+            path = writer.commit(epoch=job.epoch, metrics=job.metrics, job=self.job, attempt=self.attempt,
+                                 reason=_reason(job.requests),
+                                 request_id=next((r.id for r in reversed(job.requests)), None),
+                                 timing={"snapshot_seconds": round(job.snapshot_seconds, 6),
+                                         "persist_seconds": persist,
+                                         "save_seconds": round(job.snapshot_seconds + persist, 6)})  # fmt: skip
+        except DeadlineExceeded as exc:
+            writer.abort()
+            self.last_error = exc
+            log.error("checkpoint of step %d not committed before its deadline", job.step)
+            self._finish(job.requests, None, deadline_exceeded=True)
+            return None
+        except Exception as exc:
+            writer.abort()
+            self.last_error = exc
+            log.error("checkpoint of step %d from %s failed: %s", job.step, source, exc)
+            self._finish(job.requests, None)
+            return None
+        self.last_committed = path
+        self.last_persist_seconds = time.perf_counter() - start
+        log.info("checkpoint %s committed from %s (%.2fs)", path, source, self.last_persist_seconds)
+        self._finish(job.requests, path)
+        self._after_commit(path)
+        return path
 
     def _commit_folder_dist(
         self, step: int, source: Path, epoch: int | None, metrics: Mapping[str, Any] | None, exclude: tuple[str, ...]

@@ -96,7 +96,7 @@ def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
             tmp_path / f"checkpoint-{step}",
             {"model.safetensors": b"w%d" % step, "rng_state.pth": pickle.dumps({"s": step}, protocol=2)},
         )
-        assert ck.commit_folder(step, src) is not None
+        assert ck.commit_folder(step, src, blocking=True) is not None
     ck.close()
     storage = open_storage(s3_uri, **opts)
     assert verify_checkpoint(storage, "ckpt-000000000010").ok

@@ -93,7 +93,9 @@ def test_commit_folder_then_resume_folder_round_trip(tmp_path: Path) -> None:
                        {"model.safetensors": b"weights", "sub/optimizer.pt": b"\x80\x02}q\x00.",
                         "training_args.bin": b"\x80\x02}q\x00."})  # fmt: skip
     ck = Checkpointer(tmp_path / "spotguard", handle_signals=False)
-    path = ck.commit_folder(7, src, epoch=1, metrics={"loss": 1.5, "note": "x"}, exclude=("training_args.bin",))
+    path = ck.commit_folder(
+        7, src, epoch=1, metrics={"loss": 1.5, "note": "x"}, exclude=("training_args.bin",), blocking=True
+    )
     assert path is not None and path.name == "ckpt-000000000007"
     m = read_local_manifest(path)
     assert sorted(e.path for e in m.files) == ["model.safetensors", "sub/optimizer.pt"]
@@ -116,7 +118,7 @@ def test_resume_folder_walks_back_past_a_planted_file_and_a_code_pickle(
     ck = Checkpointer(tmp_path / "spotguard", handle_signals=False, keep_local=3)
     for step in (1, 2, 3):
         src = write_folder(tmp_path / f"f{step}", {"model.safetensors": b"w%d" % step, "rng_state.pth": b"\x80\x02}."})
-        ck.commit_folder(step, src)
+        ck.commit_folder(step, src)  # in the background: the next one waits for it
     ck.close()
     newest, middle, oldest = reversed(list_local_committed(tmp_path / "spotguard"))
     (newest / "extra.pt").write_bytes(b"\x80\x02}.")  # not in the manifest
@@ -146,4 +148,19 @@ def test_stop_requested_follows_a_preempting_request(tmp_path: Path) -> None:
     src = write_folder(tmp_path / "f", {"a.bin": b"x"})
     assert ck.commit_folder(3, src) is not None
     assert ck.preempted and not ck.stop_requested
+    ck.close()
+
+
+def test_commit_folder_links_now_and_checksums_in_the_background(tmp_path: Path) -> None:
+    src = write_folder(tmp_path / "checkpoint-4", {"model.safetensors": b"w" * 4096, "a/b.json": b"{}"})
+    ck = Checkpointer(tmp_path / "spotguard", handle_signals=False)
+    assert ck.commit_folder(4, src) is None  # phase two runs in the background
+    # The framework rotates its folder away at once: the checkpoint holds its own links.
+    for p in sorted(src.rglob("*"), reverse=True):
+        p.unlink() if p.is_file() else p.rmdir()
+    assert ck.wait(30)
+    assert ck.last_committed is not None and ck.last_committed.name == "ckpt-000000000004"
+    m = read_local_manifest(ck.last_committed)
+    assert [(e.path, e.size) for e in m.files] == [("a/b.json", 2), ("model.safetensors", 4096)]
+    assert m.timing is not None and "persist_seconds" in m.timing
     ck.close()
