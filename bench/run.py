@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import dist, gang, goodput  # noqa: E402
+from bench import dist, frameworks, gang, goodput  # noqa: E402
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -797,6 +797,7 @@ BENCHES: dict[str, Any] = {
     "dist-stall": dist.bench_dist_stall,
     "dist-sigterm": dist.bench_dist_sigterm,
     "gang": gang.bench_gang,
+    "frameworks": frameworks.bench_frameworks,
 }
 try:
     from bench import operator_bench

@@ -527,3 +527,56 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     running = [p for p in env.core.list_namespaced_pod(OPERATOR_NS).items if p.status.phase == "Running"]
     assert running, "no operator replica running"
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
+
+
+HF_EXAMPLE = ROOT / "examples" / "trainingjob-hf.yaml"
+
+
+@pytest.mark.timeout(1200)
+def test_hf_trainer_job_survives_drain_and_shutdown_bitwise(env: Env, tmp_path: Path) -> None:
+    """The Hugging Face Trainer example as a TrainingJob: drained, then its node shut down; Succeeded with
+    2 preemptions, no step lost, and the digest of an uninterrupted run (weights, optimizer, scheduler, RNG)."""
+    doc = yaml.safe_load(HF_EXAMPLE.read_text())
+    job = doc["metadata"]["name"]
+    args = list(doc["spec"]["template"]["spec"]["containers"][0]["args"])
+    steps, every = int(args[args.index("--steps") + 1]), int(args[args.index("--save-every") + 1])
+    for left in env.custom.list_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL)["items"]:
+        env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, left["metadata"]["name"])
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(HF_EXAMPLE))
+
+    for attempt, (mode, fraction) in enumerate([("drain", 0.3), ("shutdown", 0.6)], start=1):
+        pod = f"{job}-a{attempt}"
+        env.wait_pod_running(pod)
+        wait_for(lambda p=pod: resumed_from(env.trainer_log(p)) is not None
+                 or "starting from scratch" in env.trainer_log(p), f"{pod} to start", timeout=300, interval=0.2)
+        start = resumed_from(env.trainer_log(pod)) or 0
+        # Between two of the Trainer's own saves: the preemption's checkpoint is an extra one.
+        target = max(int(steps * fraction), start + every) + every // 2
+        wait_for(lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t, f"{pod} training past step {target}",
+                 timeout=300, interval=0.2)
+        result = env.nodes.preempt(pod, env.ns, mode)
+        print(f"preempted {pod} by {mode}: {result}")
+        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a,
+                        timeout=300)
+
+    st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=600)
+    assert st["phase"] == "Succeeded", st
+    assert st["preemptions"] == 2 and st["failures"] == 0 and st["attempt"] == 3, st
+    logs = {a: env.trainer_log(f"{job}-a{a}") for a in (1, 2, 3)}
+    for a in (1, 2):  # graceful modes: the step the Trainer stopped at is the step the next pod resumed from
+        stopped, resumed = preempted_after(logs[a]), resumed_from(logs[a + 1])
+        assert stopped is not None and resumed == stopped, (a, stopped, resumed, logs[a][-1500:])
+        assert stopped % every != 0, f"attempt {a} stopped at a regular save ({stopped}): not an emergency save"
+    assert f"finished {steps} steps" in logs[3]
+    got = final_digest(logs[3])
+    assert got is not None, logs[3][-2000:]
+
+    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    ref_args[ref_args.index("--output-dir") + 1] = str(tmp_path / "hf-output")
+    ref = subprocess.run([sys.executable, "-m", "spotguard.demo.train_hf", *ref_args],
+                         env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path),
+                              "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert final_digest(ref.stdout) == got, (final_digest(ref.stdout), got)
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
