@@ -566,8 +566,8 @@ class Checkpointer:
         committed before the deadline).
 
         Collective under torch.distributed: every rank calls it once the
-        framework's save returned; each node's local rank 0 commits the
-        node's part (synchronously)."""
+        framework's save returned; each node's local rank 0 links and commits
+        the node's part."""
         from spotguard.trainer import folder as _folder
 
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -576,7 +576,7 @@ class Checkpointer:
         source = Path(folder)
         if self._dist is not None:
             with self._save_lock:
-                return self._commit_folder_dist(step, source, epoch, metrics, tuple(exclude))
+                return self._commit_folder_dist(step, source, epoch, metrics, tuple(exclude), blocking)
         with self._save_lock:
             self._poll_control()
             requests, self._pending = self._pending, []
@@ -651,10 +651,13 @@ class Checkpointer:
         return path
 
     def _commit_folder_dist(
-        self, step: int, source: Path, epoch: int | None, metrics: Mapping[str, Any] | None, exclude: tuple[str, ...]
+        self, step: int, source: Path, epoch: int | None, metrics: Mapping[str, Any] | None,
+        exclude: tuple[str, ...], blocking: bool | None,
     ) -> Path | None:
-        """``commit_folder`` under torch.distributed (collective)."""
-        from spotguard.checkpoint.manifest import Sharding
+        """``commit_folder`` under torch.distributed (collective): every
+        node's local rank 0 links its node's files now; checksums, the part
+        manifest and the agreement that every node committed follow on the
+        writer thread (its own process group), like a distributed save."""
         from spotguard.trainer import folder as _folder
 
         d = self._dist
@@ -666,9 +669,14 @@ class Checkpointer:
         self._pending = [r for r in self._pending if r.id not in ids]
         preempt = agreed.preempt if agreed is not None else False
         deadline = agreed.deadline if agreed is not None else None
+        sync = blocking if blocking is not None else (preempt or not self.async_save)
         start = time.perf_counter()
         busy = not self._wait_until(deadline)
-        # Also the barrier: every rank's framework save has returned.
+        writer: LocalWriter | None = None
+        names: list[str] = []
+        error: BaseException | None = None
+        # The token names the node's temporary directory and the save; the
+        # all_reduce is also the barrier: every rank's framework save returned.
         any_busy, _, token = d.start_save(busy, False)
         if any_busy:
             log.error("a previous checkpoint is still being written at the deadline; not committing step %d", step)
@@ -676,26 +684,73 @@ class Checkpointer:
             if preempt:
                 self._preempted = True
             return None
-        writer: LocalWriter | None = None
-        listed: list[tuple[str, int, str]] | None = None
-        error: str | None = None
-        deadline_exceeded = False
         if d.leader:
-            tmp = self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{token:08x}"
             try:
-                durable = emergency_save_is_durable(preempt, self.local_pruner)
                 writer = LocalWriter(self.directory, step, algorithm=self.checksum, deadline=deadline,
-                                     durable=durable, tmp=tmp)  # fmt: skip
-                for rel in _folder.folder_files(source, exclude):
+                                     durable=emergency_save_is_durable(preempt, self.local_pruner),
+                                     tmp=self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{token:08x}")  # fmt: skip
+                names = _folder.folder_files(source, exclude)
+                for rel in names:
                     _folder.link_or_copy(source / rel, writer.tmp / rel, durable=writer.durable)
+            except BaseException as exc:
+                error = exc
+        # Every rank may go on once its node's files are linked (the framework may rotate them away).
+        linked = d.gather(error is None, persist=False)
+        self.last_stall_seconds = time.perf_counter() - start
+        self._last_snapshot_step = step
+        self._last_save_time = time.monotonic()
+        job = _PersistJob(step, None, epoch, _folder.metrics_of(metrics), requests, deadline, self.last_stall_seconds,
+                          token=token, preempt=preempt)  # fmt: skip
+        failed = None if all(linked) else (f"node {d.info.node}: {error}" if error is not None else "")
+        thread = threading.Thread(target=self._persist_folder_dist, args=(job, writer, names, source, failed),
+                                  name="spotguard-persist", daemon=True)  # fmt: skip
+        self._thread = thread
+        thread.start()
+        if not sync:
+            return None
+        timeout = None if deadline is None else max(0.0, deadline - time.time()) + 1.0
+        thread.join(timeout)
+        if not thread.is_alive():
+            self._thread = None
+        else:
+            log.error("checkpoint of step %d not committed by its deadline", step)
+        if preempt:
+            self._preempted = True
+        return job.result
+
+    def _persist_folder_dist(
+        self, job: _PersistJob, writer: LocalWriter | None, names: list[str], source: Path, failed: str | None
+    ) -> None:
+        """Phase two of a distributed ``commit_folder`` on the writer thread
+        (collectives on the persist group only)."""
+        from spotguard.checkpoint.manifest import Sharding
+        from spotguard.trainer import folder as _folder
+
+        d = self._dist
+        assert d is not None
+        start = time.perf_counter()
+        listed: list[tuple[str, int, str]] | None = None
+        error: str | None = failed
+        deadline_exceeded = False
+        if writer is not None and error is None:
+            try:
+                for rel in names:
                     writer.add_written(rel)
                 listed = _folder.entries_json(writer.entries)
             except DeadlineExceeded as exc:
                 error, deadline_exceeded = f"node {d.info.node}: {exc}", True
             except Exception as exc:
                 error = f"node {d.info.node}: {exc}"
-        results = d.gather((d.info.node, d.leader, listed, error, deadline_exceeded), persist=False)
-        errors = [e for _, _, _, e, _ in results if e]
+        try:
+            results = d.gather((d.info.node, d.leader, listed, error, deadline_exceeded), persist=True)
+        except Exception as exc:
+            log.error("checkpoint of step %d failed: %s", job.step, exc)
+            self.last_error = exc
+            if writer is not None:
+                writer.abort()
+            self._finish(job.requests, None)
+            return
+        errors = [e for _, _, _, e, _ in results if e is not None]
         deadline_exceeded = any(x for *_, x in results)
         committed_here = not d.leader
         if d.leader and writer is not None:
@@ -704,14 +759,15 @@ class Checkpointer:
                     mine, drop = _folder.node_files([(n, ls) for n, lead, ls, _, _ in results if lead], d.info.node)
                     for rel in drop:
                         (writer.tmp / rel).unlink()
-                    seconds = round(time.perf_counter() - start, 6)
+                    persist = round(time.perf_counter() - start, 6)
                     writer.commit(
-                        epoch=epoch, metrics=_folder.metrics_of(metrics), job=self.job, attempt=self.attempt,
-                        reason=_reason(requests) if requests or not preempt else "sigterm",
-                        request_id=next((r.id for r in reversed(requests)), None),
-                        timing={"persist_seconds": seconds},
+                        epoch=job.epoch, metrics=job.metrics, job=self.job, attempt=self.attempt,
+                        reason=_reason(job.requests) if job.requests or not job.preempt else "sigterm",
+                        request_id=next((r.id for r in reversed(job.requests)), None),
+                        timing={"snapshot_seconds": round(job.snapshot_seconds, 6), "persist_seconds": persist,
+                                "save_seconds": round(job.snapshot_seconds + persist, 6)},
                         sharding=Sharding(world_size=d.world_size, parts=d.parts, part=d.info.node,
-                                          ranks=d.node_ranks, save_id=f"{token:013x}"),
+                                          ranks=d.node_ranks, save_id=f"{job.token:013x}"),
                         entries=mine, check_deadline=False,
                     )  # fmt: skip
                     committed_here = True
@@ -719,27 +775,26 @@ class Checkpointer:
                     error = f"node {d.info.node}: commit failed: {exc}"
             if not committed_here:
                 writer.abort()
-        commits = d.gather((committed_here, error), persist=False)
-        problems = errors or [e for ok, e in commits if not ok and e]
+        try:
+            commits = d.gather((committed_here, error), persist=True)
+        except Exception as exc:
+            commits = [(False, f"rank {d.rank}: {exc}")]
+        problems = [e for e in errors if e] or [e for ok, e in commits if not ok and e]
         final: Path | None = None
         if all(ok for ok, _ in commits) and not errors:
-            final = self.directory / checkpoint_name(step)
-            self._last_snapshot_step = step
-            self._last_save_time = time.monotonic()
+            final = self.directory / checkpoint_name(job.step)
             self.last_committed = final
-            self.last_stall_seconds = self.last_persist_seconds = time.perf_counter() - start
+            self.last_persist_seconds = time.perf_counter() - start
             if d.rank == 0:
                 log.info("checkpoint %s committed from %s on every rank (%.2fs)", final, source,
                          self.last_persist_seconds)  # fmt: skip
         else:
             self.last_error = RuntimeError("; ".join(problems) or "commit failed")
-            log.error("checkpoint of step %d not committed: %s", step, "; ".join(problems))
-        self._finish(requests, final, deadline_exceeded=deadline_exceeded)
-        if preempt:
-            self._preempted = True
+            log.error("checkpoint of step %d not committed: %s", job.step, "; ".join(problems) or "commit failed")
+        job.result = final
+        self._finish(job.requests, final, deadline_exceeded=deadline_exceeded)
         if final is not None and d.leader:
             self._after_commit(final)
-        return final
 
     def resume_folder(self) -> Path | None:
         """The checkpoint folder to hand to the framework on resume, or None

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,11 @@ def _worker(argv: list[str]) -> int:
             model = b"model %d" % step + (b" node %d" % node if args.differ else b"")
             if int(os.environ["LOCAL_RANK"]) == 0:
                 (frame / "model.safetensors").write_bytes(model)
-            committed[step] = str(ck.commit_folder(step, frame))
+            ck.commit_folder(step, frame)  # linked now, committed in the background
+            shutil.rmtree(frame)  # the framework's rotation may delete its folder right away
+            ck.wait()
+            done = ck.last_committed
+            committed[step] = str(done) if done is not None and done.name.endswith(f"{step:012d}") else "None"
     _core.reset()
     Path(args.out, f"info-{rank}.json").write_text(
         json.dumps({"resumed": str(resumed) if resumed else None, "files": files, "committed": committed})
@@ -143,8 +148,6 @@ def two_nodes(base: Path, s3_store: Any, s3_uri: str, *extra: str) -> list[dict[
 def test_two_nodes_commit_their_folders_as_one_checkpoint_and_resume_it(
     s3_store: Any, s3_uri: str, tmp_path: Path
 ) -> None:
-    import shutil
-
     from ckpt_helpers import s3_options
 
     from spotguard.checkpoint.remote import verify_checkpoint
