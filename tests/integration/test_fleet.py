@@ -20,7 +20,8 @@ job's final checkpoint (model, optimizer, torch RNG) equals that of one
 uninterrupted run on this machine, a gang's ``final digest`` equals that of an
 uninterrupted two-process ``torchrun``.
 
-The same again with ``hostNetwork: true``: the pods of a node share its ports,
+The same again with ``hostNetwork: true`` (``SPOTGUARD_FLEET_HOSTNET_JOBS``
+jobs, default 8, two of them gangs): the pods of a node share its ports,
 so the operator picks a master port and a metrics port per job and declares
 them, and the scheduler never puts two pods with one port on one node. (Process
 nodes all share this machine's network, so two pods with one port on
@@ -68,7 +69,8 @@ from test_gang import (
 pytestmark = pytest.mark.integration
 
 FLEET_JOBS = int(os.environ.get("SPOTGUARD_FLEET_JOBS", "20"))
-GANGS = max(1, FLEET_JOBS // 5)
+#: The hostNetwork fleet checks ports (per-job picks, declared, never two on one node), not scale.
+HOSTNET_JOBS = int(os.environ.get("SPOTGUARD_FLEET_HOSTNET_JOBS", "8"))
 PREEMPTIONS = int(os.environ.get("SPOTGUARD_FLEET_PREEMPTIONS", "6"))
 MODES = ("drain", "shutdown", "kill")
 #: Long enough that the deaths land mid-training with every job running at once on two cores.
@@ -392,15 +394,17 @@ def test_fleet_survives_random_preemptions_bitwise(
     started = time.monotonic()
     seed = int(os.environ.get("SPOTGUARD_FLEET_SEED") or random.SystemRandom().randrange(1 << 32))
     rng = random.Random(seed)
-    print(f"\nfleet: {FLEET_JOBS} jobs ({GANGS} gangs of 2), {PREEMPTIONS} node deaths, hostNetwork "
+    n_jobs = HOSTNET_JOBS if host_network else FLEET_JOBS
+    gangs = max(2 if host_network else 1, n_jobs // 5)
+    print(f"\nfleet: {n_jobs} jobs ({gangs} gangs of 2), {PREEMPTIONS} node deaths, hostNetwork "
           f"{host_network}, seed {seed} (SPOTGUARD_FLEET_SEED={seed} repeats the choices)")  # fmt: skip
     prefix = "h" if host_network else "p"
-    gang_at = set(rng.sample(range(FLEET_JOBS), GANGS))
+    gang_at = set(rng.sample(range(n_jobs), gangs))
     jobs = {
         j.name: j
         for j in (
             Job(f"{prefix}gang-{i:02d}", 2) if i in gang_at else Job(f"{prefix}solo-{i:02d}", 1)
-            for i in range(FLEET_JOBS)
+            for i in range(n_jobs)
         )
     }
     storage = f"file://{tmp_path}/store"
