@@ -1,0 +1,129 @@
+"""SpotguardCallback inside a real (tiny, in-process) transformers.Trainer, and
+its pure helpers. No services: the Checkpointer writes to a temporary directory."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint  # noqa: E402
+from spotguard.demo import train_hf  # noqa: E402
+from spotguard.integrations import _core  # noqa: E402
+from spotguard.integrations.huggingface import (  # noqa: E402
+    SpotguardCallback,
+    check_directory,
+    last_metrics,
+    stale_folders,
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_checkpointer() -> Iterator[None]:
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    _core.reset()
+    signal.signal(signal.SIGTERM, handler)
+
+
+def tiny_args(out: Path, **kw: Any) -> TrainingArguments:
+    # 96 samples, 4 per step: 24 steps per epoch.
+    base: dict[str, Any] = {"output_dir": str(out), "max_steps": 30, "per_device_train_batch_size": 4,
+                            "report_to": "none", "use_cpu": True, "disable_tqdm": True, "logging_steps": 1}  # fmt: skip
+    return TrainingArguments(**{**base, **kw})
+
+
+class Saves(TrainerCallback):
+    """Counts the Trainer's saves and asks for a preemption after ``at``."""
+
+    def __init__(self, spotguard: SpotguardCallback, at: int) -> None:
+        self.spotguard, self.at, self.saved = spotguard, at, []  # type: ignore[var-annotated]
+
+    def on_save(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.saved.append(state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if state.global_step == self.at:
+            # What spotguard's SIGTERM handler does, without signalling the test process.
+            self.spotguard.checkpointer.request_checkpoint("sigterm", preempt=True)
+
+
+def test_enable_jit_checkpoint_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="enable_jit_checkpoint=False"):
+        Trainer(model=train_hf.build_model(0), args=tiny_args(tmp_path / "out", enable_jit_checkpoint=True),
+                train_dataset=train_hf.TokenDataset(0),
+                callbacks=[SpotguardCallback(directory=str(tmp_path / "ck"), handle_signals=False)])  # fmt: skip
+
+
+def test_preemption_mid_epoch_saves_once_commits_and_stops(tmp_path: Path) -> None:
+    """save_strategy="epoch": the Trainer would save the stopped step a second
+    time at the epoch end, rewriting the committed (hard-linked) files in
+    place; the callback keeps it to one save. A folder of a later step left by
+    an earlier attempt is removed before training (it would be rewritten)."""
+    out = tmp_path / "out"
+    (out / "checkpoint-99").mkdir(parents=True)
+    (out / "checkpoint-99" / "optimizer.pt").write_bytes(b"stale")
+    spotguard = SpotguardCallback(directory=str(tmp_path / "ck"), handle_signals=False)
+    saves = Saves(spotguard, at=6)
+    trainer = Trainer(model=train_hf.build_model(0), args=tiny_args(out, save_strategy="epoch"),
+                      train_dataset=train_hf.TokenDataset(0), callbacks=[spotguard, saves])  # fmt: skip
+    trainer.train()
+    # Asked after spotguard's own check of step 6: the next step saves and stops.
+    assert saves.saved == [7] and trainer.state.global_step == 7 and spotguard.preempted
+    assert not (out / "checkpoint-99").exists()
+    committed = list_local_committed(tmp_path / "ck")
+    assert [p.name for p in committed] == ["ckpt-000000000007"]
+    verdict = verify_local_checkpoint(committed[0])
+    assert verdict.ok, verdict.reason
+    assert verdict.manifest is not None
+    files = {f.path for f in verdict.manifest.files}
+    assert "training_args.bin" not in files and {"optimizer.pt", "rng_state.pth", "trainer_state.json"} <= files
+    assert verdict.manifest.metrics and "loss" in verdict.manifest.metrics
+
+
+def test_every_trainer_save_is_committed_and_resume_path_returns_the_newest(tmp_path: Path) -> None:
+    from spotguard.integrations.huggingface import spotguard_resume_path
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    spotguard = SpotguardCallback(directory=str(ck), handle_signals=False, keep_local=10)
+    trainer = Trainer(model=train_hf.build_model(0), args=tiny_args(out, max_steps=12, save_steps=5),
+                      train_dataset=train_hf.TokenDataset(0), callbacks=[spotguard])  # fmt: skip
+    assert spotguard_resume_path() is None
+    trainer.train()
+    assert [p.name for p in list_local_committed(ck)] == [f"ckpt-{s:012d}" for s in (5, 10, 12)]
+    assert spotguard_resume_path() == str(ck / "ckpt-000000000012")
+
+
+def test_stale_folders_are_the_later_steps_only(tmp_path: Path) -> None:
+    for name in ("checkpoint-5", "checkpoint-10", "checkpoint-40", "checkpoint-x", "other-50"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-60").write_text("a file, not a folder")
+    assert [p.name for p in stale_folders(tmp_path, 10)] == ["checkpoint-40"]
+    assert stale_folders(tmp_path / "missing", 0) == []
+
+
+@pytest.mark.parametrize(("ckpt", "ok"), [
+    ("spotguard", True), ("out", True), ("out/ckpts", True), ("out/checkpoint-10", False),
+    ("out/checkpoint-10/sub", False), ("out/sub/checkpoint-10", True),
+])  # fmt: skip
+def test_checkpoint_directory_must_be_out_of_reach_of_the_rotation(tmp_path: Path, ckpt: str, ok: bool) -> None:
+    if ok:
+        check_directory(tmp_path / "out", tmp_path / ckpt)
+    else:
+        with pytest.raises(ValueError, match="rotation"):
+            check_directory(tmp_path / "out", tmp_path / ckpt)
+
+
+def test_last_metrics_takes_the_newest_numeric_log_entry() -> None:
+    state = SimpleNamespace(log_history=[{"loss": 2.0, "step": 1}, {"loss": 1.5, "learning_rate": 1e-3, "epoch": 0.5,
+                                                                    "step": 2, "note": "x", "flag": True}])  # fmt: skip
+    assert last_metrics(state) == {"loss": 1.5, "learning_rate": 1e-3}  # type: ignore[arg-type]
+    assert last_metrics(SimpleNamespace(log_history=[])) is None  # type: ignore[arg-type]
