@@ -583,6 +583,12 @@ class Checkpointer:
             preempt = any(r.preempt for r in requests)
             deadlines = [r.deadline for r in requests if r.deadline is not None]
             deadline = min(deadlines) if deadlines else None
+            if step == self._last_snapshot_step:
+                # Committed, being committed, or resumed already: a framework
+                # saving the step again (into hard-linked files) is never re-linked.
+                self._wait_until(deadline)
+                self._finish(requests, self.last_committed if self._thread is None else None)
+                return self.last_committed
             if not self._wait_until(deadline):
                 log.error("previous checkpoint still being written at the deadline; not committing step %d", step)
                 self._finish(requests, None, deadline_exceeded=True)
@@ -670,6 +676,12 @@ class Checkpointer:
         preempt = agreed.preempt if agreed is not None else False
         deadline = agreed.deadline if agreed is not None else None
         sync = blocking if blocking is not None else (preempt or not self.async_save)
+        if step == self._last_snapshot_step:  # the same on every rank
+            self._wait_until(deadline)
+            self._finish(requests, self.last_committed if self._thread is None else None)
+            if preempt:
+                self._preempted = True
+            return self.last_committed
         start = time.perf_counter()
         busy = not self._wait_until(deadline)
         writer: LocalWriter | None = None

@@ -164,3 +164,17 @@ def test_commit_folder_links_now_and_checksums_in_the_background(tmp_path: Path)
     assert [(e.path, e.size) for e in m.files] == [("a/b.json", 2), ("model.safetensors", 4096)]
     assert m.timing is not None and "persist_seconds" in m.timing
     ck.close()
+
+
+def test_a_step_saved_again_is_never_committed_again(tmp_path: Path) -> None:
+    src = write_folder(tmp_path / "checkpoint-5", {"trainer_state.json": b"{1}"})
+    ck = Checkpointer(tmp_path / "spotguard", handle_signals=False)
+    first = ck.commit_folder(5, src, blocking=True)
+    assert first is not None
+    # The framework saves step 5 again, rewriting its (hard-linked) file in place: not re-linked.
+    (src / "trainer_state.json").unlink()
+    (src / "trainer_state.json").write_bytes(b"{22}")
+    ck.request_checkpoint("test", preempt=True)
+    assert ck.commit_folder(5, src) == first and ck.preempted  # the request is answered by the commit there is
+    assert (first / "trainer_state.json").read_bytes() == b"{1}"
+    ck.close()
