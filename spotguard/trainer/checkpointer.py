@@ -599,7 +599,7 @@ class Checkpointer:
             try:
                 names = _folder.folder_files(source, exclude)
                 for rel in names:
-                    _folder.link_or_copy(source / rel, writer.tmp / rel, durable=writer.durable)
+                    _folder.link_or_copy(source / rel, writer.tmp / rel)
             except BaseException:
                 writer.abort()
                 self._finish(requests, None)
@@ -624,12 +624,16 @@ class Checkpointer:
             return None
 
     def _persist_folder(self, job: _PersistJob, writer: LocalWriter, names: list[str], source: Path) -> Path | None:
-        """Phase two of ``commit_folder``: checksum the linked files, write the
-        manifest last, rename; then answer the requests and ship."""
+        """Phase two of ``commit_folder``: checksum (and fsync) the linked
+        files, write the manifest last, rename; then answer the requests and ship."""
+        from spotguard.trainer import folder as _folder
+
         start = time.perf_counter()
         try:
             for rel in names:
                 writer.add_written(rel)
+                if writer.durable:
+                    _folder.fsync_file(writer.tmp / rel)
             persist = round(time.perf_counter() - start, 6)
             path = writer.commit(epoch=job.epoch, metrics=job.metrics, job=self.job, attempt=self.attempt,
                                  reason=_reason(job.requests),
@@ -703,7 +707,7 @@ class Checkpointer:
                                      tmp=self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{token:08x}")  # fmt: skip
                 names = _folder.folder_files(source, exclude)
                 for rel in names:
-                    _folder.link_or_copy(source / rel, writer.tmp / rel, durable=writer.durable)
+                    _folder.link_or_copy(source / rel, writer.tmp / rel)
             except BaseException as exc:
                 error = exc
         # Every rank may go on once its node's files are linked (the framework may rotate them away).
@@ -748,6 +752,8 @@ class Checkpointer:
             try:
                 for rel in names:
                     writer.add_written(rel)
+                    if writer.durable:
+                        _folder.fsync_file(writer.tmp / rel)
                 listed = _folder.entries_json(writer.entries)
             except DeadlineExceeded as exc:
                 error, deadline_exceeded = f"node {d.info.node}: {exc}", True

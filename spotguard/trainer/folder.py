@@ -56,20 +56,23 @@ def folder_files(folder: Path, exclude: Sequence[str] = ()) -> list[str]:
     return sorted(out)
 
 
-def link_or_copy(src: Path, dst: Path, *, durable: bool) -> None:
-    """Put ``src``'s contents at ``dst``: a hard link where possible, else a
-    copy; fsynced when ``durable``."""
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Put ``src``'s contents at ``dst``: a hard link where possible, else a copy."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, dst, follow_symlinks=True)
     except OSError:
         shutil.copyfile(src, dst)
-    if durable:
-        fd = os.open(dst, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file's data to disk (frameworks write without fsync; phase two
+    of a commit does it, off the training thread)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def node_files(
