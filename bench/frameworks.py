@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = {"hf": "Hugging Face Trainer", "lightning": "Lightning"}
-OVERHEAD = {"steps": 150, "width": 64, "layers": 2, "save_every": 0}
+OVERHEAD = {"steps": 300, "width": 64, "layers": 2, "save_every": 0}
 # Some 20 M parameters each: GPT-2 blocks of width 512 / an MLP of width 1536.
 STALL = {"hf": {"steps": 36, "width": 512, "layers": 6, "save_every": 8},
          "lightning": {"steps": 36, "width": 1536, "layers": 8, "save_every": 8}}  # fmt: skip
