@@ -491,17 +491,11 @@ class Checkpointer:
             with self._save_lock:
                 return self._save_dist(step, state, epoch, metrics, blocking)
         with self._save_lock:
-            self._poll_control()
-            requests, self._pending = self._pending, []
-            preempt = any(r.preempt for r in requests)
-            deadlines = [r.deadline for r in requests if r.deadline is not None]
-            deadline = min(deadlines) if deadlines else None
+            requests, preempt, deadline = self._take_pending()
             sync = blocking if blocking is not None else (preempt or not self.async_save)
             if step == self._last_snapshot_step:
                 # This step is already committed or being written: wait for it.
-                self._wait_until(deadline)
-                self._finish(requests, self.last_committed if self._thread is None else None)
-                return self.last_committed
+                return self._answer_with_last(requests, deadline)
             if not self._wait_until(deadline):
                 log.error("previous checkpoint still being written at the deadline; not starting step %d", step)
                 self._finish(requests, None, deadline_exceeded=True)
@@ -578,17 +572,11 @@ class Checkpointer:
             with self._save_lock:
                 return self._commit_folder_dist(step, source, epoch, metrics, tuple(exclude), blocking)
         with self._save_lock:
-            self._poll_control()
-            requests, self._pending = self._pending, []
-            preempt = any(r.preempt for r in requests)
-            deadlines = [r.deadline for r in requests if r.deadline is not None]
-            deadline = min(deadlines) if deadlines else None
+            requests, preempt, deadline = self._take_pending()
             if step == self._last_snapshot_step:
                 # Committed, being committed, or resumed already: a framework
                 # saving the step again (into hard-linked files) is never re-linked.
-                self._wait_until(deadline)
-                self._finish(requests, self.last_committed if self._thread is None else None)
-                return self.last_committed
+                return self._answer_with_last(requests, deadline)
             if not self._wait_until(deadline):
                 log.error("previous checkpoint still being written at the deadline; not committing step %d", step)
                 self._finish(requests, None, deadline_exceeded=True)
@@ -718,21 +706,7 @@ class Checkpointer:
         job = _PersistJob(step, None, epoch, _folder.metrics_of(metrics), requests, deadline, self.last_stall_seconds,
                           token=token, preempt=preempt)  # fmt: skip
         failed = None if all(linked) else (f"node {d.info.node}: {error}" if error is not None else "")
-        thread = threading.Thread(target=self._persist_folder_dist, args=(job, writer, names, source, failed),
-                                  name="spotguard-persist", daemon=True)  # fmt: skip
-        self._thread = thread
-        thread.start()
-        if not sync:
-            return None
-        timeout = None if deadline is None else max(0.0, deadline - time.time()) + 1.0
-        thread.join(timeout)
-        if not thread.is_alive():
-            self._thread = None
-        else:
-            log.error("checkpoint of step %d not committed by its deadline", step)
-        if preempt:
-            self._preempted = True
-        return job.result
+        return self._run_writer(job, self._persist_folder_dist, (job, writer, names, source, failed), sync=sync)
 
     def _persist_folder_dist(
         self, job: _PersistJob, writer: LocalWriter | None, names: list[str], source: Path, failed: str | None
@@ -899,6 +873,19 @@ class Checkpointer:
             return path
         return None
 
+    def _take_pending(self) -> tuple[list[CheckpointRequest], bool, float | None]:
+        """The pending requests (now taken), whether one preempts, the earliest deadline."""
+        self._poll_control()
+        requests, self._pending = self._pending, []
+        deadlines = [r.deadline for r in requests if r.deadline is not None]
+        return requests, any(r.preempt for r in requests), (min(deadlines) if deadlines else None)
+
+    def _answer_with_last(self, requests: list[CheckpointRequest], deadline: float | None) -> Path | None:
+        """A save of the step saved last: wait for its write, answer with it."""
+        self._wait_until(deadline)
+        self._finish(requests, self.last_committed if self._thread is None else None)
+        return self.last_committed
+
     # -- distributed saves -----------------------------------------------------------
     def _save_dist(
         self, step: int, state: Mapping[str, Any], epoch: int | None, metrics: Mapping[str, Any] | None,
@@ -949,20 +936,25 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         job = _PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, requests, deadline,
                           self.last_stall_seconds, sharded=sharded, token=token, preempt=preempt)  # fmt: skip
-        thread = threading.Thread(target=self._persist_dist, args=(job,), name="spotguard-persist", daemon=True)
+        return self._run_writer(job, self._persist_dist, (job,), sync=sync)
+
+    def _run_writer(self, job: _PersistJob, target: Callable[..., None], args: tuple[Any, ...], *,
+                    sync: bool) -> Path | None:  # fmt: skip
+        """Start phase two of a distributed save on the writer thread; when
+        ``sync``, wait for it, but not past the deadline (a rank that died
+        would hold the others in a collective)."""
+        thread = threading.Thread(target=target, args=args, name="spotguard-persist", daemon=True)
         self._thread = thread
         thread.start()
         if not sync:
             return None
-        # The writer thread owns the persist group; wait for it, but not past
-        # the deadline (a rank that died would hold the others in a collective).
-        timeout = None if deadline is None else max(0.0, deadline - time.time()) + 1.0
+        timeout = None if job.deadline is None else max(0.0, job.deadline - time.time()) + 1.0
         thread.join(timeout)
         if not thread.is_alive():
             self._thread = None
         else:
-            log.error("checkpoint of step %d not committed by its deadline", step)
-        if preempt:
+            log.error("checkpoint of step %d not committed by its deadline", job.step)
+        if job.preempt:
             self._preempted = True
         return job.result
 
