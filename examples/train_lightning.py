@@ -1,0 +1,1 @@
+../spotguard/demo/train_lightning.py
