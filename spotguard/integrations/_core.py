@@ -24,7 +24,7 @@ def checkpointer(**overrides: Any) -> Checkpointer:
     with more than one rank at that moment."""
     global _shared
     with _lock:
-        if _shared is None or _shared._closed:
+        if _shared is None or _shared.closed:
             _shared = Checkpointer.from_env(**overrides)
         elif overrides:
             log.debug("spotguard's Checkpointer already exists; ignoring %s", sorted(overrides))

@@ -96,7 +96,7 @@ class SpotguardCallback(TrainerCallback):
     @property
     def checkpointer(self) -> Checkpointer:
         """The process-wide Checkpointer (created on first use)."""
-        if self._ckpt is None or self._ckpt._closed:
+        if self._ckpt is None or self._ckpt.closed:
             _core.ensure_process_group()
             self._ckpt = _core.checkpointer(**self.checkpointer_options)
         return self._ckpt

@@ -311,7 +311,7 @@ class SpotguardCallback(pl.Callback):
     @property
     def checkpointer(self) -> Checkpointer:
         """The Checkpointer in use (created on first use)."""
-        if self._ckpt is None or self._ckpt._closed:
+        if self._ckpt is None or self._ckpt.closed:
             self._ckpt = _core.checkpointer()
         return self._ckpt
 

@@ -420,6 +420,11 @@ class Checkpointer:
         return self._dist is not None
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the Checkpointer saves nothing more)."""
+        return self._closed
+
+    @property
     def preempted(self) -> bool:
         """True once a preempting request's checkpoint is committed (or could
         not be before its deadline): the training loop should stop."""
