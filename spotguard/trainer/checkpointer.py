@@ -224,6 +224,8 @@ class Checkpointer:
         self.save_every_seconds = save_every_seconds
         self.checksum = check_algorithm(checksum)
         self.control_dir = Path(control_dir) if control_dir else self.directory / CONTROL_SUBDIR
+        # Looked at every step: the path built once (pathlib costs more than the stat).
+        self._request_path = os.fspath(self.control_dir / REQUEST_FILE)
         self.keep_local = keep_local
         self.retention = retention
         self.upload = upload and self.storage_uri is not None
@@ -391,9 +393,8 @@ class Checkpointer:
         self._sigusr1 = False
         if not self._control_owner:
             return
-        path = self.control_dir / REQUEST_FILE
         try:
-            st = os.stat(path)
+            st = os.stat(self._request_path)
         except OSError:
             st = None
         found = False
@@ -401,6 +402,7 @@ class Checkpointer:
             seen = (st.st_mtime_ns, st.st_size, st.st_ino)
             if force or seen != self._request_seen:
                 self._request_seen = seen
+                path = Path(self._request_path)
                 try:
                     request = parse_request(path.read_bytes())
                 except (OSError, ValueError) as exc:
