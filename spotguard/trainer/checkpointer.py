@@ -625,10 +625,7 @@ class Checkpointer:
 
         start = time.perf_counter()
         try:
-            for rel in names:
-                writer.add_written(rel)
-                if writer.durable:
-                    _folder.fsync_file(writer.tmp / rel)
+            _folder.checksum_linked(writer, names)
             persist = round(time.perf_counter() - start, 6)
             path = writer.commit(epoch=job.epoch, metrics=job.metrics, job=self.job, attempt=self.attempt,
                                  reason=_reason(job.requests),
@@ -667,20 +664,10 @@ class Checkpointer:
 
         d = self._dist
         assert d is not None
-        agreed = self._agreed if self._agreed is not None and self._agreed.step == step else None
-        self._agreed = None
-        requests = agreed.requests if agreed is not None else []
-        ids = {r.id for r in requests}
-        self._pending = [r for r in self._pending if r.id not in ids]
-        preempt = agreed.preempt if agreed is not None else False
-        deadline = agreed.deadline if agreed is not None else None
+        requests, preempt, deadline = self._take_agreed(step)
         sync = blocking if blocking is not None else (preempt or not self.async_save)
         if step == self._last_snapshot_step:  # the same on every rank
-            self._wait_until(deadline)
-            self._finish(requests, self.last_committed if self._thread is None else None)
-            if preempt:
-                self._preempted = True
-            return self.last_committed
+            return self._answer_with_last(requests, deadline, preempt=preempt)
         start = time.perf_counter()
         busy = not self._wait_until(deadline)
         writer: LocalWriter | None = None
@@ -731,10 +718,7 @@ class Checkpointer:
         deadline_exceeded = False
         if writer is not None and error is None:
             try:
-                for rel in names:
-                    writer.add_written(rel)
-                    if writer.durable:
-                        _folder.fsync_file(writer.tmp / rel)
+                _folder.checksum_linked(writer, names)
                 listed = _folder.entries_json(writer.entries)
             except DeadlineExceeded as exc:
                 error, deadline_exceeded = f"node {d.info.node}: {exc}", True
@@ -887,10 +871,27 @@ class Checkpointer:
         deadlines = [r.deadline for r in requests if r.deadline is not None]
         return requests, any(r.preempt for r in requests), (min(deadlines) if deadlines else None)
 
-    def _answer_with_last(self, requests: list[CheckpointRequest], deadline: float | None) -> Path | None:
-        """A save of the step saved last: wait for its write, answer with it."""
+    def _take_agreed(self, step: int) -> tuple[list[CheckpointRequest], bool, float | None]:
+        """Under torch.distributed, what every rank agreed on in
+        ``should_save(step)``: its requests (now taken), whether one preempts,
+        the earliest deadline. A request that arrived since waits for the
+        next ``should_save``."""
+        agreed = self._agreed if self._agreed is not None and self._agreed.step == step else None
+        self._agreed = None
+        if agreed is None:
+            return [], False, None
+        ids = {r.id for r in agreed.requests}
+        self._pending = [r for r in self._pending if r.id not in ids]
+        return agreed.requests, agreed.preempt, agreed.deadline
+
+    def _answer_with_last(self, requests: list[CheckpointRequest], deadline: float | None, *,
+                          preempt: bool = False) -> Path | None:  # fmt: skip
+        """A save of the step saved last: wait for its write, answer with it
+        (a preemption's answer still stops the loop)."""
         self._wait_until(deadline)
         self._finish(requests, self.last_committed if self._thread is None else None)
+        if preempt:
+            self._preempted = True
         return self.last_committed
 
     # -- distributed saves -----------------------------------------------------------
@@ -900,22 +901,10 @@ class Checkpointer:
     ) -> Path | None:
         """``save`` under torch.distributed (collective: every rank, same step)."""
         assert self._dist is not None
-        agreed = self._agreed if self._agreed is not None and self._agreed.step == step else None
-        self._agreed = None
-        # Only what every rank agreed on in should_save counts; a request that
-        # arrived since waits for the next should_save.
-        requests = agreed.requests if agreed is not None else []
-        ids = {r.id for r in requests}
-        self._pending = [r for r in self._pending if r.id not in ids]
-        preempt = agreed.preempt if agreed is not None else False
-        deadline = agreed.deadline if agreed is not None else None
+        requests, preempt, deadline = self._take_agreed(step)
         sync = blocking if blocking is not None else (preempt or not self.async_save)
         if step == self._last_snapshot_step:
-            self._wait_until(deadline)
-            self._finish(requests, self.last_committed if self._thread is None else None)
-            if preempt:
-                self._preempted = True
-            return self.last_committed
+            return self._answer_with_last(requests, deadline, preempt=preempt)
         busy = not self._wait_until(deadline)
         start = time.perf_counter()
         error: BaseException | None = None

@@ -26,6 +26,7 @@ import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from spotguard.checkpoint.local import LocalWriter
 from spotguard.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest
 
 
@@ -65,14 +66,18 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def fsync_file(path: Path) -> None:
-    """Flush a file's data to disk (frameworks write without fsync; phase two
-    of a commit does it, off the training thread)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def checksum_linked(writer: LocalWriter, names: Iterable[str]) -> None:
+    """Phase two of a commit, off the training thread: checksum each file
+    linked into ``writer``'s temporary directory and, for a durable
+    checkpoint, flush it to disk (frameworks write without fsync)."""
+    for rel in names:
+        writer.add_written(rel)
+        if writer.durable:
+            fd = os.open(writer.tmp / rel, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def node_files(
