@@ -14,6 +14,7 @@ Importing this package does not import torch, numpy or boto3.
 from __future__ import annotations
 
 from spotguard.checkpoint.checksum import ALGORITHMS, DEFAULT_ALGORITHM
+from spotguard.checkpoint.chunked import KnownChunks
 from spotguard.checkpoint.codec import StateError, snapshot_state
 from spotguard.checkpoint.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
 from spotguard.checkpoint.local import (
@@ -65,6 +66,7 @@ from spotguard.checkpoint.retention import RetentionCandidate, RetentionPlan, Re
 from spotguard.checkpoint.verify import VerifyResult
 
 __all__ = [
+    "KnownChunks",
     "ALGORITHMS",
     "DEFAULT_ALGORITHM",
     "FORMAT_VERSION",

@@ -22,9 +22,15 @@ from spotguard.checkpoint.checksum import ALGORITHMS, checksum_bytes
 #: what earlier versions wrote; a sharded one (``sharding`` set) as version 2,
 #: which a spotguard that only knows version 1 refuses instead of mistaking a
 #: part of a distributed checkpoint for a whole one.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FORMAT_VERSION_SINGLE = 1
 FORMAT_VERSION_SHARDED = 2
+#: A checkpoint stored incrementally: every file is a sequence of
+#: content-addressed chunks (``chunks/<aa>/<sha256>`` below the job's root)
+#: shared with the job's other checkpoints. Only storage holds this version;
+#: a restored local copy keeps it, and its files are whole.
+FORMAT_VERSION_CHUNKED = 3
+CHUNKS_DIR = "chunks"
 MANIFEST_NAME = "manifest.json"
 PARTS_DIR = "parts"
 POINTER_NAME = "latest"
@@ -33,6 +39,8 @@ _NAME_RE = re.compile(r"^ckpt-(\d{12})$")
 _HEX_LEN = {"crc32c": 8, "sha256": 64}
 _HEX_RE = re.compile(r"^[0-9a-f]+$")
 _SAVE_ID_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 MAX_STEP = 10**12 - 1
 
 
@@ -94,12 +102,50 @@ def check_file_path(path: object) -> str:
 
 
 @dataclass(frozen=True)
+class ChunkRef:
+    """One content-addressed chunk of a file stored incrementally.
+
+    ``hash`` (SHA-256 of the chunk's bytes, lowercase hex) names the object
+    ``chunks/<hash[:2]>/<hash>``; ``checksum`` is the CRC32C of the same
+    bytes, which the store checks on receipt and keeps, so a chunk is
+    verified without reading it back.
+    """
+
+    hash: str
+    size: int
+    checksum: str
+
+    @property
+    def key(self) -> str:
+        """The chunk's key below the job's storage root."""
+        return chunk_key(self.hash)
+
+
+def chunk_key(digest: str) -> str:
+    """``chunks/<digest[:2]>/<digest>``: where the chunk with SHA-256 ``digest`` is stored."""
+    if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+        raise ValueError(f"not a SHA-256 hex digest: {digest!r}")
+    return f"{CHUNKS_DIR}/{digest[:2]}/{digest}"
+
+
+_CHUNK_KEY_RE = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})$")
+
+
+def parse_chunk_key(key: str) -> str | None:
+    """The digest of a ``chunks/<aa>/<digest>`` key, or None when it is not one."""
+    m = _CHUNK_KEY_RE.match(key)
+    return m.group(2) if m and m.group(2).startswith(m.group(1)) else None
+
+
+@dataclass(frozen=True)
 class FileEntry:
-    """One data file of a checkpoint."""
+    """One data file of a checkpoint; ``chunks`` is set (in order, covering
+    the file) only in a checkpoint stored incrementally (format version 3)."""
 
     path: str
     size: int
     checksum: str
+    chunks: tuple[ChunkRef, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +212,15 @@ class Manifest:
         return self.sharding is None or self.sharding.part is None or self.sharding.parts == 1
 
     @property
+    def chunked(self) -> bool:
+        """Stored incrementally: files are sequences of shared chunks."""
+        return self.format_version == FORMAT_VERSION_CHUNKED
+
+    def chunk_refs(self) -> dict[str, ChunkRef]:
+        """Every chunk the checkpoint references, once each, by digest."""
+        return {c.hash: c for f in self.files for c in (f.chunks or ())}
+
+    @property
     def name(self) -> str:
         """The checkpoint's name, ``ckpt-<step:012d>``."""
         return checkpoint_name(self.step)
@@ -193,7 +248,7 @@ class Manifest:
         }
         if self.sharding is not None:
             doc["sharding"] = self.sharding.to_dict()
-        doc["files"] = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in self.files]
+        doc["files"] = [_file_dict(f) for f in self.files]
         if self.job is not None:
             doc["job"] = self.job
         if self.attempt is not None:
@@ -209,6 +264,79 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialized manifest (UTF-8, stable key order)."""
         return (json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n").encode()
+
+
+def _file_dict(entry: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"path": entry.path, "size": entry.size, "checksum": entry.checksum}
+    if entry.chunks is not None:
+        doc["chunks"] = [[c.hash, c.size, c.checksum] for c in entry.chunks]
+    return doc
+
+
+def to_chunked(manifest: Manifest, chunks: Mapping[str, Iterable[ChunkRef]]) -> Manifest:
+    """The manifest of ``manifest``'s checkpoint stored incrementally (format
+    version 3): the same fields, each file with its chunks. ``chunks`` maps
+    every file's path to its chunks in order; validated as on parsing."""
+    if manifest.sharding is not None:
+        raise ManifestError("a distributed checkpoint is not stored incrementally (not supported yet)")
+    files = []
+    for f in manifest.files:
+        if f.path not in chunks:
+            raise ManifestError(f"{f.path}: no chunks given")
+        files.append(FileEntry(f.path, f.size, f.checksum, tuple(chunks[f.path])))
+    out = Manifest(
+        step=manifest.step, files=tuple(files), checksum_algorithm=manifest.checksum_algorithm,
+        created=manifest.created, writer=manifest.writer, epoch=manifest.epoch, metrics=dict(manifest.metrics),
+        job=manifest.job, attempt=manifest.attempt, reason=manifest.reason, request_id=manifest.request_id,
+        timing=manifest.timing, format_version=FORMAT_VERSION_CHUNKED,
+    )  # fmt: skip
+    return parse_manifest(out.to_json())
+
+
+def to_plain(manifest: Manifest) -> Manifest:
+    """The manifest of the same checkpoint with whole files (version 1 or 2):
+    what a self-contained copy of a checkpoint stored incrementally carries."""
+    if not manifest.chunked:
+        return manifest
+    files = tuple(FileEntry(f.path, f.size, f.checksum) for f in manifest.files)
+    out = Manifest(
+        step=manifest.step, files=files, checksum_algorithm=manifest.checksum_algorithm,
+        created=manifest.created, writer=manifest.writer, epoch=manifest.epoch, metrics=dict(manifest.metrics),
+        job=manifest.job, attempt=manifest.attempt, reason=manifest.reason, request_id=manifest.request_id,
+        timing=manifest.timing,
+        format_version=FORMAT_VERSION_SINGLE if manifest.sharding is None else FORMAT_VERSION_SHARDED,
+        sharding=manifest.sharding,
+    )  # fmt: skip
+    return parse_manifest(out.to_json())
+
+
+def _parse_chunks(path: str, value: Any, size: int, checksum: str, algorithm: str) -> tuple[ChunkRef, ...]:
+    """The chunks of one file of a version 3 manifest: ``[[sha256, size, crc32c], ...]``,
+    sizes adding up to the file's, and (for a CRC32C manifest) the chunks'
+    CRC32Cs combining to the file's."""
+    from spotguard.checkpoint.checksum import crc32c_of_parts
+
+    if not isinstance(value, list):
+        raise ManifestError(f"{path}: 'chunks' must be a list")
+    refs: list[ChunkRef] = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise ManifestError(f"{path}: chunk {item!r} is not [sha256, size, crc32c]")
+        digest, csize, crc = item
+        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+            raise ManifestError(f"{path}: chunk name {digest!r} is not a SHA-256 hex digest")
+        if not isinstance(csize, int) or isinstance(csize, bool) or csize <= 0:
+            raise ManifestError(f"{path}: chunk {digest[:12]} has size {csize!r}, not a positive integer")
+        if not isinstance(crc, str) or not _CRC_RE.match(crc):
+            raise ManifestError(f"{path}: chunk {digest[:12]} checksum {crc!r} is not a crc32c hex digest")
+        refs.append(ChunkRef(digest, csize, crc))
+    total = sum(c.size for c in refs)
+    if total != size:
+        raise ManifestError(f"{path}: chunks add up to {total} bytes, the file has {size}")
+    combined = crc32c_of_parts((int(c.checksum, 16), c.size) for c in refs) if algorithm == "crc32c" else None
+    if combined is not None and size and f"{combined:08x}" != checksum:
+        raise ManifestError(f"{path}: the chunks' checksums do not combine to the file's checksum {checksum}")
+    return tuple(refs)
 
 
 def rfc3339(ts: datetime | None = None) -> str:
@@ -374,7 +502,14 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
             or not _HEX_RE.match(checksum)
         ):
             raise ManifestError(f"{path}: checksum {checksum!r} is not a {algorithm} hex digest")
-        files.append(FileEntry(path=path, size=size, checksum=checksum))
+        chunks = None
+        if version == FORMAT_VERSION_CHUNKED:
+            chunks = _parse_chunks(path, entry.get("chunks"), size, checksum, algorithm)
+        elif "chunks" in entry:
+            raise ManifestError(f"{path}: 'chunks' needs format_version {FORMAT_VERSION_CHUNKED}, got {version}")
+        files.append(FileEntry(path=path, size=size, checksum=checksum, chunks=chunks))
+    if sharding is not None and version == FORMAT_VERSION_CHUNKED:
+        raise ManifestError(f"format_version {version}: a distributed checkpoint is not stored incrementally")
     if sharding is not None:
         _check_sharded_files(sharding, seen)
     return Manifest(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spotguard.checkpoint.checksum import checksum_bytes
+from spotguard.checkpoint.chunked import KnownChunks, fetch_chunks, tombstone_key, upload_chunks, verify_chunks
 from spotguard.checkpoint.fetch import fetch_verified
 from spotguard.checkpoint.local import (
     TMP_PREFIX,
@@ -48,6 +49,7 @@ from spotguard.checkpoint.manifest import (
     parse_pointer,
     part_manifest_path,
     pointer_json,
+    to_plain,
 )
 from spotguard.checkpoint.verify import (
     METHOD_READ_BACK,
@@ -129,6 +131,12 @@ class UploadResult:
     #: for a single-process checkpoint).
     parts_present: int = 1
     parts_total: int = 1
+    #: Of ``bytes``: data stored by this upload, and data already in storage
+    #: that the checkpoint shares (stored incrementally; 0 otherwise).
+    new_bytes: int = 0
+    reused_bytes: int = 0
+    new_chunks: int = 0
+    reused_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -385,6 +393,19 @@ def verify_checkpoint(
             f"{MANIFEST_NAME}: the manifest of part {manifest.sharding.part} of {manifest.sharding.parts}, "
             "not of the whole checkpoint"
         ])  # fmt: skip
+    if manifest.chunked:
+        chunk_checks = verify_chunks(storage, manifest, checksums=checksums, deep=deep, workers=max(workers, 8))
+        result = VerifyResult(
+            name, not chunk_checks.problems, chunk_checks.problems, manifest, chunk_checks.read_bytes,
+            method=chunk_checks.method if checksums else METHOD_SIZES,
+            store_checked=chunk_checks.store_checked, read_back=chunk_checks.read_back,
+        )  # fmt: skip
+        log.info(
+            "verify %s: %s by %s (%d chunks by store checksum, %d read back, %d bytes read)",
+            storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
+            result.store_checked, result.read_back, result.checked_bytes,
+        )  # fmt: skip
+        return result
     listing = _listing(storage, name)
     sizes = {path: info.size for path, info in listing.items()}
 
@@ -479,9 +500,18 @@ def upload_checkpoint(
     *,
     progress: ProgressCallback | None = None,
     update_pointer: bool = True,
+    incremental: bool | KnownChunks = False,
 ) -> UploadResult:
     """Upload a committed local checkpoint: data files (concurrently), then the
     manifest, then the ``latest`` pointer.
+
+    ``incremental`` (True, or the :class:`KnownChunks` the caller knows to be
+    in storage) stores the files as content-addressed chunks shared with the
+    job's other checkpoints (format version 3, see
+    :mod:`spotguard.checkpoint.chunked`): only chunks not known are uploaded,
+    known ones are checked to exist. True without known chunks takes them
+    from the checkpoint the ``latest`` pointer names. Distributed parts are
+    always uploaded whole.
 
     A part of a distributed checkpoint (its local manifest is a part
     manifest) goes: data files, then a check of those files in storage
@@ -509,6 +539,25 @@ def upload_checkpoint(
     if manifest.is_part:
         return _upload_part(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
     name = manifest.name
+    if incremental is not False:
+        known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
+        chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
+        # The manifest goes last: its presence means every chunk it names is stored.
+        storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
+        pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
+        log.info("uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes)",
+                 storage.uri_for(name), chunked.new_chunks, chunked.new_bytes, chunked.reused_chunks,
+                 chunked.reused_bytes)  # fmt: skip
+        return UploadResult(
+            step=manifest.step, name=name, bytes=chunked.new_bytes + len(chunked.manifest_bytes),
+            seconds=time.monotonic() - start, uri=storage.uri_for(name), pointer_updated=pointer,
+            new_bytes=chunked.new_bytes, reused_bytes=chunked.reused_bytes, new_chunks=chunked.new_chunks,
+            reused_chunks=chunked.reused_chunks,
+        )  # fmt: skip
+    if manifest.chunked:
+        # A copy restored from an incremental store, uploaded whole.
+        manifest = to_plain(manifest)
+        manifest_bytes = manifest.to_json()
     storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
     # The manifest goes last: its presence means every data file is stored.
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", manifest_bytes)
@@ -520,6 +569,7 @@ def upload_checkpoint(
         seconds=time.monotonic() - start,
         uri=storage.uri_for(name),
         pointer_updated=pointer,
+        new_bytes=manifest.total_size,
     )
 
 
@@ -608,12 +658,17 @@ def restore_checkpoint(
     dest: Path,
     *,
     progress: ProgressCallback | None = None,
+    plain: bool = False,
 ) -> CheckpointInfo:
     """Download one checkpoint into ``dest/<name>`` and verify it there.
 
     The directory appears only when every file is downloaded and matches the
-    manifest. A matching local copy that already verifies is reused. Raises
-    :class:`CheckpointCorruptError` (with the problems) or
+    manifest. A matching local copy that already verifies is reused. A
+    checkpoint stored incrementally is assembled from its chunks; with
+    ``plain`` its copy gets the manifest of whole files (version 1), a
+    self-contained checkpoint any spotguard reads (otherwise the stored
+    manifest is kept, so the copy is recognized as the stored checkpoint).
+    Raises :class:`CheckpointCorruptError` (with the problems) or
     :class:`StorageError`.
     """
     dest = Path(dest)
@@ -627,6 +682,10 @@ def restore_checkpoint(
         raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: {exc}"]) from None
     if not manifest.locally_complete:
         raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: the manifest of one part, not of the whole checkpoint"])
+    stored = manifest
+    if plain and manifest.chunked:
+        manifest = to_plain(manifest)
+        manifest_bytes = manifest.to_json()
     final = dest / name
     if (
         (final / MANIFEST_NAME).is_file()
@@ -638,16 +697,23 @@ def restore_checkpoint(
     tmp = dest / f"{RESTORE_TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        listing = _listing(storage, name)
-        missing = [e.path for e in manifest.files if e.path not in listing]
-        if missing:
-            raise CheckpointCorruptError(name, name_parts(storage, name, manifest, [f"{p}: missing" for p in missing]))
-        # One pass: each file is checked as it streams in; not fsynced, as
-        # every reader verifies a local copy before using it.
-        sizes = {path: info.size for path, info in listing.items()}
-        problems = fetch_verified(storage, name, manifest, sizes, tmp, progress=progress)
-        if problems:
-            raise CheckpointCorruptError(name, name_parts(storage, name, manifest, problems))
+        if stored.chunked:
+            problems = fetch_chunks(storage, stored, tmp, progress=progress)
+            if problems:
+                raise CheckpointCorruptError(name, problems)
+        else:
+            listing = _listing(storage, name)
+            missing = [e.path for e in manifest.files if e.path not in listing]
+            if missing:
+                raise CheckpointCorruptError(
+                    name, name_parts(storage, name, manifest, [f"{p}: missing" for p in missing])
+                )
+            # One pass: each file is checked as it streams in; not fsynced, as
+            # every reader verifies a local copy before using it.
+            sizes = {path: info.size for path, info in listing.items()}
+            problems = fetch_verified(storage, name, manifest, sizes, tmp, progress=progress)
+            if problems:
+                raise CheckpointCorruptError(name, name_parts(storage, name, manifest, problems))
         (tmp / MANIFEST_NAME).write_bytes(manifest_bytes)
         fsync_dir(tmp)
         if final.exists():
@@ -687,9 +753,22 @@ def restore_latest(
 def delete_checkpoint(storage: Storage, name: str) -> int:
     """Delete a stored checkpoint: its manifest first (so it is never seen
     complete with files missing), then everything else under its prefix.
-    Returns the number of objects deleted."""
+    A checkpoint stored incrementally leaves a tombstone (its manifest, below
+    ``gc/tombstones/``) before its manifest goes; its chunks are removed by
+    the chunk sweep once no retained checkpoint uses them. Returns the number
+    of objects deleted."""
     if parse_checkpoint_name(name) is None:
         raise ValueError(f"not a checkpoint name: {name!r}")
+    try:
+        data = read_manifest_bytes(storage, name)
+        chunked = parse_manifest(data, expected_name=name).chunked
+    except (NotFoundError, ManifestError):
+        chunked = False
+    if chunked:
+        # A garbage collection that read the manifests before this deletion
+        # must still count its chunks as used (an upload may be reusing them);
+        # see gc.py.
+        storage.write_bytes(tombstone_key(name), data)
     storage.delete([f"{name}/{MANIFEST_NAME}"])
     keys = [o.key for o in storage.list_objects(f"{name}/")]
     storage.delete(keys)
@@ -706,6 +785,7 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointInfo",
     "GlobalCommit",
+    "KnownChunks",
     "Skipped",
     "StorageError",
     "UploadResult",

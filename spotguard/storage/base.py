@@ -139,6 +139,11 @@ class Storage(Protocol):
         """Upload local files to keys, concurrently; returns when all are stored."""
         ...
 
+    def write_checked(self, key: str, data: bytes) -> None:
+        """Store ``data`` as one object, with the checksum the store checks on
+        receipt and keeps where it does (S3 additional checksums)."""
+        ...
+
     def download_files(
         self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
     ) -> None:

@@ -188,6 +188,10 @@ class FileStorage:
             self._write_atomic(target, data)
         return _etag(data)
 
+    def write_checked(self, key: str, data: bytes) -> None:
+        """Store ``data`` (atomically, fsynced); a file keeps no checksum."""
+        self._write_atomic(self._path(key), data)
+
     def _copy(self, src: Path, dst: Path, progress: ProgressCallback | None) -> None:
         tmp = self._tmp_for(dst)
         try:

@@ -497,18 +497,32 @@ class S3Storage:
         raise AssertionError("unreachable")
 
     def _put_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
+        data = src.read_bytes()
+        self._put_bytes(key, data)
+        if progress is not None:
+            progress(len(data))
+
+    def write_checked(self, key: str, data: bytes) -> None:
+        """Store ``data`` with the CRC32C of its bytes, which the store checks
+        on receipt and keeps (a plain put where the store takes no checksums)."""
+        if self._checksums:
+            try:
+                self._put_bytes(key, data)
+                return
+            except _ChecksumsUnsupported:
+                log.info("%s does not take additional checksums; uploading without them", self.uri)
+                self._checksums = False
+        with self._errors(self.uri_for(key)):
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
         from spotguard.checkpoint.checksum import checksum_bytes, crc32c_to_base64
 
-        data = src.read_bytes()
         crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
         self._checksum_call(
             self.uri_for(key),
-            lambda: self.client.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumCRC32C=crc
-            ),
+            lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumCRC32C=crc),
         )
-        if progress is not None:
-            progress(len(data))
 
     def _create_multipart(self, key: str) -> str:
         # FULL_OBJECT: the store keeps the CRC32C of the whole object (as a

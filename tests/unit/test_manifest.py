@@ -141,7 +141,7 @@ def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
         (b"{not json", "malformed JSON"),
         (b"\xff\xfe", "malformed JSON"),
         (b"[]", "top level is not a JSON object"),
-        (raw(doc(format_version=3)), "format_version 3 is not supported"),
+        (raw(doc(format_version=4)), "format_version 4 is not supported"),
         (raw(doc(format_version=0)), "format_version 0 is not supported"),
         (raw(doc(format_version="1")), "'format_version' must be an integer"),
         (raw(doc(step=-5)), "out of range"),

@@ -10,6 +10,7 @@ import pytest
 from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.manifest import (
     FORMAT_VERSION,
+    FORMAT_VERSION_SHARDED,
     FileEntry,
     Manifest,
     ManifestError,
@@ -65,7 +66,7 @@ def test_version_1_bytes_are_unchanged_without_sharding() -> None:
 def test_part_manifest_roundtrip() -> None:
     data, m = part(1, (2, 3), epoch=1, metrics={"loss": 0.5}, job="ns/j", attempt=2, reason="sigterm")
     doc = json.loads(data)
-    assert doc["format_version"] == FORMAT_VERSION == 2
+    assert doc["format_version"] == FORMAT_VERSION_SHARDED == 2 and FORMAT_VERSION == 3
     assert doc["sharding"] == {"world_size": 4, "parts": 2, "part": 1, "ranks": [2, 3]}
     again = parse_manifest(data, expected_name="ckpt-000000000010")
     assert again == m

@@ -1,0 +1,428 @@
+"""Checkpoints stored incrementally: upload, verify and fetch content-addressed chunks.
+
+Layout below a job's storage root::
+
+    chunks/<aa>/<sha256>          one chunk: the bytes whose SHA-256 is its name
+    ckpt-<step>/manifest.json     format version 3: each file as its chunks, in order
+    gc/tombstones/<name>.<ms>.json the manifest of a checkpoint being deleted (see gc.py)
+
+A checkpoint's manifest still lists every file with its size and checksum,
+and adds the file's chunks (name, size, CRC32C). Chunks are shared: a chunk
+already in storage is not uploaded again, so a checkpoint whose frozen
+tensors did not change costs only the bytes that did.
+
+What the uploader knows to be in storage (:class:`KnownChunks`) comes from
+the previous verified checkpoint's manifest, never from listing the store.
+Before the manifest is written, every reused chunk is checked to exist with
+its size (one ``HEAD`` each; a chunk found missing, say removed by a garbage
+collection that raced the upload, is uploaded again from the local file), so
+a manifest in storage still means every byte it names was stored before it.
+
+Verification checks every chunk a checkpoint references: by the CRC32C the
+store computed on receipt (one ``HEAD`` each), or by reading it back and
+checking its size, CRC32C and SHA-256 (``deep``, stores without checksums,
+and chunks of files that may be pickles, whose bytes are inspected). A
+damaged or missing chunk fails every checkpoint that uses it, naming the
+chunk and the files it belongs to; resume walks back to one that does not
+use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import google_crc32c
+
+from spotguard.checkpoint.chunks import hash_chunk, plan_file, read_range
+from spotguard.checkpoint.manifest import (
+    POINTER_NAME,
+    ChunkRef,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    checkpoint_name,
+    parse_manifest,
+    parse_pointer,
+    to_chunked,
+)
+from spotguard.checkpoint.verify import (
+    METHOD_MIXED,
+    METHOD_READ_BACK,
+    METHOD_SIZES,
+    METHOD_STORE,
+    check_one_file,
+    needs_content,
+)
+from spotguard.storage.base import NotFoundError, ProgressCallback, Storage, StoreChecksums
+
+log = logging.getLogger(__name__)
+
+TOMBSTONES_DIR = "gc/tombstones"
+#: Chunks uploaded, hashed or fetched at once.
+DEFAULT_WORKERS = 8
+
+
+@dataclass
+class KnownChunks:
+    """Chunks known to be in storage: those of ``source``, a checkpoint this
+    uploader verified (or read from storage) at ``since`` (``time.monotonic``)."""
+
+    chunks: dict[str, int] = field(default_factory=dict)
+    source: str | None = None
+    since: float = 0.0
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> KnownChunks:
+        """The chunks of a checkpoint just verified in storage."""
+        return cls({c.hash: c.size for c in manifest.chunk_refs().values()}, manifest.name, time.monotonic())
+
+    @classmethod
+    def from_storage(cls, storage: Storage) -> KnownChunks:
+        """The chunks of the checkpoint the ``latest`` pointer names (two small
+        reads, no listing); empty when there is none or it is not stored
+        incrementally. Reused chunks are checked before a manifest names them,
+        so an unverified source costs at most an upload, never a checkpoint."""
+        try:
+            step = parse_pointer(storage.read_bytes(POINTER_NAME))
+            if step is None:
+                return cls()
+            name = checkpoint_name(step)
+            manifest = parse_manifest(storage.read_bytes(f"{name}/manifest.json"), expected_name=name)
+        except (NotFoundError, ManifestError):
+            return cls()
+        return cls.of(manifest) if manifest.chunked else cls()
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass
+class ChunkedUpload:
+    """What :func:`upload_chunks` stored: the version 3 manifest and how many
+    chunks and bytes were new or reused."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
+    new_chunks: int = 0
+    new_bytes: int = 0
+    reused_chunks: int = 0
+    reused_bytes: int = 0
+
+
+class _Claims:
+    """Chunks already handled in this upload (a chunk repeated in a file, or in two files, is stored once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+
+    def first(self, digest: str) -> bool:
+        with self._lock:
+            if digest in self._seen:
+                return False
+            self._seen.add(digest)
+            return True
+
+
+def upload_chunks(
+    local_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    known: KnownChunks | None = None,
+    *,
+    progress: ProgressCallback | None = None,
+    workers: int = DEFAULT_WORKERS,
+) -> ChunkedUpload:
+    """Store the files of a committed local checkpoint as chunks and return the
+    version 3 manifest to write after them (the caller writes it).
+
+    Each file is split (:func:`~spotguard.checkpoint.chunks.plan_file`),
+    every chunk hashed; a chunk in ``known`` is checked to exist with its size
+    and not uploaded, any other is uploaded with its CRC32C. The chunks'
+    CRC32Cs must combine to the file checksum the local manifest recorded (a
+    file changed on disk since its checkpoint was committed is refused:
+    :class:`ManifestError`). Storage errors propagate.
+    """
+    known = known or KnownChunks()
+    claims = _Claims()
+    lock = threading.Lock()
+    totals = {"new_chunks": 0, "new_bytes": 0, "reused_chunks": 0, "reused_bytes": 0}
+
+    def count(kind: str, nbytes: int) -> None:
+        with lock:
+            totals[f"{kind}_chunks"] += 1
+            totals[f"{kind}_bytes"] += nbytes
+
+    def one(path: Path, offset: int, length: int) -> ChunkRef:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            data = read_range(fd, offset, length)
+        finally:
+            os.close(fd)
+        ref = hash_chunk(data)
+        if claims.first(ref.hash):
+            if known.chunks.get(ref.hash) == ref.size:
+                info = storage.stat(ref.key)
+                if info is not None and info.size == ref.size:
+                    count("reused", ref.size)
+                    return ref
+                log.warning("%s: known chunk %s is missing from storage; uploading it again",
+                            storage.uri_for(ref.key), ref.hash[:12])  # fmt: skip
+            storage.write_checked(ref.key, data)
+            count("new", ref.size)
+            if progress is not None:
+                with lock:
+                    progress(ref.size)
+        return ref
+
+    plans = [(entry, plan_file(Path(local_dir) / entry.path)) for entry in manifest.files]
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-upload") as pool:
+        futures = {
+            entry.path: [pool.submit(one, Path(local_dir) / entry.path, offset, length) for offset, length in plan]
+            for entry, plan in plans
+        }
+        tables = {path: [f.result() for f in fs] for path, fs in futures.items()}
+    chunked = to_chunked(manifest, tables)
+    return ChunkedUpload(chunked, chunked.to_json(), **totals)
+
+
+def _users(manifest: Manifest) -> dict[str, list[str]]:
+    users: dict[str, list[str]] = {}
+    for entry in manifest.files:
+        for ref in entry.chunks or ():
+            paths = users.setdefault(ref.hash, [])
+            if entry.path not in paths:
+                paths.append(entry.path)
+    return users
+
+
+def _chunk_of(paths: list[str]) -> str:
+    if len(paths) == 1:
+        return f"chunk of {paths[0]}"
+    return f"chunk of {paths[0]} and {len(paths) - 1} other file{'s' if len(paths) > 2 else ''}"
+
+
+def check_chunk_bytes(ref: ChunkRef, data: bytes) -> str | None:
+    """Why ``data`` is not chunk ``ref`` (size, CRC32C, SHA-256), or None."""
+    if len(data) != ref.size:
+        kind = "truncated" if len(data) < ref.size else "longer than recorded"
+        return f"size {len(data)} bytes, manifest says {ref.size} ({kind})"
+    crc = f"{google_crc32c.value(data):08x}"
+    if crc != ref.checksum:
+        return f"crc32c checksum mismatch (data has {crc}, manifest says {ref.checksum})"
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != ref.hash:
+        return f"sha256 mismatch (data has {digest[:12]}...)"
+    return None
+
+
+@dataclass
+class ChunkChecks:
+    """The outcome of checking a checkpoint's chunks (and the files whose
+    bytes must be inspected) in storage."""
+
+    problems: list[str]
+    read_bytes: int = 0
+    store_checked: int = 0
+    read_back: int = 0
+
+    @property
+    def method(self) -> str:
+        if self.store_checked and self.read_back:
+            return METHOD_MIXED
+        if self.read_back:
+            return METHOD_READ_BACK
+        return METHOD_STORE if self.store_checked else ""
+
+
+def verify_chunks(
+    storage: Storage,
+    manifest: Manifest,
+    *,
+    checksums: bool = True,
+    deep: bool = False,
+    workers: int = DEFAULT_WORKERS,
+) -> ChunkChecks:
+    """Check that every chunk ``manifest`` references exists in storage with
+    its recorded size and checksum, and that no file that may be a pickle
+    would run code. Never raises for a broken checkpoint; storage failures
+    other than a missing object propagate."""
+    refs = manifest.chunk_refs()
+    users = _users(manifest)
+    by_store = checksums and not deep and isinstance(storage, StoreChecksums)
+
+    def check(ref: ChunkRef) -> tuple[str | None, int, str]:
+        where = f"{ref.key}: {{}} ({_chunk_of(users[ref.hash])})"
+        if not checksums:
+            info = storage.stat(ref.key)
+            if info is None:
+                return where.format("missing"), 0, METHOD_SIZES
+            if info.size != ref.size:
+                return where.format(f"size {info.size} bytes, manifest says {ref.size}"), 0, METHOD_SIZES
+            return None, 0, METHOD_SIZES
+        if by_store:
+            try:
+                stored = storage.stored_checksum(ref.key)  # type: ignore[attr-defined]
+            except NotFoundError:
+                return where.format("missing"), 0, METHOD_STORE
+            if stored is not None and stored.algorithm == "crc32c":
+                if stored.size != ref.size:
+                    return where.format(f"size {stored.size} bytes, manifest says {ref.size}"), 0, METHOD_STORE
+                if stored.value != ref.checksum:
+                    return where.format(f"crc32c checksum mismatch (the store computed {stored.value} on "
+                                        f"receipt, manifest says {ref.checksum})"), 0, METHOD_STORE  # fmt: skip
+                return None, 0, METHOD_STORE
+        try:
+            data = storage.read_bytes(ref.key)
+        except NotFoundError:
+            return where.format("missing"), 0, METHOD_READ_BACK
+        problem = check_chunk_bytes(ref, data)
+        return (where.format(problem) if problem else None), len(data), METHOD_READ_BACK
+
+    ordered = list(refs.values())
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(ordered) or 1))) as pool:
+        results = list(pool.map(check, ordered))
+    problems = [p for p, _, _ in results if p]
+    checks = ChunkChecks(
+        problems,
+        read_bytes=sum(n for _, n, _ in results),
+        store_checked=sum(1 for _, _, m in results if m == METHOD_STORE),
+        read_back=sum(1 for _, _, m in results if m == METHOD_READ_BACK),
+    )
+    if problems or not checksums:
+        return checks
+    # Whole-file checks the chunks cannot stand for: pickles are inspected
+    # opcode by opcode, and a SHA-256 file checksum is not made of the chunks'.
+    for entry in manifest.files:
+        if needs_content(entry.path) or manifest.checksum_algorithm != "crc32c":
+            try:
+                problem, nbytes = check_one_file(entry, manifest.checksum_algorithm, entry.size,
+                                                 _reader(partial(stream_file, storage, entry)))  # fmt: skip
+            except (_ChunkDamaged, NotFoundError) as exc:
+                problem, nbytes = str(exc), 0
+            checks.read_bytes += nbytes
+            if problem:
+                checks.problems.append(problem)
+    return checks
+
+
+def stream_file(storage: Storage, entry: FileEntry) -> Iterator[bytes]:
+    """A chunked file's bytes, chunk by chunk, each checked against its reference."""
+    for ref in entry.chunks or ():
+        data = storage.read_bytes(ref.key)
+        problem = check_chunk_bytes(ref, data)
+        if problem:
+            raise _ChunkDamaged(f"{ref.key}: {problem} (chunk of {entry.path})")
+        yield data
+
+
+class _ChunkDamaged(Exception):
+    pass
+
+
+def fetch_chunks(
+    storage: Storage,
+    manifest: Manifest,
+    dest: Path,
+    *,
+    workers: int = DEFAULT_WORKERS,
+    progress: ProgressCallback | None = None,
+) -> list[str]:
+    """Assemble every file of a chunked checkpoint in ``dest`` from its chunks,
+    downloaded concurrently and each checked (size, CRC32C, SHA-256) before it
+    is written at its offset; then the files that may be pickles are
+    inspected, and a SHA-256 file checksum is checked. Returns the problems
+    (empty when the copy matches the manifest). Storage errors other than a
+    missing object propagate; ``dest`` is a temporary directory the caller
+    removes on failure."""
+    dest = Path(dest)
+    users = _users(manifest)
+    lock = threading.Lock()
+    fds: dict[str, int] = {}
+    jobs: list[tuple[str, int, ChunkRef]] = []
+    for entry in manifest.files:
+        target = dest / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, entry.size)
+        fds[entry.path] = fd
+        offset = 0
+        for ref in entry.chunks or ():
+            jobs.append((entry.path, offset, ref))
+            offset += ref.size
+
+    def one(job: tuple[str, int, ChunkRef]) -> str | None:
+        path, offset, ref = job
+        try:
+            data = storage.read_bytes(ref.key)
+        except NotFoundError:
+            return f"{ref.key}: missing ({_chunk_of(users[ref.hash])})"
+        problem = check_chunk_bytes(ref, data)
+        if problem:
+            return f"{ref.key}: {problem} ({_chunk_of(users[ref.hash])})"
+        view = memoryview(data)
+        at = offset
+        while view.nbytes:
+            written = os.pwrite(fds[path], view, at)
+            view, at = view[written:], at + written
+        if progress is not None:
+            with lock:
+                progress(len(data))
+        return None
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-fetch") as pool:
+            results = list(pool.map(one, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    problems = sorted({p for p in results if p})
+    if problems:
+        return problems
+    for entry in manifest.files:
+        if needs_content(entry.path) or manifest.checksum_algorithm != "crc32c":
+            problem, _ = check_one_file(entry, manifest.checksum_algorithm, entry.size,
+                                        _reader(partial(_read_local, dest / entry.path)))  # fmt: skip
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _reader(stream: Callable[[], Iterable[bytes]]) -> Callable[[str], Iterable[bytes]]:
+    """A ``read_chunks(path)`` for :func:`check_one_file` that streams one given file."""
+    return lambda _path: stream()
+
+
+def _read_local(path: Path) -> Iterable[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(8 << 20):
+            yield data
+
+
+def tombstone_key(name: str, now: float | None = None) -> str:
+    """Where the tombstone of checkpoint ``name`` deleted at ``now`` goes."""
+    return f"{TOMBSTONES_DIR}/{name}.{int((time.time() if now is None else now) * 1000)}.json"
+
+
+__all__ = [
+    "DEFAULT_WORKERS",
+    "TOMBSTONES_DIR",
+    "ChunkChecks",
+    "ChunkedUpload",
+    "KnownChunks",
+    "check_chunk_bytes",
+    "fetch_chunks",
+    "stream_file",
+    "tombstone_key",
+    "upload_chunks",
+    "verify_chunks",
+]
