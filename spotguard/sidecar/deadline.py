@@ -71,8 +71,11 @@ def expected_seconds(
     saves: list[Transfer],
     uploads: list[Transfer],
     overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS,
+    upload_bytes: int | None = None,
 ) -> float | None:
-    """Expected duration of an emergency save + upload of ``checkpoint_bytes``.
+    """Expected duration of an emergency save of ``checkpoint_bytes`` plus the
+    upload of ``upload_bytes`` (default: the same bytes; fewer for a
+    checkpoint stored incrementally, where only new chunks travel).
 
     A missing save measurement counts as free (the trainer may not report
     it); a missing upload measurement means we cannot say anything yet.
@@ -82,7 +85,8 @@ def expected_seconds(
         return None
     save_rate = rate_bytes_per_second(saves)
     save_seconds = checkpoint_bytes / save_rate if save_rate else 0.0
-    return save_seconds + checkpoint_bytes / upload_rate + overhead_seconds
+    sent = checkpoint_bytes if upload_bytes is None else upload_bytes
+    return save_seconds + sent / upload_rate + overhead_seconds
 
 
 def assess(
@@ -92,10 +96,11 @@ def assess(
     grace_seconds: float,
     safety_margin_seconds: float,
     overhead_seconds: float = DEFAULT_OVERHEAD_SECONDS,
+    upload_bytes: int | None = None,
 ) -> DeadlineAssessment:
     """Compare the expected emergency duration with the usable grace period."""
     budget = max(0.0, grace_seconds - safety_margin_seconds)
-    expected = expected_seconds(checkpoint_bytes, saves, uploads, overhead_seconds)
+    expected = expected_seconds(checkpoint_bytes, saves, uploads, overhead_seconds, upload_bytes)
     at_risk = expected is not None and expected > budget
     return DeadlineAssessment(expected_seconds=expected, budget_seconds=budget, at_risk=at_risk)
 
@@ -139,25 +144,30 @@ class ThroughputTracker:
         self.overhead_seconds = overhead_seconds
         self._saves: deque[Transfer] = deque(maxlen=window)
         self._uploads: deque[Transfer] = deque(maxlen=window)
-        self._last_bytes = 0
+        self._save_bytes: int | None = None
+        self._upload_bytes: int | None = None
 
     def record_save(self, nbytes: int, seconds: float) -> None:
         """Record one local save (snapshot + persist) of ``nbytes``."""
         self._saves.append(Transfer(nbytes, seconds))
-        self._last_bytes = nbytes
+        self._save_bytes = nbytes
 
     def record_upload(self, nbytes: int, seconds: float) -> None:
-        """Record one upload (including verification) of ``nbytes``."""
+        """Record one upload (including verification) that sent ``nbytes``
+        (for a checkpoint stored incrementally, only its new chunks)."""
         self._uploads.append(Transfer(nbytes, seconds))
-        self._last_bytes = nbytes
+        self._upload_bytes = nbytes
 
     def assessment(self) -> DeadlineAssessment:
-        """Assess the newest checkpoint size against the grace period."""
+        """Assess the newest checkpoint against the grace period: the newest
+        save's size to write, the newest upload's bytes to send."""
+        saved = self._save_bytes if self._save_bytes is not None else self._upload_bytes or 0
         return assess(
-            self._last_bytes,
+            saved,
             list(self._saves),
             list(self._uploads),
             self.grace_seconds,
             self.safety_margin_seconds,
             self.overhead_seconds,
+            upload_bytes=self._upload_bytes,
         )

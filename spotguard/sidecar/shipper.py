@@ -30,6 +30,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotguard.checkpoint.chunked import KnownChunks
+from spotguard.checkpoint.manifest import parse_checkpoint_name
 from spotguard.checkpoint.retention import plan_local_prune
 from spotguard.sidecar.control import save_reason_label
 from spotguard.sidecar.deadline import ThroughputTracker
@@ -113,6 +115,7 @@ class CheckpointShipper:
         keep_local: int = 1,
         on_verified: Callable[[Shipped], None] | None = None,
         configured_interval: float | None = None,
+        incremental: bool = False,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.storage = storage
@@ -135,6 +138,11 @@ class CheckpointShipper:
         if configured_interval:
             metrics.set_interval(configured_interval)
         self._retry_at: dict[str, float] = {}
+        #: Store checkpoints as shared chunks (format version 3); ``_known``:
+        #: the chunks of the newest checkpoint verified, which are not uploaded again.
+        self.incremental = incremental
+        self._known: KnownChunks | None = None
+        self._last_sweep = 0.0
 
     @property
     def last_shipped(self) -> Shipped | None:
@@ -211,6 +219,7 @@ class CheckpointShipper:
                     log.warning("cannot check storage for %s: %s", path.name, _one_line(exc))
                     return
                 if same:
+                    self._learn_chunks(local)
                     now = time.time()
                     self.shipped[path.name] = Shipped(path.name, step_of(path.name), 0, 0.0, 0.0, now)
                     self.metrics.observe_verified(0.0, step_of(path.name), now)
@@ -314,7 +323,8 @@ class CheckpointShipper:
         t0 = time.monotonic()
         try:
             # The pointer moves only after verification (below).
-            result = upload_checkpoint(path, self.storage, update_pointer=False)
+            result = upload_checkpoint(path, self.storage, update_pointer=False,
+                                       incremental=self._known_chunks() if self.incremental else False)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - storage errors are retried later
             if not (path / "manifest.json").exists():
                 # Removed locally meanwhile (only a newer verified one supersedes it).
@@ -329,7 +339,11 @@ class CheckpointShipper:
         upload_seconds = time.monotonic() - t0
         nbytes = int(getattr(result, "bytes", 0))
         self.metrics.observe_upload(upload_seconds, nbytes)
-        log_stage("upload", upload_seconds, name=name, bytes=nbytes)
+        if self.incremental:
+            log_stage("upload", upload_seconds, name=name, bytes=nbytes, new_chunks=result.new_chunks,
+                      reused_chunks=result.reused_chunks, reused_bytes=result.reused_bytes)  # fmt: skip
+        else:
+            log_stage("upload", upload_seconds, name=name, bytes=nbytes)
         if not getattr(result, "committed", True):
             # A part, uploaded and verified; the other parts are not all there yet.
             self._await(name, result.parts_present, result.parts_total, nbytes, upload_seconds)
@@ -394,6 +408,8 @@ class CheckpointShipper:
                       "; ".join(problems))
             return None
         log_stage("verify", verify_seconds, name=name)
+        if verdict.manifest is not None and verdict.manifest.chunked:
+            self._known = KnownChunks.of(verdict.manifest)
         now = time.time()
         shipped = Shipped(name, step_of(name), nbytes, upload_seconds, verify_seconds, now)
         self.shipped[name] = shipped
@@ -413,6 +429,51 @@ class CheckpointShipper:
         if self.on_verified is not None:
             self.on_verified(shipped)
         return shipped
+
+    def _known_chunks(self) -> KnownChunks:
+        """The chunks an incremental upload may reuse without uploading them.
+
+        Those of the newest checkpoint this shipper verified; after a restart,
+        those of the checkpoint the ``latest`` pointer names (two small reads,
+        never a listing of the store). Knowledge older than half the orphan
+        grace is read again (one manifest): a garbage collection keeps the
+        chunks of a checkpoint deleted less than the grace ago (its
+        tombstone), so chunks reused within that time cannot be swept under
+        an upload. Reused chunks are checked to exist before the manifest
+        names them in any case.
+        """
+        from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
+
+        known = self._known
+        if known is not None and time.monotonic() - known.since < DEFAULT_ORPHAN_GRACE / 2:
+            return known
+        from spotguard.checkpoint import read_manifest
+        from spotguard.storage import NotFoundError
+
+        try:
+            try:
+                if known is None or known.source is None:
+                    raise NotFoundError("no checkpoint known")
+                fresh = KnownChunks.of(read_manifest(self.storage, known.source))
+            except NotFoundError:
+                fresh = KnownChunks.from_storage(self.storage)
+        except Exception as exc:  # noqa: BLE001 - nothing known: every chunk is uploaded
+            log.info("no known chunks (%s); uploading every chunk", _one_line(exc))
+            fresh = KnownChunks(since=time.monotonic())
+        self._known = fresh
+        return fresh
+
+    def _learn_chunks(self, manifest_bytes: bytes) -> None:
+        """Know the chunks of a checkpoint found already in storage."""
+        from spotguard.checkpoint.manifest import parse_manifest
+
+        try:
+            manifest = parse_manifest(manifest_bytes)
+        except ValueError:
+            return
+        if manifest.chunked and (self._known is None or (parse_checkpoint_name(self._known.source or "") or -1)
+                                 < manifest.step):  # fmt: skip
+            self._known = KnownChunks.of(manifest)
 
     def _backoff(self, name: str) -> None:
         self._failures[name] = self._failures.get(name, 0) + 1

@@ -114,3 +114,19 @@ NOW = 1_000_000.0
 )
 def test_notice_deadline(announced: float | None, grace: float, margin: float, want: float) -> None:
     assert notice_deadline(announced, NOW, grace, margin) == want
+
+
+def test_tracker_counts_only_new_bytes_of_an_incremental_upload() -> None:
+    """A 4 GiB checkpoint written in 4 s whose incremental upload sent 10 MB in
+    1 s: the emergency path writes 4 GiB again but sends about 10 MB, so it
+    fits a 30 s grace period. Counting the whole checkpoint as sent (at the
+    measured 10 MB/s) would call it at risk."""
+    tracker = ThroughputTracker(grace_seconds=30.0, safety_margin_seconds=5.0, overhead_seconds=2.0)
+    tracker.record_save(4 << 30, 4.0)
+    tracker.record_upload(10_000_000, 1.0)
+    got = tracker.assessment()
+    assert got.expected_seconds == pytest.approx(4.0 + 1.0 + 2.0)
+    assert not got.at_risk
+    # A plain upload of the same checkpoint at that rate would not fit.
+    tracker.record_upload(4 << 30, (4 << 30) / 10_000_000)
+    assert tracker.assessment().at_risk
