@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="sleep this long after each step (makes a tiny model take real time)")
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
+    p.add_argument("--frozen-mib", type=float, default=0.0,
+                   help="add a frozen embedding table of this many MiB (a fine-tune's frozen base; "
+                        "checkpointed, never trained: what incremental checkpoints upload once)")
     return p.parse_args(argv)
 
 
@@ -73,6 +76,30 @@ def make_dataset(seed: int) -> tuple[Any, Any]:
     return x, y
 
 
+class FrozenBase:
+    """Builds the frozen part of ``--frozen-mib``: an embedding table added to
+    the input by sample index, with ``requires_grad=False`` like the base
+    model of an adapter fine-tune."""
+
+    @staticmethod
+    def wrap(head: Any, mib: float) -> Any:
+        from torch import nn
+
+        class WithFrozenBase(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                rows = max(1, int(mib * (1 << 20)) // (4 * FEATURES))
+                self.base = nn.Embedding(rows, FEATURES)
+                self.base.weight.requires_grad_(False)
+                self.head = head
+
+            def forward(self, x: Any, idx: Any) -> Any:
+                rows = self.base.num_embeddings
+                return self.head(x + 0.01 * self.base(idx % rows))
+
+        return WithFrozenBase()
+
+
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Model, optimizer and LR scheduler, initialised from the seed."""
     import torch
@@ -84,7 +111,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Dropout(0.1),
         nn.Linear(args.hidden, CLASSES),
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if getattr(args, "frozen_mib", 0.0) > 0:
+        model = FrozenBase.wrap(model, args.frozen_mib)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=0.01)
     # Step-based (not "fraction of total steps"), so the schedule does not
     # depend on how long the run was asked to be.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
@@ -144,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start, args.steps):
         epoch, batch = divmod(step, batches_per_epoch)
         idx = batch_order(epoch, args.seed)[batch * args.batch_size:(batch + 1) * args.batch_size]
-        loss = loss_fn(model(x[idx]), y[idx])
+        loss = loss_fn(model(x[idx], idx) if args.frozen_mib > 0 else model(x[idx]), y[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

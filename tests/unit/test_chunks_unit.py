@@ -1,0 +1,205 @@
+"""Chunk planning and the version 3 (incremental) manifest: pure logic, local files only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from spotguard.checkpoint.checksum import checksum_bytes
+from spotguard.checkpoint.chunks import MAX_CHUNK, MIN_CHUNK, fixed_chunks, group_regions, hash_chunk, plan_file
+from spotguard.checkpoint.manifest import (
+    FORMAT_VERSION_CHUNKED,
+    ChunkRef,
+    FileEntry,
+    ManifestError,
+    Sharding,
+    chunk_key,
+    new_manifest,
+    parse_chunk_key,
+    parse_manifest,
+    to_chunked,
+    to_plain,
+)
+
+MiB = 1 << 20
+
+
+def covers(chunks: list[tuple[int, int]], size: int) -> bool:
+    at = 0
+    for offset, length in chunks:
+        if offset != at or length <= 0:
+            return False
+        at += length
+    return at == size
+
+
+@pytest.mark.parametrize(
+    ("regions", "size", "want"),
+    [
+        # one big region: cut at MAX_CHUNK from its start
+        ([(0, 40 * MiB)], 40 * MiB, [(0, 16 * MiB), (16 * MiB, 16 * MiB), (32 * MiB, 8 * MiB)]),
+        # small header, big tensor, small tail: the big tensor starts its own chunk
+        ([(0, 100), (100, 100 + 20 * MiB)], 100 + 20 * MiB + 50,
+         [(0, 100), (100, 16 * MiB), (100 + 16 * MiB, 4 * MiB), (100 + 20 * MiB, 50)]),
+        # many small regions are grouped up to MIN_CHUNK
+        ([(i * 300_000, (i + 1) * 300_000) for i in range(7)], 2_100_000,
+         [(0, 900_000), (900_000, 900_000), (1_800_000, 300_000)]),
+        # overlapping regions: fixed offsets
+        ([(0, 10), (5, 20)], 20, [(0, 20)]),
+        # the bytes between declared regions are regions too
+        ([(10, 2 * MiB)], 3 * MiB, [(0, 10), (10, 2 * MiB - 10), (2 * MiB, MiB)]),
+        ([], 0, []),
+    ],
+)  # fmt: skip
+def test_group_regions(regions: list[tuple[int, int]], size: int, want: list[tuple[int, int]]) -> None:
+    got = group_regions(regions, size)
+    assert got == want
+    assert covers(got, size)
+    assert all(length <= MAX_CHUNK for _, length in got)
+
+
+def test_fixed_chunks() -> None:
+    assert fixed_chunks(0) == []
+    assert fixed_chunks(5, 2) == [(0, 2), (2, 2), (4, 1)]
+
+
+def chunk_bytes(path: Path) -> list[bytes]:
+    data = path.read_bytes()
+    return [data[o : o + n] for o, n in plan_file(path)]
+
+
+def test_unchanged_tensor_gives_the_same_chunks_when_others_change(tmp_path: Path) -> None:
+    """A frozen tensor yields the same chunks from one save to the next even when
+    small adapter tensors that sort between its neighbours change, and a
+    changed adapter costs at most one small group."""
+    torch.manual_seed(0)
+    frozen = {f"layers.{i}.weight": torch.randn(1024, 1024) for i in range(3)}  # 4 MiB each
+    adapter = {f"layers.{i}.lora_a": torch.randn(8, 1024) for i in range(3)}
+    save_file({**frozen, **adapter}, str(tmp_path / "a.safetensors"))
+    for t in adapter.values():
+        t.add_(1.0)
+    save_file({**frozen, **adapter}, str(tmp_path / "b.safetensors"))
+    a, b = chunk_bytes(tmp_path / "a.safetensors"), chunk_bytes(tmp_path / "b.safetensors")
+    assert covers(plan_file(tmp_path / "a.safetensors"), (tmp_path / "a.safetensors").stat().st_size)
+    changed = set(b) - set(a)
+    assert sum(len(c) for c in changed) <= MIN_CHUNK + 3 * 8 * 1024 * 4
+    frozen_bytes = sum(t.numel() * 4 for t in frozen.values())
+    assert sum(len(c) for c in set(b) & set(a)) >= frozen_bytes
+
+
+def test_zip_entries_keep_their_chunks_when_the_pickle_grows(tmp_path: Path) -> None:
+    """``torch.save`` archives: a larger ``data.pkl`` shifts every later entry
+    (and changes its header padding), but an unchanged tensor storage keeps
+    its chunks."""
+    big = torch.randn(1024, 1024)
+    torch.save({"w": big, "note": "x"}, tmp_path / "a.pt")
+    torch.save({"w": big, "note": "x" * 5000, "more": list(range(300))}, tmp_path / "b.pt")
+    a, b = chunk_bytes(tmp_path / "a.pt"), chunk_bytes(tmp_path / "b.pt")
+    storage_bytes = big.numpy().tobytes()
+    assert storage_bytes in set(a) & set(b)
+
+
+def test_other_files_use_fixed_offsets(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    path.write_bytes(b"\x01" * (MAX_CHUNK + 10))
+    assert plan_file(path) == [(0, MAX_CHUNK), (MAX_CHUNK, 10)]
+    bogus = tmp_path / "bad.safetensors"
+    bogus.write_bytes(b"\xff" * 100)
+    assert plan_file(bogus) == [(0, 100)]
+
+
+def test_hash_chunk_and_keys() -> None:
+    ref = hash_chunk(b"abc")
+    assert ref.hash == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert ref.size == 3 and ref.checksum == checksum_bytes(b"abc", "crc32c")
+    assert chunk_key(ref.hash) == f"chunks/ba/{ref.hash}" == ref.key
+    assert parse_chunk_key(ref.key) == ref.hash
+    assert parse_chunk_key(f"chunks/aa/{ref.hash}") is None
+    assert parse_chunk_key("chunks/ba/xyz") is None
+    with pytest.raises(ValueError):
+        chunk_key("../etc")
+
+
+def plain_manifest(data: dict[str, bytes]) -> Any:
+    files = [FileEntry(p, len(b), checksum_bytes(b, "crc32c")) for p, b in data.items()]
+    return new_manifest(7, files, "crc32c", epoch=1, metrics={"loss": 0.5}, job="ns/j", attempt=2)
+
+
+def test_chunked_manifest_roundtrip_and_plain_copy() -> None:
+    data = {"model.safetensors": b"a" * 100 + b"b" * 50, "state.json": b"{}"}
+    plain = plain_manifest(data)
+    tables = {
+        "model.safetensors": [hash_chunk(b"a" * 100), hash_chunk(b"b" * 50)],
+        "state.json": [hash_chunk(b"{}")],
+    }
+    chunked = to_chunked(plain, tables)
+    assert chunked.chunked and chunked.format_version == FORMAT_VERSION_CHUNKED == 3
+    doc = json.loads(chunked.to_json())
+    assert doc["files"][0]["chunks"][1] == [tables["model.safetensors"][1].hash, 50, tables["model.safetensors"][1].checksum]
+    assert parse_manifest(chunked.to_json(), expected_name="ckpt-000000000007") == chunked
+    assert set(chunked.chunk_refs()) == {r.hash for refs in tables.values() for r in refs}
+    back = to_plain(chunked)
+    assert back.to_json() == plain.to_json()
+
+
+def chunked_doc(**overrides: Any) -> dict[str, Any]:
+    data = b"a" * 100 + b"b" * 50
+    a, b = hash_chunk(b"a" * 100), hash_chunk(b"b" * 50)
+    doc: dict[str, Any] = {
+        "format_version": 3, "step": 1, "created": "2026-01-01T00:00:00Z", "checksum_algorithm": "crc32c",
+        "files": [{"path": "m.safetensors", "size": 150, "checksum": checksum_bytes(data, "crc32c"),
+                   "chunks": [[a.hash, a.size, a.checksum], [b.hash, b.size, b.checksum]]}],
+    }  # fmt: skip
+    doc.update(overrides)
+    return doc
+
+
+def test_chunked_manifest_parses() -> None:
+    m = parse_manifest(json.dumps(chunked_doc()))
+    assert m.files[0].chunks is not None and len(m.files[0].chunks) == 2
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["files"][0]["chunks"].pop(), "chunks add up to 100 bytes, the file has 150"),
+        (lambda d: d["files"][0]["chunks"][0].__setitem__(0, "../x"), "is not a SHA-256 hex digest"),
+        (lambda d: d["files"][0]["chunks"][0].__setitem__(1, 0), "not a positive integer"),
+        (lambda d: d["files"][0]["chunks"][0].__setitem__(2, "zz"), "is not a crc32c hex digest"),
+        (lambda d: d["files"][0]["chunks"].reverse(), "do not combine to the file's checksum"),
+        (lambda d: d["files"][0].pop("chunks"), "'chunks' must be a list"),
+        (lambda d: d.__setitem__("format_version", 1), "'chunks' needs format_version 3"),
+        (lambda d: d.__setitem__("sharding", {"world_size": 1, "parts": 1, "part": None, "ranks": [0]}),
+         "not stored incrementally"),
+    ],
+)  # fmt: skip
+def test_chunked_manifest_rejects(edit: Any, message: str) -> None:
+    doc = chunked_doc()
+    edit(doc)
+    with pytest.raises(ManifestError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_manifest(json.dumps(doc))
+
+
+def test_to_chunked_refuses_a_file_changed_since_the_manifest() -> None:
+    plain = plain_manifest({"m.bin": b"x" * 10})
+    with pytest.raises(ManifestError, match="do not combine"):
+        to_chunked(plain, {"m.bin": [hash_chunk(b"y" * 10)]})
+    with pytest.raises(ManifestError, match="no chunks given"):
+        to_chunked(plain, {})
+
+
+def test_distributed_manifests_are_not_chunked() -> None:
+    files = [FileEntry("ranks/00000/state.json", 2, checksum_bytes(b"{}", "crc32c"))]
+    part = new_manifest(3, files, "crc32c", sharding=Sharding(2, 2, 0, (0,)))
+    with pytest.raises(ManifestError, match="not stored incrementally"):
+        to_chunked(part, {"ranks/00000/state.json": [hash_chunk(b"{}")]})
+
+
+def test_chunk_ref_key() -> None:
+    ref = ChunkRef("0" * 64, 1, "00000000")
+    assert ref.key == "chunks/00/" + "0" * 64
