@@ -231,6 +231,9 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
     ]
     if inj.notices:
         c["env"].append(_env_value("SPOTGUARD_NOTICES", ",".join(inj.notices)))
+    if inj.checkpoint.incremental:
+        # Only the sidecar uploads; absent when off, so existing jobs' pods stay as they were.
+        c["env"].append(_env_value("SPOTGUARD_INCREMENTAL", "true"))
     if inj.metrics_port:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
     # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.

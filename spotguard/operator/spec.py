@@ -90,6 +90,9 @@ class CheckpointSpec:
     #: init container and the sidecar get them otherwise): for trainers that read
     #: or write storage themselves.
     expose_credentials_to_trainer: bool = False
+    #: Store checkpoints as content-addressed chunks shared between checkpoints,
+    #: so that each upload sends only what changed (the sidecar's ``--incremental``).
+    incremental: bool = False
 
     def job_uri(self, namespace: str, job: str) -> str:
         """The job's own checkpoint root: ``<storage>/<namespace>/<job>``."""
@@ -328,6 +331,7 @@ def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
         checksum=_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
         retention=parse_retention(obj.get("retention"), f"{path}.retention"),
         expose_credentials_to_trainer=_bool(obj, "exposeCredentialsToTrainer", path, False),
+        incremental=_bool(obj, "incremental", path, False),
     )
 
 

@@ -15,6 +15,8 @@ configured by annotations:
 ``spotguard.dev/save-every-seconds``        checkpoint interval in seconds
 ``spotguard.dev/checksum``                  ``crc32c`` or ``sha256``
 ``spotguard.dev/keep-last``                 checkpoints to keep
+``spotguard.dev/incremental``               ``"true"``: upload only the chunks storage does
+                                            not hold yet (default ``"false"``)
 ``spotguard.dev/expose-credentials-to-      ``"true"``: the pod's own containers get the
 trainer``                                   storage credentials too (default: only
                                             spotguard's containers)
@@ -54,6 +56,7 @@ _ANNOTATIONS: dict[str, tuple[str, type]] = {
     "save-every-seconds": ("everySeconds", float),
     "checksum": ("checksum", str),
     "keep-last": ("keepLast", int),
+    "incremental": ("incremental", bool),
     "expose-credentials-to-trainer": ("exposeCredentialsToTrainer", bool),
 }
 _FIELD_TO_ANNOTATION = {f: f"metadata.annotations[{PREFIX}{a}]" for a, (f, _t) in _ANNOTATIONS.items()}

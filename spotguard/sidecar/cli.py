@@ -19,6 +19,9 @@ DEFAULT_CHECKPOINT_DIR = "/var/lib/spotguard/checkpoints"
 DEFAULT_METRICS_PORT = 9400
 # Created by kubelet in every container; absent elsewhere (then no report).
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+INCREMENTAL_ENV = "SPOTGUARD_INCREMENTAL"
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -80,6 +83,7 @@ def _register_sidecar(subparsers: Any) -> None:
                    help="when the emergency checkpoint would not fit the grace period, request "
                    "a checkpoint every this many seconds (0: never, the default)")
     _add_retention_args(p)
+    _add_incremental_arg(p)
     p.add_argument("--termination-log", type=Path,
                    default=_env("SPOTGUARD_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
                    help="write a JSON report here on exit, for the operator "
@@ -144,6 +148,31 @@ def retention_from_args(args: argparse.Namespace) -> Any | None:
         keep_every=args.keep_every,
     )
     return None if policy.keeps_everything else policy
+
+
+def _add_incremental_arg(p: argparse.ArgumentParser) -> None:
+    # The environment's value stays a string here: incremental_from_args
+    # checks it, for the subcommand being run only.
+    p.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=_env(INCREMENTAL_ENV),
+                   help="upload only the data storage does not hold yet: checkpoints are stored as "
+                   "content-addressed chunks shared between checkpoints of the job (env "
+                   f"{INCREMENTAL_ENV}, default off)")
+
+
+def incremental_from_args(args: argparse.Namespace) -> bool:
+    """Whether uploads are incremental: the option, else ``SPOTGUARD_INCREMENTAL``, else off.
+
+    Raises ValueError (one line, naming the variable) for a value that is no boolean.
+    """
+    value = args.incremental
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    word = str(value).strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS or not word:
+        return False
+    raise ValueError(f"{INCREMENTAL_ENV} must be {'/'.join(_TRUE_WORDS)} or {'/'.join(_FALSE_WORDS)}, not {value!r}")
 
 
 def _notice_sources(args: argparse.Namespace) -> list[Any]:
@@ -216,6 +245,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         sources = _notice_sources(args)
         storage = open_storage(args.storage)
         retention = retention_from_args(args)
+        incremental = incremental_from_args(args)
     except (ValueError, StorageError) as exc:
         return fail(str(exc))
     ckdir: Path = args.checkpoint_dir
@@ -231,6 +261,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         notice_stops_training=args.notice_stops_training,
         trainer_markers=default_markers(ckdir),
         save_every_seconds=_save_every_seconds(),
+        incremental=incremental,
     )
     metrics = SidecarMetrics(namespace=_env("POD_NAMESPACE", "") or "",
                              job=_env("SPOTGUARD_JOB", "") or "")
@@ -289,6 +320,7 @@ def _register_run(subparsers: Any) -> None:
     p.add_argument("--job", default=_env("SPOTGUARD_JOB", ""), help="job name for metrics/logs")
     _add_notice_args(p)
     _add_retention_args(p)
+    _add_incremental_arg(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     p.set_defaults(func=_run)
@@ -318,6 +350,7 @@ def _run(args: argparse.Namespace) -> int:
     storage_uri = args.storage or (workdir / "store").as_uri()
     try:
         retention = retention_from_args(args)
+        incremental = incremental_from_args(args)
         sources = _notice_sources(args)
     except ValueError as exc:
         _fail(str(exc))
@@ -340,6 +373,7 @@ def _run(args: argparse.Namespace) -> int:
         notice_sources=sources,
         notice_interval_seconds=args.notice_interval,
         notice_stops_training=args.notice_stops_training,
+        incremental=incremental,
     )
     try:
         with workdir_lock(workdir):

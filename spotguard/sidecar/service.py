@@ -85,6 +85,9 @@ class AgentConfig:
     # The trainer's SPOTGUARD_SAVE_EVERY_SECONDS, if set (for the interval metric).
     save_every_seconds: float | None = None
     trainer_markers: dict[str, str] = field(default_factory=dict)
+    # Upload only the chunks storage does not hold yet (content-addressed,
+    # shared between checkpoints); off: every checkpoint is self-contained.
+    incremental: bool = False
 
 
 @dataclass
@@ -120,7 +123,7 @@ class CheckpointAgent:
         self.tracker = ThroughputTracker(config.grace_seconds, config.safety_margin_seconds)
         self.shipper = CheckpointShipper(
             config.checkpoint_dir, storage, metrics, self.tracker, retention, config.keep_local,
-            configured_interval=config.save_every_seconds,
+            configured_interval=config.save_every_seconds, incremental=config.incremental,
         )
         self._trainer_state_override = trainer_state
         self._notices: queue.Queue[tuple[Notice, NoticeSource]] = queue.Queue()

@@ -96,6 +96,8 @@ class RunConfig:
     notice_sources: list[NoticeSource] = field(default_factory=list)
     notice_interval_seconds: float = 2.0
     notice_stops_training: bool = False
+    # Upload only the chunks storage does not hold yet (the sidecar's --incremental).
+    incremental: bool = False
 
     @property
     def control_dir(self) -> Path:
@@ -201,6 +203,7 @@ class Supervisor:
             trainer_markers={RUN_ID_ENV: self.run_id},
             save_every_seconds=config.save_every_seconds,
             notice_stops_training=config.notice_stops_training,
+            incremental=config.incremental,
         )
         self.agent = CheckpointAgent(agent_config, storage, metrics, config.retention,
                                      trainer_state=self._child_state)

@@ -165,3 +165,24 @@ def test_expose_credentials_to_trainer() -> None:
     with pytest.raises(SpecError) as err:
         parse(with_("checkpoint.exposeCredentialsToTrainer", "yes"))
     assert err.value.field == "spec.checkpoint.exposeCredentialsToTrainer"
+
+
+def test_incremental() -> None:
+    assert parse(base()).checkpoint.incremental is False
+    assert parse(with_("checkpoint.incremental", True)).checkpoint.incremental is True
+    assert parse(with_("checkpoint.incremental", False)).checkpoint.incremental is False
+    with pytest.raises(SpecError) as err:
+        parse(with_("checkpoint.incremental", "true"))
+    assert err.value.field == "spec.checkpoint.incremental"
+
+
+def test_crd_declares_incremental_with_the_parsers_default() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds" / "trainingjob.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = spec["properties"]["checkpoint"]["properties"]["incremental"]
+    assert field["type"] == "boolean"
+    assert field["default"] is parse(base()).checkpoint.incremental is False

@@ -276,3 +276,23 @@ def test_torchrun_shutdown_timeout_is_the_grace_period_unless_set() -> None:
     assert env_of(spec, "node")["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"
     assert env_of(spec, "logger")["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "60"
     assert [e["name"] for e in spec["containers"][0]["env"]].count("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") == 1
+
+
+@pytest.mark.parametrize(("value", "incremental"), [("true", True), ("false", False), (None, False)])
+def test_incremental_by_annotation(value: str | None, incremental: bool) -> None:
+    ann = {"spotguard.dev/storage": "s3://bkt/p"}
+    if value is not None:
+        ann["spotguard.dev/incremental"] = value
+    assert injection_for_pod(pod(ann), "ns", CFG).checkpoint.incremental is incremental
+    spec, _uri = mutated_pod(pod(ann), "ns", CFG)
+    sidecar = next(c for c in spec["containers"] if c["name"] == "spotguard-sidecar")
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env.get("SPOTGUARD_INCREMENTAL") == ("true" if incremental else None)
+    assert "SPOTGUARD_INCREMENTAL" not in {e["name"] for e in spec["containers"][0]["env"]}
+
+
+def test_incremental_annotation_must_be_a_boolean() -> None:
+    ann = {"spotguard.dev/storage": "s3://bkt/p", "spotguard.dev/incremental": "yes"}
+    with pytest.raises(SpecError) as err:
+        injection_for_pod(pod(ann), "ns", CFG)
+    assert err.value.field == "metadata.annotations[spotguard.dev/incremental]"

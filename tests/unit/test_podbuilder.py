@@ -288,3 +288,26 @@ def test_k8s_notices_keep_the_templates_own_account() -> None:
 def test_notice_account_name_fits_for_long_job_names() -> None:
     name = notice_service_account("j" * 253)
     assert len(name) <= 253 and name != notice_service_account("j" * 252)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_incremental_reaches_the_sidecar_only(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from spotguard.sidecar import cli
+
+    ck = {**job_spec()["checkpoint"], "incremental": True}
+    pod = build(native=native, checkpoint=ck)
+    value = env_of(sidecar_of(pod))["SPOTGUARD_INCREMENTAL"]
+    restore = pod["spec"]["initContainers"][0]
+    assert restore["name"] == "spotguard-restore" and "SPOTGUARD_INCREMENTAL" not in env_of(restore)
+    assert "SPOTGUARD_INCREMENTAL" not in env_of(pod["spec"]["containers"][0])
+    # Off (the default): no variable at all, so the pods of existing jobs do not change.
+    assert "SPOTGUARD_INCREMENTAL" not in env_of(sidecar_of(build(native=native)))
+    off = build(native=native, checkpoint={**ck, "incremental": False})
+    assert "SPOTGUARD_INCREMENTAL" not in env_of(sidecar_of(off))
+    # The sidecar reads the value the operator writes as on.
+    monkeypatch.setenv("SPOTGUARD_INCREMENTAL", value)
+    p = argparse.ArgumentParser()
+    cli.register(p.add_subparsers())
+    assert cli.incremental_from_args(p.parse_args(["sidecar"])) is True

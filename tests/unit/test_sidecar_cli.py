@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +103,77 @@ def test_a_retention_rule_without_its_metric_is_a_user_error(monkeypatch: pytest
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="keep_best needs a metric name"):
         cli.retention_from_args(parser().parse_args(["run", "--keep-best", "2", "--", "true"]))
+
+
+@pytest.mark.parametrize("command", [["sidecar", "--storage", "file:///x"], ["run", "--", "true"]])
+@pytest.mark.parametrize(
+    ("env", "flags", "incremental"),
+    [
+        (None, [], False),
+        ("", [], False),
+        ("1", [], True),
+        ("TRUE", [], True),
+        (" yes ", [], True),
+        ("on", [], True),
+        ("0", [], False),
+        ("false", [], False),
+        ("No", [], False),
+        ("off", [], False),
+        (None, ["--incremental"], True),
+        ("off", ["--incremental"], True),
+        ("on", ["--no-incremental"], False),
+        ("maybe", ["--no-incremental"], False),  # the option wins; the variable is not read
+    ],
+)
+def test_incremental_from_option_or_environment(
+    command: list[str], env: str | None, flags: list[str], incremental: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if env is None:
+        monkeypatch.delenv("SPOTGUARD_INCREMENTAL", raising=False)
+    else:
+        monkeypatch.setenv("SPOTGUARD_INCREMENTAL", env)
+    args = parser().parse_args([command[0], *flags, *command[1:]])
+    assert cli.incremental_from_args(args) is incremental
+
+
+@pytest.mark.parametrize("command", [["sidecar", "--storage", "file:///x"], ["run", "--", "true"]])
+def test_a_bad_incremental_variable_is_an_error_naming_it(command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTGUARD_INCREMENTAL", "maybe")
+    p = parser()
+    assert p.parse_args(["demo"]).steps == 300  # other commands do not care
+    with pytest.raises(ValueError, match=r"SPOTGUARD_INCREMENTAL must be 1/true/yes/on or 0/false/no/off, not 'maybe'"):
+        cli.incremental_from_args(p.parse_args(command))
+
+
+@pytest.mark.parametrize("command", ["sidecar", "run"])
+def test_a_bad_incremental_variable_stops_the_command_before_anything_runs(command: str, tmp_path: Path) -> None:
+    # A subprocess: the sidecar installs its signal handlers first thing.
+    log = tmp_path / "termination-log"
+    argv = {
+        "sidecar": ["sidecar", "--storage", (tmp_path / "store").as_uri(), "--checkpoint-dir", str(tmp_path / "ck"),
+                    "--termination-log", str(log), "--metrics-port", "0"],
+        "run": ["run", "--workdir", str(tmp_path / "work"), "--", sys.executable, "-c", "raise SystemExit(9)"],
+    }[command]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    env["SPOTGUARD_INCREMENTAL"] = "sometimes"
+    out = subprocess.run([sys.executable, "-m", "spotguard.cli", *argv], capture_output=True, text=True, env=env,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "SPOTGUARD_INCREMENTAL must be 1/true/yes/on or 0/false/no/off, not 'sometimes'" in out.stderr
+    if command == "sidecar":
+        assert "SPOTGUARD_INCREMENTAL" in log.read_text()  # where the operator reads why
+    else:
+        assert not (tmp_path / "work").exists()  # nothing started
+
+
+def test_run_passes_incremental_to_the_agent(tmp_path: Path) -> None:
+    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.supervisor import RunConfig, Supervisor
+    from spotguard.storage import open_storage
+
+    storage = open_storage((tmp_path / "store").as_uri())
+    for incremental in (False, True):
+        config = RunConfig(command=["true"], workdir=tmp_path, storage_uri=(tmp_path / "store").as_uri(),
+                           checkpoint_dir=tmp_path / "ck", incremental=incremental)
+        agent = Supervisor(config, storage, SidecarMetrics(namespace="", job="")).agent
+        assert agent.config.incremental is incremental and agent.shipper.incremental is incremental
