@@ -140,7 +140,11 @@ def test_chunked_manifest_roundtrip_and_plain_copy() -> None:
     chunked = to_chunked(plain, tables)
     assert chunked.chunked and chunked.format_version == FORMAT_VERSION_CHUNKED == 3
     doc = json.loads(chunked.to_json())
-    assert doc["files"][0]["chunks"][1] == [tables["model.safetensors"][1].hash, 50, tables["model.safetensors"][1].checksum]
+    assert doc["files"][0]["chunks"][1] == [
+        tables["model.safetensors"][1].hash,
+        50,
+        tables["model.safetensors"][1].checksum,
+    ]
     assert parse_manifest(chunked.to_json(), expected_name="ckpt-000000000007") == chunked
     assert set(chunked.chunk_refs()) == {r.hash for refs in tables.values() for r in refs}
     back = to_plain(chunked)

@@ -1,0 +1,207 @@
+"""Incremental checkpoints against the real S3 store: only new chunks travel,
+every chunk is verified, a damaged shared chunk fails every checkpoint that
+uses it and resume walks back past them, bit-exact through ``spotguard run``."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
+
+from spotguard.checkpoint import (
+    KnownChunks,
+    latest_verified,
+    read_manifest,
+    restore_checkpoint,
+    restore_latest,
+    upload_checkpoint,
+    verify_checkpoint,
+)
+from spotguard.checkpoint.codec import snapshot_state
+from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
+from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+
+MiB = 1 << 20
+
+
+def fine_tune_state(step: int, adapter_version: int) -> dict[str, Any]:
+    """A frozen base of 24 MiB (the same at every step) and a small adapter
+    whose values depend on ``adapter_version``."""
+    base = torch.Generator().manual_seed(1)
+    frozen = {f"base.{i}.weight": torch.randn(1024, 1024, generator=base) for i in range(6)}
+    adapter_gen = torch.Generator().manual_seed(100 + adapter_version)
+    adapter = {f"base.{i}.lora_a": torch.randn(8, 1024, generator=adapter_gen) for i in range(6)}
+    return {"model": {**frozen, **adapter}, "step": step}
+
+
+def commit(directory: Path, step: int, adapter_version: int) -> Path:
+    return write_checkpoint(directory, step, snapshot_state(fine_tune_state(step, adapter_version)))
+
+
+def chunk_objects(storage: Any) -> dict[str, int]:
+    return {o.key: o.size for o in storage.list_objects(f"{CHUNKS_DIR}/")}
+
+
+@pytest.mark.integration
+def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    storage = s3_storage(s3_store, s3_uri)
+    local = tmp_path / "ckpt"
+    first = upload_checkpoint(commit(local, 10, 0), storage, incremental=True)
+    total = read_manifest(storage, checkpoint_name(10)).total_size
+    assert first.new_bytes == total and first.reused_bytes == 0
+    stored_after_first = chunk_objects(storage)
+    assert sum(stored_after_first.values()) == total
+    assert len(stored_after_first) == first.new_chunks
+
+    known = KnownChunks.of(read_manifest(storage, checkpoint_name(10)))
+    second = upload_checkpoint(commit(local, 20, 1), storage, incremental=known)
+    assert second.new_bytes < 0.05 * total, (second.new_bytes, total)
+    assert second.new_bytes + second.reused_bytes == total
+    stored_after_second = chunk_objects(storage)
+    # Exactly the new chunks were added; nothing was uploaded twice.
+    assert len(stored_after_second) - len(stored_after_first) == second.new_chunks
+    assert sum(stored_after_second.values()) - sum(stored_after_first.values()) == second.new_bytes
+    # The checkpoint prefix holds only the manifest.
+    assert [o.key for o in storage.list_objects(f"{checkpoint_name(20)}/")] == [
+        f"{checkpoint_name(20)}/{MANIFEST_NAME}"
+    ]
+
+    result = verify_checkpoint(storage, checkpoint_name(20))
+    assert result.ok, result.problems
+    assert result.manifest is not None and result.manifest.format_version == 3
+    assert result.method == "store-checksum" and result.read_back == 0 and result.checked_bytes == 0
+    deep = verify_checkpoint(storage, checkpoint_name(20), deep=True)
+    assert deep.ok and deep.method == "read-back" and deep.checked_bytes == total
+
+    # Restore assembles the files byte for byte; --plain makes a self-contained copy.
+    info = restore_checkpoint(storage, checkpoint_name(20), tmp_path / "restored")
+    for entry in read_manifest(storage, checkpoint_name(20)).files:
+        assert (Path(info.uri) / entry.path).read_bytes() == (local / checkpoint_name(20) / entry.path).read_bytes()
+    plain = restore_checkpoint(storage, checkpoint_name(20), tmp_path / "plain", plain=True)
+    doc = json.loads((Path(plain.uri) / MANIFEST_NAME).read_bytes())
+    assert doc["format_version"] == 1 and all("chunks" not in f for f in doc["files"])
+    assert doc["files"] == json.loads((local / checkpoint_name(20) / MANIFEST_NAME).read_bytes())["files"]
+    assert verify_local_checkpoint(Path(plain.uri)).ok
+    state = load_checkpoint_state(Path(plain.uri))
+    assert torch.equal(state["model"]["base.3.lora_a"], fine_tune_state(20, 1)["model"]["base.3.lora_a"])
+
+
+@pytest.mark.integration
+def test_a_known_chunk_missing_from_storage_is_uploaded_again(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    """The uploader's knowledge is checked before the manifest names a chunk:
+    one removed from storage meanwhile is sent again, so the manifest never
+    names a chunk that is not stored."""
+    storage = s3_storage(s3_store, s3_uri)
+    upload_checkpoint(commit(tmp_path, 10, 0), storage, incremental=True)
+    known = KnownChunks.of(read_manifest(storage, checkpoint_name(10)))
+    gone = max(known.chunks, key=lambda d: known.chunks[d])
+    storage.delete([f"{CHUNKS_DIR}/{gone[:2]}/{gone}"])
+    result = upload_checkpoint(commit(tmp_path, 20, 1), storage, incremental=known)
+    assert result.new_bytes >= known.chunks[gone]
+    assert verify_checkpoint(storage, checkpoint_name(20)).ok
+
+
+@pytest.mark.integration
+def test_a_damaged_shared_chunk_fails_every_checkpoint_using_it(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    """Checkpoints 20 and 30 share an adapter chunk that 10 does not have;
+    damaging it in storage fails both, naming the chunk and its file, and
+    resume walks back to 10, which shares only the frozen base with them."""
+    storage = s3_storage(s3_store, s3_uri)
+    for step, version in ((10, 0), (20, 1), (30, 1)):
+        upload_checkpoint(commit(tmp_path, step, version), storage, incremental=True)
+    m10, m20, m30 = (read_manifest(storage, checkpoint_name(s)) for s in (10, 20, 30))
+    shared = set(m20.chunk_refs()) & set(m30.chunk_refs()) - set(m10.chunk_refs())
+    assert shared and set(m10.chunk_refs()) & set(m30.chunk_refs())
+    digest = sorted(shared)[0]
+    ref = m30.chunk_refs()[digest]
+    key = ref.key
+    good = storage.read_bytes(key)
+    storage.write_bytes(key, bytes([good[0] ^ 0xFF]) + good[1:])  # same size, other bytes
+
+    for step in (20, 30):
+        result = verify_checkpoint(storage, checkpoint_name(step))
+        assert not result.ok
+        assert any(p.startswith(f"{key}: ") and "(chunk of model.safetensors)" in p for p in result.problems), result
+    assert verify_checkpoint(storage, checkpoint_name(10)).ok
+    info, skipped = latest_verified(storage)
+    assert info is not None and info.step == 10
+    assert [s.step for s in skipped] == [30, 20] and all(key in s.reason for s in skipped)
+
+    restored = restore_latest(storage, tmp_path / "fresh")
+    assert restored is not None and restored.step == 10
+    state = load_checkpoint_state(Path(restored.uri))
+    want = fine_tune_state(10, 0)["model"]
+    assert all(torch.equal(state["model"][k], v) for k, v in want.items())
+
+
+def run_argv(workdir: Path, storage: str, out: Path, steps: int) -> list[str]:
+    train = [PY, "-m", "spotguard.demo.train", "--steps", str(steps), "--save-every", "10", "--log-every", "1",
+             "--frozen-mib", "24", "--step-delay", "0.1", "--output", str(out)]  # fmt: skip
+    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts", "3",
+                          "--backoff", "0.1", "--", *train)  # fmt: skip
+
+
+@pytest.mark.integration
+def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_chunk(
+    s3_store, s3_uri: str, tmp_path: Path
+) -> None:
+    """``spotguard run`` with incremental checkpoints on a model with a 24 MiB
+    frozen base: SIGTERM mid-run, every checkpoint after the first uploads a
+    small fraction of its size; then a chunk the newest checkpoints share is
+    damaged in storage and a fresh machine resumes from an older one. The
+    result equals an uninterrupted run's byte for byte."""
+    steps = 80
+    reference = tmp_path / "reference.safetensors"
+    env = base_env(s3_store.env() | {"SPOTGUARD_INCREMENTAL": "1"})
+    with reaping() as procs:
+        alone = [PY, "-m", "spotguard.demo.train", "--steps", str(steps), "--save-every", "10",
+                 "--frozen-mib", "24", "--output", str(reference)]  # fmt: skip
+        ref = Proc(alone, base_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref-ckpt")}), tmp_path / "ref.log")
+        procs.append(ref)
+        assert ref.wait() == 0, ref.tail()
+
+        out = tmp_path / "final.safetensors"
+        first = Proc(run_argv(tmp_path / "work1", s3_uri, out, steps), env, tmp_path / "run1.log")
+        procs.append(first)
+        first.wait_for_step(45)
+        first.signal(signal.SIGTERM)
+        assert first.wait() == 128 + signal.SIGTERM, first.tail()
+        stopped = int(first.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+
+    storage = s3_storage(s3_store, s3_uri)
+    info, _ = latest_verified(storage)
+    assert info is not None and info.step == stopped, (info, stopped)
+    uploads = [line for line in (tmp_path / "run1.log").read_text().splitlines() if "stage=upload" in line]
+    sent = [int(line.split(" bytes=")[1].split()[0]) for line in uploads]
+    size = info.size
+    assert len(sent) >= 3 and sent[0] >= size, uploads
+    assert all(b < 0.05 * size for b in sent[1:]), (sent, size)
+
+    # Damage a chunk the newest checkpoint shares with the one before it but
+    # not with the oldest: both newest fail, resume walks back further.
+    names = sorted(n for n in (o.key.split("/")[0] for o in storage.list_objects("ckpt-")))
+    manifests = [read_manifest(storage, n) for n in dict.fromkeys(names)]
+    newest, before, oldest = manifests[-1], manifests[-2], manifests[0]
+    shared = sorted(set(newest.chunk_refs()) & set(before.chunk_refs()) - set(oldest.chunk_refs()))
+    if not shared:  # every trained tensor changed: damage one only the newest has
+        shared = sorted(set(newest.chunk_refs()) - set(before.chunk_refs()))
+    key = newest.chunk_refs()[shared[0]].key
+    data = storage.read_bytes(key)
+    storage.write_bytes(key, data[:-1] + bytes([data[-1] ^ 1]))
+    info2, skipped = latest_verified(storage)
+    assert info2 is not None and info2.step < stopped and skipped and all(key in s.reason for s in skipped)
+
+    with reaping() as procs:
+        second = Proc(run_argv(tmp_path / "work2", s3_uri, out, steps), env, tmp_path / "run2.log")
+        procs.append(second)
+        line = second.wait_for_line(lambda ln: ln.startswith(("resumed from step", "starting from scratch")))
+        assert line == f"resumed from step {info2.step}", line
+        assert second.wait() == 0, second.tail()
+    assert out.read_bytes() == reference.read_bytes()
+    final, _ = latest_verified(storage)
+    assert final is not None and final.step == steps - 1
