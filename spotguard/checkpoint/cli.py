@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("restore", help="download the newest verified checkpoint (or URI/ckpt-N) into DEST")
     p.add_argument("uri", metavar="URI[/ckpt-N]")
     p.add_argument("dest", metavar="DEST", type=Path)
+    p.add_argument("--plain", "--export", action="store_true", dest="plain",
+                   help="write a self-contained copy: whole files and a manifest without chunk references "
+                        "(for a checkpoint stored incrementally; to share it, or to hand the files to a framework)")
     _progress_flag(p)
     p.set_defaults(func=_guard(cmd_restore))
 
@@ -256,9 +259,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     names = list_checkpoint_names(storage)
     pointer = read_latest_pointer(storage)
     rows: list[dict[str, Any]] = []
+    previous: set[str] = set()
     for name in names:
         result = verify_checkpoint(storage, name, checksums=not args.quick, deep=args.deep)
         m = result.manifest
+        new_bytes = None
+        if m is not None and m.chunked:
+            # Stored incrementally: what this checkpoint added over the one listed before it.
+            refs = m.chunk_refs()
+            new_bytes = sum(r.size for d, r in refs.items() if d not in previous)
+            previous = set(refs)
         rows.append(
             {
                 "sharding": _sharding_row(result),
@@ -266,6 +276,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "step": int(name.split("-")[1]),
                 "created": m.created if m else None,
                 "size": m.total_size if m else None,
+                "format_version": m.format_version if m else None,
+                "new_bytes": new_bytes,
                 "epoch": m.epoch if m else None,
                 "metrics": dict(m.metrics) if m else {},
                 "verified": result.ok,
@@ -283,7 +295,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     # The SHARDS column appears when a distributed checkpoint is listed.
     sharded = any(r["sharding"] is not None for r in rows)
     shards_head = f"{'SHARDS':<16}  " if sharded else ""
-    print(f"{'STEP':>12}  {'CREATED':<20}  {'SIZE':>10}  {shards_head}{'METRICS':<24}  VERIFIED")
+    # The NEW column (bytes a checkpoint stored incrementally added) appears when one is listed.
+    chunked = any(r["new_bytes"] is not None for r in rows)
+    new_head = f"{'NEW':>10}  " if chunked else ""
+    print(f"{'STEP':>12}  {'CREATED':<20}  {'SIZE':>10}  {new_head}{shards_head}{'METRICS':<24}  VERIFIED")
     for r in rows:
         created = r["created"][:19].replace("T", " ") if r["created"] else "-"
         size = _human(r["size"]) if r["size"] is not None else "-"
@@ -291,7 +306,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         verified = ok if r["verified"] else "no: " + "; ".join(r["problems"])
         mark = "*" if r["latest"] else " "
         shards = f"{_sharding_str(r['sharding']):<16}  " if sharded else ""
-        print(f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {shards}{_metrics_str(r['metrics']):<24}  {verified}")
+        new = f"{_human(r['new_bytes']) if r['new_bytes'] is not None else '-':>10}  " if chunked else ""
+        print(f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {new}{shards}"
+              f"{_metrics_str(r['metrics']):<24}  {verified}")  # fmt: skip
     return EXIT_OK
 
 
@@ -348,7 +365,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = None) -> Any:
+def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = None, plain: bool = False) -> Any:
     from spotguard.checkpoint.remote import (
         CheckpointCorruptError,
         list_checkpoint_names,
@@ -365,7 +382,7 @@ def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = 
             total = 0
         bar = Progress(total, f"restoring {n}", progress)
         try:
-            info = restore_checkpoint(storage, n, dest, progress=bar)
+            info = restore_checkpoint(storage, n, dest, progress=bar, plain=plain)
         except CheckpointCorruptError as exc:
             if name:
                 raise
@@ -380,7 +397,7 @@ def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = 
 def cmd_restore(args: argparse.Namespace) -> int:
     """Download a checkpoint into DEST/ckpt-<step>/."""
     root, name = split_checkpoint_uri(args.uri)
-    info = _restore(root, args.dest, args.progress, name=name)
+    info = _restore(root, args.dest, args.progress, name=name, plain=args.plain)
     if info is None:
         raise UserError(f"nothing to restore: no verified checkpoint at {root}")
     print(f"restored {info.name} (step {info.step}, {_human(info.size)}) into {info.uri}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,23 @@ def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s
     assert verify_local_checkpoint(Path(plain.uri)).ok
     state = load_checkpoint_state(Path(plain.uri))
     assert torch.equal(state["model"]["base.3.lora_a"], fine_tune_state(20, 1)["model"]["base.3.lora_a"])
+
+    # The CLI: ls shows what each checkpoint added; restore --plain exports a self-contained copy.
+    env = base_env(s3_store.env())
+    listing = subprocess.run(spotguard_argv("ckpt", "ls", "--json", s3_uri), env=env, capture_output=True,
+                             text=True, check=True, timeout=120)  # fmt: skip
+    rows = {r["step"]: r for r in json.loads(listing.stdout)["checkpoints"]}
+    assert rows[10]["format_version"] == rows[20]["format_version"] == 3
+    assert rows[10]["new_bytes"] == total and rows[20]["new_bytes"] == second.new_bytes
+    assert all(r["verified"] for r in rows.values())
+    export = tmp_path / "export"
+    subprocess.run(spotguard_argv("ckpt", "restore", "--plain", f"{s3_uri}/{checkpoint_name(20)}", str(export)),
+                   env=env, capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    exported = export / checkpoint_name(20)
+    assert (exported / MANIFEST_NAME).read_bytes() == (Path(plain.uri) / MANIFEST_NAME).read_bytes()
+    assert (exported / "model.safetensors").read_bytes() == (
+        local / checkpoint_name(20) / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.integration
