@@ -78,6 +78,10 @@ class SidecarMetrics:
         self.uploaded_bytes = Counter(
             "spotguard_checkpoint_uploaded_bytes_total",
             "Bytes of checkpoint files uploaded.", base, registry=r)
+        self.reused_bytes = Counter(
+            "spotguard_checkpoint_reused_bytes_total",
+            "Bytes of checkpoint files already in storage that an incremental upload did not send again.",
+            base, registry=r)
         self.uploads = Counter(
             "spotguard_checkpoint_uploads_total",
             "Checkpoint uploads by result (verified or failed).",
@@ -143,10 +147,12 @@ class SidecarMetrics:
         """A local save of known duration (``reason``: one of ``SAVE_REASONS``)."""
         self.save_duration.labels(**self.labels, reason=reason).observe(seconds)
 
-    def observe_upload(self, seconds: float, nbytes: int) -> None:
-        """An upload finished (before verification)."""
+    def observe_upload(self, seconds: float, nbytes: int, reused_bytes: int = 0) -> None:
+        """An upload finished (before verification); ``reused_bytes``: chunks it did not send again."""
         self.upload_duration.labels(**self.labels).observe(seconds)
         self.uploaded_bytes.labels(**self.labels).inc(nbytes)
+        if reused_bytes:
+            self.reused_bytes.labels(**self.labels).inc(reused_bytes)
 
     def observe_verified(self, seconds: float, step: int, when: float) -> None:
         """A checkpoint verified in storage."""

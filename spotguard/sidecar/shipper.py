@@ -206,7 +206,8 @@ class CheckpointShipper:
                         # A part: the same part manifest stored, and the checkpoint committed.
                         key = f"{path.name}/{part_manifest_path(index)}"
                     stored = self.storage.read_bytes(key)
-                    same = stored == local and verify_checkpoint(self.storage, path.name, checksums=False).ok
+                    same = (stored == local or _stored_incrementally_as(stored, local)) and verify_checkpoint(
+                        self.storage, path.name, checksums=False).ok  # fmt: skip
                     if index is not None and stored == local and not same and self.storage.stat(
                         f"{path.name}/{MANIFEST_NAME}"
                     ) is None:
@@ -219,7 +220,7 @@ class CheckpointShipper:
                     log.warning("cannot check storage for %s: %s", path.name, _one_line(exc))
                     return
                 if same:
-                    self._learn_chunks(local)
+                    self._learn_chunks(stored)
                     now = time.time()
                     self.shipped[path.name] = Shipped(path.name, step_of(path.name), 0, 0.0, 0.0, now)
                     self.metrics.observe_verified(0.0, step_of(path.name), now)
@@ -338,7 +339,7 @@ class CheckpointShipper:
             return None
         upload_seconds = time.monotonic() - t0
         nbytes = int(getattr(result, "bytes", 0))
-        self.metrics.observe_upload(upload_seconds, nbytes)
+        self.metrics.observe_upload(upload_seconds, nbytes, int(getattr(result, "reused_bytes", 0)))
         if self.incremental:
             log_stage("upload", upload_seconds, name=name, bytes=nbytes, new_chunks=result.new_chunks,
                       reused_chunks=result.reused_chunks, reused_bytes=result.reused_bytes)  # fmt: skip
@@ -527,6 +528,18 @@ def _part_index(manifest_bytes: bytes) -> int | None:
     except ValueError:
         return None
     return sharding.part if sharding is not None else None
+
+
+def _stored_incrementally_as(stored: bytes, local: bytes) -> bool:
+    """Whether ``stored`` is the manifest of the local checkpoint whose manifest
+    is ``local``, stored incrementally (the same manifest with chunk lists)."""
+    from spotguard.checkpoint.manifest import parse_manifest, to_plain
+
+    try:
+        manifest = parse_manifest(stored)
+        return manifest.chunked and to_plain(manifest).to_json() == local
+    except ValueError:
+        return False
 
 
 def _one_line(exc: BaseException) -> str:

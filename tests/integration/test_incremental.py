@@ -26,6 +26,9 @@ from spotguard.checkpoint import (
 from spotguard.checkpoint.codec import snapshot_state
 from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
 from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+from spotguard.sidecar.deadline import ThroughputTracker
+from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.shipper import CheckpointShipper
 
 MiB = 1 << 20
 
@@ -223,3 +226,46 @@ def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_
     assert out.read_bytes() == reference.read_bytes()
     final, _ = latest_verified(storage)
     assert final is not None and final.step == steps - 1
+
+
+def sample(metrics: SidecarMetrics, name: str) -> float:
+    value = metrics.registry.get_sample_value(name, dict(metrics.labels))
+    return value or 0.0
+
+
+@pytest.mark.integration
+def test_shipper_reuses_chunks_across_a_restart_and_counts_only_new_bytes(
+    s3_store, s3_uri: str, tmp_path: Path
+) -> None:
+    """The sidecar's shipper: the second checkpoint sends only its new chunks
+    (the reused ones are counted apart), and a restarted shipper learns the
+    stored chunks from the ``latest`` pointer's manifest, so its first upload
+    is small too; the deadline estimate counts the bytes sent."""
+    storage = s3_storage(s3_store, s3_uri)
+    local = tmp_path / "ckpt"
+
+    def shipper() -> tuple[CheckpointShipper, SidecarMetrics, ThroughputTracker]:
+        metrics, tracker = SidecarMetrics(), ThroughputTracker(30.0, 5.0)
+        return CheckpointShipper(local, storage, metrics, tracker, incremental=True), metrics, tracker
+
+    first, metrics, _ = shipper()
+    commit(local, 10, 0)
+    commit(local, 20, 1)
+    assert [s.name for s in first.ship()] == [checkpoint_name(10), checkpoint_name(20)]
+    total = read_manifest(storage, checkpoint_name(20)).total_size
+    # 10 sent whole, 20 only its adapter (and the small files): the frozen base is reused.
+    assert total < sample(metrics, "spotguard_checkpoint_uploaded_bytes_total") < 1.05 * total
+    assert sample(metrics, "spotguard_checkpoint_reused_bytes_total") >= 0.95 * total
+    commit(local, 30, 2)
+    first.ship()
+    assert sample(metrics, "spotguard_checkpoint_uploaded_bytes_total") < 1.10 * total
+    assert sample(metrics, "spotguard_checkpoint_reused_bytes_total") >= 1.9 * total
+
+    again, metrics2, tracker2 = shipper()
+    again.adopt_existing()
+    commit(local, 40, 3)
+    assert [s.name for s in again.ship()] == [checkpoint_name(40)]
+    assert sample(metrics2, "spotguard_checkpoint_uploaded_bytes_total") < 0.05 * total
+    assert sample(metrics2, "spotguard_checkpoint_reused_bytes_total") >= 0.95 * total
+    assert tracker2._upload_bytes is not None and tracker2._upload_bytes < 0.05 * total
+    assert verify_checkpoint(storage, checkpoint_name(40)).ok
