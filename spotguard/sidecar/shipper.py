@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two sweeps of unused chunks when retention deleted nothing.
+SWEEP_INTERVAL = 900.0
+
 
 @dataclass(frozen=True)
 class Shipped:
@@ -503,6 +506,28 @@ class CheckpointShipper:
             log.error("retention failed: %s", _one_line(exc))
         if deleted:
             log_stage("retention", time.monotonic() - t0, deleted=",".join(deleted))
+        if self.incremental and (deleted or time.monotonic() - self._last_sweep > SWEEP_INTERVAL):
+            self._sweep_chunks(should_stop)
+
+    def _sweep_chunks(self, should_stop: Callable[[], bool]) -> None:
+        """Remove chunks no retained checkpoint uses (mark-and-sweep; chunks
+        younger than the grace and those of recently deleted checkpoints are
+        kept, see ``spotguard.checkpoint.gc.sweep_chunks``). Lists the store's
+        chunks, so at most every ``SWEEP_INTERVAL`` and after retention
+        deleted something; never on the emergency path."""
+        from spotguard.checkpoint.gc import sweep_chunks
+
+        self._last_sweep = time.monotonic()
+        t0 = time.monotonic()
+        try:
+            swept = sweep_chunks(self.storage, should_stop=should_stop)
+        except Exception as exc:  # noqa: BLE001 - the next round tries again
+            self.metrics.failure("retention")
+            log.error("chunk sweep failed: %s", _one_line(exc))
+            return
+        if swept.deleted or swept.aborted:
+            log_stage("sweep", time.monotonic() - t0, chunks_deleted=len(swept.deleted), bytes_freed=swept.freed_bytes,
+                      aborted=swept.aborted or "")  # fmt: skip
 
     def _prune_local(self) -> None:
         # An awaiting part is never pruned: the other nodes' parts may still come.

@@ -26,6 +26,8 @@ from spotguard.checkpoint import (
 from spotguard.checkpoint.codec import snapshot_state
 from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
 from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+from spotguard.checkpoint.remote import list_checkpoint_names
+from spotguard.checkpoint.retention import RetentionPolicy
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper
@@ -244,9 +246,11 @@ def test_shipper_reuses_chunks_across_a_restart_and_counts_only_new_bytes(
     storage = s3_storage(s3_store, s3_uri)
     local = tmp_path / "ckpt"
 
-    def shipper() -> tuple[CheckpointShipper, SidecarMetrics, ThroughputTracker]:
+    def shipper(
+        retention: RetentionPolicy | None = None,
+    ) -> tuple[CheckpointShipper, SidecarMetrics, ThroughputTracker]:
         metrics, tracker = SidecarMetrics(), ThroughputTracker(30.0, 5.0)
-        return CheckpointShipper(local, storage, metrics, tracker, incremental=True), metrics, tracker
+        return CheckpointShipper(local, storage, metrics, tracker, retention, incremental=True), metrics, tracker
 
     first, metrics, _ = shipper()
     commit(local, 10, 0)
@@ -261,11 +265,16 @@ def test_shipper_reuses_chunks_across_a_restart_and_counts_only_new_bytes(
     assert sample(metrics, "spotguard_checkpoint_uploaded_bytes_total") < 1.10 * total
     assert sample(metrics, "spotguard_checkpoint_reused_bytes_total") >= 1.9 * total
 
-    again, metrics2, tracker2 = shipper()
+    again, metrics2, tracker2 = shipper(RetentionPolicy(keep_last=1))
     again.adopt_existing()
     commit(local, 40, 3)
     assert [s.name for s in again.ship()] == [checkpoint_name(40)]
     assert sample(metrics2, "spotguard_checkpoint_uploaded_bytes_total") < 0.05 * total
     assert sample(metrics2, "spotguard_checkpoint_reused_bytes_total") >= 0.95 * total
     assert tracker2._upload_bytes is not None and tracker2._upload_bytes < 0.05 * total
+    # Retention deleted the older checkpoints, leaving tombstones; the chunk
+    # sweep kept every chunk (all younger than the grace), and 40 verifies.
+    assert list_checkpoint_names(storage) == [checkpoint_name(40)]
+    tombstones = sorted(o.key.split("/")[-1].split(".")[0] for o in storage.list_objects("gc/tombstones/"))
+    assert tombstones == [checkpoint_name(s) for s in (10, 20, 30)]
     assert verify_checkpoint(storage, checkpoint_name(40)).ok
