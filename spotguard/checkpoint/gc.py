@@ -6,21 +6,40 @@ deletes a distributed checkpoint's prefix that waits for its other parts
 while it is newer than the newest verified checkpoint (see
 :func:`find_orphans`); retention plans over complete (global) manifests as
 for a single process.
+
+Chunks of checkpoints stored incrementally are shared, so deleting a
+checkpoint deletes only its manifest (after writing a tombstone), and
+:func:`sweep_chunks` later removes the chunks nothing references any more
+(mark and sweep; see there why a crash or a concurrent upload never loses a
+chunk a verified checkpoint needs).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from spotguard.checkpoint.manifest import PARTS_DIR, ManifestError, parse_checkpoint_name
+from spotguard.checkpoint.chunked import TOMBSTONES_DIR
+from spotguard.checkpoint.manifest import (
+    CHUNKS_DIR,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    PARTS_DIR,
+    ManifestError,
+    parse_checkpoint_name,
+    parse_chunk_key,
+    parse_manifest,
+)
 from spotguard.checkpoint.remote import (
     delete_checkpoint,
     latest_verified,
     list_checkpoint_names,
     read_manifest,
+    read_manifest_bytes,
 )
 from spotguard.checkpoint.retention import (
     RetentionCandidate,
@@ -48,6 +67,12 @@ class GcReport:
     #: Distributed checkpoints newer than the newest verified one whose parts
     #: are not all stored yet: kept, whatever their age.
     waiting: list[str] = field(default_factory=list)
+    #: Keys of the chunks the sweep deleted (would delete), and their bytes.
+    chunks_deleted: list[str] = field(default_factory=list)
+    chunk_bytes_freed: int = 0
+    #: Why the chunk sweep deleted nothing (a manifest newer than this
+    #: spotguard), or None.
+    chunk_sweep_aborted: str | None = None
 
 
 def plan_storage_retention(
@@ -117,6 +142,9 @@ def find_orphans(
     none, so every such prefix waits), whatever its age; such prefixes are
     appended to ``waiting`` when given. Older ones can no longer become the
     checkpoint to resume from and are orphans as before.
+
+    A manifest of a format newer than this spotguard reads is never an
+    orphan: it is most likely complete, and its chunks depend on it.
     """
     now = time.time() if now is None else now
     newest_step = parse_checkpoint_name(newest_verified) if newest_verified else None
@@ -125,12 +153,17 @@ def find_orphans(
         if name == newest_verified:
             continue
         try:
-            read_manifest(storage, name)
-            continue
+            data = read_manifest_bytes(storage, name)
         except NotFoundError:
             pass
-        except ManifestError:
-            pass
+        else:
+            if newer_format_version(data) is not None:
+                continue  # written by a newer spotguard: not for this one to judge
+            try:
+                parse_manifest(data, expected_name=name)
+                continue
+            except ManifestError:
+                pass
         objects = list(storage.list_objects(f"{name}/"))
         step = parse_checkpoint_name(name) or 0
         if _holds_parts(objects, name) and (newest_step is None or step > newest_step):
@@ -151,6 +184,193 @@ def stale_uploads(
     return [u for u in storage.list_pending_uploads("") if now - u.started >= max_age]
 
 
+def newer_format_version(data: bytes) -> int | None:
+    """The ``format_version`` of a manifest newer than this spotguard reads, or
+    None (it is one this spotguard reads, or not a manifest at all)."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    version = doc.get("format_version") if isinstance(doc, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        return version
+    return None
+
+
+@dataclass
+class ChunkSweep:
+    """What a chunk sweep did (or, with ``dry_run``, would do).
+
+    ``deleted`` are chunk keys (``chunks/<aa>/<sha256>``), ``freed_bytes``
+    their total size, ``kept`` the number of chunks left in storage,
+    ``tombstones_deleted`` the keys of expired tombstones. ``aborted`` says
+    why nothing was deleted (a manifest newer than this spotguard), or is None.
+    """
+
+    deleted: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    kept: int = 0
+    tombstones_deleted: list[str] = field(default_factory=list)
+    aborted: str | None = None
+
+
+def plan_sweep(chunks: Mapping[str, ObjectInfo], referenced: Collection[str], grace: float, now: float) -> list[str]:
+    """The chunks to delete, as sorted digests: those of ``chunks`` (digest ->
+    stored object) that are not ``referenced`` and whose object is at least
+    ``grace`` seconds old at ``now``. A younger chunk may belong to an upload
+    whose manifest is not written yet, or have just been uploaded again for
+    a checkpoint the mark did not see."""
+    return sorted(d for d, info in chunks.items() if d not in referenced and now - info.modified >= grace)
+
+
+@dataclass
+class _Marks:
+    referenced: set[str] = field(default_factory=set)
+    expired_tombstones: list[ObjectInfo] = field(default_factory=list)
+    aborted: str | None = None
+
+
+def _chunks_of(data: bytes, expected_name: str | None = None) -> set[str]:
+    manifest = parse_manifest(data, expected_name=expected_name)
+    return set(manifest.chunk_refs()) if manifest.chunked else set()
+
+
+def _mark(storage: Storage, grace: float, now: float) -> _Marks:
+    """Every chunk a stored manifest or a tombstone younger than ``grace``
+    references. Manifests are read before tombstones are listed: a checkpoint
+    deleted meanwhile had its tombstone written before its manifest went, so
+    its chunks are marked either way."""
+    marks = _Marks()
+    for name in list_checkpoint_names(storage):
+        key = f"{name}/{MANIFEST_NAME}"
+        try:
+            data = read_manifest_bytes(storage, name)
+        except NotFoundError:
+            continue  # no manifest (yet, or any more): references nothing
+        if (version := newer_format_version(data)) is not None:
+            marks.aborted = f"{storage.uri_for(key)} has format_version {version}, newer than this spotguard reads"
+            return marks
+        try:
+            marks.referenced |= _chunks_of(data, expected_name=name)
+        except ManifestError as exc:
+            # It can never verify, so no resume needs its chunks.
+            log.warning("chunk sweep: %s is unreadable (%s); its chunks are not kept for it",
+                        storage.uri_for(key), exc)  # fmt: skip
+    for info in storage.list_objects(f"{TOMBSTONES_DIR}/"):
+        if now - info.modified >= grace:
+            marks.expired_tombstones.append(info)
+            continue
+        try:
+            data = storage.read_bytes(info.key)
+        except NotFoundError:
+            continue  # expired for another collector meanwhile
+        if (version := newer_format_version(data)) is not None:
+            marks.aborted = f"{storage.uri_for(info.key)} has format_version {version}, newer than this spotguard reads"
+            return marks
+        try:
+            marks.referenced |= _chunks_of(data)
+        except ManifestError as exc:
+            log.warning("chunk sweep: tombstone %s is unreadable (%s)", storage.uri_for(info.key), exc)
+    return marks
+
+
+def sweep_chunks(
+    storage: Storage,
+    *,
+    grace: float = DEFAULT_ORPHAN_GRACE,
+    now: float | None = None,
+    dry_run: bool = False,
+    should_stop: Callable[[], bool] | None = None,
+    workers: int = 8,
+) -> ChunkSweep:
+    """Delete the chunks no checkpoint references (mark and sweep).
+
+    1. List every chunk with its modified time.
+    2. Mark: the chunks of every readable version 3 ``ckpt-*/manifest.json``,
+       and of every tombstone (the manifest of a deleted checkpoint, written
+       before its manifest went) younger than ``grace``. An unreadable or
+       malformed manifest marks nothing: its checkpoint can never verify. A
+       manifest (or tombstone) of a format newer than this spotguard reads
+       aborts the sweep before anything is deleted (``aborted`` says which):
+       it may reference chunks in a way this spotguard does not know.
+    3. Sweep: the unmarked chunks at least ``grace`` seconds old
+       (:func:`plan_sweep`), each stat'ed again right before its deletion and
+       kept if it is gone or was written again since the listing (an upload
+       that did not know it was stored stores it again, and its manifest may
+       come after the mark).
+    4. Delete the tombstones older than ``grace``.
+
+    Why no chunk a verified checkpoint needs is lost: an uploader writes a
+    checkpoint's manifest only after its chunks, each of them either
+    uploaded by it (so younger than ``grace``) or found in storage because a
+    checkpoint it knows references it (so marked by that checkpoint's
+    manifest, or by its tombstone for ``grace`` seconds after its deletion).
+    This holds for any crash of the collector or the uploader, as long as an
+    upload takes less than ``grace``. One race remains that an object store
+    without conditional deletes cannot close: an upload storing again, between
+    the second stat and the delete (milliseconds), a chunk that no checkpoint
+    had referenced for ``grace`` seconds; that checkpoint then fails
+    verification, naming the chunk. Storage errors abort the sweep (a
+    manifest that could not be read must not be taken for one that is not
+    there); deletions already done stay done and are safe.
+
+    ``now`` (unix seconds) is for tests; ``should_stop`` is asked before each
+    deletion; ``dry_run`` deletes nothing and returns what the sweep would
+    delete, without the second stat.
+    """
+    now = time.time() if now is None else now
+    listed: dict[str, ObjectInfo] = {}
+    for info in storage.list_objects(f"{CHUNKS_DIR}/"):
+        digest = parse_chunk_key(info.key)
+        if digest is not None:
+            listed[digest] = info
+    marks = _mark(storage, grace, now)
+    if marks.aborted is not None:
+        log.warning("chunk sweep of %s aborted, nothing deleted: %s; upgrade spotguard", storage.uri, marks.aborted)
+        return ChunkSweep(kept=len(listed), aborted=marks.aborted)
+    doomed = plan_sweep(listed, marks.referenced, grace, now)
+    expired = [t.key for t in marks.expired_tombstones]
+    if dry_run:
+        return ChunkSweep(
+            deleted=[listed[d].key for d in doomed],
+            freed_bytes=sum(listed[d].size for d in doomed),
+            kept=len(listed) - len(doomed),
+            tombstones_deleted=expired,
+        )
+
+    def delete_one(digest: str) -> int | None:
+        """Bytes freed, or None when the chunk is kept after all."""
+        if should_stop is not None and should_stop():
+            return None
+        seen = listed[digest]
+        current = storage.stat(seen.key)
+        if current is None:
+            return None  # deleted by another collector
+        if current.modified > seen.modified or current.size != seen.size or now - current.modified < grace:
+            log.info("chunk sweep: %s was written again since it was listed; kept", storage.uri_for(seen.key))
+            return None
+        log.debug("chunk sweep: deleting %s", storage.uri_for(seen.key))
+        storage.delete([seen.key])
+        return current.size
+
+    sweep = ChunkSweep()
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-sweep") as pool:
+        for digest, freed in zip(doomed, pool.map(delete_one, doomed), strict=True):
+            if freed is not None:
+                sweep.deleted.append(listed[digest].key)
+                sweep.freed_bytes += freed
+    sweep.kept = len(listed) - len(sweep.deleted)
+    if should_stop is not None and should_stop():
+        return sweep
+    if expired:
+        storage.delete(expired)
+        sweep.tombstones_deleted = expired
+    if sweep.deleted:
+        log.info("chunk sweep: deleted %d chunks (%d bytes) from %s", len(sweep.deleted), sweep.freed_bytes,
+                 storage.uri)  # fmt: skip
+    return sweep
+
+
 def collect_garbage(
     storage: Storage,
     policy: RetentionPolicy,
@@ -158,24 +378,36 @@ def collect_garbage(
     orphan_grace: float = DEFAULT_ORPHAN_GRACE,
     stale_upload_age: float = DEFAULT_STALE_UPLOAD_AGE,
     dry_run: bool = False,
+    now: float | None = None,
 ) -> GcReport:
-    """Apply retention, delete orphaned prefixes, abort stale multipart uploads."""
+    """Apply retention, delete orphaned prefixes, abort stale multipart uploads,
+    then sweep the chunks nothing references any more (:func:`sweep_chunks`,
+    with ``orphan_grace`` as its grace).
+
+    A checkpoint stored incrementally that retention deletes leaves a
+    tombstone that keeps its chunks for ``orphan_grace`` seconds, so its
+    unique chunks go in a later collection; a dry run counts the chunks a
+    real run would delete now. ``now`` (unix seconds) is for tests.
+    """
     plan, newest = plan_storage_retention(storage, policy)
     report = GcReport(plan=plan, newest_verified=newest)
-    report.orphans = find_orphans(storage, grace=orphan_grace, newest_verified=newest, waiting=report.waiting)
-    report.aborted_uploads = stale_uploads(storage, max_age=stale_upload_age)
+    report.orphans = find_orphans(storage, grace=orphan_grace, newest_verified=newest, now=now, waiting=report.waiting)
+    report.aborted_uploads = stale_uploads(storage, max_age=stale_upload_age, now=now)
     report.deleted = list(plan.delete)
-    if dry_run:
-        return report
-    for name in plan.delete:
-        log.info("gc: deleting %s (retention)", storage.uri_for(name))
-        delete_checkpoint(storage, name)
-    for name in report.orphans:
-        if parse_checkpoint_name(name) is None:
-            continue
-        log.info("gc: deleting %s (orphaned: no manifest)", storage.uri_for(name))
-        storage.delete([o.key for o in storage.list_objects(f"{name}/")])
-    for upload in report.aborted_uploads:
-        log.info("gc: aborting stale upload of %s", storage.uri_for(upload.key))
-        storage.abort_upload(upload)
+    if not dry_run:
+        for name in plan.delete:
+            log.info("gc: deleting %s (retention)", storage.uri_for(name))
+            delete_checkpoint(storage, name)
+        for name in report.orphans:
+            if parse_checkpoint_name(name) is None:
+                continue
+            log.info("gc: deleting %s (orphaned: no manifest)", storage.uri_for(name))
+            storage.delete([o.key for o in storage.list_objects(f"{name}/")])
+        for upload in report.aborted_uploads:
+            log.info("gc: aborting stale upload of %s", storage.uri_for(upload.key))
+            storage.abort_upload(upload)
+    sweep = sweep_chunks(storage, grace=orphan_grace, now=now, dry_run=dry_run)
+    report.chunks_deleted = sweep.deleted
+    report.chunk_bytes_freed = sweep.freed_bytes
+    report.chunk_sweep_aborted = sweep.aborted
     return report
