@@ -77,7 +77,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--keep-every", type=_pos_int, metavar="K", help="keep checkpoints whose step is a multiple of K")
     p.add_argument(
         "--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
-        help="delete incomplete prefixes only when untouched this long (default 3600)",
+        help="delete incomplete prefixes, and chunks no checkpoint uses, only when untouched this long (default 3600)",
     )  # fmt: skip
     p.add_argument(
         "--stale-upload-age", type=float, default=6 * 3600.0, metavar="SECONDS",
@@ -447,6 +447,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for upload in report.aborted_uploads:
         action = "would abort" if args.dry_run else "aborted"
         print(f"{action} stale upload of {upload.key}")
+    if report.chunk_sweep_aborted:
+        print(f"kept every chunk: {report.chunk_sweep_aborted}")
+    elif report.chunks_deleted:
+        print(f"{verb:<7} {len(report.chunks_deleted)} unused chunk(s), {_human(report.chunk_bytes_freed)} "
+              "(no kept checkpoint uses them)")  # fmt: skip
     return EXIT_OK
 
 
