@@ -69,6 +69,7 @@ def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s
     assert second.new_bytes < 0.05 * total, (second.new_bytes, total)
     assert second.new_bytes + second.reused_bytes == total
     stored_after_second = chunk_objects(storage)
+    stored_after_second_digests = {key.rsplit("/", 1)[1] for key in stored_after_second}
     # Exactly the new chunks were added; nothing was uploaded twice.
     assert len(stored_after_second) - len(stored_after_first) == second.new_chunks
     assert sum(stored_after_second.values()) - sum(stored_after_first.values()) == second.new_bytes
@@ -112,6 +113,17 @@ def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s
     assert (exported / "model.safetensors").read_bytes() == (
         local / checkpoint_name(20) / "model.safetensors"
     ).read_bytes()
+
+    # gc: retention deletes 10, the sweep (no grace) removes exactly the chunks only 10 used.
+    only_10 = set(read_manifest(storage, checkpoint_name(10)).chunk_refs()) - set(result.manifest.chunk_refs())
+    assert only_10
+    gc = subprocess.run(spotguard_argv("ckpt", "gc", "--keep-last", "1", "--orphan-grace", "0", s3_uri), env=env,
+                        capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    assert f"deleted {checkpoint_name(10)}  (retention)" in gc.stdout, gc.stdout
+    assert f"deleted {len(only_10)} unused chunk(s)" in gc.stdout, gc.stdout
+    remaining = {key.rsplit("/", 1)[1] for key in chunk_objects(storage)}
+    assert remaining == set(result.manifest.chunk_refs()) == set(stored_after_second_digests) - only_10
+    assert verify_checkpoint(storage, checkpoint_name(20), deep=True).ok
 
 
 @pytest.mark.integration
