@@ -202,7 +202,7 @@ class ChunkSweep:
     """What a chunk sweep did (or, with ``dry_run``, would do).
 
     ``deleted`` are chunk keys (``chunks/<aa>/<sha256>``), ``freed_bytes``
-    their total size, ``kept`` the number of chunks left in storage,
+    their total size, ``kept`` the number of listed chunks this sweep left,
     ``tombstones_deleted`` the keys of expired tombstones. ``aborted`` says
     why nothing was deleted (a manifest newer than this spotguard), or is None.
     """

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,8 +70,8 @@ pytestmark = pytest.mark.integration
 #: float32 elements of one frozen tensor: 1.25 MiB, a chunk of its own
 #: (regions of at least chunks.MIN_CHUNK are never grouped with others).
 FROZEN_NUMEL = 320 * 1024
-CYCLE_TRIALS = 18
-CONCURRENT_TRIALS = 12
+CYCLE_TRIALS = 20
+CONCURRENT_TRIALS = 10
 #: The separate collector's grace: well over what an upload of this small
 #: state takes on a loaded machine, plus the store's one-second resolution of
 #: modified times (the sweep is safe for uploads shorter than its grace).
@@ -570,6 +571,7 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
         ]
 
     cycles: dict[str, float] = {}
+    passes: dict[str, list[float]] = {"cycle": [], "concurrent": []}
     began_trials = time.monotonic()
     upcoming = spawn(1)
     for trial in range(1, len(plan) + 1):
@@ -597,9 +599,12 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
                 time.sleep(delay)
         finally:
             stages = [stage(w.mode, w.kill()) for w in workers]
-        # A collection takes longer as the store fills: the kills must still land anywhere in it.
-        passes = [float(line.rsplit(" ", 1)[1][:-1]) for w in workers for line in w.lines if line.startswith("gc ")]
-        cycles[mode] = max([cycles[mode], *passes])
+        # A collection takes longer as the store fills: the kills must still land
+        # anywhere in one, and often enough after one (or the store only grows).
+        passes[mode] += [
+            float(line.rsplit(" ", 1)[1][:-1]) for w in workers for line in w.lines if line.startswith("gc ")
+        ]
+        cycles[mode] = max(cycles[mode], statistics.median(passes[mode] or [0.0]))
         # The next trial's workers start (import, open storage) while this one is checked.
         upcoming = spawn(trial + 1) if trial < len(plan) else []
         try:
