@@ -400,11 +400,7 @@ def verify_checkpoint(
             method=chunk_checks.method if checksums else METHOD_SIZES,
             store_checked=chunk_checks.store_checked, read_back=chunk_checks.read_back,
         )  # fmt: skip
-        log.info(
-            "verify %s: %s by %s (%d chunks by store checksum, %d read back, %d bytes read)",
-            storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
-            result.store_checked, result.read_back, result.checked_bytes,
-        )  # fmt: skip
+        _log_verify(storage, name, result, "chunks")
         return result
     listing = _listing(storage, name)
     sizes = {path: info.size for path, info in listing.items()}
@@ -437,12 +433,16 @@ def verify_checkpoint(
             result.ok = not result.problems
         result.parts_total = manifest.sharding.parts
         result.parts_present = list(range(manifest.sharding.parts))
-    log.info(
-        "verify %s: %s by %s (%d files by store checksum, %d read back, %d bytes read)",
-        storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
-        result.store_checked, result.read_back, result.checked_bytes,
-    )  # fmt: skip
+    _log_verify(storage, name, result, "files")
     return result
+
+
+def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str) -> None:
+    log.info(
+        "verify %s: %s by %s (%d %s by store checksum, %d read back, %d bytes read)",
+        storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
+        result.store_checked, unit, result.read_back, result.checked_bytes,
+    )  # fmt: skip
 
 
 def latest_verified(
