@@ -129,27 +129,37 @@ def _gf2_square(matrix: list[int]) -> list[int]:
     return [_gf2_times(matrix, matrix[n]) for n in range(32)]
 
 
+def _zero_operators() -> list[list[int]]:
+    """The operators that append ``2**k`` zero bytes to a CRC32C register, for k in 0..63."""
+    op = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):  # two, four, eight zero bits: one zero byte
+        op = _gf2_square(op)
+    ops = [op]
+    for _ in range(63):
+        ops.append(_gf2_square(ops[-1]))
+    return ops
+
+
+_ZERO_OPERATORS: list[list[int]] = []
+
+
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len(B)``."""
+    """CRC32C of ``A + B`` from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len(B)``.
+
+    ``crc1`` is advanced over ``len(B)`` zero bytes with one precomputed
+    operator per set bit of the length (zlib's ``crc32_combine``, with the
+    operators squared once per process instead of at every call).
+    """
     if len2 <= 0:
         return crc1
-    # Operator for one zero bit, then squared up to the length of B, bit by bit.
-    odd = [_CRC32C_POLY_REFLECTED] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
+    if not _ZERO_OPERATORS:
+        _ZERO_OPERATORS.extend(_zero_operators())
+    k = 0
+    while len2:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(_ZERO_OPERATORS[k], crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        k += 1
     return crc1 ^ crc2
 
 

@@ -207,3 +207,21 @@ def test_distributed_manifests_are_not_chunked() -> None:
 def test_chunk_ref_key() -> None:
     ref = ChunkRef("0" * 64, 1, "00000000")
     assert ref.key == "chunks/00/" + "0" * 64
+
+
+def test_crc32c_combine_matches_the_crc_of_the_concatenation() -> None:
+    """The combination the version 3 manifest check relies on, for lengths
+    covering every bit position a chunk size can have set."""
+    import random
+
+    import google_crc32c
+
+    from spotguard.checkpoint.checksum import crc32c_combine, crc32c_of_parts
+
+    rng = random.Random(7)
+    for size in [0, 1, 2, 3, 7, 8, 9, 255, 256, 4097, 65_537, 1_000_003, rng.randrange(1, 3_000_000)]:
+        a, b = rng.randbytes(rng.randrange(0, 5000)), rng.randbytes(size)
+        assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b)) == google_crc32c.value(a + b)
+    parts = [rng.randbytes(rng.randrange(1, 70_000)) for _ in range(20)]
+    joined = b"".join(parts)
+    assert crc32c_of_parts((google_crc32c.value(p), len(p)) for p in parts) == google_crc32c.value(joined)
