@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import dist, frameworks, gang, goodput  # noqa: E402
+from bench import dist, frameworks, gang, goodput, incremental  # noqa: E402
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -798,6 +798,7 @@ BENCHES: dict[str, Any] = {
     "dist-sigterm": dist.bench_dist_sigterm,
     "gang": gang.bench_gang,
     "frameworks": frameworks.bench_frameworks,
+    "incremental": incremental.bench_incremental,
 }
 try:
     from bench import operator_bench
