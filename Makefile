@@ -7,15 +7,28 @@ PY := $(VENV)/bin/python
 DEV ?= .dev
 NODES ?= 4
 PYTEST_ARGS ?=
+# Every run shows where its time goes: the slowest tests, and the wall time in all.
+DURATIONS ?= 30
+STARTED := $(shell date +%s)
+WALL = echo "==> make $@: $$(( $$(date +%s) - $(STARTED) )) s of wall time in all (setup, lint, pytest)"
 
-.PHONY: setup test unit lint demo dev-cluster dev-cluster-down preempt bench clean
+.PHONY: setup test soak unit lint demo dev-cluster dev-cluster-down preempt bench clean
 
 setup:
 	bash testenv/provision.sh
 
 # pytest exits 5 when it collected no tests: a suite that ran nothing is a failure.
+# Randomized trial loops run at a smaller scale here (SPOTGUARD_TRIALS=quick); the
+# seed is printed at the start (SPOTGUARD_TEST_SEED replays it).
 test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The long run: every randomized trial loop at full scale (60 crash trials, 20
+# sidecar SIGTERM trials, 30 torchrun crash trials, 30 chunk GC trials, the
+# sharded races, the 20-job fleets with and without hostNetwork).
+soak: setup
+	SPOTGUARD_TRIALS=full $(PY) -m pytest -m trials --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 unit: setup

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from testenv import cluster  # noqa: E402
+from testenv import cluster, trials  # noqa: E402
 
 pytest_plugins = ["testenv.pytest_nodes"]
 
@@ -35,6 +35,61 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # SIGTERM (CI timeouts, `kill`) unwinds like Ctrl-C, so fixtures stop their services.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # One seed and one scale for the whole session; exported, so child processes see them too.
+    trials.seed()
+    trials.scale()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [
+        f"trials: {trials.SEED_ENV}={trials.seed()} {trials.SCALE_ENV}={trials.scale()}"
+        " (set both to replay this run's randomized trials)"
+    ]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("replay", trials.replay_command(item.nodeid)))
+
+
+#: Test modules that take longest, longest first: under pytest-xdist they are handed out
+#: first, so that the short ones fill the gaps (longest-processing-time-first scheduling).
+LONG_MODULES = (
+    "tests/e2e/test_operator_e2e.py",
+    "tests/integration/test_fleet.py",
+    "tests/integration/test_run_torchrun.py",
+    "tests/integration/test_lightning.py",
+    "tests/integration/test_hf.py",
+    "tests/integration/test_incremental.py",
+    "tests/integration/test_sidecar_preemption.py",
+    "tests/integration/test_chunk_gc.py",
+    "tests/integration/test_crash_safety.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (``--dist loadgroup``) a module's tests stay on one worker, so its
+    # module-scoped fixtures (an operator, a Helm release) are set up once.
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+    def rank(item: pytest.Item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: the order within a module is kept
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    failed = terminalreporter.stats.get("failed", [])
+    terminalreporter.section("trials")
+    terminalreporter.line(f"{trials.SEED_ENV}={trials.seed()} {trials.SCALE_ENV}={trials.scale()}")
+    for report in failed:
+        terminalreporter.line(f"replay: {trials.replay_command(report.nodeid)}")
 
 
 @pytest.fixture(scope="session")

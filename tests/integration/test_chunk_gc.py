@@ -7,9 +7,11 @@ uploaded moments ago (its manifest not written yet) stays; a chunk written
 again after the listing stays; a manifest of a newer format, or one that
 could not be read, stops the sweep before it deletes anything.
 
-Crash trials: 30 kills at random instants of an uploader that also applies
-retention and sweeps chunks, and of an uploader beside a separate collector
-(seeded; the seed is printed, ``SPOTGUARD_TEST_SEED`` repeats a run); then
+Crash trials: kills at stratified instants (trial i of n at (i + U)/n of two
+measured cycles) of an uploader that also applies retention and sweeps
+chunks, and of an uploader beside a separate collector (30 in ``make soak``,
+9 in ``make test``; ``testenv.trials`` prints the seed, ``SPOTGUARD_TEST_SEED``
+repeats a run), each kill's stage printed; then
 kills aimed at each stage of a collection, where the fault proxy
 (``testenv/faultproxy.py``) holds one request: between the tombstone and the
 manifest's deletion, before the sweep, during it, and before the tombstone's
@@ -26,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -64,14 +65,15 @@ from spotguard.checkpoint.chunks import hash_chunk
 from spotguard.checkpoint.gc import sweep_chunks
 from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, parse_chunk_key, parse_manifest
 from spotguard.storage import NotFoundError, Storage, StorageError, open_storage
+from testenv import trials
 
 pytestmark = pytest.mark.integration
 
 #: float32 elements of one frozen tensor: 1.25 MiB, a chunk of its own
 #: (regions of at least chunks.MIN_CHUNK are never grouped with others).
 FROZEN_NUMEL = 320 * 1024
-CYCLE_TRIALS = 20
-CONCURRENT_TRIALS = 10
+CYCLE_TRIALS = trials.count(full=20, quick=6)
+CONCURRENT_TRIALS = trials.count(full=10, quick=3)
 #: The separate collector's grace: well over what an upload of this small
 #: state takes on a loaded machine, plus the store's one-second resolution of
 #: modified times (the sweep is safe for uploads shorter than its grace).
@@ -547,9 +549,10 @@ def print_table(seed: int, outcomes: list[Outcome]) -> None:
           + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))  # fmt: skip
 
 
+@pytest.mark.trials
 def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
-    seed = int(os.environ.get("SPOTGUARD_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng("chunk-gc")
     print(f"\nchunk-gc crash-trial seed {seed}")
     env = subprocess_env(s3_store)
     outcomes: list[Outcome] = []
@@ -562,6 +565,12 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
     # Interleaved, so that each root's garbage ages past the collector's grace meanwhile.
     n, c = CYCLE_TRIALS + CONCURRENT_TRIALS, CONCURRENT_TRIALS
     plan = ["concurrent" if (i + 1) * c // n > i * c // n else "cycle" for i in range(n)]
+    # Kill instants by trial number: per mode, stratified over its trials after the first
+    # (which measures the cycle).
+    instants: dict[int, float] = {}
+    for m in ("cycle", "concurrent"):
+        numbers = [i + 1 for i, pm in enumerate(plan) if pm == m][1:]
+        instants.update(zip(numbers, trials.stratified(len(numbers), rng), strict=True))
 
     def spawn(trial: int) -> list[Worker]:
         mode, uri, local, start = plan[trial - 1], stores[plan[trial - 1]][0], str(tmp_path / f"l{trial}"), trial * 1000
@@ -586,7 +595,7 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
                 # The first trial of a mode measures one cycle on a store that
                 # holds a checkpoint (from the first upload to the second; a
                 # collection runs between them, or beside them); the others are
-                # killed at random instants within about two such cycles.
+                # killed at stratified instants within about two such cycles.
                 up = workers[0]
                 first = up.wait_for("uploaded")
                 second = up.wait_for("uploaded", after=first + 1)
@@ -601,7 +610,8 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
                     # One whole collection first: a collection that never ends
                     # would neither be timed nor keep the store from growing.
                     workers[1].wait_for("gc ")
-                time.sleep(rng.uniform(0.0, 2 * cycles[mode]))
+                # Stratified over two cycles: the mode's k-th trial of n kills in the k-th n-th.
+                time.sleep(2 * cycles[mode] * instants[trial])
                 delay = time.monotonic() - began
         finally:
             stages = [stage(w.mode, w.kill()) for w in workers]
@@ -623,7 +633,7 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
     print_table(seed, outcomes)
     print(f"in {time.monotonic() - began_trials:.1f}s; " + "; ".join(
         f"{m}: cycle {c:.2f}s, {ledgers[m].collected} chunks collected" for m, c in cycles.items()))  # fmt: skip
-    assert len(outcomes) >= 30
+    assert len(outcomes) == CYCLE_TRIALS + CONCURRENT_TRIALS
 
     # Every root ends with a verified checkpoint, and the trials did collect chunks.
     for mode, (_, storage) in stores.items():

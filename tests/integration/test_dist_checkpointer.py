@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from reference_runs import ReferenceRuns
+from sidecar_helpers import free_port, worker_env
 
-REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
-pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
+
+@pytest.fixture(autouse=True)
+def _torchrun() -> None:
+    from testenv.require import require_tool  # not at the top: torchrun runs this file as its worker
+
+    require_tool("torchrun", path=TORCHRUN)
 
 
 # -- the worker ------------------------------------------------------------------
@@ -129,16 +135,6 @@ def _worker(argv: list[str]) -> int:
 # -- the tests ---------------------------------------------------------------------
 
 
-def worker_env(s3_store: Any = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for key in list(env):
-        if key.startswith("SPOTGUARD_"):
-            del env[key]
-    if s3_store is not None:
-        env.update(s3_store.env())
-    return env
-
-
 def collect(out: Path, nproc: int) -> list[dict[str, Any]]:
     infos = [json.loads((out / f"info-{r}.json").read_text()) for r in range(nproc)]
     for f in out.glob("info-*.json"):
@@ -152,14 +148,6 @@ def torchrun(nproc: int, ckdir: Path, out: Path, *extra: str, timeout: float = 1
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return collect(out, nproc)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def two_nodes(base: Path, out: Path, s3_store: Any, s3_uri: str, *extra: str,
@@ -201,13 +189,16 @@ def assert_same_final(a: Path, b: Path, nproc: int) -> None:
         assert x["lr"] == y["lr"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 2-rank DDP run (checkpointing as it goes)."""
-    base = tmp_path_factory.mktemp("ref")
+def uninterrupted(base: Path) -> Path:
     infos = torchrun(2, base / "ck", base / "out")
     assert all(i["start"] == 0 and i["stopped"] is None for i in infos)
     return base / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_runs: ReferenceRuns) -> Path:
+    """An uninterrupted 2-rank DDP run (checkpointing as it goes)."""
+    return reference_runs.get(("dist_checkpointer", "ddp", 2), uninterrupted)
 
 
 def part_manifest(path: Path) -> dict[str, Any]:
@@ -314,12 +305,11 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(reference: Path,
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_rank_killed_during_a_save_never_leaves_a_checkpoint_that_does_not_load(reference: Path, tmp_path: Path,
                                                                                    victim: int) -> None:  # fmt: skip
-    import random
-
     from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint
+    from testenv import trials
 
     ck, out = tmp_path / "ck", tmp_path / "out"
-    delay = random.uniform(0.0, 0.08)
+    delay = trials.rng(f"dist-kill-{victim}").uniform(0.0, 0.08)
     print(f"SIGKILL to rank {victim} {delay:.3f}s into the save of step 8")
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", __file__, "--dir", str(ck), "--out", str(out),
            "--kill-at", "8", "--kill-rank", str(victim), "--kill-delay", f"{delay:.4f}"]  # fmt: skip

@@ -4,8 +4,6 @@ random steps, each segment a fresh process (nothing survives in memory)."""
 from __future__ import annotations
 
 import json
-import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 from ckpt_helpers import HELPERS, subprocess_env
+from reference_runs import ReferenceRuns
 from safetensors.torch import load_file
 
 from spotguard.checkpoint import LocalWriter, read_local_manifest
+from testenv import trials
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +34,7 @@ def run(out: Path, env: dict[str, str], *extra: str) -> str:
 
 
 def interruption_steps() -> tuple[int, list[int]]:
-    seed = int(os.environ.get("SPOTGUARD_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    return seed, sorted(random.Random(seed).sample(range(1, STEPS - 1), 3))
+    return trials.seed(), sorted(trials.rng("exact-resume").sample(range(1, STEPS - 1), 3))
 
 
 def compare(reference: Path, resumed: Path) -> None:
@@ -50,14 +49,17 @@ def compare(reference: Path, resumed: Path) -> None:
     assert got_draws == want_draws
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("reference")
+def uninterrupted(tmp: Path) -> Path:
     out = tmp / "final.safetensors"
     env = subprocess_env(SPOTGUARD_CHECKPOINT_DIR=str(tmp / "ck"))
     stdout = run(out, env)
     assert "start 0" in stdout and "finished" in stdout
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_runs: ReferenceRuns) -> Path:
+    return reference_runs.get(("exact_train", STEPS), uninterrupted)
 
 
 def test_resume_from_local_checkpoints_is_bit_exact(reference: Path, tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ garbage collection, restore and the shipper's awaiting parts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_helpers import s3_options, subprocess_env
+from ckpt_helpers import PART_LAYOUT, PART_WORLD, part_files, s3_options, subprocess_env, write_part
 
 from spotguard.checkpoint import (
     MANIFEST_NAME,
@@ -44,37 +43,14 @@ from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper
 from spotguard.storage import Storage, open_storage
+from testenv import trials
 
 pytestmark = pytest.mark.integration
 
-WORLD = 4
-LAYOUT = {0: (0, 1), 1: (2, 3)}  # part (node) -> global ranks
-
-
-def part_files(step: int, index: int, ranks: tuple[int, ...]) -> dict[str, bytes]:
-    """Deterministic content of one node's files of ``step``."""
-    files = {f"dcp/__{r}_0.distcp": os.urandom(64) + f"step {step} rank {r}".encode() * 100 for r in ranks}
-    for r in ranks:
-        files[f"ranks/{r:05d}/state.json"] = json.dumps({"rank": r, "step": step}).encode()
-    if 0 in ranks:
-        files["dcp/.metadata"] = b"\x80\x04K\x01."  # a harmless pickle (the integer 1)
-    return files
-
-
-def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int, ...]] = LAYOUT,
-               world_size: int = WORLD, algorithm: str = "crc32c", save_id: str | None = None) -> Path:  # fmt: skip
-    """A committed local part directory ``root/ckpt-<step>`` (files, then the part manifest)."""
-    ranks = layout[index]
-    ckpt = root / checkpoint_name(step)
-    entries = []
-    for path, data in sorted(part_files(step, index, ranks).items()):
-        (ckpt / path).parent.mkdir(parents=True, exist_ok=True)
-        (ckpt / path).write_bytes(data)
-        entries.append(FileEntry(path, len(data), checksum_bytes(data, algorithm)))
-    manifest = new_manifest(step, entries, algorithm, metrics={"loss": 1.0 / (step + 1)}, epoch=step // 10,
-                            sharding=Sharding(world_size, len(layout), index, ranks, save_id))  # fmt: skip
-    (ckpt / MANIFEST_NAME).write_bytes(manifest.to_json())
-    return ckpt
+WORLD = PART_WORLD
+LAYOUT = PART_LAYOUT  # part (node) -> global ranks
+#: Races of two uploaders on one step (``testenv.trials``: full in ``make soak``).
+RACE_TRIALS = trials.count(full=10, quick=4)
 
 
 @pytest.fixture
@@ -159,10 +135,11 @@ def commit_then_point(storage: Storage, step: int) -> tuple[str, bool, bytes]:
     return status, moved, storage.read_bytes(f"{checkpoint_name(step)}/{MANIFEST_NAME}")
 
 
+@pytest.mark.trials
 def test_racing_global_commits_write_one_manifest_and_move_the_pointer_once(
     tmp_path: Path, s3_store: Any, s3_uri: str
 ) -> None:
-    for trial in range(10):
+    for trial in range(RACE_TRIALS):
         step = 100 + trial
         locals_ = [write_part(tmp_path / f"node{i}", step, i) for i in (0, 1)]
         stores = [open_storage(s3_uri, **s3_options(s3_store)) for _ in (0, 1)]
@@ -184,9 +161,10 @@ def test_racing_global_commits_write_one_manifest_and_move_the_pointer_once(
         assert read_latest_pointer(stores[0]) == step
 
 
+@pytest.mark.trials
 def test_racing_part_uploads_commit_once(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     """Whole uploads started together: each commits or finds the other did; one pointer move."""
-    for trial in range(10):
+    for trial in range(RACE_TRIALS):
         step = 200 + trial
         locals_ = [write_part(tmp_path / f"node{i}", step, i) for i in (0, 1)]
         stores = [open_storage(s3_uri, **s3_options(s3_store)) for _ in (0, 1)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -80,3 +81,44 @@ def commit_local(directory: Path, step: int, numel: int = 4096, *, algorithm: st
 
     return write_checkpoint(directory, step, snapshot_state(step_tensors(step, numel)), algorithm=algorithm,
                             metrics=metrics)  # fmt: skip
+
+
+#: The layout of the sharded test checkpoints: part (node) -> global ranks.
+PART_LAYOUT = {0: (0, 1), 1: (2, 3)}
+PART_WORLD = 4
+
+
+def part_files(step: int, index: int, ranks: tuple[int, ...], big: int = 0) -> dict[str, bytes]:
+    """Content of one node's files of ``step`` (``big`` bytes more in its first shard file)."""
+    files = {f"dcp/__{r}_0.distcp": os.urandom(64) + f"step {step} rank {r}".encode() * 100 for r in ranks}
+    if big:
+        first = f"dcp/__{ranks[0]}_0.distcp"
+        files[first] += os.urandom(big)
+    for r in ranks:
+        files[f"ranks/{r:05d}/state.json"] = json.dumps({"rank": r, "step": step}).encode()
+    if 0 in ranks:
+        files["dcp/.metadata"] = b"\x80\x04K\x01."  # a harmless pickle (the integer 1)
+    return files
+
+
+def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int, ...]] | None = None,
+               world_size: int = PART_WORLD, algorithm: str = "crc32c", save_id: str | None = None,
+               big: int = 0) -> Path:
+    """A committed local part directory ``root/ckpt-<step>`` of a distributed
+    checkpoint (files, then the part manifest)."""
+    from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
+    from spotguard.checkpoint.checksum import checksum_bytes
+    from spotguard.checkpoint.manifest import new_manifest
+
+    layout = PART_LAYOUT if layout is None else layout
+    ranks = layout[index]
+    ckpt = root / checkpoint_name(step)
+    entries = []
+    for path, data in sorted(part_files(step, index, ranks, big).items()):
+        (ckpt / path).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / path).write_bytes(data)
+        entries.append(FileEntry(path, len(data), checksum_bytes(data, algorithm)))
+    manifest = new_manifest(step, entries, algorithm, metrics={"loss": 1.0 / (step + 1)}, epoch=step // 10,
+                            sharding=Sharding(world_size, len(layout), index, ranks, save_id))
+    (ckpt / MANIFEST_NAME).write_bytes(manifest.to_json())
+    return ckpt
