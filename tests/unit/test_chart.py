@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -19,14 +18,9 @@ CRD = ROOT / "crds" / "trainingjob.yaml"
 
 def helm_bin() -> str:
     from testenv.cluster import bin_dir
+    from testenv.require import require_tool
 
-    path = bin_dir() / "helm"
-    if path.exists():
-        return str(path)
-    found = shutil.which("helm")
-    if not found:
-        pytest.skip("helm is not installed (run testenv/provision.sh)")
-    return found
+    return require_tool("helm", path=bin_dir() / "helm")
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import shutil
 import subprocess
 import tomllib
 from collections.abc import Iterator
@@ -194,11 +193,9 @@ def test_split_image(ref: str, expected: tuple[str, str | None]) -> None:
 def helm(*args: str) -> str:
     """Run the helm binary the test environment provides (as test_chart.py does)."""
     from testenv.cluster import bin_dir
+    from testenv.require import require_tool
 
-    path = bin_dir() / "helm"
-    exe = str(path) if path.exists() else shutil.which("helm")
-    if not exe:
-        pytest.skip("helm is not installed (run testenv/provision.sh)")
+    exe = require_tool("helm", path=bin_dir() / "helm")
     return subprocess.run([exe, *args], capture_output=True, text=True, check=True, timeout=120).stdout
 
 

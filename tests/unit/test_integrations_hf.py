@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from testenv.require import require_module
+
+transformers = require_module("transformers")
 
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+from testenv.require import require_module
+
+require_module("lightning")
 
 from spotguard.integrations.lightning import ResumableSampler, rng_state, set_rng_state  # noqa: E402
 

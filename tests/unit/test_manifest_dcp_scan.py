@@ -21,11 +21,12 @@ from spotguard.checkpoint.pickle_scan import (
     pickle_globals,
 )
 from spotguard.checkpoint.verify import needs_content, verify_files
+from testenv.require import require_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-torch = pytest.importorskip("torch")
-dcp = pytest.importorskip("torch.distributed.checkpoint")
+torch = require_module("torch")
+dcp = require_module("torch.distributed.checkpoint")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import yaml
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.sidecar.metrics import SidecarMetrics
 from testenv import cluster
+from testenv.require import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "spotguard" / "files" / "prometheus-rules.yaml"
@@ -23,9 +23,7 @@ SERIES = re.compile(r"\bspotguard_[a-z_]+\b")
 
 
 def _promtool() -> str:
-    path = shutil.which("promtool")
-    assert path, "promtool not found: run `bash testenv/provision.sh` (Debian package prometheus)"
-    return path
+    return require_tool("promtool", "run `make setup` (or `bash testenv/provision.sh`: Debian package prometheus)")
 
 
 def _exported_series() -> set[str]:
@@ -85,10 +83,9 @@ def test_dashboard_is_grafana_json() -> None:
 
 
 def test_chart_wraps_the_tested_rules_unchanged() -> None:
-    helm = cluster.bin_dir() / "helm"
-    assert helm.exists(), "helm not found: run `bash testenv/provision.sh`"
+    helm = require_tool("helm", path=cluster.bin_dir() / "helm")
     out = subprocess.run(
-        [str(helm), "template", "t", str(ROOT / "charts" / "spotguard"), "--set", "prometheusRule.enabled=true",
+        [helm, "template", "t", str(ROOT / "charts" / "spotguard"), "--set", "prometheusRule.enabled=true",
          "--set", "grafanaDashboard.enabled=true", "--set", "metrics.podMonitor.enabled=true"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
