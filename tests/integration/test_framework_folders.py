@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from testenv.require import require_tool
+
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -144,10 +146,10 @@ def two_nodes(base: Path, s3_store: Any, s3_uri: str, *extra: str) -> list[dict[
     return [json.loads((out / f"info-{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_two_nodes_commit_their_folders_as_one_checkpoint_and_resume_it(
     s3_store: Any, s3_uri: str, tmp_path: Path
 ) -> None:
+    require_tool("torchrun", path=TORCHRUN)
     from ckpt_helpers import s3_options
 
     from spotguard.checkpoint.remote import verify_checkpoint
@@ -172,10 +174,10 @@ def test_two_nodes_commit_their_folders_as_one_checkpoint_and_resume_it(
                                  "rng_state_0.pth", "rng_state_1.pth"]  # fmt: skip
 
 
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not installed")
 def test_two_nodes_with_different_contents_at_one_path_commit_nothing(
     s3_store: Any, s3_uri: str, tmp_path: Path
 ) -> None:
+    require_tool("torchrun", path=TORCHRUN)
     infos = two_nodes(tmp_path, s3_store, s3_uri, "--differ")
     assert [i["committed"] for i in infos] == [{"2": "None"}, {"2": "None"}]
     for node in (0, 1):
