@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testenv.processnode.hostservices import HostServices
+
 RUN_MARKER = "SPOTGUARD_TESTENV_RUN"
 
 
@@ -104,11 +106,20 @@ class Service:
 
 @dataclass
 class Supervisor:
-    """Starts processes and stops them all, by process group, in reverse order."""
+    """Starts processes and stops them all, by process group, in reverse order.
+
+    :attr:`host_services` lists the services of this test world that pods on
+    process nodes may reach (the apiserver, the object store; a test adds its own
+    servers): give its directory to the process node agent.
+    """
 
     state_dir: Path
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     services: list[Service] = field(default_factory=list)
+    host_services: HostServices = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host_services = HostServices(self.state_dir / "host-services")
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -260,6 +271,7 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
         return True
 
     wait_until(bucket_ready, 90, "SeaweedFS S3", svc)
+    sup.host_services.add(p["s3"], "object store (SeaweedFS S3)")  # pods reach the store, not its innards
     return store
 
 
@@ -478,6 +490,7 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
          f"--kubelet-client-certificate={kubelet_cert}", f"--kubelet-client-key={kubelet_key}"],
     )  # fmt: skip
     wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
+    sup.host_services.add(api_port, "kube-apiserver")
 
     kubeconfig = d / "kubeconfig"
     write_kubeconfig(kubeconfig, server, token, d / "certs" / "apiserver.crt")
@@ -564,7 +577,8 @@ def _serve(args: argparse.Namespace) -> int:
                 "processnode",
                 [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(state / "kubeconfig"),
                  "--nodes", str(args.nodes), "--state-dir", str(node_state),
-                 "--client-ca-file", str(env.kube.kubelet_client_ca)],
+                 "--client-ca-file", str(env.kube.kubelet_client_ca),
+                 "--host-services-dir", str(env.sup.host_services.directory)],
                 extra_env={"PYTHONPATH": str(repo_root())},
             )  # fmt: skip
             # The agent writes its control file once its nodes are registered and Ready.

@@ -20,8 +20,14 @@ from testenv.processnode import ProcessNodes
 
 
 @pytest.fixture(scope="session")
-def process_nodes(kube: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessNodes]:
-    """A running process node agent; preempt its nodes with ``process_nodes.preempt(pod, ns, mode)``."""
+def process_nodes(
+    kube: Any, testenv_supervisor: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessNodes]:
+    """A running process node agent; preempt its nodes with ``process_nodes.preempt(pod, ns, mode)``.
+
+    Its pods reach the host services of the test world (``testenv_supervisor.host_services``: the
+    apiserver, the object store) and those a test adds with ``process_nodes.host_services``.
+    """
     count = int(os.environ.get("SPOTGUARD_TEST_NODES", "4"))
     ca = getattr(kube, "kubelet_client_ca", None)  # None for a cluster the tests did not start
     nodes = ProcessNodes.start(
@@ -29,6 +35,7 @@ def process_nodes(kube: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         tmp_path_factory.mktemp("process-nodes"),
         count=count,
         extra_args=["--client-ca-file", str(ca)] if ca else None,
+        host_services=testenv_supervisor.host_services.directory,
     )
     try:
         yield nodes

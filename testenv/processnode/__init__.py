@@ -38,7 +38,10 @@ bound to its nodes as local processes:
   and the host's network and hostname, as before). ``ProcessNodes.pod_ip``
   finds it for tests. IPs are unique across the agents of a machine (a table
   under a lock) and freed with the pod's sandbox when the pod ends or goes;
-  what a crashed agent left is reclaimed by the next one;
+  what a crashed agent left is reclaimed by the next one, and only that: every
+  link records the agent that made it, so agents of several test worlds run
+  side by side. The host's own settings are left alone (``route_localnet`` is
+  set on the bridge only, which goes with the last agent);
 - name resolution like kubelet + cluster DNS: a per-pod ``/etc/hosts``
   bind-mounted into every container with ``localhost``, the pod's own IP and
   names, and, standing in for the DNS of headless Services, every pod of the
@@ -47,14 +50,16 @@ bound to its nodes as local processes:
   namespace NS), from the moment it has an IP until it has ended
   (``publishNotReadyAddresses``); the agent watches all pods and rewrites the
   files in place;
-- the outside world is reachable from pods: the test world's services
-  (apiserver, object store, fault proxies, Prometheus) listen on the host's
-  127.0.0.1 at ephemeral ports and are handed to pods as
-  ``http://127.0.0.1:PORT``; each pod's sandbox mirrors every such host
-  listener (port in ``ip_local_port_range``, refreshed every 0.5 s) on the
-  pod's own 127.0.0.1 and forwards connections to the host (``splice``), so
-  those URLs work unchanged inside pods, also for services started later.
-  Fixed ports below that range (29500, 9400) stay the pod's own;
+- the cluster's services are reachable from pods, and nothing else of the
+  host: the test world's services listen on the host's 127.0.0.1 and are
+  handed to pods as ``http://127.0.0.1:PORT``; each pod's sandbox mirrors the
+  host listeners at allowed ports only (the apiserver's, ``--host-service
+  PORT``, and the ports registered in the host-services directory, see
+  ``hostservices``; refreshed every 0.5 s) on the pod's own 127.0.0.1 and
+  forwards connections to the host (``splice``), so those URLs work unchanged
+  inside pods, also for services started or registered later. etcd, the
+  agent's control port and a test's own servers are not reachable unless
+  registered (``ProcessNodes.host_services``); every other port is the pod's own;
 - the three ways a spot node dies, on request: ``drain`` (cordon + eviction
   API), ``shutdown`` (graceful node shutdown: pods end ``Failed`` /
   ``Terminated`` with a ``DisruptionTarget`` condition) and ``kill`` (processes
@@ -69,8 +74,8 @@ the machine's own addresses, and the host routes to pod IPs over the bridge
 There is no DNS server and no Service IP (no kube-proxy): the hosts files
 stand in for headless Services only, and the apiserver is reached at the
 host's address through the listener mirror (``KUBERNETES_SERVICE_HOST``
-127.0.0.1); a pod cannot bind 127.0.0.1 at a port where the host listens (the
-mirror holds it). The root filesystem is the host's, so mount points outside ``/dev`` and outside
+127.0.0.1); a pod cannot bind 127.0.0.1 at an allowed port where the host
+listens (the mirror holds it). The root filesystem is the host's, so mount points outside ``/dev`` and outside
 volumes (directories, an empty file for a termination message path elsewhere)
 are created on the host and stay; ``/dev/shm`` is per container, not per pod. Not
 emulated: images, probes (a running container is ready), lifecycle hooks,
@@ -85,7 +90,8 @@ One module per idea: ``api`` (apiserver access), ``podspec`` (pure reading of
 a pod spec), ``container`` (what a container process sets up before its
 command: namespaces, mounts), ``processes`` (forking and signalling),
 ``pod`` (the pod runner and its status), ``podnet`` (pod network namespaces,
-IPs, the host-service mirror), ``hosts`` (per-pod hosts files), ``node`` (Node objects and
+IPs, the host-service mirror), ``hostservices`` (the host ports pods may
+reach), ``hosts`` (per-pod hosts files), ``node`` (Node objects and
 heartbeats), ``agent`` (the node agent), ``control`` (the control API, server
 and client), ``cli``. The names tests and tools use are re-exported here.
 """

@@ -11,6 +11,7 @@ import secrets
 import string
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -46,6 +47,8 @@ class Agent:
         shutdown_grace: int = 30,
         delete_nodes: bool = True,
         client_ca: Path | None = None,
+        host_ports: Collection[int] = (),
+        host_services: Path | None = None,
     ) -> None:
         self.kube, self.state_dir, self.count, self.settings = kube, state_dir, count, settings
         # The kubelet endpoints' serving certificate, and the CA of the clients they serve.
@@ -61,6 +64,12 @@ class Agent:
         server = urlparse(kube.server)
         self.service_host = server.hostname or LOOPBACK
         self.service_port = str(server.port or 443)
+        # The host services pods may reach (see hostservices): the apiserver, the ports given,
+        # and those registered in the host-services directory; no other host listener.
+        self.host_ports = set(host_ports)
+        if self.service_host in (LOOPBACK, "localhost"):
+            self.host_ports.add(int(self.service_port))
+        self.host_services = host_services if host_services is not None else state_dir / "host-services"
         self.kubelet_version = "v1.20.2"
         self.eviction_version = "policy/v1beta1"
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -140,7 +149,8 @@ class Agent:
 
     def _write_control(self) -> None:
         assert self._server is not None
-        info = {"pid": os.getpid(), "port": self._server.server_port, "nodes": self.node_names()}
+        info = {"pid": os.getpid(), "port": self._server.server_port, "nodes": self.node_names(),
+                "host_services": str(self.host_services)}  # fmt: skip
         tmp = self.state_dir / "control.json.tmp"
         tmp.write_text(json.dumps(info))
         tmp.replace(self.state_dir / "control.json")

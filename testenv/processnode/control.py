@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from testenv.processnode.api import ApiError, Kube
 from testenv.processnode.common import JSON, LOOPBACK, NODE_LEASE_NAMESPACE, PreemptError, log
+from testenv.processnode.hostservices import HostServices
 from testenv.processnode.podnet import IpPool, available
 from testenv.processnode.processes import kill_recorded_processes, signal_group
 
@@ -105,7 +106,10 @@ class ProcessNodes:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
+        host_services: str | os.PathLike[str] | None = None,
     ) -> ProcessNodes:
+        """Start an agent. Its pods reach the apiserver and the host ports registered in
+        ``host_services`` (default: a directory of the agent's own; see :attr:`host_services`)."""
         state = Path(state_dir)
         state.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
@@ -117,6 +121,8 @@ class ProcessNodes:
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
         argv = [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(kubeconfig),
                 "--nodes", str(count), "--state-dir", str(state), *(extra_args or [])]  # fmt: skip
+        if host_services is not None:
+            argv += ["--host-services-dir", str(Path(host_services).resolve())]
         with (state / "agent.log").open("ab") as out:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -144,6 +150,16 @@ class ProcessNodes:
                     return
             time.sleep(0.3)
         raise TimeoutError(f"process nodes not Ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    @property
+    def host_services(self) -> HostServices:
+        """The host ports this agent's pods may reach besides the apiserver's: ``host_services.add(port, name)``,
+        or ``with host_services.exposed(port, name): ...``."""
+        try:
+            directory = json.loads((self.state_dir / "control.json").read_text())["host_services"]
+        except (OSError, ValueError, KeyError):
+            raise RuntimeError(f"no process node agent running with state dir {self.state_dir}") from None
+        return HostServices(directory)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

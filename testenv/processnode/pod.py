@@ -481,7 +481,7 @@ class PodRunner:
         pool = self.agent.ip_pool
         if pool is not None and not self.host_network:
             while True:
-                network = PodNetwork(pool, self.key, self.hostname)
+                network = PodNetwork(pool, self.key, self.hostname, self.agent.host_ports, self.agent.host_services)
                 try:
                     network.create(self.agent.spawner.spawn)
                     break

@@ -5,24 +5,35 @@ container) that creates the pod's network and UTS namespaces and holds them
 while the pod lives; the pod's containers join both before they exec. In the
 namespace: ``lo`` (127.0.0.1 is the pod's own), and ``eth0``, one end of a veth
 pair whose other end is a port of the machine's bridge :data:`BRIDGE`
-(:data:`GATEWAY`/16). Pod IPs come from 127.64.0.0/16 (loopback addresses on a
-non-loopback interface need ``route_localnet``, set on the host and in every
-pod namespace), so no packet can leave the machine, and the host reaches every
-pod's IP directly over the bridge.
+(:data:`GATEWAY`/16). Pod IPs come from 127.64.0.0/16, so no packet can leave
+the machine, and the host reaches every pod's IP directly over the bridge.
+Loopback addresses on a non-loopback interface need ``route_localnet``: on the
+host it is set on the bridge only (the kernel checks it per interface, on the
+one a packet comes in on or goes out of: the bridge, never its veth ports),
+so the host's ``all``/``default`` settings are never touched and the setting
+goes with the bridge; in a pod it is set in the pod's own namespace.
 
 Pod IPs are unique across every agent on the machine: a table under
 :data:`NET_DIR`, changed under an exclusive lock, says which agent (pid and
-start time) holds which IP. Entries of agents that are gone are reclaimed by
-the next agent that touches the table, with the host end of their veths; the
-bridge goes once no live agent is registered.
+start time) holds which IP. Every link an agent makes carries its owner in its
+alias (``ip link ... alias``, :data:`OWNER_TAG`). A link is removed only by its
+owner, or by anyone once its owner is provably gone (a dead agent's leftovers);
+a link of a live owner, of any table, and a link without our alias are never
+touched, so test worlds on one machine (two sessions, xdist workers, an agent
+with another table) run side by side. The bridge goes when the last agent of
+the table leaves and no pod is plugged into it; the table's files go with it.
 
-The sandbox also mirrors the host's services into the pod: for every TCP
-listener of the host on 127.0.0.1 or the wildcard address whose port is in the
-ephemeral range (``ip_local_port_range``: where the test world's services
-get their ports), it listens on 127.0.0.1 at that port inside the pod and
-forwards each connection to the host's 127.0.0.1 (``os.splice``, two threads
-per connection). The listeners follow the host's (refreshed every
-:data:`MIRROR_SECONDS`): a service started after the pod is reachable too.
+The sandbox also mirrors host services into the pod, but only those a pod on a
+real node could reach: for every TCP listener of the host on 127.0.0.1 or the
+wildcard address whose port is allowed (the apiserver's, ports given to the
+agent, ports registered in its host-services directory: see
+:mod:`testenv.processnode.hostservices`), it listens on 127.0.0.1 at that port
+inside the pod and forwards each connection to the host's 127.0.0.1
+(``os.splice``, two threads per connection). Every other host listener (etcd,
+the agent's control port, a test's private server) is unreachable from pods.
+The listeners follow the host's and the allow list (refreshed every
+:data:`MIRROR_SECONDS`): a service started or registered after the pod is
+reachable too.
 """
 
 from __future__ import annotations
@@ -40,10 +51,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Container, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from testenv.processnode.hostservices import allowed_ports
 
 BRIDGE = "sgpod0"
 GATEWAY = "127.64.0.1"
@@ -51,6 +64,8 @@ PREFIX_LEN = 16
 # Pod IPs: 127.64.1.1 .. 127.64.255.254 (127.64.0.x is the bridge's).
 _NET_BASE = (127 << 24) | (64 << 16)
 VETH_PREFIX = "sgv"
+# The alias of every link an agent makes: "<OWNER_TAG> <pid> <start time>" of the agent.
+OWNER_TAG = "spotguard-podnet"
 # The machine-wide allocation table and its lock.
 NET_DIR = Path(os.environ.get("SPOTGUARD_PODNET_DIR", "/run/spotguard-podnet"))
 MIRROR_SECONDS = 0.5
@@ -82,11 +97,6 @@ def veth_name(ip: str) -> str:
     return f"{VETH_PREFIX}{c:02x}{d:02x}"
 
 
-def _write_sysctl(path: str, value: str) -> None:
-    with contextlib.suppress(OSError):
-        Path(path).write_text(value)
-
-
 def _process_start(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -103,6 +113,42 @@ def _alive(owner: str) -> bool:
     return pid.isdigit() and _process_start(int(pid)) == start
 
 
+def link_owner(name: str) -> str | None:
+    """The agent (``pid start``) that made link ``name``, from its alias; None: no agent made it."""
+    try:
+        alias = Path("/sys/class/net", name, "ifalias").read_text().strip()
+    except OSError:
+        return None
+    tag, _, owner = alias.partition(" ")
+    return owner if tag == OWNER_TAG and owner else None
+
+
+def _mark_link(name: str, owner: str | None) -> None:
+    """Record who made link ``name`` (None: the bridge, shared by every agent) in its alias."""
+    _run(["ip", "link", "set", "dev", name, "alias", OWNER_TAG if owner is None else f"{OWNER_TAG} {owner}"])
+
+
+def _delete_link_of(name: str, owner: str) -> None:
+    """Delete link ``name`` if ``owner`` made it."""
+    if link_owner(name) == owner:
+        _delete_link(name)
+
+
+def _delete_stale_link(name: str) -> bool:
+    """Delete link ``name`` if the agent that made it is gone; returns whether the name is free now.
+
+    A link of a live agent (whatever its table) and a link without our alias (not
+    made by an agent, or one killed between making it and naming its owner) stay.
+    """
+    if not _link_exists(name):
+        return True
+    owner = link_owner(name)
+    if owner is None or _alive(owner):
+        return False
+    _delete_link(name)
+    return not _link_exists(name)
+
+
 class IpPool:
     """The machine-wide table of pod IPs and the bridge, shared by every agent (see the module docstring)."""
 
@@ -110,10 +156,32 @@ class IpPool:
         self.dir = directory
 
     @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the table's lock. The last agent out removes the lock file and the directory
+        (see :meth:`_table`), so a lock taken on a file that is no longer there is retried."""
+        lock = self.dir / "lock"
+        while True:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                continue  # the directory went between mkdir and open
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    current = os.stat(lock)
+                except FileNotFoundError:
+                    continue
+                held = os.fstat(fd)
+                if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+                    yield
+                    return
+            finally:
+                os.close(fd)  # releases the lock
+
+    @contextlib.contextmanager
     def _table(self) -> Iterator[dict[str, Any]]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with (self.dir / "lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with self._locked():
             path = self.dir / "pods.json"
             try:
                 table: dict[str, Any] = json.loads(path.read_text())
@@ -124,7 +192,14 @@ class IpPool:
             before = json.dumps(table, sort_keys=True)
             self._reclaim(table)
             yield table
-            if json.dumps(table, sort_keys=True) != before:
+            if not table["agents"] and not table["ips"]:
+                # Nobody left: the table's files go (a waiting agent starts a new one).
+                for name in ("pods.json", "pods.tmp", "lock"):
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.dir / name).unlink()
+                with contextlib.suppress(OSError):
+                    self.dir.rmdir()
+            elif json.dumps(table, sort_keys=True) != before:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
                 tmp.replace(path)
@@ -136,31 +211,30 @@ class IpPool:
         for ip, entry in list(table["ips"].items()):
             if not _alive(entry["agent"]):
                 del table["ips"][ip]
-                _delete_link(veth_name(ip))
+                _delete_link_of(veth_name(ip), entry["agent"])
 
     def register(self) -> None:
-        """An agent starts: reclaim what dead agents left (stale veths included) and make the bridge."""
+        """An agent starts: remove what dead agents left (stale veths of any table) and make the bridge."""
         with self._table() as table:
             me = _me()
             if me not in table["agents"]:
                 table["agents"].append(me)
-            held = {veth_name(ip) for ip in table["ips"]}
             for name in os.listdir("/sys/class/net"):
-                if name.startswith(VETH_PREFIX) and name not in held:
-                    _delete_link(name)
+                if name.startswith(VETH_PREFIX):
+                    _delete_stale_link(name)
             _ensure_bridge()
 
     def unregister(self) -> None:
-        """An agent stops: release its IPs; the last agent takes the bridge down."""
+        """An agent stops: release its IPs and veths; the last agent takes the bridge down."""
         with self._table() as table:
             me = _me()
             table["agents"] = [a for a in table["agents"] if a != me]
             for ip, entry in list(table["ips"].items()):
                 if entry["agent"] == me:
                     del table["ips"][ip]
-                    _delete_link(veth_name(ip))
+                    _delete_link_of(veth_name(ip), me)
             if not table["agents"] and not table["ips"]:
-                _delete_link(BRIDGE)
+                _retire_bridge()
 
     def allocate(self, pod: str) -> str:
         """A free pod IP for ``pod`` (``namespace/name``), held by this agent."""
@@ -170,22 +244,22 @@ class IpPool:
                 if n & 0xFF in (0, 255):
                     continue
                 ip = socket.inet_ntoa(struct.pack("!I", _NET_BASE | n))
-                if ip not in table["ips"]:
-                    _delete_link(veth_name(ip))  # a leftover of a crashed run
+                # A veth of that name that no dead agent left (another table's) keeps its IP taken.
+                if ip not in table["ips"] and _delete_stale_link(veth_name(ip)):
                     table["ips"][ip] = {"agent": _me(), "pod": pod}
                     return ip
         raise OSError(errno.EADDRNOTAVAIL, "no free pod IP left")
 
     def release(self, ip: str) -> None:
         with self._table() as table:
-            _delete_link(veth_name(ip))
+            _delete_link_of(veth_name(ip), _me())
             table["ips"].pop(ip, None)
 
     def sweep(self) -> None:
         """Reclaim what dead agents left; take the bridge down when no agent is left (after a crash)."""
         with self._table() as table:
             if not table["agents"] and not table["ips"]:
-                _delete_link(BRIDGE)
+                _retire_bridge()
 
     def held(self) -> dict[str, str]:
         """IP -> pod of every live allocation on the machine."""
@@ -200,11 +274,27 @@ def _delete_link(name: str) -> None:
 
 def _ensure_bridge() -> None:
     if not _link_exists(BRIDGE):
-        _run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{GATEWAY}/{PREFIX_LEN}", "dev", BRIDGE])
-    for conf in ("all", "default", BRIDGE):
-        _write_sysctl(f"/proc/sys/net/ipv4/conf/{conf}/route_localnet", "1")
+        _run(["ip", "link", "add", BRIDGE, "type", "bridge"], check=False)  # or another table's agent did
+        if not _link_exists(BRIDGE):
+            raise OSError(0, f"cannot create the pod bridge {BRIDGE}")
+        _mark_link(BRIDGE, None)
+    _run(["ip", "addr", "replace", f"{GATEWAY}/{PREFIX_LEN}", "dev", BRIDGE])
+    # On the bridge only: the kernel checks route_localnet on the interface a packet comes in on
+    # or goes out of, and for the host that is the bridge (the veths are its ports). So the
+    # host's conf/all and conf/default are left as they are, and this setting goes with the bridge.
+    Path(f"/proc/sys/net/ipv4/conf/{BRIDGE}/route_localnet").write_text("1")
     _run(["ip", "link", "set", BRIDGE, "up"])
+
+
+def _retire_bridge() -> None:
+    """Take the bridge down if no pod (of any table) is plugged into it, unless something else names it."""
+    try:
+        ports = os.listdir(f"/sys/class/net/{BRIDGE}/brif")
+        alias = Path("/sys/class/net", BRIDGE, "ifalias").read_text().strip()
+    except OSError:
+        return
+    if not ports and alias in (OWNER_TAG, ""):  # "": an agent died before naming it
+        _delete_link(BRIDGE)
 
 
 @dataclass(frozen=True)
@@ -214,14 +304,26 @@ class SandboxSpec:
     hostname: str
     host_pid: int  # a process in the host's network namespace (the agent): its listeners are mirrored
     status_fd: int
+    host_ports: list[int]  # the host ports the pod may reach (the apiserver's, ...)
+    host_services: str | None  # and those registered in this directory (see hostservices)
 
 
 class PodNetwork:
     """One pod's network: its IP, its sandbox process (namespaces + mirror), its veth pair."""
 
-    def __init__(self, pool: IpPool, pod: str, hostname: str) -> None:
+    def __init__(
+        self,
+        pool: IpPool,
+        pod: str,
+        hostname: str,
+        host_ports: Collection[int] = (),
+        host_services: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.pool, self.pod, self.hostname = pool, pod, hostname
+        self.host_ports = sorted(host_ports)
+        self.host_services = None if host_services is None else str(host_services)
         self.ip: str | None = None
+        self.veth: str | None = None  # the host end, once this network made it
         self.sandbox: subprocess.Popen[bytes] | None = None
 
     @property
@@ -239,7 +341,7 @@ class PodNetwork:
         try:
             self.ip = self.pool.allocate(self.pod)
             read_status, status_fd = os.pipe()
-            spec = SandboxSpec(self.hostname, os.getpid(), status_fd)
+            spec = SandboxSpec(self.hostname, os.getpid(), status_fd, self.host_ports, self.host_services)
             root = str(Path(__file__).resolve().parents[2])
             boot = (f"import sys; sys.path.insert(0, {root!r}); "
                     "from testenv.processnode.podnet import sandbox_main; "
@@ -263,6 +365,8 @@ class PodNetwork:
             veth, pid = veth_name(self.ip), self.sandbox.pid
             _run(["ip", "link", "add", veth, "mtu", str(MTU), "type", "veth",
                   "peer", "name", "eth0", "mtu", str(MTU), "netns", str(pid)])  # fmt: skip
+            self.veth = veth
+            _mark_link(veth, _me())
             _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
             inside = (f"addr add {self.ip}/{PREFIX_LEN} dev eth0\nlink set eth0 up\n"
                       f"route add default via {GATEWAY}\n")  # fmt: skip
@@ -281,6 +385,9 @@ class PodNetwork:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
+        veth, self.veth = self.veth, None
+        if veth is not None and link_owner(veth) is None:
+            _delete_link(veth)  # made here, but its owner not yet recorded
         if self.ip is not None:
             self.pool.release(self.ip)  # deletes the host end, and with it the pod's eth0
         # The IP stays known: kubelet keeps reporting status.podIP of a pod that has ended.
@@ -303,10 +410,11 @@ def sandbox_main(spec_json: str) -> int:
         name = spec.hostname.encode()
         if libc.sethostname(name, len(name)) != 0:
             raise OSError(ctypes.get_errno(), "sethostname")
-        for conf in ("all", "default", "lo"):
+        for conf in ("all", "default", "lo"):  # the pod's own namespace (unshared above), not the host's
             Path(f"/proc/sys/net/ipv4/conf/{conf}/route_localnet").write_text("1")
         _run(["ip", "link", "set", "lo", "up"])
-        mirror = Mirror(host_ns, spec.host_pid, libc)
+        ports, services = frozenset(spec.host_ports), spec.host_services
+        mirror = Mirror(host_ns, spec.host_pid, libc, lambda: ports | allowed_ports(services))
         mirror.refresh()  # before any container starts
     except OSError as exc:
         os.write(spec.status_fd, f"{exc.strerror or exc}".encode())
@@ -317,16 +425,8 @@ def sandbox_main(spec_json: str) -> int:
     return 0
 
 
-def ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def host_listeners(pid: int | str, ports: tuple[int, int]) -> dict[int, str]:
-    """Port -> address to forward to, for the TCP listeners of ``pid``'s network namespace in ``ports``.
+def host_listeners(pid: int | str, ports: Container[int]) -> dict[int, str]:
+    """Port -> address to forward to, for the TCP listeners of ``pid``'s network namespace at ``ports``.
 
     Listeners on 127.0.0.1 and on the wildcard address (v4, or v6 taking v4) are
     reached at 127.0.0.1; those on ``::1`` only at ``::1``.
@@ -343,7 +443,7 @@ def host_listeners(pid: int | str, ports: tuple[int, int]) -> dict[int, str]:
                 continue
             addr, _, port_hex = fields[1].partition(":")
             port = int(port_hex, 16)
-            if not ports[0] <= port <= ports[1]:
+            if port not in ports:
                 continue
             if name == "tcp":
                 ip = socket.inet_ntoa(struct.pack("<I", int(addr, 16)))
@@ -360,16 +460,19 @@ def host_listeners(pid: int | str, ports: tuple[int, int]) -> dict[int, str]:
 
 
 class Mirror:
-    """Listeners inside the pod's namespace for the host's services, forwarding to the host's 127.0.0.1."""
+    """Listeners inside the pod's namespace for the host's services, forwarding to the host's 127.0.0.1.
 
-    def __init__(self, host_ns: int, host_pid: int, libc: Any) -> None:
+    Only the ports that ``allowed`` returns (asked at every refresh) are mirrored.
+    """
+
+    def __init__(self, host_ns: int, host_pid: int, libc: Any, allowed: Callable[[], Container[int]]) -> None:
         self.host_ns, self.host_pid, self.libc = host_ns, host_pid, libc
-        self.ports = ephemeral_range()
+        self.allowed = allowed
         self.selector = selectors.DefaultSelector()
         self.listeners: dict[int, tuple[socket.socket, str]] = {}
 
     def refresh(self) -> None:
-        wanted = host_listeners(self.host_pid, self.ports)
+        wanted = host_listeners(self.host_pid, self.allowed())
         for port in [p for p in self.listeners if wanted.get(p) != self.listeners[p][1]]:
             sock, _ = self.listeners.pop(port)
             self.selector.unregister(sock)

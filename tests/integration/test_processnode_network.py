@@ -2,8 +2,11 @@
 
 Two pods on different nodes bind the same port, find each other by the names of
 a headless Service, and see their own hostname and IP; hostNetwork pods share
-the host's; a host service started after a pod is reachable from it at
-127.0.0.1; a pod's network goes with the pod (deletion, node loss).
+the host's; a host service registered and started after a pod is reachable from
+it at 127.0.0.1, while host listeners that are not the cluster's are not; a
+pod's network goes with the pod (deletion, node loss). The host is left as the
+agents found it: its own network settings untouched, and links of other live
+agents (another test world's) never removed.
 """
 
 from __future__ import annotations
@@ -13,22 +16,24 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 
 from testenv.processnode import ProcessNodes
-from testenv.processnode.podnet import IpPool, available, veth_name
+from testenv.processnode.podnet import BRIDGE, OWNER_TAG, IpPool, available, veth_name
+from testenv.require import require
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not available(), reason="pod networks need root and iproute2"),
-]
+pytestmark = pytest.mark.integration
+
+require(available(), "pod networks need root and iproute2", "run the tests as root after `make setup`")
 
 WAIT = 90.0
 PORT = 29500
@@ -228,7 +233,7 @@ c.close()
 
 
 def test_pod_reaches_a_host_service_started_after_it(core: Any, ns: str, process_nodes: ProcessNodes) -> None:
-    """Host services on 127.0.0.1:<ephemeral port> are mirrored into pods, also ones that start later."""
+    """Registered host services on 127.0.0.1 are mirrored into pods, also ones registered and started later."""
     port = free_port()
     size = 32 << 20
     script = f"""
@@ -255,6 +260,8 @@ print(answer.decode() == hashlib.sha256(payload).hexdigest() + ":" + str(len(pay
     time.sleep(1.5)  # connections are refused for a while: nothing listens yet
 
     digests: list[str] = []
+    # Registered after the pod started, like a service the test world adds late.
+    process_nodes.host_services.add(port, "a test's server")
     server = socket.socket()
     server.bind(("127.0.0.1", port))
     server.listen()
@@ -275,6 +282,7 @@ print(answer.decode() == hashlib.sha256(payload).hexdigest() + ":" + str(len(pay
         done = wait_phase(core, ns, "outbound", ("Succeeded", "Failed"))
     finally:
         server.close()
+        process_nodes.host_services.remove(port)
     lines = output(process_nodes, ns, "outbound")
     assert done.status.phase == "Succeeded", lines
     assert lines[-1].startswith("True"), lines
@@ -328,3 +336,173 @@ def test_pod_network_is_released_with_the_pod(core: Any, ns: str, process_nodes:
         with contextlib.suppress(Exception):
             process_nodes.preempt(name, ns, "kill")
     wait_for(lambda: _network_gone(ip, inode), f"the network of {name} ({ip}) released", timeout=30)
+
+
+# --- what a pod reaches of the host, and what the agents leave on it ---------------------------
+
+# Connects to 127.0.0.1 at each WHAT=PORT of $PORTS and reports what happened, as JSON.
+REACH = """
+import json, os, socket
+seen = {}
+for item in os.environ["PORTS"].split():
+    what, _, port = item.partition("=")
+    try:
+        c = socket.create_connection(("127.0.0.1", int(port)), timeout=10)
+    except OSError as exc:
+        seen[what] = type(exc).__name__
+        continue
+    with c:
+        c.settimeout(3)
+        try:
+            greeting = c.recv(100).decode(errors="replace")[:20]
+        except OSError:  # an HTTP server waits for the request
+            greeting = ""
+        seen[what] = "reached: " + greeting
+print(json.dumps(seen), flush=True)
+"""
+
+
+class Banner:
+    """A host service on 127.0.0.1 that greets every connection with ``text``."""
+
+    def __init__(self, text: bytes) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = int(self.sock.getsockname()[1])
+        self.text = text
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(self.text)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_pod_reaches_the_clusters_services_and_no_other_host_listener(
+    core: Any, ns: str, kube: Any, s3_store: Any, process_nodes: ProcessNodes
+) -> None:
+    """Like a pod on a real node: the apiserver and the object store, not etcd-like internals of the host."""
+    private = Banner(b"private")  # a host listener nobody registered (a test's own server, say)
+    registered = Banner(b"registered")
+    control = json.loads((process_nodes.state_dir / "control.json").read_text())["port"]
+    ports = {
+        "apiserver": urlparse(kube.server).port,
+        "store": urlparse(s3_store.endpoint_url).port,
+        "private": private.port,
+        "agent-control": control,  # the agent's own control API: preempting nodes is not a pod's business
+        "registered": registered.port,
+    }
+    try:
+        with process_nodes.host_services.exposed(registered.port, "a test's server"):
+            env = {"PORTS": " ".join(f"{k}={v}" for k, v in ports.items())}
+            create_pod(core, ns, python_pod("reach", REACH, env))
+            done = wait_phase(core, ns, "reach", ("Succeeded", "Failed"))
+    finally:
+        private.close()
+        registered.close()
+    lines = output(process_nodes, ns, "reach")
+    assert done.status.phase == "Succeeded", lines
+    seen = json.loads(lines[-1])
+    assert seen["apiserver"].startswith("reached") and seen["store"].startswith("reached"), seen
+    assert seen["registered"] == "reached: registered", seen
+    assert seen["private"] == "ConnectionRefusedError", seen
+    assert seen["agent-control"] == "ConnectionRefusedError", seen
+
+
+def _route_localnet() -> dict[str, str]:
+    return {c: Path(f"/proc/sys/net/ipv4/conf/{c}/route_localnet").read_text().strip() for c in ("all", "default")}
+
+
+def test_agent_leaves_the_hosts_network_settings_as_it_found_them(
+    core: Any, ns: str, kube: Any, tmp_path: Path
+) -> None:
+    """route_localnet goes on the pod bridge only, never on the host's all/default, while pods run and after."""
+    before = _route_localnet()
+    agent = ProcessNodes.start(kube.kubeconfig, tmp_path / "agent", count=1,
+                               extra_args=["--taint", "--name-prefix", "sysctl"])  # fmt: skip
+    try:
+        (node,) = agent.node_names()
+        create_pod(core, ns, python_pod("sleeper", "import time; time.sleep(600)", nodeName=node,
+                                        tolerations=[{"operator": "Exists"}]))  # fmt: skip
+        wait_phase(core, ns, "sleeper", ("Running",))
+        ip = agent.pod_ip(ns, "sleeper")
+        wait_for(lambda: _fetch_refused(ip), f"the pod at {ip} from the host")  # pod networking works
+        assert Path(f"/proc/sys/net/ipv4/conf/{BRIDGE}/route_localnet").read_text().strip() == "1"
+        assert _route_localnet() == before
+    finally:
+        agent.stop()
+    assert _route_localnet() == before
+
+
+def _fetch_refused(ip: str) -> bool:
+    """Whether ``ip`` answers (a refused connection is an answer: the pod's kernel sent it)."""
+    try:
+        with socket.create_connection((ip, 1), timeout=5):
+            return True
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def _start_time(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+
+
+def _alias(name: str) -> str:
+    return Path("/sys/class/net", name, "ifalias").read_text().strip()
+
+
+@pytest.fixture
+def fake_links() -> Iterator[list[str]]:
+    """Names for links made by a test; whatever is left of them is deleted afterwards."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        if Path("/sys/class/net", name).exists():
+            subprocess.run(["ip", "link", "del", name], check=False)
+    IpPool().sweep()  # the bridge, if the test made it and no agent is left
+
+
+def test_an_agent_removes_only_links_whose_owner_is_gone(tmp_path: Path, fake_links: list[str]) -> None:
+    """Another test world's veth (its agent alive, its IPs in another table) survives an agent's start and stop."""
+    live = subprocess.Popen(["sleep", "600"])
+    dead = subprocess.Popen(["true"])
+    dead_owner = f"{dead.pid} {_start_time(dead.pid)}"  # taken before it exits: zombie until waited for
+    dead.wait()
+    try:
+        links = {
+            "sgvfefe": f"{OWNER_TAG} {live.pid} {_start_time(live.pid)}",  # another world's, its agent alive
+            "sgvfefd": f"{OWNER_TAG} {dead_owner}",  # left by an agent that is gone
+            "sgvfefc": "",  # not made by an agent at all
+        }
+        for name, alias in links.items():
+            fake_links.append(name)
+            # A veth pair, as an agent makes (its peer outside the sgv names, not a pod's end).
+            subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", f"sgt{name[3:]}"], check=True)
+            if alias:
+                subprocess.run(["ip", "link", "set", "dev", name, "alias", alias], check=True)
+        pool = IpPool(tmp_path / "table")  # an agent with its own table: it knows none of these links
+        pool.register()
+        try:
+            present = {name for name in links if Path("/sys/class/net", name).exists()}
+            assert present == {"sgvfefe", "sgvfefc"}
+            assert _alias("sgvfefe") == links["sgvfefe"]
+            # The other world's pod is plugged into the bridge: the last agent of this table leaves it.
+            subprocess.run(["ip", "link", "set", "sgvfefe", "master", BRIDGE], check=True)
+        finally:
+            pool.unregister()
+        assert Path("/sys/class/net", BRIDGE).exists()
+        assert Path("/sys/class/net", "sgvfefe").exists() and Path("/sys/class/net", "sgvfefc").exists()
+        assert not (tmp_path / "table").exists()  # the table's files went with its last agent
+    finally:
+        live.kill()
+        live.wait()

@@ -19,6 +19,7 @@ MODULES = (
     "kubeletapi",
     "cli",
     "podnet",
+    "hostservices",
     "hosts",
 )
 
