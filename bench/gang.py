@@ -12,68 +12,43 @@ path), measured in the same rounds.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import Section, Spread, fmt, per_round, percentile
+from testenv import kubetest
+from testenv.kubetest import GROUP, PLURAL, VERSION, wait_for
 
 if TYPE_CHECKING:
     from bench.run import Ctx
 
-GROUP, VERSION, PLURAL = "spotguard.dev", "v1alpha1", "trainingjobs"
-ROOT = Path(__file__).resolve().parent.parent
 SIZES = (1, 2, 4)
 GRACE = 5
 TRAINER = "trap 'kill $! 2>/dev/null; exit 143' TERM; while true; do sleep 1 & wait $!; done"
 
 
 def _job(name: str, nodes: int, storage: str) -> dict[str, Any]:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "TrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "nodes": nodes,
-            "template": {"spec": {"containers": [{
-                "name": "trainer", "image": "busybox", "command": ["sh", "-c", TRAINER],
-                # One GPU each, one per process node: every member on a node of its own.
-                "resources": {"limits": {"nvidia.com/gpu": 1}},
-            }]}},
-            "checkpoint": {"storage": storage},
-            "sidecar": {"metricsPort": 0},
-            "preemption": {"maxPreemptions": 1000, "backoffLimit": 3, "gracePeriodSeconds": GRACE,
-                           "backoff": {"initialSeconds": 0}, "preemptionBackoff": {"initialSeconds": 0}},
-        },
-    }  # fmt: skip
+    # One GPU each, one per process node: every member on a node of its own.
+    return kubetest.job_body(name, storage, kubetest.shell_trainer(TRAINER), nodes=nodes, sidecar={"metricsPort": 0},
+                             preemption=kubetest.fast_preemption(1000, 3, GRACE))  # fmt: skip
 
 
 def bench_gang(ctx: Ctx) -> Section:
-    from kubernetes import client
-
-    from spotguard.operator.testing import OperatorProcess, wait_for
     from testenv.processnode import ProcessNodes
 
     kube = ctx.kube
     assert kube is not None
     reps = ctx.rounds_for(8)
-    subprocess.run([str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), "apply", "-f",
-                    str(ROOT / "crds" / "trainingjob.yaml")], check=True, capture_output=True)  # fmt: skip
-    api = kube.api_client()
-    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    ns = f"bench-gang-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": ns}})
-    wait_for(lambda: core.read_namespaced_service_account("default", ns), "default ServiceAccount", timeout=60)
+    kubetest.install_crd(kube)
+    core, custom = kubetest.apis(kube)
+    ns = kubetest.new_namespace(core, "bench-gang")
     store = ctx.work / "gang-store"
     ca = getattr(kube, "kubelet_client_ca", None)
     count = sum(SIZES)  # every job runs all the time: one node per pod
     nodes = ProcessNodes.start(kube.kubeconfig, ctx.work / "gang-nodes", count=count,
                                extra_args=["--client-ca-file", str(ca)] if ca else None)  # fmt: skip
-    op = OperatorProcess(["-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off",
-                          "--checkpoint-poll-seconds", "30"],
-                         env=kube.env(), log_path=ctx.work / "operator-gang.log")  # fmt: skip
+    op = kubetest.operator_process(kube, ns, ctx.work / "operator-gang.log", image="spotguard:bench",
+                                   resync_seconds=None, poll_seconds=30)  # fmt: skip
 
     def pods(job: str, attempt: int) -> list[dict[str, Any]]:
         resp = core.list_namespaced_pod(ns, label_selector=f"spotguard.dev/job={job},spotguard.dev/attempt={attempt}",

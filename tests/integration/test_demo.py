@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import base_env, spotguard_argv
+from sidecar_helpers import base_env, spotguard_argv
 
 
 def _demo(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import (
+from sidecar_helpers import (
     Proc,
     base_env,
     free_port,

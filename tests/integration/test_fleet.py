@@ -39,19 +39,21 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_gang import (
-    CRD,
+from reference_runs import Pending, ReferenceRuns
+from sidecar_helpers import Proc
+
+from testenv import kubetest
+from testenv.kubetest import (
     GROUP,
     IMAGE,
     PLURAL,
@@ -60,9 +62,8 @@ from test_gang import (
     PodLife,
     PodWatch,
     delete_jobs,
-    kubectl,
-    new_namespace,
-    start_operator,
+    fast_preemption,
+    operator_namespace,
     trainer_log,
 )
 
@@ -86,33 +87,12 @@ GRACE = 30
 
 
 @pytest.fixture(scope="module")
-def apis(kube: Any) -> tuple[Any, Any]:
-    from kubernetes import client
-
-    api = kube.api_client()
-    return client.CoreV1Api(api), client.CustomObjectsApi(api)
-
-
-@pytest.fixture(scope="module")
 def fleet(
-    kube: Any, apis: tuple[Any, Any], process_nodes: Any, tmp_path_factory: pytest.TempPathFactory
+    kube: Any, apis: tuple[Any, Any], crd: None, process_nodes: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Env]:
-    kubectl(kube, "apply", "-f", str(CRD))
-    kubectl(kube, "wait", "--for", "condition=established", "crd/trainingjobs.spotguard.dev", "--timeout=60s")
-    core, custom = apis
-    ns = new_namespace(core, "fleet")
-    log_dir = tmp_path_factory.mktemp("fleet")
-    e = Env(kube, core, custom, ns, process_nodes, log_dir)
-    e.operator = start_operator(kube, ns, log_dir / "operator.log")
-    try:
+    with operator_namespace(kube, apis, process_nodes, "fleet", tmp_path_factory.mktemp("fleet"),
+                            poll_seconds=5) as e:  # fmt: skip
         yield e
-    finally:
-        try:
-            delete_jobs(apis, ns)
-        finally:
-            e.operator.stop()
-            print(f"--- operator log ({e.operator.log_path}) ---\n{e.operator.log_tail(40)}")
-            core.delete_namespace(ns)
 
 
 @pytest.fixture
@@ -137,31 +117,41 @@ def final_digest(log: str) -> str | None:
     return m.group(1) if m else None
 
 
+def start_reference(argv: list[str]) -> Callable[[Path], Pending[tuple[Path, str]]]:
+    """A reference run of ``argv`` (no storage, no step delay), checkpointing into its directory's ``ckpt``;
+    its result: that directory and the run's output."""
+
+    def begin(d: Path) -> Pending[tuple[Path, str]]:
+        env = {"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt"),
+               "SPOTGUARD_SAVE_EVERY_STEPS": str(EVERY), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        proc = Proc(argv, env, d / "train.log")
+
+        def finish() -> tuple[Path, str]:
+            assert proc.wait(300) == 0, proc.tail(60)
+            return d / "ckpt", proc.text()
+
+        return Pending(finish, proc.kill)
+
+    return begin
+
+
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> References:
-    """One uninterrupted run of each trainer on this machine (no storage, no step delay)."""
+def references(reference_runs: ReferenceRuns) -> References:
+    """One uninterrupted run of each trainer on this machine, side by side (once per session)."""
     from spotguard.checkpoint import list_local_committed
 
-    base = tmp_path_factory.mktemp("fleet-ref")
     py = sys.executable
-
-    def env(name: str) -> dict[str, str]:
-        return {"PATH": str(Path(py).parent), "SPOTGUARD_CHECKPOINT_DIR": str(base / name),
-                "SPOTGUARD_SAVE_EVERY_STEPS": str(EVERY), "OMP_NUM_THREADS": "1"}  # fmt: skip
-
     started = time.monotonic()
-    solo = subprocess.Popen([py, "-m", "spotguard.demo.train", *REF_ARGS], env=env("solo"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    gang = subprocess.Popen([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "--module", "spotguard.demo.train_ddp", *REF_ARGS], env=env("gang"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    solo_out, _ = solo.communicate(timeout=300)
-    gang_out, _ = gang.communicate(timeout=300)
-    assert solo.returncode == 0, solo_out[-3000:]
-    assert gang.returncode == 0, gang_out[-3000:]
+    solo = reference_runs.start(("fleet-demo", STEPS, EVERY),
+                                start_reference([py, "-m", "spotguard.demo.train", *REF_ARGS]))  # fmt: skip
+    gang = reference_runs.start(("fleet-demo-ddp", 2, STEPS, EVERY), start_reference(
+        [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--module", "spotguard.demo.train_ddp", *REF_ARGS]))  # fmt: skip
+    solo_ckpt, _ = solo.result()
+    _, gang_out = gang.result()
     digest = final_digest(gang_out)
     assert digest, gang_out[-3000:]
-    solo_dir = list_local_committed(base / "solo")[-1]
+    solo_dir = list_local_committed(solo_ckpt)[-1]
     assert solo_dir.name.endswith(f"{STEPS - 1:012d}"), solo_dir
     print(f"reference runs: {time.monotonic() - started:.1f}s; gang digest {digest}")
     return References(solo_dir, digest)
@@ -264,23 +254,16 @@ def job_body(job: Job, storage: str, host_network: bool) -> dict[str, Any]:
         # torch's threads: one each, as many processes share two cores.
         "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
     }
-    template: dict[str, Any] = {"containers": [trainer]}
-    if host_network:
-        template["hostNetwork"] = True
-    spec: dict[str, Any] = {
-        "template": {"spec": template},
-        "checkpoint": {"storage": storage, "everySteps": EVERY},
-        "preemption": {
-            "maxPreemptions": 20,
-            "backoffLimit": 2,
-            "gracePeriodSeconds": GRACE,
-            "backoff": {"initialSeconds": 0},
-            "preemptionBackoff": {"initialSeconds": 0},
-        },
-    }
-    if job.nodes > 1:
-        spec["nodes"], spec["nprocPerNode"] = job.nodes, 1
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": job.name}, "spec": spec}
+    gang: dict[str, Any] = {"nodes": job.nodes, "nprocPerNode": 1} if job.nodes > 1 else {}
+    return kubetest.job_body(
+        job.name,
+        storage,
+        trainer,
+        pod_spec={"hostNetwork": True} if host_network else None,
+        every_steps=EVERY,
+        preemption=fast_preemption(20, 2, GRACE),
+        **gang,
+    )
 
 
 def jobs_now(e: Env) -> dict[str, dict[str, Any]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sidecar_helpers import free_port, worker_env
 
 from testenv.require import require_tool
 
@@ -128,8 +129,6 @@ def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
 
 
 def two_nodes(base: Path, s3_store: Any, s3_uri: str, *extra: str) -> list[dict[str, Any]]:
-    from test_dist_checkpointer import free_port, worker_env
-
     port = free_port()
     out = base / "out"
     out.mkdir(exist_ok=True)

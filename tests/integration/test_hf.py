@@ -22,12 +22,13 @@ import random
 import re
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
+from reference_runs import Pending, ReferenceRuns
+from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, list_local_committed
 from spotguard.checkpoint.checksum import new_hasher
@@ -88,47 +89,60 @@ def stopped_step(proc: Proc) -> int:
     return found.pop()
 
 
+#: The uninterrupted runs' keys in the session's ``reference_runs``.
+REFERENCE_KEYS = {"one": ("hf", 1, STEPS, SAVE_EVERY, "save-total-limit=1"), "two": ("hf", 2, STEPS, SAVE_EVERY)}
+
+
+def start_reference(command: Callable[[Path], list[str]], extra: dict[str, str]) -> Callable[[Path], Pending[str]]:
+    """Start ``command(directory)`` in its run directory; its result: the final digest."""
+
+    def begin(d: Path) -> Pending[str]:
+        env = env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt"), **extra})
+        proc = Proc(command(d), env, d / "train.log", cwd=d)
+
+        def finish() -> str:
+            assert proc.wait(300) == 0, proc.tail()
+            return digest_of(proc)
+
+        return Pending(finish, proc.kill)
+
+    return begin
+
+
 class References:
     """The uninterrupted runs (no supervisor), one rank and two, started
-    together when the module's first test asks and read when needed.
+    together in the background when the module's first test asks (each once
+    per session) and read when needed.
 
     The one-rank run doubles as the ``save_total_limit`` test: a storage URI
     but no uploader at all (no sidecar, no ``spotguard run``), and the
     Trainer keeps one folder of its own.
     """
 
-    def __init__(self, root: Path, s3_store: Any) -> None:
-        self.one = root / "one"
-        self.two = root / "two"
-        self.procs: dict[str, Proc] = {}
-        self.digests: dict[str, str] = {}
+    def __init__(self, runs: ReferenceRuns, s3_store: Any) -> None:
+        self.runs = runs
         uri = f"s3://{s3_store.bucket}/t-{uuid.uuid4().hex[:10]}"
-        for key, command, extra in [
-            ("one", [PY, str(EXAMPLE), *train_args(self.one / "out", "0", "--save-total-limit", "1")],
-             {**s3_store.env(), "SPOTGUARD_STORAGE_URI": uri}),
-            ("two", torchrun(2, *train_args(self.two / "out", "0")), {}),
-        ]:  # fmt: skip
-            d = root / key
-            d.mkdir(parents=True)
-            env = env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt"), **extra})
-            self.procs[key] = Proc(command, env, d / "train.log", cwd=d)
+        self.pending = {
+            "one": runs.start(REFERENCE_KEYS["one"], start_reference(
+                lambda d: [PY, str(EXAMPLE), *train_args(d / "out", "0", "--save-total-limit", "1")],
+                {**s3_store.env(), "SPOTGUARD_STORAGE_URI": uri})),
+            "two": runs.start(REFERENCE_KEYS["two"], start_reference(
+                lambda d: torchrun(2, *train_args(d / "out", "0")), {})),
+        }  # fmt: skip
+        self.one = runs.path(REFERENCE_KEYS["one"])
+        self.two = runs.path(REFERENCE_KEYS["two"])
 
     def digest(self, key: str) -> str:
-        if key not in self.digests:
-            proc = self.procs[key]
-            assert proc.wait(300) == 0, proc.tail()
-            self.digests[key] = digest_of(proc)
-        return self.digests[key]
+        return self.pending[key].result()
 
     def kill(self) -> None:
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                proc.kill()
+        """Stop the runs no test read (a later ask starts them again)."""
+        self.runs.discard_unfinished(*REFERENCE_KEYS.values())
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory, s3_store: Any) -> Iterator[References]:
-    refs = References(tmp_path_factory.mktemp("hf-references"), s3_store)
+def references(reference_runs: ReferenceRuns, s3_store: Any) -> Iterator[References]:
+    refs = References(reference_runs, s3_store)
     try:
         yield refs
     finally:

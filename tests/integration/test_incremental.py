@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
+from reference_runs import ReferenceRuns
+from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import (
     KnownChunks,
@@ -183,7 +184,7 @@ def run_argv(workdir: Path, storage: str, out: Path, steps: int) -> list[str]:
 
 @pytest.mark.integration
 def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_chunk(
-    s3_store, s3_uri: str, tmp_path: Path
+    s3_store, s3_uri: str, tmp_path: Path, reference_runs: ReferenceRuns
 ) -> None:
     """``spotguard run`` with incremental checkpoints on a model with a 24 MiB
     frozen base: SIGTERM mid-run, every checkpoint after the first uploads a
@@ -191,15 +192,9 @@ def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_
     damaged in storage and a fresh machine resumes from an older one. The
     result equals an uninterrupted run's byte for byte."""
     steps = 80
-    reference = tmp_path / "reference.safetensors"
+    reference = reference_runs.demo_final(steps, 10, "--frozen-mib", "24")
     env = base_env(s3_store.env() | {"SPOTGUARD_INCREMENTAL": "1"})
     with reaping() as procs:
-        alone = [PY, "-m", "spotguard.demo.train", "--steps", str(steps), "--save-every", "10",
-                 "--frozen-mib", "24", "--output", str(reference)]  # fmt: skip
-        ref = Proc(alone, base_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref-ckpt")}), tmp_path / "ref.log")
-        procs.append(ref)
-        assert ref.wait() == 0, ref.tail()
-
         out = tmp_path / "final.safetensors"
         first = Proc(run_argv(tmp_path / "work1", s3_uri, out, steps), env, tmp_path / "run1.log")
         procs.append(first)
@@ -237,7 +232,7 @@ def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_
         line = second.wait_for_line(lambda ln: ln.startswith(("resumed from step", "starting from scratch")))
         assert line == f"resumed from step {info2.step}", line
         assert second.wait() == 0, second.tail()
-    assert out.read_bytes() == reference.read_bytes()
+    assert out.read_bytes() == reference
     final, _ = latest_verified(storage)
     assert final is not None and final.step == steps - 1
 

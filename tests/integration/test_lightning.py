@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
+from reference_runs import ReferenceRuns
+from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified
 from spotguard.checkpoint.remote import read_manifest
@@ -59,28 +60,26 @@ def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class References:
-    """Digests of uninterrupted fits (no supervisor, no delay), computed once each."""
+    """Digests of uninterrupted fits (no supervisor, no delay), each computed once per session."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cache: dict[tuple[int, str], str] = {}
+    def __init__(self, runs: ReferenceRuns) -> None:
+        self.runs = runs
 
     def get(self, nproc: int, loader: str) -> str:
-        if (nproc, loader) not in self.cache:
-            d = self.root / f"reference-{nproc}-{loader}"
-            d.mkdir()
+        def run(d: Path) -> str:
             with reaping() as procs:
                 env = env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt")})
                 proc = Proc(command(nproc, loader), env, d / "train.log")
                 procs.append(proc)
                 assert proc.wait(300) == 0, proc.tail()
-                self.cache[(nproc, loader)] = digest_of(proc)
-        return self.cache[(nproc, loader)]
+                return digest_of(proc)
+
+        return self.runs.get(("lightning", nproc, loader, SAMPLES, BATCH, EPOCHS, SAVE_EVERY), run)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> References:
-    return References(tmp_path_factory.mktemp("lightning-references"))
+def references(reference_runs: ReferenceRuns) -> References:
+    return References(reference_runs)
 
 
 def digest_of(proc: Proc) -> str:

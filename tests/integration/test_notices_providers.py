@@ -1,7 +1,7 @@
 """Notice sources against local servers that answer as each provider documents.
 
 No cloud is contacted: every endpoint is a fake on 127.0.0.1 (see
-``test_notices.py`` for the fakes). These tests need no S3 or apiserver.
+``notice_fakes.py`` for the fakes). These tests need no S3 or apiserver.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from test_notices import FakeAws, FakeAzure, FakeGce, serve
+from notice_fakes import FakeAws, FakeAzure, FakeGce, serve
 
 from spotguard.sidecar.notices import (
     AwsSpotNotices,

@@ -1,7 +1,8 @@
 """``spotguard run --notices``: a cloud notice yields a verified checkpoint before any SIGTERM.
 
-The same fake metadata servers as ``test_notices.py``; the trainer runs under
-``spotguard run``, whose in-process sidecar duties include the notice pollers.
+The same fake metadata servers (``notice_fakes``) as ``test_notices.py``;
+the trainer runs under ``spotguard run``, whose in-process sidecar duties
+include the notice pollers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_notices import PROVIDERS, serve
-from test_sidecar_helpers import (
+from notice_fakes import PROVIDERS, serve
+from sidecar_helpers import (
     Proc,
     base_env,
     free_port,

@@ -8,7 +8,6 @@ the node-shutdown manager or the eviction API would.
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,43 +17,32 @@ import pytest
 
 from spotguard.operator.podbuilder import OperatorConfig, build_pod
 from spotguard.operator.spec import parse
-from spotguard.operator.testing import OperatorProcess, metric_value, wait_for
+from spotguard.operator.testing import OperatorProcess, metric_value
+from testenv.kubetest import (
+    GROUP,
+    IMAGE,
+    PLURAL,
+    VERSION,
+    cond,
+    create_job,
+    delete_jobs,
+    events,
+    get_job,
+    job_body,
+    kubectl,
+    new_namespace,
+    start_operator,
+    wait_events,
+    wait_for,
+    wait_status,
+)
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT / "crds" / "trainingjob.yaml"
-GROUP, VERSION, PLURAL = "spotguard.dev", "v1alpha1", "trainingjobs"
 NO_NODE = {"spotguard.dev/test-no-node": "true"}
-IMAGE = "spotguard:test"
 
 
 # --- fixtures -------------------------------------------------------------------
-
-
-def kubectl(kube: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args],
-                          capture_output=True, text=True, check=check, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def apis(kube: Any) -> tuple[Any, Any]:
-    from kubernetes import client
-
-    api = kube.api_client()
-    return client.CoreV1Api(api), client.CustomObjectsApi(api)
-
-
-@pytest.fixture(scope="module")
-def crd(kube: Any) -> None:
-    kubectl(kube, "apply", "-f", str(CRD))
-    kubectl(kube, "wait", "--for", "condition=established", "crd/trainingjobs.spotguard.dev", "--timeout=60s")
-
-
-def new_namespace(core: Any, prefix: str) -> str:
-    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": name}})
-    return name
 
 
 @pytest.fixture(scope="module")
@@ -65,29 +53,13 @@ def ns(apis: tuple[Any, Any], crd: None) -> Iterator[str]:
     core.delete_namespace(name)
 
 
-def start_operator(kube: Any, namespace: str, log_dir: Path) -> OperatorProcess:
-    return OperatorProcess(
-        ["-n", namespace, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
-         "--checkpoint-poll-seconds", "1"],
-        env=kube.env(), log_path=log_dir / f"operator-{namespace}.log",
-    ).start()
-
-
-def delete_jobs(apis: tuple[Any, Any], ns: str) -> None:
-    """Delete every TrainingJob while the operator still runs (it owns their finalizer)."""
-    _, custom = apis
-    custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
-    wait_for(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
-             f"the TrainingJobs in {ns} to be deleted", timeout=60)
-
-
 @pytest.fixture(scope="module")
 def operator(kube: Any, ns: str, apis: tuple[Any, Any],
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    op = start_operator(kube, ns, tmp_path_factory.mktemp("operator"))
+    op = start_operator(kube, ns, tmp_path_factory.mktemp("operator") / f"operator-{ns}.log")
     try:
         yield op
-        delete_jobs(apis, ns)
+        delete_jobs(apis, ns, pods=False)
     finally:
         op.stop()
         print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(40)}")
@@ -96,45 +68,13 @@ def operator(kube: Any, ns: str, apis: tuple[Any, Any],
 # --- helpers --------------------------------------------------------------------
 
 
-def job_body(name: str, storage: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "TrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "template": {"spec": {
-                "nodeSelector": NO_NODE,
-                "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-                                "resources": {"limits": {"nvidia.com/gpu": 1}}}],
-            }},
-            "checkpoint": {"storage": storage, "everySteps": 10},
-            "preemption": {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5,
-                           "backoff": {"initialSeconds": 0}},
-        },
-    }
-    for key, value in spec.items():
-        body["spec"][key] = value
-    return body
-
-
-def create_job(apis: tuple[Any, Any], ns: str, body: dict[str, Any]) -> dict[str, Any]:
-    _, custom = apis
-    result: dict[str, Any] = custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body)
-    return result
-
-
-def get_job(apis: tuple[Any, Any], ns: str, name: str) -> dict[str, Any]:
-    _, custom = apis
-    result: dict[str, Any] = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-    return result
-
-
-def status(apis: tuple[Any, Any], ns: str, name: str) -> dict[str, Any]:
-    return dict(get_job(apis, ns, name).get("status") or {})
-
-
-def cond(st: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in st.get("conditions") or [] if c["type"] == type_), {})
+def no_node_job(name: str, storage: str, **spec: Any) -> dict[str, Any]:
+    """A one-pod job whose pod no node takes; ``spec`` replaces top-level fields of the job's spec."""
+    trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
+               "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
+    preemption = {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5, "backoff": {"initialSeconds": 0}}
+    return job_body(name, storage, trainer, node_selector=NO_NODE, every_steps=10,
+                    **{"preemption": preemption, **spec})  # fmt: skip
 
 
 def pod_names(apis: tuple[Any, Any], ns: str, job: str) -> list[str]:
@@ -146,16 +86,6 @@ def pod_names(apis: tuple[Any, Any], ns: str, job: str) -> list[str]:
 def wait_pod(apis: tuple[Any, Any], ns: str, name: str) -> Any:
     core, _ = apis
     return wait_for(lambda: core.read_namespaced_pod(name, ns), f"pod {ns}/{name}", timeout=60)
-
-
-def wait_status(apis: tuple[Any, Any], ns: str, name: str, what: str, pred: Any, timeout: float = 60) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        st = status(apis, ns, name)
-        return st if pred(st) else None
-    try:
-        return wait_for(check, f"{ns}/{name}: {what}", timeout=timeout)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}; status now: {status(apis, ns, name)}") from None
 
 
 def patch_pod_status(apis: tuple[Any, Any], ns: str, pod: str, st: dict[str, Any]) -> None:
@@ -193,29 +123,13 @@ def shutdown_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
         "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
 
 
-def events(apis: tuple[Any, Any], ns: str, name: str) -> list[tuple[str, str, str]]:
-    core, _ = apis
-    items = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
-    return [(e.type, e.reason, e.message) for e in items if e.involved_object.kind == "TrainingJob"]
-
-
-def wait_events(apis: tuple[Any, Any], ns: str, name: str, wanted: set[str]) -> None:
-    """Wait until the job has Events with every reason in ``wanted``: kopf posts
-    Events from a background queue, so they may land just after the status."""
-    try:
-        wait_for(lambda: wanted <= {r for _t, r, _m in events(apis, ns, name)}, f"Events {sorted(wanted)}",
-                 timeout=30)
-    except TimeoutError:
-        raise AssertionError(f"{name}: Events {[r for _t, r, _m in events(apis, ns, name)]}") from None
-
-
 # --- tests ----------------------------------------------------------------------
 
 
 def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
                                            tmp_path: Path, kube: Any) -> None:
     core, _ = apis
-    job = create_job(apis, ns, job_body("life", f"file://{tmp_path}/store"))
+    job = create_job(apis, ns, no_node_job("life", f"file://{tmp_path}/store"))
     pod = wait_pod(apis, ns, "life-a1")
     meta = pod.metadata
     assert meta.labels["spotguard.dev/job"] == "life" and meta.labels["spotguard.dev/attempt"] == "1"
@@ -262,7 +176,7 @@ def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, opera
 
 def test_failure_consumes_backoff_limit(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
                                         tmp_path: Path) -> None:
-    create_job(apis, ns, job_body("crash", f"file://{tmp_path}/store"))
+    create_job(apis, ns, no_node_job("crash", f"file://{tmp_path}/store"))
     wait_pod(apis, ns, "crash-a1")
     fail_pod(apis, ns, "crash-a1", code=1)
     wait_pod(apis, ns, "crash-a2")
@@ -282,14 +196,14 @@ def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator
     from kubernetes.client.exceptions import ApiException
 
     with pytest.raises(ApiException) as err:
-        create_job(apis, ns, job_body("bad", "gs://bucket/x"))
+        create_job(apis, ns, no_node_job("bad", "gs://bucket/x"))
     assert err.value.status == 422 and "spec.checkpoint.storage" in err.value.body
     with pytest.raises(ApiException) as err:
-        create_job(apis, ns, job_body("bad", f"file://{tmp_path}", preemption={"maxPreemptions": -1}))
+        create_job(apis, ns, no_node_job("bad", f"file://{tmp_path}", preemption={"maxPreemptions": -1}))
     assert "spec.preemption.maxPreemptions" in err.value.body
 
     # What the schema cannot say, the operator does, as a condition (and no pod).
-    body = job_body("reserved", f"file://{tmp_path}")
+    body = no_node_job("reserved", f"file://{tmp_path}")
     body["spec"]["template"]["spec"]["containers"][0]["name"] = "spotguard-sidecar"
     create_job(apis, ns, body)
     st = wait_status(apis, ns, "reserved", "Invalid", lambda s: cond(s, "Invalid").get("status") == "True")
@@ -309,7 +223,7 @@ def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator
 
 def test_pod_deleted_out_of_band(apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path) -> None:
     core, _ = apis
-    create_job(apis, ns, job_body("gone", f"file://{tmp_path}"))
+    create_job(apis, ns, no_node_job("gone", f"file://{tmp_path}"))
     wait_pod(apis, ns, "gone-a1")
     core.delete_namespaced_pod("gone-a1", ns, grace_period_seconds=0)
     st = wait_status(apis, ns, "gone", "attempt 2", lambda s: s.get("attempt") == 2)
@@ -329,7 +243,7 @@ def test_vanished_node_is_a_preemption_at_once(apis: tuple[Any, Any], ns: str, o
         core.patch_node_status(node, {"status": {"conditions": [
             {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready",
              "lastHeartbeatTime": "2030-01-01T00:00:00Z", "lastTransitionTime": "2030-01-01T00:00:00Z"}]}})
-        body = job_body("lost", f"file://{tmp_path}")
+        body = no_node_job("lost", f"file://{tmp_path}")
         body["spec"]["template"]["spec"]["nodeSelector"] = label
         create_job(apis, ns, body)
         wait_for(lambda: core.read_namespaced_pod("lost-a1", ns).spec.node_name == node, "binding to the node")
@@ -345,7 +259,7 @@ def test_vanished_node_is_a_preemption_at_once(apis: tuple[Any, Any], ns: str, o
 
 def test_suspend_and_resume(apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path) -> None:
     _, custom = apis
-    create_job(apis, ns, job_body("pause", f"file://{tmp_path}"))
+    create_job(apis, ns, no_node_job("pause", f"file://{tmp_path}"))
     wait_pod(apis, ns, "pause-a1")
     custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "pause", {"spec": {"suspend": True}})
     st = wait_status(apis, ns, "pause", "Suspended", lambda s: s.get("phase") == "Suspended")
@@ -363,7 +277,7 @@ def test_verified_checkpoint_reported_and_kept_after_delete(apis: tuple[Any, Any
     from spotguard.storage import open_storage
 
     core, custom = apis
-    create_job(apis, ns, job_body("keep", f"file://{tmp_path}/store"))
+    create_job(apis, ns, no_node_job("keep", f"file://{tmp_path}/store"))
     wait_pod(apis, ns, "keep-a1")
     remote = tmp_path / "store" / ns / "keep"
     local = write_checkpoint(tmp_path / "local", 30, snapshot_state({"step": 30}))
@@ -385,9 +299,9 @@ def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, A
                                                                tmp_path: Path) -> None:
     core, _ = apis
     ns2 = new_namespace(core, "oprestart")
-    op = start_operator(kube, ns2, tmp_path)
+    op = start_operator(kube, ns2, tmp_path / f"operator-{ns2}.log")
     try:
-        job = create_job(apis, ns2, job_body("again", f"file://{tmp_path}/store"))
+        job = create_job(apis, ns2, no_node_job("again", f"file://{tmp_path}/store"))
         wait_pod(apis, ns2, "again-a1")
         wait_status(apis, ns2, "again", "attempt 1", lambda s: s.get("attempt") == 1)
         # Crash while a preemption happens: the pod ends while no operator runs.
@@ -409,7 +323,7 @@ def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, A
         wait_status(apis, ns2, "again", "a resync", lambda s: s.get("phase") == "Pending")
         assert pod_names(apis, ns2, "again") == ["again-a1", "again-a2", "again-a3"]
         assert "already existed: adopted" in op.log_path.read_text()
-        delete_jobs(apis, ns2)
+        delete_jobs(apis, ns2, pods=False)
     finally:
         op.stop()
         print(f"--- operator log ---\n{op.log_tail(40)}")
@@ -431,7 +345,7 @@ def test_k8s_notices_give_the_pod_read_access_to_itself_only(apis: tuple[Any, An
 
     core, _ = apis
     rbac = client.RbacAuthorizationV1Api(core.api_client)
-    job = create_job(apis, ns, job_body("notice", f"file://{tmp_path}/store", preemption={
+    job = create_job(apis, ns, no_node_job("notice", f"file://{tmp_path}/store", preemption={
         "maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]}))
     pod = wait_pod(apis, ns, "notice-a1")
     account = "notice-spotguard-notices"
@@ -458,7 +372,7 @@ def test_k8s_notices_give_the_pod_read_access_to_itself_only(apis: tuple[Any, An
 def test_without_k8s_notices_no_account_is_made(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
                                                 tmp_path: Path) -> None:
     core, _ = apis
-    create_job(apis, ns, job_body("cloudonly", f"file://{tmp_path}/store", preemption={"notices": ["gce"]}))
+    create_job(apis, ns, no_node_job("cloudonly", f"file://{tmp_path}/store", preemption={"notices": ["gce"]}))
     pod = wait_pod(apis, ns, "cloudonly-a1")
     assert pod.spec.service_account_name == "default"
     names = [a.metadata.name for a in core.list_namespaced_service_account(ns).items]
@@ -470,7 +384,7 @@ def test_unknown_notice_source_is_refused_by_the_schema(apis: tuple[Any, Any], n
     from kubernetes.client.exceptions import ApiException
 
     with pytest.raises(ApiException) as err:
-        create_job(apis, ns, job_body("badnotice", f"file://{tmp_path}", preemption={"notices": ["aws", "ibm"]}))
+        create_job(apis, ns, no_node_job("badnotice", f"file://{tmp_path}", preemption={"notices": ["aws", "ibm"]}))
     assert err.value.status == 422 and "spec.preemption.notices" in err.value.body
 
 
@@ -483,7 +397,7 @@ def waiting(container: str, reason: str, message: str) -> dict[str, Any]:
 def test_pod_that_cannot_start_is_reported_on_the_job(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
                                                       tmp_path: Path) -> None:
     core, _ = apis
-    create_job(apis, ns, job_body("nosecret", "s3://bucket/jobs",
+    create_job(apis, ns, no_node_job("nosecret", "s3://bucket/jobs",
                                   checkpoint={"storage": "s3://bucket/jobs", "credentialsSecret": {"name": "absent"}}))
     wait_pod(apis, ns, "nosecret-a1")
     wait_status(apis, ns, "nosecret", "attempt 1", lambda s: s.get("attempt") == 1)
@@ -528,13 +442,9 @@ def test_no_read_checkpoints_reads_no_secret_and_no_store(apis: tuple[Any, Any],
     ns2 = new_namespace(core, "noread")
     # A verified checkpoint the operator would report if it read storage.
     upload_verified(tmp_path, tmp_path / "store" / ns2 / "quiet", 30)
-    op = OperatorProcess(
-        ["-n", ns2, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
-         "--checkpoint-poll-seconds", "1", "--no-read-checkpoints"],
-        env=kube.env(), log_path=tmp_path / "operator.log",
-    ).start()
+    op = start_operator(kube, ns2, tmp_path / "operator.log", extra_args=["--no-read-checkpoints"])
     try:
-        create_job(apis, ns2, job_body("quiet", f"file://{tmp_path}/store"))
+        create_job(apis, ns2, no_node_job("quiet", f"file://{tmp_path}/store"))
         wait_pod(apis, ns2, "quiet-a1")
         run_pod(apis, ns2, "quiet-a1")
         succeed_pod(apis, ns2, "quiet-a1")
@@ -545,7 +455,7 @@ def test_no_read_checkpoints_reads_no_secret_and_no_store(apis: tuple[Any, Any],
             assert metric_value(text, "spotguard_operator_storage_reads_total", {"result": result}) is None
         log = op.log_path.read_text()
         assert "not reading checkpoints" in log and "cannot read its checkpoints" not in log
-        delete_jobs(apis, ns2)
+        delete_jobs(apis, ns2, pods=False)
     finally:
         op.stop()
         print(f"--- operator log ---\n{op.log_tail(40)}")
@@ -554,7 +464,7 @@ def test_no_read_checkpoints_reads_no_secret_and_no_store(apis: tuple[Any, Any],
 
 def test_final_checkpoint_is_recorded_after_success(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
                                                     tmp_path: Path) -> None:
-    create_job(apis, ns, job_body("final", f"file://{tmp_path}/store"))
+    create_job(apis, ns, no_node_job("final", f"file://{tmp_path}/store"))
     wait_pod(apis, ns, "final-a1")
     run_pod(apis, ns, "final-a1")
     wait_status(apis, ns, "final", "Running", lambda s: s.get("phase") == "Running")
@@ -586,8 +496,8 @@ def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, An
 
     probe = CheckpointProbe(ctx, workers=1, open_storage=counting_open)
     try:
-        create_job(apis, ns2, job_body("p", f"file://{tmp_path}/store"))
-        create_job(apis, ns2, job_body("q", "s3://bucket/x", checkpoint={
+        create_job(apis, ns2, no_node_job("p", f"file://{tmp_path}/store"))
+        create_job(apis, ns2, no_node_job("q", "s3://bucket/x", checkpoint={
             "storage": "s3://bucket/x", "credentialsSecret": {"name": "absent"}}))
         remote = tmp_path / "store" / ns2 / "p"
         assert probe.probe_once(ns2, "p") == "unchanged"  # nothing verified yet
@@ -655,16 +565,12 @@ def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: A
     store = SilentStore()
     core.create_namespaced_secret(ns2, {"metadata": {"name": "s3"}, "stringData": {
         "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}})
-    op = OperatorProcess(
-        ["-n", ns2, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
-         "--checkpoint-poll-seconds", "1", "--probe-workers", "2"],
-        env=kube.env(), log_path=tmp_path / "operator.log",
-    ).start()
+    op = start_operator(kube, ns2, tmp_path / "operator.log", extra_args=["--probe-workers", "2"])
     # More jobs than a default thread pool has threads (min(32, cores + 4)), each probe hanging on the store.
     jobs = [f"h{i}" for i in range(36)]
     try:
         for name in jobs:
-            create_job(apis, ns2, job_body(name, "s3://bucket/jobs", checkpoint={
+            create_job(apis, ns2, no_node_job(name, "s3://bucket/jobs", checkpoint={
                 "storage": "s3://bucket/jobs", "endpoint": store.url, "credentialsSecret": {"name": "s3"}}))
         wait_for(lambda: len(store.conns) >= 2, "the probes to reach the hung store", timeout=60)
         for name in jobs[:3]:
@@ -674,7 +580,7 @@ def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: A
             st = wait_status(apis, ns2, name, "attempt 2 while the store hangs", lambda s: s.get("attempt") == 2)
             assert st["preemptions"] == 1
             wait_pod(apis, ns2, f"{name}-a2")
-        delete_jobs(apis, ns2)
+        delete_jobs(apis, ns2, pods=False)
     finally:
         op.stop()
         print(f"--- operator log ---\n{op.log_tail(40)}")
@@ -698,7 +604,7 @@ def test_probe_shares_one_s3_client_between_jobs_with_the_same_credentials(apis:
     storage = f"s3://{s3_store.bucket}/probe-{ns2}"
     try:
         for name in ("a", "b", "c"):
-            create_job(apis, ns2, job_body(name, storage, checkpoint={"storage": storage,
+            create_job(apis, ns2, no_node_job(name, storage, checkpoint={"storage": storage,
                                                                        "credentialsSecret": {"name": "s3"}}))
         for _ in range(2):
             for name in ("a", "b", "c"):

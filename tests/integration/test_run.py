@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_sidecar_helpers import (
+from reference_runs import ReferenceRuns
+from sidecar_helpers import (
     PY,
     Proc,
     base_env,
@@ -21,7 +22,6 @@ from test_sidecar_helpers import (
     s3_storage,
     spotguard_argv,
     train_argv,
-    uninterrupted_final,
     wait_until,
 )
 
@@ -33,9 +33,9 @@ SAVE_EVERY = 10
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+def reference(reference_runs: ReferenceRuns) -> bytes:
     """Final state of an uninterrupted run."""
-    return uninterrupted_final(tmp_path_factory.mktemp("reference"), STEPS, SAVE_EVERY)
+    return reference_runs.demo_final(STEPS, SAVE_EVERY)
 
 
 def run_argv(workdir: Path, storage: str, *train: str, max_restarts: int = 3) -> list[str]:

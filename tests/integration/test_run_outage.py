@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import (
+from reference_runs import ReferenceRuns
+from sidecar_helpers import (
     Proc,
     base_env,
     reaping,
@@ -21,7 +22,6 @@ from test_sidecar_helpers import (
     spotguard_argv,
     store_proxy,
     train_argv,
-    uninterrupted_final,
     wait_until,
 )
 
@@ -32,9 +32,9 @@ SAVE_EVERY = 10
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+def reference(reference_runs: ReferenceRuns) -> bytes:
     """Final state of an uninterrupted run."""
-    return uninterrupted_final(tmp_path_factory.mktemp("reference"), STEPS, SAVE_EVERY)
+    return reference_runs.demo_final(STEPS, SAVE_EVERY)
 
 
 def local_steps(ckdir: Path) -> list[int]:

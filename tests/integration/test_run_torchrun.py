@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import PY, Proc, base_env, free_port, reaping, s3_storage, spotguard_argv
+from reference_runs import ReferenceRuns
+from sidecar_helpers import PY, Proc, base_env, free_port, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_checkpoint
 from spotguard.checkpoint.remote import read_latest_pointer, read_manifest
@@ -178,29 +179,26 @@ def check_store(storage: Any, world_size: int) -> int | None:
 
 
 class References:
-    """Digests of uninterrupted runs (plain torchrun, no supervisor), computed once each."""
+    """Digests of uninterrupted runs (plain torchrun, no supervisor), each computed once per session."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cache: dict[tuple[str, int, int, int], str] = {}
+    def __init__(self, runs: ReferenceRuns) -> None:
+        self.runs = runs
 
     def get(self, script: Path, nproc: int, steps: int = STEPS, save_every: int = SAVE_EVERY) -> str:
-        key = (script.stem, nproc, steps, save_every)
-        if key not in self.cache:
-            d = self.root / "-".join(map(str, key))
-            d.mkdir(parents=True)
+        def run(d: Path) -> str:
             with reaping() as procs:
                 proc = Proc(torchrun(nproc, script, *train_args(steps, save_every, "0")),
                             env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt")}), d / "train.log")
                 procs.append(proc)
                 assert proc.wait(300) == 0, proc.tail()
-                self.cache[key] = digest_of(proc)
-        return self.cache[key]
+                return digest_of(proc)
+
+        return self.runs.get(("torchrun", script.stem, nproc, steps, save_every), run)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> References:
-    return References(tmp_path_factory.mktemp("references"))
+def references(reference_runs: ReferenceRuns) -> References:
+    return References(reference_runs)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from test_sidecar_helpers import (
+from sidecar_helpers import (
     Proc,
     base_env,
     reaping,

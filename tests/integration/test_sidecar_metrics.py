@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sidecar_helpers import Proc, base_env, free_port, metric, reaping, scrape, spotguard_argv, wait_until
+from sidecar_helpers import Proc, base_env, free_port, metric, reaping, scrape, spotguard_argv, wait_until
 
 from spotguard.checkpoint import MANIFEST_NAME, read_local_manifest
 from spotguard.trainer.checkpointer import Checkpointer

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from test_sidecar_helpers import Proc, base_env, reaping, spotguard_argv, train_argv, wait_until
+from sidecar_helpers import Proc, base_env, reaping, spotguard_argv, train_argv, wait_until
 
 from spotguard.checkpoint import latest_verified
 from spotguard.storage import open_storage

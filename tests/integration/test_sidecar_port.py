@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv
+from sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv
 
 from spotguard.checkpoint import latest_verified
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, pod_event, post_pod_event

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv, uninterrupted_final
+from reference_runs import ReferenceRuns
+from sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv
 
 from spotguard.checkpoint import latest_verified
 
@@ -27,10 +28,11 @@ TRIALS = int(os.environ.get("SPOTGUARD_SIGTERM_TRIALS", "20"))
 
 
 @pytest.mark.integration
-def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: Path) -> None:
+def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: Path,
+                                              reference_runs: ReferenceRuns) -> None:
     rng = random.Random(os.environ.get("SPOTGUARD_TRIAL_SEED"))
     s3_env = s3_store.env()
-    ref_bytes = uninterrupted_final(tmp_path / "reference", STEPS, SAVE_EVERY)
+    ref_bytes = reference_runs.demo_final(STEPS, SAVE_EVERY)
 
     outcomes: list[tuple[int, int, int, int]] = []
     pending_resumes: list[tuple[int, Proc, Path]] = []

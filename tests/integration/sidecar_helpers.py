@@ -23,14 +23,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from spotguard.operator.testing import free_port as free_port
+
 PY = sys.executable
 STEP_RE = re.compile(r"^step (\d+) ")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -150,13 +146,16 @@ def train_argv(steps: int, output: Path | None = None, step_delay: float = 0.0, 
     return argv
 
 
-def uninterrupted_final(root: Path, steps: int, save_every: int) -> bytes:
-    """The final weights of the demo trainer run without interruption: the
-    reference a resumed run must match byte for byte."""
+def uninterrupted_final(root: Path, steps: int, save_every: int, *extra: str) -> bytes:
+    """The final weights of the demo trainer run without interruption (``extra``:
+    more of its arguments): the reference a resumed run must match byte for byte.
+
+    Tests take it from the ``reference_runs`` fixture, which makes each once per session.
+    """
     root.mkdir(parents=True, exist_ok=True)
     out = root / "final.safetensors"
     with reaping() as procs:
-        proc = Proc(train_argv(steps, out, save_every=save_every),
+        proc = Proc([*train_argv(steps, out, save_every=save_every), *extra],
                     base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}), root / "train.log")
         procs.append(proc)
         assert proc.wait() == 0, proc.tail()
@@ -172,6 +171,17 @@ def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_") or k == "SPOTGUARD_TESTENV_RUN"}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
+    return env
+
+
+def worker_env(s3_store: Any = None) -> dict[str, str]:
+    """The environment of torchrun workers run from this checkout: one thread each, no spotguard settings."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    for key in list(env):
+        if key.startswith("SPOTGUARD_"):
+            del env[key]
+    if s3_store is not None:
+        env.update(s3_store.env())
     return env
 
 

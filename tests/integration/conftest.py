@@ -1,0 +1,44 @@
+"""Fixtures shared by the integration tests.
+
+Helpers live in modules that are not tests: ``sidecar_helpers`` (the demo
+trainer, ``spotguard sidecar``/``run`` as processes, metrics, the store
+proxy), ``notice_fakes`` (fake cloud metadata servers), ``reference_runs``
+(uninterrupted reference runs), ``ckpt_helpers`` and, for Kubernetes (also
+used by ``bench``), ``testenv.kubetest``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+# Plain asserts in the helper modules report their operands, as in the tests.
+pytest.register_assert_rewrite("sidecar_helpers", "notice_fakes", "reference_runs", "testenv.kubetest")
+
+from reference_runs import ReferenceRuns  # noqa: E402
+
+from testenv import kubetest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def apis(kube: Any) -> kubetest.Apis:
+    """``(CoreV1Api, CustomObjectsApi)`` on the test control plane."""
+    return kubetest.apis(kube)
+
+
+@pytest.fixture(scope="module")
+def crd(kube: Any) -> None:
+    """The TrainingJob CRD, installed and served."""
+    kubetest.install_crd(kube)
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceRuns]:
+    """Uninterrupted reference runs, each made at most once per session (see ``reference_runs``)."""
+    runs = ReferenceRuns(tmp_path_factory.mktemp("references"))
+    try:
+        yield runs
+    finally:
+        runs.close()
