@@ -1,14 +1,14 @@
 """A fleet of TrainingJobs on few nodes, with random spot deaths of every mode.
 
-``SPOTGUARD_FLEET_JOBS`` (default 20) jobs start at once in one namespace:
+20 jobs (``make soak``; 6 in ``make test``, see ``testenv.trials``) start at once in one namespace:
 mostly single-node jobs training the packaged demo
 (``python -m spotguard.demo.train``), and one in five a gang of two nodes
 (``torchrun --module spotguard.demo.train_ddp``). No job asks for a GPU, so all
 of them run at once, several pods to a process node. While they train, nodes
-die at random (``SPOTGUARD_FLEET_PREEMPTIONS``, default 6, cycling drain,
+die at random (6 in ``make soak``, 3 in ``make test``, cycling drain,
 graceful shutdown and abrupt loss, a few seconds apart, each on the node of a
 random running pod of a job whose trainer steps, else of one whose trainer is
-still starting; ``SPOTGUARD_FLEET_SEED`` fixes the choices). A node takes
+still starting; ``SPOTGUARD_TEST_SEED`` fixes the choices). A node takes
 every pod on it, and a node that was killed comes back empty, so the pods
 that restart crowd onto it.
 
@@ -20,8 +20,8 @@ job's final checkpoint (model, optimizer, torch RNG) equals that of one
 uninterrupted run on this machine, a gang's ``final digest`` equals that of an
 uninterrupted two-process ``torchrun``.
 
-The same again with ``hostNetwork: true`` (``SPOTGUARD_FLEET_HOSTNET_JOBS``
-jobs, default 8, two of them gangs): the pods of a node share its ports,
+The same again with ``hostNetwork: true`` (20 jobs in ``make soak``, 4 in
+``make test``, at least two of them gangs): the pods of a node share its ports,
 so the operator picks a master port and a metrics port per job and declares
 them, and the scheduler never puts two pods with one port on one node. (Process
 nodes all share this machine's network, so two pods with one port on
@@ -36,8 +36,6 @@ pods to a node, slow starts, deaths while pods start and stop.
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 import sys
 import threading
@@ -52,7 +50,7 @@ import pytest
 from reference_runs import Pending, ReferenceRuns
 from sidecar_helpers import Proc
 
-from testenv import kubetest
+from testenv import kubetest, trials
 from testenv.kubetest import (
     GROUP,
     IMAGE,
@@ -69,10 +67,11 @@ from testenv.kubetest import (
 
 pytestmark = pytest.mark.integration
 
-FLEET_JOBS = int(os.environ.get("SPOTGUARD_FLEET_JOBS", "20"))
-#: The hostNetwork fleet checks ports (per-job picks, declared, never two on one node), not scale.
-HOSTNET_JOBS = int(os.environ.get("SPOTGUARD_FLEET_HOSTNET_JOBS", "8"))
-PREEMPTIONS = int(os.environ.get("SPOTGUARD_FLEET_PREEMPTIONS", "6"))
+#: Scale (``testenv.trials``): ``make soak`` runs the full fleets, ``make test`` small ones of
+#: every kind (single-node and gang jobs, every death mode, hostNetwork too).
+FLEET_JOBS = trials.count(full=20, quick=6)
+HOSTNET_JOBS = trials.count(full=20, quick=4)
+PREEMPTIONS = trials.count(full=6, quick=3)
 MODES = ("drain", "shutdown", "kill")
 #: Long enough that the deaths land mid-training with every job running at once on two cores.
 STEPS, STEP_DELAY, EVERY = 60, 0.15, 10
@@ -350,6 +349,7 @@ def own_name_on_host_network() -> bool:
     return "j-0.j.ns.svc.cluster.local" in ClusterHosts().render("uid", hosts)
 
 
+@pytest.mark.trials
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "host_network",
@@ -375,12 +375,12 @@ def test_fleet_survives_random_preemptions_bitwise(
 
     e = env
     started = time.monotonic()
-    seed = int(os.environ.get("SPOTGUARD_FLEET_SEED") or random.SystemRandom().randrange(1 << 32))
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng(f"fleet-{host_network}")
     n_jobs = HOSTNET_JOBS if host_network else FLEET_JOBS
     gangs = max(2 if host_network else 1, n_jobs // 5)
     print(f"\nfleet: {n_jobs} jobs ({gangs} gangs of 2), {PREEMPTIONS} node deaths, hostNetwork "
-          f"{host_network}, seed {seed} (SPOTGUARD_FLEET_SEED={seed} repeats the choices)")  # fmt: skip
+          f"{host_network}, seed {seed} ({trials.SEED_ENV}={seed} repeats the choices)")  # fmt: skip
     prefix = "h" if host_network else "p"
     gang_at = set(rng.sample(range(n_jobs), gangs))
     jobs = {

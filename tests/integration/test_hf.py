@@ -34,6 +34,7 @@ from spotguard.checkpoint import latest_verified, list_checkpoint_names, list_lo
 from spotguard.checkpoint.checksum import new_hasher
 from spotguard.checkpoint.local import verify_local_checkpoint
 from spotguard.checkpoint.remote import read_manifest
+from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_hf.py"
@@ -190,9 +191,8 @@ def test_preempted_trainer_resumes_bit_identical_and_walks_back_past_a_planted_p
     machine (empty work and output directories) refuses it, naming the file,
     resumes from the previous verified checkpoint and ends byte-identical to
     an uninterrupted run."""
-    seed = int.from_bytes(os.urandom(4), "big")
-    print(f"random seed {seed}")
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng("hf-one-rank")
     storage = s3_storage(s3_store, s3_uri)
     env = env_for(s3_store.env())
     marker = tmp_path / "code-ran"
@@ -240,9 +240,8 @@ def test_two_ranks_agree_on_the_stop_step_and_resume_bit_identical(
     """torchrun with 2 ranks (gloo on CPU) under ``spotguard run``: one SIGTERM
     stops both ranks after the same step, one checkpoint holds both ranks' RNG
     files, and the resumed run ends with the digest of an uninterrupted 2-rank run."""
-    seed = int.from_bytes(os.urandom(4), "big")
-    print(f"random seed {seed}")
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng("hf-two-ranks")
     storage = s3_storage(s3_store, s3_uri)
     env = env_for(s3_store.env())
     with reaping() as procs:

@@ -26,6 +26,7 @@ from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_a
 
 from spotguard.checkpoint import latest_verified
 from spotguard.checkpoint.remote import read_manifest
+from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_lightning.py"
@@ -166,8 +167,8 @@ def test_resumable_sampler_preempted_at_an_epoch_end_and_mid_epoch_ends_bit_iden
     """Three preemptions: after the last batch of an epoch, in the middle of
     the next one, and wherever a SIGTERM lands; then the fit finishes."""
     expected = references.get(1, "sampler")
-    seed = random.randrange(1 << 32)
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng("lightning-sampler")
     per_epoch = steps_per_epoch(1)
     with reaping() as procs:
         job = Job(tmp_path, s3_store, s3_uri, 1, "sampler", procs)
@@ -185,8 +186,8 @@ def test_stateful_dataloader_preempted_mid_epoch_ends_bit_identical(
     """torchdata's StatefulDataLoader (its state in Lightning's checkpoint)
     with spotguard's RNG state: exact when stopped mid-epoch."""
     expected = references.get(1, "stateful")
-    seed = random.randrange(1 << 32)
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng("lightning-stateful")
     per_epoch = steps_per_epoch(1)
     with reaping() as procs:
         job = Job(tmp_path, s3_store, s3_uri, 1, "stateful", procs)
@@ -217,10 +218,10 @@ def test_two_ddp_ranks_preempted_once_end_like_an_uninterrupted_two_rank_fit(
     """torchrun with two DDP ranks: the SIGTERM reaches both, they agree on
     one step, each rank's RNG and sampler position is saved per rank."""
     expected = references.get(2, "sampler")
-    seed = random.randrange(1 << 32)
+    seed = trials.seed()
     with reaping() as procs:
         job = Job(tmp_path, s3_store, s3_uri, 2, "sampler", procs)
-        stopped = job.preempt_anywhere(random.Random(seed))
+        stopped = job.preempt_anywhere(trials.rng("lightning-ddp"))
         manifest = read_manifest(job.storage, f"ckpt-{stopped:012d}")
         assert {"lightning.ckpt", "spotguard-rank-00000.json", "spotguard-rank-00001.json"} <= {
             f.path for f in manifest.files

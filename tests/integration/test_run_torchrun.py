@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
 import time
@@ -27,6 +26,7 @@ from sidecar_helpers import PY, Proc, base_env, free_port, reaping, s3_storage, 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_checkpoint
 from spotguard.checkpoint.remote import read_latest_pointer, read_manifest
 from spotguard.sidecar.supervisor import RUN_ID_ENV
+from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -36,7 +36,7 @@ STEPS = 60
 SAVE_EVERY = 10
 STEP_DELAY = "0.03"
 PREEMPTIONS = 3
-CRASH_TRIALS = int(os.environ.get("SPOTGUARD_TORCHRUN_CRASH_TRIALS", "20"))
+CRASH_TRIALS = trials.count(full=30, quick=6)
 
 # The workers' output shares one pipe: a line of rank 0 may come glued to
 # another process's (torch's C++ warnings), so lines are searched, not matched.
@@ -221,8 +221,8 @@ def test_preempted_torchrun_resumes_bit_identical(s3_store: Any, s3_uri: str, tm
     SIGKILL of the supervisor and torchrun at once (their workers, in sessions
     of their own, live on until the next start kills them by run id)."""
     reference = references.get(script, nproc)
-    seed = int.from_bytes(os.urandom(4), "big")
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng(f"torchrun-preempt-{script.stem}-{nproc}")
     storage = s3_storage(s3_store, s3_uri)
     workdir = tmp_path / "work"
     argv = run_argv(workdir, s3_uri, torchrun(nproc, script, *train_args()))
@@ -281,7 +281,7 @@ def test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact(s3_store: Any, 
         first = Proc(run_argv(tmp_path / "work", s3_uri, torchrun(2, EXAMPLE, *train_args(30))), env,
                      tmp_path / "two.log")
         procs.append(first)
-        first.wait_for_step(random.randint(5, 15))
+        first.wait_for_step(trials.rng("torchrun-reshard").randint(5, 15))
         first.signal(signal.SIGTERM)
         assert first.wait(120) == 128 + signal.SIGTERM, first.tail()
         stopped = stopped_step(first)
@@ -297,13 +297,16 @@ def test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact(s3_store: Any, 
     assert manifest.sharding is not None and manifest.sharding.world_size == 4
 
 
-@pytest.mark.timeout(1500)  # about 8 s per trial on 2 idle cores; far more on a loaded machine
+@pytest.mark.trials
+@pytest.mark.timeout(300 + 60 * CRASH_TRIALS)  # about 10 s per trial on 2 idle cores; more on a loaded machine
 def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
         s3_store: Any, s3_uri: str, tmp_path: Path, references: References) -> None:
-    """Save every step; in each trial one worker is SIGKILLed at a random instant.
+    """Save every step; in each trial one worker is SIGKILLed inside a step.
 
-    Saving and uploading take most of each step, so the kill lands in a
-    collective save or while its upload runs. Each kill ends the group;
+    The step's period is measured in each trial (from one step line to the
+    next), and trial i of n kills at (i + U)/n of it after a step line, so the
+    kills spread over the whole step. Saving and uploading take most of each
+    step, so the kill lands in a collective save or while its upload runs. Each kill ends the group;
     ``spotguard run`` kills what is left of it and restarts it from the
     newest verified (or a newer complete local) checkpoint. After each
     trial: nothing of the killed group runs, storage holds no verified
@@ -311,10 +314,12 @@ def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
     a loadable checkpoint at least as new as the newest verified one. The
     run ends exactly where an uninterrupted run ends.
     """
-    steps = 100
+    steps = 40 + 4 * CRASH_TRIALS  # each trial moves the run a few steps on
     reference = references.get(EXAMPLE, 2, steps)
-    seed = int.from_bytes(os.urandom(4), "big")
-    rng = random.Random(seed)
+    seed = trials.seed()
+    rng = trials.rng("torchrun-crash")
+    instants = trials.stratified(CRASH_TRIALS, rng)
+    periods: list[float] = []
     storage = s3_storage(s3_store, s3_uri)
     workdir = tmp_path / "work"
     command = torchrun(2, EXAMPLE, *train_args(steps, 1, "0.01"))
@@ -323,30 +328,36 @@ def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
     with reaping() as procs:
         proc = Proc(argv, env_for(s3_store.env()), tmp_path / "run.log")
         procs.append(proc)
-        trials = 0
+        done = 0
         verified: int | None = None
-        while trials < CRASH_TRIALS:
-            index, step, exact, _ = start_line(proc, trials + 1)
+        while done < CRASH_TRIALS:
+            index, step, exact, _ = start_line(proc, done + 1)
             if verified is not None:
-                assert step is not None and step >= verified and exact, (seed, trials, step, verified)
+                assert step is not None and step >= verified and exact, (seed, done, step, verified)
             assert step is None or step < steps - 10, f"seed {seed}: the run got too far for {CRASH_TRIALS} trials"
-            # One of the first steps after the start (the first is 1: step 0 is
-            # never saved); it is printed right before its save, so the kill
-            # lands in that collective save or in its upload.
-            wait_for_step_after(proc, index, (step if step is not None else 0) + rng.randint(1, 3))
-            time.sleep(rng.uniform(0.0, 0.2))
+            # A step line is printed right before its save: the period from one
+            # to the next is a save and its upload; the kill lands at the trial's
+            # stratified fraction of it.
+            first = (step if step is not None else 0) + 1  # step 0 is never saved
+            wait_for_step_after(proc, index, first)
+            began = time.monotonic()
+            wait_for_step_after(proc, index, first + 1)
+            periods.append(time.monotonic() - began)
+            time.sleep(instants[done] * periods[-1])
             run_id = run_id_of(workdir)
             pids = worker_pids(run_id)
             assert sorted(pids) == [0, 1], pids
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pids[rng.choice([0, 1])], signal.SIGKILL)
-            trials += 1
-            proc.wait_for_line(lambda ln, n=trials: "command failed" in ln and f"restart {n}/" in ln)
+            done += 1
+            proc.wait_for_line(lambda ln, n=done: "command failed" in ln and f"restart {n}/" in ln)
             assert not set(pids.values()) & set(worker_pids(run_id).values()), "the killed group lives on"
             verified = check_store(storage, 2)
         assert proc.wait(300) == 0, proc.tail()
         assert digest_of(proc) == reference, f"seed {seed}"
     assert check_store(storage, 2) == steps - 1
+    print(f"\ntorchrun crash trials: seed {seed}, {CRASH_TRIALS} kills at "
+          + " ".join(f"{f:.2f}x{p:.2f}s" for f, p in zip(instants, periods, strict=True)))
 
 
 def test_two_nodes_race_to_commit_the_global_manifest(s3_store: Any, s3_uri: str, tmp_path: Path,
@@ -371,7 +382,7 @@ def test_two_nodes_race_to_commit_the_global_manifest(s3_store: Any, s3_uri: str
         port = free_port()
         nodes = [Proc(node_argv(i, port), env, tmp_path / f"node{i}-1.log") for i in (0, 1)]
         procs.extend(nodes)
-        nodes[0].wait_for_step(random.randint(12, 25))
+        nodes[0].wait_for_step(trials.rng("torchrun-two-nodes").randint(12, 25))
         nodes[0].signal(signal.SIGTERM)
         assert nodes[0].wait(120) == 128 + signal.SIGTERM, nodes[0].tail()
         assert nodes[1].wait(120) == 128 + signal.SIGTERM, nodes[1].tail()

@@ -9,8 +9,6 @@ resuming from storage must end bitwise identical to an uninterrupted run.
 from __future__ import annotations
 
 import json
-import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -20,17 +18,22 @@ from reference_runs import ReferenceRuns
 from sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, train_argv
 
 from spotguard.checkpoint import latest_verified
+from testenv import trials
 
 STEPS = 80
 SAVE_EVERY = 25
 STEP_DELAY = 0.01
-TRIALS = int(os.environ.get("SPOTGUARD_SIGTERM_TRIALS", "20"))
+TRIALS = trials.count(full=20, quick=5)
 
 
+@pytest.mark.trials
 @pytest.mark.integration
 def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: Path,
                                               reference_runs: ReferenceRuns) -> None:
-    rng = random.Random(os.environ.get("SPOTGUARD_TRIAL_SEED"))
+    rng = trials.rng("sidecar-sigterm")
+    # SIGTERM at stratified steps: trial i of n lands in the i-th n-th of the run.
+    targets = [1 + int(f * (STEPS - 9)) for f in trials.stratified(TRIALS, rng)]
+    print(f"\nsidecar SIGTERM trials: seed {trials.seed()}, {TRIALS} trials at steps {targets}")
     s3_env = s3_store.env()
     ref_bytes = reference_runs.demo_final(STEPS, SAVE_EVERY)
 
@@ -53,7 +56,7 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
             sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "30",
                                           "--termination-log", str(pod / "termination-log")), env, pod / "sidecar.log")
             procs += [trainer, sidecar]
-            target = rng.randrange(1, STEPS - 8)
+            target = targets[trial]
             trainer.wait_for_step(target)
             time.sleep(rng.uniform(0, 2 * STEP_DELAY))  # anywhere inside a step, not only at its start
             # Both containers get SIGTERM "at once", in either order.
@@ -92,4 +95,4 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
     print(f"\n{'trial':>5} {'sigterm at':>10} {'stopped':>8} {'verified':>8} {'lost':>5}")
     for trial, target, stopped_step, verified in outcomes:
         print(f"{trial:>5} {target:>10} {stopped_step:>8} {verified:>8} {stopped_step - verified:>5}")
-    assert len(outcomes) == TRIALS >= 20 or "SPOTGUARD_SIGTERM_TRIALS" in os.environ
+    assert len(outcomes) == TRIALS
