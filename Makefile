@@ -20,8 +20,11 @@ setup:
 # pytest exits 5 when it collected no tests: a suite that ran nothing is a failure.
 # Randomized trial loops run at a smaller scale here (SPOTGUARD_TRIALS=quick); the
 # seed is printed at the start (SPOTGUARD_TEST_SEED replays it).
+# The heavy tests run in one lane, the rest beside them in another (testenv/lanes.py);
+# `make test LANES=` runs everything in one pytest session instead.
+LANES ?= 1
 test: setup lint
-	$(PY) -m pytest --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
+	$(if $(LANES),$(PY) -m testenv.lanes,$(PY) -m pytest) --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The long run: every randomized trial loop at full scale (60 crash trials, 20

@@ -55,33 +55,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("replay", trials.replay_command(item.nodeid)))
 
 
-#: Test modules that take longest, longest first: under pytest-xdist they are handed out
-#: first, so that the short ones fill the gaps (longest-processing-time-first scheduling).
-LONG_MODULES = (
+#: Modules whose tests keep both cores busy (torchrun groups, process-node fleets, end-to-end
+#: jobs, framework trainers): marked ``heavy``. ``make test`` runs them one after another in
+#: one lane while the rest of the suite runs beside them (``testenv/lanes.py``).
+HEAVY_MODULES = (
     "tests/e2e/test_operator_e2e.py",
     "tests/integration/test_fleet.py",
     "tests/integration/test_run_torchrun.py",
     "tests/integration/test_lightning.py",
     "tests/integration/test_hf.py",
+    "tests/integration/test_framework_folders.py",
+    "tests/integration/test_dist_checkpointer.py",
     "tests/integration/test_incremental.py",
     "tests/integration/test_sidecar_preemption.py",
-    "tests/integration/test_chunk_gc.py",
-    "tests/integration/test_crash_safety.py",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (``--dist loadgroup``) a module's tests stay on one worker, so its
-    # module-scoped fixtures (an operator, a Helm release) are set up once.
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-
-    def rank(item: pytest.Item) -> int:
-        module = item.nodeid.split("::", 1)[0]
-        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
-
-    items.sort(key=rank)  # stable: the order within a module is kept
+        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
+            item.add_marker(pytest.mark.heavy)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

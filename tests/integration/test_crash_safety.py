@@ -6,7 +6,8 @@ Trials in three modes (a Checkpointer writing locally, an uploader with retentio
 writing to file://, one writing to S3): ``testenv.trials`` sets how many (5 a mode
 in ``make test``, 20 in ``make soak``) and the seed. Trial i of n kills at
 (i + U)/n of two measured cycles, and the stage each kill hit (from the worker's
-last line) is printed and checked.
+last line) is printed. Where a random kill lands depends on the machine's load;
+the stages themselves are each hit for certain by the aimed kills below.
 
 Then kills aimed at protocol stages, each asserted from what the store or the disk
 shows:
@@ -79,8 +80,6 @@ class Outcome:
 WRITE_STAGES = {"ready": "starting", "begin": "inside a save", "committed": "between saves"}
 UPLOAD_STAGES = {"ready": "starting", "begin": "local commit", "committed": "inside an upload",
                  "uploaded": "retention or next commit", "gc": "after retention"}
-#: The stage each mode must hit at least once: where a cycle spends most of its time.
-MAIN_STAGE = {"write": "inside a save", "upload-file": "inside an upload", "upload-s3": "inside an upload"}
 
 
 def stage_of(mode: str, last_event: str) -> str:
@@ -216,9 +215,6 @@ def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     print_table(outcomes)
     assert len(outcomes) == 3 * TRIALS_PER_MODE
     assert all(had_verified.values()), "a mode never produced a single checkpoint: the trials tested nothing"
-    for mode, main in MAIN_STAGE.items():
-        hit = [o.stage for o in outcomes if o.mode == mode]
-        assert main in hit, f"{mode}: no kill landed {main} (stages hit: {hit}); the trials missed the protocol"
 
 
 # -- kills aimed at each protocol stage ----------------------------------------------------------
@@ -259,6 +255,21 @@ def deleted_keys(records: list[Any]) -> list[str]:
     return keys
 
 
+def kill_when_held(proc: subprocess.Popen[str], held: Any, proxy: Any, stage: str) -> list[Any]:
+    """SIGKILL ``proc`` once the fault proxy holds its request ``held`` (then drop that
+    request); the requests the store saw before it, to tell which stage the kill hit."""
+    try:
+        reached = held.wait(120)
+    finally:
+        proc.kill()
+        out, _ = proc.communicate(timeout=60)
+        held.release(forward=False)
+    assert reached, f"{stage}: the uploader never got there; output:\n{out}"
+    assert held.record is not None
+    log = list(proxy.log)
+    return log[: log.index(held.record)]
+
+
 def test_kills_aimed_at_each_upload_stage(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     from testenv.faultproxy import FaultProxy
 
@@ -282,18 +293,8 @@ def test_kills_aimed_at_each_upload_stage(tmp_path: Path, s3_store: Any, s3_uri:
             new = f"ckpt-{number:012d}"
             proxy.log.clear()
             held = proxy.hold(method=stage.method, path=stage.path.format(new=new), skip=stage.skip)
-            proc = upload_one(number)
-            try:
-                reached = held.wait(120)
-            finally:
-                proc.kill()
-                out, _ = proc.communicate(timeout=60)
-                held.release(forward=False)
-            assert reached, f"{stage.name}: the uploader never got there; output:\n{out}"
-            assert held.record is not None
+            before = kill_when_held(upload_one(number), held, proxy, stage.name)
             log = list(proxy.log)
-            at = log.index(held.record)
-            before = log[:at]
             # Which stage the kill hit, from what the store had answered before it.
             stored = {r.key.split("/", 1)[-1] for r in before if r.status == 200 and r.method in ("PUT", "POST")}
             data_done = {f"{new}/model.safetensors", f"{new}/optimizer.safetensors", f"{new}/state.json"} <= stored
@@ -437,16 +438,7 @@ def test_uploader_killed_mid_part_or_mid_commit_never_moves_the_pointer(
             held = proxy.hold(method="PUT", path=rf"/{name}/{MANIFEST_NAME}$")
         proc = subprocess.Popen([sys.executable, __file__, "upload-part", s3_uri, str(part)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            reached = held.wait(120)
-        finally:
-            proc.kill()
-            out, _ = proc.communicate(timeout=60)
-            held.release(forward=False)
-        assert reached, f"{where}: the uploader never got there; output:\n{out}"
-        assert held.record is not None
-        log = list(proxy.log)
-        before = log[: log.index(held.record)]
+        before = kill_when_held(proc, held, proxy, where)
     ok = {(r.method, r.key.split("/", 1)[-1], r.query.split("=")[0]) for r in before if r.status == 200}
     part_manifest = f"{name}/{part_manifest_path(1)}"
     if where == "mid-part":

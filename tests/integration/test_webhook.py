@@ -100,7 +100,9 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     ).start()
     admission = client.AdmissionregistrationV1Api(kube.api_client())
     try:
-        wait_for(lambda: admission.read_mutating_webhook_configuration(config_name), "the webhook configuration")
+        # kopf may write the configuration before its webhooks: a pod admitted then is not mutated.
+        wait_for(lambda: admission.read_mutating_webhook_configuration(config_name).webhooks,
+                 "the webhook configuration with its webhooks")
         yield ns
     finally:
         op.stop()

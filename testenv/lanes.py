@@ -1,0 +1,82 @@
+"""Run the test suite as concurrent lanes: separate pytest sessions side by side.
+
+Most of the suite waits (grace periods, watches, step delays), but its heaviest
+tests (torchrun groups, process-node fleets, the end-to-end jobs) keep both
+cores busy: two of them at once only slow each other down and turn timeouts
+into flakes. So the tests marked ``heavy`` (``tests/conftest.py`` names their
+modules) run one after the other in one lane, while the rest run beside them
+in another. Each lane is a pytest session of its own, with its own control
+plane, store and process nodes (the test worlds share a host safely), and the
+same seed and trial scale (exported before the lanes start).
+
+    python -m testenv.lanes [PYTEST ARGS...]
+
+Each lane's output goes to ``$SPOTGUARD_LANES_DIR/<lane>.log`` (default
+``.lanes/``) and is printed whole when the lane ends; then a summary line per
+lane with its exit status and wall time. The exit status is the first
+failing lane's; a lane that collected no test (pytest's exit 5) fails the run
+only when no lane ran any.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testenv import trials
+
+#: name -> pytest's marker expression for the lane.
+LANES = {"heavy": "heavy", "light": "not heavy"}
+
+
+def main(argv: list[str]) -> int:
+    trials.seed()  # exported: both lanes replay the same way
+    trials.scale()
+    out = Path(os.environ.get("SPOTGUARD_LANES_DIR", ".lanes"))
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs = {name: out / f"{name}.log" for name in LANES}
+    for name, expr in LANES.items():
+        with logs[name].open("wb") as log:
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-m", expr, *argv],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+    print(f"lanes: {', '.join(f'{n} (-m {LANES[n]!r}, {logs[n]})' for n in LANES)}; "
+          f"{trials.SEED_ENV}={trials.seed()} {trials.SCALE_ENV}={trials.scale()}", flush=True)
+
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    ended: dict[str, tuple[int, float]] = {}
+    while len(ended) < len(procs):
+        for name, p in procs.items():
+            if name not in ended and p.poll() is not None:
+                ended[name] = (p.returncode, time.monotonic() - started)
+                sys.stdout.write(f"\n==> lane {name} ended (exit {p.returncode}) after {ended[name][1]:.0f} s\n")
+                sys.stdout.write(logs[name].read_text(errors="replace"))
+                sys.stdout.flush()
+        time.sleep(1)
+    print()
+    for name, (rc, seconds) in ended.items():
+        what = "no tests collected" if rc == 5 else ("passed" if rc == 0 else "FAILED")
+        print(f"==> lane {name}: {what} (exit {rc}), {seconds:.0f} s")
+    print(f"==> lanes: {time.monotonic() - started:.0f} s of wall time", flush=True)
+    codes = [ended[name][0] for name in LANES]
+    if all(rc == 5 for rc in codes):
+        return 1  # nothing ran at all
+    # A lane whose selection holds no test (exit 5) is fine when another lane ran tests.
+    return next((rc for rc in codes if rc not in (0, 5)), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
