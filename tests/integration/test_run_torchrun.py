@@ -35,7 +35,7 @@ SHARDED = Path(__file__).with_name("dist_train.py")
 STEPS = 60
 SAVE_EVERY = 10
 STEP_DELAY = "0.03"
-PREEMPTIONS = 3
+PREEMPTIONS = trials.count(full=3, quick=2)  # SIGTERMs a run survives before it finishes
 CRASH_TRIALS = trials.count(full=30, quick=6)
 
 # The workers' output shares one pipe: a line of rank 0 may come glued to
@@ -211,13 +211,14 @@ def measured(name: str) -> Iterator[list[float]]:
               + " ".join(f"{s:.2f}" for s in seconds), flush=True)
 
 
+@pytest.mark.trials
 @pytest.mark.parametrize(("script", "nproc", "machine_dies"),
                          [(EXAMPLE, 2, True), (EXAMPLE, 4, False), (SHARDED, 2, False)],
                          ids=["ddp-2", "ddp-4", "fsdp2-2"])
 def test_preempted_torchrun_resumes_bit_identical(s3_store: Any, s3_uri: str, tmp_path: Path,
                                                   references: References, script: Path, nproc: int,
                                                   machine_dies: bool) -> None:
-    """SIGTERM at random steps, three times; with ``machine_dies`` then also a
+    """SIGTERM at random steps, PREEMPTIONS times (2, 3 in ``make soak``); with ``machine_dies`` then also a
     SIGKILL of the supervisor and torchrun at once (their workers, in sessions
     of their own, live on until the next start kills them by run id)."""
     reference = references.get(script, nproc)
