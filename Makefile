@@ -28,8 +28,9 @@ test: setup lint
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The long run: every randomized trial loop at full scale (60 crash trials, 20
-# sidecar SIGTERM trials, 30 torchrun crash trials, 30 chunk GC trials, the
-# sharded races, the 20-job fleets with and without hostNetwork).
+# sidecar SIGTERM trials, 30 torchrun crash trials, 3 SIGTERMs per torchrun
+# preemption test, 30 chunk GC trials, the sharded races, the 20-job fleets
+# with and without hostNetwork).
 soak: setup
 	SPOTGUARD_TRIALS=full $(PY) -m pytest -m trials --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
@@ -62,4 +63,4 @@ bench: setup
 	$(PY) -m bench.run
 
 clean:
-	rm -rf $(VENV) $(DEV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEV) .lanes .pytest_cache .mypy_cache .ruff_cache
