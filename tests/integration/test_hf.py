@@ -46,7 +46,10 @@ PREEMPTIONS = 3
 
 RESUMED_RE = re.compile(r"^resumed from step (\d+)", re.M)
 DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
-STOPPED_RE = re.compile(r"^preempted after step (\d+)", re.M)
+# Another process's log line may come glued to this one (a shared pipe): its timestamp's
+# digits are not the step's.
+STOPPED_RE = re.compile(r"^preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)", re.M)
+STOPPED_ANY_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 # Each rank's line; two ranks writing at once may share a line of the combined output.
 RANK_STOPPED_RE = re.compile(r"preempted after step (\d+) \(rank (\d+) of \d+\)")
 
@@ -85,7 +88,7 @@ def start_of(proc: Proc) -> int | None:
 
 
 def stopped_step(proc: Proc) -> int:
-    found = {int(s) for s in re.findall(r"preempted after step (\d+)", proc.text())}
+    found = {int(s) for s in STOPPED_ANY_RE.findall(proc.text())}
     assert len(found) == 1, f"every rank stops after one and the same step: {found}\n{proc.tail()}"
     return found.pop()
 

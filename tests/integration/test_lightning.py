@@ -39,7 +39,9 @@ STEP_DELAY = "0.05"
 
 DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
 RESUMED_RE = re.compile(r"resumed from step (\d+)")
-STOPPED_RE = re.compile(r"preempted after step (\d+)")
+# Another process's log line may come glued to this one (a shared pipe): its timestamp's
+# digits are not the step's.
+STOPPED_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 
 pytestmark = pytest.mark.integration
 

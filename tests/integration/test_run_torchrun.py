@@ -42,7 +42,9 @@ CRASH_TRIALS = trials.count(full=30, quick=6)
 # another process's (torch's C++ warnings), so lines are searched, not matched.
 RESUMED_RE = re.compile(r"resumed from step (\d+) exact=(True|False) resharded_from=(\d+|None)")
 DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
-STOPPED_RE = re.compile(r"preempted after step (\d+)")
+# Another process's log line may come glued to this one (a shared pipe): its timestamp's
+# digits are not the step's.
+STOPPED_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 EMERGENCY_RE = re.compile(r"stage=emergency seconds=([0-9.]+) result=verified")
 
 pytestmark = pytest.mark.integration
