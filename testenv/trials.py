@@ -51,10 +51,6 @@ def scale() -> str:
     return value
 
 
-def full() -> bool:
-    return scale() == "full"
-
-
 def count(*, full: int, quick: int) -> int:
     """How many trials a loop runs at this scale: ``full`` in ``make soak``, ``quick`` otherwise."""
     if not 0 < quick <= full:
