@@ -68,6 +68,11 @@ def _register_sidecar(subparsers: Any) -> None:
     p.add_argument("--safety-margin", type=float,
                    default=_env("SPOTGUARD_SAFETY_MARGIN_SECONDS", "5.0"),
                    help="seconds kept free at the end of the grace period (default 5)")
+    p.add_argument("--finish-seconds", type=float,
+                   default=_env("SPOTGUARD_FINISH_SECONDS", "600"),
+                   help="after the trainer exits on its own, how long its last checkpoint may take "
+                   "to be verified, other nodes' parts included (env SPOTGUARD_FINISH_SECONDS, "
+                   "default 600)")
     p.add_argument("--mode", choices=("classic", "native"),
                    default=_env("SPOTGUARD_SIDECAR_MODE", "classic"),
                    help="classic: exit once the trainer has exited and everything is shipped; "
@@ -255,6 +260,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         control_dir=control_dir,
         grace_seconds=args.grace_seconds,
         safety_margin_seconds=args.safety_margin,
+        finish_seconds=args.finish_seconds,
         poll_seconds=args.poll_interval,
         keep_local=args.keep_local,
         proactive_interval_seconds=args.proactive_interval or None,

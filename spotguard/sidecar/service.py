@@ -66,6 +66,8 @@ EMERGENCY_RETRY_INITIAL = 0.25
 EMERGENCY_RETRY_MAX = 2.0
 # How long a classic sidecar whose trainer finished waits for an Event still being posted.
 EVENT_JOIN_SECONDS = 10.0
+# After the trainer's exit, how often a part waiting for other nodes' parts is tried again.
+FLUSH_AWAIT_POLL_SECONDS = 5.0
 
 
 @dataclass
@@ -88,6 +90,15 @@ class AgentConfig:
     # Upload only the chunks storage does not hold yet (content-addressed,
     # shared between checkpoints); off: every checkpoint is self-contained.
     incremental: bool = False
+    # After the trainer exits on its own (no SIGTERM, so no grace period
+    # counts), how long its last checkpoint may take to be verified: a part of
+    # a multi-node checkpoint waits for the other nodes' uploaders, which may
+    # lag behind this one by a backlog of routine uploads.
+    finish_seconds: float = 600.0
+
+    def finish_deadline(self, now: float) -> float:
+        """When shipping the exited trainer's last checkpoint gives up."""
+        return now + max(self.grace_seconds, self.finish_seconds)
 
 
 @dataclass
@@ -349,12 +360,20 @@ class CheckpointAgent:
         a preemption).
         """
         attempt = 0
+        signalled = False
         while True:
             self.shipper.ship(newest_only=attempt > 0, housekeeping=False)
             if self._verified_at_least(self._newest_committed_step()):
                 return True
+            if not signalled and self.interrupt is not None and self.interrupt.is_set():
+                # SIGTERM while waiting: from now on the grace period counts.
+                signalled = True
+                deadline = min(deadline, time.time() + self.config.grace_seconds - self.config.safety_margin_seconds)
             attempt += 1
-            pause = min(retry_delay(attempt), deadline - time.time())
+            # Parts waiting for other nodes are polled every few seconds; a
+            # failing store backs off further.
+            slowest = FLUSH_AWAIT_POLL_SECONDS if not self.shipper.failed else 30.0
+            pause = min(retry_delay(attempt, maximum=slowest), deadline - time.time())
             if pause <= 0:
                 log.error("the newest checkpoint could not be verified in storage: %s",
                           self._why_not_verified() or "unknown reason")
@@ -569,7 +588,7 @@ def run_sidecar(
             if options.exit_with_trainer and state == "gone":
                 # The trainer finished (or died): ship what it left and leave,
                 # so a classic (non-native) sidecar does not keep the pod alive.
-                flushed = agent.flush(time.time() + agent.config.grace_seconds)
+                flushed = agent.flush(agent.config.finish_deadline(time.time()))
                 if flushed:
                     log.info("trainer exited; everything committed is shipped")
                 end = agent.run_end(None, trainer_gone_before_signal=True)

@@ -434,7 +434,11 @@ class Supervisor:
                     return self._preempted()
                 rc = self.child.returncode
                 self._reap()
-                shipped = self.agent.flush(time.time() + self.config.grace_seconds)
+                # A finished command's last checkpoint may wait longer than a crashed one's:
+                # after a crash the next attempt goes on shipping.
+                now = time.time()
+                shipped = self.agent.flush(self.agent.config.finish_deadline(now) if rc == 0
+                                           else now + self.config.grace_seconds)
                 if rc == 0:
                     return self._ended(shipped)
                 restarts += 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from ckpt_helpers import PART_LAYOUT, PART_WORLD, part_files, s3_options, subprocess_env, write_part
+from sidecar_helpers import Proc, base_env, reaping, spotguard_argv
 
 from spotguard.checkpoint import (
     MANIFEST_NAME,
@@ -379,6 +380,36 @@ def test_emergency_rounds_make_progress_on_awaiting_parts(tmp_path: Path, stores
     assert shipper.last_shipped is not None and shipper.last_shipped.step == 30
     assert shipper.awaiting == {} and failures(metrics) == 0
     assert read_latest_pointer(a) == 30
+
+
+def test_a_finished_trainers_last_part_waits_for_a_slower_node_past_the_grace_period(
+    tmp_path: Path, stores: tuple[Storage, Storage], s3_store: Any, s3_uri: str
+) -> None:
+    """Both nodes' trainers finish at the same step, but one uploader is a backlog behind the other: the
+    faster one waits for the other part (the grace period does not count: nobody is killing the pod), then
+    exits 0 with the final checkpoint verified. It once gave up after the grace period, failing the job."""
+    from spotguard.sidecar.control import EXIT_FILE
+
+    a, b = stores
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    write_part(node0, 20, 0)
+    (node0 / ".control").mkdir()
+    (node0 / ".control" / EXIT_FILE).write_text(json.dumps({"pid": None, "preempted": False, "last_step": 20}))
+    grace = 2.0
+    with reaping() as procs:
+        sidecar = Proc(spotguard_argv("sidecar", "--checkpoint-dir", str(node0), "--storage", s3_uri,
+                                      "--grace-seconds", str(grace), "--safety-margin", "0.5", "--metrics-port", "0",
+                                      "--termination-log", str(tmp_path / "termination-log")),
+                       base_env(subprocess_env(s3_store)), tmp_path / "sidecar.log")
+        procs.append(sidecar)
+        sidecar.wait_for_line(lambda ln: "stage=await" in ln and checkpoint_name(20) in ln)
+        time.sleep(grace + 3)
+        assert sidecar.popen.poll() is None, f"gave up on the other node's part:\n{sidecar.tail()}"
+        assert read_latest_pointer(a) is None
+        assert upload_checkpoint(write_part(node1, 20, 1), b, update_pointer=False).committed
+        assert sidecar.wait(60) == 0, sidecar.tail()
+    assert read_latest_pointer(a) == 20
+    assert json.loads((tmp_path / "termination-log").read_text())["step"] == 20
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
