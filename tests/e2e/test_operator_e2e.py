@@ -72,6 +72,18 @@ class Env:
         path = self.nodes.log_path(self.ns, pod, "trainer")
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def ends(self, job: str) -> str:
+        """The job's Events and how each of its pods' containers ended, for an assertion message."""
+        events = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={job}").items
+        lines = [f"event {e.reason}: {e.message}" for e in sorted(events, key=lambda e: str(e.last_timestamp))]
+        for p in self.core.list_namespaced_pod(self.ns, label_selector=f"spotguard.dev/job={job}").items:
+            for c in p.status.container_statuses or []:
+                t = c.state.terminated if c.state else None
+                if t is not None and t.exit_code:
+                    lines.append(f"pod {p.metadata.name} container {c.name} exited {t.exit_code} ({t.reason}): "
+                                 f"{(t.message or '').strip()[-500:]}")
+        return "\n".join(lines)
+
     def describe(self, job: str) -> str:
         pods = self.tool("kubectl", "get", "pods", "-n", self.ns, "-o", "wide", check=False).stdout
         events = self.tool("kubectl", "get", "events", "-n", self.ns, "--sort-by=.lastTimestamp", check=False).stdout
@@ -491,8 +503,8 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         assert len(new) <= 2
 
     st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=600)
-    assert st["phase"] == "Succeeded", st
-    assert st["preemptions"] == 3 and st["failures"] == 0 and st["attempt"] == 4, st
+    assert st["phase"] == "Succeeded", f"{st}\n{env.ends(job)}"
+    assert st["preemptions"] == 3 and st["failures"] == 0 and st["attempt"] == 4, f"{st}\n{env.ends(job)}"
     events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
     # One event per preemption; the operator that takes over in a failover may report a pod
     # end its predecessor already reported (the same message again: the status counts it once).
