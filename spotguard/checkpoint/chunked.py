@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -44,6 +45,7 @@ import google_crc32c
 
 from spotguard.checkpoint.chunks import hash_chunk, plan_file, read_range
 from spotguard.checkpoint.manifest import (
+    CHUNKS_DIR,
     POINTER_NAME,
     ChunkRef,
     FileEntry,
@@ -103,6 +105,20 @@ class KnownChunks:
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    def without(self, digests: set[str]) -> KnownChunks:
+        """The same knowledge less ``digests`` (chunks a verification found damaged or missing)."""
+        if not digests & self.chunks.keys():
+            return self
+        return KnownChunks({d: n for d, n in self.chunks.items() if d not in digests}, self.source, self.since)
+
+
+_CHUNK_KEY_RE = re.compile(rf"\b{CHUNKS_DIR}/[0-9a-f]{{2}}/([0-9a-f]{{64}})\b")
+
+
+def chunks_named(problems: Iterable[str]) -> set[str]:
+    """Pure: the digests of the chunks a verification's problems name (by their keys)."""
+    return {m.group(1) for problem in problems for m in _CHUNK_KEY_RE.finditer(problem)}
 
 
 @dataclass

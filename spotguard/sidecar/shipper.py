@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotguard.checkpoint.chunked import KnownChunks
+from spotguard.checkpoint.chunked import KnownChunks, chunks_named
 from spotguard.checkpoint.manifest import parse_checkpoint_name
 from spotguard.checkpoint.retention import plan_local_prune
 from spotguard.sidecar.control import save_reason_label
@@ -145,6 +145,10 @@ class CheckpointShipper:
         #: the chunks of the newest checkpoint verified, which are not uploaded again.
         self.incremental = incremental
         self._known: KnownChunks | None = None
+        #: Chunks a verification named (damaged or missing in storage): never
+        #: trusted as known until a verified checkpoint holds them again, so the
+        #: next upload sends them from local bytes.
+        self._suspect: set[str] = set()
         self._last_sweep = 0.0
 
     @property
@@ -270,8 +274,10 @@ class CheckpointShipper:
                     break
                 shipped = self._ship_one(paths[name])
                 if shipped is None:
-                    if name in self.failed:
-                        break
+                    if self.failed.get(name, "").startswith("upload:"):
+                        break  # the store is likely down for the rest too
+                    # Stored but not verified (a damaged chunk): a newer checkpoint
+                    # sends the chunks it named again, and may verify.
                     continue
                 done.append(shipped)
         if done and housekeeping:
@@ -406,6 +412,13 @@ class CheckpointShipper:
         verify_seconds = time.monotonic() - t1
         if not ok:
             self.failed[name] = "verify: " + "; ".join(problems)
+            damaged = chunks_named(problems)
+            if damaged:
+                # Sent again from local bytes by the next upload that uses them: the
+                # same content key then heals every checkpoint that names it.
+                self._suspect |= damaged
+                log.warning("%d chunk(s) named by the verification of %s will be uploaded again: %s",
+                            len(damaged), name, ", ".join(sorted(d[:12] for d in damaged)))  # fmt: skip
             self._backoff(name)
             self.metrics.observe_upload_failed("verify")
             log.error("verification of %s failed after %.3fs: %s", name, verify_seconds,
@@ -414,6 +427,7 @@ class CheckpointShipper:
         log_stage("verify", verify_seconds, name=name)
         if verdict.manifest is not None and verdict.manifest.chunked:
             self._known = KnownChunks.of(verdict.manifest)
+            self._suspect -= self._known.chunks.keys()
         now = time.time()
         shipped = Shipped(name, step_of(name), nbytes, upload_seconds, verify_seconds, now)
         self.shipped[name] = shipped
@@ -450,7 +464,7 @@ class CheckpointShipper:
 
         known = self._known
         if known is not None and time.monotonic() - known.since < DEFAULT_ORPHAN_GRACE / 2:
-            return known
+            return known.without(self._suspect)
         from spotguard.checkpoint import read_manifest
         from spotguard.storage import NotFoundError
 
@@ -465,7 +479,7 @@ class CheckpointShipper:
             log.info("no known chunks (%s); uploading every chunk", _one_line(exc))
             fresh = KnownChunks(since=time.monotonic())
         self._known = fresh
-        return fresh
+        return fresh.without(self._suspect)
 
     def _learn_chunks(self, manifest_bytes: bytes) -> None:
         """Know the chunks of a checkpoint found already in storage."""

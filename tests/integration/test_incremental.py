@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +286,57 @@ def test_shipper_reuses_chunks_across_a_restart_and_counts_only_new_bytes(
     tombstones = sorted(o.key.split("/")[-1].split(".")[0] for o in storage.list_objects("gc/tombstones/"))
     assert tombstones == [checkpoint_name(s) for s in (10, 20, 30)]
     assert verify_checkpoint(storage, checkpoint_name(40)).ok
+
+
+def ship_until(shipper: CheckpointShipper, step: int, timeout: float = 30) -> None:
+    """Shipping rounds (as the sidecar's loop runs them) until ``step`` is verified."""
+    deadline = time.monotonic() + timeout
+    while shipper.last_shipped is None or shipper.last_shipped.step < step:
+        assert time.monotonic() < deadline, f"step {step} never verified: {shipper.failed}"
+        shipper.ship(housekeeping=False)
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+def test_a_damaged_stored_chunk_is_sent_again_from_local_bytes_and_heals_every_checkpoint(
+    s3_store, s3_uri: str, tmp_path: Path
+) -> None:
+    """A chunk of the frozen base flipped in the store (same size): the verification that names it
+    evicts it from what the uploader trusts, a newer checkpoint is still tried and sends it again
+    from local bytes, and the same content key heals the older checkpoints that use it. An uploader
+    restarted onto the damage (its knowledge read from the pointer's manifest) heals it too."""
+    storage = s3_storage(s3_store, s3_uri)
+    local = tmp_path / "ckpt"
+
+    def shipper() -> CheckpointShipper:
+        return CheckpointShipper(local, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10,
+                                 incremental=True)
+
+    def damage(step: int) -> str:
+        refs = read_manifest(storage, checkpoint_name(step)).chunk_refs()
+        key = refs[max(refs, key=lambda d: refs[d].size)].key  # a chunk of the frozen base
+        good = storage.read_bytes(key)
+        storage.write_bytes(key, bytes([good[0] ^ 0xFF]) + good[1:])
+        return key
+
+    first = shipper()
+    commit(local, 10, 0)
+    ship_until(first, 10)
+    key = damage(10)
+    assert not verify_checkpoint(storage, checkpoint_name(10)).ok
+    commit(local, 20, 1)
+    commit(local, 30, 2)
+    ship_until(first, 30)
+    assert any(key in problem for problem in first.failed.get(checkpoint_name(20), "").split("; ")), first.failed
+    for step in (10, 20, 30):  # 20 was stored with the damaged chunk; re-sent, it verifies
+        assert verify_checkpoint(storage, checkpoint_name(step)).ok, step
+
+    key = damage(30)
+    restarted = shipper()
+    restarted.adopt_existing()
+    commit(local, 40, 3)
+    ship_until(restarted, 40)
+    for step in (10, 20, 30, 40):
+        assert verify_checkpoint(storage, checkpoint_name(step)).ok, step
+    restored = restore_checkpoint(storage, checkpoint_name(40), tmp_path / "restored")
+    assert verify_local_checkpoint(Path(restored.uri)).ok

@@ -225,3 +225,19 @@ def test_crc32c_combine_matches_the_crc_of_the_concatenation() -> None:
     parts = [rng.randbytes(rng.randrange(1, 70_000)) for _ in range(20)]
     joined = b"".join(parts)
     assert crc32c_of_parts((google_crc32c.value(p), len(p)) for p in parts) == google_crc32c.value(joined)
+
+
+def test_the_chunks_a_verification_names_are_read_from_its_problems_and_leave_the_known_set() -> None:
+    from spotguard.checkpoint.chunked import KnownChunks, chunks_named
+
+    a, b, c = ("a" * 64), ("b" * 64), ("c" * 64)
+    problems = [
+        f"{chunk_key(a)}: crc32c checksum mismatch (the store computed 1, manifest says 2) (chunk of a.bin)",
+        f"{chunk_key(b)}: missing (chunk of model.safetensors and 1 other file)",
+        "optimizer.pt: size 3 bytes, manifest says 4 (truncated)",
+        f"chunks/{a[:2]}/{a[:12]}: not a whole key",
+    ]
+    assert chunks_named(problems) == {a, b}
+    known = KnownChunks({a: 1, b: 2, c: 3}, "ckpt-000000000010", 5.0)
+    assert known.without({a, b}) == KnownChunks({c: 3}, "ckpt-000000000010", 5.0)
+    assert known.without({"d" * 64}) is known
