@@ -77,7 +77,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--keep-every", type=_pos_int, metavar="K", help="keep checkpoints whose step is a multiple of K")
     p.add_argument(
         "--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
-        help="delete incomplete prefixes, and chunks no checkpoint uses, only when untouched this long (default 3600)",
+        help="delete incomplete prefixes, and chunks no checkpoint uses, only when untouched this long (default "
+        "3600; at least the upload lease, SPOTGUARD_GC_LEASE_SECONDS, default 60)",
     )  # fmt: skip
     p.add_argument(
         "--stale-upload-age", type=float, default=6 * 3600.0, metavar="SECONDS",
@@ -421,6 +422,7 @@ def cmd_init_restore(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Apply retention and clean up."""
     from spotguard.checkpoint.gc import collect_garbage
+    from spotguard.checkpoint.intents import check_orphan_grace
     from spotguard.checkpoint.retention import RetentionPolicy
 
     if args.keep_best is not None and not args.metric:
@@ -429,6 +431,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
         keep_every=args.keep_every,
     )  # fmt: skip
+    try:
+        check_orphan_grace(args.orphan_grace)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     storage = _open(args.uri)
     report = collect_garbage(
         storage, policy, orphan_grace=args.orphan_grace, stale_upload_age=args.stale_upload_age, dry_run=args.dry_run

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint.chunked import TOMBSTONES_DIR
+from spotguard.checkpoint.intents import read_intents
 from spotguard.checkpoint.manifest import (
     CHUNKS_DIR,
     FORMAT_VERSION,
@@ -149,9 +150,10 @@ def find_orphans(
     now = time.time() if now is None else now
     newest_step = parse_checkpoint_name(newest_verified) if newest_verified else None
     orphans: list[str] = []
+    uploading = read_intents(storage, now).checkpoints
     for name in list_checkpoint_names(storage):
-        if name == newest_verified:
-            continue
+        if name == newest_verified or name in uploading:
+            continue  # the newest verified, or being uploaded now (whatever its age)
         try:
             data = read_manifest_bytes(storage, name)
         except NotFoundError:
@@ -214,13 +216,19 @@ class ChunkSweep:
     aborted: str | None = None
 
 
-def plan_sweep(chunks: Mapping[str, ObjectInfo], referenced: Collection[str], grace: float, now: float) -> list[str]:
+def plan_sweep(chunks: Mapping[str, ObjectInfo], referenced: Collection[str], grace: float, now: float,
+               floor: float | None = None) -> list[str]:  # fmt: skip
     """The chunks to delete, as sorted digests: those of ``chunks`` (digest ->
-    stored object) that are not ``referenced`` and whose object is at least
-    ``grace`` seconds old at ``now``. A younger chunk may belong to an upload
-    whose manifest is not written yet, or have just been uploaded again for
-    a checkpoint the mark did not see."""
-    return sorted(d for d, info in chunks.items() if d not in referenced and now - info.modified >= grace)
+    stored object) that are not ``referenced``, whose object is at least
+    ``grace`` seconds old at ``now``, and, when an upload is in progress,
+    older than ``floor`` (when the oldest live intent was written, by the
+    store's clock: a chunk stored since may be that upload's). A younger
+    chunk may also have just been uploaded again for a checkpoint the mark
+    did not see."""
+    return sorted(
+        d for d, info in chunks.items()
+        if d not in referenced and now - info.modified >= grace and (floor is None or info.modified < floor - 1.0)
+    )  # fmt: skip
 
 
 @dataclass
@@ -228,11 +236,35 @@ class _Marks:
     referenced: set[str] = field(default_factory=set)
     expired_tombstones: list[ObjectInfo] = field(default_factory=list)
     aborted: str | None = None
+    #: The checkpoints whose manifests were read.
+    seen: set[str] = field(default_factory=set)
 
 
 def _chunks_of(data: bytes, expected_name: str | None = None) -> set[str]:
     manifest = parse_manifest(data, expected_name=expected_name)
     return set(manifest.chunk_refs()) if manifest.chunked else set()
+
+
+def _mark_manifests(storage: Storage, marks: _Marks) -> None:
+    """Add the chunks of every stored manifest not read yet to ``marks``."""
+    for name in list_checkpoint_names(storage):
+        if name in marks.seen:
+            continue
+        key = f"{name}/{MANIFEST_NAME}"
+        try:
+            data = read_manifest_bytes(storage, name)
+        except NotFoundError:
+            continue  # no manifest (yet, or any more): references nothing
+        marks.seen.add(name)
+        if (version := newer_format_version(data)) is not None:
+            marks.aborted = f"{storage.uri_for(key)} has format_version {version}, newer than this spotguard reads"
+            return
+        try:
+            marks.referenced |= _chunks_of(data, expected_name=name)
+        except ManifestError as exc:
+            # It can never verify, so no resume needs its chunks.
+            log.warning("chunk sweep: %s is unreadable (%s); its chunks are not kept for it",
+                        storage.uri_for(key), exc)  # fmt: skip
 
 
 def _mark(storage: Storage, grace: float, now: float) -> _Marks:
@@ -241,21 +273,9 @@ def _mark(storage: Storage, grace: float, now: float) -> _Marks:
     deleted meanwhile had its tombstone written before its manifest went, so
     its chunks are marked either way."""
     marks = _Marks()
-    for name in list_checkpoint_names(storage):
-        key = f"{name}/{MANIFEST_NAME}"
-        try:
-            data = read_manifest_bytes(storage, name)
-        except NotFoundError:
-            continue  # no manifest (yet, or any more): references nothing
-        if (version := newer_format_version(data)) is not None:
-            marks.aborted = f"{storage.uri_for(key)} has format_version {version}, newer than this spotguard reads"
-            return marks
-        try:
-            marks.referenced |= _chunks_of(data, expected_name=name)
-        except ManifestError as exc:
-            # It can never verify, so no resume needs its chunks.
-            log.warning("chunk sweep: %s is unreadable (%s); its chunks are not kept for it",
-                        storage.uri_for(key), exc)  # fmt: skip
+    _mark_manifests(storage, marks)
+    if marks.aborted is not None:
+        return marks
     for info in storage.list_objects(f"{TOMBSTONES_DIR}/"):
         if now - info.modified >= grace:
             marks.expired_tombstones.append(info)
@@ -293,26 +313,42 @@ def sweep_chunks(
        manifest (or tombstone) of a format newer than this spotguard reads
        aborts the sweep before anything is deleted (``aborted`` says which):
        it may reference chunks in a way this spotguard does not know.
-    3. Sweep: the unmarked chunks at least ``grace`` seconds old
+    3. Between the mark and the sweep: read the live upload intents
+       (:mod:`spotguard.checkpoint.intents`) and the manifests written since
+       the mark. A chunk a live intent names, or stored since the oldest live
+       intent was written, or named by a new manifest, is kept.
+    4. Sweep: the unmarked chunks at least ``grace`` seconds old
        (:func:`plan_sweep`), each stat'ed again right before its deletion and
        kept if it is gone or was written again since the listing (an upload
        that did not know it was stored stores it again, and its manifest may
        come after the mark).
-    4. Delete the tombstones older than ``grace``.
+    5. Delete the tombstones older than ``grace``, and the intents of
+       uploads that died (not live for a lease).
 
-    Why no chunk a verified checkpoint needs is lost: an uploader writes a
-    checkpoint's manifest only after its chunks, each of them either
-    uploaded by it (so younger than ``grace``) or found in storage because a
-    checkpoint it knows references it (so marked by that checkpoint's
-    manifest, or by its tombstone for ``grace`` seconds after its deletion).
-    This holds for any crash of the collector or the uploader, as long as an
-    upload takes less than ``grace``. One race remains that an object store
-    without conditional deletes cannot close: an upload storing again, between
-    the second stat and the delete (milliseconds), a chunk that no checkpoint
-    had referenced for ``grace`` seconds; that checkpoint then fails
-    verification, naming the chunk. Storage errors abort the sweep (a
-    manifest that could not be read must not be taken for one that is not
-    there); deletions already done stay done and are safe.
+    Why no chunk a checkpoint needs is lost, for an upload of any length: a
+    doomed chunk was listed in step 1 and referenced by nothing in steps 2
+    and 3. Take an upload U whose manifest would name it. If U's intent was
+    written before step 3, U either was live then (its intent names the
+    chunks it reuses, and the chunks it stores are younger than the intent)
+    or had finished (its manifest was read in step 2 or 3). If U's intent
+    was written after step 3, U stores its new chunks after step 1 (not
+    listed, or written again: the second stat keeps them), and U found the
+    checkpoint S it reuses chunks from still stored *after* writing its
+    intent (:func:`~spotguard.checkpoint.remote.upload_checkpoint` checks),
+    so S's manifest existed at step 2 or appeared before step 3 (read
+    there), or S's upload is itself such a U, and so on back to one that was
+    read. This holds for any crash of the collector or the uploader. One
+    race remains that an object store without conditional deletes cannot
+    close: an upload storing again, between the second stat and the delete
+    (milliseconds), a chunk it did not know was stored; that checkpoint then
+    fails verification, naming the chunk, and its uploader sends the chunk
+    again. An uploader stopped longer than the lease (its heartbeat stale)
+    is protected only by ``grace``, which is why a grace shorter than the
+    lease is refused by the CLI and the sidecar
+    (:func:`~spotguard.checkpoint.intents.check_orphan_grace`). Storage
+    errors abort the sweep (a manifest that could not be read must not be
+    taken for one that is not there); deletions already done stay done and
+    are safe.
 
     ``now`` (unix seconds) is for tests; ``should_stop`` is asked before each
     deletion; ``dry_run`` deletes nothing and returns what the sweep would
@@ -325,11 +361,16 @@ def sweep_chunks(
         if digest is not None:
             listed[digest] = info
     marks = _mark(storage, grace, now)
+    if marks.aborted is None:
+        # Uploads in progress, and checkpoints whose manifests appeared since
+        # the mark (their uploads may have ended before the intents were read).
+        intents = read_intents(storage, now)
+        _mark_manifests(storage, marks)
     if marks.aborted is not None:
         log.warning("chunk sweep of %s aborted, nothing deleted: %s; upgrade spotguard", storage.uri, marks.aborted)
         return ChunkSweep(kept=len(listed), aborted=marks.aborted)
-    doomed = plan_sweep(listed, marks.referenced, grace, now)
-    expired = [t.key for t in marks.expired_tombstones]
+    doomed = plan_sweep(listed, marks.referenced | intents.known, grace, now, intents.floor)
+    expired = [t.key for t in marks.expired_tombstones] + intents.dead
     if dry_run:
         return ChunkSweep(
             deleted=[listed[d].key for d in doomed],

@@ -28,6 +28,7 @@ from pathlib import Path
 from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.chunked import KnownChunks, fetch_chunks, tombstone_key, upload_chunks, verify_chunks
 from spotguard.checkpoint.fetch import fetch_verified
+from spotguard.checkpoint.intents import upload_intent
 from spotguard.checkpoint.local import (
     TMP_PREFIX,
     list_local_committed,
@@ -537,23 +538,61 @@ def upload_checkpoint(
         if size != entry.size:
             raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
     if manifest.is_part:
-        return _upload_part(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
+        with upload_intent(storage, manifest.name):
+            return _upload_part(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
     name = manifest.name
     if incremental is not False:
         known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
-        chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
-        # The manifest goes last: its presence means every chunk it names is stored.
-        storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
-        pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
-        log.info("uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes)",
-                 storage.uri_for(name), chunked.new_chunks, chunked.new_bytes, chunked.reused_chunks,
-                 chunked.reused_bytes)  # fmt: skip
-        return UploadResult(
-            step=manifest.step, name=name, bytes=chunked.new_bytes + len(chunked.manifest_bytes),
-            seconds=time.monotonic() - start, uri=storage.uri_for(name), pointer_updated=pointer,
-            new_bytes=chunked.new_bytes, reused_bytes=chunked.reused_bytes, new_chunks=chunked.new_chunks,
-            reused_chunks=chunked.reused_chunks,
-        )  # fmt: skip
+        with upload_intent(storage, name, known.chunks):
+            if _known_source_stored(storage, known):
+                return _upload_incremental(local_ckpt_dir, storage, manifest, known, progress, update_pointer, start)
+        # What it knew came from a checkpoint deleted since (retention): a collector
+        # that did not see this upload yet may sweep those chunks. Learn again.
+        log.info("%s: %s, whose chunks this upload would reuse, is gone; using the latest pointer's",
+                 storage.uri_for(name), known.source)  # fmt: skip
+        known = KnownChunks.from_storage(storage)
+        with upload_intent(storage, name, known.chunks):
+            if not _known_source_stored(storage, known):
+                known = KnownChunks()
+            return _upload_incremental(local_ckpt_dir, storage, manifest, known, progress, update_pointer, start)
+    with upload_intent(storage, name):
+        return _upload_plain(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
+
+
+def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:
+    """Whether the checkpoint ``known`` came from still has its manifest.
+
+    Asked after the upload's intent is written: from then on a collector
+    keeps what the intent names, and until then the source's manifest (or a
+    checkpoint seen by the collector that reuses its chunks) marked them.
+    Knowledge without a source (a caller's own) is taken as it is.
+    """
+    if known.source is None or not known.chunks:
+        return True
+    return storage.stat(f"{known.source}/{MANIFEST_NAME}") is not None
+
+
+def _upload_incremental(local_ckpt_dir: Path, storage: Storage, manifest: Manifest, known: KnownChunks,
+                        progress: ProgressCallback | None, update_pointer: bool, start: float) -> UploadResult:
+    name = manifest.name
+    chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
+    # The manifest goes last: its presence means every chunk it names is stored.
+    storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
+    pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
+    log.info("uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes)",
+             storage.uri_for(name), chunked.new_chunks, chunked.new_bytes, chunked.reused_chunks,
+             chunked.reused_bytes)  # fmt: skip
+    return UploadResult(
+        step=manifest.step, name=name, bytes=chunked.new_bytes + len(chunked.manifest_bytes),
+        seconds=time.monotonic() - start, uri=storage.uri_for(name), pointer_updated=pointer,
+        new_bytes=chunked.new_bytes, reused_bytes=chunked.reused_bytes, new_chunks=chunked.new_chunks,
+        reused_chunks=chunked.reused_chunks,
+    )  # fmt: skip
+
+
+def _upload_plain(local_ckpt_dir: Path, storage: Storage, manifest: Manifest, manifest_bytes: bytes,
+                  progress: ProgressCallback | None, update_pointer: bool, start: float) -> UploadResult:
+    name = manifest.name
     if manifest.chunked:
         # A copy restored from an incremental store, uploaded whole.
         manifest = to_plain(manifest)

@@ -269,7 +269,12 @@ class StoreProxy:
                     conn.endheaders(body)
                     resp = conn.getresponse()
                     data = resp.read()
-                    proxy.log(self.command, self.path, resp.status)
+                    where = self.path
+                    if self.command == "POST" and "delete" in self.path and body:
+                        # A batch delete names its keys in the body: logged with the path.
+                        keys = re.findall(rb"<Key>(.*?)</Key>", body)
+                        where += " keys=" + ",".join(k.decode(errors="replace") for k in keys)
+                    proxy.log(self.command, where, resp.status)
                     self.send_response(resp.status)
                     for k, v in resp.getheaders():
                         if k.lower() not in ("transfer-encoding", "connection", "content-length"):

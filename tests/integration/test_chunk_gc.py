@@ -63,7 +63,8 @@ from spotguard.checkpoint import (
 from spotguard.checkpoint.chunked import TOMBSTONES_DIR, KnownChunks, upload_chunks
 from spotguard.checkpoint.chunks import hash_chunk
 from spotguard.checkpoint.gc import sweep_chunks
-from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, parse_chunk_key, parse_manifest
+from spotguard.checkpoint.intents import check_orphan_grace, read_intents
+from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name, parse_chunk_key, parse_manifest
 from spotguard.storage import NotFoundError, Storage, StorageError, open_storage
 from testenv import trials
 
@@ -74,10 +75,12 @@ pytestmark = pytest.mark.integration
 FROZEN_NUMEL = 320 * 1024
 CYCLE_TRIALS = trials.count(full=20, quick=6)
 CONCURRENT_TRIALS = trials.count(full=10, quick=3)
-#: The separate collector's grace: well over what an upload of this small
-#: state takes on a loaded machine, plus the store's one-second resolution of
-#: modified times (the sweep is safe for uploads shorter than its grace).
-CONCURRENT_GRACE = 6.0
+#: The upload lease of the crash trials (uploaders and collectors agree on it),
+#: and the separate collector's grace: the shortest a collection may use.
+#: Safety does not rest on it (uploads announce themselves by intents); it
+#: bounds how long a killed uploader's intent keeps what it stored.
+TRIAL_LEASE = 5.0
+CONCURRENT_GRACE = TRIAL_LEASE
 
 
 def gc_state(step: int) -> dict[str, Any]:
@@ -237,6 +240,48 @@ def test_chunks_of_an_upload_without_its_manifest_stay_through_the_grace(s3: Sto
     assert {parse_chunk_key(k) for k in gone.deleted} == new
     assert set(stored_chunks(s3)) == chunks_of(s3, first.name)
     assert_restores_exactly(s3, first.name, tmp_path / "scratch")
+
+
+@pytest.mark.parametrize("kind", ["incremental", "plain"])
+def test_a_collection_without_grace_during_a_long_upload_deletes_nothing_the_upload_names(
+    s3: Storage, tmp_path: Path, kind: str
+) -> None:
+    """An upload holds still after its first stored object (as a slow upload of a large base would,
+    far past any grace) while a collection with no grace at all runs to its end: the upload's intent
+    keeps what it stored and what it will reuse, and its prefix; once its manifest is written the
+    checkpoint verifies. Safety no longer rests on uploads being shorter than the grace."""
+    upload_checkpoint(commit(tmp_path / "local", 1), s3, incremental=True)
+    path = commit(tmp_path / "local", 9)  # a new block and adapter beside the frozen base
+    stored, go = threading.Event(), threading.Event()
+
+    def progress(_nbytes: int) -> None:
+        stored.set()
+        assert go.wait(60)
+
+    errors: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            upload_checkpoint(path, s3, incremental=kind == "incremental", progress=progress, update_pointer=False)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    uploader = threading.Thread(target=upload)
+    uploader.start()
+    try:
+        assert stored.wait(60), "the upload stored nothing"
+        wait_for_next_second()  # what it stored is now older than any grace this collection uses
+        before = set(stored_chunks(s3))
+        report = collect_garbage(s3, RetentionPolicy(keep_last=1), orphan_grace=0)
+        assert report.orphans == [] and report.chunks_deleted == [], report
+        assert set(stored_chunks(s3)) == before
+    finally:
+        go.set()
+        uploader.join(60)
+    assert not errors, errors
+    assert verify_checkpoint(s3, checkpoint_name(9)).ok
+    assert not list(s3.list_objects("gc/uploads/")), "the upload left its intent behind"
+    assert_restores_exactly(s3, checkpoint_name(9), tmp_path / "scratch")
 
 
 def test_a_manifest_of_a_newer_format_stops_the_sweep(s3: Storage, tmp_path: Path) -> None:
@@ -560,12 +605,21 @@ def wait_for_chunks_collected(worker: Worker, timeout: float = 120) -> None:
         after = index + 1
 
 
+def wait_until_no_live_upload(storage: Storage, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while read_intents(storage).live:
+        assert time.monotonic() < deadline, f"uploads still live after {timeout:.0f}s: {read_intents(storage)}"
+        time.sleep(0.5)
+
+
 @pytest.mark.trials
-def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seed = trials.seed()
     rng = trials.rng("chunk-gc")
     print(f"\nchunk-gc crash-trial seed {seed}")
-    env = subprocess_env(s3_store)
+    env = subprocess_env(s3_store, SPOTGUARD_GC_LEASE_SECONDS=str(TRIAL_LEASE))
+    monkeypatch.setenv("SPOTGUARD_GC_LEASE_SECONDS", str(TRIAL_LEASE))  # the checks' collections below
+    check_orphan_grace(CONCURRENT_GRACE)
     outcomes: list[Outcome] = []
     ledgers: dict[str, Ledger] = {}
     stores: dict[str, tuple[str, Storage]] = {}
@@ -657,7 +711,9 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
         ledger = ledgers[mode]
         assert ledger.newest is not None, f"{mode}: no checkpoint ever verified: the trials tested nothing"
         assert swept[mode], f"{mode}: no chunk was ever collected during the trials"
-        # With nothing running, one collection leaves exactly the chunks the kept checkpoints use.
+        # With nothing running (the killed uploaders' intents dead), one collection leaves
+        # exactly the chunks the kept checkpoints use.
+        wait_until_no_live_upload(storage, TRIAL_LEASE + 10)
         report = collect_garbage(storage, RetentionPolicy(keep_last=1), orphan_grace=0)
         assert report.chunk_sweep_aborted is None
         names = list_checkpoint_names(storage)

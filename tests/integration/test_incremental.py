@@ -119,8 +119,10 @@ def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s
     # gc: retention deletes 10, the sweep (no grace) removes exactly the chunks only 10 used.
     only_10 = set(read_manifest(storage, checkpoint_name(10)).chunk_refs()) - set(result.manifest.chunk_refs())
     assert only_10
-    gc = subprocess.run(spotguard_argv("ckpt", "gc", "--keep-last", "1", "--orphan-grace", "0", s3_uri), env=env,
-                        capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    # (Nothing else writes: the shortest lease and grace.)
+    gc = subprocess.run(spotguard_argv("ckpt", "gc", "--keep-last", "1", "--orphan-grace", "0.001", s3_uri),
+                        env={**env, "SPOTGUARD_GC_LEASE_SECONDS": "0.001"}, capture_output=True, text=True, check=True,
+                        timeout=120)  # fmt: skip
     assert f"deleted {checkpoint_name(10)}  (retention)" in gc.stdout, gc.stdout
     assert f"deleted {len(only_10)} unused chunk(s)" in gc.stdout, gc.stdout
     remaining = {key.rsplit("/", 1)[1] for key in chunk_objects(storage)}

@@ -451,7 +451,8 @@ def test_cli_ls_verify_gc_name_ranks_and_parts(
     assert waiting.returncode == 1
     assert "ckpt-000000000030/manifest.json: missing; parts present: 1 of 2 (part 0); missing part 1" in waiting.stdout
 
-    gc = cli(env, "ckpt", "gc", s3_uri, "--keep-last", "1", "--orphan-grace", "0")
+    gc = cli({**env, "SPOTGUARD_GC_LEASE_SECONDS": "0.001"}, "ckpt", "gc", s3_uri, "--keep-last", "1",
+             "--orphan-grace", "0.001")  # nothing else writes: the shortest lease and grace
     assert gc.returncode == 0, gc.stderr
     assert f"keep    {checkpoint_name(30)}  (distributed checkpoint waiting for its other parts)" in gc.stdout
     assert list_checkpoint_names(a) == [checkpoint_name(10), checkpoint_name(20), checkpoint_name(30)]

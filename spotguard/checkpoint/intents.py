@@ -1,0 +1,179 @@
+"""Uploads in progress, visible to garbage collection.
+
+Before an upload stores anything it writes an *intent*,
+``gc/uploads/<checkpoint>.<token>.json``: the checkpoint's name and the chunks
+it may reuse without storing them (those it knows to be stored). While the
+upload runs, a heartbeat ``gc/uploads/<checkpoint>.<token>.alive`` is
+written again every third of the lease; both go once the manifest is written
+(or the upload fails). A collector takes an intent as live while it or its
+heartbeat is younger than the lease, and for a live intent keeps
+
+- every chunk the intent names (what the upload may reuse), and
+- every chunk stored since the intent was (by the store's own clock: the
+  intent object's modified time), the chunks the upload is storing,
+
+and deletes no prefix of that checkpoint. So a sweep is safe for an upload
+of any length, not only for one shorter than the grace period; see
+:func:`spotguard.checkpoint.gc.sweep_chunks` for the whole argument.
+
+The lease (``SPOTGUARD_GC_LEASE_SECONDS``, default 60) is a protocol
+parameter: uploaders and collectors of one store must agree on it, and a
+collection's grace must not be shorter (:func:`minimum_orphan_grace`), so a
+chunk is not deleted while an upload that stalled for less than the grace
+may still name it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from spotguard.storage.base import NotFoundError, ObjectInfo, Storage
+
+log = logging.getLogger(__name__)
+
+UPLOADS_DIR = "gc/uploads"
+LEASE_ENV = "SPOTGUARD_GC_LEASE_SECONDS"
+DEFAULT_LEASE = 60.0
+_INTENT_SUFFIX = ".json"
+_ALIVE_SUFFIX = ".alive"
+
+
+def lease_seconds(env: Mapping[str, str] | None = None) -> float:
+    """The intent lease: ``SPOTGUARD_GC_LEASE_SECONDS``, default 60."""
+    env = os.environ if env is None else env
+    value = env.get(LEASE_ENV, "")
+    if not value:
+        return DEFAULT_LEASE
+    try:
+        lease = float(value)
+    except ValueError:
+        raise ValueError(f"{LEASE_ENV}={value!r} is not a number of seconds") from None
+    if lease <= 0:
+        raise ValueError(f"{LEASE_ENV}={value!r} must be more than 0")
+    return lease
+
+
+def minimum_orphan_grace(env: Mapping[str, str] | None = None) -> float:
+    """The shortest grace a collection may use: the intent lease."""
+    return lease_seconds(env)
+
+
+def check_orphan_grace(grace: float, env: Mapping[str, str] | None = None) -> None:
+    """Refuse a grace shorter than the protocol needs (ValueError saying what to do)."""
+    least = minimum_orphan_grace(env)
+    if grace < least:
+        raise ValueError(
+            f"an orphan grace of {grace:g}s is shorter than the upload lease ({least:g}s): a chunk of an upload "
+            f"that stalled briefly could be deleted; use at least {least:g} (the lease is {LEASE_ENV})"
+        )
+
+
+@dataclass(frozen=True)
+class Intent:
+    """A live upload: its checkpoint, the chunks it may reuse, and since when
+    (store clock) it may have stored chunks."""
+
+    key: str
+    checkpoint: str
+    known: frozenset[str]
+    since: float
+
+
+@dataclass
+class Intents:
+    """What :func:`read_intents` found."""
+
+    live: list[Intent] = field(default_factory=list)
+    #: Keys of intents and heartbeats no longer live (their uploader died).
+    dead: list[str] = field(default_factory=list)
+
+    @property
+    def known(self) -> set[str]:
+        return {d for i in self.live for d in i.known}
+
+    @property
+    def floor(self) -> float | None:
+        """Chunks modified at or after this (store clock) may belong to a live upload."""
+        return min((i.since for i in self.live), default=None)
+
+    @property
+    def checkpoints(self) -> set[str]:
+        return {i.checkpoint for i in self.live}
+
+
+def read_intents(storage: Storage, now: float | None = None, lease: float | None = None) -> Intents:
+    """The intents in ``storage``, live and dead, at ``now`` (unix seconds)."""
+    now = time.time() if now is None else now
+    lease = lease_seconds() if lease is None else lease
+    objects: dict[str, ObjectInfo] = {o.key: o for o in storage.list_objects(f"{UPLOADS_DIR}/")}
+    found = Intents()
+    for key, info in sorted(objects.items()):
+        if not key.endswith(_INTENT_SUFFIX):
+            base = key[: -len(_ALIVE_SUFFIX)] if key.endswith(_ALIVE_SUFFIX) else key
+            if f"{base}{_INTENT_SUFFIX}" not in objects and now - info.modified >= lease:
+                found.dead.append(key)  # a heartbeat left without its intent
+            continue
+        alive = objects.get(key[: -len(_INTENT_SUFFIX)] + _ALIVE_SUFFIX)
+        last = max(info.modified, alive.modified if alive else 0.0)
+        if now - last >= lease:
+            found.dead.append(key)
+            if alive is not None:
+                found.dead.append(alive.key)
+            continue
+        try:
+            doc = json.loads(storage.read_bytes(key))
+        except NotFoundError:
+            continue  # the upload finished meanwhile: its manifest is written
+        except ValueError:
+            doc = {}
+        known = doc.get("known") if isinstance(doc, dict) else None
+        checkpoint = doc.get("checkpoint") if isinstance(doc, dict) else None
+        found.live.append(Intent(
+            key=key,
+            checkpoint=checkpoint if isinstance(checkpoint, str) else "",
+            known=frozenset(d for d in known if isinstance(d, str)) if isinstance(known, list) else frozenset(),
+            # An unreadable intent protects everything stored since it was.
+            since=info.modified,
+        ))  # fmt: skip
+    return found
+
+
+@contextmanager
+def upload_intent(storage: Storage, checkpoint: str, known: Iterable[str] = (),
+                  lease: float | None = None) -> Iterator[str]:  # fmt: skip
+    """Make an upload of ``checkpoint`` that may reuse ``known`` visible to
+    collectors for as long as the block runs; yields the intent's key.
+    Storage errors writing the intent propagate (the upload must not go on
+    unseen); errors removing it are logged (it dies with its lease)."""
+    lease = lease_seconds() if lease is None else lease
+    base = f"{UPLOADS_DIR}/{checkpoint}.{uuid.uuid4().hex[:16]}"
+    key = base + _INTENT_SUFFIX
+    storage.write_bytes(key, json.dumps({"checkpoint": checkpoint, "known": sorted(set(known))}).encode())
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(lease / 3):
+            try:
+                storage.write_bytes(base + _ALIVE_SUFFIX, b"")
+            except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                log.warning("upload heartbeat %s: %s", storage.uri_for(base + _ALIVE_SUFFIX), exc)
+
+    thread = threading.Thread(target=beat, name="spotguard-upload-intent", daemon=True)
+    thread.start()
+    try:
+        yield key
+    finally:
+        stop.set()
+        thread.join()
+        try:
+            storage.delete([key, base + _ALIVE_SUFFIX])
+        except Exception as exc:  # noqa: BLE001 - it dies with its lease
+            log.warning("could not remove upload intent %s: %s", storage.uri_for(key), exc)
