@@ -28,9 +28,11 @@ resumes from exactly, or None for a fresh start. See docs/huggingface.md.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
-import shutil
+import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,12 @@ log = logging.getLogger(__name__)
 # reads the file back on resume (it would need arbitrary classes to unpickle):
 # left out of spotguard's checkpoint, so nothing unscannable is shipped.
 EXCLUDE = ("training_args.bin",)
+
+# Where the folders of steps after the one resumed from are moved (see
+# on_train_begin). The Trainer's resume and rotation only look at
+# ``checkpoint-*`` names directly in ``output_dir``, and a leading "_" keeps
+# the folder out of its uploads to the Hub.
+MOVED_DIR = "_spotguard-moved"
 
 
 def spotguard_resume_path() -> str | None:
@@ -122,13 +130,17 @@ class SpotguardCallback(TrainerCallback):
         self._stop_step = None
         if args.local_process_index == 0:
             # Folders of steps after the one resumed from belong to an attempt
-            # this run replaces (a walk-back, a save cut short by a crash). The
-            # Trainer would write into them again in place; their files may be
-            # hard links of a committed checkpoint, which must never change.
-            for stale in stale_folders(output_dir_of(args), state.global_step):
-                log.warning("removing %s: newer than the step resumed from (%d); it will be written again",
-                            stale, state.global_step)  # fmt: skip
-                shutil.rmtree(stale, ignore_errors=True)
+            # this run replaces (a walk-back, a save cut short by a crash, or
+            # another run in the same output_dir). The Trainer would write into
+            # them again in place (their files may be hard links of a committed
+            # checkpoint, which must never change) and its rotation would sort
+            # them among the new ones. They may hold work spotguard never
+            # committed: moved aside, not deleted.
+            moved = move_aside_stale_folders(output_dir_of(args), state.global_step)
+            if moved:
+                log.warning("spotguard: moved %d folder(s) newer than the step resumed from (%d) aside, kept: %s",
+                            len(moved), state.global_step,
+                            ", ".join(f"{old} -> {new}" for old, new in moved))  # fmt: skip
 
     # -- the training loop ---------------------------------------------------------
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -214,6 +226,43 @@ def stale_folders(output_dir: Path, step: int) -> list[Path]:
             if tail.isdigit() and int(tail) > step and p.is_dir():
                 found.append(p)
     return sorted(found, key=lambda p: int(p.name.rsplit("-", 1)[1]))
+
+
+def move_aside_stale_folders(output_dir: Path, step: int) -> list[tuple[Path, Path]]:
+    """Move the folders of :func:`stale_folders` into a new
+    ``<output_dir>/_spotguard-moved/<UTC time>/``, names unchanged; returns
+    (old, new) pairs. A folder gone meanwhile (moved by another node sharing
+    the directory) is skipped."""
+    stale = stale_folders(output_dir, step)
+    if not stale:
+        return []
+    batch = new_moved_dir(output_dir / MOVED_DIR)
+    moved = []
+    for old in stale:
+        new = batch / old.name
+        try:
+            os.rename(old, new)
+        except FileNotFoundError:
+            continue
+        moved.append((old, new))
+    if not moved:
+        with contextlib.suppress(OSError):
+            batch.rmdir()
+    return moved
+
+
+def new_moved_dir(parent: Path) -> Path:
+    """A new, empty folder in ``parent`` named for the current UTC time."""
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for n in range(1, 10_000):
+        path = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free folder name for {stamp} in {parent}")
 
 
 def last_metrics(state: TrainerState) -> dict[str, float] | None:

@@ -69,7 +69,7 @@ def test_preemption_mid_epoch_saves_once_commits_and_stops(tmp_path: Path) -> No
     """save_strategy="epoch": the Trainer would save the stopped step a second
     time at the epoch end, rewriting the committed (hard-linked) files in
     place; the callback keeps it to one save. A folder of a later step left by
-    an earlier attempt is removed before training (it would be rewritten)."""
+    an earlier attempt is moved aside before training (it would be rewritten)."""
     out = tmp_path / "out"
     (out / "checkpoint-99").mkdir(parents=True)
     (out / "checkpoint-99" / "optimizer.pt").write_bytes(b"stale")
