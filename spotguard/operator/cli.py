@@ -85,6 +85,14 @@ def register(subparsers: Any) -> None:
         " in its status; --no-read-checkpoints: never read a Secret or a store (env SPOTGUARD_READ_CHECKPOINTS)",
     )
     p.add_argument(
+        "--host-port-range",
+        default=os.environ.get("SPOTGUARD_HOST_PORT_RANGE", "20000-29999"),
+        metavar="FIRST-LAST",
+        help="host ports for jobs with hostNetwork: each gets a pair no other job holds (master port, sidecar"
+        " metrics port); keep it outside the cluster's NodePort range (default 20000-29999,"
+        " env SPOTGUARD_HOST_PORT_RANGE)",
+    )
+    p.add_argument(
         "--probe-workers",
         type=int,
         default=4,
@@ -117,6 +125,16 @@ def run_operator(args: argparse.Namespace) -> int:
         if args.webhook and path and not os.path.isfile(path):
             print(f"spotguard operator: no such file: {path}", file=sys.stderr)
             return 2
+    from spotguard.operator.hostports import NODEPORT_RANGE, format_range, overlaps_nodeports, parse_range
+
+    try:
+        host_port_range = parse_range(args.host_port_range)
+    except ValueError as exc:
+        print(f"spotguard operator: --host-port-range: {exc}", file=sys.stderr)
+        return 2
+    if overlaps_nodeports(*host_port_range):
+        print(f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
+              f" default NodePort range {format_range(NODEPORT_RANGE)}", file=sys.stderr)  # fmt: skip
     problem = preflight()
     if problem:
         print(f"spotguard operator: {problem}", file=sys.stderr)
@@ -147,6 +165,7 @@ def run_operator(args: argparse.Namespace) -> int:
         checkpoint_poll_seconds=args.checkpoint_poll_seconds,
         read_checkpoints=args.read_checkpoints,
         probe_workers=max(1, args.probe_workers),
+        host_port_range=host_port_range,
         webhook=args.webhook,
         webhook_addr=args.webhook_address,
         webhook_port=args.webhook_port,

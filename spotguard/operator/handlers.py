@@ -22,6 +22,7 @@ import kopf
 
 from spotguard.operator import reconcile as rc
 from spotguard.operator.decide import TERMINAL_PHASES
+from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANGE
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
     DEFAULT_IMAGE,
@@ -55,6 +56,8 @@ class OperatorOptions:
     read_checkpoints: bool = True
     #: Threads of the storage probe's own pool (reads that hang on a dead store wait here).
     probe_workers: int = 4
+    #: Host ports handed to jobs with hostNetwork (first, last).
+    host_port_range: tuple[int, int] = DEFAULT_HOST_PORT_RANGE
     webhook: bool = False
     webhook_addr: str = "0.0.0.0"
     webhook_port: int = 9443
@@ -124,8 +127,14 @@ class Runtime:
             self.probe.run(namespace, name, lambda: self.wake(namespace, name), self.poke(namespace, name))
         )
 
+    def wake_port_waiters(self) -> None:
+        """Wake the jobs that wait for host ports (a job that held some finished or went)."""
+        for namespace, name in self.ctx.waiting_for_ports():
+            self.wake(namespace, name)
+
     def forget(self, namespace: str, name: str) -> None:
         """Drop everything kept for a deleted job."""
+        self.ctx.set_waiting_for_ports((namespace, name), False)
         self.ctx.metrics.forget(namespace, name)
         self.ctx.verified.forget(namespace, name)
         self.ctx.phases.pop((namespace, name), None)
@@ -196,6 +205,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             resync_seconds=options.resync_seconds,
             checkpoint_poll_seconds=options.checkpoint_poll_seconds,
             read_checkpoints=options.read_checkpoints,
+            namespaces=tuple(options.namespaces),
+            host_port_range=options.host_port_range,
         )
         probe = CheckpointProbe(ctx, workers=options.probe_workers) if options.read_checkpoints else None
         if probe is None:
@@ -229,6 +240,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                     delay = 5.0
                 after = runtime.ctx.phases.get(key)
                 finished_now = after in TERMINAL_PHASES and before != after
+                if finished_now:
+                    runtime.wake_port_waiters()
                 if probe is not None and not probe.done():
                     if finished_now:
                         runtime.poke(ns, name).set()  # read the final checkpoint now
@@ -271,6 +284,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         ns = namespace or ""
         await asyncio.to_thread(_delete_job_pods, runtime.ctx, ns, name)
         runtime.forget(ns, name)
+        runtime.wake_port_waiters()
         logger.info("deleted the pods of %s/%s; its checkpoints are kept", ns, name)
 
     if options.webhook:

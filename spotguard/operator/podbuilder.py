@@ -25,6 +25,7 @@ from typing import Any
 
 from spotguard import __version__
 from spotguard.operator.decide import attempt_pods, member_pod_name
+from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.spec import (
     API_VERSION,
     KIND,
@@ -277,28 +278,28 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     return spec
 
 
-#: With ``hostNetwork`` and no port in the spec, each job takes a pair of ports
-#: from here (below the usual ephemeral range), picked from its uid.
-HOST_PORT_BASE = 30000
-HOST_PORT_PAIRS = 1000
+def host_ports(uid: str, port_range: tuple[int, int] = DEFAULT_RANGE) -> tuple[int, int]:
+    """The preferred (master port, sidecar metrics port) of a job whose pods share their node's network.
 
-
-def host_ports(uid: str) -> tuple[int, int]:
-    """(master port, sidecar metrics port) of a job whose pods share their node's network.
-
-    Both are declared as container ports, so with ``hostNetwork`` they are host
-    ports and the scheduler never puts two pods that use one on the same node;
-    picking them per job makes that rare in the first place.
+    Where the job starts looking for a free pair (see ``hostports``); the pods
+    use the pair the operator allocated, this one only when none was given.
     """
-    k = int(hashlib.sha256(uid.encode()).hexdigest()[:8], 16) % HOST_PORT_PAIRS
-    return HOST_PORT_BASE + 2 * k, HOST_PORT_BASE + 2 * k + 1
+    first, last = port_range
+    k = preferred_index(uid, pair_count(first, last))
+    return first + 2 * k, first + 2 * k + 1
 
 
-def effective_ports(spec: TrainingJobSpec, uid: str) -> tuple[int, int]:
-    """The master port and the sidecar's metrics port the pods of this job use."""
+def effective_ports(spec: TrainingJobSpec, uid: str, allocated: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The master port and the sidecar's metrics port the pods of this job use.
+
+    With ``hostNetwork``, a port the spec does not set comes from ``allocated``
+    (the job's pair in ``status.hostPorts``). Both are declared as container
+    ports, so they are host ports and the scheduler never puts two pods that
+    use one on the same node.
+    """
     master, metrics = spec.master_port, spec.sidecar.metrics_port
     if spec.host_network:
-        auto_master, auto_metrics = host_ports(uid)
+        auto_master, auto_metrics = allocated or host_ports(uid)
         master = master if spec.master_port_set else auto_master
         metrics = metrics if spec.metrics_port_set else auto_metrics
     return master, metrics
@@ -350,9 +351,13 @@ def build_pod(
     attempt: int,
     config: OperatorConfig,
     rank: int = 0,
+    allocated: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """The pod of node rank ``rank`` in attempt ``attempt`` of TrainingJob ``namespace/job`` (owner ``uid``)."""
-    master, metrics = effective_ports(spec, uid)
+    """The pod of node rank ``rank`` in attempt ``attempt`` of TrainingJob ``namespace/job`` (owner ``uid``).
+
+    ``allocated``: the job's host ports (``status.hostPorts``), for ``hostNetwork``.
+    """
+    master, metrics = effective_ports(spec, uid, allocated)
     inj = Injection(
         job=job,
         namespace=namespace,
@@ -407,13 +412,21 @@ def build_pod(
 
 
 def build_pods(
-    job: str, namespace: str, uid: str, spec: TrainingJobSpec, attempt: int, config: OperatorConfig
+    job: str,
+    namespace: str,
+    uid: str,
+    spec: TrainingJobSpec,
+    attempt: int,
+    config: OperatorConfig,
+    allocated: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every pod of an attempt, by node rank."""
-    return [build_pod(job, namespace, uid, spec, attempt, config, rank) for rank in range(spec.nodes)]
+    return [build_pod(job, namespace, uid, spec, attempt, config, rank, allocated) for rank in range(spec.nodes)]
 
 
-def build_service(job: str, namespace: str, uid: str, spec: TrainingJobSpec) -> dict[str, Any] | None:
+def build_service(
+    job: str, namespace: str, uid: str, spec: TrainingJobSpec, allocated: tuple[int, int] | None = None
+) -> dict[str, Any] | None:
     """The headless Service that gives a gang's pods their DNS names (None for one node).
 
     ``publishNotReadyAddresses``: rank 0's name must resolve as soon as its pod
@@ -421,7 +434,7 @@ def build_service(job: str, namespace: str, uid: str, spec: TrainingJobSpec) -> 
     """
     if spec.nodes <= 1:
         return None
-    master, _ = effective_ports(spec, uid)
+    master, _ = effective_ports(spec, uid, allocated)
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -15,18 +15,21 @@ import logging
 import socket
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from spotguard.operator import hostports as hp
 from spotguard.operator.classify import classify_pod_end
 from spotguard.operator.decide import (
+    COND_INVALID,
     TERMINAL_PHASES,
     Decision,
     Event,
     Member,
     Observation,
     attempt_pods,
+    condition_is,
     decide,
     format_time,
     on_create_error,
@@ -104,6 +107,28 @@ class Context:
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
     #: Each job as the last reconcile read it (the storage probe reads its spec from here).
     jobs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    #: Namespaces served (empty: all); the jobs whose host ports are taken are listed there.
+    namespaces: tuple[str, ...] = ()
+    #: Host ports handed to hostNetwork jobs (first, last).
+    host_port_range: tuple[int, int] = hp.DEFAULT_RANGE
+    #: Serializes this process's allocations of host ports.
+    port_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Jobs waiting for a free pair of host ports (woken when a job finishes or goes).
+    port_waiting: set[tuple[str, str]] = field(default_factory=set)
+    waiting_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def waiting_for_ports(self) -> list[tuple[str, str]]:
+        """The jobs waiting for host ports now."""
+        with self.waiting_lock:
+            return sorted(self.port_waiting)
+
+    def set_waiting_for_ports(self, key: tuple[str, str], waiting: bool) -> None:
+        """Note whether a job waits for host ports."""
+        with self.waiting_lock:
+            if waiting:
+                self.port_waiting.add(key)
+            else:
+                self.port_waiting.discard(key)
 
 
 def api_status(exc: BaseException) -> int | None:
@@ -290,6 +315,129 @@ def post_event(ctx: Context, job: Mapping[str, Any], event: Event, now: datetime
         log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), api_reason(exc))
 
 
+# --- host ports ----------------------------------------------------------------------
+
+#: Tries of one allocation before it is left to the next look (other writers of the job meanwhile).
+ALLOCATION_TRIES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class PortsResult:
+    """The outcome of :func:`ensure_host_ports`."""
+
+    #: The job as last read or written.
+    job: dict[str, Any]
+    #: The job's confirmed (master, metrics) pair; None while it has none.
+    ports: tuple[int, int] | None = None
+    #: Why it has none: every pair of the range is held (None: try again soon).
+    exhausted: str | None = None
+
+
+def list_jobs(ctx: Context) -> list[dict[str, Any]]:
+    """Every TrainingJob the operator serves, read fresh from the apiserver."""
+    if not ctx.namespaces:
+        items = ctx.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+    else:
+        items = [i for ns in ctx.namespaces
+                 for i in ctx.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]  # fmt: skip
+    return list(items)
+
+
+def _patch_ports(ctx: Context, job: Mapping[str, Any], ports: hp.HostPorts | None) -> dict[str, Any] | None:
+    """Write (or remove) ``status.hostPorts`` if the job is still as read; None when it changed (409) or is gone."""
+    meta = job["metadata"]
+    body = {
+        "metadata": {"resourceVersion": meta["resourceVersion"]},
+        "status": {hp.STATUS_FIELD: ports.as_status() if ports else None},
+    }
+    try:
+        result: dict[str, Any] = ctx.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
+        )
+        return result
+    except Exception as exc:
+        if api_status(exc) in (404, 409):
+            return None
+        raise
+
+
+def ensure_host_ports(ctx: Context, job: dict[str, Any], spec: TrainingJobSpec) -> PortsResult:
+    """The job's pair of host ports, allocated now if it has none.
+
+    Claim, check, confirm: the job first claims a pair no other live job holds
+    (``status.hostPorts`` without ``confirmed``), then lists the jobs again;
+    if another job claims or holds a port of the pair, it withdraws and picks
+    another, else it confirms the pair. Claims and lists are linearizable in
+    the apiserver, so of two jobs that claim one pair the later claimant's
+    list always sees the earlier claim: they cannot both confirm, whichever
+    operator (or replica) handles them. Every write carries the job's
+    ``resourceVersion``, so a write based on a stale read of the job fails
+    (409) and is redone from a fresh read. Within one operator the lock makes
+    allocations take turns, so they never meet at all; pods are created only
+    with a confirmed pair.
+    """
+    mine = hp.recorded(job.get("status"))
+    if mine is not None and mine.confirmed:
+        return PortsResult(job, mine.pair)
+    meta = job["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    first, last = ctx.host_port_range
+    start = hp.preferred_index(uid, hp.pair_count(first, last))
+    avoid: set[int] = set()
+    with ctx.port_lock:
+        for _ in range(ALLOCATION_TRIES):
+            current = get_job(ctx, namespace, name)
+            if current is None or (current.get("metadata") or {}).get("uid") != uid:
+                return PortsResult(job, None)
+            job = current
+            mine = hp.recorded(job.get("status"))
+            if mine is not None and mine.confirmed:
+                return PortsResult(job, mine.pair)
+            if mine is None:
+                pair = hp.pick_pair(hp.taken_ports(list_jobs(ctx), uid) | avoid, first, last, start)
+                if pair is None:
+                    return PortsResult(job, None, hp.exhausted_message(first, last))
+                mine = hp.HostPorts(*pair)
+                claimed = _patch_ports(ctx, job, mine)
+                if claimed is None:
+                    continue
+                job = claimed
+            # The check: a list read after the claim was written.
+            others = hp.holders(list_jobs(ctx), uid, mine.pair)
+            if others:
+                log.info("%s/%s: host ports %d and %d are also claimed by %s: trying another pair",
+                         namespace, name, mine.master, mine.metrics, ", ".join(others))  # fmt: skip
+                avoid.update(mine.pair)
+                _patch_ports(ctx, job, None)
+                continue
+            confirmed = _patch_ports(ctx, job, replace(mine, confirmed=True))
+            if confirmed is None:
+                continue
+            log.info("%s/%s: host ports %d (master) and %d (metrics)", namespace, name, mine.master, mine.metrics)
+            return PortsResult(confirmed, mine.pair)
+    return PortsResult(job, None)
+
+
+def _wants_ports(spec: TrainingJobSpec, job: Mapping[str, Any]) -> bool:
+    """Whether to make sure the job has its host ports now.
+
+    Not for a job being deleted or finished (unless a corrected spec brings it
+    back), nor for a suspended one that has none yet (it gets them on resuming).
+    """
+    status = job.get("status") or {}
+    if not hp.needs_host_ports(spec) or hp.deleting(job):
+        return False
+    if status.get("phase") in TERMINAL_PHASES and not condition_is(status, COND_INVALID):
+        return False
+    return not spec.suspend or hp.recorded(status) is not None
+
+
+def _attempt_live(status: Mapping[str, Any]) -> bool:
+    """Whether the current attempt's end is not accounted yet (its pods may run)."""
+    attempt = status.get("attempt") or 0
+    return bool(attempt) and (status.get("lastPodEnd") or {}).get("attempt") != attempt
+
+
 # --- the reconcile ---------------------------------------------------------------
 
 
@@ -365,20 +513,39 @@ def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = No
     job = get_job(ctx, namespace, name)
     if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
         ctx.jobs.pop((namespace, name), None)
+        ctx.set_waiting_for_ports((namespace, name), False)
         return None
-    meta = job["metadata"]
-    generation = meta.get("generation")
-    status = dict(job.get("status") or {})
     spec: TrainingJobSpec | SpecError
     try:
         spec = parse(job.get("spec"))
         check_name(name, spec)
     except SpecError as exc:
         spec = exc
-    observation = observe(ctx, job)
     now = now or datetime.now(UTC)
-    decision = decide(name, status, spec, observation, now, generation)
-    decision = apply(ctx, job, spec, decision, now)
+    ports: tuple[int, int] | None = None
+    if isinstance(spec, TrainingJobSpec) and _wants_ports(spec, job):
+        got = ensure_host_ports(ctx, job, spec)
+        job, ports = got.job, got.ports
+        waiting = ports is None and not _attempt_live(job.get("status") or {})
+        ctx.set_waiting_for_ports((namespace, name), waiting and got.exhausted is not None)
+        if waiting:
+            return _wait_for_ports(ctx, job, got.exhausted, now)
+    else:
+        ctx.set_waiting_for_ports((namespace, name), False)
+    meta = job["metadata"]
+    generation = meta.get("generation")
+    status = dict(job.get("status") or {})
+    draft: dict[str, Any] = status
+    allocated_events: tuple[Event, ...] = ()
+    if ports is not None:
+        draft, allocated_events = hp.note_allocated(status, hp.HostPorts(*ports, True), now, generation)
+    observation = observe(ctx, job)
+    decision = decide(name, draft, spec, observation, now, generation)
+    if allocated_events:
+        decision = replace(decision, events=allocated_events + decision.events)
+    decision = apply(ctx, job, spec, decision, now, ports)
+    if decision.status.get("phase") in TERMINAL_PHASES:
+        decision.status.pop(hp.STATUS_FIELD, None)  # a finished job frees its host ports
     report(ctx, job, status, decision, now)
     ctx.phases[(namespace, name)] = str(decision.status.get("phase") or "")
     ctx.jobs[(namespace, name)] = {**job, "status": decision.status}
@@ -387,10 +554,32 @@ def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = No
     return decision.requeue_after
 
 
+def _wait_for_ports(ctx: Context, job: dict[str, Any], exhausted: str | None, now: datetime) -> float | None:
+    """No pair for a job about to start an attempt: say so (when the range is full) and look again later."""
+    meta = job["metadata"]
+    status = dict(job.get("status") or {})
+    if exhausted is None:  # other writers of the job got in the way: soon again
+        return 1.0
+    decision = hp.wait_for_ports(status, exhausted, now, meta.get("generation"))
+    report(ctx, job, status, decision, now)
+    ctx.phases[(meta["namespace"], meta["name"])] = str(decision.status.get("phase") or "")
+    ctx.jobs[(meta["namespace"], meta["name"])] = {**job, "status": decision.status}
+    return decision.requeue_after
+
+
 def apply(
-    ctx: Context, job: Mapping[str, Any], spec: TrainingJobSpec | SpecError, decision: Decision, now: datetime
+    ctx: Context,
+    job: Mapping[str, Any],
+    spec: TrainingJobSpec | SpecError,
+    decision: Decision,
+    now: datetime,
+    ports: tuple[int, int] | None = None,
 ) -> Decision:
-    """Carry out a decision's pod operations; returns the decision that really happened."""
+    """Carry out a decision's pod operations; returns the decision that really happened.
+
+    ``ports``: the job's confirmed host ports; a hostNetwork job that needs
+    them and has none gets no pods (the next attempt waits for a pair).
+    """
     meta = job["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     if decision.delete_pod:
@@ -402,12 +591,14 @@ def apply(
         why = " at once: its node is gone" if force else ""
         log.info("stopping pod %s/%s of a gang%s", namespace, pod_to_delete, why)
     if decision.create_attempt is not None and isinstance(spec, TrainingJobSpec):
-        pods = build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config)
+        if ports is None and hp.needs_host_ports(spec):
+            return Decision(status=dict(job.get("status") or {}), requeue_after=hp.WAIT_SECONDS)
+        pods = build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports)
         made: list[str] = []
         try:
             # The pods' access first: a sidecar reads its pod from its first poll.
             ensure_access(ctx, notice_access(name, namespace, uid, spec, decision.create_attempt))
-            service = build_service(name, namespace, uid, spec)
+            service = build_service(name, namespace, uid, spec, ports)
             if service is not None:
                 ensure_service(ctx, service, uid)
             created = True
