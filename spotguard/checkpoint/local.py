@@ -5,6 +5,8 @@ file is written (checksummed while it is written) and fsynced, then
 ``manifest.json`` is written and fsynced, the directory is fsynced, and it is
 renamed to ``<dir>/ckpt-<step:012d>/`` (atomic on POSIX file systems). A
 directory named ``ckpt-*`` with a ``manifest.json`` is therefore complete.
+One that fails verification when its step is committed again is renamed to
+``ckpt-<step>.refused-<UTC time>`` (never deleted; listings ignore it).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
 WRITER_TMP_PREFIX = ".tmp-ckpt-"
+# A refused checkpoint moved aside: ``ckpt-<step>.refused-<UTC time>``.
+REFUSED_MARK = ".refused-"
 
 
 class DeadlineExceeded(TimeoutError):
@@ -170,7 +174,9 @@ class LocalWriter:
     ) -> Path:
         """Write the manifest last, fsync, and rename into place; returns the
         committed directory. Committing a step that already exists keeps the
-        existing checkpoint. ``entries`` (default: the files this writer
+        existing checkpoint when it verifies; one that does not (it would be
+        refused on restore) is moved aside (:func:`move_aside_refused`) and
+        this one takes its place. ``entries`` (default: the files this writer
         wrote) and ``sharding`` describe the part of a distributed checkpoint."""
         if check_deadline:
             self._check_deadline()
@@ -197,10 +203,14 @@ class LocalWriter:
             os.rename(self.tmp, final)
         except OSError:
             if (final / MANIFEST_NAME).is_file():
-                log.info("checkpoint %s already exists; keeping it", final)
-                self.abort()
-                return final
-            remove_checkpoint_dir(final)
+                problem = existing_checkpoint_problem(final)
+                if problem is None:
+                    log.info("checkpoint %s already exists; keeping it", final)
+                    self.abort()
+                    return final
+                move_aside_refused(final, problem)
+            else:
+                remove_checkpoint_dir(final)
             os.rename(self.tmp, final)
         fsync_dir(self.directory)
         return final
@@ -353,6 +363,51 @@ def load_legacy_pickle(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise StateError(f"{path.name}: refused by torch.load(weights_only=True): {exc}") from None
+
+
+def unlisted_local_files(path: Path, manifest: Manifest) -> list[str]:
+    """Files in a local checkpoint directory that its manifest does not list
+    (a framework loads whatever it finds by name: such a file was never
+    checksummed nor scanned, so the checkpoint is not handed over)."""
+    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
+    found = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            rel = (Path(root) / name).relative_to(path).as_posix()
+            if rel not in listed:
+                found.append(rel)
+    return sorted(found)
+
+
+def existing_checkpoint_problem(path: Path) -> str | None:
+    """Why a committed local checkpoint would be refused on restore (None: it
+    would not): it fails its manifest (damaged, unsafe pickle, unreadable
+    manifest), or holds a file the manifest does not list."""
+    result = verify_local_checkpoint(path)
+    if not result.ok or result.manifest is None:
+        return result.reason
+    extra = unlisted_local_files(Path(path), result.manifest)
+    if extra:
+        return f"{extra[0]}: a file the manifest does not list"
+    return None
+
+
+def refused_name(name: str, when: float) -> str:
+    """Pure: the name a refused checkpoint is moved to,
+    ``<name>.refused-<UTC time>`` (no listing takes it for a checkpoint)."""
+    return f"{name}{REFUSED_MARK}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(when))}"
+
+
+def move_aside_refused(path: Path, reason: str) -> Path:
+    """Rename a refused local checkpoint to a sibling no listing sees, so a new
+    save of its step can commit. Never deleted: it stays for a look."""
+    path = Path(path)
+    aside = path.with_name(refused_name(path.name, time.time()))
+    while aside.exists():
+        aside = aside.with_name(f"{refused_name(path.name, time.time())}-{uuid.uuid4().hex[:6]}")
+    os.rename(path, aside)
+    log.warning("local checkpoint %s is refused (%s): moved to %s", path, reason, aside.name)
+    return aside
 
 
 def remove_checkpoint_dir(path: Path) -> None:

@@ -324,6 +324,10 @@ def _register_run(subparsers: Any) -> None:
                    help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--job", default=_env("SPOTGUARD_JOB", ""), help="job name for metrics/logs")
+    p.add_argument("--pass-credentials", action="store_true",
+                   help="hand the command the storage credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                   "AWS_SESSION_TOKEN, ...) and SPOTGUARD_STORAGE_URI; by default it gets neither, as "
+                   "spotguard run restores and uploads for it")
     _add_notice_args(p)
     _add_retention_args(p)
     _add_incremental_arg(p)
@@ -380,6 +384,7 @@ def _run(args: argparse.Namespace) -> int:
         notice_interval_seconds=args.notice_interval,
         notice_stops_training=args.notice_stops_training,
         incremental=incremental,
+        pass_credentials=args.pass_credentials,
     )
     try:
         with workdir_lock(workdir):

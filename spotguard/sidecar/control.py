@@ -13,7 +13,12 @@ The Checkpointer (trainer side) and the sidecar or ``spotguard run``
   the process is visible;
 - ``trainer-exit.json`` (trainer, when it is done):
   ``{"pid", "preempted", "last_step"}``; tells an uploader that cannot see
-  the trainer's process that it has exited, and why.
+  the trainer's process that it has exited, and why;
+- ``uploader-heartbeat.json`` (uploader, every round of its loop):
+  ``{"pid", "time", "shipping"}``; ``time`` is unix time, ``shipping`` false
+  while a checkpoint newer than the newest verified one could not be
+  shipped. A preemption's save skips the fsync of its data only while this
+  is fresh (:data:`HEARTBEAT_FRESH_SECONDS`) and says ``shipping``.
 
 The trainer reads requests at step boundaries; the signal (SIGUSR1) only
 makes it notice sooner. Files are the contract, signals are a courtesy.
@@ -40,8 +45,15 @@ REQUEST_FILE = "checkpoint-request.json"
 ACK_FILE = "checkpoint-ack.json"
 PID_FILE = "trainer.pid"
 EXIT_FILE = "trainer-exit.json"
+HEARTBEAT_FILE = "uploader-heartbeat.json"
 CONTROL_SUBDIR = ".control"
+# Cleared between runs; the heartbeat is not (a stale one says nothing).
 CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE)
+
+# An uploader's heartbeat older than this says nothing: its loop is stuck or gone.
+HEARTBEAT_FRESH_SECONDS = 5.0
+# Clock slack between the two sides (a heartbeat from further ahead is not trusted).
+_HEARTBEAT_SKEW_SECONDS = 1.0
 
 # Ids of requests the trainer makes for itself (a signal, an in-process
 # call); the uploader's requests carry random hex ids.
@@ -148,6 +160,64 @@ def read_trainer_exit(control_dir: Path) -> TrainerExit | None:
         preempted=preempted if isinstance(preempted, bool) else None,
         last_step=last if isinstance(last, int) and not isinstance(last, bool) else None,
     )
+
+
+@dataclass(frozen=True)
+class UploaderHeartbeat:
+    """``uploader-heartbeat.json``: the uploader's loop ran at ``time`` (unix);
+    ``shipping`` is False while a checkpoint newer than the newest verified
+    one could not be shipped."""
+
+    pid: int | None
+    time: float
+    shipping: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form."""
+        return {"pid": self.pid, "time": self.time, "shipping": self.shipping}
+
+
+def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
+    """Parse ``uploader-heartbeat.json``; raises ValueError when malformed."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("heartbeat is not a JSON object")
+    when, shipping, pid = doc.get("time"), doc.get("shipping"), doc.get("pid")
+    if not isinstance(when, int | float) or isinstance(when, bool):
+        raise ValueError(f"heartbeat time {when!r} is not a number")
+    if not isinstance(shipping, bool):
+        raise ValueError(f"heartbeat 'shipping' {shipping!r} is not a boolean")
+    return UploaderHeartbeat(pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                             float(when), shipping)  # fmt: skip
+
+
+def heartbeat_says_shipping(beat: UploaderHeartbeat | None, now: float,
+                            max_age: float = HEARTBEAT_FRESH_SECONDS) -> bool:  # fmt: skip
+    """Pure: does this heartbeat show an uploader alive and shipping at ``now``?"""
+    if beat is None or not beat.shipping:
+        return False
+    return -_HEARTBEAT_SKEW_SECONDS <= now - beat.time <= max_age
+
+
+def write_heartbeat(control_dir: Path, shipping: bool, now: float | None = None) -> None:
+    """Refresh the uploader's heartbeat (replaced atomically; not fsynced:
+    a heartbeat that does not survive a crash is one that says nothing)."""
+    beat = UploaderHeartbeat(os.getpid(), time.time() if now is None else now, shipping)
+    control_dir.mkdir(parents=True, exist_ok=True)
+    path = control_dir / HEARTBEAT_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(beat.to_json()), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def uploader_shipping(control_dir: Path, now: float | None = None) -> bool:
+    """Whether an uploader's fresh heartbeat in ``control_dir`` says it is
+    alive and shipping (trainer side)."""
+    try:
+        beat: UploaderHeartbeat | None = parse_heartbeat((control_dir / HEARTBEAT_FILE).read_bytes())
+    except (OSError, ValueError):
+        beat = None
+    return heartbeat_says_shipping(beat, time.time() if now is None else now)
 
 
 def control_dir_from_env(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> Path:

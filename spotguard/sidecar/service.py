@@ -37,6 +37,7 @@ from spotguard.sidecar.control import (
     is_trainer_process,
     signal_trainer,
     trainer_said_preempted,
+    write_heartbeat,
 )
 from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
@@ -68,6 +69,8 @@ EMERGENCY_RETRY_MAX = 2.0
 EVENT_JOIN_SECONDS = 10.0
 # After the trainer's exit, how often a part waiting for other nodes' parts is tried again.
 FLUSH_AWAIT_POLL_SECONDS = 5.0
+# How often the uploader's heartbeat is refreshed at most (well within HEARTBEAT_FRESH_SECONDS).
+HEARTBEAT_SECONDS = 1.0
 
 
 @dataclass
@@ -148,6 +151,8 @@ class CheckpointAgent:
         self._state_cache: tuple[float, TrainerState] | None = None
         # Set on a preemption (the signal latch's event): housekeeping stops.
         self.interrupt: threading.Event | None = None
+        # When the heartbeat was last written (monotonic), and what it said.
+        self._beat: tuple[float, bool] | None = None
         metrics.grace.labels(**metrics.labels).set(config.grace_seconds)
 
     # -- trainer -------------------------------------------------------------
@@ -247,10 +252,29 @@ class CheckpointAgent:
 
     # -- routine -------------------------------------------------------------
 
+    def beat(self) -> None:
+        """Tell the trainer this uploader is alive, and whether it ships
+        (``uploader-heartbeat.json``): only then may a preemption's save skip
+        its fsync."""
+        # Failing: a checkpoint newer than the newest verified one could not be shipped.
+        last = self.shipper.last_shipped
+        shipping = not any(step_of(name) > (last.step if last else -1) for name in list(self.shipper.failed))
+        now = time.monotonic()
+        if self._beat is not None and self._beat[1] == shipping and now - self._beat[0] < HEARTBEAT_SECONDS:
+            return
+        try:
+            write_heartbeat(self.config.control_dir, shipping=shipping)
+        except OSError as exc:
+            log.debug("could not write the heartbeat: %s", exc)
+            return
+        self._beat = (now, shipping)
+
     def step(self) -> list[Shipped]:
         """One round of routine duties: notices, shipping, housekeeping."""
+        self.beat()
         self.handle_notices()
         shipped = self.shipper.ship(housekeeping=False, should_stop=self._interrupted)
+        self.beat()  # at once when the round changed whether it ships
         self.settle_pending()
         if shipped and not self._interrupted():
             self.shipper.housekeeping(self._interrupted)
@@ -294,6 +318,7 @@ class CheckpointAgent:
         trainer's last step is verified.
         """
         deadline = received_at + self.config.grace_seconds - self.config.safety_margin_seconds
+        self.beat()
         state = self.trainer_state()
         log.warning("preemption source=%s trainer=%s deadline_in=%.1fs", source, state,
                     deadline - time.time())
@@ -419,6 +444,7 @@ class CheckpointAgent:
         signalled_again = False
         written_at = req.written_at if req.written_at is not None else time.time()
         while time.time() < deadline:
+            self.beat()
             ack = self.channel.read_ack()
             if ack_answers(ack, req):
                 assert ack is not None

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -61,6 +61,15 @@ EXIT_EMERGENCY_FAILED = 3
 RUN_ID_ENV = "SPOTGUARD_RUN_ID"
 LOCK_FILE = "supervisor.lock"
 CHILD_FILE = "child.json"
+# The variables whose values are storage credentials (read by the S3 client
+# from the environment). The command gets them only with --pass-credentials.
+STORAGE_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
+)
 # torchrun forwards SIGTERM to its workers and SIGKILLs them after this many
 # seconds (30 by default); ``spotguard run`` sets it to the grace period.
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -98,11 +107,19 @@ class RunConfig:
     notice_stops_training: bool = False
     # Upload only the chunks storage does not hold yet (the sidecar's --incremental).
     incremental: bool = False
+    # Hand the command the storage credentials and SPOTGUARD_STORAGE_URI.
+    pass_credentials: bool = False
 
     @property
     def control_dir(self) -> Path:
         """The control channel directory inside the checkpoint directory."""
         return self.checkpoint_dir / ".control"
+
+
+def without_storage_credentials(env: Mapping[str, str]) -> dict[str, str]:
+    """Pure: ``env`` without the storage credentials and the storage URI."""
+    drop = {*STORAGE_CREDENTIAL_ENV, "SPOTGUARD_STORAGE_URI"}
+    return {k: v for k, v in env.items() if k not in drop}
 
 
 def backoff_delay(restart: int, initial: float, maximum: float) -> float:
@@ -338,7 +355,14 @@ class Supervisor:
     # -- child ---------------------------------------------------------------
 
     def child_env(self) -> dict[str, str]:
-        """The Checkpointer's environment for the command."""
+        """The Checkpointer's environment for the command.
+
+        Without ``pass_credentials`` the command gets neither the storage
+        credentials nor the storage URI: the supervisor staged the checkpoint
+        to resume from before the start and ships what the command commits,
+        so the trainer never needs storage (as in a pod, where only the
+        restore init container and the sidecar get them).
+        """
         env = dict(os.environ)
         env.update(self.config.extra_env)
         env.update({
@@ -348,6 +372,8 @@ class Supervisor:
             "SPOTGUARD_ATTEMPT": str(self.attempt),
             RUN_ID_ENV: self.run_id,
         })
+        if not self.config.pass_credentials:
+            env = without_storage_credentials(env)
         # Under torchrun the workers must get the whole grace period for their
         # emergency checkpoint; the supervisor kills them at its own deadline.
         env.setdefault(TORCHRUN_SHUTDOWN_ENV, str(max(1, math.ceil(self.config.grace_seconds))))

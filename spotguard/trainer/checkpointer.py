@@ -73,6 +73,7 @@ from spotguard.sidecar.control import (
     TrainerExit,
     ack_json,
     parse_request,
+    uploader_shipping,
 )
 from spotguard.sidecar.control import atomic_write_json as _write_json_atomic
 from spotguard.trainer import distributed as _distributed
@@ -160,15 +161,34 @@ def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool
     return PRUNE_LOCAL_ONLY
 
 
-def emergency_save_is_durable(preempt: bool, pruner: str) -> bool:
+def emergency_save_is_durable(preempt: bool, pruner: str, shipping: bool) -> bool:
     """Pure: whether a save fsyncs its data files before it is acknowledged.
 
     Every save does, except a preemption's when an uploader ships it at once
-    (the sidecar, ``spotguard run``, or ``upload=True``): its durability is the
-    verified upload, and the seconds an fsync of gigabytes takes are the
-    grace period's. Without an uploader the local copy is all there is.
+    and has said so (``shipping``: the sidecar's or ``spotguard run``'s fresh
+    heartbeat, or with ``upload=True`` this process's last upload verified):
+    its durability is the verified upload, and the seconds an fsync of
+    gigabytes takes are the grace period's. Without a live uploader the local
+    copy is all there is.
     """
-    return not preempt or pruner == PRUNE_LOCAL_ONLY
+    return not preempt or pruner == PRUNE_LOCAL_ONLY or not shipping
+
+
+# A preemption's upload (``upload=True``) without a deadline is retried this long.
+EMERGENCY_UPLOAD_SECONDS = 25.0
+
+
+def emergency_upload_pause(attempt: int, now: float, deadline: float) -> float | None:
+    """Pure: seconds to wait before retrying a preemption's upload that failed
+    ``attempt`` times (the sidecar's emergency backoff), never past
+    ``deadline``; None when no time is left."""
+    from spotguard.sidecar.service import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX
+    from spotguard.sidecar.shipper import retry_delay
+
+    left = deadline - now
+    if left <= 0:
+        return None
+    return min(retry_delay(attempt, EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX), left)
 
 
 class Checkpointer:
@@ -177,7 +197,8 @@ class Checkpointer:
     ``directory`` holds committed checkpoints (``ckpt-<step:012d>/``);
     ``storage_uri`` is the job's remote root, used by :meth:`restore` when no
     local checkpoint exists and, with ``upload=True``, to upload each
-    checkpoint after it is committed (in a pod the sidecar uploads instead).
+    checkpoint after it is committed (in a pod the sidecar uploads instead;
+    a preemption's upload is retried until its deadline).
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`local_pruner`): with a storage URI and no ``upload``, never by
@@ -230,6 +251,8 @@ class Checkpointer:
         self.retention = retention
         self.upload = upload and self.storage_uri is not None
         self.local_pruner = local_pruner(self.upload, self.storage_uri, control_dir is not None)
+        # With upload=True: whether this process's last upload was verified.
+        self._shipping = False
         # Checkpoints this process knows are verified in storage (uploaded and
         # verified here, or restored from storage).
         self._verified: set[str] = set()
@@ -590,7 +613,7 @@ class Checkpointer:
                 return None
             start = time.perf_counter()
             writer = LocalWriter(self.directory, step, algorithm=self.checksum, deadline=deadline,
-                                 durable=emergency_save_is_durable(preempt, self.local_pruner))  # fmt: skip
+                                 durable=self._durable(preempt))  # fmt: skip
             try:
                 names = _folder.folder_files(source, exclude)
                 for rel in names:
@@ -649,7 +672,7 @@ class Checkpointer:
         self.last_persist_seconds = time.perf_counter() - start
         log.info("checkpoint %s committed from %s (%.2fs)", path, source, self.last_persist_seconds)
         self._finish(job.requests, path)
-        self._after_commit(path)
+        self._after_commit(path, job)
         return path
 
     def _commit_folder_dist(
@@ -685,7 +708,7 @@ class Checkpointer:
         if d.leader:
             try:
                 writer = LocalWriter(self.directory, step, algorithm=self.checksum, deadline=deadline,
-                                     durable=emergency_save_is_durable(preempt, self.local_pruner),
+                                     durable=self._durable(preempt),
                                      tmp=self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{token:08x}")  # fmt: skip
                 names = _folder.folder_files(source, exclude)
                 for rel in names:
@@ -777,7 +800,7 @@ class Checkpointer:
         job.result = final
         self._finish(job.requests, final, deadline_exceeded=deadline_exceeded)
         if final is not None and d.leader:
-            self._after_commit(final)
+            self._after_commit(final, job)
 
     def resume_folder(self) -> Path | None:
         """The checkpoint folder to hand to the framework on resume, or None
@@ -820,7 +843,7 @@ class Checkpointer:
 
     def _folder_problem(self, path: Path) -> str | None:
         """Why a local checkpoint cannot be handed to a framework (None: it can)."""
-        from spotguard.trainer.folder import unlisted_files
+        from spotguard.checkpoint.local import unlisted_local_files as unlisted_files
 
         result = verify_local_checkpoint(path)
         if not result.ok or result.manifest is None:
@@ -990,7 +1013,7 @@ class Checkpointer:
         assert d is not None
         start = time.perf_counter()
         tmp = self.directory / f"{WRITER_TMP_PREFIX}{job.step:012d}-{job.token:08x}"
-        durable = emergency_save_is_durable(job.preempt, self.local_pruner)
+        durable = self._durable(job.preempt)
         error: str | None = None
         writer: LocalWriter | None = None
         deadline_exceeded = False
@@ -1079,7 +1102,7 @@ class Checkpointer:
         job.result = final
         self._finish(job.requests, final, deadline_exceeded=deadline_exceeded)
         if final is not None and d.leader and path is not None:
-            self._after_commit(path)
+            self._after_commit(path, job)
 
     def _wait_until(self, deadline: float | None) -> bool:
         thread = self._thread
@@ -1111,7 +1134,7 @@ class Checkpointer:
                 reason=_reason(job.requests),
                 request_id=next((r.id for r in reversed(job.requests)), None),
                 snapshot_seconds=job.snapshot_seconds,
-                durable=emergency_save_is_durable(any(r.preempt for r in job.requests), self.local_pruner),
+                durable=self._durable(any(r.preempt for r in job.requests)),
             )
             self.last_committed = path
             self.last_persist_seconds = time.perf_counter() - start
@@ -1128,12 +1151,23 @@ class Checkpointer:
             job.snapshot = None  # free host memory before anything slow
         self._finish(job.requests, path, deadline_exceeded=deadline_exceeded)
         if path is not None:
-            self._after_commit(path)
+            self._after_commit(path, job)
         return path
 
-    def _after_commit(self, path: Path) -> None:
+    def _durable(self, preempt: bool) -> bool:
+        """Whether this save fsyncs its data files (see :func:`emergency_save_is_durable`)."""
+        if not preempt or self.local_pruner == PRUNE_LOCAL_ONLY:
+            return True
+        shipping = self._shipping if self.local_pruner == PRUNE_SELF else uploader_shipping(self.control_dir)
+        return emergency_save_is_durable(preempt, self.local_pruner, shipping)
+
+    def _after_commit(self, path: Path, job: _PersistJob) -> None:
         if self.upload:
-            self._upload(path)
+            if job.preempt or any(r.preempt for r in job.requests):
+                # A preemption's upload is retried until the save's deadline.
+                self._upload(path, until=job.deadline or time.time() + EMERGENCY_UPLOAD_SECONDS)
+            else:
+                self._upload(path)
         try:
             if self.local_pruner == PRUNE_SELF:
                 for name in plan_local_prune([p.name for p in list_local_committed(self.directory)],
@@ -1148,31 +1182,57 @@ class Checkpointer:
         except OSError as exc:
             log.warning("could not prune local checkpoints: %s", exc)
 
-    def _upload(self, path: Path) -> None:
-        """Upload, verify, move the pointer, then apply retention in storage."""
+    def _upload(self, path: Path, *, until: float | None = None) -> None:
+        """Upload, verify, move the pointer, then apply retention in storage.
+        With ``until`` (a preemption's save): a failure is retried with
+        backoff until then, and retention waits for a routine upload."""
+        attempt = 0
+        while True:
+            try:
+                verified = self._upload_once(path)
+                self._shipping = True
+                break
+            except Exception as exc:
+                self._shipping = False
+                self.last_error = exc
+                attempt += 1
+                pause = None if until is None else emergency_upload_pause(attempt, time.time(), until)
+                if pause is None:
+                    log.error("upload of %s failed: %s", path.name, exc)
+                    return
+                log.warning("upload of %s failed (attempt %d): %s; retrying in %.2fs", path.name, attempt, exc,
+                            pause)  # fmt: skip
+                time.sleep(pause)
+        if not verified or until is not None or self.retention is None or self.retention.keeps_everything:
+            return
         try:
             from spotguard.checkpoint.gc import apply_retention
-            from spotguard.checkpoint.remote import update_latest_pointer, upload_checkpoint, verify_checkpoint
 
-            storage = self._open_storage()
-            result = upload_checkpoint(path, storage, update_pointer=False)
-            if not result.committed:
-                # One node's part of a distributed checkpoint: the uploader of
-                # the last part to arrive writes the global manifest.
-                log.info("uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage", path.name,
-                         result.bytes, result.seconds, result.parts_present, result.parts_total)  # fmt: skip
-                return
-            verdict = verify_checkpoint(storage, path.name)
-            if not verdict.ok:
-                raise RuntimeError("verification failed: " + verdict.reason)
-            self._verified.add(path.name)
-            update_latest_pointer(storage, result.step)
-            log.info("uploaded and verified %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
-            if self.retention is not None and not self.retention.keeps_everything:
-                apply_retention(storage, self.retention, newest_verified=path.name)
+            apply_retention(self._open_storage(), self.retention, newest_verified=path.name)
         except Exception as exc:
             self.last_error = exc
-            log.error("upload of %s failed: %s", path.name, exc)
+            log.error("retention after the upload of %s failed: %s", path.name, exc)
+
+    def _upload_once(self, path: Path) -> bool:
+        """Upload, verify and move the pointer; True once the checkpoint is
+        verified in storage (False: one node's part, stored). Raises on failure."""
+        from spotguard.checkpoint.remote import update_latest_pointer, upload_checkpoint, verify_checkpoint
+
+        storage = self._open_storage()
+        result = upload_checkpoint(path, storage, update_pointer=False)
+        if not result.committed:
+            # One node's part of a distributed checkpoint: the uploader of
+            # the last part to arrive writes the global manifest.
+            log.info("uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage", path.name,
+                     result.bytes, result.seconds, result.parts_present, result.parts_total)  # fmt: skip
+            return False
+        verdict = verify_checkpoint(storage, path.name)
+        if not verdict.ok:
+            raise RuntimeError("verification failed: " + verdict.reason)
+        self._verified.add(path.name)
+        update_latest_pointer(storage, result.step)
+        log.info("uploaded and verified %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
+        return True
 
     def _apply_local_retention(self, newest: Path) -> None:
         assert self.retention is not None

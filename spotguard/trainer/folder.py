@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from spotguard.checkpoint.local import LocalWriter
-from spotguard.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest
+from spotguard.checkpoint.manifest import MANIFEST_NAME, FileEntry
 
 
 class FolderError(ValueError):
@@ -116,18 +116,6 @@ def node_files(
     return sorted(mine, key=lambda e: e.path), sorted(drop)
 
 
-def unlisted_files(path: Path, manifest: Manifest) -> list[str]:
-    """Files in a local checkpoint directory that its manifest does not list
-    (a framework loads whatever it finds by name: such a file was never
-    checksummed nor scanned, so the checkpoint is not handed over)."""
-    listed = {e.path for e in manifest.files} | {MANIFEST_NAME}
-    found = []
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            rel = (Path(root) / name).relative_to(path).as_posix()
-            if rel not in listed:
-                found.append(rel)
-    return sorted(found)
 
 
 def entries_json(entries: Iterable[FileEntry]) -> list[tuple[str, int, str]]:

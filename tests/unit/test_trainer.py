@@ -155,17 +155,19 @@ def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_
 
 
 @pytest.mark.parametrize(
-    "preempt, pruner, durable",
+    "preempt, pruner, shipping, durable",
     [
-        (False, "uploader", True),   # routine saves are always fsynced
-        (False, "self", True),
-        (False, "local-only", True),
-        (True, "uploader", False),   # a preemption's save is made durable by its verified upload
-        (True, "self", False),
-        (True, "local-only", True),  # nothing ships it: the local copy is all there is
+        (False, "uploader", True, True),   # routine saves are always fsynced
+        (False, "self", True, True),
+        (False, "local-only", False, True),
+        (True, "uploader", True, False),   # a preemption's save is made durable by its verified upload
+        (True, "self", True, False),
+        (True, "uploader", False, True),   # no live uploader said it ships: the local copy is all there is
+        (True, "self", False, True),
+        (True, "local-only", False, True),  # nothing ships it
     ],
 )
-def test_emergency_save_is_durable(preempt: bool, pruner: str, durable: bool) -> None:
+def test_emergency_save_is_durable(preempt: bool, pruner: str, shipping: bool, durable: bool) -> None:
     from spotguard.trainer.checkpointer import emergency_save_is_durable
 
-    assert emergency_save_is_durable(preempt, pruner) is durable
+    assert emergency_save_is_durable(preempt, pruner, shipping) is durable

@@ -1,0 +1,95 @@
+"""Pure rules behind the trainer's safety nets: when an emergency save may skip
+its fsync, how an uploader's heartbeat is read, how an emergency upload is
+retried, how a refused local checkpoint is named, which variables ``spotguard
+run`` keeps from its command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "preempt, pruner, shipping, durable",
+    [
+        (False, "uploader", True, True),    # routine saves are always fsynced
+        (False, "self", True, True),
+        (True, "uploader", True, False),    # a live uploader ships it at once: its upload makes it durable
+        (True, "self", True, False),
+        (True, "uploader", False, True),    # no sign of a live uploader: the local copy is all there is
+        (True, "self", False, True),
+        (True, "local-only", True, True),   # nothing ships it
+        (True, "local-only", False, True),
+    ],
+)
+def test_an_emergency_save_skips_fsync_only_for_a_live_uploader(preempt: bool, pruner: str, shipping: bool,
+                                                               durable: bool) -> None:
+    from spotguard.trainer.checkpointer import emergency_save_is_durable
+
+    assert emergency_save_is_durable(preempt, pruner, shipping) is durable
+
+
+def test_a_heartbeat_counts_only_while_fresh_and_shipping() -> None:
+    from spotguard.sidecar.control import HEARTBEAT_FRESH_SECONDS, heartbeat_says_shipping, parse_heartbeat
+
+    beat = parse_heartbeat(json.dumps({"pid": 7, "time": 1000.0, "shipping": True}))
+    assert (beat.pid, beat.time, beat.shipping) == (7, 1000.0, True)
+    assert heartbeat_says_shipping(beat, 1000.5)
+    assert heartbeat_says_shipping(beat, 1000.0 + HEARTBEAT_FRESH_SECONDS)
+    assert not heartbeat_says_shipping(beat, 1000.0 + HEARTBEAT_FRESH_SECONDS + 0.1)  # stale: the uploader stopped
+    assert not heartbeat_says_shipping(beat, 990.0)  # from the future: a clock that cannot be trusted
+    assert not heartbeat_says_shipping(None, 1000.0)
+    failing = parse_heartbeat(json.dumps({"pid": 7, "time": 1000.0, "shipping": False}))
+    assert not heartbeat_says_shipping(failing, 1000.5)  # alive, but its uploads fail
+
+
+@pytest.mark.parametrize("doc", ["[]", "{}", '{"time": "now", "shipping": true}', '{"time": 1.0, "shipping": 1}',
+                                 "not json"])
+def test_a_malformed_heartbeat_is_refused(doc: str) -> None:
+    from spotguard.sidecar.control import parse_heartbeat
+
+    with pytest.raises(ValueError):
+        parse_heartbeat(doc)
+
+
+def test_an_emergency_upload_is_retried_with_backoff_until_the_deadline() -> None:
+    from spotguard.trainer.checkpointer import emergency_upload_pause
+
+    pauses = [emergency_upload_pause(n, 100.0, 110.0) for n in range(1, 6)]
+    assert pauses == [0.25, 0.5, 1.0, 2.0, 2.0]  # the sidecar's emergency backoff
+    assert emergency_upload_pause(3, 109.5, 110.0) == 0.5  # never past the deadline
+    assert emergency_upload_pause(1, 110.0, 110.0) is None  # out of time: give up
+    assert emergency_upload_pause(1, 111.0, 110.0) is None
+
+
+def test_a_refused_checkpoint_gets_a_name_no_listing_takes_for_a_checkpoint() -> None:
+    from spotguard.checkpoint.local import refused_name
+    from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
+
+    name = refused_name(checkpoint_name(42), 0.0)
+    assert name == "ckpt-000000000042.refused-19700101T000000Z"
+    assert parse_checkpoint_name(name) is None
+    assert not name.startswith(".tmp-")  # never swept away as a leftover
+
+
+def test_run_strips_the_storage_credentials_from_the_commands_environment() -> None:
+    from spotguard.sidecar.supervisor import STORAGE_CREDENTIAL_ENV, without_storage_credentials
+
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} <= set(STORAGE_CREDENTIAL_ENV)
+    env = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t",
+           "SPOTGUARD_STORAGE_URI": "s3://b/p", "AWS_ENDPOINT_URL_S3": "http://e", "AWS_DEFAULT_REGION": "r",
+           "PATH": "/bin"}  # fmt: skip
+    assert without_storage_credentials(env) == {"AWS_ENDPOINT_URL_S3": "http://e", "AWS_DEFAULT_REGION": "r",
+                                                "PATH": "/bin"}  # fmt: skip
+    assert env["AWS_SECRET_ACCESS_KEY"] == "s"  # the caller's mapping is left alone
+
+
+def test_run_passes_the_credentials_only_when_asked() -> None:
+    from spotguard.sidecar import cli
+
+    p = argparse.ArgumentParser(prog="spotguard")
+    cli.register(p.add_subparsers(dest="command"))
+    assert p.parse_args(["run", "--", "true"]).pass_credentials is False
+    assert p.parse_args(["run", "--pass-credentials", "--", "true"]).pass_credentials is True
