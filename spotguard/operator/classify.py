@@ -11,6 +11,8 @@ Every attempt ends in exactly one of three ways, and the budgets differ:
   spotguard's own containers (the sidecar, the restore init container), so
   that a crash loop ends too; its reason (``SidecarFailed``,
   ``RestoreFailed``) and message say it was spotguard's, not the training code.
+  A sidecar that stops while the trainer still trains ends the attempt too
+  (``SidecarExited``): checkpoints are no longer uploaded.
 
 ``running`` means the attempt has not ended yet.
 """
@@ -68,6 +70,12 @@ class PodEnd:
     start_problem: Literal["blocked", "unschedulable"] | None = None
     #: When the start problem began (RFC 3339), if the pod says.
     since: str | None = None
+    #: The pod runs and so does spotguard's sidecar.
+    sidecar_running: bool = False
+
+
+#: Reason of an attempt whose sidecar stopped while the trainer still ran.
+SIDECAR_EXITED = "SidecarExited"
 
 
 #: Container ``state.waiting.reason`` values with which a pod will not start
@@ -167,6 +175,70 @@ def _crashed_beside_sidecar(status: Mapping[str, Any]) -> tuple[str, str] | None
         if term.get("exitCode", 0) != 0:
             return "Error", f"container {cs.get('name')} exited with code {term.get('exitCode')}"
     return None
+
+
+def _reported_preemption(message: Any) -> bool:
+    """Whether a sidecar's termination message is its report of a preemption (its trainer stops next)."""
+    if not isinstance(message, str) or not message.strip().startswith("{"):
+        return False
+    try:
+        report = json.loads(message)
+    except ValueError:
+        return False
+    return isinstance(report, Mapping) and report.get("preempted") is True
+
+
+def _sidecar_status(status: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """(status key, container status) of spotguard's sidecar, if the pod reports it."""
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for cs in _container_statuses(status, key):
+            if cs.get("name") == SIDECAR_CONTAINER:
+                return key, cs
+    return None
+
+
+def _sidecar_runs(status: Mapping[str, Any]) -> bool:
+    found = _sidecar_status(status)
+    state = (found[1].get("state") or {}) if found else {}
+    return isinstance(state, Mapping) and isinstance(state.get("running"), Mapping)
+
+
+def sidecar_down(status: Mapping[str, Any]) -> str | None:
+    """Why spotguard's sidecar no longer runs beside a trainer that does, or None.
+
+    A classic sidecar (a regular container) is down once it terminated, unless
+    it left its report of a preemption (its trainer then stops by itself). A
+    native one (an init container with ``restartPolicy: Always``) is restarted
+    by kubelet: down only while kubelet backs off (``CrashLoopBackOff``).
+    """
+    trainers = [str(cs.get("name")) for cs in _container_statuses(status, "containerStatuses")
+                if cs.get("name") not in SPOTGUARD_CONTAINERS
+                and isinstance((cs.get("state") or {}).get("running"), Mapping)]  # fmt: skip
+    found = _sidecar_status(status)
+    if not trainers or found is None:
+        return None
+    key, cs = found
+    state = cs.get("state") or {}
+    beside = f"while container {trainers[0]} was still running (not the training code)"
+    if key == "containerStatuses":
+        term = state.get("terminated")
+        if not isinstance(term, Mapping) or _reported_preemption(term.get("message")):
+            return None
+        how = f"exited with code {term.get('exitCode')}"
+    else:
+        waiting = state.get("waiting")
+        last = (cs.get("lastState") or {}).get("terminated")
+        if not isinstance(waiting, Mapping) or waiting.get("reason") != "CrashLoopBackOff":
+            return None
+        term = last if isinstance(last, Mapping) else {}
+        how = (f"keeps crashing (CrashLoopBackOff, {cs.get('restartCount', 0)} restarts;"
+               f" last exited with code {term.get('exitCode')})")  # fmt: skip
+    if term.get("reason") == "OOMKilled":
+        how += " after running out of memory (OOMKilled): give it more memory (spec.sidecar.resources)"
+    message = term.get("message")
+    detail = _last_line(message) if isinstance(message, str) else ""
+    text = f"spotguard's container {SIDECAR_CONTAINER} {how} {beside}"
+    return f"{text}: {detail}" if detail else f"{text}; see its log"
 
 
 def _disruption(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -394,7 +466,12 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
             # A classic sidecar may not see that its trainer is gone and would
             # keep the pod running: the attempt has failed, stop the pod.
             return PodEnd("failed", crashed[0], crashed[1], step, stop_pod="graceful")
-        return PodEnd("running", "Running")
+        down = sidecar_down(status)
+        if down is not None:
+            # Checkpoints are no longer uploaded: stop the pod (the trainer gets
+            # its grace period) and count a failed attempt.
+            return PodEnd("failed", SIDECAR_EXITED, down, step, stop_pod="graceful")
+        return PodEnd("running", "Running", sidecar_running=_sidecar_runs(status))
     for cond in _conditions(status):
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             reason = str(cond.get("reason") or "Pending")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from spotguard.operator.classify import PodEnd
+from spotguard.operator.classify import SIDECAR_EXITED, PodEnd
 from spotguard.operator.spec import SpecError, TrainingJobSpec
 
 # Phases
@@ -39,6 +39,8 @@ COND_FAILED = "Failed"
 COND_INVALID = "Invalid"
 #: The current attempt's pod cannot start (reason: kubelet's or the scheduler's).
 COND_BLOCKED = "PodBlocked"
+#: spotguard's sidecar runs beside the trainer; set once a sidecar went down.
+COND_SIDECAR = "SidecarHealthy"
 
 # Reasons (conditions and Events)
 R_INVALID_SPEC = "InvalidSpec"
@@ -59,6 +61,8 @@ R_UNBLOCKED = "Unblocked"
 R_GANG_STOPPING = "StoppingGang"
 R_NODES_MISSING = "NodesMissing"
 R_GANG_STARTING = "GangStarting"
+R_SIDECAR_EXITED = SIDECAR_EXITED
+R_SIDECAR_RUNNING = "SidecarRunning"
 
 #: How long a pod may wait for a node before the job says so (a cluster
 #: autoscaler often needs a few minutes to add a GPU node).
@@ -322,6 +326,8 @@ def decide(
                 if condition_is(st, COND_PREEMPTED):
                     d.cond(COND_PREEMPTED, False, R_RESUMED, f"resumed in pod {current}")
                 _clear_blocked(d, f"pod {current} is running")
+                if end.sidecar_running:
+                    _sidecar_up(d, f"the sidecar of pod {current} is running")
             else:
                 d.cond(COND_RUNNING, False, end.reason, end.message or f"pod {current} is {end.reason}")
                 if st.get("phase") != RUNNING:
@@ -330,7 +336,8 @@ def decide(
                 if wait is not None:
                     return _finish(d, requeue_after=wait)
             return _finish(d)
-        return _account(d, spec, end, current)
+        decision = _account(d, spec, end, current)
+        return _sidecar_exited(d, spec, end, decision, current) if end.reason == R_SIDECAR_EXITED else decision
 
     # 2. Between attempts (new job, restarting, suspended).
     if spec.suspend:
@@ -386,6 +393,41 @@ def _clear_blocked(d: _Draft, message: str) -> None:
     if condition_is(d.st, COND_BLOCKED):
         d.cond(COND_BLOCKED, False, R_UNBLOCKED, message)
         d.events.append(Event("Normal", R_UNBLOCKED, message))
+
+
+def _sidecar_up(d: _Draft, message: str) -> None:
+    """Turn SidecarHealthy back to True once a sidecar runs again (it is set only after one went down)."""
+    if condition_is(d.st, COND_SIDECAR, False):
+        d.cond(COND_SIDECAR, True, R_SIDECAR_RUNNING, message)
+        d.events.append(Event("Normal", R_SIDECAR_RUNNING, message))
+
+
+def _sidecar_exited(d: _Draft, spec: TrainingJobSpec, end: PodEnd, decision: Decision, pod: str | None) -> Decision:
+    """Say that a pod's sidecar stopped while its trainer ran, and what the accounted end does next.
+
+    The SidecarExited Warning takes the place of the PodFailed one; the counting
+    was done by ``_account``, as for any failed attempt.
+    """
+    st = decision.status
+    failures, limit = st.get("failures"), spec.preemption.backoff_limit
+    if st.get("phase") == FAILED:
+        then = f"the job failed: {failures} failures (backoffLimit {limit})"
+    elif st.get("phase") == SUSPENDED:
+        then = "the job is suspended"
+    else:
+        nxt = decision.create_attempt or int(st.get("attempt") or 0) + 1
+        when = "now" if decision.create_attempt is not None else f"at {st.get('restartAt')}"
+        then = f"attempt {nxt} starts {when} (failure {failures} of backoffLimit {limit})"
+    grace = spec.preemption.grace_period_seconds
+    message = (f"pod {pod}: {end.message}. Checkpoints were no longer uploaded: stopping the pod"
+               f" (the trainer has {grace}s to save a checkpoint); {then}")  # fmt: skip
+    set_condition(st.setdefault("conditions", []), COND_SIDECAR, False, R_SIDECAR_EXITED, message, d.now,
+                  d.generation)  # fmt: skip
+    warning = Event("Warning", R_SIDECAR_EXITED, message)
+    events = [warning if e.reason == R_POD_FAILED else e for e in decision.events]
+    if warning not in events:
+        events.insert(0, warning)
+    return replace(decision, events=tuple(events))
 
 
 def _create_next(d: _Draft, nodes: int) -> Decision:
@@ -583,6 +625,8 @@ def _gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> Decisi
         if trigger is None and spec.suspend:
             return _start_teardown(d, members, None, "suspended", "Suspended", "spec.suspend is true")
         if trigger is not None:
+            if trigger.end.reason == R_SIDECAR_EXITED:
+                _gang_sidecar_exited(d, spec, members, trigger)
             return _start_teardown(d, members, trigger, trigger.end.kind, trigger.end.reason,
                                    trigger.end.message)  # fmt: skip
         return _gang_running(d, members)
@@ -619,6 +663,16 @@ def _teardown_cause(m: Member, kind: str, reason: str, message: str) -> dict[str
         "lostSteps": m.end.lost_steps,
     }
     return {k: v for k, v in cause.items() if v is not None}
+
+
+def _gang_sidecar_exited(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member], trigger: Member) -> None:
+    """SidecarHealthy False and a Warning when a gang member's sidecar stopped while its trainer ran."""
+    grace, limit = spec.preemption.grace_period_seconds, spec.preemption.backoff_limit
+    message = (f"{_member_where(trigger)}: {trigger.end.message}. Checkpoints were no longer uploaded:"
+               f" stopping the {len(members)} pods of attempt {d.st['attempt']} (the trainers have {grace}s to"
+               f" save a checkpoint); it counts as a failure (backoffLimit {limit})")  # fmt: skip
+    d.cond(COND_SIDECAR, False, R_SIDECAR_EXITED, message)
+    d.events.append(Event("Warning", R_SIDECAR_EXITED, message))
 
 
 def _start_teardown(
@@ -695,6 +749,8 @@ def _gang_running(d: _Draft, members: Sequence[Member]) -> Decision:
         if condition_is(st, COND_PREEMPTED):
             d.cond(COND_PREEMPTED, False, R_RESUMED, f"resumed in attempt {attempt}")
         _clear_blocked(d, f"all {nodes} pods are running")
+        if all(m.end.sidecar_running for m in members):
+            _sidecar_up(d, f"the sidecars of all {nodes} pods of attempt {attempt} are running")
         return _finish(d)
     if st.get("phase") != RUNNING:
         d.phase(PENDING)

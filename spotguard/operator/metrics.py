@@ -34,6 +34,12 @@ class OperatorMetrics:
             job,
             registry=self.registry,
         )
+        self.sidecar_failures = Counter(
+            "spotguard_job_sidecar_failures_total",
+            "Attempts of a job stopped because spotguard's sidecar stopped while the trainer ran.",
+            job,
+            registry=self.registry,
+        )
         self.lost_steps = Counter(
             "spotguard_job_lost_steps_total",
             "Training steps done after the last verified checkpoint and lost at a preemption"
@@ -84,6 +90,10 @@ class OperatorMetrics:
         """Count a failed attempt."""
         self.failures.labels(namespace, job).inc()
 
+    def sidecar_failed(self, namespace: str, job: str) -> None:
+        """Count an attempt stopped because its sidecar stopped."""
+        self.sidecar_failures.labels(namespace, job).inc()
+
     def restarted(self, namespace: str, job: str, latency_seconds: float | None) -> None:
         """Count a replacement pod and how long the job waited for it."""
         self.restarts.labels(namespace, job).inc()
@@ -109,6 +119,7 @@ class OperatorMetrics:
             self.preemptions,
             self.restarts,
             self.failures,
+            self.sidecar_failures,
             self.lost_steps,
             self.attempt,
             self.last_verified_step,
