@@ -237,9 +237,9 @@ class Supervisor:
     def recover(self) -> None:
         """Make the work directory safe to start from, whatever happened before.
 
-        Forget the old control channel and half-written checkpoints; drop
-        local checkpoints that fail their own manifest (they cannot be
-        loaded); ship complete ones that never reached storage (the previous
+        Forget the old control channel and half-written checkpoints; move
+        local checkpoints that fail their own manifest aside (they cannot be
+        loaded; one in storage is fetched again); ship complete ones that never reached storage (the previous
         supervisor may have died before, or storage was down); stage a
         checkpoint from storage only when it is newer than the newest local
         one. With storage unreachable, the newest complete local checkpoint
@@ -247,6 +247,7 @@ class Supervisor:
         nothing local either is that a reason to stop.
         """
         from spotguard.checkpoint import verify_local_checkpoint
+        from spotguard.checkpoint.local import move_aside_refused
 
         ckdir = self.config.checkpoint_dir
         ckdir.mkdir(parents=True, exist_ok=True)
@@ -272,9 +273,10 @@ class Supervisor:
                 log.warning("local copy of %s is damaged (%s): it is in storage, fetching it again",
                             path.name, result.reason)
                 shipper.forget(path.name)
+                shutil.rmtree(path, ignore_errors=True)
             else:
-                log.warning("dropping local %s: it fails its own manifest (%s)", path.name, result.reason)
-            shutil.rmtree(path, ignore_errors=True)
+                # Never in storage: kept aside for a look, out of every listing.
+                move_aside_refused(path, f"it fails its own manifest: {result.reason}")
         shipper.ship(housekeeping=False)
         newest_local = self._loadable_local()
         t0 = time.monotonic()

@@ -52,6 +52,9 @@ def test_recover_keeps_what_storage_could_not_take_and_ships_it_later(s3_store: 
     # Storage refuses: the complete, newer local checkpoint is kept (and resumed from).
     supervisor(tmp_path, s3_uri, refusing).recover()
     assert local_steps(ckdir) == [1, 2]
+    # The rotten one, never in storage, is kept aside for a look, out of every listing.
+    aside = [p.name for p in ckdir.iterdir() if p.name.startswith(f"{checkpoint_name(3)}.refused-")]
+    assert len(aside) == 1, sorted(p.name for p in ckdir.iterdir())
     info, _ = latest_verified(good)
     assert info is not None and info.step == 1
 
