@@ -12,7 +12,7 @@ DURATIONS ?= 30
 STARTED := $(shell date +%s)
 WALL = echo "==> make $@: $$(( $$(date +%s) - $(STARTED) )) s of wall time in all (setup, lint, pytest)"
 
-.PHONY: setup test soak unit lint demo dev-cluster dev-cluster-down preempt bench clean
+.PHONY: setup test soak unit lint demo dev-cluster dev-cluster-down preempt bench gpu-check clean
 
 setup:
 	bash testenv/provision.sh
@@ -61,6 +61,11 @@ preempt:
 # Side-by-side benchmarks; writes docs/benchmarks.md and docs/bench/*.png.
 bench: setup
 	$(PY) -m bench.run
+
+# On a machine with GPUs: nccl DDP and FSDP2, SIGTERM -> verified, bit-exact resume,
+# pinned staging, stall vs dcp.async_save; non-zero exit on any failure (docs/gpu-check.md).
+gpu-check: setup
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEV) .lanes .pytest_cache .mypy_cache .ruff_cache

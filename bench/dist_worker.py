@@ -1,7 +1,7 @@
 """One torchrun worker of the distributed benchmarks (``bench.dist``).
 
     torchrun --nproc-per-node N bench/dist_worker.py flags  --out result.json
-    torchrun --nproc-per-node N bench/dist_worker.py stall  --out result.json --bytes B --rounds R
+    torchrun --nproc-per-node N bench/dist_worker.py stall  --out result.json --bytes B --rounds R [--device cuda]
     spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py sigterm --bytes B
 
 ``flags``: the per-step cost of the Checkpointer's flag agreement (one
@@ -11,6 +11,10 @@ state: spotguard's two-phase save, ``dcp.save`` and ``dcp.async_save``, in
 interleaved rounds; the slowest rank's time counts (the next step waits for it).
 ``sigterm``: steps until preempted, for the SIGTERM -> globally verified timing.
 Rank 0 writes the results as JSON.
+
+``--device cuda`` (``stall`` and ``sigterm``): the sharded state lives on each
+rank's GPU (``LOCAL_RANK``) and the process group is nccl; the default is
+gloo on CPU.
 """
 
 from __future__ import annotations
@@ -26,16 +30,25 @@ from pathlib import Path
 from typing import Any
 
 
-def _gather_max(value: float) -> float:
+def _gather_max(value: float, device: str = "cpu") -> float:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
-def _sharded_state(total_bytes: int) -> tuple[Any, Any]:
+def _device(device: str) -> Any:
+    """``cpu``, or this rank's GPU for ``cuda``."""
+    import torch
+
+    if device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _sharded_state(total_bytes: int, device: str = "cpu") -> tuple[Any, Any]:
     """An FSDP2-sharded stack of Linear layers and AdamW after one step:
     parameters + two moments ~= ``total_bytes`` over all ranks."""
     import torch
@@ -45,11 +58,13 @@ def _sharded_state(total_bytes: int) -> tuple[Any, Any]:
     layers = max(1, round(total_bytes / 3 / (width * width * 4)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    if device != "cpu":
+        model = model.to(_device(device))
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, width)).sum().backward()
+    model(torch.randn(2, width, device=_device(device))).sum().backward()
     opt.step()
     return model, opt
 
@@ -114,7 +129,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
 
     import spotguard
 
-    model, opt = _sharded_state(args.bytes)
+    model, opt = _sharded_state(args.bytes, args.device)
     work = Path(args.work)
     rank = dist.get_rank()
     ckpt = spotguard.Checkpointer(work / "spotguard", async_save=True, keep_local=1)
@@ -133,7 +148,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
         stall = time.perf_counter() - t0
         ckpt.wait()
         dist.barrier()
-        return _gather_max(stall)
+        return _gather_max(stall, args.device)
 
     def plain(n: int) -> float:
         target = work / f"dcp-save-{n}"
@@ -145,7 +160,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(target, ignore_errors=True)
-        return _gather_max(stall)
+        return _gather_max(stall, args.device)
 
     group = dist.new_group(backend="gloo")  # async_save persists on its own group, as the docs advise
 
@@ -160,7 +175,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(target, ignore_errors=True)
-        return _gather_max(stall)
+        return _gather_max(stall, args.device)
 
     asynchronous(-1)  # warm-up of torch's staging too
     out: dict[str, list[float]] = {"spotguard": [], "dcp.save": [], "dcp.async_save": []}
@@ -172,7 +187,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
             out[name].append(methods[name](r))
     ckpt.close()
     nbytes = sum(p.to_local().numel() * 4 * 3 for p in model.parameters())
-    return {**out, "world_size": dist.get_world_size(), "bytes_per_rank": _gather_max(float(nbytes))}
+    return {**out, "world_size": dist.get_world_size(), "bytes_per_rank": _gather_max(float(nbytes), args.device)}
 
 
 def run_sigterm(args: argparse.Namespace) -> int:
@@ -180,7 +195,7 @@ def run_sigterm(args: argparse.Namespace) -> int:
 
     import spotguard
 
-    model, opt = _sharded_state(args.bytes)  # each rank holds its shard
+    model, opt = _sharded_state(args.bytes, args.device)  # each rank holds its shard
     ckpt = spotguard.Checkpointer.from_env(save_every_steps=10**9)
     step = 0
     if dist.get_rank() == 0:
@@ -204,11 +219,22 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--work", default=tempfile.gettempdir())
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the sharded state lives (stall, sigterm); cuda: nccl, one GPU per rank")
     args = p.parse_args()
+    if args.device == "cuda" and args.mode == "flags":
+        p.error("--device cuda: only the stall and sigterm modes")
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        import torch
+
+        device = _device(args.device)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     try:
         if args.mode == "sigterm":
             return run_sigterm(args)

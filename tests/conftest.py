@@ -65,6 +65,7 @@ HEAVY_MODULES = (
     "tests/integration/test_fleet.py",
     "tests/integration/test_run_torchrun.py",
     "tests/integration/test_lightning.py",
+    "tests/integration/test_gpu_check.py",
 )
 
 
