@@ -93,6 +93,13 @@ def register(subparsers: Any) -> None:
         " env SPOTGUARD_HOST_PORT_RANGE)",
     )
     p.add_argument(
+        "--notice-cluster-role",
+        default=os.environ.get("SPOTGUARD_NOTICE_CLUSTER_ROLE", "spotguard-pod-notices"),
+        metavar="NAME",
+        help="ClusterRole bound to the ServiceAccount of a job with the k8s notice source, in its namespace"
+        " (the chart's <fullname>-pod-notices; env SPOTGUARD_NOTICE_CLUSTER_ROLE)",
+    )
+    p.add_argument(
         "--probe-workers",
         type=int,
         default=4,
@@ -166,6 +173,7 @@ def run_operator(args: argparse.Namespace) -> int:
         read_checkpoints=args.read_checkpoints,
         probe_workers=max(1, args.probe_workers),
         host_port_range=host_port_range,
+        notice_cluster_role=args.notice_cluster_role,
         webhook=args.webhook,
         webhook_addr=args.webhook_address,
         webhook_port=args.webhook_port,

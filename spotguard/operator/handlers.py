@@ -26,6 +26,7 @@ from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANG
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
     DEFAULT_IMAGE,
+    DEFAULT_NOTICE_CLUSTER_ROLE,
     LABEL_INJECT,
     LABEL_JOB,
     OperatorConfig,
@@ -58,6 +59,8 @@ class OperatorOptions:
     probe_workers: int = 4
     #: Host ports handed to jobs with hostNetwork (first, last).
     host_port_range: tuple[int, int] = DEFAULT_HOST_PORT_RANGE
+    #: ClusterRole bound to the pods' ServiceAccount of a job with the k8s notice source.
+    notice_cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
     webhook: bool = False
     webhook_addr: str = "0.0.0.0"
     webhook_port: int = 9443
@@ -207,6 +210,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             read_checkpoints=options.read_checkpoints,
             namespaces=tuple(options.namespaces),
             host_port_range=options.host_port_range,
+            notice_cluster_role=options.notice_cluster_role,
         )
         probe = CheckpointProbe(ctx, workers=options.probe_workers) if options.read_checkpoints else None
         if probe is None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotguard import __version__
-from spotguard.operator.decide import attempt_pods, member_pod_name
+from spotguard.operator.decide import member_pod_name
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.spec import (
     API_VERSION,
@@ -455,19 +455,38 @@ def build_service(
 
 # --- the k8s notice source's access --------------------------------------------------
 
+#: The ClusterRole the chart installs for the k8s notice source (``--notice-cluster-role``).
+DEFAULT_NOTICE_CLUSTER_ROLE = "spotguard-pod-notices"
 
-def notice_service_account(job: str) -> str:
-    """Name of the ServiceAccount (and Role, RoleBinding) spotguard creates for a job's pods."""
-    name = f"{job}-spotguard-notices"
+
+def _job_object_name(job: str, suffix: str) -> str:
+    name = f"{job}-{suffix}"
     if len(name) > 253:
-        name = f"{job[:200]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}-spotguard-notices"
+        name = f"{job[:200]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}-{suffix}"
     return name
 
 
+def notice_service_account(job: str) -> str:
+    """Name of the ServiceAccount spotguard creates for a job's pods."""
+    return _job_object_name(job, "spotguard-notices")
+
+
+def notice_binding_name(job: str) -> str:
+    """Name of the RoleBinding of the notice ClusterRole to a job's ServiceAccount.
+
+    Not the account's name: an older operator's RoleBinding of that name
+    refers to a Role, and a binding's roleRef never changes.
+    """
+    return _job_object_name(job, "spotguard-pod-notices")
+
+
 def pod_service_account(job: str, spec: TrainingJobSpec) -> str:
-    """The ServiceAccount the attempt's pods run as: the template's own, else spotguard's."""
-    own = spec.template.spec.get("serviceAccountName") or spec.template.spec.get("serviceAccount")
-    return str(own) if own else notice_service_account(job)
+    """The ServiceAccount the pods of a job with the ``k8s`` source run as: always spotguard's own for the job.
+
+    Never the template's (shared) account nor ``default``: a template that
+    names one with the ``k8s`` source is refused by the spec's validation.
+    """
+    return notice_service_account(job)
 
 
 def _owner_ref(job: str, uid: str) -> dict[str, Any]:
@@ -481,54 +500,33 @@ def _owner_ref(job: str, uid: str) -> dict[str, Any]:
     }
 
 
-def notice_access(job: str, namespace: str, uid: str, spec: TrainingJobSpec, attempt: int) -> list[dict[str, Any]]:
-    """ServiceAccount, Role and RoleBinding that let an attempt's sidecar read its own pod.
+def notice_access(
+    job: str, namespace: str, uid: str, spec: TrainingJobSpec, *, cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
+) -> list[dict[str, Any]]:
+    """ServiceAccount and RoleBinding that let a job's sidecars read a pod and post Events.
 
     Only for the ``k8s`` notice source (the sidecar polls its pod for a
-    ``DisruptionTarget`` condition). The Role grants ``get``/``watch`` on the
-    current attempt's pod by name (``resourceNames``), nothing else: the
-    operator rewrites it before each attempt, so a pod can never read another
-    pod, not even an older attempt of its own job. All three are owned by the
-    TrainingJob and go with it. A template with its own ``serviceAccountName``
-    keeps it: the RoleBinding then names that account and no ServiceAccount is
-    created. Empty when the spec does not ask for the ``k8s`` source.
+    ``DisruptionTarget`` condition). The RoleBinding binds ``cluster_role``
+    (fixed, installed with the operator) in the job's namespace to the job's
+    own ServiceAccount; both are owned by the TrainingJob and go with it. The
+    same for every attempt. Empty when the spec does not ask for the ``k8s``
+    source.
     """
     if not spec.preemption.watches_own_pod:
         return []
-    name = notice_service_account(job)
     account = pod_service_account(job, spec)
     labels = {LABEL_JOB: job, LABEL_MANAGED_BY: "spotguard"}
 
-    def meta() -> dict[str, Any]:
+    def meta(name: str) -> dict[str, Any]:
         return {"name": name, "namespace": namespace, "labels": dict(labels), "ownerReferences": [_owner_ref(job, uid)]}
 
-    out: list[dict[str, Any]] = []
-    if account == name:
-        out.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
-    out.append(
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta(),
-            "rules": [
-                {
-                    "apiGroups": [""],
-                    "resources": ["pods"],
-                    "verbs": ["get", "watch"],
-                    "resourceNames": attempt_pods(job, attempt, spec.nodes),
-                },
-                # The sidecar says on its pod when it cannot serve metrics (MetricsPortUnavailable).
-                {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-            ],
-        }
-    )
-    out.append(
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(account)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": meta(),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "metadata": meta(notice_binding_name(job)),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
             "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-        }
-    )
-    return out
+        },
+    ]

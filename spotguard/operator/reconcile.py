@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotguard.operator import hostports as hp
-from spotguard.operator.classify import classify_pod_end
+from spotguard.operator.classify import SIDECAR_EXITED, classify_pod_end
 from spotguard.operator.decide import (
     COND_INVALID,
     TERMINAL_PHASES,
@@ -39,6 +39,7 @@ from spotguard.operator.decide import (
 )
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
+    DEFAULT_NOTICE_CLUSTER_ROLE,
     LABEL_ATTEMPT,
     LABEL_JOB,
     OperatorConfig,
@@ -102,6 +103,8 @@ class Context:
     checkpoint_poll_seconds: float = 30.0
     #: Read storage (and the credentials Secrets) to report the newest verified checkpoint.
     read_checkpoints: bool = True
+    #: The ClusterRole bound to the pods' ServiceAccount of a job with the k8s notice source.
+    notice_cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
     instance: str = field(default_factory=socket.gethostname)
     #: Phase of each job as the last reconcile left it (the probe and daemon read it).
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -222,29 +225,23 @@ def _rbac(ctx: Context) -> Any:
 
 
 def ensure_access(ctx: Context, objects: list[dict[str, Any]]) -> None:
-    """Create (or bring up to date) the ServiceAccount, Role and RoleBinding of a job's pods.
+    """Create the ServiceAccount and RoleBinding of a job's pods; existing ones are kept.
 
-    Idempotent: an existing ServiceAccount is kept, an existing Role gets the
-    rules built now (the current attempt's pod name), an existing RoleBinding
-    its subjects (its roleRef never changes).
+    Both are the same for every attempt, so nothing is ever patched; a Role an
+    older operator made for the job is left as it is (it goes with the job).
     """
     for obj in objects:
-        kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        kind, namespace = obj["kind"], obj["metadata"]["namespace"]
+        if kind not in ("ServiceAccount", "RoleBinding"):
+            raise ValueError(f"the operator makes no {kind}")
         try:
             if kind == "ServiceAccount":
                 ctx.core.create_namespaced_service_account(namespace, obj)
-            elif kind == "Role":
-                _rbac(ctx).create_namespaced_role(namespace, obj)
             else:
                 _rbac(ctx).create_namespaced_role_binding(namespace, obj)
-            continue
         except Exception as exc:
             if api_status(exc) != 409:
                 raise
-        if kind == "Role":
-            _rbac(ctx).patch_namespaced_role(name, namespace, {"rules": obj["rules"]})
-        elif kind == "RoleBinding":
-            _rbac(ctx).patch_namespaced_role_binding(name, namespace, {"subjects": obj["subjects"]})
 
 
 def ensure_service(ctx: Context, service: dict[str, Any], owner_uid: str) -> None:
@@ -597,7 +594,7 @@ def apply(
         made: list[str] = []
         try:
             # The pods' access first: a sidecar reads its pod from its first poll.
-            ensure_access(ctx, notice_access(name, namespace, uid, spec, decision.create_attempt))
+            ensure_access(ctx, notice_access(name, namespace, uid, spec, cluster_role=ctx.notice_cluster_role))
             service = build_service(name, namespace, uid, spec, ports)
             if service is not None:
                 ensure_service(ctx, service, uid)
@@ -651,4 +648,6 @@ def report(
             ctx.metrics.preempted(namespace, name, end.lost_steps)
         elif end.kind == "failed":
             ctx.metrics.failed(namespace, name)
+            if end.reason == SIDECAR_EXITED:
+                ctx.metrics.sidecar_failed(namespace, name)
     ctx.metrics.observe_job(namespace, name, decision.status)

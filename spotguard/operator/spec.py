@@ -445,6 +445,22 @@ def gpu_limit(template: PodTemplate) -> int | None:
     return n if n is not None and n > 0 else None
 
 
+def check_own_account(template: PodTemplate, path: str = "spec.template.spec") -> None:
+    """Refuse a template that names a ServiceAccount when the ``k8s`` notice source is on.
+
+    Its pods then run as a ServiceAccount spotguard makes for the job (bound
+    to the notice ClusterRole), never a shared one nor ``default``.
+    """
+    for key in ("serviceAccountName", "serviceAccount"):
+        if template.spec.get(key):
+            raise SpecError(
+                f"{path}.{key}",
+                "cannot be set with the k8s source in spec.preemption.notices: the pods then run as a"
+                f" ServiceAccount spotguard makes for the job; remove {key} or drop k8s from"
+                " spec.preemption.notices",
+            )
+
+
 def parse(spec: Any) -> TrainingJobSpec:
     """Parse and validate a ``TrainingJob.spec``; raises ``SpecError`` naming the field."""
     obj = _obj(spec, "spec", required=True)
@@ -465,10 +481,14 @@ def parse(spec: Any) -> TrainingJobSpec:
     if obj.get("masterPort") is not None and master_port == sidecar.metrics_port:
         raise SpecError("spec.masterPort", f"{master_port} is also spec.sidecar.metricsPort: use two ports")
     sidecar_raw = obj.get("sidecar")
+    checkpoint = parse_checkpoint(obj.get("checkpoint"))
+    preemption = parse_preemption(obj.get("preemption"))
+    if preemption.watches_own_pod:
+        check_own_account(template)
     return TrainingJobSpec(
         template=template,
-        checkpoint=parse_checkpoint(obj.get("checkpoint")),
-        preemption=parse_preemption(obj.get("preemption")),
+        checkpoint=checkpoint,
+        preemption=preemption,
         sidecar=sidecar,
         suspend=_bool(obj, "suspend", "spec", False),
         nodes=nodes,

@@ -344,8 +344,8 @@ def test_invalid_spec_is_refused_with_the_field(env: Env) -> None:
 def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> None:
     """spec.preemption.notices [k8s]: a DisruptionTarget on the pod -> a verified checkpoint, pod still running.
 
-    The operator (a pod, with the chart's RBAC) creates the pod's ServiceAccount and Role; the sidecar
-    reads its own pod with that account's token, as on a real node.
+    The operator (a pod, with the chart's RBAC) creates the pod's ServiceAccount and its binding to the
+    notice ClusterRole; the sidecar reads its own pod with that account's token, as on a real node.
     """
     from datetime import UTC, datetime
 

@@ -60,10 +60,9 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             ("patch", "trainingjobs.spotguard.dev"), ("patch", "trainingjobs.spotguard.dev/status"),
             ("create", "pods"), ("delete", "pods"), ("watch", "pods"), ("create", "events"),
             ("get", "secrets"), ("get", "trainingjobs.spotguard.dev/status"),
-            # For jobs with the k8s notice source: their pods' account and Role (on the pod by name).
-            ("create", "serviceaccounts"), ("create", "roles.rbac.authorization.k8s.io"),
-            ("patch", "roles.rbac.authorization.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
-            ("patch", "rolebindings.rbac.authorization.k8s.io"),
+            # For jobs with the k8s notice source: their pods' account, bound to the chart's notice
+            # ClusterRole (the only one it may bind: tests/integration/test_rbac.py).
+            ("create", "serviceaccounts"), ("create", "rolebindings.rbac.authorization.k8s.io"),
         ]
         for verb, resource in allowed:
             assert can_i(kube, verb, resource), (verb, resource)
@@ -74,7 +73,9 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             ("update", "trainingjobs.spotguard.dev/status"), ("patch", "pods/status"),
             ("list", "secrets"), ("create", "secrets"), ("delete", "events"), ("create", "deployments"),
             ("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
-            # It may grant only what it holds itself (no escalate/bind), and deletes none of it.
+            # No Roles at all; no escalate/bind but of the notice ClusterRole; it deletes none of it.
+            ("create", "roles.rbac.authorization.k8s.io"), ("patch", "roles.rbac.authorization.k8s.io"),
+            ("patch", "rolebindings.rbac.authorization.k8s.io"),
             ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
             ("delete", "roles.rbac.authorization.k8s.io"), ("delete", "serviceaccounts"),
             ("create", "serviceaccounts/token"),

@@ -339,12 +339,38 @@ def can_i(kube: Any, ns: str, account: str, verb: str, what: str) -> bool:
     return out.stdout.strip() == "yes"
 
 
-def test_k8s_notices_give_the_pod_read_access_to_itself_only(apis: tuple[Any, Any], ns: str, kube: Any,
-                                                             operator: OperatorProcess, tmp_path: Path) -> None:
+def test_k8s_notices_bind_the_jobs_own_account_to_the_notice_cluster_role(
+    apis: tuple[Any, Any], ns: str, kube: Any, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    """The pod runs as a ServiceAccount made for the job, bound (a RoleBinding owned by the job) to the
+    fixed ClusterRole the chart installs: it reads pods and posts Events in its namespace, nothing
+    else; no Role is made."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    from spotguard.operator.podbuilder import DEFAULT_NOTICE_CLUSTER_ROLE
 
     core, _ = apis
     rbac = client.RbacAuthorizationV1Api(core.api_client)
+    # What the chart installs (the operator here runs as a local process, without the chart);
+    # removed after, for a chart installed later in this cluster.
+    try:
+        rbac.create_cluster_role({"metadata": {"name": DEFAULT_NOTICE_CLUSTER_ROLE}, "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]})
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    try:
+        _check_notice_access(apis, ns, kube, tmp_path, rbac)
+    finally:
+        rbac.delete_cluster_role(DEFAULT_NOTICE_CLUSTER_ROLE)
+
+
+def _check_notice_access(apis: tuple[Any, Any], ns: str, kube: Any, tmp_path: Path, rbac: Any) -> None:
+    from spotguard.operator.podbuilder import DEFAULT_NOTICE_CLUSTER_ROLE
+
+    core, _ = apis
     job = create_job(apis, ns, no_node_job("notice", f"file://{tmp_path}/store", preemption={
         "maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]}))
     pod = wait_pod(apis, ns, "notice-a1")
@@ -353,20 +379,23 @@ def test_k8s_notices_give_the_pod_read_access_to_itself_only(apis: tuple[Any, An
     sidecar = next(c for c in pod.spec.containers if c.name == "spotguard-sidecar")
     assert {e.name: e.value for e in sidecar.env}["SPOTGUARD_NOTICES"] == "k8s,aws"
     owner = job["metadata"]["uid"]
-    for obj in (core.read_namespaced_service_account(account, ns), rbac.read_namespaced_role(account, ns),
-                rbac.read_namespaced_role_binding(account, ns)):
+    binding = rbac.read_namespaced_role_binding("notice-spotguard-pod-notices", ns)
+    assert (binding.role_ref.kind, binding.role_ref.name) == ("ClusterRole", DEFAULT_NOTICE_CLUSTER_ROLE)
+    assert [(x.kind, x.name, x.namespace) for x in binding.subjects] == [("ServiceAccount", account, ns)]
+    for obj in (core.read_namespaced_service_account(account, ns), binding):
         assert [r.uid for r in obj.metadata.owner_references] == [owner]
-    # What the apiserver's RBAC really allows the pod's account: its own pod, nothing else.
-    assert can_i(kube, ns, account, "get", "pod/notice-a1") and can_i(kube, ns, account, "watch", "pod/notice-a1")
-    assert not can_i(kube, ns, account, "get", "pod/notice-a2")
+    assert [r.metadata.name for r in rbac.list_namespaced_role(ns).items] == []
+    # What the apiserver's RBAC really allows the pod's account.
+    assert can_i(kube, ns, account, "get", "pod/notice-a1") and can_i(kube, ns, account, "create", "events")
     assert not can_i(kube, ns, account, "list", "pods") and not can_i(kube, ns, account, "get", "secrets")
     assert not can_i(kube, ns, account, "patch", "pod/notice-a1")
+    assert not can_i(kube, "default", account, "get", "pods")
 
-    # The next attempt's pod, and only it.
+    # The next attempt runs as the same account, still with access to its pod.
     shutdown_pod(apis, ns, "notice-a1")
-    wait_pod(apis, ns, "notice-a2")
-    assert rbac.read_namespaced_role(account, ns).rules[0].resource_names == ["notice-a2"]
-    assert can_i(kube, ns, account, "get", "pod/notice-a2") and not can_i(kube, ns, account, "get", "pod/notice-a1")
+    pod = wait_pod(apis, ns, "notice-a2")
+    assert pod.spec.service_account_name == account
+    assert can_i(kube, ns, account, "get", "pod/notice-a2")
 
 
 def test_without_k8s_notices_no_account_is_made(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,

@@ -61,14 +61,21 @@ NAMESPACED_RULES = {
     ("", "events"): {"create"},
     # The headless Service of a job of several nodes.
     ("", "services"): {"get", "create"},
-    # For jobs with the k8s notice source: the pods' ServiceAccount, Role and RoleBinding.
+    # For jobs with the k8s notice source: the pods' ServiceAccount and its RoleBinding to the
+    # notice ClusterRole (the only role it may bind; no Role of its own making).
     ("", "serviceaccounts"): {"create"},
-    ("rbac.authorization.k8s.io", "roles"): {"create", "patch"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"create", "patch"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"create"},
+    ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
     ("", "secrets"): {"get"},
 }
 CLUSTER_RULES = {("", "nodes"): {"get", "list", "watch"}}
 EXPECTED_RULES = {**NAMESPACED_RULES, **CLUSTER_RULES}
+NOTICE_ROLE = "rel-spotguard-pod-notices"
+#: What the sidecar's k8s notice source (reads its pod) and its Events (on its pod) need.
+NOTICE_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
 
 
 def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
@@ -81,8 +88,27 @@ def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     return out
 
 
+def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    roles = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] != NOTICE_ROLE]
+    assert len(roles) == 1, [r["metadata"]["name"] for r in roles]
+    return roles[0]
+
+
 def rules(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
-    return rules_of(one(docs, "ClusterRole"))
+    return rules_of(operator_cluster_role(docs))
+
+
+def rbac_rules(role: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in role["rules"] if "rbac.authorization.k8s.io" in r["apiGroups"]]
+
+
+def assert_rbac_rules_pinned(role: dict[str, Any]) -> None:
+    """The operator's RBAC rules: RoleBindings it creates, and bind on the notice ClusterRole only."""
+    assert sorted(rbac_rules(role), key=lambda r: r["resources"]) == [
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind"],
+         "resourceNames": [NOTICE_ROLE]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"], "verbs": ["create"]},
+    ], role["metadata"]
 
 
 def test_crd_copy_is_identical() -> None:
@@ -100,7 +126,8 @@ def test_lint_strict() -> None:
 def test_default_render() -> None:
     docs = render()
     assert sorted(d["kind"] for d in docs) == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "CustomResourceDefinition"])
+        ["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+         "CustomResourceDefinition"])
     crd = one(docs, "CustomResourceDefinition")
     source = yaml.safe_load(CRD.read_text())
     assert crd["spec"] == source["spec"]  # the chart installs exactly the source of truth
@@ -124,6 +151,7 @@ def test_default_render() -> None:
     assert "--all-namespaces" in cmd and "--metrics-port=8080" in cmd
     assert "--liveness=http://0.0.0.0:8081/healthz" in cmd
     assert "--image=spotguard/spotguard:0.1.0" in cmd
+    assert f"--notice-cluster-role={NOTICE_ROLE}" in cmd
     assert not any(a.startswith("--webhook") or a.startswith("--peering") for a in cmd)
 
     svc = one(docs, "Service")
@@ -139,6 +167,49 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
     without_secrets = dict(EXPECTED_RULES)
     del without_secrets[("", "secrets")]
     assert rules(render("operator.readCheckpoints=false")) == without_secrets
+    assert_rbac_rules_pinned(operator_cluster_role(render()))
+
+
+def test_operator_makes_no_role_and_binds_only_the_notice_cluster_role() -> None:
+    for sets in ((), ("operator.watchNamespaces={ml,research}",), ("operator.readCheckpoints=false",)):
+        docs = render(*sets)
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            granted = rules_of(role)
+            assert ("rbac.authorization.k8s.io", "roles") not in granted, role["metadata"]
+            assert ("rbac.authorization.k8s.io", "clusterrolebindings") not in granted, role["metadata"]
+            assert not any("escalate" in verbs or "*" in verbs for verbs in granted.values()), role["metadata"]
+            if role["metadata"]["name"] != NOTICE_ROLE and rbac_rules(role):
+                assert_rbac_rules_pinned(role)
+
+
+def test_notice_cluster_role_is_fixed_and_small() -> None:
+    for sets in ((), ("operator.watchNamespaces={ml}",), ("operator.readCheckpoints=false",)):
+        docs = render(*sets)
+        (role,) = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == NOTICE_ROLE]
+        assert role["rules"] == NOTICE_RULES
+        assert role["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+        # Bound by nothing in the chart: the operator binds it per job, to the job's own account.
+        for b in by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding"):
+            assert b["roleRef"]["name"] != NOTICE_ROLE
+        assert f"--notice-cluster-role={NOTICE_ROLE}" in operator_command(docs)
+    assert by_kind(render("rbac.create=false"), "ClusterRole") == []
+    full = render("fullnameOverride=sg")
+    assert {r["metadata"]["name"] for r in by_kind(full, "ClusterRole")} == {"sg", "sg-pod-notices"}
+    assert "--notice-cluster-role=sg-pod-notices" in operator_command(full)
+
+
+def test_notice_cluster_role_covers_what_the_sidecar_calls() -> None:
+    # Each API call of the sidecar's k8s notice source and Events (a call added there must be granted here).
+    source = (ROOT / "spotguard" / "sidecar" / "notices.py").read_text()
+    source += (ROOT / "spotguard" / "sidecar" / "events.py").read_text()
+    calls = {"read_namespaced_pod": ("", "pods", "get"), "create_namespaced_event": ("", "events", "create")}
+    (role,) = [r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == NOTICE_ROLE]
+    granted = rules_of(role)
+    for call, (group, resource, verb) in calls.items():
+        assert call in source, f"{call} no longer used: update this table"
+        assert verb in granted[(group, resource)], call
+    # Nothing else reaches the API there: no list, no watch stream, no node.
+    assert "list_namespaced" not in source and "read_node" not in source and "Watch(" not in source
 
 
 def test_read_checkpoints_false_reaches_the_operator() -> None:
@@ -191,15 +262,16 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
         "create_namespaced_service": ("", "services", "create"),
         "read_namespaced_service": ("", "services", "get"),
         "create_namespaced_service_account": ("", "serviceaccounts", "create"),
-        "create_namespaced_role": ("rbac.authorization.k8s.io", "roles", "create"),
-        "patch_namespaced_role": ("rbac.authorization.k8s.io", "roles", "patch"),
         "create_namespaced_role_binding": ("rbac.authorization.k8s.io", "rolebindings", "create"),
-        "patch_namespaced_role_binding": ("rbac.authorization.k8s.io", "rolebindings", "patch"),
     }
     granted = rules(render())
     for call, (group, resource, verb) in calls.items():
         assert call in source, f"{call} no longer used: update this table"
         assert verb in granted[(group, resource)], call
+    # Roles are never made nor changed, and bindings never changed.
+    for call in ("create_namespaced_role(", "patch_namespaced_role(", "patch_namespaced_role_binding",
+                 "replace_namespaced_role"):
+        assert call not in source, call
 
 
 def test_namespaces_crds_and_metrics_switches() -> None:

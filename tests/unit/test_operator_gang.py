@@ -17,7 +17,7 @@ from spotguard.operator.decide import (
     gang_trigger,
     on_create_error,
 )
-from spotguard.operator.podbuilder import OperatorConfig, build_pods, build_service, host_ports, notice_access
+from spotguard.operator.podbuilder import OperatorConfig, build_pods, build_service, host_ports
 from spotguard.operator.spec import SpecError, TrainingJobSpec, check_name, parse
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -344,12 +344,6 @@ def test_host_network_ports_are_per_job_and_declared() -> None:
     own = build_pods("c", "ns", "uid-c", spec(nodes=2, template=tmpl, masterPort=29501,
                                              sidecar={"metricsPort": 9555}), 1, OperatorConfig())
     assert {e["name"]: e.get("value") for e in own[0]["spec"]["containers"][0]["env"]}["MASTER_PORT"] == "29501"
-
-
-def test_notice_role_names_every_pod_of_the_attempt() -> None:
-    s = spec(nodes=3, preemption={"notices": ["k8s"]})
-    role = [o for o in notice_access("job", "ns", "uid", s, 4) if o["kind"] == "Role"][0]
-    assert role["rules"][0]["resourceNames"] == ["job-a4-0", "job-a4-1", "job-a4-2"]
 
 
 def _stored(value: Any) -> Any:

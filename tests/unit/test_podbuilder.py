@@ -16,7 +16,7 @@ from spotguard.operator.podbuilder import (
     notice_service_account,
     server_supports_native_sidecars,
 )
-from spotguard.operator.spec import parse
+from spotguard.operator.spec import SpecError, parse
 
 AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
     {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]}]}}}
@@ -250,10 +250,10 @@ def test_notices_reach_the_sidecar_only() -> None:
     # No k8s source: the pod keeps the template's account and no access objects are made.
     assert pod["spec"]["serviceAccountName"] == "trainer-sa"
     spec = parse(job_spec(preemption={"notices": ["aws"]}))
-    assert notice_access("demo", "team-a", "uid-123", spec, 3) == []
+    assert notice_access("demo", "team-a", "uid-123", spec) == []
 
 
-def test_k8s_notices_get_a_role_on_the_current_pod_only() -> None:
+def test_k8s_notices_bind_the_jobs_own_account_to_the_notice_cluster_role() -> None:
     raw = job_spec(preemption={"notices": ["k8s"]})
     del raw["template"]["spec"]["serviceAccountName"]
     spec = parse(raw)
@@ -261,28 +261,22 @@ def test_k8s_notices_get_a_role_on_the_current_pod_only() -> None:
     account = notice_service_account("demo")
     assert pod["spec"]["serviceAccountName"] == account == "demo-spotguard-notices"
     assert env_of(sidecar_of(pod))["SPOTGUARD_NOTICES"] == "k8s"
-    objs = notice_access("demo", "team-a", "uid-123", spec, 3)
-    assert [o["kind"] for o in objs] == ["ServiceAccount", "Role", "RoleBinding"]
+    objs = notice_access("demo", "team-a", "uid-123", spec, cluster_role="rel-spotguard-pod-notices")
+    assert [o["kind"] for o in objs] == ["ServiceAccount", "RoleBinding"]
     for o in objs:
-        assert o["metadata"]["name"] == account and o["metadata"]["namespace"] == "team-a"
+        assert o["metadata"]["namespace"] == "team-a"
         assert o["metadata"]["ownerReferences"] == pod["metadata"]["ownerReferences"]
-    role, binding = objs[1], objs[2]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "watch"],
-                              "resourceNames": ["demo-a3"]},
-                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account}
+    service_account, binding = objs
+    assert service_account["metadata"]["name"] == account
+    assert binding["metadata"]["name"] == "demo-spotguard-pod-notices"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "rel-spotguard-pod-notices"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
-    # The next attempt's Role names the next pod, and only it.
-    assert notice_access("demo", "team-a", "uid-123", spec, 4)[1]["rules"][0]["resourceNames"] == ["demo-a4"]
 
 
-def test_k8s_notices_keep_the_templates_own_account() -> None:
-    spec = parse(job_spec(preemption={"notices": ["k8s", "aws"]}))
-    pod = build_pod("demo", "team-a", "uid-123", spec, 1, OperatorConfig())
-    assert pod["spec"]["serviceAccountName"] == "trainer-sa"
-    objs = notice_access("demo", "team-a", "uid-123", spec, 1)
-    assert [o["kind"] for o in objs] == ["Role", "RoleBinding"]
-    assert objs[1]["subjects"] == [{"kind": "ServiceAccount", "name": "trainer-sa", "namespace": "team-a"}]
+def test_k8s_notices_refuse_the_templates_own_account() -> None:
+    with pytest.raises(SpecError, match="remove serviceAccountName"):
+        parse(job_spec(preemption={"notices": ["k8s", "aws"]}))
 
 
 def test_notice_account_name_fits_for_long_job_names() -> None:
