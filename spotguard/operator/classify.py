@@ -207,7 +207,9 @@ def sidecar_down(status: Mapping[str, Any]) -> str | None:
     """Why spotguard's sidecar no longer runs beside a trainer that does, or None.
 
     A classic sidecar (a regular container) is down once it terminated, unless
-    it left its report of a preemption (its trainer then stops by itself). A
+    it exited 0 (it does only once its trainer said it is done and everything
+    is shipped) or left its report of a preemption (its trainer then stops by
+    itself). A
     native one (an init container with ``restartPolicy: Always``) is restarted
     by kubelet: down only while kubelet backs off (``CrashLoopBackOff``).
     """
@@ -223,6 +225,10 @@ def sidecar_down(status: Mapping[str, Any]) -> str | None:
     if key == "containerStatuses":
         term = state.get("terminated")
         if not isinstance(term, Mapping) or _reported_preemption(term.get("message")):
+            return None
+        if term.get("exitCode") == 0:
+            # It exits 0 only once its trainer is done (everything shipped): kubelet may
+            # still show the trainer's container running for a moment.
             return None
         how = f"exited with code {term.get('exitCode')}"
     else:

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "spotguard"
 EXAMPLE = ROOT / "examples" / "trainingjob.yaml"
 DEV_VALUES = ROOT / "examples" / "dev-values.yaml"
+#: The shortest step the example's preemption test gives the trainer (--step-delay).
+SLOW_STEP_SECONDS = 0.15
 RELEASE, OPERATOR_NS = "spotguard", "spotguard-system"
 GROUP, VERSION, PLURAL = "spotguard.dev", "v1alpha1", "trainingjobs"
 
@@ -216,16 +218,26 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     steps = int(args[args.index("--steps") + 1])
     uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
 
-    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(EXAMPLE))
+    # The example as it is, but for a slower step: every upload here is several requests through
+    # the pod network, and an attempt must still be training when its node goes.
+    delay = args.index("--step-delay") + 1
+    args[delay] = str(max(float(args[delay]), SLOW_STEP_SECONDS))
+    spec["template"]["spec"]["containers"][0]["args"] = args
+    applied = tmp_path / "trainingjob.yaml"
+    applied.write_text(yaml.safe_dump(doc))
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(applied))
 
     verified_at_kill = -1
     modes = [("drain", 0.2), ("shutdown", 0.45), ("kill", 0.7)]
     for attempt, (mode, fraction) in enumerate(modes, start=1):
         pod = f"{job}-a{attempt}"
         env.wait_pod_running(pod)
+        # Preempt by the trainer's own progress (verification may lag behind training on a
+        # loaded machine), once something is verified.
         target = int(steps * fraction)
-        wait_for(lambda t=target: verified_step(env, uri) >= t, f"a verified checkpoint at step {target}",
-                 timeout=240, interval=0.5)
+        wait_for(lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t, f"{pod} at step {target}",
+                 timeout=240, interval=0.2)
+        wait_for(lambda: verified_step(env, uri) >= 0, "a verified checkpoint", timeout=240, interval=0.5)
         if mode == "kill":
             # Die right after a fresh checkpoint: what is lost is what came after it.
             base = verified_step(env, uri)

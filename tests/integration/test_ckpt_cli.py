@@ -153,6 +153,10 @@ def test_gc(target: tuple[str, Storage, dict[str, str]]) -> None:
     assert list_checkpoint_names(storage) == [name(20), name(30)]
     bad = cli("ckpt", "gc", uri, "--keep-best", "2", env=env)
     one_line_error(bad, "--keep-best needs --metric NAME")
+    # A grace shorter than the upload lease is refused before anything is read or deleted.
+    short = cli("ckpt", "gc", uri, "--keep-last", "1", "--orphan-grace", "0", env=env)
+    one_line_error(short, "an orphan grace of 0s is shorter than the upload lease (60s)")
+    assert list_checkpoint_names(storage) == [name(20), name(30)]
 
 
 def test_gc_keep_best(tmp_path: Path) -> None:
