@@ -3,6 +3,7 @@ its pure helpers. No services: the Checkpointer writes to a temporary directory.
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from testenv.require import require_module
 transformers = require_module("transformers")
 
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints  # noqa: E402
 
 from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint  # noqa: E402
 from spotguard.demo import train_hf  # noqa: E402
@@ -24,6 +26,7 @@ from spotguard.integrations.huggingface import (  # noqa: E402
     SpotguardCallback,
     check_directory,
     last_metrics,
+    move_aside_stale_folders,
     stale_folders,
 )
 
@@ -129,3 +132,77 @@ def test_last_metrics_takes_the_newest_numeric_log_entry() -> None:
                                                                     "step": 2, "note": "x", "flag": True}])  # fmt: skip
     assert last_metrics(state) == {"loss": 1.5, "learning_rate": 1e-3}  # type: ignore[arg-type]
     assert last_metrics(SimpleNamespace(log_history=[])) is None  # type: ignore[arg-type]
+
+
+# -- the Trainer's own folders already in output_dir: moved aside, never deleted --------------
+
+LOGGER = "spotguard.integrations.huggingface"
+
+
+def plant(out: Path, step: int) -> bytes:
+    """A ``checkpoint-<step>`` folder from an earlier run; returns its mark."""
+    mark = f"earlier run, step {step}".encode()
+    folder = out / f"checkpoint-{step}"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "optimizer.pt").write_bytes(mark)
+    (folder / "sub" / "notes.txt").write_bytes(mark + b" notes")
+    return mark
+
+
+def found(out: Path, mark: bytes) -> list[Path]:
+    """The folders under ``out`` holding a planted folder's content intact."""
+    notes = mark + b" notes"
+    return [
+        p.parent
+        for p in out.rglob("optimizer.pt")
+        if p.read_bytes() == mark and (p.parent / "sub" / "notes.txt").read_bytes() == notes
+    ]
+
+
+def test_fresh_start_moves_earlier_folders_aside_and_keeps_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh start in an ``output_dir`` holding folders spotguard never
+    committed: they are kept (content intact) under ``output_dir``, named in one
+    log line, and neither the Trainer's resume nor its rotation
+    (``save_total_limit=1``) sees them; training saves and commits as usual."""
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    marks = {step: plant(out, step) for step in (5, 40)}
+    spotguard = SpotguardCallback(directory=str(ck), handle_signals=False, keep_local=10)
+    args = tiny_args(out, max_steps=10, save_steps=5, save_total_limit=1)
+    trainer = Trainer(model=train_hf.build_model(0), args=args, train_dataset=train_hf.TokenDataset(0),
+                      callbacks=[spotguard])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        trainer.train()
+
+    assert trainer.state.global_step == 10
+    assert [p.name for p in list_local_committed(ck)] == ["ckpt-000000000005", "ckpt-000000000010"]
+    assert [Path(p).name for p in sort_checkpoints(str(out))] == ["checkpoint-10"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-10")
+
+    kept = {}
+    for step, mark in marks.items():
+        where = found(out, mark)
+        assert len(where) == 1, f"checkpoint-{step}'s content is gone: {sorted(out.rglob('*'))}"
+        kept[step] = where[0]
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER and "moved" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for step, where in kept.items():
+        assert f"checkpoint-{step}" in lines[0] and str(where) in lines[0], lines[0]
+
+
+def test_only_later_folders_move_and_a_second_move_does_not_collide(tmp_path: Path) -> None:
+    """Resumed at step 10: ``checkpoint-5`` and ``-10`` stay; ``-20`` moves.
+    A later start that finds ``-20`` again moves it to a new place."""
+    out = tmp_path / "out"
+    for step in (5, 10, 20):
+        plant(out, step)
+    first = move_aside_stale_folders(out, 10)
+    assert [(old.name, new.name) for old, new in first] == [("checkpoint-20", "checkpoint-20")]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]
+    mark = plant(out, 20)
+    second = move_aside_stale_folders(out, 10)
+    assert len(second) == 1 and second[0][1] != first[0][1]
+    assert sorted(found(out, mark)) == sorted([first[0][1], second[0][1]])
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-10")
+    assert move_aside_stale_folders(out, 10) == [] and move_aside_stale_folders(tmp_path / "missing", 0) == []
