@@ -27,6 +27,11 @@ from spotguard.operator.testing import free_port as free_port
 
 PY = sys.executable
 STEP_RE = re.compile(r"^step (\d+) ")
+#: A trainer's "preempted after step N". Its two writes (text, then newline) can
+#: be split by another process's log line on the shared pipe, so the number may
+#: come glued to a timestamp ("...step 462026-12-02 05:06:54,608 ...") and the
+#: text may follow another line's end: search, never split on spaces.
+STOPPED_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -95,6 +100,12 @@ class Proc:
         line = self.wait_for_line(lambda ln: bool(STEP_RE.match(ln)) and int(STEP_RE.match(ln).group(1)) >= step,  # type: ignore[union-attr]
                                   timeout)
         m = STEP_RE.match(line)
+        assert m is not None
+        return int(m.group(1))
+
+    def wait_for_stopped_step(self, timeout: float = 120) -> int:
+        """The step of the trainer's "preempted after step N" line, wherever it sits in the output."""
+        m = STOPPED_RE.search(self.wait_for_line(lambda ln: bool(STOPPED_RE.search(ln)), timeout))
         assert m is not None
         return int(m.group(1))
 

@@ -298,7 +298,7 @@ def test_preemption_while_the_store_is_unreachable_keeps_the_checkpoint_and_resu
         wait_until(lambda: failures(port) >= 1, 60, "a failure counted")
         first.signal(signal.SIGTERM)
         first.wait(60)
-        stopped = int(first.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+        stopped = first.wait_for_stopped_step()
         verified, _ = latest_verified(storage)
         assert verified is not None and verified.step < stopped
         # The emergency checkpoint could not be shipped: it is still here.
@@ -332,7 +332,7 @@ def test_preemption_while_the_store_sheds_load_still_verifies_the_emergency_chec
             proxy.add(status(503, "SlowDown"), method=method, times=SHED)
         run.signal(signal.SIGTERM)
         run.wait(60)
-        stopped = int(run.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+        stopped = run.wait_for_stopped_step()
     assert [r for r in proxy.log if r.status == 503], "the store never refused anything: the test tested nothing"
     info, _ = latest_verified(storage)
     assert info is not None and info.step == stopped, (info, stopped, run.tail())

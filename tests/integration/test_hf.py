@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from reference_runs import Pending, ReferenceRuns
 from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
+from sidecar_helpers import STOPPED_RE as STOPPED_RE_ANY
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, list_local_committed
 from spotguard.checkpoint.checksum import new_hasher
@@ -49,7 +50,6 @@ DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
 # Another process's log line may come glued to this one (a shared pipe): its timestamp's
 # digits are not the step's.
 STOPPED_RE = re.compile(r"^preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)", re.M)
-STOPPED_ANY_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 # Each rank's line; two ranks writing at once may share a line of the combined output.
 RANK_STOPPED_RE = re.compile(r"preempted after step (\d+) \(rank (\d+) of \d+\)")
 
@@ -88,7 +88,7 @@ def start_of(proc: Proc) -> int | None:
 
 
 def stopped_step(proc: Proc) -> int:
-    found = {int(s) for s in STOPPED_ANY_RE.findall(proc.text())}
+    found = {int(s) for s in STOPPED_RE_ANY.findall(proc.text())}
     assert len(found) == 1, f"every rank stops after one and the same step: {found}\n{proc.tail()}"
     return found.pop()
 

@@ -204,7 +204,7 @@ def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_
         first.wait_for_step(45)
         first.signal(signal.SIGTERM)
         assert first.wait() == 128 + signal.SIGTERM, first.tail()
-        stopped = int(first.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+        stopped = first.wait_for_stopped_step()
 
     storage = s3_storage(s3_store, s3_uri)
     info, _ = latest_verified(storage)

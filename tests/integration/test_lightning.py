@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from reference_runs import ReferenceRuns
-from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
+from sidecar_helpers import PY, STOPPED_RE, Proc, base_env, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified
 from spotguard.checkpoint.remote import read_manifest
@@ -41,7 +41,6 @@ DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
 RESUMED_RE = re.compile(r"resumed from step (\d+)")
 # Another process's log line may come glued to this one (a shared pipe): its timestamp's
 # digits are not the step's.
-STOPPED_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 
 pytestmark = pytest.mark.integration
 

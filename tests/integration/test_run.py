@@ -59,7 +59,7 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
         first.wait_for_step(45)
         first.signal(signal.SIGTERM)
         assert first.wait() == 128 + signal.SIGTERM, first.tail()
-        stopped = int(first.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+        stopped = first.wait_for_stopped_step()
         info, _ = latest_verified(s3_storage(s3_store, s3_uri))
         assert info is not None and info.step == stopped, (info, stopped)
 

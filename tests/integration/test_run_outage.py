@@ -67,7 +67,7 @@ def test_storage_outage_keeps_and_resumes_the_newest_local_checkpoint(
         first.signal(signal.SIGTERM)
         # The emergency checkpoint cannot be verified: that is what the status says.
         assert first.wait() == 3, first.tail()
-        stopped = int(first.wait_for_line(lambda ln: ln.startswith("preempted after step")).rsplit(" ", 1)[1])
+        stopped = first.wait_for_stopped_step()
         newest_local = local_steps(ckdir)[-1]
         assert newest_local >= verified.step + 2 * SAVE_EVERY and newest_local <= stopped
         in_storage, _ = latest_verified(storage)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from reference_runs import ReferenceRuns
-from sidecar_helpers import PY, Proc, base_env, free_port, reaping, s3_storage, spotguard_argv
+from sidecar_helpers import PY, STOPPED_RE, Proc, base_env, free_port, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_checkpoint
 from spotguard.checkpoint.remote import read_latest_pointer, read_manifest
@@ -44,7 +44,6 @@ RESUMED_RE = re.compile(r"resumed from step (\d+) exact=(True|False) resharded_f
 DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
 # Another process's log line may come glued to this one (a shared pipe): its timestamp's
 # digits are not the step's.
-STOPPED_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 EMERGENCY_RE = re.compile(r"stage=emergency seconds=([0-9.]+) result=verified")
 
 pytestmark = pytest.mark.integration

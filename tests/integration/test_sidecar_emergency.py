@@ -47,7 +47,7 @@ def _preempt(trainer: Proc, sidecar: Proc) -> int:
     sidecar.signal(signal.SIGTERM)
     assert sidecar.wait() == 0, sidecar.tail()
     assert trainer.wait() == 0, trainer.tail()
-    return int(trainer.wait_for_line(lambda ln: ln.startswith("preempted after step ")).rsplit(" ", 1)[1])
+    return trainer.wait_for_stopped_step()
 
 
 def test_emergency_upload_rides_out_a_store_answering_500(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_native_sidecar_without_its_metrics_port_still_gets_the_emergency_checkp
             p.signal(signal.SIGTERM)
         assert sidecar.wait() == 0, sidecar.tail()
         assert trainer.wait() == 0, trainer.tail()
-        stopped = int(trainer.wait_for_line(lambda ln: ln.startswith("preempted after step ")).rsplit(" ", 1)[1])
+        stopped = trainer.wait_for_stopped_step()
     info, _ = latest_verified(s3_storage(s3_store, s3_uri))
     assert info is not None and info.step >= stopped >= 20
     report = json.loads((tmp_path / "termination-log").read_text())

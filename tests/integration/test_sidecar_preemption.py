@@ -68,8 +68,7 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
             trainer_rc = trainer.wait()
             assert trainer_rc == 0, trainer.tail()
             assert sidecar_rc == 0, sidecar.tail()
-            stopped = trainer.wait_for_line(lambda ln: ln.startswith("preempted after step "))
-            stopped_step = int(stopped.rsplit(" ", 1)[1])
+            stopped_step = trainer.wait_for_stopped_step()
             info, skipped = latest_verified(s3_storage(s3_store, uri))
             assert info is not None, f"trial {trial}: nothing verified; sidecar log:\n{sidecar.tail()}"
             assert info.step >= stopped_step, f"trial {trial}: verified {info.step} < stopped {stopped_step}"
