@@ -25,6 +25,9 @@ from __future__ import annotations
 import os
 import random
 import shlex
+from typing import TypeVar
+
+T = TypeVar("T")
 
 SEED_ENV = "SPOTGUARD_TEST_SEED"
 SCALE_ENV = "SPOTGUARD_TRIALS"
@@ -55,6 +58,14 @@ def count(*, full: int, quick: int) -> int:
     """How many trials a loop runs at this scale: ``full`` in ``make soak``, ``quick`` otherwise."""
     if not 0 < quick <= full:
         raise ValueError(f"trial counts must satisfy 0 < quick ({quick}) <= full ({full})")
+    return full if scale() == "full" else quick
+
+
+def variants(*, full: list[T], quick: list[T]) -> list[T]:
+    """The variants (parameters) a test runs at this scale: ``quick`` must be a subset of ``full``,
+    so that ``make test`` runs each *kind* that ``make soak`` runs, only fewer of its sizes."""
+    if not quick or any(q not in full for q in quick):
+        raise ValueError(f"quick variants {quick!r} must be a non-empty subset of the full ones {full!r}")
     return full if scale() == "full" else quick
 
 

@@ -67,8 +67,9 @@ from testenv.kubetest import (
 
 pytestmark = pytest.mark.integration
 
-#: Scale (``testenv.trials``): ``make soak`` runs the full fleets, ``make test`` small ones of
-#: every kind (single-node and gang jobs, every death mode, hostNetwork too).
+#: Scale (``testenv.trials``): ``make soak`` runs the full fleets, one without hostNetwork and
+#: one with it; ``make test`` one small fleet that holds every kind at once (single-node and gang
+#: jobs, every death mode, pod network and hostNetwork side by side on the same nodes).
 FLEET_JOBS = trials.count(full=20, quick=6)
 HOSTNET_JOBS = trials.count(full=20, quick=4)
 PREEMPTIONS = trials.count(full=6, quick=3)
@@ -234,6 +235,7 @@ def attempt_problems(job: str, nodes: int, attempts: int, lives: dict[str, PodLi
 class Job:
     name: str
     nodes: int
+    host_network: bool = False
     #: Seconds from its creation to its end, as its status says.
     wall: float | None = None
     status: dict[str, Any] = field(default_factory=dict)
@@ -243,7 +245,7 @@ class Job:
         return f"{self.name}-a{attempt}" if self.nodes == 1 else f"{self.name}-a{attempt}-0"
 
 
-def job_body(job: Job, storage: str, host_network: bool) -> dict[str, Any]:
+def job_body(job: Job, storage: str) -> dict[str, Any]:
     command = SOLO_COMMAND if job.nodes == 1 else GANG_COMMAND
     trainer = {
         "name": "trainer",
@@ -258,7 +260,7 @@ def job_body(job: Job, storage: str, host_network: bool) -> dict[str, Any]:
         job.name,
         storage,
         trainer,
-        pod_spec={"hostNetwork": True} if host_network else None,
+        pod_spec={"hostNetwork": True} if job.host_network else None,
         every_steps=EVERY,
         preemption=fast_preemption(20, 2, GRACE),
         **gang,
@@ -351,45 +353,38 @@ def own_name_on_host_network() -> bool:
 
 @pytest.mark.trials
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "host_network",
-    [
-        pytest.param(False, id="podnet"),
-        pytest.param(
-            True,
-            id="hostnet",
-            marks=pytest.mark.skipif(
-                not own_name_on_host_network(),
-                reason="process nodes give hostNetwork pods no hosts entry for their own headless-Service name",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("network", trials.variants(full=["podnet", "hostnet", "mixed"], quick=["mixed"]))
 def test_fleet_survives_random_preemptions_bitwise(
-    env: Env, references: References, tmp_path: Path, host_network: bool
+    env: Env, references: References, tmp_path: Path, network: str
 ) -> None:
     from safetensors.torch import load_file
 
     from spotguard.checkpoint import restore_latest
     from spotguard.storage import open_storage
 
+    if network != "podnet":
+        # A gang's rank 0 connects to its own MASTER_ADDR; without that name its rendezvous never completes.
+        assert own_name_on_host_network(), "process nodes give hostNetwork pods no hosts entry for their own name"
     e = env
     started = time.monotonic()
     seed = trials.seed()
-    rng = trials.rng(f"fleet-{host_network}")
-    n_jobs = HOSTNET_JOBS if host_network else FLEET_JOBS
-    gangs = max(2 if host_network else 1, n_jobs // 5)
-    print(f"\nfleet: {n_jobs} jobs ({gangs} gangs of 2), {PREEMPTIONS} node deaths, hostNetwork "
-          f"{host_network}, seed {seed} ({trials.SEED_ENV}={seed} repeats the choices)")  # fmt: skip
-    prefix = "h" if host_network else "p"
+    rng = trials.rng(f"fleet-{network}")
+    n_jobs = HOSTNET_JOBS if network == "hostnet" else FLEET_JOBS
+    gangs = max(1 if network == "podnet" else 2, n_jobs // 5)
     gang_at = set(rng.sample(range(n_jobs), gangs))
+    # mixed: one gang and one single-node job on the host's network, the rest on the pod network.
+    host_at = (set(range(n_jobs)) if network == "hostnet" else set() if network == "podnet"
+               else {min(gang_at), min(set(range(n_jobs)) - gang_at)})  # fmt: skip
     jobs = {
         j.name: j
         for j in (
-            Job(f"{prefix}gang-{i:02d}", 2) if i in gang_at else Job(f"{prefix}solo-{i:02d}", 1)
+            Job(f"{'h' if i in host_at else 'p'}{'gang' if i in gang_at else 'solo'}-{i:02d}",
+                2 if i in gang_at else 1, i in host_at)
             for i in range(n_jobs)
         )
     }
+    print(f"\nfleet: {n_jobs} jobs ({gangs} gangs of 2, {len(host_at)} on the host's network), {PREEMPTIONS} "
+          f"node deaths, seed {seed} ({trials.SEED_ENV}={seed} repeats the choices)")  # fmt: skip
     storage = f"file://{tmp_path}/store"
     watch = FleetWatch(e.core, e.ns)
     watch.start()
@@ -397,7 +392,7 @@ def test_fleet_survives_random_preemptions_bitwise(
         for job in jobs.values():
             (tmp_path / "store" / e.ns / job.name).mkdir(parents=True)
             e.custom.create_namespaced_custom_object(GROUP, VERSION, e.ns, PLURAL,
-                                                     job_body(job, storage, host_network))  # fmt: skip
+                                                     job_body(job, storage))  # fmt: skip
 
         # Nodes die while the jobs train: each death in a thread of its own (a drain or a shutdown
         # waits for the node's pods to stop), a few seconds apart, never two at once on one node.
@@ -511,11 +506,9 @@ def test_fleet_survives_random_preemptions_bitwise(
             shared = fa.host_ports & fb.host_ports
             if shared and fa.nodes & fb.nodes and overlapping(lives[a], lives[b]):
                 problems.append(f"{a} and {b} on node {fa.nodes & fb.nodes} at once, both with host ports {shared}")
-    declared = sum(1 for f in facts.values() if f.host_ports)
-    if host_network:
-        assert declared == len(facts), [n for n, f in facts.items() if not f.host_ports]
-    else:
-        assert declared == 0, [n for n, f in facts.items() if f.host_ports]
+    # Host ports are declared by the pods of hostNetwork jobs, and only by them.
+    wrong = [n for n, f in facts.items() if bool(f.host_ports) != jobs[f.job].host_network]
+    assert not wrong, f"pods whose host ports do not match their job's hostNetwork: {wrong}"
     # A sidecar that could not bind its metrics port: only where a pod on another node held it
     # (process nodes share one machine's network), never one on its own node.
     collisions = 0
@@ -530,14 +523,14 @@ def test_fleet_survives_random_preemptions_bitwise(
             for n, f in facts.items()
             if n != pod and f.metrics_port == mine.metrics_port and overlapping(lives[n], lives[pod])
         ]
-        if not host_network or not holders or any(facts[h].nodes & mine.nodes for h in holders):
+        if not jobs[mine.job].host_network or not holders or any(facts[h].nodes & mine.nodes for h in holders):
             line = next(x for x in log.splitlines() if "cannot serve metrics" in x)
             problems.append(f"{pod} on {mine.nodes}: {line}; port {mine.metrics_port} also held by "
                             f"{[(h, facts[h].nodes) for h in holders]}")  # fmt: skip
     print(f"metrics ports taken by a pod on another node of this machine: {collisions}")
 
     took = time.monotonic() - started
-    print(f"fleet (hostNetwork {host_network}): {len(deaths)} node deaths, {preemptions} job preemptions, "
+    print(f"fleet ({network}): {len(deaths)} node deaths, {preemptions} job preemptions, "
           f"{len(lives)} pods, {took:.0f}s")  # fmt: skip
     assert not problems, "\n".join(problems)
     assert preemptions >= len(deaths), (preemptions, deaths)

@@ -213,9 +213,11 @@ def measured(name: str) -> Iterator[list[float]]:
 
 
 @pytest.mark.trials
-@pytest.mark.parametrize(("script", "nproc", "machine_dies"),
-                         [(EXAMPLE, 2, True), (EXAMPLE, 4, False), (SHARDED, 2, False)],
-                         ids=["ddp-2", "ddp-4", "fsdp2-2"])
+@pytest.mark.parametrize(("script", "nproc", "machine_dies"), trials.variants(
+    full=[pytest.param(EXAMPLE, 2, True, id="ddp-2"), pytest.param(EXAMPLE, 4, False, id="ddp-4"),
+          pytest.param(SHARDED, 2, False, id="fsdp2-2")],
+    # Four ranks resume in make test too: test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact.
+    quick=[pytest.param(EXAMPLE, 2, True, id="ddp-2"), pytest.param(SHARDED, 2, False, id="fsdp2-2")]))
 def test_preempted_torchrun_resumes_bit_identical(s3_store: Any, s3_uri: str, tmp_path: Path,
                                                   references: References, script: Path, nproc: int,
                                                   machine_dies: bool) -> None:

@@ -22,6 +22,17 @@ def test_count_follows_the_scale(monkeypatch: pytest.MonkeyPatch) -> None:
         trials.count(full=3, quick=5)
 
 
+def test_variants_follow_the_scale_and_quick_is_a_subset_of_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trials.SCALE_ENV, raising=False)
+    assert trials.variants(full=["a", "b", "c"], quick=["a", "c"]) == ["a", "c"]
+    monkeypatch.setenv(trials.SCALE_ENV, "full")
+    assert trials.variants(full=["a", "b", "c"], quick=["a", "c"]) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="subset"):
+        trials.variants(full=["a", "b"], quick=["x"])
+    with pytest.raises(ValueError, match="subset"):
+        trials.variants(full=["a", "b"], quick=[])
+
+
 def test_the_seed_is_drawn_once_and_exported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(trials.SEED_ENV, raising=False)
     first = trials.seed()
