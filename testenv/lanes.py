@@ -11,6 +11,11 @@ same seed and trial scale (exported before the lanes start).
 
     python -m testenv.lanes [PYTEST ARGS...]
 
+The light lane is itself spread over ``SPOTGUARD_LIGHT_WORKERS`` pytest-xdist
+workers (default 2; 0 runs it in one process), a module to a worker
+(``--dist loadfile``, so a module's fixtures stay in one process): its tests
+mostly wait, so more of them fit beside the heavy lane on two cores.
+
 Each lane's output goes to ``$SPOTGUARD_LANES_DIR/<lane>.log`` (default
 ``.lanes/``) and is printed whole when the lane ends; then a summary line per
 lane with its exit status and wall time. The exit status is the first
@@ -31,6 +36,22 @@ from testenv import trials
 
 #: name -> pytest's marker expression for the lane.
 LANES = {"heavy": "heavy", "light": "not heavy"}
+WORKERS_ENV = "SPOTGUARD_LIGHT_WORKERS"
+
+
+def lane_args(name: str) -> list[str]:
+    """Extra pytest arguments of a lane: the light lane's xdist workers."""
+    workers = int(os.environ.get(WORKERS_ENV, "2") or 0)
+    if name == "light" and workers > 0:
+        return ["-n", str(workers), "--dist", "loadfile"]
+    return []
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def main(argv: list[str]) -> int:
@@ -39,15 +60,17 @@ def main(argv: list[str]) -> int:
     out = Path(os.environ.get("SPOTGUARD_LANES_DIR", ".lanes"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    cpu0 = cpu_times()
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {name: out / f"{name}.log" for name in LANES}
     for name, expr in LANES.items():
         with logs[name].open("wb") as log:
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-m", expr, *argv],
+                [sys.executable, "-m", "pytest", "-m", expr, *lane_args(name), *argv],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-    print(f"lanes: {', '.join(f'{n} (-m {LANES[n]!r}, {logs[n]})' for n in LANES)}; "
+    described = [" ".join([f"{n} (-m {LANES[n]!r}", *lane_args(n)]) + f", {logs[n]})" for n in LANES]
+    print(f"lanes: {', '.join(described)}; "
           f"{trials.SEED_ENV}={trials.seed()} {trials.SCALE_ENV}={trials.scale()}", flush=True)
 
     def forward(signum: int, _frame: object) -> None:
@@ -70,7 +93,9 @@ def main(argv: list[str]) -> int:
     for name, (rc, seconds) in ended.items():
         what = "no tests collected" if rc == 5 else ("passed" if rc == 0 else "FAILED")
         print(f"==> lane {name}: {what} (exit {rc}), {seconds:.0f} s")
-    print(f"==> lanes: {time.monotonic() - started:.0f} s of wall time", flush=True)
+    busy, total = (b - a for a, b in zip(cpu0, cpu_times(), strict=True))
+    print(f"==> lanes: {time.monotonic() - started:.0f} s of wall time; the CPUs were busy "
+          f"{100 * busy / max(total, 1):.0f}% of it (every process on the machine)", flush=True)
     codes = [ended[name][0] for name in LANES]
     if all(rc == 5 for rc in codes):
         return 1  # nothing ran at all
