@@ -1,4 +1,9 @@
-"""Operator metrics (prometheus-client, own registry; bounded labels only)."""
+"""Operator metrics (prometheus-client, own registry; bounded labels only).
+
+A job's series carry ``namespace`` and ``trainingjob``: never ``job``, which
+Prometheus sets on every target itself (a scrape that does not honor the
+target's labels would rename it and break every alert).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import contextlib
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from spotguard.buildinfo import build_info
 
 PHASES = ("Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
 
@@ -15,7 +22,8 @@ class OperatorMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        job = ["namespace", "job"]
+        job = ["namespace", "trainingjob"]
+        build_info(self.registry, "operator")
         self.preemptions = Counter(
             "spotguard_job_preemptions_total",
             "Attempts of a job that ended by preemption.",

@@ -389,7 +389,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with workdir_lock(workdir):
             storage = open_storage(storage_uri)
-            metrics = SidecarMetrics(namespace="", job=args.job)
+            metrics = SidecarMetrics(namespace="", job=args.job, component="run")
             if config.metrics_port:
                 # A busy port is a warning: the run goes on without metrics.
                 metrics.serve_or_warn(config.metrics_port, config.metrics_addr, RUN_PORT_HINT)

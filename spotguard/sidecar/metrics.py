@@ -1,7 +1,8 @@
 """Prometheus metrics of the sidecar and of ``spotguard run``.
 
-Every series carries the constant labels ``namespace`` and ``job`` (from
-``POD_NAMESPACE`` and ``SPOTGUARD_JOB``); the only other labels are bounded
+Every series carries the constant labels ``namespace`` and ``trainingjob``
+(from ``POD_NAMESPACE`` and ``SPOTGUARD_JOB``; never ``job``, the label
+Prometheus gives every target); the only other labels are bounded
 enumerations (``stage``, ``source``, ``result``, ``reason``). Each
 :class:`SidecarMetrics` owns its registry, so several can live in one
 process (tests, ``spotguard demo``) without clashing. ``docs/sidecar.md``
@@ -15,6 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from spotguard.buildinfo import build_info
 
 if TYPE_CHECKING:
     from spotguard.sidecar.deadline import DeadlineAssessment
@@ -50,11 +53,12 @@ class SidecarMetrics:
     """The sidecar's series in their own registry."""
 
     def __init__(self, namespace: str = "", job: str = "",
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, component: str = "sidecar") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.labels = {"namespace": namespace, "job": job}
-        base = ["namespace", "job"]
+        self.labels = {"namespace": namespace, "trainingjob": job}
+        base = ["namespace", "trainingjob"]
         r = self.registry
+        build_info(r, component)
         self.save_duration = Histogram(
             "spotguard_checkpoint_save_duration_seconds",
             "Time the trainer took to save a checkpoint locally (snapshot + write), by reason.",

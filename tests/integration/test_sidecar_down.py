@@ -137,5 +137,5 @@ def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_pa
     assert st["phase"] == "Running" and cond(st, "SidecarHealthy")["reason"] == "SidecarRunning"
     assert sidecar_runs(e, "lone-a2")
     assert e.operator is not None
-    labels = {"namespace": e.ns, "job": "lone"}
+    labels = {"namespace": e.ns, "trainingjob": "lone"}
     assert metric_value(e.operator.metrics(), "spotguard_job_sidecar_failures_total", labels) == 1.0

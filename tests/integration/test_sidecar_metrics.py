@@ -38,7 +38,7 @@ def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> Non
                                       "--metrics-addr", "127.0.0.1", "--grace-seconds", "30", "--safety-margin", "5"),
                        env, tmp_path / "sidecar.log")
         procs.append(sidecar)
-        labels = {"namespace": "team-a", "job": "mnist"}
+        labels = {"namespace": "team-a", "trainingjob": "mnist"}
         wait_until(lambda: scrape(port), 60, "the metrics endpoint")
         before = scrape(port)
         assert metric(before, "spotguard_checkpoint_last_verified_step", **labels) == -1

@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "spotguard" / "files" / "prometheus-rules.yaml"
 DASHBOARD = ROOT / "charts" / "spotguard" / "files" / "grafana-dashboard.json"
 RULE_TESTS = ROOT / "tests" / "prometheus" / "alerts_test.yaml"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
+RUNBOOK_BASE = "https://spotguard.dev/docs/runbooks"
 SERIES = re.compile(r"\bspotguard_[a-z_]+\b")
 
 
@@ -71,6 +73,53 @@ def test_rules_and_dashboard_use_only_exported_series(source: Path) -> None:
     assert not missing, f"{source.name} uses series spotguard does not export: {sorted(missing)}"
 
 
+def _label_names() -> set[str]:
+    names: set[str] = set()
+    for registry in (SidecarMetrics(namespace="ns", job="j").registry, OperatorMetrics().registry):
+        for family in registry.collect():
+            for sample in family.samples:
+                names.update(sample.labels)
+    return names
+
+
+def test_no_series_carries_prometheus_own_job_label() -> None:
+    """``job`` is the label Prometheus gives every target: a series of ours that carried it too would be
+    renamed (``exported_job``) by a scrape that does not honor labels, and the alerts would name nothing."""
+    names = _label_names()
+    assert "trainingjob" in names and "namespace" in names
+    assert "job" not in names, sorted(names)
+    text = RULES.read_text() + DASHBOARD.read_text()
+    assert not re.search(r"\$labels\.job\b|\bjob=~|\{\{job\}\}|[(, ]job[,)]", text), "rules or dashboard use `job`"
+
+
+def test_build_info_names_the_version_and_the_component() -> None:
+    from spotguard import __version__
+
+    for registry, component in ((SidecarMetrics(namespace="ns", job="j").registry, "sidecar"),
+                                (SidecarMetrics(component="run").registry, "run"),
+                                (OperatorMetrics().registry, "operator")):  # fmt: skip
+        info = [s for f in registry.collect() if f.name == "spotguard_build_info" for s in f.samples]
+        assert len(info) == 1 and info[0].value == 1.0, info
+        assert info[0].labels["version"] == __version__ and info[0].labels["component"] == component
+    with pytest.raises(ValueError, match="component"):
+        SidecarMetrics(component="nosuch")
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^a-z0-9 -]", "", title.strip().lower()).replace(" ", "-")
+
+
+def test_every_alert_links_its_section_of_the_runbooks() -> None:
+    rules = yaml.safe_load(RULES.read_text())
+    sections = {_anchor(m) for m in re.findall(r"^## (.+)$", RUNBOOKS.read_text(), re.M)}
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            url = rule["annotations"].get("runbook_url", "")
+            assert url == f"{RUNBOOK_BASE}#{rule['alert'].lower()}", (rule["alert"], url)
+            assert url.split("#", 1)[1] in sections, f"docs/runbooks.md has no section for {rule['alert']}"
+
+
 def test_dashboard_is_grafana_json() -> None:
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] == "spotguard"
@@ -95,3 +144,15 @@ def test_chart_wraps_the_tested_rules_unchanged() -> None:
     assert json.loads(by_kind["ConfigMap"]["data"]["spotguard.json"]) == json.loads(DASHBOARD.read_text())
     endpoint = by_kind["PodMonitor"]["spec"]["podMetricsEndpoints"][0]
     assert endpoint["port"] == "sg-metrics" and endpoint["honorLabels"] is True
+
+
+def test_chart_points_the_runbook_links_where_the_user_hosts_them() -> None:
+    helm = require_tool("helm", path=cluster.bin_dir() / "helm")
+    out = subprocess.run(
+        [helm, "template", "t", str(ROOT / "charts" / "spotguard"), "--set", "prometheusRule.enabled=true",
+         "--set", "prometheusRule.runbookBaseUrl=https://wiki.example/sre/spotguard/"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    rule = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PrometheusRule")
+    urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert urls and all(u.startswith("https://wiki.example/sre/spotguard#spotguard") for u in urls), urls

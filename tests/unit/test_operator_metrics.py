@@ -22,7 +22,7 @@ def test_known_sequence() -> None:
     m.observe_job("ns", "a", {"phase": "Running", "attempt": 4, "lastVerifiedCheckpoint": {"step": 120}})
     m.observe_job("ns", "b", {"phase": "Succeeded", "attempt": 1})
     t = text(m)
-    a = {"namespace": "ns", "job": "a"}
+    a = {"namespace": "ns", "trainingjob": "a"}
     assert metric_value(t, "spotguard_job_preemptions_total", a) == 2.0
     assert metric_value(t, "spotguard_job_lost_steps_total", a) == 3.0
     assert metric_value(t, "spotguard_job_failures_total", a) == 1.0
@@ -47,11 +47,13 @@ def test_phase_moves_and_deleted_job_is_forgotten() -> None:
     m.forget("ns", "a")
     m.forget("ns", "never-seen")
     t = text(m)
-    assert 'job="a"' not in t
+    assert 'trainingjob="a"' not in t
     assert metric_value(t, "spotguard_jobs", {"phase": "Restarting"}) == 0.0
 
 
 def test_own_registry() -> None:
     a, b = OperatorMetrics(), OperatorMetrics()  # no clash: each has its own registry
     a.failed("ns", "x")
-    assert metric_value(text(b), "spotguard_job_failures_total", {"namespace": "ns", "job": "x"}) is None
+    x = {"namespace": "ns", "trainingjob": "x"}
+    assert metric_value(text(a), "spotguard_job_failures_total", x) == 1.0
+    assert metric_value(text(b), "spotguard_job_failures_total", x) is None

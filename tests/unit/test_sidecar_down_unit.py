@@ -256,6 +256,6 @@ def test_sidecar_failures_are_counted_per_job() -> None:
     m.sidecar_failed("ns", "a")
     m.sidecar_failed("ns", "a")
     text = generate_latest(m.registry).decode()
-    assert metric_value(text, "spotguard_job_sidecar_failures_total", {"namespace": "ns", "job": "a"}) == 2.0
+    assert metric_value(text, "spotguard_job_sidecar_failures_total", {"namespace": "ns", "trainingjob": "a"}) == 2.0
     m.forget("ns", "a")
     assert 'job="a"' not in generate_latest(m.registry).decode()

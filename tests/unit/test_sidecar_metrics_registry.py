@@ -15,14 +15,17 @@ def samples(m: SidecarMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-LABELS = (("job", "j"), ("namespace", "ns"))
+LABELS = (("namespace", "ns"), ("trainingjob", "j"))
 
 
 def test_names_follow_the_convention_and_labels_are_bounded() -> None:
     m = SidecarMetrics("ns", "j")
-    allowed = {"namespace", "job", "stage", "source", "result", "reason", "le"}
+    allowed = {"namespace", "trainingjob", "stage", "source", "result", "reason", "le"}
     for (name, labels), _ in samples(m).items():
         assert name.startswith("spotguard_")
+        if name == "spotguard_build_info":  # constant per process: the versions
+            assert {k for k, _ in labels} == {"version", "python", "component"}
+            continue
         assert {k for k, _ in labels} <= allowed, name
 
 
@@ -33,7 +36,8 @@ def test_last_verified_never_moves_backwards() -> None:
     s = samples(m)
     assert s[("spotguard_checkpoint_last_verified_step", LABELS)] == 30
     assert s[("spotguard_checkpoint_last_verified_timestamp_seconds", LABELS)] == 1000.0
-    assert s[("spotguard_checkpoint_uploads_total", (*LABELS[:1], ("namespace", "ns"), ("result", "verified")))] == 2
+    verified = (("namespace", "ns"), ("result", "verified"), ("trainingjob", "j"))
+    assert s[("spotguard_checkpoint_uploads_total", verified)] == 2
 
 
 def test_deadline_gauges() -> None:
@@ -48,5 +52,6 @@ def test_deadline_gauges() -> None:
 def test_two_instances_do_not_clash() -> None:
     a, b = SidecarMetrics("ns", "a"), SidecarMetrics("ns", "b")
     a.notice("gce")
-    assert ("spotguard_preemption_notices_total", (("job", "a"), ("namespace", "ns"), ("source", "gce"))) in samples(a)
+    gce = (("namespace", "ns"), ("source", "gce"), ("trainingjob", "a"))
+    assert ("spotguard_preemption_notices_total", gce) in samples(a)
     assert not any(n == "spotguard_preemption_notices_total" for n, _ in samples(b))
