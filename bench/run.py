@@ -15,7 +15,8 @@ Environment: BENCH_STATE_MB (default 512) sizes the training state of the
 stall/persist/upload/resume benchmarks; BENCH_SIGTERM_GB (default 0.25,1,2)
 the SIGTERM -> verified sizes; BENCH_OPERATOR_JOBS (default 200); BENCH_DIST_STATE_MB
 (default 256) and BENCH_DIST_SIGTERM_GB (default 0.5) the sharded state of the
-distributed stall and SIGTERM benchmarks.
+distributed stall and SIGTERM benchmarks; BENCH_REQUESTS_POLLS (default 2) the polls per
+job of each kind in the storage-requests benchmark.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import dist, frameworks, gang, goodput, incremental  # noqa: E402
+from bench import dist, frameworks, gang, goodput, incremental, storage_requests  # noqa: E402
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -792,6 +793,7 @@ BENCHES: dict[str, Any] = {
     "resume": bench_resume,
     "sigterm": bench_sigterm,
     "operator": None,  # filled in below when the operator benchmark module is present
+    "storage-requests": storage_requests.bench_storage_requests,
     "goodput": bench_goodput,
     "flags": dist.bench_flags,
     "dist-stall": dist.bench_dist_stall,

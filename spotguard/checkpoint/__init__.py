@@ -3,7 +3,8 @@
 Public API (others import these; see ``docs/checkpoint-format.md``):
 
 - :func:`upload_checkpoint`, :func:`commit_global` (distributed checkpoints),
-  :func:`verify_checkpoint`, :func:`latest_verified`,
+  :func:`verify_checkpoint`, :func:`latest_verified` (and
+  :class:`LatestWatch`, the same for pollers),
   :func:`restore_latest`, :func:`apply_retention`, :func:`list_local_committed`;
 - :class:`Manifest` and friends for reading manifests;
 - :class:`RetentionPolicy` and the pure :func:`plan_retention`.
@@ -47,6 +48,7 @@ from spotguard.checkpoint.remote import (
     CheckpointCorruptError,
     CheckpointInfo,
     GlobalCommit,
+    LatestWatch,
     Skipped,
     UploadResult,
     commit_global,
@@ -78,6 +80,7 @@ __all__ = [
     "FileEntry",
     "GcReport",
     "GlobalCommit",
+    "LatestWatch",
     "LocalWriter",
     "Manifest",
     "ManifestError",

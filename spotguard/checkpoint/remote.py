@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -60,6 +61,7 @@ from spotguard.checkpoint.verify import (
     verify_files_by_store,
 )
 from spotguard.storage.base import (
+    UNCHANGED,
     NotFoundError,
     ObjectInfo,
     PreconditionFailedError,
@@ -359,7 +361,8 @@ def _check_against_parts(storage: Storage, name: str, manifest: Manifest) -> lis
 
 
 def verify_checkpoint(
-    storage: Storage, name: str, *, checksums: bool = True, deep: bool = False, workers: int = 4
+    storage: Storage, name: str, *, checksums: bool = True, deep: bool = False, workers: int = 4,
+    quiet: bool = False,
 ) -> VerifyResult:
     """Check that every file in the checkpoint's manifest exists in storage
     with the recorded size and checksum (and that no pickle in it would run
@@ -371,7 +374,8 @@ def verify_checkpoint(
     manifest instead of reading the file back; files without one are read
     back. ``deep=True`` reads every byte back regardless (bit rot, a store
     that is not trusted). ``checksums=False`` checks sizes only.
-    ``VerifyResult.method`` says which way was taken.
+    ``VerifyResult.method`` says which way was taken. The result is logged
+    at INFO, or at DEBUG with ``quiet`` (a poller that looks again and again).
 
     A distributed checkpoint is verified by its global manifest, which lists
     every part's files and every part manifest; a problem with a file names
@@ -401,7 +405,7 @@ def verify_checkpoint(
             method=chunk_checks.method if checksums else METHOD_SIZES,
             store_checked=chunk_checks.store_checked, read_back=chunk_checks.read_back,
         )  # fmt: skip
-        _log_verify(storage, name, result, "chunks")
+        _log_verify(storage, name, result, "chunks", quiet)
         return result
     listing = _listing(storage, name)
     sizes = {path: info.size for path, info in listing.items()}
@@ -434,12 +438,13 @@ def verify_checkpoint(
             result.ok = not result.problems
         result.parts_total = manifest.sharding.parts
         result.parts_present = list(range(manifest.sharding.parts))
-    _log_verify(storage, name, result, "files")
+    _log_verify(storage, name, result, "files", quiet)
     return result
 
 
-def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str) -> None:
-    log.info(
+def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str, quiet: bool = False) -> None:
+    log.log(
+        logging.DEBUG if quiet else logging.INFO,
         "verify %s: %s by %s (%d %s by store checksum, %d read back, %d bytes read)",
         storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
         result.store_checked, unit, result.read_back, result.checked_bytes,
@@ -447,19 +452,125 @@ def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str) ->
 
 
 def latest_verified(
-    storage: Storage, *, checksums: bool = True, deep: bool = False
+    storage: Storage, *, checksums: bool = True, deep: bool = False, quiet: bool = False
 ) -> tuple[CheckpointInfo | None, list[Skipped]]:
     """The newest checkpoint that passes verification, and every newer one that
     was passed over with the reason. ``(None, skipped)`` when none passes.
-    ``checksums`` and ``deep`` as for :func:`verify_checkpoint`."""
+    ``checksums`` and ``deep`` as for :func:`verify_checkpoint`; ``quiet``
+    logs each verification and skipped checkpoint at DEBUG instead of
+    INFO/WARNING (for pollers, which report what changed themselves)."""
     skipped: list[Skipped] = []
     for name in reversed(list_checkpoint_names(storage)):
-        result = verify_checkpoint(storage, name, checksums=checksums, deep=deep)
+        result = verify_checkpoint(storage, name, checksums=checksums, deep=deep, quiet=quiet)
         if result.ok and result.manifest is not None:
             return CheckpointInfo.from_manifest(result.manifest, storage.uri_for(name)), skipped
         skipped.append(Skipped(name, parse_checkpoint_name(name) or 0, result.reason))
-        log.warning("skipping checkpoint %s: %s", storage.uri_for(name), result.reason)
+        log.log(logging.DEBUG if quiet else logging.WARNING, "skipping checkpoint %s: %s",
+                storage.uri_for(name), result.reason)  # fmt: skip
     return None, skipped
+
+
+#: Default of :attr:`LatestWatch.full_read_seconds`.
+FULL_READ_SECONDS = 1800.0
+
+
+class LatestWatch:
+    """:func:`latest_verified` for a poller: a full read only when something changed.
+
+    One watch per storage root (per job). Each :meth:`poll` reads the
+    ``latest`` pointer conditionally (``If-None-Match`` with the entity tag
+    seen at the last full read): while it is unchanged the poll returns the
+    last full read's result, at the cost of exactly one request and no data.
+    When the pointer changed or is missing, or when a full read is due
+    (every ``full_read_seconds``; 0: at every poll, without reading the
+    pointer at all, as :func:`latest_verified` alone), it calls
+    :func:`latest_verified` and keeps the result with the pointer's tag.
+
+    Why an unchanged pointer may stand for "nothing new": every writer moves
+    the pointer (by compare-and-swap, forward only) after the checkpoint is
+    complete in storage: the sidecar, ``spotguard run`` and the Checkpointer
+    after it verified; :func:`upload_checkpoint` after the manifest; the
+    distributed commit after the global manifest. So a new checkpoint that
+    verifies changes the pointer's entity tag. The result itself never comes
+    from the pointer: a full read decides from the listing and the manifests
+    as :func:`latest_verified` does. The pointer is still advisory: a writer
+    that crashed between its verification and the pointer move, a pointer
+    write that failed, or a checkpoint removed or damaged behind spotguard's
+    back is not signalled; the periodic full read catches those, at most
+    ``full_read_seconds`` late. The pointer is read before the listing and
+    its tag is the one kept: a pointer moved in between only costs one more
+    full read at the next poll, never a stale result.
+
+    Because the pointer only moves forward, it cannot signal a new checkpoint
+    older than the step it names: when it names a step newer than the newest
+    checkpoint that verifies (that one was damaged or removed, and training
+    resumed from an older one), or cannot be parsed, it is not trusted and
+    every poll reads in full (as without a watch) until a full read finds
+    the pointer's checkpoint, or a newer one, verified.
+
+    Storage errors propagate and change nothing kept (the next poll tries
+    again). ``clock`` (monotonic seconds) is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        full_read_seconds: float = FULL_READ_SECONDS,
+        checksums: bool = False,
+        deep: bool = False,
+        quiet: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.storage = storage
+        self.full_read_seconds = max(0.0, float(full_read_seconds))
+        self.checksums = checksums
+        self.deep = deep
+        self.quiet = quiet
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._etag: str | None = None
+        self._result: tuple[CheckpointInfo | None, list[Skipped]] | None = None
+        self._full_at = 0.0
+        #: Polls answered by a full read, and by the unchanged pointer alone.
+        self.full_reads = 0
+        self.unchanged_polls = 0
+        #: Whether the last poll made a full read.
+        self.last_full = False
+
+    def poll(self, *, full: bool = False) -> tuple[CheckpointInfo | None, list[Skipped]]:
+        """The newest verified checkpoint and the newer ones skipped, as :func:`latest_verified`;
+        ``full``: a full read now, whatever the pointer says (a last look)."""
+        with self._lock:
+            if self.full_read_seconds <= 0:
+                return self._full_read(None)
+            due = self._result is None or self._etag is None or self._clock() - self._full_at >= self.full_read_seconds
+            if full or due:
+                pointer = self.storage.read_with_etag(POINTER_NAME)
+            else:
+                found = self.storage.read_if_changed(POINTER_NAME, self._etag)
+                if found is UNCHANGED:
+                    assert self._result is not None
+                    self.unchanged_polls += 1
+                    self.last_full = False
+                    info, skipped = self._result
+                    return info, list(skipped)
+                pointer = found
+            return self._full_read(pointer)
+
+    def _full_read(self, pointer: tuple[bytes, str] | None) -> tuple[CheckpointInfo | None, list[Skipped]]:
+        started = self._clock()
+        info, skipped = latest_verified(self.storage, checksums=self.checksums, deep=self.deep, quiet=self.quiet)
+        # The pointer's tag is kept (and stands for "nothing new" at the next polls) only when the pointer
+        # is not ahead of what verifies; and only once the read succeeded: a failed one changes nothing.
+        pointed = parse_pointer(pointer[0]) if pointer is not None else None
+        trusted = pointer is not None and pointed is not None and info is not None and pointed <= info.step
+        self._etag = pointer[1] if trusted and pointer is not None else None
+        self._result = (info, list(skipped))
+        self._full_at = started
+        self.full_reads += 1
+        self.last_full = True
+        return info, skipped
 
 
 def read_latest_pointer(storage: Storage) -> int | None:

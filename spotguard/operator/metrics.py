@@ -75,6 +75,11 @@ class OperatorMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.storage_requests = Counter(
+            "spotguard_operator_storage_requests_total",
+            "Requests the operator sent to S3 stores while reading jobs' checkpoints (retries included).",
+            registry=self.registry,
+        )
         self.storage_clients = Gauge(
             "spotguard_operator_storage_clients",
             "Storage handles the operator holds (at most one per job it still reads).",

@@ -10,6 +10,12 @@ store can be slow, paused or gone for minutes. So the probe
   endpoint and credentials, shared by the jobs that use them (a boto3 client
   costs tens of megabytes and a tenth of a second of CPU to build: one per
   poll, or even one per job, starves an operator of 200 jobs);
+* reads each job's checkpoints through a :class:`~spotguard.checkpoint.LatestWatch`:
+  a poll that finds the ``latest`` pointer unchanged costs one conditional
+  request (``If-None-Match``); the listing and manifests are read only when
+  it changed, and every ``full_read_seconds`` regardless (0: at every poll);
+  every request sent to a store is counted
+  (``spotguard_operator_storage_requests_total``);
 * reads the job from the reconcile's last look (no API call per poll), and
   its credentials Secret at most every ``SECRET_TTL_SECONDS`` or after an
   error (a rotated Secret is picked up);
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from spotguard.checkpoint.remote import FULL_READ_SECONDS
 from spotguard.operator.decide import TERMINAL_PHASES, format_time, parse_time
 from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
 
@@ -149,6 +156,8 @@ class _Client:
     storage: Any
     #: Digest of the connection settings (endpoint, region, credentials) of an S3 client, else "".
     connection: str = ""
+    #: The job's :class:`~spotguard.checkpoint.LatestWatch` on ``storage``.
+    watch: Any = None
 
 
 def _digest(value: Any) -> str:
@@ -160,8 +169,10 @@ class CheckpointProbe:
     """Reads jobs' newest verified checkpoints on a bounded pool of its own.
 
     ``ctx`` is the reconcile :class:`~spotguard.operator.reconcile.Context`
-    (API clients, the verified cache the reconcile reads). ``open_storage``
-    is injectable for tests.
+    (API clients, the verified cache the reconcile reads). ``full_read_seconds``:
+    how often a job's checkpoints are read in full although its ``latest``
+    pointer did not change (0: at every poll). ``open_storage`` and ``clock``
+    (monotonic seconds, for the full reads) are injectable for tests.
     """
 
     def __init__(
@@ -169,12 +180,18 @@ class CheckpointProbe:
         ctx: Any,
         *,
         workers: int = 4,
+        full_read_seconds: float = FULL_READ_SECONDS,
         open_storage: Callable[..., Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ctx = ctx
         self.pool = DaemonPool(workers, "spotguard-probe")
+        self.full_read_seconds = full_read_seconds
+        self._clock = clock
         self._open = open_storage
         self._lock = threading.Lock()
+        #: Held while a job's storage is opened (see :meth:`_storage`).
+        self._opening = threading.Lock()
         self._clients: dict[tuple[str, str], _Client] = {}
         #: S3 clients shared by the jobs with the same endpoint and credentials.
         self._connections: dict[str, Any] = {}
@@ -217,36 +234,60 @@ class CheckpointProbe:
         data = getattr(secret, "data", None) or {}
         return {str(k): base64.b64decode(v).decode().strip() for k, v in data.items() if v}
 
-    def _storage(self, key: tuple[str, str], uri: str, options: dict[str, Any]) -> Any:
-        """The job's storage: reused while its URI and credentials stay the same."""
+    def _storage(self, key: tuple[str, str], uri: str, options: dict[str, Any]) -> _Client:
+        """The job's storage and watch: reused while its URI and credentials stay the same."""
         fingerprint = _digest((uri, sorted(options.items())))
         with self._lock:
             cached = self._clients.get(key)
         if cached is not None and cached.fingerprint == fingerprint:
-            return cached.storage
-        connection = ""
-        if self._open is not None:
-            storage = self._open(uri, **options)
-        else:
-            from spotguard.storage import open_storage
-
-            if uri.startswith("s3://"):
-                connection = _digest(sorted(options.items()))
-                with self._lock:
-                    shared = self._connections.get(connection)
-                if shared is not None:
-                    storage = open_storage(uri, client=shared)
-                else:
-                    storage = open_storage(uri, **options, max_attempts=STORAGE_ATTEMPTS)
-                    with self._lock:
-                        self._connections[connection] = getattr(storage, "client")  # noqa: B009 - S3 only
+            return cached
+        # One job at a time opens storage: the first reads of many jobs (an operator starting) run at once,
+        # and each would otherwise build its own S3 client for the same endpoint and credentials.
+        with self._opening:
+            connection = ""
+            if self._open is not None:
+                storage = self._open(uri, **options)
             else:
-                storage = open_storage(uri, **options)
-        with self._lock:
-            self._clients[key] = _Client(fingerprint, storage, connection)
-            self._drop_unused_connections()
+                from spotguard.storage import open_storage
+
+                if uri.startswith("s3://"):
+                    connection = _digest(sorted(options.items()))
+                    with self._lock:
+                        shared = self._connections.get(connection)
+                    if shared is not None:
+                        storage = open_storage(uri, client=shared)
+                    else:
+                        storage = open_storage(uri, **options, max_attempts=STORAGE_ATTEMPTS)
+                else:
+                    storage = open_storage(uri, **options)
+            self._count_requests(storage)
+            from spotguard.checkpoint import LatestWatch
+
+            # Sizes and manifests only: the sidecar verified every checksum when it uploaded,
+            # and re-reading whole checkpoints at every full read would double the egress.
+            watch = LatestWatch(storage, full_read_seconds=self.full_read_seconds, checksums=False, quiet=True,
+                                clock=self._clock)  # fmt: skip
+            handle = _Client(fingerprint, storage, connection, watch)
+            with self._lock:
+                if connection:
+                    self._connections.setdefault(connection, getattr(storage, "client"))  # noqa: B009 - S3 only
+                self._clients[key] = handle
+                self._drop_unused_connections()
         self._count_clients()
-        return storage
+        return handle
+
+    def _count_requests(self, storage: Any) -> None:
+        """Count every request the storage's S3 client sends (retries included), once per client."""
+        events = getattr(getattr(getattr(storage, "client", None), "meta", None), "events", None)
+        if events is None:
+            return  # file:// storage: no requests
+        counter = self.ctx.metrics.storage_requests
+
+        def count(**_: Any) -> None:
+            counter.inc()
+
+        # The same id for every job sharing the client: registered once, counted once.
+        events.register("before-send.s3", count, unique_id=f"spotguard-operator-requests-{id(counter)}")
 
     def _drop_unused_connections(self) -> None:
         # Called with the lock held.
@@ -285,8 +326,6 @@ class CheckpointProbe:
             spec = parse(job.get("spec"))
         except SpecError:
             return None, finished
-        from spotguard.checkpoint import latest_verified
-
         options: dict[str, Any] = {}
         if spec.checkpoint.storage.startswith("s3://"):
             options = self._secret_values(namespace, spec)
@@ -296,10 +335,9 @@ class CheckpointProbe:
                 options["region"] = spec.checkpoint.region
         uri = spec.checkpoint.job_uri(namespace, name)
         try:
-            storage = self._storage((namespace, name), uri, options)
-            # Sizes and manifests only: the sidecar verified every checksum when it uploaded,
-            # and re-reading whole checkpoints every poll would double the egress.
-            info, _skipped = latest_verified(storage, checksums=False)
+            handle = self._storage((namespace, name), uri, options)
+            # A finished job's last look reads everything (a pointer that lags is not trusted there).
+            info, _skipped = handle.watch.poll(full=finished)
         except Exception as exc:
             raise ProbeError(scrub(f"{type(exc).__name__}: {exc}", options)) from None
         if info is None:
@@ -336,9 +374,9 @@ class CheckpointProbe:
         entry, finished = result
         changed = False
         if entry is not None:
-            log.debug("%s/%s: newest verified step %s (%.2fs)", namespace, name, entry["step"],
-                      time.monotonic() - started)
             changed = self.ctx.verified.put(namespace, name, entry)
+            log.log(logging.INFO if changed else logging.DEBUG, "%s/%s: newest verified checkpoint: step %s (%.2fs)",
+                    namespace, name, entry["step"], time.monotonic() - started)  # fmt: skip
         if finished:
             # Nothing will change any more: drop the client, keep the cached entry for the status.
             with self._lock:

@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from spotguard.storage.base import (
+    UNCHANGED,
     CredentialsError,
     NotFoundError,
     ObjectInfo,
@@ -20,6 +21,7 @@ from spotguard.storage.base import (
     StorageError,
     StoreChecksums,
     StoredChecksum,
+    Unchanged,
     check_key,
     join_key,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "StorageError",
     "StoreChecksums",
     "StoredChecksum",
+    "UNCHANGED",
+    "Unchanged",
     "check_key",
     "join_key",
     "open_storage",

@@ -8,10 +8,11 @@ file backend writes a temporary file and renames it).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
 
 #: Called with the number of bytes transferred since the previous call.
 ProgressCallback = Callable[[int], None]
@@ -31,6 +32,17 @@ class PreconditionFailedError(StorageError):
 
 class CredentialsError(StorageError):
     """No usable credentials, or the store refused them."""
+
+
+class Unchanged(enum.Enum):
+    """The type of :data:`UNCHANGED`."""
+
+    UNCHANGED = "unchanged"
+
+
+#: What :meth:`Storage.read_if_changed` returns when the object still has the
+#: entity tag the caller gave (HTTP 304 Not Modified): nothing was transferred.
+UNCHANGED: Final = Unchanged.UNCHANGED
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,13 @@ class Storage(Protocol):
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
         """The object and its entity tag, or None when it does not exist."""
+        ...
+
+    def read_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | Unchanged | None:
+        """A conditional read (``If-None-Match``): :data:`UNCHANGED` when the
+        object's entity tag is still ``etag`` (one request, no body), else the
+        object and its entity tag as :meth:`read_with_etag` gives them, or None
+        when it does not exist. ``etag=None`` reads unconditionally."""
         ...
 
     def iter_chunks(self, key: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:

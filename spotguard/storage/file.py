@@ -18,12 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spotguard.storage.base import (
+    UNCHANGED,
     NotFoundError,
     ObjectInfo,
     PendingUpload,
     PreconditionFailedError,
     ProgressCallback,
     StorageError,
+    Unchanged,
     check_key,
 )
 
@@ -131,6 +133,13 @@ class FileStorage:
         except NotFoundError:
             return None
         return data, _etag(data)
+
+    def read_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | Unchanged | None:
+        """As :meth:`read_with_etag`, or :data:`UNCHANGED` when the content's tag is still ``etag``."""
+        found = self.read_with_etag(key)
+        if found is not None and etag is not None and found[1] == etag:
+            return UNCHANGED
+        return found
 
     def iter_chunks(self, key: str, chunk_size: int = 8 << 20) -> Iterator[bytes]:
         try:

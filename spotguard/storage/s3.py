@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from spotguard.storage.base import (
+    UNCHANGED,
     CredentialsError,
     NotFoundError,
     ObjectInfo,
@@ -33,6 +34,7 @@ from spotguard.storage.base import (
     ProgressCallback,
     StorageError,
     StoredChecksum,
+    Unchanged,
     check_key,
 )
 
@@ -298,6 +300,38 @@ class S3Storage:
         def once() -> tuple[bytes, str]:
             obj = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
             return obj["Body"].read(), str(obj["ETag"])
+
+        try:
+            with self._errors(self.uri_for(key)):
+                return self._retrying(once, self.uri_for(key))
+        except NotFoundError:
+            return None
+
+    def read_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | Unchanged | None:
+        """``GetObject`` with ``IfNoneMatch=etag``: the store answers 304 Not
+        Modified (no body) while the object keeps that entity tag. A store that
+        ignores the condition sends the object; when its tag is still ``etag``
+        that is :data:`UNCHANGED` too."""
+        from botocore.exceptions import ClientError
+
+        def once() -> tuple[bytes, str] | Unchanged:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key)}
+            if etag is not None:
+                kwargs["IfNoneMatch"] = etag
+            try:
+                obj = self.client.get_object(**kwargs)
+            except ClientError as exc:
+                # botocore raises for a 304; it is the answer, not an error
+                # (and must not reach the generic mapping below).
+                code, status = _error_code(exc)
+                if status == 304 or code in ("304", "NotModified"):
+                    return UNCHANGED
+                raise
+            tag = str(obj["ETag"])
+            if etag is not None and tag == etag:
+                obj["Body"].close()
+                return UNCHANGED
+            return obj["Body"].read(), tag
 
         try:
             with self._errors(self.uri_for(key)):
