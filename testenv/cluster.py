@@ -388,6 +388,8 @@ class ControlPlane:
     bin_dir: Path
     # The CA of the apiserver's client certificate for kubelets: process nodes serve logs only to it.
     kubelet_client_ca: Path | None = None
+    # The apiserver's audit log (JSON lines, see AUDIT_POLICY); None for a cluster the tests did not start.
+    audit_log: Path | None = None
 
     def api_client(self) -> Any:
         from kubernetes import client, config
@@ -449,6 +451,25 @@ def kubelet_client_certs(certs: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
+#: What the test cluster's apiserver writes to its audit log: who wrote (user, userAgent) which object when,
+#: for the objects the operator and its replicas write (no bodies: Metadata level). Node heartbeats,
+#: pod status from the nodes and every read are left out, so it stays small and cheap.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "None", "namespaces": ["kube-system", "kube-node-lease"]},
+        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"],
+         "resources": [{"group": "", "resources": ["pods", "events", "services", "serviceaccounts"]},
+                       {"group": "coordination.k8s.io", "resources": ["leases"]},
+                       {"group": "rbac.authorization.k8s.io", "resources": ["rolebindings"]},
+                       {"group": "spotguard.dev", "resources": ["trainingjobs", "trainingjobs/status"]}]},
+        {"level": "None"},
+    ],
+}  # fmt: skip
+
+
 def start_control_plane(sup: Supervisor) -> ControlPlane:
     bins = bin_dir()
     for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
@@ -464,6 +485,8 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     tokens.chmod(0o600)
 
     kubelet_ca, kubelet_cert, kubelet_key = kubelet_client_certs(d / "certs")
+    audit_policy, audit_log = d / "audit-policy.json", d / "audit.log"
+    audit_policy.write_text(json.dumps(AUDIT_POLICY))
     etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
     etcd_url, peer_url = f"http://127.0.0.1:{etcd_port}", f"http://127.0.0.1:{etcd_peer}"
     etcd = sup.start(
@@ -487,7 +510,10 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
          "--allow-privileged=true", "--profiling=false",
          # Logs (kubectl logs) come from the node's kubelet endpoint: reach it at 127.0.0.1, with a client cert.
          "--kubelet-preferred-address-types=InternalIP,Hostname",
-         f"--kubelet-client-certificate={kubelet_cert}", f"--kubelet-client-key={kubelet_key}"],
+         f"--kubelet-client-certificate={kubelet_cert}", f"--kubelet-client-key={kubelet_key}",
+         # Who wrote what, in the apiserver's own order (tests of the operator's replicas read it).
+         f"--audit-policy-file={audit_policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
+         "--audit-log-maxsize=200", "--audit-log-maxbackup=1"],
     )  # fmt: skip
     wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
     sup.host_services.add(api_port, "kube-apiserver")
@@ -512,7 +538,7 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
         90,
         "default ServiceAccount (kube-controller-manager)",
     )
-    return ControlPlane(kubeconfig, server, token, bins, kubelet_ca)
+    return ControlPlane(kubeconfig, server, token, bins, kubelet_ca, audit_log)
 
 
 @dataclass

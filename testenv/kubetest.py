@@ -8,11 +8,13 @@ pair of clients :func:`apis` returns, ``(CoreV1Api, CustomObjectsApi)``.
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,12 @@ __all__ = [
     "IMAGE",
     "PLURAL",
     "VERSION",
+    "AuditWrite",
     "Env",
     "PodLife",
     "PodWatch",
     "apis",
+    "audit_writes",
     "cond",
     "create_job",
     "delete_jobs",
@@ -38,6 +42,7 @@ __all__ = [
     "install_crd",
     "job_body",
     "kubectl",
+    "lease_holder",
     "new_namespace",
     "operator_namespace",
     "operator_process",
@@ -88,6 +93,73 @@ def new_namespace(core: Any, prefix: str) -> str:
     core.create_namespace({"metadata": {"name": name}})
     wait_for(lambda: core.read_namespaced_service_account("default", name), "the default ServiceAccount", timeout=60)
     return name
+
+
+# --- the apiserver's audit log -------------------------------------------------------
+
+#: The User-Agent of the operator's requests names the process (``spotguard.operator.handlers.user_agent``).
+OPERATOR_AGENT = re.compile(r"^spotguard-operator/\S+ \((?P<identity>[^)]+)\)")
+
+
+@dataclass(frozen=True)
+class AuditWrite:
+    """One write as the apiserver's audit log has it (``testenv.cluster.AUDIT_POLICY``)."""
+
+    #: When the apiserver received it (its own clock, microseconds: one clock for every writer).
+    at: str
+    verb: str
+    #: ``pods``, ``trainingjobs/status``, ``leases``...
+    resource: str
+    namespace: str
+    name: str
+    code: int
+    user: str
+    agent: str
+
+    @property
+    def identity(self) -> str | None:
+        """The operator process that sent it (None: not the operator's own client, e.g. kopf's)."""
+        m = OPERATOR_AGENT.match(self.agent)
+        return m.group("identity") if m else None
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.code < 300
+
+
+def audit_writes(kube: Any, namespaces: Collection[str]) -> list[AuditWrite] | None:
+    """The writes in ``namespaces`` in the order the apiserver received them; None without an audit log
+    (a cluster the tests did not start)."""
+    path = getattr(kube, "audit_log", None)
+    if path is None or not Path(path).exists():
+        return None
+    out = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        ref = ev.get("objectRef") or {}
+        if ev.get("stage") != "ResponseComplete" or ref.get("namespace") not in namespaces:
+            continue
+        resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        out.append(AuditWrite(ev.get("requestReceivedTimestamp", ""), ev.get("verb", ""), resource,
+                              ref["namespace"], ref.get("name", ""), int((ev.get("responseStatus") or {}).get(
+                                  "code", 0)), (ev.get("user") or {}).get("username", ""), ev.get("userAgent", "")))
+    return sorted(out, key=lambda w: w.at)
+
+
+def lease_holder(api_client: Any, namespace: str, name: str) -> str | None:
+    """The holderIdentity of a Lease (None: released, or no Lease); ``api_client`` a kubernetes ApiClient."""
+    from kubernetes import client
+
+    try:
+        lease = client.CoordinationV1Api(api_client).read_namespaced_lease(name, namespace)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return lease.spec.holder_identity or None
 
 
 # --- the operator -----------------------------------------------------------------

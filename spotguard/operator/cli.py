@@ -59,12 +59,50 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--liveness", default="http://0.0.0.0:8081/healthz", metavar="URL", help="liveness endpoint URL ('' to disable)"
     )
-    p.add_argument(
-        "--peering",
-        default=None,
-        metavar="NAME",
-        help="kopf peering name for several replicas (one active); default: standalone",
+    le = p.add_argument_group(
+        "leader election (several replicas: the one that holds a coordination.k8s.io Lease acts, the others"
+        " stand by; durations as in client-go)"
     )
+    le.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="elect a leader among the replicas; default: run alone (never run two without it)",
+    )
+    le.add_argument(
+        "--leader-elect-resource-name",
+        default="spotguard-operator-leader",
+        metavar="NAME",
+        help="the Lease's name (the chart's <fullname>-leader)",
+    )
+    le.add_argument(
+        "--leader-elect-resource-namespace",
+        default=None,
+        metavar="NS",
+        help="the Lease's namespace; default: the operator's own (env POD_NAMESPACE, else the ServiceAccount's)",
+    )
+    le.add_argument(
+        "--leader-elect-lease-duration",
+        type=int,
+        default=15,
+        metavar="SECONDS",
+        help="a standby takes over when the leader has not renewed for this long (default 15)",
+    )
+    le.add_argument(
+        "--leader-elect-renew-deadline",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the leader exits when it could not renew for this long; shorter than the lease duration (default 10)",
+    )
+    le.add_argument(
+        "--leader-elect-retry-period",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how often the leader renews and standbys look (default 2)",
+    )
+    # Replaced by --leader-elect: refused with a pointer, not silently ignored.
+    p.add_argument("--peering", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--resync-seconds",
         type=float,
@@ -120,6 +158,15 @@ def register(subparsers: Any) -> None:
         metavar="NAME",
         help="create/update the MutatingWebhookConfiguration NAME itself (else the chart does)",
     )
+    p.add_argument(
+        "--checkpoint-full-read-seconds",
+        type=float,
+        default=_env_float("SPOTGUARD_CHECKPOINT_FULL_READ_SECONDS", 1800.0),
+        metavar="SECONDS",
+        help="read each job's checkpoints in full at least this often; in between a poll that finds the latest"
+        " pointer unchanged costs one conditional request (default 1800; 0: read everything at every poll;"
+        " env SPOTGUARD_CHECKPOINT_FULL_READ_SECONDS)",
+    )
     p.set_defaults(func=run_operator)
 
 
@@ -132,7 +179,16 @@ def run_operator(args: argparse.Namespace) -> int:
         if args.webhook and path and not os.path.isfile(path):
             print(f"spotguard operator: no such file: {path}", file=sys.stderr)
             return 2
+    if args.peering is not None:
+        print("spotguard operator: --peering (kopf peering) was replaced by --leader-elect (a Lease)", file=sys.stderr)
+        return 2
     from spotguard.operator.hostports import NODEPORT_RANGE, format_range, overlaps_nodeports, parse_range
+    from spotguard.operator.leader import Timing
+
+    timing = Timing(args.leader_elect_lease_duration, args.leader_elect_renew_deadline, args.leader_elect_retry_period)
+    if args.leader_elect and timing.problem():
+        print(f"spotguard operator: --leader-elect-*: {timing.problem()}", file=sys.stderr)
+        return 2
 
     try:
         host_port_range = parse_range(args.host_port_range)
@@ -148,7 +204,7 @@ def run_operator(args: argparse.Namespace) -> int:
         return 2
     from prometheus_client import start_http_server
 
-    from spotguard.operator.handlers import OperatorOptions, run
+    from spotguard.operator.handlers import Election, OperatorOptions, run
     from spotguard.operator.metrics import OperatorMetrics
     from spotguard.operator.podbuilder import DEFAULT_IMAGE
 
@@ -172,6 +228,7 @@ def run_operator(args: argparse.Namespace) -> int:
         checkpoint_poll_seconds=args.checkpoint_poll_seconds,
         read_checkpoints=args.read_checkpoints,
         probe_workers=max(1, args.probe_workers),
+        checkpoint_full_read_seconds=max(0.0, args.checkpoint_full_read_seconds),
         host_port_range=host_port_range,
         notice_cluster_role=args.notice_cluster_role,
         webhook=args.webhook,
@@ -183,8 +240,23 @@ def run_operator(args: argparse.Namespace) -> int:
         webhook_manage=args.webhook_manage,
         metrics=metrics,
     )
-    run(options, liveness=args.liveness or None, peering=args.peering)
+    election = None
+    if args.leader_elect:
+        namespace = args.leader_elect_resource_namespace or own_namespace()
+        election = Election(namespace, args.leader_elect_resource_name, timing)
+    run(options, liveness=args.liveness or None, election=election)
     return 0
+
+
+def own_namespace() -> str:
+    """The operator's namespace: ``POD_NAMESPACE`` (the chart sets it), else its ServiceAccount's, else default."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
 
 
 def preflight() -> str | None:

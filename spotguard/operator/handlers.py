@@ -4,6 +4,10 @@ Handlers stay thin: they only wake the job's daemon, which runs
 ``reconcile`` (observe -> decide -> apply -> report) in a worker thread. Each
 TrainingJob has exactly one daemon in a running operator, so a job's decisions
 are never made concurrently.
+
+With several replicas (``--leader-elect``) only the one that holds the Lease
+runs kopf at all; the others stand by (``spotguard.operator.leader``). kopf
+itself always runs standalone: no kopf peering.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +25,11 @@ from typing import Any
 
 import kopf
 
+from spotguard import __version__
 from spotguard.operator import reconcile as rc
 from spotguard.operator.decide import TERMINAL_PHASES
 from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANGE
+from spotguard.operator.leader import LeaderElector, StandbyLiveness, Timing, fence_requests, new_identity
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
     DEFAULT_IMAGE,
@@ -38,8 +45,6 @@ from spotguard.operator.spec import GROUP, PLURAL, VERSION, SpecError
 log = logging.getLogger("spotguard.operator")
 
 FINALIZER = "spotguard.dev/finalizer"
-#: How long a silent replica is presumed alive (kopf's default is 60 s).
-PEERING_LIFETIME_SECONDS = 20
 ANNOTATION_PREFIX = "spotguard.dev"
 
 
@@ -57,6 +62,8 @@ class OperatorOptions:
     read_checkpoints: bool = True
     #: Threads of the storage probe's own pool (reads that hang on a dead store wait here).
     probe_workers: int = 4
+    #: How often the probe reads a job's checkpoints in full although its ``latest`` pointer is unchanged (0: always).
+    checkpoint_full_read_seconds: float = 1800.0
     #: Host ports handed to jobs with hostNetwork (first, last).
     host_port_range: tuple[int, int] = DEFAULT_HOST_PORT_RANGE
     #: ClusterRole bound to the pods' ServiceAccount of a job with the k8s notice source.
@@ -69,10 +76,28 @@ class OperatorOptions:
     webhook_key: str | None = None
     webhook_manage: str | None = None
     metrics: OperatorMetrics | None = None
+    #: This process: the Lease's holderIdentity, Events' reportingInstance, the pods' annotation.
+    identity: str = field(default_factory=new_identity)
+    #: Called before every write for a job (the leader election's fence; none when alone).
+    fence: Callable[[], None] = rc.no_fence
 
 
-def api_clients() -> tuple[Any, Any]:
-    """CoreV1Api and CustomObjectsApi from in-cluster config or KUBECONFIG (own Configuration)."""
+@dataclass(frozen=True)
+class Election:
+    """``--leader-elect``: the Lease the replicas elect their leader with, and its durations."""
+
+    namespace: str
+    name: str
+    timing: Timing = field(default_factory=Timing)
+
+
+def user_agent(identity: str) -> str:
+    """The operator's User-Agent: its writes are told apart by replica in the apiserver's audit log."""
+    return f"spotguard-operator/{__version__} ({identity})"
+
+
+def api_client(identity: str | None = None) -> Any:
+    """A kubernetes ApiClient from in-cluster config or KUBECONFIG (own Configuration)."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -82,7 +107,43 @@ def api_clients() -> tuple[Any, Any]:
     else:
         config.load_kube_config(client_configuration=cfg)
     api = client.ApiClient(cfg)
+    if identity:
+        api.user_agent = user_agent(identity)
+    return api
+
+
+def api_clients(identity: str | None = None) -> tuple[Any, Any]:
+    """CoreV1Api and CustomObjectsApi on one :func:`api_client`."""
+    from kubernetes import client
+
+    api = api_client(identity)
     return client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+
+def kopf_session(info: kopf.ConnectionInfo, identity: str, fence: Callable[[], None]) -> kopf.AiohttpSession:
+    """kopf's HTTP session as kopf makes it from ``info``, plus the operator's User-Agent (kopf's own
+    writes, its finalizer and Events, are told apart by replica too) and the fence before each request."""
+    from importlib.metadata import version
+
+    import aiohttp
+
+    async def fenced(*_: Any) -> None:
+        fence()
+
+    trace = aiohttp.TraceConfig()
+    if fence is not rc.no_fence:
+        # Before the request, and again once its connection is at hand (a new one may take a while).
+        for hook in (trace.on_request_start, trace.on_connection_create_end, trace.on_connection_reuseconn):
+            hook.append(fenced)
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ssl=info.as_ssl_context()),
+        headers={**info.as_http_headers(), "User-Agent": f"{user_agent(identity)} kopf/{version('kopf')}"},
+        proxy=info.proxy_url,
+        trust_env=info.trust_env,
+        trace_configs=[trace],
+    )
+    return kopf.AiohttpSession(aiohttp_session=session, server=info.server, priority=info.priority,
+                               default_namespace=info.default_namespace, expiration=info.expiration)  # fmt: skip
 
 
 def detect_native_sidecars(core: Any) -> bool:
@@ -153,22 +214,14 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    async def login(**kwargs: Any) -> kopf.AiohttpSession | None:
         # In-cluster ServiceAccount, else KUBECONFIG (as the kubernetes client resolves them).
-        return kopf.login_via_client(**kwargs)
+        info = kopf.login_via_client(**kwargs)
+        return None if info is None else kopf_session(info, options.identity, options.fence)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, memo: Any, logger: kopf.Logger, **_: Any) -> None:
         settings.persistence.finalizer = FINALIZER
-        # Several replicas (peering): kopf pauses every operator that sees another of the
-        # same priority, so each replica draws its own; the highest acts, the others wait.
-        # A replica that dies without a goodbye (force-deleted pod, lost node) is presumed
-        # dead after its lifetime, and the next one takes over.
-        settings.peering.priority = secrets.randbelow(1 << 30) + 1
-        settings.peering.lifetime = PEERING_LIFETIME_SECONDS
-        # One ClusterKopfPeering (the chart's) for the replicas, also when they watch
-        # only some namespaces (kopf would look for a KopfPeering in each of them).
-        settings.peering.clusterwide = True
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
@@ -180,6 +233,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         settings.networking.request_timeout = 60
         settings.posting.level = logging.WARNING
         settings.posting.reporting_component = "spotguard-operator"
+        settings.posting.reporting_instance = options.identity[:128]
         # Least privilege: no list/watch of CRDs and namespaces; the CRD must exist at start.
         settings.scanning.disabled = True
         # Only spotguard's pods are watched, filtered by the apiserver.
@@ -195,7 +249,9 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 )
             )
             settings.admission.managed = options.webhook_manage
-        core, custom = api_clients()
+        core, custom = api_clients(options.identity)
+        if options.fence is not rc.no_fence:
+            fence_requests(core.api_client, options.fence)  # core and custom share it
         native = detect_native_sidecars(core) if options.native_sidecar == "auto" else options.native_sidecar == "on"
         logger.info("sidecar mode: %s", "native" if native else "classic")
         ctx = rc.Context(
@@ -211,8 +267,12 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             namespaces=tuple(options.namespaces),
             host_port_range=options.host_port_range,
             notice_cluster_role=options.notice_cluster_role,
+            instance=options.identity,
+            fence=options.fence,
         )
-        probe = CheckpointProbe(ctx, workers=options.probe_workers) if options.read_checkpoints else None
+        probe = CheckpointProbe(
+            ctx, workers=options.probe_workers, full_read_seconds=options.checkpoint_full_read_seconds
+        ) if options.read_checkpoints else None
         if probe is None:
             logger.info("not reading checkpoints: no Secret and no store is read")
         memo.runtime = Runtime(ctx=ctx, probe=probe)
@@ -261,8 +321,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                     # A far-off look (a long backoff, a pod not yet unschedulable for long) never
                     # stretches the safety-net resync of a live job.
                     timeout = max(0.05, min(delay, resync))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waker.wait(), timeout=timeout)
+                await woken_or_stopped(waker, stopped, timeout)
         finally:
             if probe is not None:
                 probe.cancel()
@@ -313,6 +372,21 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
     return registry
 
 
+async def woken_or_stopped(waker: asyncio.Event, stopped: kopf.DaemonStopped, timeout: float) -> None:
+    """Wait until the daemon is woken, asked to stop (the operator stops: at once, so that a leader
+    hands its Lease over quickly), or ``timeout`` passes."""
+
+    async def stopping() -> None:
+        await stopped.wait()
+
+    waits = [asyncio.ensure_future(waker.wait()), asyncio.ensure_future(stopping())]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 def copy_request_namespace(request: Any) -> None:
     """Copy an admission request's namespace into its object, where handlers can see it.
 
@@ -354,18 +428,50 @@ def _delete_job_pods(ctx: rc.Context, namespace: str, name: str) -> None:
         rc.delete_pod(ctx, namespace, pod.metadata.name, force=False)
 
 
-def run(options: OperatorOptions, *, liveness: str | None, peering: str | None) -> None:
-    """Run the operator until SIGTERM/SIGINT."""
+def run(options: OperatorOptions, *, liveness: str | None, election: Election | None = None) -> None:
+    """Run the operator until SIGTERM/SIGINT; with ``election``, only while this replica leads."""
     kopf.configure(verbose=False)
     # kopf reports every handler run at INFO; the operator's own log says what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    registry = build_registry(options)
-    kopf.run(
-        registry=registry,
+    log.info("operator instance %s", options.identity)
+    stop = threading.Event()
+    elector: LeaderElector | None = None
+    if election is not None:
+        from kubernetes import client
+
+        leases = client.CoordinationV1Api(api_client(options.identity))
+        elector = LeaderElector(leases, election.namespace, election.name, options.identity, election.timing)
+        fence_requests(leases.api_client, elector.fence_renewal)
+        # Until kopf runs (it installs its own handlers), SIGTERM/SIGINT only stop the standby.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        with StandbyLiveness(liveness, elector):
+            if not elector.acquire(stop):
+                log.info("stopped while standing by")
+                return
+        elector.start_renewing()
+        options.fence = elector.fence
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            asyncio.run(_operate(options, liveness, stop))
+    finally:
+        if elector is not None:
+            elector.release()
+
+
+async def _operate(options: OperatorOptions, liveness: str | None, stopped: threading.Event) -> None:
+    """kopf (standalone) in this loop, until SIGTERM/SIGINT, also one that came before kopf took them."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)  # until kopf puts its own handlers in place
+    if stopped.is_set():  # checked after the loop took the signals: none is lost in between
+        return
+    await kopf.operator(
+        registry=build_registry(options),
         clusterwide=not options.namespaces,
         namespaces=options.namespaces,
-        standalone=peering is None,
-        peering_name=peering,
+        standalone=True,
         liveness_endpoint=liveness,
         memo=kopf.Memo(),
     )

@@ -42,6 +42,8 @@ LABEL_NODE_RANK = "spotguard.dev/node-rank"
 LABEL_INJECT = "spotguard.dev/inject"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_INJECTED = "spotguard.dev/injected"
+#: On every pod the operator creates: the identity of the operator process that created it.
+ANNOTATION_OPERATOR_INSTANCE = "spotguard.dev/operator-instance"
 
 # Not "/spotguard": with the container's working directory at "/", a top-level
 # directory named like the package would shadow it for `python -m spotguard...`

@@ -6,6 +6,12 @@ its current pod fresh from the apiserver, so it is level-based and idempotent:
 an operator restarted at any instant picks up where the last one stopped, and
 a pod that already exists under its deterministic name is adopted, never
 duplicated.
+
+Every write goes through the helpers under "writes" below, and each first
+calls ``ctx.fence()``: with leader election (``spotguard.operator.leader``) a
+replica that may have lost its Lease exits there instead of writing. Status
+writes carry the job's ``resourceVersion``, so one based on a stale read
+(another replica wrote since) fails with 409 and is redone from a fresh read.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +45,7 @@ from spotguard.operator.decide import (
 )
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
+    ANNOTATION_OPERATOR_INSTANCE,
     DEFAULT_NOTICE_CLUSTER_ROLE,
     LABEL_ATTEMPT,
     LABEL_JOB,
@@ -62,6 +69,10 @@ from spotguard.operator.spec import (
 log = logging.getLogger("spotguard.operator")
 
 MERGE_PATCH = "application/merge-patch+json"
+
+
+def no_fence() -> None:
+    """The fence of an operator that runs alone (no leader election): every write may go ahead."""
 
 
 @dataclass
@@ -105,7 +116,10 @@ class Context:
     read_checkpoints: bool = True
     #: The ClusterRole bound to the pods' ServiceAccount of a job with the k8s notice source.
     notice_cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
+    #: This operator process (the leader election's identity): Events' reportingInstance, pods' annotation.
     instance: str = field(default_factory=socket.gethostname)
+    #: Called before every write; exits the process when this replica may no longer act (see leader.py).
+    fence: Callable[[], None] = no_fence
     #: Phase of each job as the last reconcile left it (the probe and daemon read it).
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
     #: Each job as the last reconcile read it (the storage probe reads its spec from here).
@@ -203,9 +217,19 @@ class NotOursYet(Exception):
     """A pod with the attempt's name exists but belongs to an older, deleted job."""
 
 
+class JobChanged(Exception):
+    """A status write based on a stale read of the job (409): read it again and redo the look."""
+
+
 def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
-    """Create the pod; if it already exists and is ours, adopt it. True when created now."""
+    """Create the pod; if it already exists and is ours, adopt it. True when created now.
+
+    The pod is annotated with the operator's instance: which replica made it.
+    """
     namespace = pod["metadata"]["namespace"]
+    pod = {**pod, "metadata": {**pod["metadata"], "annotations": {
+        **(pod["metadata"].get("annotations") or {}), ANNOTATION_OPERATOR_INSTANCE: ctx.instance}}}
+    ctx.fence()
     try:
         ctx.core.create_namespaced_pod(namespace, pod)
         return True
@@ -234,6 +258,7 @@ def ensure_access(ctx: Context, objects: list[dict[str, Any]]) -> None:
         kind, namespace = obj["kind"], obj["metadata"]["namespace"]
         if kind not in ("ServiceAccount", "RoleBinding"):
             raise ValueError(f"the operator makes no {kind}")
+        ctx.fence()
         try:
             if kind == "ServiceAccount":
                 ctx.core.create_namespaced_service_account(namespace, obj)
@@ -247,6 +272,7 @@ def ensure_access(ctx: Context, objects: list[dict[str, Any]]) -> None:
 def ensure_service(ctx: Context, service: dict[str, Any], owner_uid: str) -> None:
     """Create a gang's headless Service; an existing one of this job is kept (its spec never changes)."""
     namespace = service["metadata"]["namespace"]
+    ctx.fence()
     try:
         ctx.core.create_namespaced_service(namespace, service)
         return
@@ -261,6 +287,7 @@ def ensure_service(ctx: Context, service: dict[str, Any], owner_uid: str) -> Non
 
 def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
     """Delete a pod (at once when ``force``: its node is gone); a missing pod is fine."""
+    ctx.fence()
     try:
         if force:
             ctx.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
@@ -271,13 +298,23 @@ def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
             raise
 
 
-def patch_status(ctx: Context, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-    """Merge-patch the status subresource (never the spec)."""
+def patch_status(ctx: Context, job: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
+    """Merge-patch the status subresource (never the spec), if the job is still as read.
+
+    Raises :class:`JobChanged` when the job changed since it was read (409):
+    the decision may rest on a stale status (another replica's, or a pod end
+    counted meanwhile), so it is made again from a fresh read.
+    """
+    meta = job["metadata"]
+    body = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": dict(patch)}
+    ctx.fence()
     try:
         ctx.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, {"status": dict(patch)}, _content_type=MERGE_PATCH
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
         )
     except Exception as exc:
+        if api_status(exc) == 409:
+            raise JobChanged(f"{meta['namespace']}/{meta['name']}") from None
         if api_status(exc) != 404:
             raise
 
@@ -306,6 +343,7 @@ def post_event(ctx: Context, job: Mapping[str, Any], event: Event, now: datetime
         "lastTimestamp": stamp,
         "count": 1,
     }
+    ctx.fence()
     try:
         ctx.core.create_namespaced_event(meta.get("namespace"), body)
     except Exception as exc:  # an Event is a report; losing one must not stop the job
@@ -347,6 +385,7 @@ def _patch_ports(ctx: Context, job: Mapping[str, Any], ports: hp.HostPorts | Non
         "metadata": {"resourceVersion": meta["resourceVersion"]},
         "status": {hp.STATUS_FIELD: ports.as_status() if ports else None},
     }
+    ctx.fence()
     try:
         result: dict[str, Any] = ctx.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
@@ -505,8 +544,21 @@ def observe_gang(
     return tuple(members)
 
 
+#: How soon to look again at a job that changed while it was being looked at.
+RELOOK_SECONDS = 0.1
+
+
 def reconcile(ctx: Context, namespace: str, name: str, now: datetime | None = None) -> float | None:
     """Bring one TrainingJob one step closer to done. Returns seconds until the next look."""
+    try:
+        return _reconcile(ctx, namespace, name, now)
+    except JobChanged:
+        # Its pods as decided are made (or adopted the next time); the status is decided again.
+        log.info("%s/%s changed while it was being looked at: looking again", namespace, name)
+        return RELOOK_SECONDS
+
+
+def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) -> float | None:
     job = get_job(ctx, namespace, name)
     if job is None or (job.get("metadata") or {}).get("deletionTimestamp"):
         ctx.jobs.pop((namespace, name), None)
@@ -623,7 +675,7 @@ def apply(
             )
         if not created:
             log.info("pods of attempt %d of %s/%s already existed: adopted", decision.create_attempt, namespace, name)
-        if decision.create_attempt > 1:
+        if created and decision.create_attempt > 1:  # counted once, also when a look is redone
             ended = parse_time((decision.status.get("lastPodEnd") or {}).get("time"))
             latency = (datetime.now(UTC) - ended).total_seconds() if ended else None
             ctx.metrics.restarted(namespace, name, latency)
@@ -638,7 +690,7 @@ def report(
     namespace, name = meta["namespace"], meta["name"]
     patch = status_patch(old_status, decision.status)
     if patch:
-        patch_status(ctx, namespace, name, patch)
+        patch_status(ctx, job, patch)
     for event in decision.events:
         post_event(ctx, job, event, now)
         log.info("%s/%s: %s: %s", namespace, name, event.reason, event.message)

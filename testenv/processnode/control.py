@@ -20,7 +20,7 @@ from testenv.processnode.api import ApiError, Kube
 from testenv.processnode.common import JSON, LOOPBACK, NODE_LEASE_NAMESPACE, PreemptError, log
 from testenv.processnode.hostservices import HostServices
 from testenv.processnode.podnet import IpPool, available
-from testenv.processnode.processes import kill_recorded_processes, signal_group
+from testenv.processnode.processes import kill_recorded_processes, process_start_time, signal_group
 
 if TYPE_CHECKING:
     from testenv.processnode.agent import Agent
@@ -231,6 +231,30 @@ class ProcessNodes:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pod {namespace}/{pod} has no IP after {timeout:.0f}s")
             time.sleep(0.2)
+
+    def container_pid(self, namespace: str, pod: str, container: str) -> int:
+        """The pid of a running container's first process: its shim (with a PID namespace) or its command.
+
+        It leads the container's process group, which holds every process of
+        the container (the command, and what it started). Raises
+        ProcessLookupError when the container does not run now.
+        """
+        path = self.state_dir / "pods" / f"{namespace}_{pod}" / f"{container}.pid"
+        try:
+            pid_text, start = path.read_text().split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            raise ProcessLookupError(f"container {container} of pod {namespace}/{pod} does not run here") from None
+        if process_start_time(pid) != start:
+            raise ProcessLookupError(f"container {container} of pod {namespace}/{pod} has ended")
+        return pid
+
+    def signal_container(self, namespace: str, pod: str, container: str, sig: int) -> int:
+        """Send ``sig`` to every process of a running container (``SIGSTOP`` freezes it, ``SIGCONT``
+        continues it: a stalled machine, a long pause). Returns the container's pid (:meth:`container_pid`)."""
+        pid = self.container_pid(namespace, pod, container)
+        os.killpg(pid, sig)
+        return pid
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
         """Where a container's stdout/stderr are written."""

@@ -9,8 +9,10 @@ local processes). Each spot death is one of the process node's three modes.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
+from spotguard.operator.leader import LOST_EXIT_CODE, pod_of
+from spotguard.operator.podbuilder import ANNOTATION_OPERATOR_INSTANCE
 from spotguard.operator.testing import free_ports, http_get, metric_value, wait_for
+from testenv.kubetest import audit_writes, lease_holder
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
@@ -298,13 +303,13 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     operators = env.core.list_namespaced_pod(OPERATOR_NS).items
     assert len(operators) == 1 and operators[0].status.phase == "Running", [p.metadata.name for p in operators]
     text = http_get(f"http://{operators[0].status.pod_ip}:{env.metrics_port}/metrics")
-    labels = {"namespace": env.ns, "job": job}
+    labels = {"namespace": env.ns, "trainingjob": job}
     assert metric_value(text, "spotguard_job_preemptions_total", labels) == 3.0
     assert metric_value(text, "spotguard_job_restarts_total", labels) == 3.0
     assert (metric_value(text, "spotguard_reschedule_latency_seconds_count") or 0) >= 3
 
     # The same, as Prometheus scraped it, with the sidecars' series beside the operator's.
-    sel = f'namespace="{env.ns}",job="{job}"'
+    sel = f'namespace="{env.ns}",trainingjob="{job}"'
 
     def prom_value(expr: str) -> float | None:
         result = env.prom.query(expr)
@@ -313,6 +318,7 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     wait_for(lambda: prom_value(f"spotguard_job_preemptions_total{{{sel}}}") == 3.0,
              "Prometheus to see 3 preemptions", timeout=30, interval=0.5)
     assert prom_value('spotguard_jobs{phase="Succeeded"}') == 1.0
+    assert prom_value('count(spotguard_build_info{component="operator"})') == 1.0
     # A sidecar may exit between two scrapes, so the newest step seen can trail the last one.
     seen = prom_value(f"max_over_time(spotguard_checkpoint_last_verified_step{{{sel}}}[30m])")
     assert seen is not None and every <= seen <= steps - 1, seen
@@ -433,20 +439,66 @@ def final_digest(log: str) -> str | None:
     return m.group(1) if m else None
 
 
-def active_operator(e: Env) -> str | None:
-    """The replica with the highest kopf peering priority: the one that acts (peers are named by their pod)."""
-    pods = {p.metadata.name for p in e.core.list_namespaced_pod(OPERATOR_NS).items}
-    for body in e.custom.list_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings")["items"]:
-        peers = {k: v for k, v in (body.get("status") or {}).items() if k in pods}
-        if peers:
-            return str(max(peers.items(), key=lambda kv: int(kv[1].get("priority", 0)))[0])
-    return None
+#: The Lease the chart's replicas elect their leader with (``<fullname>-leader``).
+LEASE = f"{RELEASE}-leader"
+#: What the operator writes for a job (its own client's requests and kopf's carry its identity).
+JOB_WRITES = {"pods", "events", "services", "serviceaccounts", "rolebindings", "trainingjobs", "trainingjobs/status"}
+
+
+def leader(e: Env) -> str | None:
+    """The identity that holds the Lease (``<pod>_<suffix>``), None when none does."""
+    return lease_holder(e.core.api_client, OPERATOR_NS, LEASE)
+
+
+def operator_pods(e: Env) -> list[Any]:
+    return [p for p in e.core.list_namespaced_pod(OPERATOR_NS).items
+            if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
+
+
+def runs(seq: list[str]) -> list[str]:
+    """``seq`` with repeats in a row collapsed: who acted, in turn."""
+    return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
+
+
+def check_one_actor_at_a_time(e: Env, job: str, frozen: str, successor: str) -> None:
+    """From the apiserver's audit log, in the order it received the writes: the job's writes (pods, status,
+    Events...) each came from the replica that held the Lease then, the replicas took turns, the frozen one
+    wrote nothing (not even a refused renewal) once the standby had taken the Lease, and each pod was created
+    exactly once, both pods of an attempt by one replica."""
+    writes = audit_writes(e.kube, [e.ns, OPERATOR_NS])
+    if writes is None:
+        print("no audit log (a cluster the tests did not start): checked from the objects only")
+        return
+    start = next(w.at for w in writes if w.resource == "trainingjobs" and w.verb == "create" and w.name == job)
+    mine = [w for w in writes if w.at >= start]
+    leases = [w for w in writes if w.namespace == OPERATOR_NS and w.resource == "leases" and w.name == LEASE and w.ok]
+    takeover = next(w.at for w in leases if w.identity == successor and w.at >= start)
+    late = [w for w in mine if w.identity == frozen and w.at > takeover]
+    assert not late, f"the frozen replica wrote after the takeover at {takeover}: {late}"
+    acts = [w for w in mine if w.namespace == e.ns and w.resource in JOB_WRITES and w.identity]
+    # Each write for the job came from the Lease's holder as the apiserver had it then.
+    for w in acts:
+        held = [x for x in leases if x.at < w.at]
+        assert held and held[-1].identity == w.identity, (w, held[-1:] or "no Lease yet")
+    turns = runs([str(w.identity) for w in acts])
+    assert turns[-1] == successor and len(turns) == len(set(turns)), turns
+    assert frozen in turns, turns
+    creates = [w for w in acts if w.resource == "pods" and w.verb == "create" and w.ok]
+    names = [w.name for w in creates]
+    assert len(names) == len(set(names)) == 8, names  # 4 attempts x 2 pods, each created once
+    by_attempt: dict[str, set[str]] = {}
+    for w in creates:
+        by_attempt.setdefault(w.name.rsplit("-", 1)[0], set()).add(str(w.identity))
+    assert all(len(ids) == 1 for ids in by_attempt.values()), by_attempt
+    print(f"audit: {len(acts)} writes for the job by {turns} in turn; the Lease changed hands at {takeover};"
+          f" nothing from {frozen} after it")
 
 
 @pytest.mark.timeout(1500)
 def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwise(env: Env, tmp_path: Path) -> None:
-    """2 nodes x 2 processes: drain (rank 1), shutdown (rank 0, with the active operator force-deleted mid-way),
-    abrupt loss (rank 1); Succeeded with 3 preemptions and the digest of an uninterrupted 4-process run."""
+    """2 nodes x 2 processes: drain (rank 1), shutdown (rank 0, with the leading operator replica frozen mid-way
+    and continued once the standby took over), abrupt loss (rank 1); Succeeded with 3 preemptions and the
+    digest of an uninterrupted 4-process run; one replica acted at a time, as the apiserver saw it."""
     doc = yaml.safe_load(DDP_EXAMPLE.read_text())
     job = doc["metadata"]["name"]
     spec = doc["spec"]
@@ -458,11 +510,21 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     # Jobs an earlier test left behind (it failed before deleting them) would hold nodes the gang needs.
     for left in env.custom.list_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL)["items"]:
         env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, left["metadata"]["name"])
-    # Two operator replicas (kopf peering: one acts, the other stands by).
+    # Two operator replicas: the one that holds the Lease acts, the other stands by.
     env.tool("helm", "upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
              "--set", "replicaCount=2")
-    wait_for(lambda: len([p for p in env.core.list_namespaced_pod(OPERATOR_NS).items
-                          if p.status.phase == "Running"]) == 2, "two operator replicas", timeout=180, interval=1)
+
+    def two_replicas_one_leader() -> str | None:
+        # The single replica of before (it elects nothing) must be gone, not just terminating.
+        if len(env.core.list_namespaced_pod(OPERATOR_NS).items) != 2:
+            return None
+        pods = {p.metadata.name for p in operator_pods(env)}
+        holder = leader(env)
+        standby = [p for p in pods if holder and p != pod_of(holder)]
+        return holder if len(pods) == 2 and holder and pod_of(holder) in pods and any(
+            "standing by" in env.nodes.log_path(OPERATOR_NS, p, "operator").read_text(errors="replace")
+            for p in standby if env.nodes.log_path(OPERATOR_NS, p, "operator").exists()) else None
+    wait_for(two_replicas_one_leader, "two operator replicas, one leading, one standing by", timeout=180, interval=1)
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(DDP_EXAMPLE))
 
     wait_for(lambda: env.core.list_namespaced_service(env.ns, field_selector=f"metadata.name={job}").items,
@@ -472,11 +534,22 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
 
     seen: dict[str, str] = {}  # pod -> uid: each pod name is created once
     verified_at_kill = -1
+    frozen = successor = ""  # the leader frozen in the failover, and the standby that took over
+    makers: dict[int, set[str]] = {}  # attempt -> the replicas that created its pods (their annotation)
+    made_at: dict[int, Any] = {}  # attempt -> when its first pod was created (the apiserver's clock)
+
+    def note_makers(attempt: int) -> None:
+        for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job},"
+                                              f"spotguard.dev/attempt={attempt}").items:
+            makers.setdefault(attempt, set()).add(p.metadata.annotations[ANNOTATION_OPERATOR_INSTANCE])
+            made_at[attempt] = min(made_at.get(attempt, p.metadata.creation_timestamp), p.metadata.creation_timestamp)
+
     modes = [("drain", 1, 0.2), ("shutdown", 0, 0.45), ("kill", 1, 0.7)]
     for attempt, (mode, rank, fraction) in enumerate(modes, start=1):
         pods = [f"{job}-a{attempt}-{r}" for r in (0, 1)]
         for pod in pods:
             env.wait_pod_running(pod)
+        note_makers(attempt)  # before a drain or a lost node takes the pods away
         # Preempt by the trainer's own progress (rank 0 logs every step): verification
         # can lag far behind training on a loaded machine, and an attempt must still be
         # training when its node goes.
@@ -495,12 +568,37 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         result = env.nodes.preempt(pods[rank], env.ns, mode)
         print(f"preempted {pods[rank]} by {mode}: {result}")
         if mode == "shutdown":
-            # Fail the active operator over in the middle of the gang's teardown.
+            # Freeze the leader (SIGSTOP: not deleted, it may wake up) in the middle of the gang's teardown.
             env.wait_status(job, "the teardown", lambda s: bool(s.get("teardown")), timeout=120)
-            active = active_operator(env)
-            assert active, "no active operator in the peering object"
-            env.core.delete_namespaced_pod(active, OPERATOR_NS, grace_period_seconds=0)
-            print(f"force-deleted the active operator {active}")
+            frozen = leader(env)
+            assert frozen, "no operator holds the Lease"
+            frozen_pod = pod_of(frozen)
+            env.nodes.signal_container(OPERATOR_NS, frozen_pod, "operator", signal.SIGSTOP)
+            t0 = time.monotonic()
+            print(f"froze the leader {frozen}")
+            successor = wait_for(lambda f=frozen: (lambda h: h if h and h != f else None)(leader(env)),
+                                 "the standby to take the Lease", timeout=120, interval=0.1)
+            takeover_s = time.monotonic() - t0
+            # Continue the frozen one at once, while the new leader goes on with the teardown.
+            env.nodes.signal_container(OPERATOR_NS, frozen_pod, "operator", signal.SIGCONT)
+            following = f"spotguard.dev/job={job},spotguard.dev/attempt={attempt + 1}"
+            wait_for(lambda sel=following: env.core.list_namespaced_pod(env.ns, label_selector=sel).items,
+                     "the next attempt's pods", timeout=300, interval=0.1)
+            next_step_s = time.monotonic() - t0
+            print(f"failover: the standby {successor} held the Lease {takeover_s:.1f} s after the SIGSTOP of the"
+                  f" leader; the next attempt's pods were created {next_step_s:.1f} s after it (lease 15 s,"
+                  " renew deadline 10 s, retry 2 s; the gang's old pods stop meanwhile)")
+            assert pod_of(successor) != frozen_pod
+
+            def exited_lost(pod: str = frozen_pod) -> bool:
+                p = env.core.read_namespaced_pod(pod, OPERATOR_NS)
+                last = (p.status.container_statuses or [None])[0]
+                term = last.last_state.terminated if last and last.last_state else None
+                return bool(term and term.exit_code == LOST_EXIT_CODE)
+            # It exits by itself (the Deployment's pod restarts it as a standby with a new identity).
+            wait_for(exited_lost, f"the continued replica {frozen_pod} to exit", timeout=60, interval=0.2)
+            log = env.nodes.log_path(OPERATOR_NS, frozen_pod, "operator").read_text(errors="replace")
+            assert "lost the lease" in log, log[-3000:]
         env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a,
                         timeout=300)
         for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items:
@@ -549,9 +647,16 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert final_digest(ref.stdout) == got, (final_digest(ref.stdout), got)
 
-    # The standby took over: one replica left running, the job finished under it.
-    running = [p for p in env.core.list_namespaced_pod(OPERATOR_NS).items if p.status.phase == "Running"]
-    assert running, "no operator replica running"
+    # Who acted, from the objects: both pods of each attempt made by one replica (their annotation), the
+    # replicas in turn by creation time, the frozen one's Events all posted before the takeover.
+    note_makers(4)
+    assert sorted(makers) == [1, 2, 3, 4] and all(len(m) == 1 for m in makers.values()), makers
+    order = runs([next(iter(makers[a])) for a in sorted(makers, key=lambda a: made_at[a])])
+    assert order[-1] == successor and len(order) == len(set(order)), order
+    assert makers[3] == makers[4] == {successor}, makers  # attempt 3 was made after the takeover
+    for ev in events:
+        assert ev.reporting_instance != frozen or ev.metadata.creation_timestamp <= made_at[3], ev
+    check_one_actor_at_a_time(env, job, frozen, successor)
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
 
 

@@ -166,7 +166,7 @@ def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, opera
     wait_events(apis, ns, "life", {"PodCreated", "PodRunning", "Preempted", "Completed"})
 
     text = operator.metrics()
-    labels = {"namespace": ns, "job": "life"}
+    labels = {"namespace": ns, "trainingjob": "life"}
     assert metric_value(text, "spotguard_job_preemptions_total", labels) == 1.0
     assert metric_value(text, "spotguard_job_restarts_total", labels) == 1.0
     assert metric_value(text, "spotguard_job_failures_total", labels) in (None, 0.0)
@@ -188,7 +188,8 @@ def test_failure_consumes_backoff_limit(apis: tuple[Any, Any], ns: str, operator
     assert "exited with code 1" in failed["message"]
     assert pod_names(apis, ns, "crash") == ["crash-a1", "crash-a2"]
     wait_events(apis, ns, "crash", {"BackoffLimitExceeded"})
-    assert metric_value(operator.metrics(), "spotguard_job_failures_total", {"namespace": ns, "job": "crash"}) == 2.0
+    crash = {"namespace": ns, "trainingjob": "crash"}
+    assert metric_value(operator.metrics(), "spotguard_job_failures_total", crash) == 2.0
 
 
 def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
@@ -286,11 +287,11 @@ def test_verified_checkpoint_reported_and_kept_after_delete(apis: tuple[Any, Any
                      lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("step") == 30)
     assert st["lastVerifiedCheckpoint"]["uri"].endswith("/keep/ckpt-000000000030")
     wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_last_verified_step",
-                                  {"namespace": ns, "job": "keep"}) == 30.0, "the last verified step metric")
+                                  {"namespace": ns, "trainingjob": "keep"}) == 30.0, "the last verified step metric")
 
     custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "keep")
     wait_for(lambda: pod_names(apis, ns, "keep") == [], "the job's pods to be deleted")
-    wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_attempt", {"namespace": ns, "job": "keep"})
+    wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_attempt", {"namespace": ns, "trainingjob": "keep"})
              is None, "the job's series to be removed")
     assert (remote / "ckpt-000000000030" / "manifest.json").is_file()  # checkpoints are never deleted
 
@@ -543,7 +544,7 @@ def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, An
         assert probe.errors[(ns2, "q")] == "the credentials Secret was not found"
 
         # A finished job: read once more, then no client is kept and no more reads are needed.
-        rc.patch_status(ctx, ns2, "p", {"phase": "Succeeded"})
+        rc.patch_status(ctx, get_job(apis, ns2, "p"), {"phase": "Succeeded"})
         assert probe.probe_once(ns2, "p") == "settled"
         assert probe.clients() == 0 and (ctx.verified.get(ns2, "p") or {}).get("step") == 20
 

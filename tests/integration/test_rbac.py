@@ -165,6 +165,25 @@ def test_watched_namespaces_keep_secrets_and_bindings_there(kube: Any, release: 
     assert can_i(kube, "bind", f"clusterroles/{NOTICE_ROLE}", watched)
 
 
+def test_replicas_may_touch_only_their_own_lease(kube: Any, release: None, namespaces: tuple[str, str]) -> None:
+    """Leader election (replicaCount >= 2): create a Lease, read and renew only the chart's one."""
+    lease, leases = f"{FULLNAME}-leader", "leases.coordination.k8s.io"
+    install(kube)
+    assert not can_i(kube, "create", leases, NAMESPACE) and not can_i(kube, "get", f"{leases}/{lease}", NAMESPACE)
+    install(kube, "replicaCount=2")
+    assert can_i(kube, "create", leases, NAMESPACE)
+    for verb in ("get", "update"):
+        assert can_i(kube, verb, f"{leases}/{lease}", NAMESPACE), verb
+        assert not can_i(kube, verb, f"{leases}/other", NAMESPACE), verb
+    for verb in ("list", "watch", "delete", "patch"):
+        assert not can_i(kube, verb, f"{leases}/{lease}", NAMESPACE), verb
+    for ns in (*namespaces, "kube-node-lease", None):
+        assert not can_i(kube, "create", leases, ns) and not can_i(kube, "get", f"{leases}/{lease}", ns), ns
+    # kopf peering is gone with its rights.
+    assert not can_i(kube, "get", "clusterkopfpeerings.kopf.dev", None)
+    install(kube)
+
+
 # --- the operator as the chart's ServiceAccount ---------------------------------------
 
 

@@ -28,7 +28,11 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def render(*sets: str) -> list[dict[str, Any]]:
+    """The chart's objects. Without the user roles unless ``sets`` name them: the tests here are
+    about the operator's own objects and rights (tests/unit/test_chart_platform.py covers those)."""
     args = ["template", "rel", str(CHART), "--namespace", "spotguard-system"]
+    if not any(s.startswith("userRoles.") for s in sets):
+        sets = ("userRoles.create=false", *sets)
     for s in sets:
         args += ["--set", s]
     docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
@@ -138,7 +142,7 @@ def test_default_render() -> None:
     assert crd["spec"]["versions"][0]["subresources"] == {"status": {}}
 
     dep = one(docs, "Deployment")
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate", "rollingUpdate": None}
     pod = dep["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"] == "rel-spotguard"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -152,7 +156,10 @@ def test_default_render() -> None:
     assert "--liveness=http://0.0.0.0:8081/healthz" in cmd
     assert "--image=spotguard/spotguard:0.1.0" in cmd
     assert f"--notice-cluster-role={NOTICE_ROLE}" in cmd
-    assert not any(a.startswith("--webhook") or a.startswith("--peering") for a in cmd)
+    assert not any(a.startswith(("--webhook", "--peering", "--leader-elect")) for a in cmd)
+    # The replica's identity comes from its pod's name (and a suffix of the process's own).
+    env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
     svc = one(docs, "Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
@@ -309,15 +316,75 @@ def test_webhook() -> None:
     assert not any(g == "admissionregistration.k8s.io" for g, _ in rules(docs))
 
 
-def test_several_replicas_use_kopf_peering() -> None:
+LEASE = "rel-spotguard-leader"
+#: What leader election needs: create a Lease (RBAC cannot limit create to a name), read and renew only its own.
+LEADER_RULES = [
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "update"],
+     "resourceNames": [LEASE]},
+]
+
+
+def test_several_replicas_elect_a_leader_with_a_lease() -> None:
     docs = render("replicaCount=2")
     dep = one(docs, "Deployment")
-    assert dep["spec"]["replicas"] == 2 and "strategy" not in dep["spec"]
-    assert "--peering=rel-spotguard" in operator_command(docs)
-    assert {c["metadata"]["name"] for c in by_kind(docs, "CustomResourceDefinition")} == {
-        "trainingjobs.spotguard.dev", "clusterkopfpeerings.kopf.dev"}
-    assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == "rel-spotguard"
-    assert rules(docs)[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
+    # Rolling: a new replica stands by before an old one hands its Lease over.
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    cmd = operator_command(docs)
+    assert "--leader-elect" in cmd and f"--leader-elect-resource-name={LEASE}" in cmd
+    assert "--leader-elect-resource-namespace=spotguard-system" in cmd
+    assert {"--leader-elect-lease-duration=15", "--leader-elect-renew-deadline=10",
+            "--leader-elect-retry-period=2"} <= set(cmd)
+    assert not any(a.startswith("--peering") for a in cmd)
+    # No kopf peering any more: no CRD of kopf's, no peering object, no rule for it.
+    assert {c["metadata"]["name"] for c in by_kind(docs, "CustomResourceDefinition")} == {"trainingjobs.spotguard.dev"}
+    assert not by_kind(docs, "ClusterKopfPeering")
+    assert rules(docs) == EXPECTED_RULES
+    # The Lease's Role, in the release's namespace only, bound to the operator's account.
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"] == {**role["metadata"], "name": "rel-spotguard-leader-election",
+                                "namespace": "spotguard-system"}
+    assert role["rules"] == LEADER_RULES
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["metadata"]["namespace"] == "spotguard-system"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "rel-spotguard-leader-election"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
+                                    "namespace": "spotguard-system"}]
+    # Also when only some namespaces are watched: the Lease stays in the operator's own.
+    docs = render("replicaCount=3", "operator.watchNamespaces={ml}")
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
+    assert roles == {("ml", "rel-spotguard"), ("spotguard-system", "rel-spotguard-leader-election")}
+    assert by_kind(render("replicaCount=2", "rbac.create=false"), "Role") == []
+
+
+def test_leader_election_durations_reach_the_operator_and_are_checked() -> None:
+    cmd = operator_command(render("replicaCount=2", "leaderElection.leaseDurationSeconds=30",
+                                  "leaderElection.renewDeadlineSeconds=20", "leaderElection.retryPeriodSeconds=4"))
+    assert {"--leader-elect-lease-duration=30", "--leader-elect-renew-deadline=20",
+            "--leader-elect-retry-period=4"} <= set(cmd)
+    for sets, why in ((("leaderElection.renewDeadlineSeconds=15",), "longer than leaderElection.renewDeadline"),
+                      (("leaderElection.retryPeriodSeconds=9",), "1.2 x leaderElection.retryPeriodSeconds")):
+        args = ["template", "rel", str(CHART), "--set", "replicaCount=2"]
+        for s in sets:
+            args += ["--set", s]
+        result = helm(*args, check=False)
+        assert result.returncode != 0 and why in result.stderr, result.stderr
+    # One replica runs alone: the durations are not used, nor checked.
+    assert "--leader-elect" not in operator_command(render("leaderElection.renewDeadlineSeconds=15"))
+
+
+def test_leader_election_is_granted_what_it_calls() -> None:
+    # Each API call of the election needs one of these verbs on the one Lease (or create).
+    source = (ROOT / "spotguard" / "operator" / "leader.py").read_text()
+    calls = {"read_namespaced_lease": "get", "replace_namespaced_lease": "update", "create_namespaced_lease": "create"}
+    (role,) = by_kind(render("replicaCount=2"), "Role")
+    for call, verb in calls.items():
+        assert call in source, f"{call} no longer used: update this table"
+        assert any(verb in r["verbs"] for r in role["rules"]), call
+    for call in ("patch_namespaced_lease", "delete_namespaced_lease", "list_namespaced_lease"):
+        assert call not in source, call
 
 
 def test_service_monitor() -> None:
@@ -336,7 +403,9 @@ def test_scheduling_values_reach_the_pod() -> None:
 
 
 @pytest.mark.parametrize("bad", ["replicaCount=0", "operator.nativeSidecar=maybe", "webhook.failurePolicy=Sometimes",
-                                 "metrics.port=70000", "unknownKey=1", "image.pullPolicy=Sometimes"])
+                                 "metrics.port=70000", "unknownKey=1", "image.pullPolicy=Sometimes",
+                                 "leaderElection.leaseDurationSeconds=0", "leaderElection.retryPeriodSeconds=-1",
+                                 "leaderElection.renewDeadline=5"])
 def test_schema_refuses_bad_values(bad: str) -> None:
     result = helm("template", "rel", str(CHART), "--set", bad, check=False)
     assert result.returncode != 0

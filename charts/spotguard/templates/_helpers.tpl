@@ -37,6 +37,19 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{- define "spotguard.peering" -}}
-{{- if gt (int .Values.replicaCount) 1 -}}{{ include "spotguard.fullname" . }}{{- end -}}
+{{- /*
+The Lease the replicas elect their leader with: its name with two or more
+replicas (leader election on), else empty (a single replica runs alone).
+*/}}
+{{- define "spotguard.leaderLease" -}}
+{{- if gt (int .Values.replicaCount) 1 -}}
+{{- $le := .Values.leaderElection -}}
+{{- if le (float64 $le.leaseDurationSeconds) (float64 $le.renewDeadlineSeconds) -}}
+{{- fail "leaderElection.leaseDurationSeconds must be longer than leaderElection.renewDeadlineSeconds" -}}
+{{- end -}}
+{{- if le (float64 $le.renewDeadlineSeconds) (mulf 1.2 $le.retryPeriodSeconds) -}}
+{{- fail "leaderElection.renewDeadlineSeconds must be longer than 1.2 x leaderElection.retryPeriodSeconds" -}}
+{{- end -}}
+{{- printf "%s-leader" (include "spotguard.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
