@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_chart import CHART, by_kind, helm, one, render
+
+from testenv.chart import CHART, by_kind, helm, one, render
 
 
 def test_user_roles_aggregate_into_view_edit_and_admin_and_never_write_status() -> None:

@@ -342,7 +342,7 @@ def test_operators_allocating_at_once_never_share_a_port(seed: int) -> None:
 
 
 def test_the_chart_passes_the_range_to_the_operator() -> None:
-    from test_chart import CHART, helm, operator_command, render
+    from testenv.chart import CHART, helm, operator_command, render
 
     assert "--host-port-range=20000-29999" in operator_command(render())
     assert "--host-port-range=40000-40999" in operator_command(render("operator.hostPortRange=40000-40999"))
