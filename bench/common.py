@@ -232,3 +232,26 @@ def interleaved(rounds: int, methods: dict[str, Callable[[], Any]]) -> dict[str,
 def per_round(num: list[float], den: list[float], *, higher_is_better: bool = True) -> Spread:
     """The spread of ``num[i] / den[i]`` over rounds."""
     return Spread.of([a / b for a, b in zip(num, den, strict=True)], higher_is_better=higher_is_better)
+
+
+@contextmanager
+def seaweedfs_store(work: Path, name: str) -> Iterator[Any]:
+    """A SeaweedFS store of a benchmark's own (bucket ``name``), stopped at the end."""
+    from testenv import cluster
+
+    for attempt in range(3):
+        sup = cluster.Supervisor(work / f"{name}-store-{attempt}")
+        sup.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            store = cluster.start_seaweedfs(sup, bucket=name)
+        except RuntimeError:
+            # The ports are picked free before weed binds them; another process may take one meanwhile.
+            sup.stop()
+            if attempt == 2:
+                raise
+            continue
+        try:
+            yield store
+        finally:
+            sup.stop()
+        return

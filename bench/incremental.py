@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import GiB, MiB, Section, Spread, fmt, goal, interleaved, median, per_round
+from bench.common import GiB, MiB, Section, Spread, fmt, goal, interleaved, median, per_round, seaweedfs_store
 
 if TYPE_CHECKING:
     from bench.run import Ctx
@@ -190,28 +190,6 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
                [f.size for f in manifest.files])  # fmt: skip
 
 
-@contextlib.contextmanager
-def _store(ctx: Ctx) -> Any:
-    """A SeaweedFS store of this benchmark's own (the same conditions in a full and a partial run)."""
-    from testenv import cluster
-
-    for attempt in range(3):
-        sup = cluster.Supervisor(ctx.work / f"incremental-store-{attempt}")
-        sup.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            store = cluster.start_seaweedfs(sup, bucket="incremental-bench")
-        except RuntimeError:
-            # The ports are picked free before weed binds them; another process may take one meanwhile.
-            sup.stop()
-            if attempt == 2:
-                raise
-            continue
-        try:
-            yield store
-        finally:
-            sup.stop()
-        return
-
 
 def _slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ``ys`` over ``xs``."""
@@ -223,7 +201,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 def bench_incremental(ctx: Ctx) -> tuple[Section, Section, Section]:
     load0 = os.getloadavg()[0]
     hashes, speeds = _bench_hashes(ctx)  # first: before the store and the trainers share the cores
-    with _store(ctx) as s3:
+    with seaweedfs_store(ctx.work, "incremental-bench") as s3:
         finetune = _bench_finetune(ctx, s3, speeds)
         full = _bench_full(ctx, s3, speeds)
     load1 = os.getloadavg()[0]

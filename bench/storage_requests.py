@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import Section, fmt
+from bench.common import Section, fmt, seaweedfs_store
 from spotguard.checkpoint.remote import FULL_READ_SECONDS
 
 NS = "bench"
@@ -48,28 +48,6 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
-
-@contextlib.contextmanager
-def _store(work: Path) -> Iterator[Any]:
-    """A SeaweedFS store of this benchmark's own."""
-    from testenv import cluster
-
-    for attempt in range(3):
-        sup = cluster.Supervisor(work / f"requests-store-{attempt}")
-        sup.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            store = cluster.start_seaweedfs(sup, bucket="requests-bench")
-        except RuntimeError:
-            # The ports are picked free before weed binds them; another process may take one meanwhile.
-            sup.stop()
-            if attempt == 2:
-                raise
-            continue
-        try:
-            yield store
-        finally:
-            sup.stop()
-        return
 
 
 @contextlib.contextmanager
@@ -220,7 +198,7 @@ def bench_storage_requests(ctx: Any) -> Section:
     rows: dict[str, dict[str, float]] = {}
     kinds: dict[str, Counter[str]] = {}
     hour_check: dict[str, float] = {}
-    with _store(ctx.work) as store, ThreadPoolExecutor(16) as pool:
+    with seaweedfs_store(ctx.work, "requests-bench") as store, ThreadPoolExecutor(16) as pool:
         root = f"s3://{store.bucket}/jobs"
         t0 = time.perf_counter()
         _populate(store, root, plain, sharded, ctx.work / "requests-local", pool)

@@ -27,6 +27,7 @@ import kopf
 
 from spotguard import __version__
 from spotguard.operator import reconcile as rc
+from spotguard.operator.apierrors import api_reason
 from spotguard.operator.decide import TERMINAL_PHASES
 from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANGE
 from spotguard.operator.leader import LeaderElector, StandbyLiveness, Timing, fence_requests, new_identity
@@ -300,7 +301,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 try:
                     delay = await asyncio.to_thread(rc.reconcile, runtime.ctx, ns, name)
                 except Exception as exc:
-                    logger.warning("reconcile failed, retrying: %s", rc.api_reason(exc))
+                    logger.warning("reconcile failed, retrying: %s", api_reason(exc))
                     delay = 5.0
                 after = runtime.ctx.phases.get(key)
                 finished_now = after in TERMINAL_PHASES and before != after

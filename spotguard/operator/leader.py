@@ -81,6 +81,8 @@ from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from spotguard.operator.apierrors import api_reason, api_status
+
 log = logging.getLogger("spotguard.operator")
 
 #: client-go's defaults (kube-controller-manager's ``--leader-elect-*`` flags).
@@ -258,23 +260,6 @@ def exit_lost(reason: str) -> None:
     os._exit(LOST_EXIT_CODE)
 
 
-def _status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, int) else None
-
-
-def _reason(exc: BaseException) -> str:
-    body = getattr(exc, "body", None)
-    if isinstance(body, bytes | str):
-        try:
-            doc = json.loads(body)
-            if isinstance(doc, Mapping) and doc.get("message"):
-                return str(doc["message"])
-        except ValueError:
-            pass
-    return str(getattr(exc, "reason", "") or exc) or type(exc).__name__
-
-
 class LeaderElector:
     """One replica's part in the election: acquire, keep renewing, fence, release.
 
@@ -327,7 +312,7 @@ class LeaderElector:
             resp = self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False,
                                                   _request_timeout=timeout)  # fmt: skip
         except Exception as exc:
-            if _status(exc) == 404:
+            if api_status(exc) == 404:
                 return None, None
             raise
         lease = json.loads(resp.data)
@@ -347,7 +332,7 @@ class LeaderElector:
                 self.api.replace_namespaced_lease(self.name, self.namespace, body, _preload_content=False,
                                                   _request_timeout=timeout)  # fmt: skip
         except Exception as exc:
-            if _status(exc) in (404, 409):
+            if api_status(exc) in (404, 409):
                 return False
             raise
         return True
@@ -385,7 +370,7 @@ class LeaderElector:
             try:
                 self.try_acquire_or_renew()
             except Exception as exc:  # the apiserver may be briefly away; a candidate just tries again
-                log.warning("could not read or write the Lease %s: %s", self.where, _reason(exc))
+                log.warning("could not read or write the Lease %s: %s", self.where, api_reason(exc))
             if self.leading:
                 log.info("became the leader as %s (Lease %s)", self.identity, self.where)
                 return True
@@ -411,7 +396,7 @@ class LeaderElector:
             try:
                 step = self.try_acquire_or_renew(timeout=max(0.5, left))
             except Exception as exc:  # tried again until the renew deadline
-                log.warning("could not renew the Lease %s: %s", self.where, _reason(exc))
+                log.warning("could not renew the Lease %s: %s", self.where, api_reason(exc))
                 continue
             if self._stop.is_set():
                 return
@@ -453,7 +438,7 @@ class LeaderElector:
             if self._write("renew", released(record, self.wall()), version, self.timing.retry_period):
                 log.info("released the Lease %s", self.where)
         except Exception as exc:  # the standby then takes over after the lease duration instead
-            log.warning("could not release the Lease %s: %s", self.where, _reason(exc))
+            log.warning("could not release the Lease %s: %s", self.where, api_reason(exc))
 
 
 def fence_requests(api_client: Any, fence: Callable[[], None]) -> None:

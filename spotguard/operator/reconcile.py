@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotguard.operator import hostports as hp
+from spotguard.operator.apierrors import api_reason, api_status
 from spotguard.operator.classify import SIDECAR_EXITED, classify_pod_end
 from spotguard.operator.decide import (
     COND_INVALID,
@@ -146,25 +147,6 @@ class Context:
                 self.port_waiting.add(key)
             else:
                 self.port_waiting.discard(key)
-
-
-def api_status(exc: BaseException) -> int | None:
-    """The HTTP status of a kubernetes-client error, if it has one."""
-    status = getattr(exc, "status", None)
-    return status if isinstance(status, int) else None
-
-
-def api_reason(exc: BaseException) -> str:
-    """The apiserver's own message for an error (its Status ``message``), else the error."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, bytes | str):
-        try:
-            doc = json.loads(body)
-            if isinstance(doc, Mapping) and doc.get("message"):
-                return str(doc["message"])
-        except ValueError:
-            pass
-    return str(getattr(exc, "reason", "") or exc)
 
 
 # --- reads ---------------------------------------------------------------------
