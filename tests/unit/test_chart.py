@@ -182,8 +182,18 @@ def test_read_checkpoints_false_reaches_the_operator() -> None:
     # Documented to stop the storage polling: the operator is told so, and may read no Secret.
     cmd = operator_command(render("operator.readCheckpoints=false"))
     assert "--no-read-checkpoints" in cmd
-    assert not any(a.startswith("--checkpoint-poll-seconds") for a in cmd)
+    assert not any(a.startswith(("--checkpoint-poll-seconds", "--checkpoint-full-read-seconds")) for a in cmd)
     assert "--no-read-checkpoints" not in operator_command(render())
+
+
+def test_the_storage_polls_full_read_interval_reaches_the_operator() -> None:
+    from spotguard.cli import build_parser
+
+    cmd = operator_command(render())
+    assert "--checkpoint-full-read-seconds=1800" in cmd
+    assert "--checkpoint-full-read-seconds=0" in operator_command(render("operator.checkpointFullReadSeconds=0"))
+    args = build_parser().parse_args(["operator", *cmd[2:]])
+    assert args.checkpoint_full_read_seconds == 1800
     docs = render("operator.readCheckpoints=false", "operator.watchNamespaces={ml}")
     for role in by_kind(docs, "Role") + by_kind(docs, "ClusterRole"):
         assert ("", "secrets") not in rules_of(role), role["metadata"]
