@@ -116,6 +116,8 @@ class Member:
     settled: bool = False
     #: It is being deleted already (``deletionTimestamp``).
     deleting: bool = False
+    #: Its node reports a graceful shutdown under way (kubelet's Ready condition).
+    node_shutting_down: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -585,8 +587,14 @@ def _being_deleted(m: Member) -> Member:
     """A running member someone else is deleting (a drain, an eviction, kubectl) ends the attempt now.
 
     Waiting until it is gone would lose its node from the record and keep the
-    other ranks training until its grace period is over.
+    other ranks training until its grace period is over. A running member whose
+    node is shutting down is preempted by the machine (the strongest cause):
+    a peer that fails meanwhile, its rendezvous or collective cut off, fails
+    because of it. The pod's own end (``DisruptionTarget``) may never be seen:
+    the gang's teardown deletes it.
     """
+    if m.end.kind == "running" and m.node_shutting_down:
+        return replace(m, end=PodEnd("preempted", "NodeShutdown", f"node {m.node} is shutting down"))
     if m.end.kind == "running" and m.deleting:
         return replace(m, end=PodEnd("preempted", "PodDeleted", "the pod is being deleted (drain or eviction)"))
     return m

@@ -178,13 +178,27 @@ def get_pod(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
 
 def node_exists(ctx: Context, name: str) -> bool:
     """Whether the Node object still exists."""
+    return node_state(ctx, name) != "gone"
+
+
+#: The Ready condition's message kubelet reports while a graceful node shutdown runs.
+NODE_SHUTTING_DOWN = "node is shutting down"
+
+
+def node_state(ctx: Context, name: str) -> str:
+    """``gone`` (no Node object), ``shutting-down`` (kubelet's graceful shutdown has begun), else ``up``."""
     try:
-        ctx.core.read_node(name)
-        return True
+        node = ctx.core.read_node(name, _preload_content=False)
     except Exception as exc:
         if api_status(exc) == 404:
-            return False
+            return "gone"
         raise
+    conditions = ((json.loads(node.data).get("status") or {}).get("conditions")) or []
+    for cond in conditions:
+        if cond.get("type") == "Ready" and cond.get("status") != "True" and \
+                NODE_SHUTTING_DOWN in str(cond.get("message") or ""):
+            return "shutting-down"
+    return "up"
 
 
 def _owned_by(pod: Mapping[str, Any], uid: str) -> bool:
@@ -498,7 +512,7 @@ def observe_gang(
         namespace, label_selector=f"{LABEL_JOB}={job},{LABEL_ATTEMPT}={attempt}", _preload_content=False
     )
     by_name = {p["metadata"]["name"]: p for p in json.loads(listed.data).get("items") or []}
-    node_alive: dict[str, bool] = {}
+    node_states: dict[str, str] = {}
     members = []
     for rank, pod_name_ in enumerate(attempt_pods(job, attempt, nodes)):
         pod = by_name.get(pod_name_)
@@ -506,12 +520,12 @@ def observe_gang(
             pod = None
         node = ((pod or {}).get("spec") or {}).get("nodeName")
         phase = ((pod or {}).get("status") or {}).get("phase")
-        exists = True
+        state = "up"
         if pod is not None and node and phase not in ("Succeeded", "Failed"):
-            if node not in node_alive:
-                node_alive[node] = node_exists(ctx, node)
-            exists = node_alive[node]
-        end = classify_pod_end(pod, exists)
+            if node not in node_states:
+                node_states[node] = node_state(ctx, node)
+            state = node_states[node]
+        end = classify_pod_end(pod, state != "gone")
         members.append(
             Member(
                 rank=rank,
@@ -521,6 +535,7 @@ def observe_gang(
                 present=pod is not None,
                 settled=pod is None or phase in ("Succeeded", "Failed"),
                 deleting=bool(((pod or {}).get("metadata") or {}).get("deletionTimestamp")),
+                node_shutting_down=state == "shutting-down",
             )
         )
     return tuple(members)

@@ -176,6 +176,25 @@ def test_failures_caused_by_a_lost_node_count_as_a_preemption() -> None:
     assert d.status["preemptions"] == 1 and d.status["failures"] == 0 and d.create_attempt == 2
 
 
+def test_a_peer_failing_while_a_members_node_shuts_down_counts_as_a_preemption() -> None:
+    """Rank 0's node starts a graceful shutdown while the gang is in rendezvous; rank 1 loses the store and
+    exits 1 before rank 0's pod shows its end (the teardown then deletes it, so its end is never seen)."""
+    st = running()
+    d = step(st, (m(0, RUN, node_shutting_down=True), m(1, PEER_CRASH)))
+    assert d.status["teardown"]["kind"] == "preempted" and d.status["teardown"]["reason"] == "NodeShutdown"
+    assert d.status["teardown"]["rank"] == 0
+    # the shutdown begins after the teardown for the failure did: the cause is upgraded
+    d = step(st, (m(0, RUN), m(1, PEER_CRASH)))
+    assert d.status["teardown"]["kind"] == "failed"
+    d = step(d.status, (m(0, RUN, node_shutting_down=True), m(1, PEER_CRASH)))
+    assert d.status["teardown"]["kind"] == "preempted"
+    d = step(d.status, (m(0, DELETED, present=False, settled=True), m(1, PEER_CRASH)))
+    assert d.status["preemptions"] == 1 and d.status["failures"] == 0 and d.create_attempt == 2
+    # a node that shuts down is the machine going: it beats a peer's crash in the trigger order
+    t = gang_trigger((m(0, CRASH), m(1, RUN, node_shutting_down=True)))
+    assert t is not None and t.rank == 1 and t.end.reason == "NodeShutdown"
+
+
 def test_the_operators_own_deletes_never_turn_a_failure_into_a_preemption() -> None:
     st = running()
     d = step(st, (m(0, RUN), m(1, CRASH)))
