@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER
@@ -72,6 +72,12 @@ class PodEnd:
     since: str | None = None
     #: The pod runs and so does spotguard's sidecar.
     sidecar_running: bool = False
+    #: A failure: the container blamed and its exit code (for ``spec.failurePolicy`` rules).
+    #: (Details beside the classification: not compared.)
+    container: str | None = field(default=None, compare=False)
+    exit_code: int | None = field(default=None, compare=False)
+    #: The node the pod ran on, for an attempt that ended (``spec.avoidNodes``).
+    node: str | None = field(default=None, compare=False)
 
 
 #: Reason of an attempt whose sidecar stopped while the trainer still ran.
@@ -161,7 +167,7 @@ def _report_step(report: Mapping[str, Any] | None) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _crashed_beside_sidecar(status: Mapping[str, Any]) -> tuple[str, str] | None:
+def _crashed_beside_sidecar(status: Mapping[str, Any]) -> tuple[str, str, str, int | None] | None:
     """A user container that already failed in a pod that is still running."""
     for cs in _container_statuses(status, "containerStatuses"):
         if cs.get("name") == SIDECAR_CONTAINER:
@@ -170,11 +176,16 @@ def _crashed_beside_sidecar(status: Mapping[str, Any]) -> tuple[str, str] | None
         term = state.get("terminated") if isinstance(state, Mapping) else None
         if not isinstance(term, Mapping):
             continue
+        name, code = str(cs.get("name")), _code(term.get("exitCode"))
         if term.get("reason") == "OOMKilled":
-            return "OOMKilled", f"container {cs.get('name')} was killed for using too much memory (OOMKilled)"
+            return "OOMKilled", f"container {name} was killed for using too much memory (OOMKilled)", name, code
         if term.get("exitCode", 0) != 0:
-            return "Error", f"container {cs.get('name')} exited with code {term.get('exitCode')}"
+            return "Error", f"container {name} exited with code {term.get('exitCode')}", name, code
     return None
+
+
+def _code(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _reported_preemption(message: Any) -> bool:
@@ -341,7 +352,7 @@ def _user_message(f: _Failed) -> tuple[str, str]:
     return "Error", f"container {f.name} exited with code {f.code}"
 
 
-def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
+def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str, _Failed] | None:
     """Why a Failed pod failed: (reason, message), naming the container to blame.
 
     Init containers run one after another before the rest, so a failed one
@@ -358,8 +369,8 @@ def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
         if f is None:
             continue
         if f.name in SPOTGUARD_CONTAINERS:
-            return _spotguard_failure(f)
-        return "InitContainerFailed", f"init container {f.name} exited with code {f.code}"
+            return (*_spotguard_failure(f), f)
+        return "InitContainerFailed", f"init container {f.name} exited with code {f.code}", f
     user: list[_Failed] = []
     sidecar: _Failed | None = None
     for key in ("containerStatuses", "initContainerStatuses"):
@@ -371,18 +382,18 @@ def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str] | None:
             elif key == "containerStatuses" and (f := _failed(cs)) is not None:
                 user.append(f)
     if not user:
-        return _spotguard_failure(sidecar) if sidecar is not None else None
+        return (*_spotguard_failure(sidecar), sidecar) if sidecar is not None else None
     # An OOM kill is the clearest word on the user's side; else the first container that failed.
     first_user = next((f for f in user if f.oom), user[0])
     if sidecar is None:
-        return _user_message(first_user)
+        return (*_user_message(first_user), first_user)
     earliest_user = min((f.finished for f in user if f.finished is not None), default=None)
     if sidecar.finished is not None and earliest_user is not None and sidecar.finished < earliest_user:
         reason, message = _spotguard_failure(sidecar)
-        return reason, f"{message} (then container {first_user.name} failed too)"
+        return reason, f"{message} (then container {first_user.name} failed too)", sidecar
     reason, message = _user_message(first_user)
     how = "was OOMKilled" if sidecar.oom else f"exited with code {sidecar.code}"
-    return reason, f"{message} (spotguard's container {sidecar.name} also {how}, not before it)"
+    return reason, f"{message} (spotguard's container {sidecar.name} also {how}, not before it)", first_user
 
 
 def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) -> PodEnd:
@@ -396,6 +407,9 @@ def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) ->
     end = _classify(pod, node_exists)
     if end.kind == "running" or pod is None:
         return end
+    node = (pod.get("spec") or {}).get("nodeName")
+    if isinstance(node, str) and node:
+        end = replace(end, node=node)
     report = sidecar_report(pod)
     trainer_step = report.get("trainerStep") if report else None
     if end.kind == "preempted" and isinstance(trainer_step, int) and end.step is not None:
@@ -451,7 +465,8 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
             return PodEnd("failed", "DeadlineExceeded", pod_message or "activeDeadlineSeconds passed", step)
         failure = _pod_failure(status)
         if failure is not None:
-            return PodEnd("failed", failure[0], failure[1], step)
+            reason, message, f = failure
+            return PodEnd("failed", reason, message, step, container=f.name, exit_code=_code(f.code))
         return PodEnd("failed", str(pod_reason or "Failed"), pod_message or "the pod failed", step)
 
     # Pending, Running, Unknown or no phase yet: not ended, unless its node is gone.
@@ -471,7 +486,8 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
         if crashed is not None:
             # A classic sidecar may not see that its trainer is gone and would
             # keep the pod running: the attempt has failed, stop the pod.
-            return PodEnd("failed", crashed[0], crashed[1], step, stop_pod="graceful")
+            return PodEnd("failed", crashed[0], crashed[1], step, stop_pod="graceful", container=crashed[2],
+                          exit_code=crashed[3])  # fmt: skip
         down = sidecar_down(status)
         if down is not None:
             # Checkpoints are no longer uploaded: stop the pod (the trainer gets

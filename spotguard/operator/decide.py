@@ -17,7 +17,9 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+from spotguard.operator import policy
 from spotguard.operator.classify import SIDECAR_EXITED, PodEnd
+from spotguard.operator.policy import COND_FALLBACK, FALLBACK, MOVED, PRIMARY
 from spotguard.operator.spec import SpecError, TrainingJobSpec
 
 # Phases
@@ -278,6 +280,28 @@ def decide(
     generation: int | None = None,
 ) -> Decision:
     """Decide the next step for one TrainingJob. Pure: no I/O, no clock."""
+    decision = _decide(job, status, spec, observation, now, generation)
+    if isinstance(spec, SpecError) or decision.status.get("phase") in TERMINAL_PHASES:
+        return decision
+    # Wake up in time for what the policies will do by the clock alone.
+    due = [decision.requeue_after] if decision.requeue_after is not None else []
+    deadline = policy.deadline_at(spec, decision.status)
+    if deadline is not None and decision.status.get("phase") != SUSPENDED:
+        due.append(max(0.05, (deadline - now).total_seconds()))
+    back = policy.return_due(spec, decision.status, now)
+    if back:
+        due.append(back)
+    return replace(decision, requeue_after=min(due)) if due else decision
+
+
+def _decide(
+    job: str,
+    status: Mapping[str, Any] | None,
+    spec: TrainingJobSpec | SpecError,
+    observation: Observation,
+    now: datetime,
+    generation: int | None = None,
+) -> Decision:
     d = _Draft(job=job, st=copy.deepcopy(dict(status or {})), now=now, generation=generation)
     st = d.st
     for key in ("attempt", "preemptions", "failures"):
@@ -311,6 +335,12 @@ def decide(
     accounted_attempt = last_end.get("attempt") if isinstance(last_end, Mapping) else None
     current = pod_name(job, attempt) if attempt else None
 
+    deadline = policy.deadline_at(spec, st)
+    suspended = spec.suspend or st.get("phase") == SUSPENDED or condition_is(st, COND_SUSPENDED)
+    if deadline is not None and deadline <= now and not suspended:  # suspended: the count restarts on resume
+        live = bool(attempt) and accounted_attempt != attempt
+        return _deadline_exceeded(d, spec, observation if live else Observation(), current if live else None)
+
     # 1. The current attempt, if its end is not accounted for yet.
     if attempt and accounted_attempt != attempt and d.int("nodes") > 1:
         return _gang(d, spec, observation.members)
@@ -322,6 +352,9 @@ def decide(
             if spec.suspend:
                 d.cond(COND_SUSPENDED, True, R_SUSPENDED, f"stopping pod {current} after a checkpoint")
                 return _finish(d, delete_pod=current if end.reason != "Terminating" else None)
+            back = policy.return_due(spec, st, now)
+            if back == 0 and end.reason != "Terminating":
+                return _return_to_primary(d, spec, current, running=end.reason == "Running")
             if end.reason == "Running":
                 d.cond(COND_RUNNING, True, R_POD_RUNNING, f"pod {current} is running")
                 d.phase(RUNNING, Event("Normal", R_POD_RUNNING, f"pod {current} is running (attempt {attempt})"))
@@ -334,9 +367,15 @@ def decide(
                 d.cond(COND_RUNNING, False, end.reason, end.message or f"pod {current} is {end.reason}")
                 if st.get("phase") != RUNNING:
                     d.phase(PENDING)
+                waited = policy.unschedulable_for(end, now)
+                move = policy.unschedulable_move(spec, st, waited) if waited is not None else None
+                if move == 0:
+                    message = f"pod {current} could not be scheduled for {waited:.0f}s: {end.message}"
+                    return _moved(d, spec, FALLBACK, "Unschedulable", message, delete_pod=current)
                 wait = _start_problem(d, end, current)
-                if wait is not None:
-                    return _finish(d, requeue_after=wait)
+                waits = [w for w in (wait, move) if w is not None]
+                if waits:
+                    return _finish(d, requeue_after=min(waits))
             return _finish(d)
         decision = _account(d, spec, end, current)
         return _sidecar_exited(d, spec, end, decision, current) if end.reason == R_SIDECAR_EXITED else decision
@@ -354,11 +393,14 @@ def decide(
         d.events.append(Event("Normal", R_RESUMED, "job resumed"))
         st.pop("restartAt", None)
         st["phase"] = RESTARTING if attempt else PENDING
+        if spec.active_deadline_seconds is not None and attempt:
+            # As a Kubernetes Job: the deadline counts from the resume (time suspended is not counted).
+            st["startTime"] = format_time(now)
 
     restart_at = parse_time(st.get("restartAt"))
     if restart_at is not None and restart_at > now:
         return _finish(d, requeue_after=(restart_at - now).total_seconds())
-    return _create_next(d, spec.nodes)
+    return _create_next(d, spec)
 
 
 def start_problem_message(end: PodEnd, pod: str | None) -> str:
@@ -432,8 +474,11 @@ def _sidecar_exited(d: _Draft, spec: TrainingJobSpec, end: PodEnd, decision: Dec
     return replace(decision, events=tuple(events))
 
 
-def _create_next(d: _Draft, nodes: int) -> Decision:
+def _create_next(d: _Draft, spec: TrainingJobSpec) -> Decision:
     st = d.st
+    nodes = spec.nodes
+    if policy.return_due(spec, st, d.now) == 0:
+        _switch(d, spec, PRIMARY, policy.R_TO_PRIMARY, "the fallback's cool-down is over")
     attempt = st["attempt"] + 1
     name = attempt_pods(d.job, attempt, nodes)[0]
     st["attempt"] = attempt
@@ -498,7 +543,17 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None,
         d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; {who} stopped"))
         return _finish(d, delete_pod=delete, force_delete=force)
 
+    placement = st.get("placement") or {}
+    if placement.get("returning") == attempt:
+        # Stopped to go back to the primary placement: not a preemption, not a failure.
+        record["kind"] = MOVED
+        return replace(_moved(d, spec, PRIMARY, policy.R_TO_PRIMARY, "the fallback's cool-down is over",
+                              record=record), delete_pod=delete, force_delete=force)  # fmt: skip
+
     at = f" at step {step}" if isinstance(step, int) else ""
+    avoided = policy.note_end_on_node(st, spec, end.node, d.now)
+    if avoided:
+        d.events.append(Event("Warning", policy.R_NODE_AVOIDED, avoided))
     if end.kind == "preempted":
         st["preemptions"] += 1
         n, limit = st["preemptions"], spec.preemption.max_preemptions
@@ -513,6 +568,20 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None,
                 f"{who} preempted ({end.reason}){at}; restarting ({n}/{limit} preemptions)",
             )
         )
+        why = policy.note_preemption(st, spec, d.now)
+        if why is not None:
+            _switch(d, spec, FALLBACK, "Preemptions", why)
+    elif (rule := policy.failure_action(spec.failure_rules, end))[0] != "Count":
+        action, index = rule
+        assert index is not None
+        said = policy.describe_rule(spec.failure_rules[index], index)
+        if action == "FailJob":
+            return _fail(d, policy.R_RULE_FAIL, f"{who} failed ({end.reason}): {end.message}; {said}", end, delete,
+                         force)  # fmt: skip
+        st["ignoredFailures"] = d.int("ignoredFailures") + 1
+        d.events.append(Event("Warning", R_POD_FAILED,
+                              f"{who} failed ({end.reason}): {end.message}; not counted, {said}"))  # fmt: skip
+        delay = spec.preemption.backoff.delay(1)
     else:
         st["failures"] += 1
         n, limit = st["failures"], spec.preemption.backoff_limit
@@ -533,7 +602,7 @@ def _account(d: _Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None,
         st["restartAt"] = format_time(d.now + timedelta(seconds=delay))
         return _finish(d, accounted=end, delete_pod=delete, force_delete=force, requeue_after=delay)
     st.pop("restartAt", None)
-    decision = _create_next(d, spec.nodes)
+    decision = _create_next(d, spec)
     return Decision(
         status=decision.status,
         create_attempt=decision.create_attempt,
@@ -551,6 +620,63 @@ def _fail(d: _Draft, reason: str, message: str, end: PodEnd, delete: str | None,
     d.cond(COND_FAILED, True, reason, message)
     d.events.append(Event("Warning", reason, message))
     return _finish(d, accounted=end, delete_pod=delete, force_delete=force)
+
+
+def _switch(d: _Draft, spec: TrainingJobSpec, to: str, reason: str, message: str) -> None:
+    """Move the job's next pods to ``to``: status.placement, the OnFallback condition, an Event."""
+    if policy.pool(d.st) == to:
+        return
+    record = policy.switch(d.st, to, reason, d.now, spec)
+    if to == FALLBACK:
+        text = f"moving to the fallback placement: {message}; back at {record.get('returnAt')}"
+        d.cond(COND_FALLBACK, True, reason, text)
+        d.events.append(Event("Warning", policy.R_TO_FALLBACK, text))
+    else:
+        text = f"moving back to the primary placement: {message}"
+        d.cond(COND_FALLBACK, False, reason, text)
+        d.events.append(Event("Normal", policy.R_TO_PRIMARY, text))
+
+
+def _moved(
+    d: _Draft,
+    spec: TrainingJobSpec,
+    to: str,
+    reason: str,
+    message: str,
+    *,
+    delete_pod: str | None = None,
+    record: dict[str, Any] | None = None,
+) -> Decision:
+    """The attempt ends to move the job (not counted); the next one starts at once where it goes."""
+    st = d.st
+    st["lastPodEnd"] = record or {"attempt": st["attempt"], "kind": MOVED, "reason": reason, "message": message,
+                                  "time": format_time(d.now)}  # fmt: skip
+    _switch(d, spec, to, reason, message)
+    st.get("placement", {}).pop("returning", None)
+    return replace(_create_next(d, spec), delete_pod=delete_pod)
+
+
+def _return_to_primary(d: _Draft, spec: TrainingJobSpec, current: str | None, *, running: bool) -> Decision:
+    """The fallback's cool-down is over: a pod not yet running moves now; a running one stops after a checkpoint."""
+    if not running:
+        return _moved(d, spec, PRIMARY, policy.R_TO_PRIMARY, "the fallback's cool-down is over", delete_pod=current)
+    placement = d.st.setdefault("placement", {})
+    if placement.get("returning") != d.st["attempt"]:
+        placement["returning"] = d.st["attempt"]
+        d.events.append(Event("Normal", policy.R_TO_PRIMARY, f"the fallback's cool-down is over: stopping pod"
+                              f" {current} after a checkpoint; the next attempt runs on the primary placement"))
+    return _finish(d, delete_pod=current)
+
+
+def _deadline_exceeded(d: _Draft, spec: TrainingJobSpec, observation: Observation, current: str | None) -> Decision:
+    """``spec.activeDeadlineSeconds`` ran out: the job fails; its pods stop after an emergency checkpoint."""
+    message = (f"the job ran longer than spec.activeDeadlineSeconds ({spec.active_deadline_seconds}s since"
+               f" {d.st.get('startTime')}); its checkpoints are kept")  # fmt: skip
+    members = tuple((m.pod, False) for m in observation.members if m.present and not m.settled)
+    single = current if current is not None and not observation.members else None
+    decision = _fail(d, policy.R_DEADLINE, message, PodEnd("failed", policy.R_DEADLINE, message), single, False)
+    d.st.pop("teardown", None)
+    return replace(decision, delete_pods=members)
 
 
 # --- gangs: an attempt of several nodes, one pod each -------------------------------
@@ -632,12 +758,14 @@ def _gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> Decisi
         trigger = gang_trigger(members)
         if trigger is None and spec.suspend:
             return _start_teardown(d, members, None, "suspended", "Suspended", "spec.suspend is true")
+        if trigger is None and policy.return_due(spec, st, d.now) == 0:
+            return _start_teardown(d, members, None, MOVED, policy.R_TO_PRIMARY, "the fallback's cool-down is over")
         if trigger is not None:
             if trigger.end.reason == R_SIDECAR_EXITED:
                 _gang_sidecar_exited(d, spec, members, trigger)
             return _start_teardown(d, members, trigger, trigger.end.kind, trigger.end.reason,
                                    trigger.end.message)  # fmt: skip
-        return _gang_running(d, members)
+        return _gang_running(d, spec, members)
 
     # Stopping: upgrade the cause if the machine turns out to have gone, then wait for every pod.
     if teardown.get("kind") != "suspended" and teardown.get("strength", 0) < 2:
@@ -669,6 +797,8 @@ def _teardown_cause(m: Member, kind: str, reason: str, message: str) -> dict[str
         "strength": _strength(m.end),
         "endedAt": m.end.ended_at,
         "lostSteps": m.end.lost_steps,
+        "container": m.end.container,
+        "exitCode": m.end.exit_code,
     }
     return {k: v for k, v in cause.items() if v is not None}
 
@@ -726,7 +856,12 @@ def _end_gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member], teard
         d.cond(COND_RUNNING, False, R_SUSPENDED, "the job is suspended")
         d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; the {len(members)} pods stopped"))
         return _finish(d)
+    if kind == MOVED:
+        to = PRIMARY if teardown.get("reason") == policy.R_TO_PRIMARY else FALLBACK
+        st.get("placement", {}).pop("returning", None)
+        return _moved(d, spec, to, str(teardown.get("reason")), str(teardown.get("message") or ""))
     lost = teardown.get("lostSteps")
+    code = teardown.get("exitCode")
     end = PodEnd(
         "failed" if kind == "failed" else "preempted",
         str(teardown.get("reason") or kind),
@@ -734,6 +869,9 @@ def _end_gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member], teard
         step,
         lost_steps=lost if isinstance(lost, int) else None,
         ended_at=teardown.get("endedAt") if isinstance(teardown.get("endedAt"), str) else None,
+        container=teardown.get("container") if isinstance(teardown.get("container"), str) else None,
+        exit_code=code if isinstance(code, int) else None,
+        node=node if isinstance(node, str) else None,
     )
     who = f"pod {where}" + (f" on node {node}" if node else "") + f" (rank {teardown.get('rank')})"
     decision = _account(d, spec, end, where, who=who)
@@ -745,7 +883,7 @@ def _end_gang(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member], teard
     return decision
 
 
-def _gang_running(d: _Draft, members: Sequence[Member]) -> Decision:
+def _gang_running(d: _Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> Decision:
     """No member ended: Running when all run, else say which nodes are missing and why."""
     st = d.st
     attempt = st["attempt"]
@@ -764,6 +902,14 @@ def _gang_running(d: _Draft, members: Sequence[Member]) -> Decision:
         d.phase(PENDING)
     unschedulable = [m for m in members if m.end.start_problem == "unschedulable"]
     blocked = [m for m in members if m.end.start_problem == "blocked"]
+    move: float | None = None
+    if unschedulable:
+        waited = max(policy.unschedulable_for(m.end, d.now) or 0.0 for m in unschedulable)
+        move = policy.unschedulable_move(spec, st, waited)
+        if move == 0:
+            message = (f"{len(unschedulable)} of {nodes} pods could not be scheduled for {waited:.0f}s:"
+                       f" {unschedulable[0].end.message}")  # fmt: skip
+            return _start_teardown(d, members, None, MOVED, "Unschedulable", message)
     if unschedulable:
         first = unschedulable[0]
         names = ", ".join(m.pod for m in unschedulable)
@@ -780,8 +926,9 @@ def _gang_running(d: _Draft, members: Sequence[Member]) -> Decision:
     problem = (blocked or unschedulable)[0] if blocked or unschedulable else None
     if problem is not None:
         wait = _start_problem(d, problem.end, problem.pod)
-        if wait is not None:
-            return _finish(d, requeue_after=wait)
+        waits = [w for w in (wait, move) if w is not None]
+        if waits:
+            return _finish(d, requeue_after=min(waits))
     else:
         _clear_blocked(d, f"{len(running)} of {nodes} pods running")
     return _finish(d)

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotguard.operator import hostports as hp
+from spotguard.operator import policy
 from spotguard.operator.apierrors import api_reason, api_status
 from spotguard.operator.classify import SIDECAR_EXITED, classify_pod_end
 from spotguard.operator.decide import (
@@ -596,8 +597,36 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
     ctx.phases[(namespace, name)] = str(decision.status.get("phase") or "")
     ctx.jobs[(namespace, name)] = {**job, "status": decision.status}
     if decision.status.get("phase") in TERMINAL_PHASES:
-        return max(decision.requeue_after or 0.0, ctx.resync_seconds * 10)
+        later = max(decision.requeue_after or 0.0, ctx.resync_seconds * 10)
+        expires = policy.ttl_expires_at(spec, decision.status) if isinstance(spec, TrainingJobSpec) else None
+        if expires is None:
+            return later
+        if expires <= now:
+            delete_finished_job(ctx, job)
+            return None
+        return min(later, (expires - now).total_seconds())
     return decision.requeue_after
+
+
+def delete_finished_job(ctx: Context, job: Mapping[str, Any]) -> None:
+    """``spec.ttlSecondsAfterFinished`` passed: delete the TrainingJob object (its checkpoints are kept).
+
+    The delete is conditional on the object's uid, so a job recreated meanwhile
+    under the same name is never deleted.
+    """
+    meta = job["metadata"]
+    ctx.fence()
+    try:
+        ctx.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"],
+            body={"preconditions": {"uid": meta.get("uid")}},
+        )  # fmt: skip
+    except Exception as exc:
+        if api_status(exc) not in (404, 409):
+            raise
+        return
+    log.info("%s/%s: deleted %ss after it finished (spec.ttlSecondsAfterFinished); its checkpoints are kept",
+             meta["namespace"], meta["name"], (job.get("spec") or {}).get("ttlSecondsAfterFinished"))  # fmt: skip
 
 
 def _wait_for_ports(ctx: Context, job: dict[str, Any], exhausted: str | None, now: datetime) -> float | None:
@@ -639,7 +668,8 @@ def apply(
     if decision.create_attempt is not None and isinstance(spec, TrainingJobSpec):
         if ports is None and hp.needs_host_ports(spec):
             return Decision(status=dict(job.get("status") or {}), requeue_after=hp.WAIT_SECONDS)
-        pods = build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports)
+        pods = [{**pod, "spec": policy.placed(pod["spec"], spec, decision.status, now)}
+                for pod in build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports)]
         made: list[str] = []
         try:
             # The pods' access first: a sidecar reads its pod from its first poll.

@@ -141,6 +141,63 @@ class SidecarSpec:
     resources: Mapping[str, Any] | None = None
 
 
+#: What a failure rule does: restart without counting against ``backoffLimit``,
+#: count (today's default for every failure), or fail the job at once.
+RULE_ACTIONS = ("Ignore", "Count", "FailJob")
+EXIT_CODE_OPERATORS = ("In", "NotIn")
+
+
+@dataclass(frozen=True, slots=True)
+class FailureRule:
+    """One rule of ``spec.failurePolicy``: which failed attempts it matches, and what it does.
+
+    Shaped like a Kubernetes Job's ``podFailurePolicy`` rule (``onExitCodes``
+    with ``operator`` In/NotIn and an optional ``containerName``), with
+    ``onReasons`` for the reason spotguard gives an attempt's end
+    (``OOMKilled``, ``Error``, ``SidecarFailed``, ...). A rule with both
+    matches when both do. Preemptions are never matched: they have their own budget.
+    """
+
+    action: str
+    exit_codes: tuple[int, ...] = ()
+    exit_operator: str = "In"
+    container: str | None = None
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where pods go: what replaces the template's own nodeSelector, tolerations, affinity (None: keep it)."""
+
+    node_selector: Mapping[str, str] | None = None
+    tolerations: tuple[Mapping[str, Any], ...] | None = None
+    affinity: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackSpec:
+    """``spec.fallback``: a second placement (an on-demand pool) used when the first keeps failing the job.
+
+    The job moves there after ``after_preemptions`` preemptions within
+    ``window_seconds``, or when its pods could not be scheduled for
+    ``after_unschedulable_seconds``; it returns after ``cooldown_seconds``.
+    """
+
+    placement: Placement
+    after_preemptions: int = 3
+    window_seconds: float = 3600.0
+    after_unschedulable_seconds: float | None = 600.0
+    cooldown_seconds: float = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class AvoidNodesSpec:
+    """``spec.avoidNodes``: a node on which the job ended ``after_ends`` times is avoided for ``for_seconds``."""
+
+    after_ends: int = 2
+    for_seconds: float = 3600.0
+
+
 @dataclass(frozen=True, slots=True)
 class PodTemplate:
     """The user's pod template; passed through untouched apart from the injection."""
@@ -169,6 +226,14 @@ class TrainingJobSpec:
     master_port_set: bool = False
     #: ``spec.sidecar.metricsPort`` was given.
     metrics_port_set: bool = False
+    #: ``spec.failurePolicy.rules``: the first rule that matches a failed attempt decides.
+    failure_rules: tuple[FailureRule, ...] = ()
+    #: The job fails (its pods stopped after a checkpoint) this long after it started.
+    active_deadline_seconds: int | None = None
+    #: The TrainingJob object is deleted this long after it finished (its checkpoints are kept).
+    ttl_seconds_after_finished: int | None = None
+    fallback: FallbackSpec | None = None
+    avoid_nodes: AvoidNodesSpec | None = None
 
     @property
     def distributed(self) -> bool:
@@ -445,6 +510,102 @@ def gpu_limit(template: PodTemplate) -> int | None:
     return n if n is not None and n > 0 else None
 
 
+def _int_list(raw: Any, path: str) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise SpecError(path, "must be a non-empty list of integers")
+    out: list[int] = []
+    for i, v in enumerate(raw):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise SpecError(f"{path}[{i}]", f"must be an integer, not {v!r}")
+        out.append(v)
+    return tuple(out)
+
+
+def parse_failure_policy(raw: Any, path: str = "spec.failurePolicy") -> tuple[FailureRule, ...]:
+    """Parse ``spec.failurePolicy``: ``{rules: [{action, onExitCodes?, onReasons?}]}``."""
+    obj = _obj(raw, path)
+    rules_raw = obj.get("rules")
+    if rules_raw is None:
+        return ()
+    if not isinstance(rules_raw, list):
+        raise SpecError(f"{path}.rules", "must be a list")
+    rules: list[FailureRule] = []
+    for i, r in enumerate(rules_raw):
+        rpath = f"{path}.rules[{i}]"
+        rule = _obj(r, rpath, required=True)
+        action = _str(rule, "action", rpath, required=True)
+        if action not in RULE_ACTIONS:
+            raise SpecError(f"{rpath}.action", f"must be one of {', '.join(RULE_ACTIONS)}, not {action!r}")
+        codes: tuple[int, ...] = ()
+        operator, container = "In", None
+        if rule.get("onExitCodes") is not None:
+            epath = f"{rpath}.onExitCodes"
+            exit_obj = _obj(rule.get("onExitCodes"), epath)
+            operator = _enum(exit_obj, "operator", epath, EXIT_CODE_OPERATORS, "In")
+            codes = _int_list(exit_obj.get("values"), f"{epath}.values")
+            container = _str(exit_obj, "containerName", epath)
+        reasons: tuple[str, ...] = ()
+        if rule.get("onReasons") is not None:
+            rs = rule.get("onReasons")
+            if not isinstance(rs, list) or not rs or not all(isinstance(x, str) and x for x in rs):
+                raise SpecError(f"{rpath}.onReasons", "must be a non-empty list of reasons (e.g. OOMKilled)")
+            reasons = tuple(rs)
+        if not codes and not reasons:
+            raise SpecError(rpath, "needs onExitCodes or onReasons (a rule that matches every failure is a typo)")
+        rules.append(FailureRule(action, codes, operator, container, reasons))
+    return tuple(rules)
+
+
+def parse_placement(raw: Mapping[str, Any], path: str) -> Placement:
+    """The placement fields of ``spec.fallback`` (each replaces the template's own when given)."""
+    selector = None
+    if raw.get("nodeSelector") is not None:
+        selector = _str_map(raw.get("nodeSelector"), f"{path}.nodeSelector")
+    tolerations = raw.get("tolerations")
+    if tolerations is not None:
+        if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
+            raise SpecError(f"{path}.tolerations", "must be a list of tolerations")
+        tolerations = tuple(copy.deepcopy(dict(t)) for t in tolerations)
+    affinity = raw.get("affinity")
+    if affinity is not None:
+        affinity = copy.deepcopy(dict(_obj(affinity, f"{path}.affinity")))
+    if selector is None and tolerations is None and affinity is None:
+        raise SpecError(path, "needs nodeSelector, tolerations or affinity: where the fallback pods go")
+    return Placement(selector, tolerations, affinity)
+
+
+def parse_fallback(raw: Any, path: str = "spec.fallback") -> FallbackSpec | None:
+    """Parse ``spec.fallback`` (None when absent). ``afterUnschedulableSeconds: 0`` turns that trigger off."""
+    if raw is None:
+        return None
+    obj = _obj(raw, path)
+    d = FallbackSpec(Placement())
+    unschedulable = _num(obj, "afterUnschedulableSeconds", path, d.after_unschedulable_seconds)
+    after = _int(obj, "afterPreemptions", path, d.after_preemptions, minimum=1)
+    window = _num(obj, "preemptionWindowSeconds", path, d.window_seconds, minimum=1.0)
+    cooldown = _num(obj, "cooldownSeconds", path, d.cooldown_seconds)
+    assert after is not None and window is not None and cooldown is not None
+    return FallbackSpec(
+        placement=parse_placement(obj, path),
+        after_preemptions=after,
+        window_seconds=window,
+        after_unschedulable_seconds=unschedulable or None,
+        cooldown_seconds=cooldown,
+    )
+
+
+def parse_avoid_nodes(raw: Any, path: str = "spec.avoidNodes") -> AvoidNodesSpec | None:
+    """Parse ``spec.avoidNodes`` (None when absent: no node is avoided)."""
+    if raw is None:
+        return None
+    obj = _obj(raw, path)
+    defaults = AvoidNodesSpec()
+    return AvoidNodesSpec(
+        after_ends=_int(obj, "afterEnds", path, defaults.after_ends, minimum=1) or defaults.after_ends,
+        for_seconds=_num(obj, "forSeconds", path, defaults.for_seconds, minimum=1.0) or defaults.for_seconds,
+    )
+
+
 def check_own_account(template: PodTemplate, path: str = "spec.template.spec") -> None:
     """Refuse a template that names a ServiceAccount when the ``k8s`` notice source is on.
 
@@ -485,6 +646,8 @@ def parse(spec: Any) -> TrainingJobSpec:
     preemption = parse_preemption(obj.get("preemption"))
     if preemption.watches_own_pod:
         check_own_account(template)
+    deadline = _int(obj, "activeDeadlineSeconds", "spec", None, minimum=1)
+    ttl = _int(obj, "ttlSecondsAfterFinished", "spec", None, minimum=0)
     return TrainingJobSpec(
         template=template,
         checkpoint=checkpoint,
@@ -496,6 +659,11 @@ def parse(spec: Any) -> TrainingJobSpec:
         master_port=master_port,
         master_port_set=obj.get("masterPort") is not None,
         metrics_port_set=isinstance(sidecar_raw, Mapping) and sidecar_raw.get("metricsPort") is not None,
+        failure_rules=parse_failure_policy(obj.get("failurePolicy")),
+        active_deadline_seconds=deadline,
+        ttl_seconds_after_finished=ttl,
+        fallback=parse_fallback(obj.get("fallback")),
+        avoid_nodes=parse_avoid_nodes(obj.get("avoidNodes")),
     )
 
 

@@ -18,7 +18,8 @@ CRD = ROOT / "crds" / "trainingjob.yaml"
 
 
 NAMESPACED_RULES = {
-    ("spotguard.dev", "trainingjobs"): {"get", "list", "watch", "patch"},
+    # delete: spec.ttlSecondsAfterFinished deletes a finished job's object.
+    ("spotguard.dev", "trainingjobs"): {"get", "list", "watch", "patch", "delete"},
     ("spotguard.dev", "trainingjobs/status"): {"get", "patch"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     ("", "events"): {"create"},
@@ -227,6 +228,7 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
     source += (ROOT / "spotguard" / "operator" / "probe.py").read_text()
     calls = {
         "get_namespaced_custom_object": ("spotguard.dev", "trainingjobs", "get"),
+        "delete_namespaced_custom_object": ("spotguard.dev", "trainingjobs", "delete"),
         "patch_namespaced_custom_object_status": ("spotguard.dev", "trainingjobs/status", "patch"),
         "read_namespaced_pod": ("", "pods", "get"),
         "create_namespaced_pod": ("", "pods", "create"),
