@@ -549,3 +549,84 @@ class PodWatch:
             )
             gap = first_new.added_at - last_stop.stopped_at
             print(f"attempt {a} -> {a + 1}: {first_new.name} appeared {gap:.2f}s after {last_stop.name} stopped")
+
+
+# --- pods without a kubelet: each end a pod can have, as kubelet would write it ---------
+
+#: A nodeSelector no node matches: the pod stays Pending, off every process node.
+NO_NODE = {"spotguard.dev/test-no-node": "true"}
+
+
+def no_node_job(name: str, storage: str, **spec: Any) -> dict[str, Any]:
+    """A one-pod job whose pod no node takes; ``spec`` replaces top-level fields of the job's spec."""
+    trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
+               "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
+    preemption = {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5, "backoff": {"initialSeconds": 0}}
+    return job_body(name, storage, trainer, node_selector=NO_NODE, every_steps=10,
+                    **{"preemption": preemption, **spec})  # fmt: skip
+
+
+def pod_names(apis: tuple[Any, Any], ns: str, job: str) -> list[str]:
+    core, _ = apis
+    pods = core.list_namespaced_pod(ns, label_selector=f"spotguard.dev/job={job}").items
+    return sorted(p.metadata.name for p in pods if p.metadata.deletion_timestamp is None)
+
+
+def wait_pod(apis: tuple[Any, Any], ns: str, name: str) -> Any:
+    core, _ = apis
+    return wait_for(lambda: core.read_namespaced_pod(name, ns), f"pod {ns}/{name}", timeout=60)
+
+
+def patch_pod_status(apis: tuple[Any, Any], ns: str, pod: str, st: dict[str, Any]) -> None:
+    core, _ = apis
+    core.patch_namespaced_pod_status(pod, ns, {"status": st})
+
+
+def terminated(name: str, code: int, reason: str | None = None) -> dict[str, Any]:
+    return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+            "state": {"terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
+                                     "startedAt": "2030-01-01T00:00:00Z", "finishedAt": "2030-01-01T00:01:00Z"}}}
+
+
+def run_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
+    patch_pod_status(apis, ns, pod, {"phase": "Running"})
+
+
+def succeed_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
+    patch_pod_status(apis, ns, pod, {"phase": "Succeeded", "containerStatuses": [
+        terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
+
+
+def fail_pod(apis: tuple[Any, Any], ns: str, pod: str, code: int = 1) -> None:
+    patch_pod_status(apis, ns, pod, {"phase": "Failed", "containerStatuses": [
+        terminated("trainer", code), terminated("spotguard-sidecar", 0)]})
+
+
+def shutdown_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
+    """What kubelet's graceful node shutdown leaves (1.26+)."""
+    patch_pod_status(apis, ns, pod, {
+        "phase": "Failed", "reason": "Terminated",
+        "message": "Pod was terminated in response to imminent node shutdown.",
+        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                        "message": "Pod was terminated in response to imminent node shutdown."}],
+        "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
+
+
+def fake_node(core: Any, name: str, labels: dict[str, str]) -> None:
+    """A Ready node object with one GPU and no kubelet behind it: the scheduler binds pods to it.
+
+    The node lifecycle controller marks it NotReady once its heartbeat is
+    ~40 s old: keep a test on it short, or call ``heartbeat``.
+    """
+    capacity = {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"}
+    core.create_node({"metadata": {"name": name, "labels": labels},
+                      "status": {"capacity": capacity, "allocatable": capacity}})  # fmt: skip
+    heartbeat(core, name)
+
+
+def heartbeat(core: Any, name: str) -> None:
+    """Report a fake node Ready now."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.patch_node_status(name, {"status": {"conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready",
+         "lastHeartbeatTime": now, "lastTransitionTime": now}]}})  # fmt: skip

@@ -663,7 +663,7 @@ def _return_to_primary(d: _Draft, spec: TrainingJobSpec, current: str | None, *,
     placement = d.st.setdefault("placement", {})
     if placement.get("returning") != d.st["attempt"]:
         placement["returning"] = d.st["attempt"]
-        d.events.append(Event("Normal", policy.R_TO_PRIMARY, f"the fallback's cool-down is over: stopping pod"
+        d.events.append(Event("Normal", policy.R_RETURNING, f"the fallback's cool-down is over: stopping pod"
                               f" {current} after a checkpoint; the next attempt runs on the primary placement"))
     return _finish(d, delete_pod=current)
 

@@ -68,6 +68,24 @@ class OperatorMetrics:
             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
             registry=self.registry,
         )
+        self.on_fallback = Gauge(
+            "spotguard_job_on_fallback",
+            "1 while a job's pods go to its fallback placement (spec.fallback), else 0.",
+            job,
+            registry=self.registry,
+        )
+        self.placement_moves = Counter(
+            "spotguard_job_placement_moves_total",
+            "Moves of a job between its placements, by where to (fallback, primary).",
+            [*job, "to"],
+            registry=self.registry,
+        )
+        self.ignored_failures = Counter(
+            "spotguard_job_ignored_failures_total",
+            "Failed attempts a spec.failurePolicy rule restarted without counting against backoffLimit.",
+            job,
+            registry=self.registry,
+        )
         self.jobs = Gauge("spotguard_jobs", "TrainingJobs by phase.", ["phase"], registry=self.registry)
         self.storage_reads = Counter(
             "spotguard_operator_storage_reads_total",
@@ -107,6 +125,14 @@ class OperatorMetrics:
         """Count an attempt stopped because its sidecar stopped."""
         self.sidecar_failures.labels(namespace, job).inc()
 
+    def moved(self, namespace: str, job: str, to: str) -> None:
+        """Count a move of a job to its ``fallback`` or back to its ``primary`` placement."""
+        self.placement_moves.labels(namespace, job, to).inc()
+
+    def ignored(self, namespace: str, job: str) -> None:
+        """Count a failure a rule restarted without counting."""
+        self.ignored_failures.labels(namespace, job).inc()
+
     def restarted(self, namespace: str, job: str, latency_seconds: float | None) -> None:
         """Count a replacement pod and how long the job waited for it."""
         self.restarts.labels(namespace, job).inc()
@@ -124,6 +150,9 @@ class OperatorMetrics:
         lv = status.get("lastVerifiedCheckpoint")
         if isinstance(lv, Mapping) and isinstance(lv.get("step"), int):
             self.last_verified_step.labels(namespace, job).set(lv["step"])
+        placement = status.get("placement")
+        if isinstance(placement, Mapping):
+            self.on_fallback.labels(namespace, job).set(1 if placement.get("pool") == "fallback" else 0)
         self._refresh_phases()
 
     def forget(self, namespace: str, job: str) -> None:
@@ -136,9 +165,14 @@ class OperatorMetrics:
             self.lost_steps,
             self.attempt,
             self.last_verified_step,
+            self.on_fallback,
+            self.ignored_failures,
         ):
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, job)
+        for to in ("fallback", "primary"):
+            with contextlib.suppress(KeyError):
+                self.placement_moves.remove(namespace, job, to)
         self._phases.pop((namespace, job), None)
         self._refresh_phases()
 

@@ -36,6 +36,8 @@ FALLBACK = "fallback"
 COND_FALLBACK = "OnFallback"
 R_TO_FALLBACK = "FallbackPlacement"
 R_TO_PRIMARY = "PrimaryPlacement"
+#: The running attempt is stopped (after a checkpoint) to return to the primary placement.
+R_RETURNING = "ReturningToPrimary"
 R_DEADLINE = "DeadlineExceeded"
 R_RULE_FAIL = "FailedByRule"
 R_NODE_AVOIDED = "NodeAvoided"

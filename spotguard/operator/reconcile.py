@@ -721,6 +721,11 @@ def report(
     for event in decision.events:
         post_event(ctx, job, event, now)
         log.info("%s/%s: %s: %s", namespace, name, event.reason, event.message)
+    for event in decision.events:
+        if event.reason in (policy.R_TO_FALLBACK, policy.R_TO_PRIMARY):
+            ctx.metrics.moved(namespace, name, "fallback" if event.reason == policy.R_TO_FALLBACK else "primary")
+    if (decision.status.get("ignoredFailures") or 0) > (old_status.get("ignoredFailures") or 0):
+        ctx.metrics.ignored(namespace, name)
     end = decision.accounted
     if end is not None:
         if end.kind == "preempted":

@@ -21,25 +21,33 @@ from spotguard.operator.testing import OperatorProcess, metric_value
 from testenv.kubetest import (
     GROUP,
     IMAGE,
+    NO_NODE,
     PLURAL,
     VERSION,
     cond,
     create_job,
     delete_jobs,
     events,
+    fail_pod,
     get_job,
-    job_body,
     kubectl,
     new_namespace,
+    no_node_job,
+    patch_pod_status,
+    pod_names,
+    run_pod,
+    shutdown_pod,
     start_operator,
+    succeed_pod,
+    terminated,
     wait_events,
     wait_for,
+    wait_pod,
     wait_status,
 )
 
 pytestmark = pytest.mark.integration
 
-NO_NODE = {"spotguard.dev/test-no-node": "true"}
 
 
 # --- fixtures -------------------------------------------------------------------
@@ -66,61 +74,6 @@ def operator(kube: Any, ns: str, apis: tuple[Any, Any],
 
 
 # --- helpers --------------------------------------------------------------------
-
-
-def no_node_job(name: str, storage: str, **spec: Any) -> dict[str, Any]:
-    """A one-pod job whose pod no node takes; ``spec`` replaces top-level fields of the job's spec."""
-    trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-               "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
-    preemption = {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5, "backoff": {"initialSeconds": 0}}
-    return job_body(name, storage, trainer, node_selector=NO_NODE, every_steps=10,
-                    **{"preemption": preemption, **spec})  # fmt: skip
-
-
-def pod_names(apis: tuple[Any, Any], ns: str, job: str) -> list[str]:
-    core, _ = apis
-    pods = core.list_namespaced_pod(ns, label_selector=f"spotguard.dev/job={job}").items
-    return sorted(p.metadata.name for p in pods if p.metadata.deletion_timestamp is None)
-
-
-def wait_pod(apis: tuple[Any, Any], ns: str, name: str) -> Any:
-    core, _ = apis
-    return wait_for(lambda: core.read_namespaced_pod(name, ns), f"pod {ns}/{name}", timeout=60)
-
-
-def patch_pod_status(apis: tuple[Any, Any], ns: str, pod: str, st: dict[str, Any]) -> None:
-    core, _ = apis
-    core.patch_namespaced_pod_status(pod, ns, {"status": st})
-
-
-def terminated(name: str, code: int, reason: str | None = None) -> dict[str, Any]:
-    return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-            "state": {"terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
-                                     "startedAt": "2030-01-01T00:00:00Z", "finishedAt": "2030-01-01T00:01:00Z"}}}
-
-
-def run_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
-    patch_pod_status(apis, ns, pod, {"phase": "Running"})
-
-
-def succeed_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
-    patch_pod_status(apis, ns, pod, {"phase": "Succeeded", "containerStatuses": [
-        terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
-
-
-def fail_pod(apis: tuple[Any, Any], ns: str, pod: str, code: int = 1) -> None:
-    patch_pod_status(apis, ns, pod, {"phase": "Failed", "containerStatuses": [
-        terminated("trainer", code), terminated("spotguard-sidecar", 0)]})
-
-
-def shutdown_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
-    """What kubelet's graceful node shutdown leaves (1.26+)."""
-    patch_pod_status(apis, ns, pod, {
-        "phase": "Failed", "reason": "Terminated",
-        "message": "Pod was terminated in response to imminent node shutdown.",
-        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                        "message": "Pod was terminated in response to imminent node shutdown."}],
-        "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
 
 
 # --- tests ----------------------------------------------------------------------
