@@ -213,6 +213,32 @@ def preempted_after(log: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def assert_final_bitwise(env: Env, uri: str, args: list[str], every: int, steps: int, tmp_path: Path) -> None:
+    """The job's final checkpoint in storage equals an uninterrupted run of the demo here, bit for bit."""
+    from safetensors.torch import load_file
+
+    from spotguard.checkpoint import list_local_committed, restore_latest
+    from spotguard.storage import open_storage
+
+    storage = open_storage(uri, endpoint_url=env.s3.endpoint_url, access_key=env.s3.access_key,
+                           secret_key=env.s3.secret_key, region=env.s3.region)
+    final = restore_latest(storage, tmp_path / "final")
+    assert final is not None and final.step == steps - 1
+    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    subprocess.run([sys.executable, "-m", "spotguard.demo.train", *ref_args],
+                   env={"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+                        "SPOTGUARD_SAVE_EVERY_STEPS": str(every)},
+                   check=True, capture_output=True, timeout=600)
+    ref = list_local_committed(tmp_path / "ref")[-1]
+    got = tmp_path / "final" / ref.name
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert (got / name).read_bytes() == (ref / name).read_bytes(), f"{name} differs"
+    # The demo draws only from torch's generator (dropout); numpy's and Python's
+    # global generators start from OS entropy in each fresh process, so only
+    # torch's state is comparable with a separate reference run.
+    assert load_file(str(got / "rng.safetensors"))["torch"].equal(load_file(str(ref / "rng.safetensors"))["torch"])
+
+
 @pytest.mark.timeout(1200)
 def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Path) -> None:
     doc = example()
@@ -276,28 +302,7 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     assert f"finished {steps} steps" in logs[4]
 
     # Bitwise: the final checkpoint in storage against an uninterrupted run here.
-    from spotguard.checkpoint import list_local_committed, restore_latest
-    from spotguard.storage import open_storage
-
-    storage = open_storage(uri, endpoint_url=env.s3.endpoint_url, access_key=env.s3.access_key,
-                           secret_key=env.s3.secret_key, region=env.s3.region)
-    final = restore_latest(storage, tmp_path / "final")
-    assert final is not None and final.step == steps - 1
-    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
-    subprocess.run([sys.executable, "-m", "spotguard.demo.train", *ref_args],
-                   env={"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-                        "SPOTGUARD_SAVE_EVERY_STEPS": str(every)},
-                   check=True, capture_output=True, timeout=600)
-    ref = list_local_committed(tmp_path / "ref")[-1]
-    got = tmp_path / "final" / ref.name
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        assert (got / name).read_bytes() == (ref / name).read_bytes(), f"{name} differs"
-    # The demo draws only from torch's generator (dropout); numpy's and Python's
-    # global generators start from OS entropy in each fresh process, so only
-    # torch's state is comparable with a separate reference run.
-    from safetensors.torch import load_file
-
-    assert load_file(str(got / "rng.safetensors"))["torch"].equal(load_file(str(ref / "rng.safetensors"))["torch"])
+    assert_final_bitwise(env, uri, args, every, steps, tmp_path)
 
     # The operator (on another node) lived through all of it, and its metrics count the preemptions.
     operators = env.core.list_namespaced_pod(OPERATOR_NS).items
@@ -326,6 +331,69 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
             or 0) >= 1
     rules = [r for g in env.prom.rules() for r in g["rules"]]
     assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+
+@pytest.mark.timeout(900)
+def test_repeated_preemptions_move_to_on_demand_and_the_cooldown_brings_the_job_back_bitwise(
+    env: Env, tmp_path: Path
+) -> None:
+    """spec.fallback on process nodes: two spot nodes and one on-demand node, told apart by a label."""
+    operator_nodes = {p.spec.node_name for p in env.core.list_namespaced_pod(OPERATOR_NS).items}
+    free = [n for n in env.nodes.node_names() if n not in operator_nodes]
+    assert len(free) >= 3, (free, operator_nodes)
+    tag = uuid.uuid4().hex[:6]
+    spot_nodes, od_node = free[:2], free[2]
+    pools = {**{n: f"spot-{tag}" for n in spot_nodes}, od_node: f"od-{tag}"}
+    for node, pool in pools.items():
+        env.core.patch_node(node, {"metadata": {"labels": {"test-pool": pool}}})
+    try:
+        doc = example()
+        job = doc["metadata"]["name"] = "fallback"
+        spec = doc["spec"]
+        steps, every = 300, 20
+        args = ["--steps", str(steps), "--step-delay", "0.1", "--log-every", "1"]
+        spec["template"]["spec"]["containers"][0]["args"] = args
+        spec["template"]["spec"]["nodeSelector"] = {"test-pool": f"spot-{tag}"}
+        spec["checkpoint"]["everySteps"] = every
+        spec["preemption"].update({"preemptionBackoff": {"initialSeconds": 0}})
+        spec["fallback"] = {"nodeSelector": {"test-pool": f"od-{tag}"}, "afterPreemptions": 2,
+                            "preemptionWindowSeconds": 600, "afterUnschedulableSeconds": 0, "cooldownSeconds": 20}
+        applied = tmp_path / "trainingjob.yaml"
+        applied.write_text(yaml.safe_dump(doc))
+        env.tool("kubectl", "apply", "-n", env.ns, "-f", str(applied))
+        uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
+
+        def node_of(pod: str) -> str:
+            return str(env.core.read_namespaced_pod(pod, env.ns).spec.node_name)
+
+        for attempt, target in ((1, 30), (2, 60)):
+            pod = f"{job}-a{attempt}"
+            env.wait_pod_running(pod)
+            assert node_of(pod) in spot_nodes, (pod, node_of(pod), pools)
+            wait_for(lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t, f"{pod} at step {target}",
+                     timeout=240, interval=0.2)
+            print(f"drained {pod}: {env.nodes.preempt(pod, env.ns, 'drain')}")
+        env.wait_pod_running(f"{job}-a3")
+        assert node_of(f"{job}-a3") == od_node, "two preemptions within the window move the job to on-demand"
+        st = env.status(job)
+        assert st["placement"]["pool"] == "fallback" and st["preemptions"] == 2, st
+        # The cool-down (20 s) is over: the operator stops attempt 3 after a checkpoint; attempt 4 runs on spot.
+        env.wait_pod_running(f"{job}-a4", timeout=240)
+        assert node_of(f"{job}-a4") in spot_nodes
+        st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=480)
+        assert st["phase"] == "Succeeded", (st, env.ends(job))
+        assert st["preemptions"] == 2 and st["failures"] == 0 and st["attempt"] == 4, (st, env.ends(job))
+        assert st["placement"]["pool"] == "primary", st
+        reasons = [e.reason for e in env.core.list_namespaced_event(
+            env.ns, field_selector=f"involvedObject.name={job}").items]  # fmt: skip
+        assert {"FallbackPlacement", "ReturningToPrimary", "PrimaryPlacement"} <= set(reasons), reasons
+        # No step was lost on the way back: attempt 4 resumed where attempt 3 stopped.
+        a3, a4 = env.trainer_log(f"{job}-a3"), env.trainer_log(f"{job}-a4")
+        assert preempted_after(a3) is not None and resumed_from(a4) == preempted_after(a3), (a3[-300:], a4[:300])
+        assert_final_bitwise(env, uri, args, every, steps, tmp_path)
+    finally:
+        for node in pools:
+            env.core.patch_node(node, {"metadata": {"labels": {"test-pool": None}}})
 
 
 @pytest.mark.timeout(600)
