@@ -1,4 +1,4 @@
-"""``spotguard ckpt ls|verify|restore|gc|average`` and ``spotguard restore``.
+"""``spotguard ckpt ls|verify|restore|gc|average|export`` and ``spotguard restore``.
 
 Argument parsing and output only; the work is done by
 :mod:`spotguard.checkpoint`. Errors a user can cause (bad URI, no
@@ -94,6 +94,31 @@ def register(subparsers: Any) -> None:
     p.add_argument("--part", default="model", help="state part to average (default: model)")
     _progress_flag(p)
     p.set_defaults(func=_guard(cmd_average))
+
+    p = sub.add_parser(
+        "export",
+        help="write a verified checkpoint as a Hugging Face model folder (then: hf upload USER/MODEL DEST)",
+        description="Write the newest verified checkpoint (or URI/ckpt-N, the best by --best, the average of "
+        "the last --average N) into DEST as a model folder from_pretrained loads and the Hub takes: a Trainer "
+        "checkpoint's model files without its training state, or a spotguard state's model part as "
+        "model.safetensors next to the --config. Nothing is unpickled; DEST appears whole or not at all.",
+    )
+    p.add_argument("uri", metavar="URI[/ckpt-N]")
+    p.add_argument("dest", metavar="DEST", type=Path)
+    p.add_argument("--format", choices=("hf",), required=True, help="hf: a Hugging Face model folder")
+    p.add_argument("--config", type=Path, metavar="PATH",
+                   help="the model's config.json, or a model directory (its tokenizer files come along); needed "
+                        "for a spotguard state, adds what a Trainer checkpoint lacks")  # fmt: skip
+    pick = p.add_mutually_exclusive_group()
+    pick.add_argument("--best", metavar="METRIC", help="the verified checkpoint with the best recorded METRIC")
+    pick.add_argument("--average", type=_pos_int, metavar="N", help="the element-wise mean of the last N verified")
+    p.add_argument("--mode", choices=("min", "max"), default="min", help="for --best: lower or higher is better")
+    p.add_argument("--part", default="model", help="state part holding the model's state_dict (default: model)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                   help="split model.safetensors above this size, with an index (default 5GB)")  # fmt: skip
+    p.add_argument("--force", action="store_true", help="replace a DEST that is not empty")
+    _progress_flag(p)
+    p.set_defaults(func=_guard(cmd_export))
 
     p = subparsers.add_parser(
         "restore",
@@ -464,133 +489,76 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_average(args: argparse.Namespace) -> int:
     """Average one state part over the last K verified checkpoints.
 
-    A single-process checkpoint holds the part as ``<part>.safetensors``; a
+    A single-process checkpoint holds the part as ``<part>.safetensors`` (a
+    Hugging Face model folder: its weights, the part ``model``); a
     distributed one holds it in its DCP files (every part's), which are
-    fetched, checked and loaded whole in this process
-    (:func:`spotguard.checkpoint.dcp.load_full_state`); nested keys are
-    joined with ``.``.
+    fetched, checked and loaded whole in this process; nested keys are joined
+    with ``.`` (:func:`spotguard.checkpoint.export.average_tensors`, which
+    ``ckpt export --average`` uses too).
     """
-    from spotguard.checkpoint.remote import list_checkpoint_names, verify_checkpoint
+    from spotguard.checkpoint import export
 
     try:
-        import torch
         from safetensors.torch import save_file
     except ImportError:
         raise UserError("averaging needs torch and safetensors: pip install 'spotguard[torch]'") from None
 
     storage = _open(args.uri)
-    part_file = f"{args.part}.safetensors"
-    chosen: list[Any] = []
-    for name in reversed(list_checkpoint_names(storage)):
-        result = verify_checkpoint(storage, name)
-        if not result.ok or result.manifest is None:
-            print(f"spotguard: skipped {name}: {result.reason}", file=sys.stderr)
-            continue
-        paths = {f.path for f in result.manifest.files}
-        if result.manifest.sharding is not None:
-            if _DCP_METADATA not in paths:
-                raise UserError(f"{name} is a distributed checkpoint without {_DCP_METADATA}")
-        elif part_file not in paths:
-            raise UserError(f"{name} has no {part_file} (choose the state part with --part)")
-        chosen.append(result.manifest)
-        if len(chosen) == args.last:
-            break
-    if len(chosen) < args.last:
-        raise UserError(f"only {len(chosen)} verified checkpoint(s) at {storage.uri}; --last {args.last} needs more")
-    sums: dict[str, Any] = {}
-    newest: dict[str, Any] = {}
+    chosen = export.last_verified(storage, args.last, args.part, flag="--last", note=_note)
     with tempfile.TemporaryDirectory(prefix="spotguard-avg-") as tmp:
-        for manifest in chosen:
-            local = Path(tmp) / manifest.name
-            if manifest.sharding is not None:
-                tensors = _sharded_part_tensors(storage, manifest, local, args.part, args.progress)
-                what = f"state part {args.part!r}"
-            else:
-                tensors = _part_file_tensors(storage, manifest, local, part_file, args.progress)
-                what = part_file
-            if sums and set(tensors) != set(sums):
-                raise UserError(f"{manifest.name}: {what} holds different tensors than {chosen[0].name}")
-            for key, t in tensors.items():
-                if t.is_floating_point() or t.is_complex():
-                    acc = t.to(torch.float64 if t.is_floating_point() else torch.complex128)
-                    sums[key] = acc if key not in sums else sums[key] + acc
-                else:
-                    sums.setdefault(key, None)
-                newest.setdefault(key, t)  # chosen is newest first
-    out: dict[str, Any] = {}
-    for key, ref in newest.items():
-        # Integer tensors (step counters, masks) are taken from the newest checkpoint.
-        out[key] = (sums[key] / len(chosen)).to(ref.dtype) if sums[key] is not None else ref.clone()
+        out = export.average_tensors(storage, chosen, args.part, Path(tmp), _bars(args.progress))
+    what = export.describe_part(export.layout_of(chosen[0], args.part), args.part)
+    part_file = f"{args.part}.safetensors"
     target = args.out / part_file if args.out.is_dir() else args.out
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = target.parent / f".{target.name}.tmp"
     save_file(out, str(tmp_out), metadata={"format": "pt", "spotguard_average_of": ",".join(m.name for m in chosen)})
     os.replace(tmp_out, target)
     steps = ", ".join(str(m.step) for m in chosen)
-    what = part_file if chosen[0].sharding is None else f"state part {args.part!r}"
     print(f"averaged {len(out)} tensors of {what} over steps {steps} into {target}")
     return EXIT_OK
 
 
-_DCP_DIR = "dcp"
-_DCP_METADATA = f"{_DCP_DIR}/.metadata"
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a verified checkpoint as a Hugging Face model folder."""
+    from spotguard.checkpoint import export
+
+    root, name = split_checkpoint_uri(args.uri)
+    storage = _open(root)
+    result = export.export_hf(
+        storage, name, args.dest, config=args.config, best=args.best, mode=args.mode, average=args.average,
+        part=args.part, max_shard_size=args.max_shard_size, force=args.force, bars=_bars(args.progress),
+        note=_note,
+    )  # fmt: skip
+    src = result.sources
+    what = (f"the average of steps {', '.join(str(m.step) for m in src)}" if len(src) > 1
+            else f"{src[0].name} (step {src[0].step})")  # fmt: skip
+    print(f"exported {what} to {result.dest}: {', '.join(result.files)}")
+    weights = result.weights
+    if weights is not None and weights.architecture is None:
+        print("keys not checked against the model: its config names no architecture transformers has")
+    if weights is not None and weights.prefix:
+        print(f"removed the key prefix {weights.prefix!r}")
+    for key, source in (weights.dropped if weights is not None else {}).items():
+        print(f"left out {key}: tied to {source} (the model ties it again on load)")
+    if result.left_out:
+        print(f"left out (training state, not the model): {', '.join(result.left_out)}")
+    print(f"to publish it: hf upload USER/MODEL {result.dest}")
+    return EXIT_OK
 
 
-def _fetch_checked(storage: Any, manifest: Any, paths: list[str], local: Path, progress: bool | None) -> None:
-    """Download files of a verified checkpoint and check each against its manifest."""
-    from spotguard.checkpoint.local import local_reader
-    from spotguard.checkpoint.verify import check_one_file
-
-    entries = [f for f in manifest.files if f.path in set(paths)]
-    bar = Progress(sum(e.size for e in entries), f"fetching {manifest.name}", progress)
-    storage.download_files([(f"{manifest.name}/{e.path}", local / e.path) for e in entries], bar)
-    if bar.done:
-        bar.close()
-    for entry in entries:
-        problem, _ = check_one_file(entry, manifest.checksum_algorithm, (local / entry.path).stat().st_size,
-                                    local_reader(local))  # fmt: skip
-        if problem:
-            raise UserError(f"{manifest.name}/{problem}")
+def _note(message: str) -> None:
+    print(f"spotguard: {message}", file=sys.stderr)
 
 
-def _part_file_tensors(
-    storage: Any, manifest: Any, local: Path, part_file: str, progress: bool | None
-) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    _fetch_checked(storage, manifest, [part_file], local, progress)
-    tensors = load_file(str(local / part_file))
-    (local / part_file).unlink()
-    return dict(tensors)
+def _bars(progress: bool | None) -> Callable[[int, str], Progress]:
+    return lambda total, label: Progress(total, label, progress)
 
 
-def _sharded_part_tensors(storage: Any, manifest: Any, local: Path, part: str, progress: bool | None) -> dict[str, Any]:
-    """The tensors of state part ``part`` of a distributed checkpoint, whole, keys joined with ``.``."""
-    import shutil
+def _size(raw: str) -> int:
+    from spotguard.checkpoint.export import parse_size
 
-    import torch
-
-    from spotguard.checkpoint.dcp import load_full_state
-
-    dcp_files = [f.path for f in manifest.files if f.path.startswith(f"{_DCP_DIR}/")]
-    _fetch_checked(storage, manifest, dcp_files, local, progress)
     try:
-        state = load_full_state(local / _DCP_DIR)
-    finally:
-        shutil.rmtree(local, ignore_errors=True)
-    if part not in state:
-        raise UserError(f"{manifest.name} has no state part {part!r} (it has {', '.join(sorted(state))}; "
-                        "choose it with --part)")  # fmt: skip
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            flat[prefix] = value.detach().contiguous()
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), item)
-
-    walk("", state[part])
-    if not flat:
-        raise UserError(f"{manifest.name}: state part {part!r} holds no tensors")
-    return flat
+        return parse_size(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
