@@ -57,7 +57,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
     p.add_argument("--metrics-address", default="0.0.0.0", help="address the metrics server binds")
     p.add_argument(
-        "--liveness", default="http://0.0.0.0:8081/healthz", metavar="URL", help="liveness endpoint URL ('' to disable)"
+        "--liveness",
+        default="http://0.0.0.0:8081/healthz",
+        metavar="URL",
+        help="liveness endpoint URL; readiness is /readyz on the same port ('' disables both)",
     )
     le = p.add_argument_group(
         "leader election (several replicas: the one that holds a coordination.k8s.io Lease acts, the others"
@@ -143,20 +146,31 @@ def register(subparsers: Any) -> None:
         default=4,
         help="threads that read storage for job status, apart from those that handle pods (default 4)",
     )
-    wh = p.add_argument_group("admission webhook (sidecar injection for pods labelled spotguard.dev/inject)")
-    wh.add_argument("--webhook", action=argparse.BooleanOptionalAction, default=False, help="serve the webhook")
+    wh = p.add_argument_group(
+        "admission webhooks, served by every replica (sidecar injection for pods labelled spotguard.dev/inject,"
+        " TrainingJob updates that would throw progress away refused)"
+    )
+    wh.add_argument(
+        "--webhook",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve the webhooks over HTTPS: /mutate-pods, /validate-trainingjobs",
+    )
     wh.add_argument("--webhook-address", default="0.0.0.0", help="address the webhook server binds")
     wh.add_argument("--webhook-port", type=int, default=9443)
     wh.add_argument(
         "--webhook-host", default=None, help="hostname the apiserver uses to reach the webhook (with --webhook-manage)"
     )
-    wh.add_argument("--webhook-cert", default=None, metavar="FILE", help="TLS certificate (PEM)")
+    wh.add_argument(
+        "--webhook-cert", default=None, metavar="FILE", help="TLS certificate (PEM); read again when it changes"
+    )
     wh.add_argument("--webhook-key", default=None, metavar="FILE", help="TLS private key (PEM)")
     wh.add_argument(
         "--webhook-manage",
         default=None,
         metavar="NAME",
-        help="create/update the MutatingWebhookConfiguration NAME itself (else the chart does)",
+        help="create/update the Mutating- and ValidatingWebhookConfiguration NAME itself, with the URL"
+        " https://HOST:PORT/... and the certificate file as their CA bundle (else the chart does)",
     )
     p.add_argument(
         "--checkpoint-full-read-seconds",
@@ -179,6 +193,10 @@ def run_operator(args: argparse.Namespace) -> int:
         if args.webhook and path and not os.path.isfile(path):
             print(f"spotguard operator: no such file: {path}", file=sys.stderr)
             return 2
+    if args.webhook and args.webhook_manage and not args.webhook_host and args.webhook_address in ("0.0.0.0", "::"):
+        print("spotguard operator: --webhook-manage needs --webhook-host, the name or address the apiserver reaches"
+              " this webhook server at (the configuration's URL)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.peering is not None:
         print("spotguard operator: --peering (kopf peering) was replaced by --leader-elect (a Lease)", file=sys.stderr)
         return 2

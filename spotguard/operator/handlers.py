@@ -1,4 +1,4 @@
-"""kopf wiring: settings, the per-job daemon, watches on pods and nodes, the webhook.
+"""kopf wiring: settings, the per-job daemon, watches on pods and nodes; the process around it.
 
 Handlers stay thin: they only wake the job's daemon, which runs
 ``reconcile`` (observe -> decide -> apply -> report) in a worker thread. Each
@@ -8,6 +8,12 @@ are never made concurrently.
 With several replicas (``--leader-elect``) only the one that holds the Lease
 runs kopf at all; the others stand by (``spotguard.operator.leader``). kopf
 itself always runs standalone: no kopf peering.
+
+Every replica, leader or standby, serves the admission webhooks
+(``spotguard.operator.admission``) and its probes (``spotguard.operator.probes``)
+from start to exit, each in a thread of its own: neither is leader-elected,
+and neither uses kopf (whose webhook server and liveness endpoint live and die
+with kopf, that is, with the leadership).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ import kopf
 
 from spotguard import __version__
 from spotguard.operator import reconcile as rc
+from spotguard.operator.admission import AdmissionServer, manage_configurations
 from spotguard.operator.apierrors import api_reason
 from spotguard.operator.decide import TERMINAL_PHASES
 from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANGE
@@ -35,13 +42,13 @@ from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
     DEFAULT_IMAGE,
     DEFAULT_NOTICE_CLUSTER_ROLE,
-    LABEL_INJECT,
     LABEL_JOB,
     OperatorConfig,
     server_supports_native_sidecars,
 )
 from spotguard.operator.probe import CheckpointProbe
-from spotguard.operator.spec import GROUP, PLURAL, VERSION, SpecError
+from spotguard.operator.probes import Health, ProbeServer
+from spotguard.operator.spec import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("spotguard.operator")
 
@@ -155,6 +162,12 @@ def detect_native_sidecars(core: Any) -> bool:
     return server_supports_native_sidecars(str(info.major), str(info.minor))
 
 
+def operator_config(options: OperatorOptions, core: Any) -> OperatorConfig:
+    """What shapes every pod: the image, its pull policy, the sidecar mode (``auto`` asks the server)."""
+    native = detect_native_sidecars(core) if options.native_sidecar == "auto" else options.native_sidecar == "on"
+    return OperatorConfig(image=options.image, image_pull_policy=options.image_pull_policy, native_sidecar=native)
+
+
 @dataclass
 class Runtime:
     """Per-process state the async handlers share (lives in kopf's memo)."""
@@ -239,28 +252,16 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         settings.scanning.disabled = True
         # Only spotguard's pods are watched, filtered by the apiserver.
         settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
-        if options.webhook:
-            settings.admission.server = NamespaceAwareWebhookServer(
-                kopf.WebhookServer(
-                    addr=options.webhook_addr,
-                    port=options.webhook_port,
-                    host=options.webhook_host,
-                    certfile=options.webhook_cert,
-                    pkeyfile=options.webhook_key,
-                )
-            )
-            settings.admission.managed = options.webhook_manage
+        # No kopf webhooks: every replica serves admission itself (spotguard.operator.admission).
         core, custom = api_clients(options.identity)
         if options.fence is not rc.no_fence:
             fence_requests(core.api_client, options.fence)  # core and custom share it
-        native = detect_native_sidecars(core) if options.native_sidecar == "auto" else options.native_sidecar == "on"
-        logger.info("sidecar mode: %s", "native" if native else "classic")
+        config = operator_config(options, core)
+        logger.info("sidecar mode: %s", "native" if config.native_sidecar else "classic")
         ctx = rc.Context(
             core=core,
             custom=custom,
-            config=OperatorConfig(
-                image=options.image, image_pull_policy=options.image_pull_policy, native_sidecar=native
-            ),
+            config=config,
             metrics=options.metrics or OperatorMetrics(),
             resync_seconds=options.resync_seconds,
             checkpoint_poll_seconds=options.checkpoint_poll_seconds,
@@ -351,25 +352,6 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         runtime.wake_port_waiters()
         logger.info("deleted the pods of %s/%s; its checkpoints are kept", ns, name)
 
-    if options.webhook:
-        from spotguard.operator.webhook import apply_to_patch
-
-        @kopf.on.mutate(
-            "v1",
-            "pods",
-            labels={LABEL_INJECT: "true"},
-            operations=["CREATE"],
-            id="inject-sidecar",
-            side_effects=False,
-            registry=registry,
-        )
-        def inject_sidecar(body: kopf.Body, patch: kopf.Patch, memo: Any, **_: Any) -> None:
-            config = memo.runtime.ctx.config
-            try:
-                apply_to_patch(body, patch, body.metadata.namespace, config)
-            except SpecError as exc:
-                raise kopf.AdmissionError(f"spotguard: {exc}", code=400) from None
-
     return registry
 
 
@@ -388,79 +370,81 @@ async def woken_or_stopped(waker: asyncio.Event, stopped: kopf.DaemonStopped, ti
             w.cancel()
 
 
-def copy_request_namespace(request: Any) -> None:
-    """Copy an admission request's namespace into its object, where handlers can see it.
-
-    A pod being created often has no ``metadata.namespace`` yet; the admission
-    request carries it beside the object, and kopf hands handlers only the object.
-    """
-    req = request.get("request") if isinstance(request, dict) else None
-    obj = req.get("object") if isinstance(req, dict) else None
-    if isinstance(obj, dict) and req and req.get("namespace"):
-        meta = obj.setdefault("metadata", {})
-        if isinstance(meta, dict) and not meta.get("namespace"):
-            meta["namespace"] = req["namespace"]
-
-
-class NamespaceAwareWebhookServer:
-    """kopf's webhook server, plus the request's namespace copied into the object.
-
-    Built on kopf's public server protocol only (a server is an async iterator
-    factory called with the webhook function; the function takes the request
-    and keyword arguments): it wraps the function it is given, and overrides
-    nothing of kopf's own server.
-    """
-
-    def __init__(self, inner: Callable[[Any], AsyncIterator[Any]]) -> None:
-        self.inner = inner
-
-    async def __call__(self, fn: Callable[..., Awaitable[Any]]) -> AsyncIterator[Any]:
-        async def with_namespace(request: Any, **kwargs: Any) -> Any:
-            copy_request_namespace(request)
-            return await fn(request, **kwargs)
-
-        async for client_config in self.inner(with_namespace):
-            yield client_config
-
-
 def _delete_job_pods(ctx: rc.Context, namespace: str, name: str) -> None:
     pods = ctx.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}")
     for pod in pods.items:
         rc.delete_pod(ctx, namespace, pod.metadata.name, force=False)
 
 
+def admission_server(options: OperatorOptions) -> AdmissionServer:
+    """This replica's admission server (``--webhook``): the configuration is found once, at its start."""
+    assert options.webhook_cert and options.webhook_key
+
+    def config() -> OperatorConfig:
+        core, _ = api_clients(options.identity)
+        return operator_config(options, core)
+
+    manage = None
+    if options.webhook_manage:
+        name, cert = options.webhook_manage, options.webhook_cert
+        base_url = f"https://{options.webhook_host or options.webhook_addr}:{options.webhook_port}"
+
+        def manage() -> None:
+            with open(cert, "rb") as f:  # a self-signed certificate, or the chain up to its CA
+                bundle = f.read()
+            manage_configurations(api_client(options.identity), name, base_url, bundle)
+
+    return AdmissionServer(options.webhook_addr, options.webhook_port, options.webhook_cert, options.webhook_key,
+                           config, namespaces=options.namespaces, manage=manage)  # fmt: skip
+
+
 def run(options: OperatorOptions, *, liveness: str | None, election: Election | None = None) -> None:
-    """Run the operator until SIGTERM/SIGINT; with ``election``, only while this replica leads."""
+    """Run the operator until SIGTERM/SIGINT; with ``election``, kopf only while this replica leads.
+
+    Admission (``--webhook``) and the probes (``liveness``, and ``/readyz`` on
+    its port) are served from the start to the end, whatever the role.
+    """
     kopf.configure(verbose=False)
     # kopf reports every handler run at INFO; the operator's own log says what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     log.info("operator instance %s", options.identity)
     stop = threading.Event()
+    admission = admission_server(options) if options.webhook else None
+    health = Health(admission, options.identity)
     elector: LeaderElector | None = None
-    if election is not None:
-        from kubernetes import client
+    with contextlib.ExitStack() as serving:
+        if admission is not None:
+            serving.enter_context(admission)
+        try:
+            serving.enter_context(ProbeServer(liveness, health))
+        except OSError as exc:
+            log.critical("cannot serve the liveness and readiness probes at %s: %s", liveness, exc.strerror or exc)
+            raise SystemExit(2) from None
+        if election is not None:
+            from kubernetes import client
 
-        leases = client.CoordinationV1Api(api_client(options.identity))
-        elector = LeaderElector(leases, election.namespace, election.name, options.identity, election.timing)
-        fence_requests(leases.api_client, elector.fence_renewal)
-        # Until kopf runs (it installs its own handlers), SIGTERM/SIGINT only stop the standby.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        with StandbyLiveness(liveness, elector):
+            leases = client.CoordinationV1Api(api_client(options.identity))
+            elector = LeaderElector(leases, election.namespace, election.name, options.identity, election.timing)
+            fence_requests(leases.api_client, elector.fence_renewal)
+            # Until kopf runs (it installs its own handlers), SIGTERM/SIGINT only stop the standby.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stop.set())
+            health.standby = StandbyLiveness(elector)
             if not elector.acquire(stop):
                 log.info("stopped while standing by")
                 return
-        elector.start_renewing()
-        options.fence = elector.fence
-    try:
-        with contextlib.suppress(asyncio.CancelledError):
-            asyncio.run(_operate(options, liveness, stop))
-    finally:
-        if elector is not None:
-            elector.release()
+            health.standby, health.leading = None, True
+            elector.start_renewing()
+            options.fence = elector.fence
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                asyncio.run(_operate(options, stop, health))
+        finally:
+            if elector is not None:
+                elector.release()
 
 
-async def _operate(options: OperatorOptions, liveness: str | None, stopped: threading.Event) -> None:
+async def _operate(options: OperatorOptions, stopped: threading.Event, health: Health) -> None:
     """kopf (standalone) in this loop, until SIGTERM/SIGINT, also one that came before kopf took them."""
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     assert task is not None
@@ -468,11 +452,18 @@ async def _operate(options: OperatorOptions, liveness: str | None, stopped: thre
         loop.add_signal_handler(sig, task.cancel)  # until kopf puts its own handlers in place
     if stopped.is_set():  # checked after the loop took the signals: none is lost in between
         return
-    await kopf.operator(
-        registry=build_registry(options),
-        clusterwide=not options.namespaces,
-        namespaces=options.namespaces,
-        standalone=True,
-        liveness_endpoint=liveness,
-        memo=kopf.Memo(),
-    )
+    health.kopf_loop = loop
+    try:
+        await kopf.operator(
+            registry=build_registry(options),
+            clusterwide=not options.namespaces,
+            namespaces=options.namespaces,
+            standalone=True,
+            # The probes are spotguard's own (spotguard.operator.probes): kopf's endpoint would serve
+            # only its one path, and only from now on.
+            liveness_endpoint=None,
+            ready_flag=health.kopf_started,
+            memo=kopf.Memo(),
+        )
+    finally:
+        health.kopf_loop = None

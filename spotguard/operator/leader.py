@@ -64,7 +64,6 @@ observed, the time now and the identity (:func:`observe`, :func:`decide`,
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import logging
 import os
@@ -77,9 +76,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from spotguard.operator.apierrors import api_reason, api_status
 
@@ -295,6 +292,8 @@ class LeaderElector:
         self.renewed_at: float | None = None
         #: Monotonic time the standby's loop last ran (its liveness).
         self.ticked_at: float = clock()
+        #: Whether the standby's last look at the Lease worked (None: no look yet); its readiness.
+        self.reached: bool | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -369,7 +368,9 @@ class LeaderElector:
             self.ticked_at = self.clock()
             try:
                 self.try_acquire_or_renew()
+                self.reached = True
             except Exception as exc:  # the apiserver may be briefly away; a candidate just tries again
+                self.reached = False
                 log.warning("could not read or write the Lease %s: %s", self.where, api_reason(exc))
             if self.leading:
                 log.info("became the leader as %s (Lease %s)", self.identity, self.where)
@@ -469,53 +470,26 @@ def fence_requests(api_client: Any, fence: Callable[[], None]) -> None:
 
 
 class StandbyLiveness:
-    """The liveness endpoint of a standby (kopf serves it once this replica leads).
+    """What a standby's probes answer (the process's probe server, ``spotguard.operator.probes``, asks).
 
-    Answers 200 at the endpoint's path while the election loop runs (it looked
-    at the Lease within a few retry periods), else 503, so a probe restarts a
-    standby whose loop hangs, and never one that merely waits. The server is
-    closed before kopf binds the same address.
+    Alive while the election loop runs (it looked at the Lease within a few
+    retry periods), so a probe restarts a standby whose loop hangs, and never
+    one that merely waits. Ready when, besides, its last look reached the
+    apiserver: a standby that cannot read the Lease could not take over.
     """
 
-    def __init__(self, url: str | None, elector: LeaderElector) -> None:
-        self.url = url
+    def __init__(self, elector: LeaderElector) -> None:
         self.elector = elector
-        self.server: http.server.ThreadingHTTPServer | None = None
 
     def healthy(self) -> bool:
         timing = self.elector.timing
         return self.elector.clock() - self.elector.ticked_at < timing.renew_deadline + 3 * timing.retry_period
 
-    def __enter__(self) -> StandbyLiveness:
-        if not self.url:
-            return self
-        parts = urlsplit(self.url)
-        path = parts.path or "/"
-        outer = self
+    @property
+    def reached(self) -> bool:
+        """Whether the election loop's last look at the Lease reached the apiserver."""
+        return bool(self.elector.reached)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                if urlsplit(self.path).path != path:
-                    self.send_error(404)
-                    return
-                ok = outer.healthy()
-                body = json.dumps({"standby": True, "leader": outer.elector.holder or None}).encode()
-                self.send_response(200 if ok else 503)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class signature
-                pass
-
-        self.server = http.server.ThreadingHTTPServer((parts.hostname or "0.0.0.0", parts.port or 80), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="standby-liveness", daemon=True).start()
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
-            self.server = None
+    def body(self) -> dict[str, Any]:
+        """What the liveness endpoint says: a standby, and the leader as last read."""
+        return {"standby": True, "leader": self.elector.holder or None}

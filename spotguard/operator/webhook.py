@@ -187,7 +187,9 @@ def mutated_pod(pod: Mapping[str, Any], namespace: str, config: OperatorConfig) 
 
 
 def apply_to_patch(body: Mapping[str, Any], patch: Any, namespace: str | None, config: OperatorConfig) -> None:
-    """Fill kopf's admission ``patch`` for a labelled pod (raises ``SpecError``)."""
+    """Fill ``patch`` (a dict merged into the pod: its new ``spec`` and the injection's annotation) for a
+    labelled pod; raises ``SpecError``. The admission server turns it into a JSONPatch
+    (``spotguard.operator.admission.json_patch``)."""
     ns = namespace or (body.get("metadata") or {}).get("namespace") or "default"
     spec, uri = mutated_pod(body, ns, config)
     patch["spec"] = spec

@@ -60,6 +60,8 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             ("patch", "trainingjobs.spotguard.dev"), ("patch", "trainingjobs.spotguard.dev/status"),
             ("create", "pods"), ("delete", "pods"), ("watch", "pods"), ("create", "events"),
             ("get", "secrets"), ("get", "trainingjobs.spotguard.dev/status"),
+            # spec.ttlSecondsAfterFinished: a finished job's object goes (its checkpoints stay).
+            ("delete", "trainingjobs.spotguard.dev"),
             # For jobs with the k8s notice source: their pods' account, bound to the chart's notice
             # ClusterRole (the only one it may bind: tests/integration/test_rbac.py).
             ("create", "serviceaccounts"), ("create", "rolebindings.rbac.authorization.k8s.io"),
@@ -68,7 +70,7 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             assert can_i(kube, verb, resource), (verb, resource)
         assert can_i(kube, "watch", "nodes", None)
         denied = [
-            ("update", "trainingjobs.spotguard.dev"), ("delete", "trainingjobs.spotguard.dev"),
+            ("update", "trainingjobs.spotguard.dev"),
             ("create", "trainingjobs.spotguard.dev"), ("update", "pods"), ("create", "pods/eviction"),
             ("update", "trainingjobs.spotguard.dev/status"), ("patch", "pods/status"),
             ("list", "secrets"), ("create", "secrets"), ("delete", "events"), ("create", "deployments"),

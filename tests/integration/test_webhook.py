@@ -1,4 +1,5 @@
-"""The mutating webhook, called by the real apiserver over TLS on 127.0.0.1."""
+"""The mutating webhook, called by the real apiserver over TLS on 127.0.0.1 (the operator's own admission
+server, registered by ``--webhook-manage``)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     )
     tmp = tmp_path_factory.mktemp("webhook")
     cert, key = tmp / "tls.crt", tmp / "tls.key"
-    # kopf's self-generated certificates fail on this machine; a self-signed one for 127.0.0.1 works.
+    # A self-signed certificate for 127.0.0.1: the configuration trusts it as its own CA.
     subprocess.run(
         [
             "openssl",
@@ -100,7 +101,7 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     ).start()
     admission = client.AdmissionregistrationV1Api(kube.api_client())
     try:
-        # kopf may write the configuration before its webhooks: a pod admitted then is not mutated.
+        # The operator registers the configurations once its server listens.
         wait_for(lambda: admission.read_mutating_webhook_configuration(config_name).webhooks,
                  "the webhook configuration with its webhooks")
         yield ns
@@ -109,6 +110,8 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
         print(f"--- operator log ---\n{op.log_tail(40)}")
         with contextlib.suppress(client.exceptions.ApiException):
             admission.delete_mutating_webhook_configuration(config_name)
+        with contextlib.suppress(client.exceptions.ApiException):
+            admission.delete_validating_webhook_configuration(config_name)
         core.delete_namespace(ns)
 
 

@@ -110,6 +110,8 @@ def test_default_render() -> None:
     assert container["image"] == "spotguard/spotguard:0.1.0"
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    # Readiness on the same port (the operator serves both, whatever the replica's role).
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "liveness"}
     cmd = operator_command(docs)
     assert cmd[:2] == ["spotguard", "operator"]
     assert "--all-namespaces" in cmd and "--metrics-port=8080" in cmd
@@ -270,9 +272,23 @@ def test_webhook() -> None:
     assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == ["CREATE"]
     assert hook["sideEffects"] == "None"
     service = hook["clientConfig"]["service"]
-    assert service == {"name": "rel-spotguard", "namespace": "spotguard-system", "path": "/inject-sidecar",
+    assert service == {"name": "rel-spotguard", "namespace": "spotguard-system", "path": "/mutate-pods",
                        "port": 443}
     assert b"BEGIN CERTIFICATE" in base64.b64decode(hook["clientConfig"]["caBundle"])
+    # TrainingJob updates that would throw progress away: the same Service and CA; Ignore keeps editing
+    # possible while the operator is down.
+    (check,) = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert check["rules"] == [{"operations": ["UPDATE"], "apiGroups": ["spotguard.dev"], "apiVersions": ["*"],
+                               "resources": ["trainingjobs"], "scope": "Namespaced"}]  # fmt: skip
+    assert check["clientConfig"]["service"] == {**service, "path": "/validate-trainingjobs"}
+    assert check["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
+    assert check["failurePolicy"] == "Ignore" and check["sideEffects"] == "None"
+    assert check["admissionReviewVersions"] == ["v1"] and "namespaceSelector" not in check
+    strict = render("webhook.enabled=true", "webhook.validation.failurePolicy=Fail")
+    assert one(strict, "ValidatingWebhookConfiguration")["webhooks"][0]["failurePolicy"] == "Fail"
+    assert by_kind(render("webhook.enabled=true", "webhook.validation.enabled=false"),
+                   "ValidatingWebhookConfiguration") == []  # fmt: skip
+    assert by_kind(render(), "ValidatingWebhookConfiguration") == []
     secret = one(docs, "Secret")
     crt = base64.b64decode(secret["data"]["tls.crt"]).decode()
     text = subprocess.run(["openssl", "x509", "-noout", "-text"], input=crt, capture_output=True, text=True,

@@ -57,6 +57,8 @@ def test_the_generated_certificate_keeps_its_ca_beside_it_for_the_next_upgrade()
     secret = one(docs, "Secret")
     assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
     assert _webhook(docs)["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    (check,) = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
+    assert check["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     assert b"BEGIN CERTIFICATE" in base64.b64decode(secret["data"]["ca.crt"])
     assert not by_kind(docs, "Certificate")
 
@@ -75,6 +77,9 @@ def test_cert_manager_issues_the_certificate_and_injects_the_ca(issuer: str | No
     inject = config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
     assert inject == "spotguard-system/rel-spotguard-webhook"
     assert "caBundle" not in _webhook(docs)["clientConfig"]
+    validating = one(docs, "ValidatingWebhookConfiguration")
+    assert validating["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == inject
+    assert "caBundle" not in validating["webhooks"][0]["clientConfig"]
     if issuer:
         assert cert["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"} and not by_kind(docs, "Issuer")
     else:

@@ -111,38 +111,6 @@ def test_trainer_credentials_annotation_must_be_a_boolean() -> None:
     assert err.value.field == "metadata.annotations[spotguard.dev/expose-credentials-to-trainer]"
 
 
-def test_webhook_server_adds_the_request_namespace_through_the_public_protocol() -> None:
-    import asyncio
-
-    import kopf
-
-    from spotguard.operator.handlers import NamespaceAwareWebhookServer
-
-    seen: list[Any] = []
-
-    async def fn(request: Any, **kwargs: Any) -> Any:
-        seen.append((request["request"]["object"]["metadata"].get("namespace"), kwargs))
-        return {"ok": True}
-
-    async def inner(webhookfn: Any) -> Any:
-        # A kopf server is called with the webhook function and yields client configs.
-        answer = await webhookfn(
-            {"request": {"namespace": "team-a", "object": {"metadata": {}}}}, webhook="inject-sidecar", headers={}
-        )
-        yield {"url": "https://127.0.0.1:1", "answer": answer}
-
-    async def main() -> list[Any]:
-        return [c async for c in NamespaceAwareWebhookServer(inner)(fn)]
-
-    configs = asyncio.run(main())
-    assert configs == [{"url": "https://127.0.0.1:1", "answer": {"ok": True}}]
-    assert seen == [("team-a", {"webhook": "inject-sidecar", "headers": {}})]
-    # kopf's own server is used as it is, through the same protocol (no private method overridden).
-    server = NamespaceAwareWebhookServer(kopf.WebhookServer(addr="127.0.0.1", port=1))
-    assert callable(server.inner) and type(server.inner) is kopf.WebhookServer
-    assert "_serve" not in NamespaceAwareWebhookServer.__dict__
-
-
 # --- pods of a JobSet or an indexed Job: one checkpoint prefix for all nodes ----------------
 
 STORAGE = {"spotguard.dev/storage": "s3://bucket/runs", "spotguard.dev/credentials-secret": "s3"}
