@@ -42,7 +42,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch
 COPY --from=wheel /wheels /tmp/wheels
 # With the framework integrations (Hugging Face Trainer, Lightning).
-RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch,hf,lightning]" && rm -rf /tmp/wheels
+RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch,hf,lightning,keras,gcs]" && rm -rf /tmp/wheels
 # The examples; examples/train*.py are links to the packaged example trainers.
 COPY examples /opt/spotguard/examples
 RUN for m in train train_ddp train_hf train_lightning; do \
@@ -58,7 +58,7 @@ CMD ["python", "-m", "spotguard.demo.train", "--help"]
 FROM base AS spotguard
 LABEL dev.spotguard.image="spotguard/spotguard"
 COPY --from=wheel /wheels /tmp/wheels
-RUN pip install /tmp/wheels/spotguard-*.whl && rm -rf /tmp/wheels
+RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[gcs]" && rm -rf /tmp/wheels
 USER 65532:65532
 WORKDIR /home/spotguard
 ENTRYPOINT ["spotguard"]

@@ -98,7 +98,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch first and pinned, so nothing resolves a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[torch,dev,hf,lightning]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[torch,dev,hf,lightning,gcs,keras]"
   "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check >&2; die "pip check failed"; }
   echo "$want" > "$stamp"
 fi

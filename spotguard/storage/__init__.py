@@ -1,4 +1,4 @@
-"""Object storage for checkpoints: ``s3://bucket/prefix`` and ``file:///path``.
+"""Object storage for checkpoints: ``s3://bucket/prefix``, ``gs://bucket/prefix`` and ``file:///path``.
 
 >>> from spotguard.storage import open_storage
 >>> store = open_storage("file:///tmp/ckpts/my-job")  # doctest: +SKIP
@@ -51,17 +51,31 @@ def open_storage(uri: str, **options: Any) -> Storage:
     ``s3://bucket/prefix`` takes the options of
     :class:`spotguard.storage.s3.S3Storage` (``endpoint_url``, ``region``,
     ``access_key``, ``secret_key``, transfer tuning); otherwise the standard
-    AWS environment and config apply. ``file:///abs/path`` (or a plain path)
-    opens a directory. Raises :class:`StorageError` for an unusable URI.
+    AWS environment and config apply. ``gs://bucket/prefix`` takes the options
+    of :class:`spotguard.storage.gcs.GcsStorage` (``endpoint_url``,
+    ``credentials_file``, transfer tuning); otherwise Application Default
+    Credentials apply. ``file:///abs/path`` (or a plain path) opens a
+    directory. Raises :class:`StorageError` for an unusable URI.
     """
     if not isinstance(uri, str) or not uri.strip():
-        raise StorageError("empty storage URI: use s3://BUCKET/PREFIX or file:///PATH")
+        raise StorageError("empty storage URI: use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH")
     uri = uri.strip()
     if uri.startswith("s3://"):
         from spotguard.storage.s3 import S3Storage
 
         try:
             return S3Storage(uri, **options)
+        except ValueError as exc:
+            raise StorageError(str(exc)) from None
+    if uri.startswith("gs://"):
+        try:
+            from spotguard.storage.gcs import GcsStorage
+        except ImportError as exc:
+            raise StorageError(
+                f"gs:// storage needs the Google Cloud Storage client ({exc}): pip install 'spotguard[gcs]'"
+            ) from None
+        try:
+            return GcsStorage(uri, **options)
         except ValueError as exc:
             raise StorageError(str(exc)) from None
     if uri.startswith("file:"):
@@ -77,7 +91,7 @@ def open_storage(uri: str, **options: Any) -> Storage:
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
         raise StorageError(
-            f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3:// or file://"
+            f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3://, gs:// or file://"
         )
     from spotguard.storage.file import FileStorage
 

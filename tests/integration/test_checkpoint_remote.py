@@ -85,7 +85,7 @@ def test_delete_removes_the_manifest_first(tmp_path: Path) -> None:
     assert list_checkpoint_names(storage) == []
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gs"])
 def test_pointer_only_moves_forward(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> None:
     storage: Storage = open_test_storage(kind, request, tmp_path)
     local = tmp_path / "local"
@@ -119,7 +119,7 @@ def test_pointer_update_retries_after_losing_a_race(tmp_path: Path) -> None:
     assert read_latest_pointer(storage) == 9
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gs"])
 @pytest.mark.parametrize("pointer", ["missing", "stale", "ahead", "garbage"])
 def test_latest_verified_does_not_trust_the_pointer(
     request: pytest.FixtureRequest, tmp_path: Path, kind: str, pointer: str
@@ -140,7 +140,7 @@ def test_latest_verified_does_not_trust_the_pointer(
     assert info is not None and info.step == 3 and skipped == []
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gs"])
 def test_an_upload_interrupted_before_its_manifest_is_skipped(request: pytest.FixtureRequest, tmp_path: Path,
                                                               kind: str) -> None:  # fmt: skip
     storage: Storage = open_test_storage(kind, request, tmp_path)
@@ -155,7 +155,7 @@ def test_an_upload_interrupted_before_its_manifest_is_skipped(request: pytest.Fi
     ]
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gs"])
 def test_restore_latest(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> None:
     storage: Storage = open_test_storage(kind, request, tmp_path)
     assert restore_latest(storage, tmp_path / "dest") is None

@@ -1,4 +1,4 @@
-"""Every kind of damage is detected and named, locally and in storage (file:// and S3),
+"""Every kind of damage is detected and named, locally and in storage (file://, S3 and GCS),
 and resume walks back past it to the newest good checkpoint."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_local_damage_is_named(tmp_path: Path, marker: Path, case: str, file: st
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gs"])
 @pytest.mark.parametrize("case, file, problem", DAMAGE, ids=[d[0] for d in DAMAGE])
 def test_stored_damage_is_named_and_skipped(
     request: pytest.FixtureRequest, tmp_path: Path, marker: Path, kind: str, case: str, file: str, problem: str
@@ -170,7 +170,7 @@ def test_stored_damage_is_named_and_skipped(
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gs"])
 def test_sha256_checkpoints_verify_and_detect_damage(request: pytest.FixtureRequest, tmp_path: Path,
                                                      kind: str) -> None:  # fmt: skip
     storage: Storage = open_test_storage(kind, request, tmp_path)

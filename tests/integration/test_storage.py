@@ -1,4 +1,5 @@
-"""Storage backends against the real thing: a SeaweedFS S3 gateway and a local directory."""
+"""Storage backends against the real thing: a SeaweedFS S3 gateway, a GCS JSON API server
+(fake-gcs-server; what it lacks is listed in ``testenv/gcs.py``) and a local directory."""
 
 from __future__ import annotations
 
@@ -25,10 +26,16 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=["file", "s3", "gs"])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     if request.param == "file":
         return open_storage(f"file://{tmp_path}/store/job")
+    if request.param == "gs":
+        # Small resumable chunks and read ranges, so resumable uploads and ranged reads really happen.
+        return open_storage(
+            request.getfixturevalue("gs_uri"), **request.getfixturevalue("gcs_store").options(),
+            resumable_threshold=5 * MiB, chunk_size=1 * MiB, read_chunk_size=1 * MiB, max_concurrency=4,
+        )  # fmt: skip
     s3_store = request.getfixturevalue("s3_store")
     s3_uri = request.getfixturevalue("s3_uri")
     # Small parts and read ranges, so multipart and ranged reads really happen.
@@ -48,7 +55,9 @@ def test_open_storage_picks_backend(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "uri, message",
     [
-        ("gs://bucket/x", "unsupported storage URI scheme 'gs'"),
+        ("az://bucket/x", "unsupported storage URI scheme 'az'"),
+        ("gs:///nobucket", "no bucket"),
+        ("gs://Bad_Bucket/x", "invalid bucket name"),
         ("s3:///nobucket", "no bucket"),
         ("s3://bucket/a/../b", "invalid prefix"),
         ("file://host/path", "with a host"),

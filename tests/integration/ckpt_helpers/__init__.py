@@ -64,11 +64,14 @@ def assert_state_matches(state: dict[str, Any], step: int, numel: int = 4096) ->
 
 
 def open_test_storage(kind: str, request: Any, tmp_path: Path, **options: Any) -> Any:
-    """A fresh storage root of ``kind`` ("file" or "s3") for one test."""
+    """A fresh storage root of ``kind`` ("file", "s3" or "gs") for one test."""
     from spotguard.storage import open_storage
 
     if kind == "file":
         return open_storage(f"file://{tmp_path}/remote/job", **options)
+    if kind == "gs":
+        gcs_store = request.getfixturevalue("gcs_store")
+        return open_storage(request.getfixturevalue("gs_uri"), **gcs_store.options(), **options)
     s3_store = request.getfixturevalue("s3_store")
     s3_uri = request.getfixturevalue("s3_uri")
     return open_storage(s3_uri, **s3_options(s3_store), **options)

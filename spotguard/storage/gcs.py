@@ -1,0 +1,816 @@
+"""``gs://bucket/prefix`` storage through the ``google-cloud-storage`` client.
+
+Credentials are Application Default Credentials: Workload Identity on GKE (no
+key at all), a key file named by ``GOOGLE_APPLICATION_CREDENTIALS`` (say,
+mounted from a Secret), or ``gcloud auth application-default login`` on a
+workstation; ``credentials_file=`` names a key file explicitly. An emulator
+is reached through ``STORAGE_EMULATOR_HOST`` (the client's own convention) or
+``endpoint_url=``, with anonymous credentials. Nothing here logs credentials.
+
+What GCS gives natively, and how it is used:
+
+- **CRC32C of every object**, computed by the service on receipt. Uploads
+  carry the CRC32C of the bytes sent (computed from the same buffers), so the
+  service refuses bytes damaged on the way; :meth:`GcsStorage.stored_checksum`
+  reports the service's value, which verification compares with the manifest
+  without reading the data back.
+- **Generations**: every write of an object gets a new generation number,
+  which serves as the entity tag. Create-only writes use
+  ``ifGenerationMatch=0``, compare-and-swap uses ``ifGenerationMatch=<tag>``,
+  conditional reads ``ifGenerationNotMatch=<tag>`` (304, no body), and ranged
+  reads of one object are pinned to one generation.
+- **Resumable uploads** for large files (in ``chunk_size`` pieces, each
+  retried on its own), many files uploaded concurrently, ranged reads in
+  parallel for large objects.
+- **Retries** of 408, 429 and 5xx answers and of dropped connections, with
+  exponential backoff until ``retry_deadline`` (the client's ``DEFAULT_RETRY``).
+  Writes are retried too, conditional ones included, as the GCS retry
+  strategy allows: spotguard writes unconditionally only keys that one writer
+  owns (upload intents, part manifests) or that every writer writes with the
+  same bytes (a checkpoint's data files, content-addressed chunks), so a
+  repeated write cannot undo another's; and a retried conditional create or
+  compare-and-swap that had in fact succeeded reports a lost race, which its
+  callers already treat as "someone wrote it" (the global manifest) or
+  re-read (the pointer).
+- **Batch deletes**: up to 100 deletions per HTTP request (one request per
+  object against a custom endpoint, whose emulator may have no batches).
+
+Unfinished resumable uploads cannot be listed through the API (they are not
+objects, and the service discards a session a week after it started), so
+:meth:`GcsStorage.list_pending_uploads` returns nothing. Parallel composite
+uploads are not used: one large file goes up as one resumable stream, and
+parallelism comes from the many files of a checkpoint (or the chunks of an
+incremental one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import google_crc32c
+import requests
+from google.api_core import exceptions as gexc
+from google.auth import exceptions as authexc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage as gcs
+from google.cloud.storage.retry import DEFAULT_RETRY
+from google.oauth2 import service_account
+from requests.adapters import HTTPAdapter
+
+from spotguard.checkpoint.checksum import crc32c_from_base64, crc32c_of_parts
+from spotguard.storage.base import (
+    UNCHANGED,
+    CredentialsError,
+    NotFoundError,
+    ObjectInfo,
+    PendingUpload,
+    PreconditionFailedError,
+    ProgressCallback,
+    StorageError,
+    StoredChecksum,
+    Unchanged,
+    check_key,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: Resumable upload chunks must be multiples of this (a GCS rule).
+CHUNK_QUANTUM = 256 << 10
+#: The most calls one batch request may carry (a GCS limit).
+BATCH_LIMIT = 100
+_T = TypeVar("_T")
+
+# GCS bucket names: 3-63 characters (up to 222 with dots), lowercase letters,
+# digits, dashes, underscores and dots, starting and ending with a letter or digit.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+_NO_CREDENTIALS = (
+    "no Google Cloud credentials found: on GKE bind the pod's service account with Workload Identity, "
+    "elsewhere set GOOGLE_APPLICATION_CREDENTIALS to a service account key file "
+    "(or run `gcloud auth application-default login`)"
+)
+
+
+def _data_corruption_types() -> tuple[type[BaseException], ...]:
+    """The client's checksum-mismatch exception (its module moved in google-cloud-storage 3)."""
+    found: list[type[BaseException]] = []
+    with contextlib.suppress(ImportError, AttributeError):
+        from google.cloud.storage import exceptions as storage_exceptions
+
+        found.append(storage_exceptions.DataCorruption)
+    with contextlib.suppress(ImportError, AttributeError):
+        from google.resumable_media import common as media_common
+
+        found.append(media_common.DataCorruption)
+    return tuple(found)
+
+
+_DATA_CORRUPTION = _data_corruption_types()
+
+
+# -- pure helpers -------------------------------------------------------------------
+
+
+def parse_gs_uri(uri: str) -> tuple[str, str]:
+    """Pure: split ``gs://bucket/prefix`` into bucket and prefix (no slashes around)."""
+    if not uri.startswith("gs://"):
+        raise ValueError(f"not a gs:// URI: {uri!r}")
+    bucket, _, prefix = uri[len("gs://") :].partition("/")
+    if not bucket:
+        raise ValueError(f"no bucket in {uri!r}: use gs://BUCKET/PREFIX")
+    if not _BUCKET_RE.match(bucket) or ".." in bucket:
+        raise ValueError(
+            f"invalid bucket name {bucket!r} in {uri!r}: GCS bucket names are 3-63 lowercase letters, "
+            "digits, '-', '_' or '.'"
+        )
+    prefix = prefix.strip("/")
+    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+        raise ValueError(f"invalid prefix in {uri!r}")
+    return bucket, prefix
+
+
+def crc32c_hex(value: str | None) -> str | None:
+    """Pure: an object's ``crc32c`` as GCS reports it (base64 of 4 big-endian bytes)
+    in the manifest's notation (8 lowercase hex digits), or None when absent or malformed."""
+    if not value:
+        return None
+    crc = crc32c_from_base64(value)
+    if crc is None or "-" in value:
+        return None
+    return f"{crc:08x}"
+
+
+def stored_checksum_from(crc32c: str | None, size: int) -> StoredChecksum | None:
+    """Pure: the :class:`StoredChecksum` for an object's ``crc32c`` metadata.
+
+    GCS computes the CRC32C of every object over all its bytes (composed
+    objects included), so it is always a whole-object value."""
+    value = crc32c_hex(crc32c)
+    if value is None:
+        return None
+    return StoredChecksum("crc32c", value, size, "full-object")
+
+
+def generation_of(etag: str | None) -> int | None:
+    """Pure: the generation an entity tag of this backend names, or None when it
+    is not one (a tag from another store can never match)."""
+    if etag is None or not etag.isdigit():
+        return None
+    return int(etag)
+
+
+def byte_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
+    """Pure: ``[start, end)`` ranges of at most ``chunk`` bytes covering ``size`` bytes."""
+    return [(start, min(start + chunk, size)) for start in range(0, size, chunk)]
+
+
+def upload_chunk_size(requested: int) -> int:
+    """Pure: ``requested`` rounded up to a multiple of 256 KiB (what resumable uploads require)."""
+    return max(CHUNK_QUANTUM, -(-requested // CHUNK_QUANTUM) * CHUNK_QUANTUM)
+
+
+# -- the backend ----------------------------------------------------------------------
+
+
+class GcsStorage:
+    """Storage rooted at ``gs://bucket/prefix``.
+
+    The client is created on first use, so opening a URI costs nothing and a
+    missing credential is reported by the first operation (``check()``), as
+    one :class:`CredentialsError`.
+
+    Options: ``endpoint_url`` (an emulator, reached with anonymous
+    credentials unless ``credentials_file`` or ``anonymous=False`` says
+    otherwise), ``credentials_file`` (a service account key; other credential
+    files go through ``GOOGLE_APPLICATION_CREDENTIALS``), ``project`` (none is
+    needed for objects), ``max_concurrency`` (transfers in flight),
+    ``chunk_size`` (resumable upload pieces, rounded up to 256 KiB),
+    ``resumable_threshold`` (smaller files go in one request),
+    ``read_chunk_size`` (ranged reads), ``retry_deadline`` and
+    ``retry_initial_delay`` (backoff of the client's retries),
+    ``connect_timeout``/``read_timeout`` (per request), ``batch_deletes``
+    (default: on against Google's endpoint, off against a custom one) and
+    ``client`` (a ready ``google.cloud.storage.Client``).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        endpoint_url: str | None = None,
+        credentials_file: str | None = None,
+        anonymous: bool | None = None,
+        project: str | None = None,
+        max_concurrency: int = 8,
+        chunk_size: int = 32 * MiB,
+        resumable_threshold: int = 8 * MiB,
+        read_chunk_size: int = 16 * MiB,
+        retry_deadline: float = 120.0,
+        retry_initial_delay: float = 1.0,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        batch_deletes: bool | None = None,
+        client: Any = None,
+    ) -> None:
+        self.bucket, self.prefix = parse_gs_uri(uri)
+        self._endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
+        self._credentials_file = credentials_file
+        # A custom endpoint is an emulator unless credentials are asked for.
+        self._anonymous = anonymous if anonymous is not None else bool(endpoint_url and not credentials_file)
+        self._project = project
+        self._concurrency = max(1, max_concurrency)
+        self._chunk_size = upload_chunk_size(chunk_size)
+        self._resumable_threshold = max(0, resumable_threshold)
+        self._read_chunk = max(read_chunk_size, CHUNK_QUANTUM)
+        self._retry = DEFAULT_RETRY.with_deadline(retry_deadline).with_delay(initial=retry_initial_delay)
+        self._retry_deadline = retry_deadline
+        self._timeout = (connect_timeout, read_timeout)
+        custom_endpoint = bool(self._endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST"))
+        # Google's endpoint takes batches; emulators often do not (fake-gcs-server has none).
+        self._batch_deletes = batch_deletes if batch_deletes is not None else not custom_endpoint
+        self._client_obj = client
+        self._client_lock = threading.Lock()
+
+    # -- identity -----------------------------------------------------------
+    @property
+    def uri(self) -> str:
+        return f"gs://{self.bucket}/{self.prefix}".rstrip("/")
+
+    @property
+    def supports_conditional_writes(self) -> bool:
+        return True
+
+    def uri_for(self, key: str) -> str:
+        return f"{self.uri}/{check_key(key)}"
+
+    def __repr__(self) -> str:
+        return f"GcsStorage({self.uri!r})"
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full_key: str) -> str:
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
+
+    def _full_prefix(self, prefix: str) -> str:
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    # -- client and errors ----------------------------------------------------
+    @property
+    def client(self) -> Any:
+        """The ``google.cloud.storage.Client`` (created on first use)."""
+        with self._client_lock:
+            if self._client_obj is None:
+                with self._errors(self.uri):
+                    self._client_obj = self._make_client()
+            return self._client_obj
+
+    def _make_client(self) -> Any:
+        credentials: Any = None
+        if self._credentials_file:
+            credentials = self._key_file_credentials(self._credentials_file)
+        elif self._anonymous:
+            credentials = AnonymousCredentials()  # type: ignore[no-untyped-call]
+        options = {"api_endpoint": self._endpoint_url} if self._endpoint_url else None
+        # project=None: object operations need no project, and none may be configured.
+        client = gcs.Client(project=self._project, credentials=credentials, client_options=options)
+        # Room in the connection pool for every concurrent transfer (the default keeps 10).
+        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=2 * self._concurrency + 4)
+        session = client._http  # noqa: SLF001 - the client has no public way to size its pool
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        return client
+
+    @staticmethod
+    def _key_file_credentials(path: str) -> Any:
+        """A service account key file's credentials. Other kinds of credential files
+        (workload identity federation, user credentials) go through
+        ``GOOGLE_APPLICATION_CREDENTIALS``. Errors name the file, never its content."""
+        try:
+            return service_account.Credentials.from_service_account_file(path)  # type: ignore[no-untyped-call]
+        except FileNotFoundError:
+            raise CredentialsError(f"the service account key file {path} does not exist") from None
+        except (OSError, ValueError, KeyError) as exc:
+            raise CredentialsError(
+                f"cannot use {path} as a service account key ({type(exc).__name__}): it must be the JSON key "
+                "of a service account (type, client_email, private_key, token_uri)"
+            ) from None
+
+    def _bucket(self) -> Any:
+        return self.client.bucket(self.bucket)
+
+    def _blob(self, key: str, *, generation: int | None = None, chunk_size: int | None = None) -> Any:
+        return self._bucket().blob(self._key(key), generation=generation, chunk_size=chunk_size)
+
+    def _endpoint(self) -> str:
+        return self._endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+
+    @contextmanager
+    def _errors(self, what: str, *, listing: bool = False) -> Iterator[None]:
+        """Turn client errors into one-line :class:`StorageError` messages.
+
+        ``listing``: a 404 means the bucket is missing (a listing never misses an object).
+        """
+        try:
+            yield
+        except StorageError:
+            raise
+        except gexc.RetryError as exc:
+            cause = exc.cause
+            if isinstance(cause, (requests.exceptions.ConnectionError, ConnectionError)):
+                raise StorageError(
+                    f"cannot reach the GCS endpoint ({self._endpoint()}) while accessing {what} "
+                    f"(retried for {self._retry_deadline:.0f}s)"
+                ) from None
+            raise StorageError(
+                f"GCS kept failing on {what} for {self._retry_deadline:.0f}s: {_short(cause or exc)}"
+            ) from None
+        except authexc.DefaultCredentialsError as exc:
+            # Its messages name files and what is missing, never a key's content.
+            named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+            if named:
+                raise CredentialsError(
+                    f"the Google Cloud credentials in GOOGLE_APPLICATION_CREDENTIALS={named} cannot be used "
+                    f"({_short(exc)}): it must name a service account key or a credential configuration file"
+                ) from None
+            raise CredentialsError(f"{_NO_CREDENTIALS} ({_short(exc)})") from None
+        except authexc.RefreshError as exc:
+            raise CredentialsError(
+                f"the Google Cloud credentials could not be refreshed while accessing {what}: {_short(exc)} "
+                "(check the Workload Identity binding or the key file)"
+            ) from None
+        except authexc.TransportError as exc:
+            raise StorageError(f"cannot reach Google's credential service while accessing {what}: {_short(exc)}") \
+                from None  # fmt: skip
+        except gexc.NotFound as exc:
+            # GCS says "The specified bucket does not exist." (the URL in the message names the bucket too).
+            if listing or "specified bucket does not exist" in str(exc.message).lower():
+                raise NotFoundError(f"bucket {self.bucket!r} does not exist") from None
+            raise NotFoundError(f"{what} does not exist") from None
+        except gexc.PreconditionFailed:
+            raise PreconditionFailedError(f"{what} changed since it was read") from None
+        except (gexc.Forbidden, gexc.Unauthorized) as exc:
+            raise CredentialsError(
+                f"access to {what} denied ({exc.code}): check the Google Cloud credentials and that the "
+                f"principal may read and write objects in bucket {self.bucket!r} (roles/storage.objectUser)"
+            ) from None
+        except gexc.GoogleAPICallError as exc:
+            raise StorageError(f"GCS error on {what}: {exc.code} {_short(exc.message)}") from None
+        except (requests.exceptions.ConnectionError, ConnectionError):
+            raise StorageError(f"cannot reach the GCS endpoint ({self._endpoint()}) while accessing {what}") \
+                from None  # fmt: skip
+        except _DATA_CORRUPTION as exc:
+            raise StorageError(
+                f"GCS transfer of {what} failed its CRC32C check repeatedly (a faulty network path or "
+                f"proxy?): {_short(exc)}"
+            ) from None
+
+    def _checked(self, what: str, fn: Callable[[], _T], attempts: int = 3) -> _T:
+        """Run a transfer whose bytes are checked by CRC32C, sending or reading them
+        again when the check fails (bytes damaged on the way), ``attempts`` times."""
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except _DATA_CORRUPTION:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("%s: the bytes failed their CRC32C check on the way; transferring them again", what)
+            except gexc.BadRequest as exc:
+                # GCS refuses an upload whose bytes do not have the CRC32C sent with them.
+                if "crc32c" not in str(exc).lower() or attempt == attempts - 1:
+                    raise
+                log.warning("%s: the store refused the bytes it received (CRC32C mismatch); sending them again",
+                            what)  # fmt: skip
+        raise AssertionError("unreachable")
+
+    def check(self) -> None:
+        """Raise unless the prefix can be listed (needs only object permissions:
+        a principal with an object role on the bucket may lack ``buckets.get``)."""
+        with self._errors(f"bucket {self.bucket!r}", listing=True):
+            pages = self.client.list_blobs(
+                self.bucket, prefix=self._full_prefix(""), max_results=1, fields="items(name),nextPageToken",
+                retry=self._retry, timeout=self._timeout,
+            )  # fmt: skip
+            list(pages)
+
+    # -- reading ------------------------------------------------------------
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        with self._errors(self.uri, listing=True):
+            blobs = list(
+                self.client.list_blobs(
+                    self.bucket, prefix=self._full_prefix(prefix), fields="items(name,size,updated),nextPageToken",
+                    retry=self._retry, timeout=self._timeout,
+                )
+            )  # fmt: skip
+        for blob in blobs:
+            yield ObjectInfo(key=self._rel(blob.name), size=int(blob.size or 0), modified=blob.updated.timestamp())
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        # Derived from the recursive listing rather than delimiter="/": in a bucket
+        # with hierarchical namespace an empty folder outlives its last object, and
+        # a deleted checkpoint must not look like a broken one.
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        rests = (o.key[len(prefix) :] for o in self.list_objects(prefix))
+        return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
+
+    def _metadata(self, key: str) -> Any:
+        """The object's metadata (size, generation, crc32c, updated), or None when absent."""
+        with self._errors(self.uri_for(key)):
+            return self._bucket().get_blob(self._key(key), retry=self._retry, timeout=self._timeout)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        blob = self._metadata(key)
+        if blob is None:
+            return None
+        return ObjectInfo(key=key, size=int(blob.size or 0), modified=blob.updated.timestamp())
+
+    def stored_checksum(self, key: str) -> StoredChecksum | None:
+        """The CRC32C GCS computed for ``key`` on receipt (every object has one), as
+        whole-object hex."""
+        blob = self._metadata(key)
+        if blob is None:
+            raise NotFoundError(f"{self.uri_for(key)} does not exist")
+        return stored_checksum_from(blob.crc32c, int(blob.size or 0))
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        found = self._read(key, None)
+        assert not isinstance(found, Unchanged)  # only a conditional read answers that
+        return found
+
+    def read_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | Unchanged | None:
+        """A media GET with ``ifGenerationNotMatch=<etag>``: GCS answers 304 (no
+        body) while the object keeps that generation. A server that ignores the
+        condition sends the object; when its generation is still ``etag`` that is
+        :data:`UNCHANGED` too."""
+        found = self._read(key, generation_of(etag))
+        if found is UNCHANGED or found is None:
+            return found
+        assert not isinstance(found, Unchanged)
+        if etag is not None and found[1] == etag:
+            return UNCHANGED
+        return found
+
+    def _read(self, key: str, not_generation: int | None) -> tuple[bytes, str] | Unchanged | None:
+        """The whole object (checked against the CRC32C GCS sends with it) and its generation."""
+
+        def once() -> tuple[bytes, str] | Unchanged:
+            blob = self._blob(key)
+            try:
+                data = blob.download_as_bytes(
+                    raw_download=True, checksum="crc32c", if_generation_not_match=not_generation,
+                    retry=self._retry, timeout=self._timeout,
+                )  # fmt: skip
+            except gexc.NotModified:
+                return UNCHANGED
+            return bytes(data), str(blob.generation or "")
+
+        try:
+            with self._errors(self.uri_for(key)):
+                return self._checked(self.uri_for(key), once)
+        except NotFoundError:
+            return None
+
+    def read_bytes(self, key: str) -> bytes:
+        found = self.read_with_etag(key)
+        if found is None:
+            raise NotFoundError(f"{self.uri_for(key)} does not exist")
+        return found[0]
+
+    def _get_range(self, key: str, generation: int, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one generation of ``key`` (gone when it was replaced)."""
+        blob = self._blob(key, generation=generation)
+
+        def once() -> bytes:
+            data = blob.download_as_bytes(
+                start=start, end=end - 1, raw_download=True, checksum=None, retry=self._retry, timeout=self._timeout
+            )
+            if len(data) != end - start:
+                raise StorageError(f"{self.uri_for(key)}: got {len(data)} bytes of range {start}-{end - 1}")
+            return bytes(data)
+
+        try:
+            with self._errors(self.uri_for(key)):
+                return once()
+        except NotFoundError:
+            raise NotFoundError(f"{self.uri_for(key)} was replaced or deleted while being read") from None
+
+    def _whole(self, key: str, generation: int) -> bytes:
+        blob = self._blob(key, generation=generation)
+        with self._errors(self.uri_for(key)):
+            return bytes(
+                self._checked(
+                    self.uri_for(key),
+                    lambda: blob.download_as_bytes(raw_download=True, checksum="crc32c", retry=self._retry,
+                                                   timeout=self._timeout),  # fmt: skip
+                )
+            )
+
+    def iter_chunks(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
+        """The object in order; a large one in concurrent ranged GETs of one
+        generation, whose CRC32Cs combined must equal the one GCS keeps."""
+        chunk = max(chunk_size or self._read_chunk, MiB)
+        blob = self._metadata(key)
+        if blob is None:
+            raise NotFoundError(f"{self.uri_for(key)} does not exist")
+        size, generation = int(blob.size or 0), int(blob.generation)
+        if size == 0:
+            return
+        if size <= chunk:
+            yield self._whole(key, generation)
+            return
+        expected = crc32c_hex(blob.crc32c)
+        parts: list[tuple[int, int]] = []
+        window = self._concurrency
+        pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="gcs-read")
+        pending: deque[Future[bytes]] = deque()
+        try:
+            it = iter(byte_ranges(size, chunk))
+            for s, e in it:
+                pending.append(pool.submit(self._get_range, key, generation, s, e))
+                if len(pending) >= window:
+                    break
+            while pending:
+                data = pending.popleft().result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(pool.submit(self._get_range, key, generation, nxt[0], nxt[1]))
+                parts.append((google_crc32c.value(data), len(data)))
+                yield data
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._check_parts(key, expected, parts)
+
+    def _check_parts(self, key: str, expected: str | None, parts: list[tuple[int, int]]) -> None:
+        """The ranges read must add up to the CRC32C GCS keeps: a range damaged on
+        the way is a transfer error (read again), never a damaged checkpoint."""
+        got = f"{crc32c_of_parts(parts):08x}"
+        if expected is not None and got != expected:
+            raise StorageError(
+                f"{self.uri_for(key)}: the bytes read have CRC32C {got}, the store keeps {expected} "
+                "(damaged on the way: read it again)"
+            )
+
+    def download_files(
+        self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
+    ) -> None:
+        """Download concurrently: small objects in one GET each, large ones in
+        ranged GETs of one generation written at their offsets; each file is
+        checked against the CRC32C GCS keeps, then renamed into place."""
+        items = [(key, Path(dst)) for key, dst in items]
+        report = _locked(progress) if progress else None
+        with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-get") as pool:
+            metas = list(pool.map(self._metadata, [key for key, _ in items]))
+            for (key, _), meta in zip(items, metas, strict=True):
+                if meta is None:
+                    raise NotFoundError(f"{self.uri_for(key)} does not exist")
+            tmps: list[Path] = []
+            try:
+                jobs: list[tuple[int, Future[tuple[int, int, int]]]] = []
+                for index, ((key, dst), meta) in enumerate(zip(items, metas, strict=True)):
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = dst.parent / f".{dst.name}.sg-get-{uuid.uuid4().hex[:12]}"
+                    tmps.append(tmp)
+                    size = int(meta.size or 0)
+                    with open(tmp, "wb") as f:
+                        f.truncate(size)
+                    for s, e in byte_ranges(size, self._read_chunk):
+                        jobs.append((index, pool.submit(self._fetch_into, key, int(meta.generation), tmp, s, e,
+                                                        report)))  # fmt: skip
+                _wait_all([f for _, f in jobs])
+                per_file: dict[int, list[tuple[int, int, int]]] = {}
+                for index, fut in jobs:
+                    per_file.setdefault(index, []).append(fut.result())
+                for index, ((key, dst), meta) in enumerate(zip(items, metas, strict=True)):
+                    parts = [(crc, n) for _, crc, n in sorted(per_file.get(index, []))]
+                    self._check_parts(key, crc32c_hex(meta.crc32c), parts)
+                    os.replace(tmps[index], dst)
+            finally:
+                for tmp in tmps:
+                    tmp.unlink(missing_ok=True)
+
+    def _fetch_into(
+        self, key: str, generation: int, path: Path, start: int, end: int, progress: ProgressCallback | None
+    ) -> tuple[int, int, int]:
+        data = self._get_range(key, generation, start, end)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], start + written)
+        finally:
+            os.close(fd)
+        if progress is not None:
+            progress(len(data))
+        return start, google_crc32c.value(data), len(data)
+
+    # -- writing ------------------------------------------------------------
+    def write_bytes(
+        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str:
+        """Store ``data`` and return its generation; ``if_none_match`` is
+        ``ifGenerationMatch=0``, ``if_match`` is ``ifGenerationMatch=<tag>``."""
+        condition: int | None = None
+        if if_match is not None:
+            condition = generation_of(if_match)
+            if condition is None:
+                raise PreconditionFailedError(f"{self.uri_for(key)} changed since it was read")
+        elif if_none_match:
+            condition = 0
+        return self._put_bytes(key, data, condition)
+
+    def write_checked(self, key: str, data: bytes) -> None:
+        """Store ``data`` with the CRC32C of its bytes, which GCS checks on receipt."""
+        self._put_bytes(key, data, None)
+
+    def _put_bytes(self, key: str, data: bytes, if_generation_match: int | None) -> str:
+        """One upload request (a resumable one above the client's single-request limit)
+        carrying the CRC32C of ``data``, which the service checks."""
+
+        def once() -> str:
+            blob = self._blob(key)
+            blob.upload_from_file(
+                io.BytesIO(data), size=len(data), checksum="crc32c", if_generation_match=if_generation_match,
+                retry=self._retry, timeout=self._timeout,
+            )  # fmt: skip
+            return str(blob.generation or "")
+
+        with self._errors(self.uri_for(key)):
+            return self._checked(self.uri_for(key), once)
+
+    def upload_files(
+        self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
+    ) -> None:
+        """Upload files concurrently, each with the CRC32C of its bytes: files below
+        ``resumable_threshold`` in one request, larger ones as resumable uploads in
+        ``chunk_size`` pieces (from google-cloud-storage 3 on the last piece
+        carries the CRC32C, which the service checks; every version compares the
+        one the service reports once the upload completes)."""
+        items = [(Path(src), key) for src, key in items]
+        if not items:
+            return
+        report = _locked(progress) if progress else None
+        with ThreadPoolExecutor(max_workers=min(self._concurrency, len(items)), thread_name_prefix="gcs-put") as pool:
+            _wait_all([pool.submit(self._upload_file, src, key, report) for src, key in items])
+
+    def _upload_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
+        size = src.stat().st_size
+        if size < self._resumable_threshold:
+            data = src.read_bytes()
+            self._put_bytes(key, data, None)
+            if progress is not None:
+                progress(len(data))
+            return
+
+        reported = _Furthest(progress)  # one count for every attempt
+
+        def once() -> None:
+            blob = self._blob(key, chunk_size=self._chunk_size)
+            with open(src, "rb") as f:
+                # size=None: a resumable upload whatever the size, ended when the file is.
+                blob.upload_from_file(
+                    _ProgressReader(f, reported), size=None, checksum="crc32c", retry=self._retry,
+                    timeout=self._timeout,
+                )  # fmt: skip
+
+        with self._errors(self.uri_for(key)):
+            self._checked(self.uri_for(key), once)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete in batch requests of up to 100 deletions (missing objects ignored);
+        one request per object where batches are off (emulators)."""
+        names = [self._key(k) for k in keys]
+        for i in range(0, len(names), BATCH_LIMIT):
+            chunk = names[i : i + BATCH_LIMIT]
+            if self._batch_deletes:
+                self._delete_batch(chunk)
+            else:
+                self._delete_each(chunk)
+
+    def _delete_batch(self, names: list[str]) -> None:
+        client, bucket = self.client, self._bucket()
+
+        def send() -> list[Any]:
+            with client.batch(raise_exception=False) as batch:
+                for name in names:
+                    bucket.delete_blob(name)
+            return list(batch._responses)  # noqa: SLF001 - the per-call answers of the batch
+
+        with self._errors(self.uri):
+            try:
+                responses = self._retry(send)()
+            except ValueError:  # the answer was not a batch answer
+                raise StorageError(
+                    f"{self._endpoint()} does not take batch requests: open {self.uri} with batch_deletes=False"
+                ) from None
+        again: list[str] = []
+        for name, resp in zip(names, responses, strict=True):
+            status = int(getattr(resp, "status_code", 0))
+            if 200 <= status < 300 or status == 404:
+                continue
+            if status in (403, 401):
+                raise CredentialsError(
+                    f"deleting gs://{self.bucket}/{name} denied ({status}): check the Google Cloud credentials"
+                )
+            again.append(name)  # throttled or failed within the batch: once more on its own, with retries
+        if again:
+            self._delete_each(again)
+
+    def _delete_each(self, names: list[str]) -> None:
+        bucket = self._bucket()
+
+        def one(name: str) -> None:
+            with self._errors(f"gs://{self.bucket}/{name}"), contextlib.suppress(gexc.NotFound):
+                bucket.delete_blob(name, retry=self._retry, timeout=self._timeout)
+
+        with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-del") as pool:
+            _wait_all([pool.submit(one, name) for name in names])
+
+    def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
+        """Always empty: GCS has no API that lists unfinished resumable uploads.
+        They are not objects (nothing reads or lists them), and the service
+        discards a session a week after it started."""
+        return []
+
+    def abort_upload(self, upload: PendingUpload) -> None:
+        """Nothing to do (see :meth:`list_pending_uploads`)."""
+
+
+class _Furthest:
+    """Progress of one file counted by the furthest offset read.
+
+    A retried chunk (or a retried upload) is read again after a seek back;
+    counting only past the furthest offset reached makes the reported total
+    the file's size."""
+
+    def __init__(self, progress: ProgressCallback | None) -> None:
+        self._progress = progress
+        self._furthest = 0
+
+    def reached(self, offset: int) -> None:
+        if offset > self._furthest:
+            if self._progress is not None:
+                self._progress(offset - self._furthest)
+            self._furthest = offset
+
+
+class _ProgressReader:
+    """The file a resumable upload reads, reporting its progress (see :class:`_Furthest`)."""
+
+    def __init__(self, f: IO[bytes], reported: _Furthest) -> None:
+        self._f = f
+        self._reported = reported
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._reported.reached(self._f.tell())
+        return data
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+
+def _short(exc: object, limit: int = 300) -> str:
+    """The first line of an error, cut to ``limit`` characters (client errors can be long)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _locked(progress: ProgressCallback) -> ProgressCallback:
+    """Serialize progress callbacks coming from transfer threads."""
+    lock = threading.Lock()
+
+    def call(n: int) -> None:
+        with lock:
+            progress(n)
+
+    return call
+
+
+def _wait_all(futures: list[Any]) -> None:
+    """Wait for every transfer; on the first failure cancel the rest and raise it."""
+    try:
+        for fut in futures:
+            fut.result()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        raise
