@@ -32,9 +32,10 @@ def register(subparsers: Any) -> None:
     ckpt = subparsers.add_parser(
         "ckpt",
         help="inspect and manage checkpoints in storage",
-        description="Inspect and manage checkpoints stored at URI (s3://BUCKET/PREFIX or file:///PATH). "
-        "S3 endpoint, region and credentials come from the standard AWS environment "
-        "(AWS_ENDPOINT_URL_S3, AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, ...).",
+        description="Inspect and manage checkpoints stored at URI (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or "
+        "file:///PATH). S3 endpoint, region and credentials come from the standard AWS environment "
+        "(AWS_ENDPOINT_URL_S3, AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, ...); GCS credentials from Application "
+        "Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, Workload Identity).",
     )
     sub = ckpt.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
     ckpt.set_defaults(func=lambda args: _usage(ckpt))

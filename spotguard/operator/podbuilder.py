@@ -28,6 +28,7 @@ from spotguard.operator.decide import member_pod_name
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.spec import (
     API_VERSION,
+    GCS_KEY_VOLUME,
     KIND,
     RESTORE_CONTAINER,
     SHARED_VOLUME,
@@ -49,6 +50,10 @@ ANNOTATION_OPERATOR_INSTANCE = "spotguard.dev/operator-instance"
 # directory named like the package would shadow it for `python -m spotguard...`
 # under an editable install (it becomes a namespace package).
 MOUNT_PATH = "/var/lib/spotguard"
+#: gs:// jobs with a credentials Secret: where its service account key is mounted (read-only).
+GCS_KEY_DIR = "/var/run/spotguard/gcs"
+GCS_KEY_NAME = "key.json"
+GCS_KEY_FILE = f"{GCS_KEY_DIR}/{GCS_KEY_NAME}"
 CHECKPOINT_DIR = f"{MOUNT_PATH}/checkpoints"
 CONTROL_DIR = f"{CHECKPOINT_DIR}/.control"
 
@@ -151,6 +156,15 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
         _field_env("POD_UID", "metadata.uid"),
     ]
     sec = ck.credentials_secret if credentials else None
+    if ck.storage.startswith("gs://"):
+        # Google Cloud Storage: a service account key as a file (never an env value), or no Secret at
+        # all and the pod's own identity (Workload Identity); an endpoint is an emulator's.
+        if sec is not None:
+            env.append(_env_value("GOOGLE_APPLICATION_CREDENTIALS", GCS_KEY_FILE))
+        if ck.endpoint:
+            env.append(_env_value("STORAGE_EMULATOR_HOST", ck.endpoint))
+        env += [_env_value(k, v) for k, v in inj.torchrun_env]
+        return env
     if sec is not None:
         env.append(_secret_env("AWS_ACCESS_KEY_ID", sec.name, sec.access_key_id_key))
         env.append(_secret_env("AWS_SECRET_ACCESS_KEY", sec.name, sec.secret_access_key_key))
@@ -198,13 +212,29 @@ def _mount(container: dict[str, Any]) -> None:
     container["volumeMounts"] = mounts
 
 
+def gcs_key_volume(inj: Injection) -> dict[str, Any] | None:
+    """The Secret volume with a gs:// job's service account key, if it names a credentials Secret."""
+    sec = inj.checkpoint.credentials_secret
+    if sec is None or not inj.checkpoint.storage.startswith("gs://"):
+        return None
+    items = [{"key": sec.key_file_key, "path": GCS_KEY_NAME}]
+    return {"name": GCS_KEY_VOLUME, "secret": {"secretName": sec.name, "items": items, "defaultMode": 0o440}}
+
+
+def _key_mount() -> dict[str, Any]:
+    return {"name": GCS_KEY_VOLUME, "mountPath": GCS_KEY_DIR, "readOnly": True}
+
+
 def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[str, Any]:
+    mounts = [{"name": SHARED_VOLUME, "mountPath": MOUNT_PATH}]
+    if gcs_key_volume(inj) is not None:
+        mounts.append(_key_mount())
     c: dict[str, Any] = {
         "name": name,
         "image": inj.image,
         "command": command,
         "env": contract_env(inj),
-        "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": MOUNT_PATH}],
+        "volumeMounts": mounts,
         "resources": copy.deepcopy(dict(inj.sidecar_resources or DEFAULT_SIDECAR_RESOURCES)),
     }
     if inj.image_pull_policy:
@@ -273,8 +303,15 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     else:
         spec["initContainers"] = [restore_container(inj), *user_init]
         spec["containers"] = [*containers, sidecar]
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != SHARED_VOLUME]
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in (SHARED_VOLUME, GCS_KEY_VOLUME)]
     volumes.append({"name": SHARED_VOLUME, "emptyDir": {}})
+    key = gcs_key_volume(inj)
+    if key is not None:
+        volumes.append(key)
+        if inj.checkpoint.expose_credentials_to_trainer:
+            for c in [*containers, *user_init]:
+                c["volumeMounts"] = [*(m for m in c.get("volumeMounts") or [] if m.get("name") != GCS_KEY_VOLUME),
+                                     _key_mount()]  # fmt: skip
     spec["volumes"] = volumes
     spec["terminationGracePeriodSeconds"] = inj.grace_period_seconds
     return spec

@@ -35,6 +35,7 @@ import base64
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import queue
 import threading
@@ -71,8 +72,11 @@ class ProbeError(Exception):
 
 def scrub(text: str, options: Mapping[str, Any]) -> str:
     """First line of an error text, with any credential value in it masked."""
-    for key in ("access_key", "secret_key"):
-        value = options.get(key)
+    info = options.get("credentials_info")
+    values = [options.get("access_key"), options.get("secret_key")]
+    if isinstance(info, Mapping):
+        values += [info.get("private_key"), info.get("private_key_id")]
+    for value in values:
         if isinstance(value, str) and value:
             text = text.replace(value, "***")
     return text.splitlines()[0][:300] if text else text
@@ -206,19 +210,7 @@ class CheckpointProbe:
         sec = spec.checkpoint.credentials_secret
         if sec is None:
             return {}
-        key = (namespace, sec.name)
-        with self._lock:
-            cached = self._secrets.get(key)
-        if cached is not None and time.monotonic() - cached[0] < SECRET_TTL_SECONDS:
-            values = cached[1]
-        else:
-            values = self._read_secret(namespace, sec.name)
-            now = time.monotonic()
-            with self._lock:
-                # Expired entries go (Secrets of deleted jobs and namespaces included).
-                for old in [k for k, (at, _v) in self._secrets.items() if now - at >= SECRET_TTL_SECONDS]:
-                    del self._secrets[old]
-                self._secrets[key] = (now, values)
+        values = self._cached_secret(namespace, sec.name)
         out: dict[str, str] = {}
         for opt, name in (
             ("access_key", sec.access_key_id_key),
@@ -228,6 +220,39 @@ class CheckpointProbe:
             if values.get(name):
                 out[opt] = values[name]
         return out
+
+    def _cached_secret(self, namespace: str, name: str) -> dict[str, str]:
+        """A Secret's values, read at most every ``SECRET_TTL_SECONDS``."""
+        key = (namespace, name)
+        with self._lock:
+            cached = self._secrets.get(key)
+        if cached is not None and time.monotonic() - cached[0] < SECRET_TTL_SECONDS:
+            return cached[1]
+        values = self._read_secret(namespace, name)
+        now = time.monotonic()
+        with self._lock:
+            # Expired entries go (Secrets of deleted jobs and namespaces included).
+            for old in [k for k, (at, _v) in self._secrets.items() if now - at >= SECRET_TTL_SECONDS]:
+                del self._secrets[old]
+            self._secrets[key] = (now, values)
+        return values
+
+    def _gcs_options(self, namespace: str, spec: TrainingJobSpec) -> dict[str, Any]:
+        """gs://: the emulator endpoint, and the service account key from the job's Secret (if it names one)."""
+        options: dict[str, Any] = {}
+        if spec.checkpoint.endpoint:
+            options["endpoint_url"] = spec.checkpoint.endpoint
+        sec = spec.checkpoint.credentials_secret
+        if sec is not None:
+            raw = self._cached_secret(namespace, sec.name).get(sec.key_file_key)
+            if not raw:
+                raise ProbeError(f"the credentials Secret {sec.name} has no key {sec.key_file_key!r}"
+                                 " (a service account's JSON key: spec.checkpoint.credentialsSecret.keyFileKey)")
+            try:
+                options["credentials_info"] = json.loads(raw)
+            except ValueError:
+                raise ProbeError(f"key {sec.key_file_key!r} of Secret {sec.name} is not a JSON key") from None
+        return options
 
     def _read_secret(self, namespace: str, name: str) -> dict[str, str]:
         secret = self.ctx.core.read_namespaced_secret(name, namespace)
@@ -327,7 +352,9 @@ class CheckpointProbe:
         except SpecError:
             return None, finished
         options: dict[str, Any] = {}
-        if spec.checkpoint.storage.startswith("s3://"):
+        if spec.checkpoint.storage.startswith("gs://"):
+            options = self._gcs_options(namespace, spec)
+        elif spec.checkpoint.storage.startswith("s3://"):
             options = self._secret_values(namespace, spec)
             if spec.checkpoint.endpoint:
                 options["endpoint_url"] = spec.checkpoint.endpoint

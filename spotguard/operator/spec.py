@@ -23,6 +23,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 SIDECAR_CONTAINER = "spotguard-sidecar"
 RESTORE_CONTAINER = "spotguard-restore"
 SHARED_VOLUME = "spotguard"
+#: gs:// with a credentials Secret: its service account key, mounted into spotguard's containers.
+GCS_KEY_VOLUME = "spotguard-gcs-key"
 RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 CHECKSUMS = ("crc32c", "sha256")
@@ -36,7 +38,7 @@ BEST_MODES = ("min", "max")
 #: Early preemption notice sources the sidecar can watch (``spotguard sidecar --notices``).
 NOTICE_SOURCES = ("aws", "gce", "azure", "k8s")
 
-_STORAGE_RE = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file:///.*)$")
+_STORAGE_RE = re.compile(r"^((s3|gs)://[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9](/.*)?|file:///.*)$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
@@ -61,6 +63,8 @@ class CredentialsSecret:
     secret_access_key_key: str = "AWS_SECRET_ACCESS_KEY"
     #: Optional key with the endpoint URL (so one Secret describes a whole store).
     endpoint_key: str = "AWS_ENDPOINT_URL"
+    #: gs://: the key holding a service account's JSON key (mounted as a file, never an env value).
+    key_file_key: str = "key.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,11 +331,11 @@ def _str_map(raw: Any, path: str) -> dict[str, str]:
 
 
 def parse_storage(value: str, path: str) -> str:
-    """Check a storage root URI (``s3://bucket[/prefix]`` or ``file:///path``)."""
+    """Check a storage root URI (``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or ``file:///path``)."""
     if not _STORAGE_RE.match(value):
         raise SpecError(
             path,
-            f"must be s3://<bucket>[/prefix] or file:///<path>, not {value!r}",
+            f"must be s3://<bucket>[/prefix], gs://<bucket>[/prefix] or file:///<path>, not {value!r}",
         )
     return value
 
@@ -352,6 +356,7 @@ def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
         ("accessKeyIdKey", "access_key_id_key"),
         ("secretAccessKeyKey", "secret_access_key_key"),
         ("endpointKey", "endpoint_key"),
+        ("keyFileKey", "key_file_key"),
     ):
         value = _str(obj, key, path)
         if value is not None:
@@ -482,8 +487,8 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
         if isinstance(c, Mapping) and c.get("name") in RESERVED_CONTAINER_NAMES:
             raise SpecError(f"{spath}.initContainers[{i}].name", f"{c.get('name')!r} is reserved")
     for i, v in enumerate(pod_spec.get("volumes") or []):
-        if isinstance(v, Mapping) and v.get("name") == SHARED_VOLUME:
-            raise SpecError(f"{spath}.volumes[{i}].name", f"{SHARED_VOLUME!r} is reserved")
+        if isinstance(v, Mapping) and v.get("name") in (SHARED_VOLUME, GCS_KEY_VOLUME):
+            raise SpecError(f"{spath}.volumes[{i}].name", f"{v.get('name')!r} is reserved")
     policy = pod_spec.get("restartPolicy")
     if policy not in (None, "Never"):
         raise SpecError(

@@ -50,7 +50,7 @@ def _register_sidecar(subparsers: Any) -> None:
         "verified in storage before the deadline.",
     )
     p.add_argument("--storage", default=_env("SPOTGUARD_STORAGE_URI"),
-                   help="job's checkpoint root, s3://BUCKET/PREFIX or file:///PATH "
+                   help="job's checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
                    "(env SPOTGUARD_STORAGE_URI)")
     p.add_argument("--checkpoint-dir", type=Path,
                    default=Path(_env("SPOTGUARD_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR) or ""),
@@ -304,7 +304,7 @@ def _register_run(subparsers: Any) -> None:
         usage="spotguard run [options] -- CMD [ARG ...]",
     )
     p.add_argument("--storage", default=_env("SPOTGUARD_STORAGE_URI"),
-                   help="checkpoint root, s3://BUCKET/PREFIX or file:///PATH "
+                   help="checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
                    "(default file://WORKDIR/store)")
     p.add_argument("--workdir", type=Path, default=Path(".spotguard"),
                    help="local state: checkpoints, lock (default ./.spotguard)")

@@ -53,7 +53,7 @@ import re
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -212,6 +212,7 @@ class GcsStorage:
         *,
         endpoint_url: str | None = None,
         credentials_file: str | None = None,
+        credentials_info: Mapping[str, Any] | None = None,
         anonymous: bool | None = None,
         project: str | None = None,
         max_concurrency: int = 8,
@@ -228,8 +229,11 @@ class GcsStorage:
         self.bucket, self.prefix = parse_gs_uri(uri)
         self._endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
         self._credentials_file = credentials_file
+        self._credentials_info = dict(credentials_info) if credentials_info else None
         # A custom endpoint is an emulator unless credentials are asked for.
-        self._anonymous = anonymous if anonymous is not None else bool(endpoint_url and not credentials_file)
+        self._anonymous = anonymous if anonymous is not None else bool(
+            endpoint_url and not credentials_file and not credentials_info
+        )
         self._project = project
         self._concurrency = max(1, max_concurrency)
         self._chunk_size = upload_chunk_size(chunk_size)
@@ -283,6 +287,8 @@ class GcsStorage:
         credentials: Any = None
         if self._credentials_file:
             credentials = self._key_file_credentials(self._credentials_file)
+        elif self._credentials_info:
+            credentials = self._key_info_credentials(self._credentials_info)
         elif self._anonymous:
             credentials = AnonymousCredentials()  # type: ignore[no-untyped-call]
         options = {"api_endpoint": self._endpoint_url} if self._endpoint_url else None
@@ -307,6 +313,17 @@ class GcsStorage:
         except (OSError, ValueError, KeyError) as exc:
             raise CredentialsError(
                 f"cannot use {path} as a service account key ({type(exc).__name__}): it must be the JSON key "
+                "of a service account (type, client_email, private_key, token_uri)"
+            ) from None
+
+    @staticmethod
+    def _key_info_credentials(info: Mapping[str, Any]) -> Any:
+        """A service account key given as its parsed JSON (say, read from a Secret); errors never quote it."""
+        try:
+            return service_account.Credentials.from_service_account_info(info)  # type: ignore[no-untyped-call]
+        except (ValueError, KeyError) as exc:
+            raise CredentialsError(
+                f"the service account key given is not usable ({type(exc).__name__}): it must be the JSON key "
                 "of a service account (type, client_email, private_key, token_uri)"
             ) from None
 

@@ -213,15 +213,17 @@ def preempted_after(log: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def assert_final_bitwise(env: Env, uri: str, args: list[str], every: int, steps: int, tmp_path: Path) -> None:
-    """The job's final checkpoint in storage equals an uninterrupted run of the demo here, bit for bit."""
+def assert_final_bitwise(env: Env, uri: str, args: list[str], every: int, steps: int, tmp_path: Path,
+                         storage: Any = None) -> None:  # fmt: skip
+    """The job's final checkpoint in storage (the S3 store unless given) equals an uninterrupted run here, bitwise."""
     from safetensors.torch import load_file
 
     from spotguard.checkpoint import list_local_committed, restore_latest
     from spotguard.storage import open_storage
 
-    storage = open_storage(uri, endpoint_url=env.s3.endpoint_url, access_key=env.s3.access_key,
-                           secret_key=env.s3.secret_key, region=env.s3.region)
+    if storage is None:
+        storage = open_storage(uri, endpoint_url=env.s3.endpoint_url, access_key=env.s3.access_key,
+                               secret_key=env.s3.secret_key, region=env.s3.region)
     final = restore_latest(storage, tmp_path / "final")
     assert final is not None and final.step == steps - 1
     ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
@@ -394,6 +396,46 @@ def test_repeated_preemptions_move_to_on_demand_and_the_cooldown_brings_the_job_
     finally:
         for node in pools:
             env.core.patch_node(node, {"metadata": {"labels": {"test-pool": None}}})
+
+
+@pytest.mark.timeout(600)
+def test_a_job_on_google_cloud_storage_survives_a_node_kill_bitwise(env: Env, gcs_store: Any, tmp_path: Path) -> None:
+    """gs:// end to end: the restore, the sidecar and the operator's probe all talk to a GCS JSON API server."""
+    from spotguard.checkpoint import latest_verified
+    from spotguard.storage import open_storage
+
+    doc = example()
+    job = doc["metadata"]["name"] = "on-gcs"
+    spec = doc["spec"]
+    steps, every = 160, 20
+    args = ["--steps", str(steps), "--step-delay", "0.1", "--log-every", "1"]
+    spec["template"]["spec"]["containers"][0]["args"] = args
+    # The test server takes no credentials (on GKE: Workload Identity, or a Secret with a service account key).
+    spec["checkpoint"] = {"storage": f"gs://{gcs_store.bucket}/e2e-{uuid.uuid4().hex[:6]}",
+                          "endpoint": gcs_store.endpoint_url, "everySteps": every}  # fmt: skip
+    applied = tmp_path / "trainingjob.yaml"
+    applied.write_text(yaml.safe_dump(doc))
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(applied))
+    uri = f"{spec['checkpoint']['storage']}/{env.ns}/{job}"
+    storage = open_storage(uri, endpoint_url=gcs_store.endpoint_url)
+
+    def verified() -> int:
+        info, _ = latest_verified(storage, checksums=False)
+        return info.step if info is not None else -1
+
+    pod = f"{job}-a1"
+    env.wait_pod_running(pod)
+    wait_for(lambda: verified() >= 2 * every - 1, "two verified checkpoints in gs://", timeout=240, interval=0.5)
+    print(f"killed the node of {pod}: {env.nodes.preempt(pod, env.ns, 'kill')}")
+    st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=480)
+    assert st["phase"] == "Succeeded" and st["preemptions"] == 1 and st["attempt"] == 2, (st, env.ends(job))
+    assert st["lastPodEnd"]["kind"] == "succeeded"
+    # The operator read the job's gs:// checkpoints (its probe, with the spec's endpoint).
+    env.wait_status(job, "the final checkpoint recorded", lambda s: (s.get("lastVerifiedCheckpoint") or {})
+                    .get("step") == steps - 1, timeout=60)  # fmt: skip
+    resumed = resumed_from(env.trainer_log(f"{job}-a2"))
+    assert resumed is not None and resumed >= 2 * every - 1, resumed
+    assert_final_bitwise(env, uri, args, every, steps, tmp_path, storage=storage)
 
 
 @pytest.mark.timeout(600)

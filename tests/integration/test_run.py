@@ -71,6 +71,35 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
 
 
 @pytest.mark.integration
+def test_survives_three_sigterms_on_google_cloud_storage_bitwise(gcs_store, gs_uri: str, tmp_path: Path,
+                                                                 reference: bytes) -> None:  # fmt: skip
+    """``--storage gs://``: each SIGTERM leaves a verified checkpoint there, and the end is bit-exact."""
+    from spotguard.storage import open_storage
+
+    out = tmp_path / "final.safetensors"
+    env = base_env(gcs_store.env())
+    argv = run_argv(tmp_path / "work", gs_uri, *train_argv(STEPS, out, 0.02, SAVE_EVERY))
+    storage = open_storage(gs_uri, **gcs_store.options())
+    with reaping() as procs:
+        resumed_at = None
+        for i, step in enumerate((25, 55, 85)):
+            run = Proc(argv, env, tmp_path / f"run{i}.log")
+            procs.append(run)
+            assert resumed_step(run) == resumed_at
+            run.wait_for_step(step)
+            run.signal(signal.SIGTERM)
+            assert run.wait() == 128 + signal.SIGTERM, run.tail()
+            resumed_at = run.wait_for_stopped_step()
+            info, _ = latest_verified(storage)
+            assert info is not None and info.step == resumed_at, (info, resumed_at)
+        last = Proc(argv, env, tmp_path / "run-last.log")
+        procs.append(last)
+        assert resumed_step(last) == resumed_at
+        assert last.wait() == 0, last.tail()
+    assert out.read_bytes() == reference
+
+
+@pytest.mark.integration
 def test_survives_kill_9_of_itself_and_its_child(s3_store, s3_uri: str, tmp_path: Path, reference: bytes) -> None:
     out = tmp_path / "final.safetensors"
     workdir = tmp_path / "work"
