@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "spotguard.checkpoint.cli",  # ckpt ls|verify|restore|gc|average, restore
     "spotguard.sidecar.cli",  # sidecar, run, demo
     "spotguard.operator.cli",  # operator
+    "spotguard.jobs.cli",  # jobs ls|describe|checkpoints|preempt
 )
 
 

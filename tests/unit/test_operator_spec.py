@@ -77,7 +77,7 @@ BAD: list[tuple[str, dict[str, Any] | None, str]] = [
     ("no template", with_("template", _DELETE), "spec.template"),
     ("no checkpoint", with_("checkpoint", _DELETE), "spec.checkpoint"),
     ("no storage", with_("checkpoint.storage", _DELETE), "spec.checkpoint.storage"),
-    ("gs:// storage", with_("checkpoint.storage", "gs://bucket/x"), "spec.checkpoint.storage"),
+    ("az:// storage", with_("checkpoint.storage", "az://bucket/x"), "spec.checkpoint.storage"),
     ("relative file storage", with_("checkpoint.storage", "file://relative/x"), "spec.checkpoint.storage"),
     ("bad bucket", with_("checkpoint.storage", "s3://B/x"), "spec.checkpoint.storage"),
     ("no containers", with_("template.spec.containers", []), "spec.template.spec.containers"),
