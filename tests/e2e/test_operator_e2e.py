@@ -460,7 +460,7 @@ def test_failing_script_consumes_backoff_limit(env: Env) -> None:
 def test_invalid_spec_is_refused_with_the_field(env: Env) -> None:
     doc = example()
     doc["metadata"]["name"] = "bad-storage"
-    doc["spec"]["checkpoint"]["storage"] = "gs://not-supported/x"
+    doc["spec"]["checkpoint"]["storage"] = "az://not-supported/x"
     path = env.log_dir / "bad.yaml"
     path.write_text(yaml.safe_dump(doc))
     result = env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path), check=False)
@@ -472,8 +472,8 @@ def test_invalid_spec_is_refused_with_the_field(env: Env) -> None:
 def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> None:
     """spec.preemption.notices [k8s]: a DisruptionTarget on the pod -> a verified checkpoint, pod still running.
 
-    The operator (a pod, with the chart's RBAC) creates the pod's ServiceAccount and its binding to the
-    notice ClusterRole; the sidecar reads its own pod with that account's token, as on a real node.
+    The pod keeps its own (default) account, with no rights: its sidecar asks the operator (a pod, with
+    the chart's RBAC) through the chart's Service, showing the pod's projected token, as on a real node.
     """
     from datetime import UTC, datetime
 
@@ -491,7 +491,11 @@ def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> Non
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path))
     pod = f"{job}-a1"
     env.wait_pod_running(pod)
-    assert env.core.read_namespaced_pod(pod, env.ns).spec.service_account_name == f"{job}-spotguard-notices"
+    spec_of = env.core.read_namespaced_pod(pod, env.ns).spec
+    assert spec_of.service_account_name == "default"
+    sidecar = next(c for c in spec_of.containers if c.name == "spotguard-sidecar")
+    url = {e.name: e.value for e in sidecar.env}["SPOTGUARD_NOTICE_URL"]
+    assert url.startswith(f"http://{RELEASE}.{OPERATOR_NS}.svc:") and url.endswith("/notices/v1/pod"), url
     try:
         wait_for(lambda: last_step(env.trainer_log(pod)) >= 3, "the trainer to step", timeout=180, interval=0.5)
     except TimeoutError as exc:
