@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 from typing import Any
+from urllib.parse import urlsplit
+
+from spotguard.notice_relay import POD_PATH
 
 
 def _env_float(name: str, default: float) -> float:
@@ -134,12 +137,17 @@ def register(subparsers: Any) -> None:
         " env SPOTGUARD_HOST_PORT_RANGE)",
     )
     p.add_argument(
-        "--notice-cluster-role",
-        default=os.environ.get("SPOTGUARD_NOTICE_CLUSTER_ROLE", "spotguard-pod-notices"),
-        metavar="NAME",
-        help="ClusterRole bound to the ServiceAccount of a job with the k8s notice source, in its namespace"
-        " (the chart's <fullname>-pod-notices; env SPOTGUARD_NOTICE_CLUSTER_ROLE)",
+        "--notice-url",
+        default=None,
+        metavar="URL",
+        help="where the sidecars of jobs with the k8s notice source ask for their pod's disruption state: this"
+        " operator's notice relay (/notices/v1/pod on the --liveness port) through its Service, e.g."
+        " http://spotguard.spotguard-system.svc:8081/notices/v1/pod (the chart sets it); without it those"
+        " sidecars read their pod from the API themselves, which needs get on pods for the pods' account",
     )
+    # Earlier releases bound a ClusterRole per job; the relay needs none. Accepted (and ignored, with a
+    # warning) so that an operator started with an older command line still starts.
+    p.add_argument("--notice-cluster-role", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--probe-workers",
         type=int,
@@ -200,6 +208,13 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.peering is not None:
         print("spotguard operator: --peering (kopf peering) was replaced by --leader-elect (a Lease)", file=sys.stderr)
         return 2
+    if args.notice_cluster_role is not None:
+        print("spotguard operator: warning: --notice-cluster-role is ignored: the operator binds no role any more;"
+              " sidecars with the k8s notice source ask the operator (--notice-url)", file=sys.stderr)  # fmt: skip
+    problem = notice_url_problem(args.notice_url, args.liveness)
+    if problem:
+        print(f"spotguard operator: --notice-url: {problem}", file=sys.stderr)
+        return 2
     from spotguard.operator.hostports import NODEPORT_RANGE, format_range, overlaps_nodeports, parse_range
     from spotguard.operator.leader import Timing
 
@@ -248,7 +263,7 @@ def run_operator(args: argparse.Namespace) -> int:
         probe_workers=max(1, args.probe_workers),
         checkpoint_full_read_seconds=max(0.0, args.checkpoint_full_read_seconds),
         host_port_range=host_port_range,
-        notice_cluster_role=args.notice_cluster_role,
+        notice_url=args.notice_url or None,
         webhook=args.webhook,
         webhook_addr=args.webhook_address,
         webhook_port=args.webhook_port,
@@ -264,6 +279,23 @@ def run_operator(args: argparse.Namespace) -> int:
         election = Election(namespace, args.leader_elect_resource_name, timing)
     run(options, liveness=args.liveness or None, election=election)
     return 0
+
+
+def notice_url_problem(url: str | None, liveness: str | None) -> str | None:
+    """Pure: why ``--notice-url`` cannot work (one line), or None.
+
+    The relay is served with the probes (``--liveness``): without them nothing answers.
+    """
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        return f"{url!r} is not an http:// URL (the relay is served over plain HTTP, on the probes port)"
+    if parts.path != POD_PATH:
+        return f"{url!r} must end in {POD_PATH} (the relay's pod path)"
+    if not liveness:
+        return "the relay is served on the --liveness port, which is off ('')"
+    return None
 
 
 def own_namespace() -> str:

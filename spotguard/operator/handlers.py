@@ -10,10 +10,11 @@ runs kopf at all; the others stand by (``spotguard.operator.leader``). kopf
 itself always runs standalone: no kopf peering.
 
 Every replica, leader or standby, serves the admission webhooks
-(``spotguard.operator.admission``) and its probes (``spotguard.operator.probes``)
-from start to exit, each in a thread of its own: neither is leader-elected,
-and neither uses kopf (whose webhook server and liveness endpoint live and die
-with kopf, that is, with the leadership).
+(``spotguard.operator.admission``), and its probes (``spotguard.operator.probes``)
+with the notice relay (``spotguard.operator.notices``) on their port, from start
+to exit, each in a thread of its own: none is leader-elected, and none uses
+kopf (whose webhook server and liveness endpoint live and die with kopf, that
+is, with the leadership).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from spotguard.operator.decide import TERMINAL_PHASES
 from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANGE
 from spotguard.operator.leader import LeaderElector, StandbyLiveness, Timing, fence_requests, new_identity
 from spotguard.operator.metrics import OperatorMetrics
+from spotguard.operator.notices import NoticeRelay
 from spotguard.operator.podbuilder import (
     DEFAULT_IMAGE,
-    DEFAULT_NOTICE_CLUSTER_ROLE,
     LABEL_JOB,
     OperatorConfig,
     server_supports_native_sidecars,
@@ -74,8 +75,8 @@ class OperatorOptions:
     checkpoint_full_read_seconds: float = 1800.0
     #: Host ports handed to jobs with hostNetwork (first, last).
     host_port_range: tuple[int, int] = DEFAULT_HOST_PORT_RANGE
-    #: ClusterRole bound to the pods' ServiceAccount of a job with the k8s notice source.
-    notice_cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
+    #: The notice relay's URL the sidecars of jobs with the k8s source poll (None: they read their pod directly).
+    notice_url: str | None = None
     webhook: bool = False
     webhook_addr: str = "0.0.0.0"
     webhook_port: int = 9443
@@ -165,7 +166,8 @@ def detect_native_sidecars(core: Any) -> bool:
 def operator_config(options: OperatorOptions, core: Any) -> OperatorConfig:
     """What shapes every pod: the image, its pull policy, the sidecar mode (``auto`` asks the server)."""
     native = detect_native_sidecars(core) if options.native_sidecar == "auto" else options.native_sidecar == "on"
-    return OperatorConfig(image=options.image, image_pull_policy=options.image_pull_policy, native_sidecar=native)
+    return OperatorConfig(image=options.image, image_pull_policy=options.image_pull_policy, native_sidecar=native,
+                          notice_url=options.notice_url)  # fmt: skip
 
 
 @dataclass
@@ -268,7 +270,6 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             read_checkpoints=options.read_checkpoints,
             namespaces=tuple(options.namespaces),
             host_port_range=options.host_port_range,
-            notice_cluster_role=options.notice_cluster_role,
             instance=options.identity,
             fence=options.fence,
         )
@@ -401,8 +402,8 @@ def admission_server(options: OperatorOptions) -> AdmissionServer:
 def run(options: OperatorOptions, *, liveness: str | None, election: Election | None = None) -> None:
     """Run the operator until SIGTERM/SIGINT; with ``election``, kopf only while this replica leads.
 
-    Admission (``--webhook``) and the probes (``liveness``, and ``/readyz`` on
-    its port) are served from the start to the end, whatever the role.
+    Admission (``--webhook``) and the probes (``liveness``, and ``/readyz`` and
+    the notice relay on its port) are served from the start to the end, whatever the role.
     """
     kopf.configure(verbose=False)
     # kopf reports every handler run at INFO; the operator's own log says what matters.
@@ -415,8 +416,12 @@ def run(options: OperatorOptions, *, liveness: str | None, election: Election | 
     with contextlib.ExitStack() as serving:
         if admission is not None:
             serving.enter_context(admission)
+        relay = None
+        if liveness:
+            # The relay's own client: never fenced (it writes no job's state), the same in every role.
+            relay = NoticeRelay(api_clients(options.identity)[0], options.namespaces, options.identity)
         try:
-            serving.enter_context(ProbeServer(liveness, health))
+            serving.enter_context(ProbeServer(liveness, health, relay))
         except OSError as exc:
             log.critical("cannot serve the liveness and readiness probes at %s: %s", liveness, exc.strerror or exc)
             raise SystemExit(2) from None

@@ -9,7 +9,12 @@ Layout of every pod:
   ``restartPolicy: Always``) on servers >= 1.29, else a regular container that
   delays its own exit until the emergency upload is verified;
 * an ``emptyDir`` shared by all of them at ``/var/lib/spotguard`` (checkpoints in
-  ``/var/lib/spotguard/checkpoints``).
+  ``/var/lib/spotguard/checkpoints``);
+* with the ``k8s`` notice source and a notice relay (``OperatorConfig.notice_url``):
+  a projected ServiceAccount token of the pod (audience ``spotguard.dev/notices``),
+  mounted into the sidecar only, which asks the operator for its pod's
+  disruption state with it (:mod:`spotguard.notice_relay`). The pod runs as
+  its template's own ServiceAccount (or ``default``): spotguard makes none.
 
 The same injection serves the mutating webhook, for pods from the user's own
 Jobs or JobSets.
@@ -18,18 +23,19 @@ Jobs or JobSets.
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from spotguard import __version__
+from spotguard import notice_relay as relay
 from spotguard.operator.decide import member_pod_name
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.spec import (
     API_VERSION,
     GCS_KEY_VOLUME,
     KIND,
+    NOTICE_TOKEN_VOLUME,
     RESTORE_CONTAINER,
     SHARED_VOLUME,
     SIDECAR_CONTAINER,
@@ -73,6 +79,8 @@ class OperatorConfig:
     #: The server supports native sidecars (Kubernetes >= 1.29).
     native_sidecar: bool = False
     sidecar_resources: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_SIDECAR_RESOURCES))
+    #: The notice relay the sidecars of jobs with the ``k8s`` source ask (``--notice-url``); None: no relay.
+    notice_url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +100,8 @@ class Injection:
     sidecar_resources: Mapping[str, Any] | None = None
     #: Early notice sources the sidecar polls (``SPOTGUARD_NOTICES``).
     notices: tuple[str, ...] = ()
+    #: The notice relay's URL, for the ``k8s`` source (None: the sidecar reads its pod itself).
+    notice_url: str | None = None
     #: torchrun's environment for this pod (every container), empty for one process.
     torchrun_env: tuple[tuple[str, str], ...] = ()
 
@@ -264,6 +274,11 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
     ]
     if inj.notices:
         c["env"].append(_env_value("SPOTGUARD_NOTICES", ",".join(inj.notices)))
+    if notice_token_volume(inj) is not None:
+        # The k8s source asks the operator, with a token only this container sees.
+        assert inj.notice_url is not None
+        c["env"] += [_env_value(relay.URL_ENV, inj.notice_url), _env_value(relay.TOKEN_FILE_ENV, relay.TOKEN_FILE)]
+        c["volumeMounts"].append({"name": NOTICE_TOKEN_VOLUME, "mountPath": relay.TOKEN_DIR, "readOnly": True})
     if inj.checkpoint.incremental:
         # Only the sidecar uploads; absent when off, so existing jobs' pods stay as they were.
         c["env"].append(_env_value("SPOTGUARD_INCREMENTAL", "true"))
@@ -313,8 +328,26 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
                 c["volumeMounts"] = [*(m for m in c.get("volumeMounts") or [] if m.get("name") != GCS_KEY_VOLUME),
                                      _key_mount()]  # fmt: skip
     spec["volumes"] = volumes
+    token = notice_token_volume(inj)
+    if token is not None:
+        spec["volumes"] = [*(v for v in volumes if v.get("name") != NOTICE_TOKEN_VOLUME), token]
     spec["terminationGracePeriodSeconds"] = inj.grace_period_seconds
     return spec
+
+
+def notice_token_volume(inj: Injection) -> dict[str, Any] | None:
+    """The projected token the sidecar shows the notice relay: only with the ``k8s`` source and a relay.
+
+    Audience ``spotguard.dev/notices`` (the apiserver refuses it), bound to the
+    pod by kubelet (worthless once the pod is gone), renewed by kubelet before
+    it expires. Its account is the pod's own, whatever it is: the relay needs no
+    rights of it.
+    """
+    if "k8s" not in inj.notices or not inj.notice_url:
+        return None
+    source = {"audience": relay.AUDIENCE, "expirationSeconds": relay.TOKEN_EXPIRATION_SECONDS,
+              "path": relay.TOKEN_NAME}  # fmt: skip
+    return {"name": NOTICE_TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": source}]}}
 
 
 def host_ports(uid: str, port_range: tuple[int, int] = DEFAULT_RANGE) -> tuple[int, int]:
@@ -410,12 +443,11 @@ def build_pod(
         metrics_port=metrics,
         sidecar_resources=spec.sidecar.resources or config.sidecar_resources,
         notices=spec.preemption.notices,
+        notice_url=config.notice_url,
         torchrun_env=torchrun_env(job, namespace, spec, rank, master),
     )
     pod_spec = inject(spec.template.spec, inj)
     pod_spec["restartPolicy"] = "Never"
-    if spec.preemption.watches_own_pod:
-        pod_spec["serviceAccountName"] = pod_service_account(job, spec)
     labels = {
         **spec.template.labels,
         LABEL_JOB: job,
@@ -492,42 +524,6 @@ def build_service(
     }
 
 
-# --- the k8s notice source's access --------------------------------------------------
-
-#: The ClusterRole the chart installs for the k8s notice source (``--notice-cluster-role``).
-DEFAULT_NOTICE_CLUSTER_ROLE = "spotguard-pod-notices"
-
-
-def _job_object_name(job: str, suffix: str) -> str:
-    name = f"{job}-{suffix}"
-    if len(name) > 253:
-        name = f"{job[:200]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}-{suffix}"
-    return name
-
-
-def notice_service_account(job: str) -> str:
-    """Name of the ServiceAccount spotguard creates for a job's pods."""
-    return _job_object_name(job, "spotguard-notices")
-
-
-def notice_binding_name(job: str) -> str:
-    """Name of the RoleBinding of the notice ClusterRole to a job's ServiceAccount.
-
-    Not the account's name: an older operator's RoleBinding of that name
-    refers to a Role, and a binding's roleRef never changes.
-    """
-    return _job_object_name(job, "spotguard-pod-notices")
-
-
-def pod_service_account(job: str, spec: TrainingJobSpec) -> str:
-    """The ServiceAccount the pods of a job with the ``k8s`` source run as: always spotguard's own for the job.
-
-    Never the template's (shared) account nor ``default``: a template that
-    names one with the ``k8s`` source is refused by the spec's validation.
-    """
-    return notice_service_account(job)
-
-
 def _owner_ref(job: str, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": API_VERSION,
@@ -538,34 +534,3 @@ def _owner_ref(job: str, uid: str) -> dict[str, Any]:
         "blockOwnerDeletion": True,
     }
 
-
-def notice_access(
-    job: str, namespace: str, uid: str, spec: TrainingJobSpec, *, cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
-) -> list[dict[str, Any]]:
-    """ServiceAccount and RoleBinding that let a job's sidecars read a pod and post Events.
-
-    Only for the ``k8s`` notice source (the sidecar polls its pod for a
-    ``DisruptionTarget`` condition). The RoleBinding binds ``cluster_role``
-    (fixed, installed with the operator) in the job's namespace to the job's
-    own ServiceAccount; both are owned by the TrainingJob and go with it. The
-    same for every attempt. Empty when the spec does not ask for the ``k8s``
-    source.
-    """
-    if not spec.preemption.watches_own_pod:
-        return []
-    account = pod_service_account(job, spec)
-    labels = {LABEL_JOB: job, LABEL_MANAGED_BY: "spotguard"}
-
-    def meta(name: str) -> dict[str, Any]:
-        return {"name": name, "namespace": namespace, "labels": dict(labels), "ownerReferences": [_owner_ref(job, uid)]}
-
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(account)},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": meta(notice_binding_name(job)),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
-            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-        },
-    ]

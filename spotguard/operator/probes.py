@@ -22,6 +22,11 @@ be serving: every replica serves admission (:mod:`spotguard.operator.admission`)
 so the webhook Service sends requests to every ready replica, and a
 PodDisruptionBudget counts the replicas that really work. Each answer is JSON
 saying what it waits for.
+
+The same server serves the notice relay (``/notices/v1/...``,
+:mod:`spotguard.operator.notices`): like the probes, every replica must
+answer it whatever its role, from start to exit; ``--liveness ''`` turns it
+off with the probes.
 """
 
 from __future__ import annotations
@@ -39,14 +44,33 @@ from spotguard.operator.leader import StandbyLiveness
 READY_PATH = "/readyz"
 #: How long kopf's event loop may take to run a no-op before it counts as hung.
 LOOP_TIMEOUT_SECONDS = 5.0
+#: How long the server waits for a request's bytes.
+REQUEST_TIMEOUT_SECONDS = 10.0
 
 Answer = tuple[bool, dict[str, Any]]
+#: An HTTP status and a JSON body.
+HttpAnswer = tuple[int, dict[str, Any]]
 
 
 class Serving(Protocol):
     """What readiness asks of the admission server."""
 
     def serving(self) -> bool: ...
+
+
+class Relay(Protocol):
+    """What the server asks of the notice relay (:class:`spotguard.operator.notices.NoticeRelay`)."""
+
+    #: The largest request body read.
+    max_body: int
+
+    def serves(self, path: str) -> bool:
+        """Whether ``path`` is the relay's."""
+        ...
+
+    def handle(self, method: str, path: str, authorization: str | None, body: bytes = b"") -> HttpAnswer:
+        """The HTTP status and JSON answer to a request for one of the relay's paths."""
+        ...
 
 
 def loop_answers(loop: asyncio.AbstractEventLoop | None, timeout: float = LOOP_TIMEOUT_SECONDS) -> bool:
@@ -108,14 +132,16 @@ class Health:
 
 
 class ProbeServer:
-    """``/healthz`` (the path of ``url``) and ``/readyz`` on ``url``'s address and port, in a thread.
+    """``/healthz`` (the path of ``url``) and ``/readyz`` on ``url``'s address and port, in a thread;
+    and the notice relay's paths when ``relay`` is given.
 
-    ``url`` None or empty: no probes at all (``--liveness ''``).
+    ``url`` None or empty: no probes at all (``--liveness ''``), and no relay.
     """
 
-    def __init__(self, url: str | None, health: Health) -> None:
+    def __init__(self, url: str | None, health: Health, relay: Relay | None = None) -> None:
         self.url = url
         self.health = health
+        self.relay = relay
         self.server: http.server.ThreadingHTTPServer | None = None
 
     def __enter__(self) -> ProbeServer:
@@ -123,18 +149,52 @@ class ProbeServer:
             return self
         parts = urlsplit(self.url)
         answers = {parts.path or "/": self.health.live, READY_PATH: self.health.ready}
+        relay = self.relay
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            # A client that sends nothing does not hold a thread for ever.
+            timeout = REQUEST_TIMEOUT_SECONDS
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self._relayed("GET"):
+                    return
                 answer = answers.get(urlsplit(self.path).path)
                 if answer is None:
                     self.send_error(404)
                     return
                 ok, detail = answer()
+                self._json(200 if ok else 503, detail)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                if not self._relayed("POST"):
+                    self.send_error(404)
+
+            def _relayed(self, method: str) -> bool:
+                """Answer a request for the notice relay; False when it is not one."""
+                if relay is None:
+                    return False
+                path = urlsplit(self.path).path
+                if not relay.serves(path):
+                    return False
+                body = b""
+                if method == "POST":
+                    try:
+                        length = int(self.headers.get("Content-Length") or 0)
+                    except ValueError:
+                        length = -1
+                    if length < 0 or length > relay.max_body:
+                        self._json(413, {"error": f"send at most {relay.max_body} bytes, with a Content-Length"})
+                        return True
+                    body = self.rfile.read(length)
+                self._json(*relay.handle(method, path, self.headers.get("Authorization"), body))
+                return True
+
+            def _json(self, status: int, detail: dict[str, Any]) -> None:
                 body = json.dumps(detail).encode()
-                self.send_response(200 if ok else 503)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
                 self.end_headers()
                 self.wfile.write(body)
 

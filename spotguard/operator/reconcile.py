@@ -48,13 +48,11 @@ from spotguard.operator.decide import (
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import (
     ANNOTATION_OPERATOR_INSTANCE,
-    DEFAULT_NOTICE_CLUSTER_ROLE,
     LABEL_ATTEMPT,
     LABEL_JOB,
     OperatorConfig,
     build_pods,
     build_service,
-    notice_access,
 )
 from spotguard.operator.spec import (
     API_VERSION,
@@ -116,8 +114,6 @@ class Context:
     checkpoint_poll_seconds: float = 30.0
     #: Read storage (and the credentials Secrets) to report the newest verified checkpoint.
     read_checkpoints: bool = True
-    #: The ClusterRole bound to the pods' ServiceAccount of a job with the k8s notice source.
-    notice_cluster_role: str = DEFAULT_NOTICE_CLUSTER_ROLE
     #: This operator process (the leader election's identity): Events' reportingInstance, pods' annotation.
     instance: str = field(default_factory=socket.gethostname)
     #: Called before every write; exits the process when this replica may no longer act (see leader.py).
@@ -237,33 +233,6 @@ def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
     if existing is not None and not _owned_by(existing, owner_uid):
         raise NotOursYet(pod["metadata"]["name"])
     return False
-
-
-def _rbac(ctx: Context) -> Any:
-    from kubernetes import client
-
-    return client.RbacAuthorizationV1Api(ctx.core.api_client)
-
-
-def ensure_access(ctx: Context, objects: list[dict[str, Any]]) -> None:
-    """Create the ServiceAccount and RoleBinding of a job's pods; existing ones are kept.
-
-    Both are the same for every attempt, so nothing is ever patched; a Role an
-    older operator made for the job is left as it is (it goes with the job).
-    """
-    for obj in objects:
-        kind, namespace = obj["kind"], obj["metadata"]["namespace"]
-        if kind not in ("ServiceAccount", "RoleBinding"):
-            raise ValueError(f"the operator makes no {kind}")
-        ctx.fence()
-        try:
-            if kind == "ServiceAccount":
-                ctx.core.create_namespaced_service_account(namespace, obj)
-            else:
-                _rbac(ctx).create_namespaced_role_binding(namespace, obj)
-        except Exception as exc:
-            if api_status(exc) != 409:
-                raise
 
 
 def ensure_service(ctx: Context, service: dict[str, Any], owner_uid: str) -> None:
@@ -672,8 +641,6 @@ def apply(
                 for pod in build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports)]
         made: list[str] = []
         try:
-            # The pods' access first: a sidecar reads its pod from its first poll.
-            ensure_access(ctx, notice_access(name, namespace, uid, spec, cluster_role=ctx.notice_cluster_role))
             service = build_service(name, namespace, uid, spec, ports)
             if service is not None:
                 ensure_service(ctx, service, uid)

@@ -25,6 +25,8 @@ RESTORE_CONTAINER = "spotguard-restore"
 SHARED_VOLUME = "spotguard"
 #: gs:// with a credentials Secret: its service account key, mounted into spotguard's containers.
 GCS_KEY_VOLUME = "spotguard-gcs-key"
+#: The k8s notice source with a notice relay: the sidecar's projected token for it.
+NOTICE_TOKEN_VOLUME = "spotguard-notice-token"
 RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 CHECKSUMS = ("crc32c", "sha256")
@@ -132,7 +134,7 @@ class PreemptionSpec:
 
     @property
     def watches_own_pod(self) -> bool:
-        """Whether the ``k8s`` source is on: the sidecar reads its own pod from the API."""
+        """Whether the ``k8s`` source is on: the sidecar watches its own pod (through the operator's relay)."""
         return "k8s" in self.notices
 
 
@@ -487,7 +489,7 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
         if isinstance(c, Mapping) and c.get("name") in RESERVED_CONTAINER_NAMES:
             raise SpecError(f"{spath}.initContainers[{i}].name", f"{c.get('name')!r} is reserved")
     for i, v in enumerate(pod_spec.get("volumes") or []):
-        if isinstance(v, Mapping) and v.get("name") in (SHARED_VOLUME, GCS_KEY_VOLUME):
+        if isinstance(v, Mapping) and v.get("name") in (SHARED_VOLUME, GCS_KEY_VOLUME, NOTICE_TOKEN_VOLUME):
             raise SpecError(f"{spath}.volumes[{i}].name", f"{v.get('name')!r} is reserved")
     policy = pod_spec.get("restartPolicy")
     if policy not in (None, "Never"):
@@ -588,7 +590,7 @@ def parse_fallback(raw: Any, path: str = "spec.fallback") -> FallbackSpec | None
     unschedulable = _num(obj, "afterUnschedulableSeconds", path, d.after_unschedulable_seconds)
     after = _int(obj, "afterPreemptions", path, d.after_preemptions, minimum=1)
     window = _num(obj, "preemptionWindowSeconds", path, d.window_seconds, minimum=1.0)
-    cooldown = _num(obj, "cooldownSeconds", path, d.cooldown_seconds)
+    cooldown = _num(obj, "cooldownSeconds", path, d.cooldown_seconds, minimum=1.0)
     assert after is not None and window is not None and cooldown is not None
     return FallbackSpec(
         placement=parse_placement(obj, path),
@@ -609,22 +611,6 @@ def parse_avoid_nodes(raw: Any, path: str = "spec.avoidNodes") -> AvoidNodesSpec
         after_ends=_int(obj, "afterEnds", path, defaults.after_ends, minimum=1) or defaults.after_ends,
         for_seconds=_num(obj, "forSeconds", path, defaults.for_seconds, minimum=1.0) or defaults.for_seconds,
     )
-
-
-def check_own_account(template: PodTemplate, path: str = "spec.template.spec") -> None:
-    """Refuse a template that names a ServiceAccount when the ``k8s`` notice source is on.
-
-    Its pods then run as a ServiceAccount spotguard makes for the job (bound
-    to the notice ClusterRole), never a shared one nor ``default``.
-    """
-    for key in ("serviceAccountName", "serviceAccount"):
-        if template.spec.get(key):
-            raise SpecError(
-                f"{path}.{key}",
-                "cannot be set with the k8s source in spec.preemption.notices: the pods then run as a"
-                f" ServiceAccount spotguard makes for the job; remove {key} or drop k8s from"
-                " spec.preemption.notices",
-            )
 
 
 def parse(spec: Any) -> TrainingJobSpec:
@@ -649,8 +635,6 @@ def parse(spec: Any) -> TrainingJobSpec:
     sidecar_raw = obj.get("sidecar")
     checkpoint = parse_checkpoint(obj.get("checkpoint"))
     preemption = parse_preemption(obj.get("preemption"))
-    if preemption.watches_own_pod:
-        check_own_account(template)
     deadline = _int(obj, "activeDeadlineSeconds", "spec", None, minimum=1)
     ttl = _int(obj, "ttlSecondsAfterFinished", "spec", None, minimum=0)
     return TrainingJobSpec(

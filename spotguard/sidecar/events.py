@@ -1,26 +1,45 @@
 """Kubernetes Events the sidecar posts on its own pod (best effort).
 
+Today one: ``MetricsPortUnavailable``, when the sidecar cannot bind its
+metrics port (two ``hostNetwork`` pods on one node), once at its start.
+
+How, in this order:
+
+* in a pod of the operator's with the ``k8s`` notice source
+  (``SPOTGUARD_NOTICE_URL`` and the pod's projected token): the operator's
+  notice relay posts it on the caller's own pod (``POST /notices/v1/event``,
+  reasons of :data:`spotguard.notice_relay.RELAYED_REASONS` only). The pod's
+  own account needs no rights; spotguard grants it none;
+* else with ``KUBECONFIG`` (outside a cluster), or the in-cluster
+  ServiceAccount where the pod has one mounted: directly, which needs
+  ``create`` on events for that account (spotguard does not grant it: without
+  it, or anywhere else, the warning stays in the sidecar's log and its
+  termination report's ``metricsError``, which the operator quotes).
+
 Only where the sidecar can tell which pod it is (``POD_NAME`` and
-``POD_NAMESPACE``) and how to reach the apiserver (the in-cluster
-ServiceAccount, or ``KUBECONFIG``). Posting happens in a daemon thread with a
-short timeout: a missing permission, an unreachable apiserver or a slow one
-is logged and forgotten; it never delays or stops shipping checkpoints.
+``POD_NAMESPACE``). Posting happens in a daemon thread with a short timeout: a
+missing permission, an unreachable apiserver or relay, or a slow one is logged
+and forgotten; it never delays or stops shipping checkpoints.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+from spotguard import notice_relay
+from spotguard.sidecar.notices import http_request, read_token, relay_error
+
 log = logging.getLogger(__name__)
 
 COMPONENT = "spotguard-sidecar"
-# Reasons the sidecar posts (CamelCase, like kubelet's).
-REASON_METRICS_PORT_UNAVAILABLE = "MetricsPortUnavailable"
+# Reasons the sidecar posts (CamelCase, like kubelet's); the notice relay posts these on its behalf.
+REASON_METRICS_PORT_UNAVAILABLE = notice_relay.REASON_METRICS_PORT_UNAVAILABLE
 REQUEST_TIMEOUT_SECONDS = 5.0
 MAX_MESSAGE = 1024
 _SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
@@ -84,12 +103,16 @@ def _core_api(env: Mapping[str, str]) -> Any | None:
 def post_pod_event(
     reason: str, message: str, env: Mapping[str, str] | None = None, timeout: float = REQUEST_TIMEOUT_SECONDS
 ) -> bool:
-    """Post a Warning Event on this container's pod; True when the apiserver took it.
+    """Post a Warning Event on this container's pod; True when the apiserver (or the notice relay) took it.
 
     Never raises: any failure (no pod identity, no configuration, no
     permission, a timeout) is logged at INFO or DEBUG and returns False.
     """
     env = os.environ if env is None else env
+    relay_url = env.get(notice_relay.URL_ENV)
+    if relay_url:
+        return _post_through_relay(relay_url, env.get(notice_relay.TOKEN_FILE_ENV) or notice_relay.TOKEN_FILE,
+                                   reason, message, timeout)  # fmt: skip
     pod, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE")
     if not pod or not namespace:
         log.debug("no POD_NAME/POD_NAMESPACE: event %s not posted", reason)
@@ -106,6 +129,25 @@ def post_pod_event(
         log.info("could not post event %s on pod %s/%s: %s", reason, namespace, pod, _short(exc))
         return False
     log.debug("posted event %s on pod %s/%s", reason, namespace, pod)
+    return True
+
+
+def _post_through_relay(url: str, token_file: str, reason: str, message: str, timeout: float) -> bool:
+    """Ask the operator's notice relay to post the Event on this pod (it takes the pod from the token)."""
+    target = notice_relay.event_url(url)
+    body = json.dumps({"reason": reason, "message": message[:MAX_MESSAGE]}).encode()
+    try:
+        token = read_token(token_file)
+        resp = http_request(target, method="POST", data=body, timeout=timeout,
+                            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    except (OSError, ValueError) as exc:
+        log.info("could not post event %s through the notice relay %s: %s", reason, target, exc)
+        return False
+    if resp.status not in (200, 201, 202):
+        log.info("the notice relay %s did not post event %s: HTTP %d: %s", target, reason, resp.status,
+                 relay_error(resp.body))  # fmt: skip
+        return False
+    log.debug("the notice relay posted event %s", reason)
     return True
 
 

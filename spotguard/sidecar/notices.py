@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
 
+from spotguard import notice_relay
+
 log = logging.getLogger(__name__)
 
 # Provider defaults (documented): the link-local metadata services.
@@ -358,26 +360,37 @@ class KubernetesDisruptionNotices:
     """The pod's own ``DisruptionTarget`` condition (set on node shutdown,
     eviction or preemption by current Kubernetes versions).
 
-    Reads the pod named by ``POD_NAME``/``POD_NAMESPACE`` with the in-cluster
-    service account, or ``KUBECONFIG`` outside a cluster. The deadline is the
-    pod's ``deletionTimestamp`` when set, else now plus its grace period.
+    In a pod of the operator's (``SPOTGUARD_NOTICE_URL`` set): asks the
+    operator's notice relay, showing the pod's projected token from
+    ``SPOTGUARD_NOTICE_TOKEN_FILE`` (read at every poll: kubelet renews it);
+    the pod needs no rights of its own (:mod:`spotguard.notice_relay`).
+    Otherwise reads the pod named by ``POD_NAME``/``POD_NAMESPACE`` from the
+    API itself: with ``KUBECONFIG`` (outside a cluster, ``spotguard run``), or
+    the in-cluster ServiceAccount (which then needs ``get`` on pods). The
+    deadline is the pod's ``deletionTimestamp`` when set, else now plus its
+    grace period.
     """
 
     name = "k8s"
 
     def __init__(
         self,
-        pod_name: str,
-        namespace: str,
+        pod_name: str | None,
+        namespace: str | None,
         kubeconfig: str | None = None,
         timeout: float = HTTP_TIMEOUT_SECONDS,
         clock: Callable[[], float] = time.time,
+        *,
+        relay_url: str | None = None,
+        token_file: str = notice_relay.TOKEN_FILE,
     ) -> None:
         self.pod_name = pod_name
         self.namespace = namespace
         self.kubeconfig = kubeconfig
         self.timeout = timeout
         self.clock = clock
+        self.relay_url = relay_url
+        self.token_file = token_file
         self.last_error: str | None = None
         self._api: Any = None
         self._first_seen: float | None = None
@@ -398,6 +411,12 @@ class KubernetesDisruptionNotices:
 
     def poll(self) -> Notice | None:
         """Return a notice once the pod has a true ``DisruptionTarget`` condition."""
+        if self.relay_url:
+            view = self._ask_relay(self.relay_url)
+            if view is None:
+                return None
+            self.last_error = None
+            return disruption_notice(view, self._first_seen_now())
         try:
             pod = self._core_api().read_namespaced_pod(
                 self.pod_name, self.namespace, _request_timeout=self.timeout
@@ -408,6 +427,19 @@ class KubernetesDisruptionNotices:
         self.last_error = None
         return disruption_notice(pod.to_dict(), self._first_seen_now())
 
+    def _ask_relay(self, url: str) -> dict[str, Any] | None:
+        """The relay's view of this pod; None (and ``last_error``) when it did not answer it."""
+        try:
+            token = read_token(self.token_file)
+            resp = http_request(url, headers={"Authorization": f"Bearer {token}"}, timeout=self.timeout)
+            if resp.status != 200:
+                self.last_error = f"k8s: the notice relay {url} answered HTTP {resp.status}: {relay_error(resp.body)}"
+                return None
+            return _json_object(resp.body)
+        except (OSError, ValueError) as exc:
+            self.last_error = f"k8s: the notice relay {url}: {exc}"
+            return None
+
     def _first_seen_now(self) -> float:
         if self._first_seen is None:
             self._first_seen = self.clock()
@@ -415,6 +447,26 @@ class KubernetesDisruptionNotices:
 
     def acknowledge(self, notice: Notice) -> None:
         """Kubernetes takes no acknowledgement."""
+
+
+def read_token(path: str) -> str:
+    """The projected token in ``path``; raises OSError (naming the file, never its content) when absent or empty."""
+    with open(path, encoding="ascii") as f:
+        token = f.read().strip()
+    if not token:
+        raise OSError(f"the token file {path} is empty")
+    return token
+
+
+def relay_error(body: bytes) -> str:
+    """Pure: the notice relay's own reason in an error answer (``{"error": ...}``), else the body's start."""
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return str(doc["error"])
+    return body[:200].decode("utf-8", "replace").strip() or "(no body)"
 
 
 def disruption_notice(pod: Mapping[str, Any], now: float) -> Notice | None:
@@ -457,6 +509,9 @@ class NoticeSettings:
     pod_name: str | None = None
     pod_namespace: str | None = None
     kubeconfig: str | None = None
+    #: The operator's notice relay for the k8s source (in its pods), and the token the pod shows it.
+    relay_url: str | None = None
+    relay_token_file: str = notice_relay.TOKEN_FILE
     interval_seconds: float = 2.0
 
     @classmethod
@@ -471,6 +526,8 @@ class NoticeSettings:
             pod_name=env.get("POD_NAME") or None,
             pod_namespace=env.get("POD_NAMESPACE") or None,
             kubeconfig=env.get("KUBECONFIG") or None,
+            relay_url=env.get(notice_relay.URL_ENV) or None,
+            relay_token_file=env.get(notice_relay.TOKEN_FILE_ENV) or notice_relay.TOKEN_FILE,
             interval_seconds=float(env.get("SPOTGUARD_NOTICE_INTERVAL", "2")),
         )
 
@@ -497,11 +554,15 @@ def build_sources(settings: NoticeSettings) -> list[NoticeSource]:
         elif name == "azure":
             sources.append(AzureScheduledEvents(settings.azure_endpoint))
         elif name == "k8s":
-            if not settings.pod_name or not settings.pod_namespace:
-                raise ValueError("notice source k8s needs POD_NAME and POD_NAMESPACE")
+            if not settings.relay_url and (not settings.pod_name or not settings.pod_namespace):
+                raise ValueError(
+                    f"notice source k8s needs {notice_relay.URL_ENV} (in a pod of the operator's), or POD_NAME"
+                    " and POD_NAMESPACE (to read the pod from the API)"
+                )
             sources.append(
                 KubernetesDisruptionNotices(
-                    settings.pod_name, settings.pod_namespace, settings.kubeconfig
+                    settings.pod_name, settings.pod_namespace, settings.kubeconfig,
+                    relay_url=settings.relay_url, token_file=settings.relay_token_file,
                 )
             )
     return sources

@@ -91,6 +91,7 @@ class Agent:
         for _ in range(self.count):
             self._add_node()
         threading.Thread(target=self._watch_pods, name="pod watch", daemon=True).start()
+        threading.Thread(target=self._watch_endpoint_slices, name="endpoint slice watch", daemon=True).start()
         self._server = http.server.ThreadingHTTPServer((LOOPBACK, 0), ControlHandler)
         self._server.agent = self  # type: ignore[attr-defined]
         threading.Thread(target=self._server.serve_forever, name="control", daemon=True).start()
@@ -200,6 +201,38 @@ class Agent:
         finally:
             resp.release_conn()
         return rv
+
+    # -- endpoint slice watch (the hosts files' stand-in for kube-proxy and the DNS of Services) --
+
+    def _watch_endpoint_slices(self) -> None:
+        path = ""
+        while not self.stopping.is_set():
+            try:
+                if not path:  # discovery.k8s.io/v1 since 1.21; 1.20 serves v1beta1
+                    served = self.kube.get("/apis/discovery.k8s.io").get("versions") or []
+                    version = "v1" if any(v.get("version") == "v1" for v in served) else "v1beta1"
+                    path = f"/apis/discovery.k8s.io/{version}/endpointslices"
+                listing = self.kube.get(path)
+                self.hosts.resync_endpoint_slices(listing["items"])
+                rv = listing["metadata"]["resourceVersion"]
+                while not self.stopping.is_set():
+                    query = {"watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true",
+                             "timeoutSeconds": "60"}  # fmt: skip
+                    resp = self.kube.request("GET", path, query=query, timeout=(10.0, 90.0), stream=True)
+                    try:
+                        for line in watch_lines(resp):
+                            event = json.loads(line)
+                            if event["type"] == "ERROR":
+                                raise RuntimeError(f"watch expired: {event['object'].get('message')}")
+                            rv = event["object"]["metadata"]["resourceVersion"]
+                            if event["type"] != "BOOKMARK":
+                                self.hosts.observe_endpoint_slice(event["type"], event["object"])
+                    finally:
+                        resp.release_conn()
+            except Exception as exc:  # noqa: BLE001 - relist and carry on, like an informer
+                if not self.stopping.is_set():
+                    log.warning("endpoint slice watch: %s; relisting", exc)
+                    self.stopping.wait(1.0)
 
     def _resync(self, pods: list[JSON]) -> None:
         self.hosts.resync(pods)

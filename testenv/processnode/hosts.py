@@ -1,4 +1,4 @@
-"""Per-pod ``/etc/hosts`` files: the pod's own names, and a stand-in for the cluster DNS of headless Services.
+"""Per-pod ``/etc/hosts`` files: the pod's own names, and a stand-in for cluster DNS (and kube-proxy).
 
 Kubelet writes one hosts file per pod and bind-mounts it into every container;
 the process node does the same. The test world has no cluster DNS, so the
@@ -6,9 +6,22 @@ file also carries what CoreDNS would answer for headless Services: every pod
 on the cluster with ``spec.hostname`` H, ``spec.subdomain`` S and a pod IP,
 in namespace NS, is ``H.S.NS.svc.cluster.local`` and ``H.S.NS.svc``, and
 inside NS also ``H.S``. A name appears as soon as its pod has an IP and until
-the pod has ended or is gone (``publishNotReadyAddresses`` semantics). The
-agent watches every pod of the cluster and rewrites the files *in place*
-(a rename would leave the containers' bind mounts on the old file).
+the pod has ended or is gone (``publishNotReadyAddresses`` semantics).
+
+Nor is there a kube-proxy: a Service's ClusterIP leads nowhere here. So a
+Service SVC in namespace NS with a ready endpoint is ``SVC.NS.svc.cluster.local``
+and ``SVC.NS.svc``, and inside NS also ``SVC``, at the pod IP of one ready
+endpoint (the lowest): what DNS and kube-proxy together give a client, without
+the port translation, so a client reaches it only where the Service's port is
+its target port (the chart's notice relay port is). No ready endpoint, no name.
+The endpoints are read from EndpointSlices, as kube-proxy reads them (the
+endpoint slice controller keeps them; ``discovery.k8s.io/v1``, or ``v1beta1``
+on 1.20): the older Endpoints objects cannot carry these pods at all, their
+validation refuses the loopback range that process-node pod IPs come from.
+
+The agent watches every pod and every EndpointSlice of the cluster and
+rewrites the files *in place* (a rename would leave the containers' bind
+mounts on the old file).
 """
 
 from __future__ import annotations
@@ -63,6 +76,36 @@ class HostsFile:
     written: str | None = None
 
 
+@dataclass(frozen=True)
+class ServiceAddress:
+    """A Service as DNS plus kube-proxy would make it reachable: its name and one ready endpoint's IP."""
+
+    namespace: str
+    name: str
+    ip: str
+
+    def names(self, namespace: str) -> list[str]:
+        names = [f"{self.name}.{self.namespace}.svc.{CLUSTER_DOMAIN}", f"{self.name}.{self.namespace}.svc"]
+        return [*names, self.name] if namespace == self.namespace else names
+
+
+#: The label naming the Service of an EndpointSlice.
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+def service_of(endpoint_slice: JSON) -> ServiceAddress | None:
+    """Where a Service's name leads by one EndpointSlice (its lowest ready address), if it has a ready one.
+
+    An endpoint without a ``ready`` condition counts as ready (the API's rule).
+    """
+    md = endpoint_slice["metadata"]
+    service = (md.get("labels") or {}).get(SERVICE_NAME_LABEL)
+    endpoints = endpoint_slice.get("endpoints") or []
+    ready = [ep for ep in endpoints if (ep.get("conditions") or {}).get("ready") is not False]
+    ips = sorted(ip for ep in ready for ip in ep.get("addresses") or [])
+    return ServiceAddress(md["namespace"], service, ips[0]) if service and ips else None
+
+
 def peer_of(pod: JSON) -> Peer | None:
     """What cluster DNS knows of ``pod``, if anything (hostname + subdomain + IP, not ended)."""
     md, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
@@ -79,6 +122,7 @@ class ClusterHosts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._peers: dict[str, Peer] = {}
+        self._services: dict[str, ServiceAddress] = {}
         self._files: dict[str, HostsFile] = {}
 
     def observe(self, kind: str, pod: JSON) -> None:
@@ -102,6 +146,27 @@ class ClusterHosts:
                 self._peers = peers
                 self._rewrite()
 
+    def observe_endpoint_slice(self, kind: str, endpoint_slice: JSON) -> None:
+        """An EndpointSlice event of the cluster (``ADDED``/``MODIFIED``/``DELETED``)."""
+        uid = endpoint_slice["metadata"]["uid"]
+        service = None if kind == "DELETED" else service_of(endpoint_slice)
+        with self._lock:
+            if self._services.get(uid) == service:
+                return
+            if service is None:
+                del self._services[uid]
+            else:
+                self._services[uid] = service
+            self._rewrite()
+
+    def resync_endpoint_slices(self, items: list[JSON]) -> None:
+        """A fresh listing of every EndpointSlice."""
+        services = {e["metadata"]["uid"]: s for e in items if (s := service_of(e)) is not None}
+        with self._lock:
+            if services != self._services:
+                self._services = services
+                self._rewrite()
+
     def attach(self, uid: str, hosts: HostsFile) -> None:
         """Start keeping ``hosts`` (the file of pod ``uid``) current; writes it now."""
         with self._lock:
@@ -121,12 +186,12 @@ class ClusterHosts:
                 head = Path("/etc/hosts").read_text()
             except OSError:
                 head = LOCALHOST
-            lines = [head.rstrip("\n") + "\n", "# Cluster DNS of headless Services (process node).\n"]
+            lines = [head.rstrip("\n") + "\n", "# Cluster DNS of Services (process node).\n"]
             if hosts.subdomain:
                 # Its own name too: a gang's rank 0 connects to its own MASTER_ADDR.
                 base = f"{hosts.hostname}.{hosts.subdomain}"
-                names = f"{base}.{hosts.namespace}.svc.{CLUSTER_DOMAIN} {base}.{hosts.namespace}.svc {base}"
-                lines.append(f"{hosts.ip}\t{names}\n")
+                own_names = f"{base}.{hosts.namespace}.svc.{CLUSTER_DOMAIN} {base}.{hosts.namespace}.svc {base}"
+                lines.append(f"{hosts.ip}\t{own_names}\n")
         else:
             own = [hosts.hostname]
             if hosts.subdomain:
@@ -143,6 +208,14 @@ class ClusterHosts:
             if names:
                 seen.update(names)
                 lines.append(f"{peer.ip}\t{' '.join(names)}\n")
+        services = sorted(self._services.values(), key=lambda s: (s.namespace, s.name, s.ip))
+        if services:
+            lines.append("# Services at a ready endpoint's pod IP (no kube-proxy; process node).\n")
+        for service in services:
+            service_names = [n for n in service.names(hosts.namespace) if n not in seen]
+            if service_names:
+                seen.update(service_names)
+                lines.append(f"{service.ip}\t{' '.join(service_names)}\n")
         return "".join(lines)
 
     def _rewrite(self) -> None:

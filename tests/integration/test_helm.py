@@ -62,23 +62,26 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             ("get", "secrets"), ("get", "trainingjobs.spotguard.dev/status"),
             # spec.ttlSecondsAfterFinished: a finished job's object goes (its checkpoints stay).
             ("delete", "trainingjobs.spotguard.dev"),
-            # For jobs with the k8s notice source: their pods' account, bound to the chart's notice
-            # ClusterRole (the only one it may bind: tests/integration/test_rbac.py).
-            ("create", "serviceaccounts"), ("create", "rolebindings.rbac.authorization.k8s.io"),
+            # The notice relay reads the pod of the token it verified (pods get, above).
         ]
         for verb, resource in allowed:
             assert can_i(kube, verb, resource), (verb, resource)
         assert can_i(kube, "watch", "nodes", None)
+        # The notice relay's TokenReviews of the pods' projected tokens (cluster-scoped).
+        assert can_i(kube, "create", "tokenreviews.authentication.k8s.io", None)
         denied = [
             ("update", "trainingjobs.spotguard.dev"),
             ("create", "trainingjobs.spotguard.dev"), ("update", "pods"), ("create", "pods/eviction"),
             ("update", "trainingjobs.spotguard.dev/status"), ("patch", "pods/status"),
             ("list", "secrets"), ("create", "secrets"), ("delete", "events"), ("create", "deployments"),
             ("create", "mutatingwebhookconfigurations.admissionregistration.k8s.io"),
-            # No Roles at all; no escalate/bind but of the notice ClusterRole; it deletes none of it.
+            # No ServiceAccount, Role or RoleBinding made or changed, nothing bound or escalated: an account
+            # that may create RoleBindings could bind any role whose rules it holds (its own included).
+            ("create", "serviceaccounts"), ("create", "rolebindings.rbac.authorization.k8s.io"),
             ("create", "roles.rbac.authorization.k8s.io"), ("patch", "roles.rbac.authorization.k8s.io"),
             ("patch", "rolebindings.rbac.authorization.k8s.io"),
             ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
+            ("bind", "clusterroles.rbac.authorization.k8s.io"),
             ("delete", "roles.rbac.authorization.k8s.io"), ("delete", "serviceaccounts"),
             ("create", "serviceaccounts/token"),
         ]
@@ -86,6 +89,11 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             assert not can_i(kube, verb, resource), (verb, resource)
         assert not can_i(kube, "delete", "nodes", None)
         assert not can_i(kube, "list", "customresourcedefinitions.apiextensions.k8s.io", None)
+        assert not can_i(kube, "create", "clusterrolebindings.rbac.authorization.k8s.io", None)
+        # The Service reaches the notice relay on the liveness port.
+        ports = tool(kube, "kubectl", "get", "service", RELEASE, "-n", NAMESPACE, "-o",
+                     "jsonpath={range .spec.ports[*]}{.name}={.port}>{.targetPort} {end}").stdout.split()
+        assert "notices=8081>liveness" in ports, ports
 
         # Watching chosen namespaces: Roles there, nothing namespaced anywhere else.
         watched = "sg-watched-" + RELEASE
@@ -98,6 +106,9 @@ def test_install_rbac_and_uninstall(kube: Any) -> None:
             assert not can_i(kube, verb, resource, "default"), (verb, resource, "default")
         assert not can_i(kube, "get", "secrets", None) and not can_i(kube, "list", "pods", None)
         assert can_i(kube, "watch", "nodes", None)
+        assert can_i(kube, "create", "tokenreviews.authentication.k8s.io", None)
+        for verb, resource in denied:
+            assert not can_i(kube, verb, resource, watched), (verb, resource, watched)
         # readCheckpoints=false: no Secret anywhere.
         result = tool(kube, "helm", "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE, "--reuse-values",
                       "--set", "operator.readCheckpoints=false", check=False)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from spotguard import notice_relay
 from spotguard.operator.podbuilder import OperatorConfig, build_pod
 from spotguard.operator.spec import parse
 from spotguard.operator.testing import OperatorProcess, metric_value
@@ -150,7 +151,7 @@ def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator
     from kubernetes.client.exceptions import ApiException
 
     with pytest.raises(ApiException) as err:
-        create_job(apis, ns, no_node_job("bad", "gs://bucket/x"))
+        create_job(apis, ns, no_node_job("bad", "az://bucket/x"))
     assert err.value.status == 422 and "spec.checkpoint.storage" in err.value.body
     with pytest.raises(ApiException) as err:
         create_job(apis, ns, no_node_job("bad", f"file://{tmp_path}", preemption={"maxPreemptions": -1}))
@@ -287,79 +288,125 @@ def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, A
 # --- notices, start problems, the storage probe -----------------------------------
 
 
-def can_i(kube: Any, ns: str, account: str, verb: str, what: str) -> bool:
-    out = kubectl(kube, "auth", "can-i", verb, what, "-n", ns, f"--as=system:serviceaccount:{ns}:{account}",
-                  check=False)
-    return out.stdout.strip() == "yes"
+def pod_token(core: Any, ns: str, account: str, pod: Any | None, audience: str = notice_relay.AUDIENCE) -> str:
+    """A token as kubelet's projected serviceAccountToken volume gets it: TokenRequest bound to the pod."""
+    spec: dict[str, Any] = {"audiences": [audience], "expirationSeconds": 600}
+    if pod is not None:
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name,
+                                  "uid": pod.metadata.uid}  # fmt: skip
+    return str(core.create_namespaced_service_account_token(account, ns, {"spec": spec}).status.token)
 
 
-def test_k8s_notices_bind_the_jobs_own_account_to_the_notice_cluster_role(
-    apis: tuple[Any, Any], ns: str, kube: Any, operator: OperatorProcess, tmp_path: Path
+def relay(op: OperatorProcess, token: str | None, path: str = notice_relay.POD_PATH,
+          body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """Ask the operator's notice relay as a sidecar would (its HTTP client): (status, JSON answer)."""
+    import json
+
+    from spotguard.sidecar.notices import http_request
+
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    data = json.dumps(body).encode() if body is not None else None
+    resp = http_request(f"http://127.0.0.1:{op.liveness_port}{path}", method="POST" if data else "GET",
+                        headers=headers, data=data, timeout=10)  # fmt: skip
+    return resp.status, json.loads(resp.body)
+
+
+def plain_pod(core: Any, ns: str, name: str, labels: dict[str, str]) -> Any:
+    """A pod no node takes (only its identity matters)."""
+    return core.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels}, "spec": {
+        "nodeSelector": NO_NODE, "containers": [{"name": "c", "image": "busybox", "command": ["true"]}]}})
+
+
+def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
 ) -> None:
-    """The pod runs as a ServiceAccount made for the job, bound (a RoleBinding owned by the job) to the
-    fixed ClusterRole the chart installs: it reads pods and posts Events in its namespace, nothing
-    else; no Role is made."""
+    """The operator makes no ServiceAccount and no RoleBinding: the pod keeps its template's account and its
+    sidecar asks the operator, with the pod's bound token, for that pod's disruption state, and nothing else."""
     from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
 
-    from spotguard.operator.podbuilder import DEFAULT_NOTICE_CLUSTER_ROLE
+    from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event
+    from spotguard.sidecar.notices import KubernetesDisruptionNotices
 
     core, _ = apis
     rbac = client.RbacAuthorizationV1Api(core.api_client)
-    # What the chart installs (the operator here runs as a local process, without the chart);
-    # removed after, for a chart installed later in this cluster.
-    try:
-        rbac.create_cluster_role({"metadata": {"name": DEFAULT_NOTICE_CLUSTER_ROLE}, "rules": [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]})
-    except ApiException as exc:
-        if exc.status != 409:
-            raise
-    try:
-        _check_notice_access(apis, ns, kube, tmp_path, rbac)
-    finally:
-        rbac.delete_cluster_role(DEFAULT_NOTICE_CLUSTER_ROLE)
-
-
-def _check_notice_access(apis: tuple[Any, Any], ns: str, kube: Any, tmp_path: Path, rbac: Any) -> None:
-    from spotguard.operator.podbuilder import DEFAULT_NOTICE_CLUSTER_ROLE
-
-    core, _ = apis
-    job = create_job(apis, ns, no_node_job("notice", f"file://{tmp_path}/store", preemption={
-        "maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]}))
-    pod = wait_pod(apis, ns, "notice-a1")
-    account = "notice-spotguard-notices"
-    assert pod.spec.service_account_name == account
+    # The template's own account, with the k8s source (refused by earlier releases).
+    core.create_namespaced_service_account(ns, {"metadata": {"name": "trainer-sa"}})
+    wait_for(lambda: core.read_namespaced_service_account("trainer-sa", ns).secrets, "trainer-sa's token", timeout=60)
+    body = no_node_job("notice", f"file://{tmp_path}/store", preemption={
+        "maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]})
+    body["spec"]["template"]["spec"]["serviceAccountName"] = "trainer-sa"
+    create_job(apis, ns, body)
+    create_job(apis, ns, no_node_job("other", f"file://{tmp_path}/store", preemption={"notices": ["k8s"]}))
+    pod, other = wait_pod(apis, ns, "notice-a1"), wait_pod(apis, ns, "other-a1")
+    assert pod.spec.service_account_name == "trainer-sa" and other.spec.service_account_name == "default"
     sidecar = next(c for c in pod.spec.containers if c.name == "spotguard-sidecar")
     assert {e.name: e.value for e in sidecar.env}["SPOTGUARD_NOTICES"] == "k8s,aws"
-    owner = job["metadata"]["uid"]
-    binding = rbac.read_namespaced_role_binding("notice-spotguard-pod-notices", ns)
-    assert (binding.role_ref.kind, binding.role_ref.name) == ("ClusterRole", DEFAULT_NOTICE_CLUSTER_ROLE)
-    assert [(x.kind, x.name, x.namespace) for x in binding.subjects] == [("ServiceAccount", account, ns)]
-    for obj in (core.read_namespaced_service_account(account, ns), binding):
-        assert [r.uid for r in obj.metadata.owner_references] == [owner]
-    assert [r.metadata.name for r in rbac.list_namespaced_role(ns).items] == []
-    # What the apiserver's RBAC really allows the pod's account.
-    assert can_i(kube, ns, account, "get", "pod/notice-a1") and can_i(kube, ns, account, "create", "events")
-    assert not can_i(kube, ns, account, "list", "pods") and not can_i(kube, ns, account, "get", "secrets")
-    assert not can_i(kube, ns, account, "patch", "pod/notice-a1")
-    assert not can_i(kube, "default", account, "get", "pods")
+    assert sorted(a.metadata.name for a in core.list_namespaced_service_account(ns).items) == ["default", "trainer-sa"]
+    assert rbac.list_namespaced_role_binding(ns).items == [] and rbac.list_namespaced_role(ns).items == []
 
-    # The next attempt runs as the same account, still with access to its pod.
-    shutdown_pod(apis, ns, "notice-a1")
-    pod = wait_pod(apis, ns, "notice-a2")
-    assert pod.spec.service_account_name == account
-    assert can_i(kube, ns, account, "get", "pod/notice-a2")
+    token = pod_token(core, ns, "trainer-sa", pod)
+    other_token = pod_token(core, ns, "default", other)
+    status, view = relay(operator, token)
+    assert status == 200, view
+    assert view == {"metadata": {"uid": pod.metadata.uid, "deletionTimestamp": None},
+                    "spec": {"terminationGracePeriodSeconds": 5, "nodeName": None},
+                    "status": {"conditions": view["status"]["conditions"]}}  # fmt: skip
+    assert all(c["type"] != "DisruptionTarget" for c in view["status"]["conditions"])
+    # Each token answers for its own pod only.
+    status, seen = relay(operator, other_token)
+    assert status == 200 and seen["metadata"]["uid"] == other.metadata.uid != pod.metadata.uid
 
+    # The sidecar's source, polling the relay with the token file as mounted.
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    source = KubernetesDisruptionNotices(None, None, relay_url=f"http://127.0.0.1:{operator.liveness_port}"
+                                         f"{notice_relay.POD_PATH}", token_file=str(token_file))  # fmt: skip
+    assert source.poll() is None and source.last_error is None
+    core.patch_namespaced_pod_status("notice-a1", ns, {"status": {"conditions": [{
+        "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+        "message": "Pod was terminated in response to imminent node shutdown."}]}})
+    notice = wait_for(source.poll, "the DisruptionTarget through the relay", timeout=20)
+    assert notice.key == f"k8s:{pod.metadata.uid}:TerminationByKubelet" and notice.preempt
+    assert notice.deadline is not None and notice.deadline > 0
+    assert token not in str(source.last_error)
+    status, seen = relay(operator, other_token)
+    assert all(c["type"] != "DisruptionTarget" for c in seen["status"]["conditions"])
 
-def test_without_k8s_notices_no_account_is_made(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                tmp_path: Path) -> None:
-    core, _ = apis
-    create_job(apis, ns, no_node_job("cloudonly", f"file://{tmp_path}/store", preemption={"notices": ["gce"]}))
-    pod = wait_pod(apis, ns, "cloudonly-a1")
-    assert pod.spec.service_account_name == "default"
-    names = [a.metadata.name for a in core.list_namespaced_service_account(ns).items]
-    assert "cloudonly-spotguard-notices" not in names
+    # Refused: no token, not a token, the apiserver's audience, a token bound to no pod, a pod not
+    # spotguard's, a namespace not served, a pod gone.
+    assert relay(operator, None)[0] == 401
+    assert relay(operator, "not-a-token")[0] == 401
+    assert relay(operator, pod_token(core, ns, "trainer-sa", pod, audience="https://kubernetes.default.svc"))[0] == 401
+    assert relay(operator, pod_token(core, ns, "trainer-sa", None)) == (403, {
+        "error": "the token is not bound to a pod: use a projected serviceAccountToken volume of the pod"})
+    stranger = plain_pod(core, ns, "stranger", {"app": "web"})
+    status, answer = relay(operator, pod_token(core, ns, "default", stranger))
+    assert status == 403 and "not spotguard's" in answer["error"]
+    elsewhere = plain_pod(core, "default", f"elsewhere-{uuid.uuid4().hex[:6]}", {"spotguard.dev/job": "x"})
+    try:
+        status, answer = relay(operator, pod_token(core, "default", "default", elsewhere))
+        assert (status, answer["error"]) == (403, "namespace default is not served by this operator")
+    finally:
+        core.delete_namespaced_pod(elsewhere.metadata.name, "default", grace_period_seconds=0)
+    stray = plain_pod(core, ns, "stray", {"spotguard.dev/job": "stray"})
+    stray_token = pod_token(core, ns, "default", stray)
+    assert relay(operator, stray_token)[0] == 200
+    core.delete_namespaced_pod("stray", ns, grace_period_seconds=0)
+    wait_for(lambda: relay(operator, stray_token)[0] in (401, 404), "the gone pod's token to be refused", timeout=15)
+
+    # Events: one of the fixed reasons, on the caller's own pod, through the sidecar's client.
+    env = {"SPOTGUARD_NOTICE_URL": f"http://127.0.0.1:{operator.liveness_port}{notice_relay.POD_PATH}",
+           "SPOTGUARD_NOTICE_TOKEN_FILE": str(token_file)}  # fmt: skip
+    assert post_pod_event(REASON_METRICS_PORT_UNAVAILABLE, "cannot serve metrics on :9400", env) is True
+    posted = wait_for(lambda: [e for e in core.list_namespaced_event(ns, field_selector="involvedObject.name=notice-a1")
+                               .items if e.reason == REASON_METRICS_PORT_UNAVAILABLE], "the relayed Event")
+    assert [(e.type, e.message, e.involved_object.uid) for e in posted] == [
+        ("Warning", "cannot serve metrics on :9400", pod.metadata.uid)]
+    assert relay(operator, token, notice_relay.EVENT_PATH, {"reason": REASON_METRICS_PORT_UNAVAILABLE})[0] == 429
+    assert relay(operator, other_token, notice_relay.EVENT_PATH, {"reason": "Killing", "message": "x"})[0] == 400
+    assert token not in operator.log_tail(400) and other_token not in operator.log_tail(400)
+    for name in ("stranger",):
+        core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
 
 
 def test_unknown_notice_source_is_refused_by_the_schema(apis: tuple[Any, Any], ns: str, crd: None,

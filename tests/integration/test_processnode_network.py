@@ -202,6 +202,42 @@ def test_pods_on_two_nodes_bind_one_port_and_find_each_other_by_cluster_dns_name
     assert "127.0.0.1\tlocalhost" in hosts
 
 
+def test_pods_reach_a_service_by_its_name_at_a_ready_endpoint(core: Any, ns: str, process_nodes: ProcessNodes) -> None:
+    """No kube-proxy and no cluster DNS: a Service's name leads to a ready endpoint's pod IP (its port is its
+    target port), as the notice relay's URL needs."""
+    first, second = process_nodes.node_names()[:2]
+    core.create_namespaced_service(ns, {"metadata": {"name": "web"}, "spec": {
+        "selector": {"app": "web"}, "ports": [{"port": PORT, "targetPort": PORT}]}})
+    server = python_pod("server", SERVER, {"CONNECTIONS": "2"}, nodeName=first)
+    server["metadata"]["labels"] = {"app": "web"}
+    create_pod(core, ns, server)
+    create_pod(core, ns, python_pod("client", CLIENT, {"TARGETS": f"web.{ns}.svc web"}, nodeName=second))
+    client = wait_phase(core, ns, "client", ("Succeeded", "Failed"))
+    lines = output(process_nodes, ns, "client")
+    assert client.status.phase == "Succeeded", lines
+    assert lines[1:] == [f"web.{ns}.svc from-server", "web from-server"]
+    server_ip = process_nodes.pod_ip(ns, "server")
+    hosts = report(process_nodes, ns, "client")["hosts"].splitlines()
+    assert f"{server_ip}\tweb.{ns}.svc.cluster.local web.{ns}.svc web" in hosts, hosts
+
+
+def test_a_services_name_needs_a_ready_endpoint() -> None:
+    from testenv.processnode.hosts import ServiceAddress, service_of
+
+    def endpoint_slice(*endpoints: dict[str, Any], service: str | None = "op") -> dict[str, Any]:
+        labels = {"kubernetes.io/service-name": service} if service else {}
+        return {"metadata": {"name": "op-x1", "namespace": "sys", "uid": "u", "labels": labels},
+                "addressType": "IPv4", "endpoints": list(endpoints)}  # fmt: skip
+
+    assert service_of(endpoint_slice()) is None
+    assert service_of(endpoint_slice({"addresses": ["127.64.1.9"], "conditions": {"ready": False}})) is None
+    assert service_of(endpoint_slice({"addresses": ["127.64.1.9"]}, service=None)) is None
+    ready = endpoint_slice({"addresses": ["127.64.1.9"], "conditions": {"ready": True}}, {"addresses": ["127.64.1.3"]},
+                           {"addresses": ["127.64.1.1"], "conditions": {"ready": False}})  # fmt: skip
+    assert service_of(ready) == ServiceAddress("sys", "op", "127.64.1.3")
+    assert ServiceAddress("sys", "op", "127.64.1.3").names("ml") == ["op.sys.svc.cluster.local", "op.sys.svc"]
+
+
 def _fetch(ip: str, port: int) -> bytes | None:
     try:
         with socket.create_connection((ip, port), timeout=5) as c:

@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -25,21 +26,15 @@ NAMESPACED_RULES = {
     ("", "events"): {"create"},
     # The headless Service of a job of several nodes.
     ("", "services"): {"get", "create"},
-    # For jobs with the k8s notice source: the pods' ServiceAccount and its RoleBinding to the
-    # notice ClusterRole (the only role it may bind; no Role of its own making).
-    ("", "serviceaccounts"): {"create"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"create"},
-    ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
     ("", "secrets"): {"get"},
 }
-CLUSTER_RULES = {("", "nodes"): {"get", "list", "watch"}}
+CLUSTER_RULES = {
+    ("", "nodes"): {"get", "list", "watch"},
+    # The notice relay verifies the pods' projected tokens (cluster-scoped, as system:auth-delegator).
+    ("authentication.k8s.io", "tokenreviews"): {"create"},
+}
 EXPECTED_RULES = {**NAMESPACED_RULES, **CLUSTER_RULES}
-NOTICE_ROLE = "rel-spotguard-pod-notices"
-#: What the sidecar's k8s notice source (reads its pod) and its Events (on its pod) need.
-NOTICE_RULES = [
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-]
+NOTICE_URL = "http://rel-spotguard.spotguard-system.svc:8081/notices/v1/pod"
 
 
 def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
@@ -53,7 +48,7 @@ def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 
 def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    roles = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] != NOTICE_ROLE]
+    roles = by_kind(docs, "ClusterRole")
     assert len(roles) == 1, [r["metadata"]["name"] for r in roles]
     return roles[0]
 
@@ -63,16 +58,7 @@ def rules(docs: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
 
 
 def rbac_rules(role: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in role["rules"] if "rbac.authorization.k8s.io" in r["apiGroups"]]
-
-
-def assert_rbac_rules_pinned(role: dict[str, Any]) -> None:
-    """The operator's RBAC rules: RoleBindings it creates, and bind on the notice ClusterRole only."""
-    assert sorted(rbac_rules(role), key=lambda r: r["resources"]) == [
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind"],
-         "resourceNames": [NOTICE_ROLE]},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"], "verbs": ["create"]},
-    ], role["metadata"]
+    return [r for r in role["rules"] if "rbac.authorization.k8s.io" in r["apiGroups"] or "*" in r["apiGroups"]]
 
 
 def test_crd_copy_is_identical() -> None:
@@ -90,8 +76,7 @@ def test_lint_strict() -> None:
 def test_default_render() -> None:
     docs = render()
     assert sorted(d["kind"] for d in docs) == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-         "CustomResourceDefinition"])
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "CustomResourceDefinition"])
     crd = one(docs, "CustomResourceDefinition")
     source = yaml.safe_load(CRD.read_text())
     assert crd["spec"] == source["spec"]  # the chart installs exactly the source of truth
@@ -117,15 +102,15 @@ def test_default_render() -> None:
     assert "--all-namespaces" in cmd and "--metrics-port=8080" in cmd
     assert "--liveness=http://0.0.0.0:8081/healthz" in cmd
     assert "--image=spotguard/spotguard:0.1.0" in cmd
-    assert f"--notice-cluster-role={NOTICE_ROLE}" in cmd
-    assert not any(a.startswith(("--webhook", "--peering", "--leader-elect")) for a in cmd)
+    assert f"--notice-url={NOTICE_URL}" in cmd
+    assert not any(a.startswith(("--webhook", "--peering", "--leader-elect", "--notice-cluster-role")) for a in cmd)
     # The replica's identity comes from its pod's name (and a suffix of the process's own).
     env = {e["name"]: e.get("valueFrom") for e in container["env"]}
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
     svc = one(docs, "Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics"]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics", "notices"]
     binding = one(docs, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
                                     "namespace": "spotguard-system"}]
@@ -136,49 +121,47 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
     without_secrets = dict(EXPECTED_RULES)
     del without_secrets[("", "secrets")]
     assert rules(render("operator.readCheckpoints=false")) == without_secrets
-    assert_rbac_rules_pinned(operator_cluster_role(render()))
 
 
-def test_operator_makes_no_role_and_binds_only_the_notice_cluster_role() -> None:
-    for sets in ((), ("operator.watchNamespaces={ml,research}",), ("operator.readCheckpoints=false",)):
-        docs = render(*sets)
-        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
-            granted = rules_of(role)
-            assert ("rbac.authorization.k8s.io", "roles") not in granted, role["metadata"]
-            assert ("rbac.authorization.k8s.io", "clusterrolebindings") not in granted, role["metadata"]
-            assert not any("escalate" in verbs or "*" in verbs for verbs in granted.values()), role["metadata"]
-            if role["metadata"]["name"] != NOTICE_ROLE and rbac_rules(role):
-                assert_rbac_rules_pinned(role)
+@pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={ml,research}",),
+                                  ("operator.readCheckpoints=false",), ("replicaCount=3",)])  # fmt: skip
+def test_operator_may_make_no_account_role_or_binding(sets: tuple[str, ...]) -> None:
+    """RBAC lets an account that may create RoleBindings bind any role whose rules it holds (its own
+    included): the operator may not create one at all, nor ServiceAccounts, Roles, or bind anything."""
+    docs = render(*sets)
+    for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+        assert rbac_rules(role) == [], role["metadata"]
+        granted = rules_of(role)
+        assert ("", "serviceaccounts") not in granted and ("", "serviceaccounts/token") not in granted
+        assert not any("escalate" in verbs or "bind" in verbs or "*" in verbs for verbs in granted.values())
+        assert not any(res == "*" for _, res in granted), role["metadata"]
+    # Only the chart's own bindings exist, of the chart's own roles.
+    for b in by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding"):
+        assert b["roleRef"]["name"].startswith("rel-spotguard"), b["metadata"]
 
 
-def test_notice_cluster_role_is_fixed_and_small() -> None:
-    for sets in ((), ("operator.watchNamespaces={ml}",), ("operator.readCheckpoints=false",)):
-        docs = render(*sets)
-        (role,) = [r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == NOTICE_ROLE]
-        assert role["rules"] == NOTICE_RULES
-        assert role["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
-        # Bound by nothing in the chart: the operator binds it per job, to the job's own account.
-        for b in by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding"):
-            assert b["roleRef"]["name"] != NOTICE_ROLE
-        assert f"--notice-cluster-role={NOTICE_ROLE}" in operator_command(docs)
-    assert by_kind(render("rbac.create=false"), "ClusterRole") == []
-    full = render("fullnameOverride=sg")
-    assert {r["metadata"]["name"] for r in by_kind(full, "ClusterRole")} == {"sg", "sg-pod-notices"}
-    assert "--notice-cluster-role=sg-pod-notices" in operator_command(full)
+@pytest.mark.parametrize(("sets", "url"), [
+    ((), NOTICE_URL),
+    (("fullnameOverride=sg", "liveness.port=18081"), "http://sg.spotguard-system.svc:18081/notices/v1/pod"),
+    (("metrics.enabled=false",), NOTICE_URL),
+])  # fmt: skip
+def test_the_notice_relay_is_reached_through_the_charts_service(sets: tuple[str, ...], url: str) -> None:
+    from spotguard.cli import build_parser
+    from spotguard.operator.cli import notice_url_problem
 
-
-def test_notice_cluster_role_covers_what_the_sidecar_calls() -> None:
-    # Each API call of the sidecar's k8s notice source and Events (a call added there must be granted here).
-    source = (ROOT / "spotguard" / "sidecar" / "notices.py").read_text()
-    source += (ROOT / "spotguard" / "sidecar" / "events.py").read_text()
-    calls = {"read_namespaced_pod": ("", "pods", "get"), "create_namespaced_event": ("", "events", "create")}
-    (role,) = [r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == NOTICE_ROLE]
-    granted = rules_of(role)
-    for call, (group, resource, verb) in calls.items():
-        assert call in source, f"{call} no longer used: update this table"
-        assert verb in granted[(group, resource)], call
-    # Nothing else reaches the API there: no list, no watch stream, no node.
-    assert "list_namespaced" not in source and "read_node" not in source and "Watch(" not in source
+    docs = render(*sets)
+    cmd = operator_command(docs)
+    assert f"--notice-url={url}" in cmd
+    args = build_parser().parse_args(["operator", *cmd[2:]])
+    assert args.notice_url == url and notice_url_problem(args.notice_url, args.liveness) is None
+    # The Service's port is the container's own (the URL holds without port translation), on the probes port.
+    svc = one(docs, "Service")
+    (port,) = [p for p in svc["spec"]["ports"] if p["name"] == "notices"]
+    live = int(urlsplit(args.liveness).port or 0)
+    assert port["port"] == live and port["targetPort"] == "liveness"
+    assert f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:{live}/" in url
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "liveness", "containerPort": live, "protocol": "TCP"} in container["ports"]
 
 
 def test_read_checkpoints_false_reaches_the_operator() -> None:
@@ -228,6 +211,7 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
     source = (ROOT / "spotguard" / "operator" / "reconcile.py").read_text()
     source += (ROOT / "spotguard" / "operator" / "handlers.py").read_text()
     source += (ROOT / "spotguard" / "operator" / "probe.py").read_text()
+    source += (ROOT / "spotguard" / "operator" / "notices.py").read_text()
     calls = {
         "get_namespaced_custom_object": ("spotguard.dev", "trainingjobs", "get"),
         "delete_namespaced_custom_object": ("spotguard.dev", "trainingjobs", "delete"),
@@ -241,16 +225,17 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
         "read_namespaced_secret": ("", "secrets", "get"),
         "create_namespaced_service": ("", "services", "create"),
         "read_namespaced_service": ("", "services", "get"),
-        "create_namespaced_service_account": ("", "serviceaccounts", "create"),
-        "create_namespaced_role_binding": ("rbac.authorization.k8s.io", "rolebindings", "create"),
+        # The notice relay's TokenReview of a pod's projected token.
+        "create_token_review": ("authentication.k8s.io", "tokenreviews", "create"),
     }
     granted = rules(render())
     for call, (group, resource, verb) in calls.items():
         assert call in source, f"{call} no longer used: update this table"
         assert verb in granted[(group, resource)], call
-    # Roles are never made nor changed, and bindings never changed.
+    # No Role, RoleBinding or ServiceAccount is ever made or changed.
     for call in ("create_namespaced_role(", "patch_namespaced_role(", "patch_namespaced_role_binding",
-                 "replace_namespaced_role"):
+                 "replace_namespaced_role", "create_namespaced_role_binding", "create_namespaced_service_account",
+                 "RbacAuthorizationV1Api"):
         assert call not in source, call
 
 
@@ -260,7 +245,8 @@ def test_namespaces_crds_and_metrics_switches() -> None:
     assert "--namespace=ml" in cmd and "--namespace=research" in cmd and "--all-namespaces" not in cmd
     assert "--metrics-port=0" in cmd
     assert "annotations" not in one(docs, "CustomResourceDefinition")["metadata"]
-    assert by_kind(docs, "Service") == []
+    # The Service stays for the notice relay.
+    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["notices"]
     assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
 
 
@@ -296,7 +282,7 @@ def test_webhook() -> None:
     assert "DNS:rel-spotguard.spotguard-system.svc" in text
     cmd = operator_command(docs)
     assert "--webhook" in cmd and "--webhook-cert=/tls/tls.crt" in cmd and "--webhook-key=/tls/tls.key" in cmd
-    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["metrics", "webhook"]
+    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["metrics", "webhook", "notices"]
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     assert {"name": "webhook-tls", "secret": {"secretName": "rel-spotguard-webhook-tls"}} in pod["volumes"]
     # No RBAC for webhook configurations: the chart, not the operator, registers it.

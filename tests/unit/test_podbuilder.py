@@ -12,11 +12,9 @@ from spotguard.operator.podbuilder import (
     OperatorConfig,
     build_pod,
     inject,
-    notice_access,
-    notice_service_account,
     server_supports_native_sidecars,
 )
-from spotguard.operator.spec import SpecError, parse
+from spotguard.operator.spec import parse
 
 AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
     {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]}]}}}
@@ -247,41 +245,8 @@ def test_notices_reach_the_sidecar_only() -> None:
     assert env_of(sidecar_of(pod))["SPOTGUARD_NOTICES"] == "aws,gce"
     assert "SPOTGUARD_NOTICES" not in env_of(pod["spec"]["containers"][0])
     assert "SPOTGUARD_NOTICES" not in env_of(sidecar_of(build()))
-    # No k8s source: the pod keeps the template's account and no access objects are made.
+    # The pod keeps the template's account (spotguard makes none; see test_notice_relay_unit.py for k8s).
     assert pod["spec"]["serviceAccountName"] == "trainer-sa"
-    spec = parse(job_spec(preemption={"notices": ["aws"]}))
-    assert notice_access("demo", "team-a", "uid-123", spec) == []
-
-
-def test_k8s_notices_bind_the_jobs_own_account_to_the_notice_cluster_role() -> None:
-    raw = job_spec(preemption={"notices": ["k8s"]})
-    del raw["template"]["spec"]["serviceAccountName"]
-    spec = parse(raw)
-    pod = build_pod("demo", "team-a", "uid-123", spec, 3, OperatorConfig())
-    account = notice_service_account("demo")
-    assert pod["spec"]["serviceAccountName"] == account == "demo-spotguard-notices"
-    assert env_of(sidecar_of(pod))["SPOTGUARD_NOTICES"] == "k8s"
-    objs = notice_access("demo", "team-a", "uid-123", spec, cluster_role="rel-spotguard-pod-notices")
-    assert [o["kind"] for o in objs] == ["ServiceAccount", "RoleBinding"]
-    for o in objs:
-        assert o["metadata"]["namespace"] == "team-a"
-        assert o["metadata"]["ownerReferences"] == pod["metadata"]["ownerReferences"]
-    service_account, binding = objs
-    assert service_account["metadata"]["name"] == account
-    assert binding["metadata"]["name"] == "demo-spotguard-pod-notices"
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": "rel-spotguard-pod-notices"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
-
-
-def test_k8s_notices_refuse_the_templates_own_account() -> None:
-    with pytest.raises(SpecError, match="remove serviceAccountName"):
-        parse(job_spec(preemption={"notices": ["k8s", "aws"]}))
-
-
-def test_notice_account_name_fits_for_long_job_names() -> None:
-    name = notice_service_account("j" * 253)
-    assert len(name) <= 253 and name != notice_service_account("j" * 252)
 
 
 @pytest.mark.parametrize("native", [False, True])
