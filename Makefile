@@ -27,7 +27,7 @@ test: setup lint
 	$(if $(LANES),$(PY) -m testenv.lanes,$(PY) -m pytest) --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The long run: every randomized trial loop at full scale (60 crash trials, 20
+# The long run: every randomized trial loop at full scale (80 crash trials, 20
 # sidecar SIGTERM trials, 30 torchrun crash trials, 3 SIGTERMs per torchrun
 # preemption test, 30 chunk GC trials, the sharded races, the 20-job fleets
 # with and without hostNetwork and a mixed one, the 4-rank torchrun preemption test).

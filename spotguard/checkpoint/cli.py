@@ -20,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from spotguard.cliutil import error, progress_flag, usage
+
 EXIT_OK = 0
 EXIT_FAIL = 1
-EXIT_USAGE = 2
 
 _CKPT_SEGMENT = re.compile(r"^ckpt-(\d{1,12})$")
 
@@ -38,7 +39,7 @@ def register(subparsers: Any) -> None:
         "Default Credentials (GOOGLE_APPLICATION_CREDENTIALS, Workload Identity).",
     )
     sub = ckpt.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
-    ckpt.set_defaults(func=lambda args: _usage(ckpt))
+    ckpt.set_defaults(func=lambda args: usage(ckpt))
 
     p = sub.add_parser("ls", help="list checkpoints: step, time, size, metrics, verified yes/no and why")
     p.add_argument("uri", metavar="URI")
@@ -61,7 +62,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plain", "--export", action="store_true", dest="plain",
                    help="write a self-contained copy: whole files and a manifest without chunk references "
                         "(for a checkpoint stored incrementally; to share it, or to hand the files to a framework)")
-    _progress_flag(p)
+    progress_flag(p)
     p.set_defaults(func=_guard(cmd_restore))
 
     p = sub.add_parser(
@@ -93,7 +94,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--last", type=_pos_int, required=True, metavar="K")
     p.add_argument("out", metavar="OUT", type=Path, help="output safetensors file")
     p.add_argument("--part", default="model", help="state part to average (default: model)")
-    _progress_flag(p)
+    progress_flag(p)
     p.set_defaults(func=_guard(cmd_average))
 
     p = sub.add_parser(
@@ -118,7 +119,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
                    help="split model.safetensors above this size, with an index (default 5GB)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace a DEST that is not empty")
-    _progress_flag(p)
+    progress_flag(p)
     p.set_defaults(func=_guard(cmd_export))
 
     p = subparsers.add_parser(
@@ -131,7 +132,7 @@ def register(subparsers: Any) -> None:
                    help="job checkpoint root (env SPOTGUARD_STORAGE_URI)")  # fmt: skip
     p.add_argument("--dest", type=Path, default=_env_path("SPOTGUARD_CHECKPOINT_DIR"), metavar="DIR",
                    help="local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR)")  # fmt: skip
-    _progress_flag(p)
+    progress_flag(p)
     p.set_defaults(func=_guard(cmd_init_restore))
 
 
@@ -161,18 +162,7 @@ def _pos_int(raw: str) -> int:
     return value
 
 
-def _progress_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--progress", action="store_true", default=None, help="show progress on stderr (default: if a TTY)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
 
-
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
-
-
-def _err(message: str) -> None:
-    print(f"spotguard: error: {message}", file=sys.stderr)
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -191,12 +181,12 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         try:
             return fn(args)
         except (UserError, StorageError, ManifestError, StateError, CheckpointCorruptError, ValueError) as exc:
-            _err(str(exc))
+            error(str(exc))
         except OSError as exc:
             where = f" ({exc.filename})" if exc.filename else ""
-            _err(f"{exc.strerror or exc}{where}")
+            error(f"{exc.strerror or exc}{where}")
         except KeyboardInterrupt:
-            _err("interrupted")
+            error("interrupted")
             return 130
         return EXIT_FAIL
 
@@ -387,7 +377,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             for problem in result.problems:
                 print(f"  {storage.uri_for(n)}/{problem}")
     if failed:
-        _err(f"{failed} of {len(names)} checkpoint(s) failed verification")
+        error(f"{failed} of {len(names)} checkpoint(s) failed verification")
         return EXIT_FAIL
     return EXIT_OK
 

@@ -22,9 +22,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from spotguard.cliutil import error, progress_flag, usage
+
 EXIT_OK = 0
 EXIT_FAIL = 1
-EXIT_USAGE = 2
 
 #: (connect, read) seconds for one apiserver request.
 REQUEST_TIMEOUT = (10, 60)
@@ -45,7 +46,7 @@ def register(subparsers: Any) -> None:
         "reaches it: --kubeconfig, else $KUBECONFIG or ~/.kube/config, else the in-cluster ServiceAccount.",
     )
     sub = jobs.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND")
-    jobs.set_defaults(func=lambda args: _usage(jobs))
+    jobs.set_defaults(func=lambda args: usage(jobs))
 
     p = sub.add_parser("ls", help="list TrainingJobs: phase, attempt, preemptions, failures, verified step, placement")
     _cluster_flags(p)
@@ -78,7 +79,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--deep", action="store_true",
                    help="read every byte back instead of trusting checksums the store computed on receipt")
     _output_flag(p)
-    _progress_flag(p)
+    progress_flag(p)
     p.set_defaults(func=_guard(cmd_checkpoints))
 
     p = sub.add_parser(
@@ -94,7 +95,7 @@ def register(subparsers: Any) -> None:
                    help="wait until the next attempt runs or the job ends (default: --wait)")  # fmt: skip
     p.add_argument("--timeout", type=_pos_float, default=DEFAULT_PREEMPT_TIMEOUT, metavar="SECONDS",
                    help=f"give up waiting after this long, exit status 1 (default {DEFAULT_PREEMPT_TIMEOUT:g})")
-    _progress_flag(p)
+    progress_flag(p)
     p.set_defaults(func=_guard(cmd_preempt))
 
 
@@ -117,10 +118,6 @@ def _output_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=OUTPUTS, default="table", help="output format (default: table)")
 
 
-def _progress_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--progress", action="store_true", default=None, help="show progress on stderr (default: if a TTY)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
-
 
 def _pos_float(raw: str) -> float:
     try:
@@ -132,13 +129,6 @@ def _pos_float(raw: str) -> float:
     return value
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return EXIT_USAGE
-
-
-def _err(message: str) -> None:
-    print(f"spotguard: error: {message}", file=sys.stderr)
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -150,17 +140,17 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         try:
             return fn(args)
         except UserError as exc:
-            _err(str(exc))
+            error(str(exc))
         except StorageError as exc:
-            _err(str(exc))
+            error(str(exc))
         except KeyboardInterrupt:
-            _err("interrupted")
+            error("interrupted")
             return 130
         except Exception as exc:
             message = _connection_error(exc, args)
             if message is None:
                 raise
-            _err(message)
+            error(message)
         return EXIT_FAIL
 
     run.__name__ = fn.__name__

@@ -14,13 +14,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from spotguard.operator import policy
 from spotguard.operator.classify import SIDECAR_EXITED, PodEnd
 from spotguard.operator.policy import COND_FALLBACK, FALLBACK, MOVED, PRIMARY
 from spotguard.operator.spec import SpecError, TrainingJobSpec
+from spotguard.operator.times import format_time as format_time  # re-exported: the state machine's clock format
+from spotguard.operator.times import parse_time as parse_time
 
 # Phases
 PENDING = "Pending"
@@ -166,21 +168,6 @@ def member_pod_name(job: str, attempt: int, rank: int, nodes: int) -> str:
 def attempt_pods(job: str, attempt: int, nodes: int) -> list[str]:
     """Every pod of an attempt, by node rank."""
     return [member_pod_name(job, attempt, r, nodes) for r in range(max(1, nodes))]
-
-
-def format_time(t: datetime) -> str:
-    """RFC 3339 UTC, second precision (what Kubernetes uses)."""
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(value: Any) -> datetime | None:
-    """Parse an RFC 3339 timestamp as written by ``format_time`` (or None)."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
-    except ValueError:
-        return None
 
 
 def set_condition(

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from spotguard.operator.classify import PodEnd
 from spotguard.operator.spec import FailureRule, TrainingJobSpec
+from spotguard.operator.times import format_time, parse_time
 
 PRIMARY = "primary"
 FALLBACK = "fallback"
@@ -45,19 +46,6 @@ R_NODE_AVOIDED = "NodeAvoided"
 MOVED = "moved"
 #: The most nodes remembered in ``status.avoidedNodes`` (the newest stay).
 MAX_NODE_RECORDS = 32
-
-
-def _time(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _parse(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
-    except ValueError:
-        return None
 
 
 # --- failure rules ------------------------------------------------------------------
@@ -103,7 +91,7 @@ def describe_rule(rule: FailureRule, index: int) -> str:
 
 def deadline_at(spec: TrainingJobSpec, status: Mapping[str, Any]) -> datetime | None:
     """When ``spec.activeDeadlineSeconds`` runs out (counted from ``status.startTime``), if set and started."""
-    start = _parse(status.get("startTime"))
+    start = parse_time(status.get("startTime"))
     if spec.active_deadline_seconds is None or start is None:
         return None
     return start + timedelta(seconds=spec.active_deadline_seconds)
@@ -111,7 +99,7 @@ def deadline_at(spec: TrainingJobSpec, status: Mapping[str, Any]) -> datetime | 
 
 def ttl_expires_at(spec: TrainingJobSpec, status: Mapping[str, Any]) -> datetime | None:
     """When a finished job's object is to be deleted (``ttlSecondsAfterFinished`` after ``completionTime``)."""
-    done = _parse(status.get("completionTime"))
+    done = parse_time(status.get("completionTime"))
     if spec.ttl_seconds_after_finished is None or done is None:
         return None
     return done + timedelta(seconds=spec.ttl_seconds_after_finished)
@@ -135,24 +123,24 @@ def note_end_on_node(
         records.append(record)
     ends = int(record.get("ends") or 0) + 1
     record["ends"] = ends
-    record["lastEnd"] = _time(now)
+    record["lastEnd"] = format_time(now)
     message = None
     if ends >= avoid.after_ends:
         until = now + timedelta(seconds=avoid.for_seconds)
-        if _parse(record.get("until")) is None:
-            message = (f"node {node} is avoided until {_time(until)}: attempts of this job ended on it {ends} times"
-                       f" (spec.avoidNodes.afterEnds {avoid.after_ends})")  # fmt: skip
-        record["until"] = _time(until)
+        if parse_time(record.get("until")) is None:
+            message = (f"node {node} is avoided until {format_time(until)}: attempts of this job ended on it"
+                       f" {ends} times (spec.avoidNodes.afterEnds {avoid.after_ends})")  # fmt: skip
+        record["until"] = format_time(until)
     records.sort(key=lambda r: str(r.get("lastEnd") or ""))
     status["avoidedNodes"] = records[-MAX_NODE_RECORDS:]
     return message
 
 
 def _expired(record: Mapping[str, Any], now: datetime, for_seconds: float) -> bool:
-    until = _parse(record.get("until"))
+    until = parse_time(record.get("until"))
     if until is not None:
         return until <= now
-    last = _parse(record.get("lastEnd"))
+    last = parse_time(record.get("lastEnd"))
     return last is None or last + timedelta(seconds=for_seconds) <= now
 
 
@@ -160,7 +148,7 @@ def avoided_nodes(status: Mapping[str, Any], now: datetime) -> list[str]:
     """Names of the nodes the job's next pods must not run on."""
     out = []
     for r in status.get("avoidedNodes") or []:
-        until = _parse(r.get("until")) if isinstance(r, Mapping) else None
+        until = parse_time(r.get("until")) if isinstance(r, Mapping) else None
         if until is not None and until > now and r.get("node"):
             out.append(str(r["node"]))
     return sorted(out)
@@ -177,9 +165,9 @@ def pool(status: Mapping[str, Any]) -> str:
 
 def switch(status: dict[str, Any], to: str, reason: str, now: datetime, spec: TrainingJobSpec) -> dict[str, Any]:
     """Record a move to ``to``; returns the new ``status.placement``."""
-    record: dict[str, Any] = {"pool": to, "since": _time(now), "reason": reason}
+    record: dict[str, Any] = {"pool": to, "since": format_time(now), "reason": reason}
     if to == FALLBACK and spec.fallback is not None:
-        record["returnAt"] = _time(now + timedelta(seconds=spec.fallback.cooldown_seconds))
+        record["returnAt"] = format_time(now + timedelta(seconds=spec.fallback.cooldown_seconds))
     status["placement"] = record
     return record
 
@@ -191,8 +179,8 @@ def note_preemption(status: dict[str, Any], spec: TrainingJobSpec, now: datetime
         return None
     placement = dict(status.get("placement") or {"pool": PRIMARY})
     since = now - timedelta(seconds=fb.window_seconds)
-    times = [t for t in placement.get("recentPreemptions") or [] if (p := _parse(t)) is not None and p > since]
-    times.append(_time(now))
+    times = [t for t in placement.get("recentPreemptions") or [] if (p := parse_time(t)) is not None and p > since]
+    times.append(format_time(now))
     if len(times) >= fb.after_preemptions:
         return (f"preempted {len(times)} times within {fb.window_seconds:g}s on the primary placement"
                 f" (spec.fallback.afterPreemptions {fb.after_preemptions})")  # fmt: skip
@@ -205,7 +193,7 @@ def unschedulable_for(end: PodEnd, now: datetime) -> float | None:
     """Seconds a pod has waited for a node, if it is unschedulable."""
     if end.start_problem != "unschedulable":
         return None
-    since = _parse(end.since)
+    since = parse_time(end.since)
     return (now - since).total_seconds() if since else 0.0
 
 
@@ -222,7 +210,7 @@ def return_due(spec: TrainingJobSpec, status: Mapping[str, Any], now: datetime) 
     """0 when a job on its fallback is due back on the primary placement; else seconds until then; None off."""
     if pool(status) != FALLBACK:
         return None
-    at = _parse((status.get("placement") or {}).get("returnAt"))
+    at = parse_time((status.get("placement") or {}).get("returnAt"))
     if at is None or spec.fallback is None:
         return 0.0  # the spec's fallback was removed: back now
     return max(0.0, (at - now).total_seconds())

@@ -9,10 +9,11 @@ file backend writes a temporary file and renames it).
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 #: Called with the number of bytes transferred since the previous call.
 ProgressCallback = Callable[[int], None]
@@ -210,3 +211,28 @@ def check_key(key: str) -> str:
 def join_key(*parts: str) -> str:
     """Join key parts with ``/``, ignoring empty ones."""
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+# --- shared by the backends' parallel transfers ------------------------------------------
+
+
+def locked_progress(progress: ProgressCallback) -> ProgressCallback:
+    """Serialize progress callbacks coming from transfer threads."""
+    lock = threading.Lock()
+
+    def call(n: int) -> None:
+        with lock:
+            progress(n)
+
+    return call
+
+
+def wait_all(futures: list[Any]) -> None:
+    """Wait for every transfer; on the first failure cancel the rest and raise it."""
+    try:
+        for fut in futures:
+            fut.result()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        raise

@@ -82,6 +82,8 @@ from spotguard.storage.base import (
     StoredChecksum,
     Unchanged,
     check_key,
+    locked_progress,
+    wait_all,
 )
 
 log = logging.getLogger(__name__)
@@ -589,7 +591,7 @@ class GcsStorage:
         ranged GETs of one generation written at their offsets; each file is
         checked against the CRC32C GCS keeps, then renamed into place."""
         items = [(key, Path(dst)) for key, dst in items]
-        report = _locked(progress) if progress else None
+        report = locked_progress(progress) if progress else None
         with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-get") as pool:
             metas = list(pool.map(self._metadata, [key for key, _ in items]))
             for (key, _), meta in zip(items, metas, strict=True):
@@ -608,7 +610,7 @@ class GcsStorage:
                     for s, e in byte_ranges(size, self._read_chunk):
                         jobs.append((index, pool.submit(self._fetch_into, key, int(meta.generation), tmp, s, e,
                                                         report)))  # fmt: skip
-                _wait_all([f for _, f in jobs])
+                wait_all([f for _, f in jobs])
                 per_file: dict[int, list[tuple[int, int, int]]] = {}
                 for index, fut in jobs:
                     per_file.setdefault(index, []).append(fut.result())
@@ -681,9 +683,9 @@ class GcsStorage:
         items = [(Path(src), key) for src, key in items]
         if not items:
             return
-        report = _locked(progress) if progress else None
+        report = locked_progress(progress) if progress else None
         with ThreadPoolExecutor(max_workers=min(self._concurrency, len(items)), thread_name_prefix="gcs-put") as pool:
-            _wait_all([pool.submit(self._upload_file, src, key, report) for src, key in items])
+            wait_all([pool.submit(self._upload_file, src, key, report) for src, key in items])
 
     def _upload_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
         size = src.stat().st_size
@@ -756,7 +758,7 @@ class GcsStorage:
                 bucket.delete_blob(name, retry=self._retry, timeout=self._timeout)
 
         with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-del") as pool:
-            _wait_all([pool.submit(one, name) for name in names])
+            wait_all([pool.submit(one, name) for name in names])
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """Always empty: GCS has no API that lists unfinished resumable uploads.
@@ -809,25 +811,3 @@ def _short(exc: object, limit: int = 300) -> str:
     """The first line of an error, cut to ``limit`` characters (client errors can be long)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _locked(progress: ProgressCallback) -> ProgressCallback:
-    """Serialize progress callbacks coming from transfer threads."""
-    lock = threading.Lock()
-
-    def call(n: int) -> None:
-        with lock:
-            progress(n)
-
-    return call
-
-
-def _wait_all(futures: list[Any]) -> None:
-    """Wait for every transfer; on the first failure cancel the rest and raise it."""
-    try:
-        for fut in futures:
-            fut.result()
-    except BaseException:
-        for fut in futures:
-            fut.cancel()
-        raise

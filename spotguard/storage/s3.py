@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +35,8 @@ from spotguard.storage.base import (
     StoredChecksum,
     Unchanged,
     check_key,
+    locked_progress,
+    wait_all,
 )
 
 log = logging.getLogger(__name__)
@@ -466,17 +467,17 @@ class S3Storage:
     def _upload_files_plain(self, items: list[tuple[Path, str]], progress: ProgressCallback | None) -> None:
         from boto3.s3.transfer import ProgressCallbackInvoker, create_transfer_manager
 
-        subscribers = [ProgressCallbackInvoker(_locked(progress))] if progress else None
+        subscribers = [ProgressCallbackInvoker(locked_progress(progress))] if progress else None
         with self._errors(self.uri), create_transfer_manager(self.client, self._transfer_config) as tm:
             futures = [
                 tm.upload(str(src), self.bucket, self._key(key), subscribers=subscribers) for src, key in items
             ]
-            _wait_all(futures)
+            wait_all(futures)
 
     def _upload_files_checksummed(
         self, items: list[tuple[Path, str]], progress: ProgressCallback | None
     ) -> None:
-        report = _locked(progress) if progress else None
+        report = locked_progress(progress) if progress else None
         sized = [(Path(src), key, Path(src).stat().st_size) for src, key in items]
         pending: list[tuple[str, str, list[Future[dict[str, Any]]]]] = []
         pool = ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="s3-upload")
@@ -494,9 +495,9 @@ class S3Storage:
                     for number, offset, length in _part_ranges(size, self._part_size)
                 ]
                 pending.append((key, upload_id, parts))
-            _wait_all(small)
+            wait_all(small)
             for key, upload_id, parts in pending:
-                _wait_all(parts)
+                wait_all(parts)
                 self._complete_multipart(key, upload_id, [f.result() for f in parts])
                 created.remove((key, upload_id))
         finally:
@@ -677,7 +678,7 @@ class S3Storage:
         from boto3.s3.transfer import ProgressCallbackInvoker, create_transfer_manager
 
         items = list(items)
-        subscribers = [ProgressCallbackInvoker(_locked(progress))] if progress else None
+        subscribers = [ProgressCallbackInvoker(locked_progress(progress))] if progress else None
         for _, dst in items:
             Path(dst).parent.mkdir(parents=True, exist_ok=True)
         # s3transfer writes to a temporary name and renames when complete.
@@ -685,7 +686,7 @@ class S3Storage:
             futures = [
                 tm.download(self.bucket, self._key(key), str(dst), subscribers=subscribers) for key, dst in items
             ]
-            _wait_all(futures)
+            wait_all(futures)
 
     def delete(self, keys: Iterable[str]) -> None:
         full = [self._key(k) for k in keys]
@@ -727,25 +728,3 @@ class S3Storage:
                 )
         except NotFoundError:
             pass
-
-
-def _locked(progress: ProgressCallback) -> ProgressCallback:
-    """Serialize progress callbacks coming from transfer threads."""
-    lock = threading.Lock()
-
-    def call(n: int) -> None:
-        with lock:
-            progress(n)
-
-    return call
-
-
-def _wait_all(futures: list[Any]) -> None:
-    """Wait for every transfer; on the first failure cancel the rest and raise it."""
-    try:
-        for fut in futures:
-            fut.result()
-    except BaseException:
-        for fut in futures:
-            fut.cancel()
-        raise

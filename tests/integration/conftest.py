@@ -34,6 +34,27 @@ def crd(kube: Any) -> None:
     kubetest.install_crd(kube)
 
 
+@pytest.fixture(scope="module")
+def ns(request: pytest.FixtureRequest, apis: kubetest.Apis, crd: None) -> Iterator[str]:
+    """A namespace of the module's own (named after its ``NS_PREFIX``), deleted after the module."""
+    core, _ = apis
+    name = kubetest.new_namespace(core, getattr(request.module, "NS_PREFIX", "t"))
+    yield name
+    core.delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def operator(kube: Any, ns: str, apis: kubetest.Apis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """An operator process watching ``ns`` on the test apiserver; its jobs deleted and its log's tail printed after."""
+    op = kubetest.start_operator(kube, ns, tmp_path_factory.mktemp("operator") / f"operator-{ns}.log")
+    try:
+        yield op
+        kubetest.delete_jobs(apis, ns, pods=False)
+    finally:
+        op.stop()
+        print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(60)}")
+
+
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReferenceRuns]:
     """Uninterrupted reference runs, each made at most once per session (see ``reference_runs``)."""

@@ -2,8 +2,9 @@
 that nothing partial is ever reported complete or verified, and that the newest
 verified checkpoint loads with exactly the content it was saved with.
 
-Trials in three modes (a Checkpointer writing locally, an uploader with retention
-writing to file://, one writing to S3): ``testenv.trials`` sets how many (5 a mode
+Trials in four modes (a Checkpointer writing locally, an uploader with retention
+writing to file://, one writing to S3, one to Google Cloud Storage's JSON API):
+``testenv.trials`` sets how many (5 a mode
 in ``make test``, 20 in ``make soak``) and the seed. Trial i of n kills at
 (i + U)/n of two measured cycles, and the stage each kill hit (from the worker's
 last line) is printed. Where a random kill lands depends on the machine's load;
@@ -173,7 +174,7 @@ def print_table(outcomes: list[Outcome]) -> None:
 
 
 @pytest.mark.trials
-def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
+def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str, gcs_store: Any, gs_uri: str) -> None:
     rng = trials.rng("crash-safety")
     print(f"\ncrash-safety seed {trials.seed()}, {TRIALS_PER_MODE} trials a mode")
     outcomes: list[Outcome] = []
@@ -181,10 +182,12 @@ def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     stores: dict[str, tuple[str, Storage, dict[str, str]]] = {
         "upload-file": (file_uri, open_storage(file_uri), subprocess_env()),
         "upload-s3": (s3_uri, open_storage(s3_uri, **s3_options(s3_store)), subprocess_env(s3_store)),
+        # Google Cloud Storage: its JSON API server (generation preconditions, server CRC32C).
+        "upload-gs": (gs_uri, open_storage(gs_uri, **gcs_store.options()), subprocess_env(**gcs_store.env())),
     }
     had_verified: dict[str, bool] = {}
     trial = 0
-    for mode in ("write", "upload-file", "upload-s3"):
+    for mode in ("write", *stores):
         # The first trial of a mode runs until one cycle is complete and measures it; the
         # others are killed at stratified instants over two cycles (trial i of n at
         # (i + U)/n of them), so a handful of kills covers every part of the cycle.
@@ -213,7 +216,7 @@ def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
             had_verified[mode] = had_verified.get(mode, False) or newest is not None
             outcomes.append(Outcome(trial, mode, delay, last, newest, skipped))
     print_table(outcomes)
-    assert len(outcomes) == 3 * TRIALS_PER_MODE
+    assert len(outcomes) == (1 + len(stores)) * TRIALS_PER_MODE
     assert all(had_verified.values()), "a mode never produced a single checkpoint: the trials tested nothing"
 
 

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,8 @@ import yaml
 from spotguard.operator.testing import OperatorProcess
 from testenv.kubetest import (
     create_job,
-    delete_jobs,
     job_body,
     kubectl,
-    new_namespace,
-    start_operator,
     status,
     wait_for,
     wait_status,
@@ -34,30 +30,15 @@ from testenv.kubetest import (
 
 pytestmark = pytest.mark.integration
 
+#: The namespace of this module (the ``ns`` fixture).
+NS_PREFIX = "jobs"
+
 REPO = Path(__file__).resolve().parent.parent.parent
 NO_NODE = {"spotguard.dev/test-no-node": "true"}
 TRAINER = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
            "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def ns(apis: tuple[Any, Any], crd: None) -> Iterator[str]:
-    core, _ = apis
-    name = new_namespace(core, "jobs")
-    yield name
-    core.delete_namespace(name)
-
-
-@pytest.fixture(scope="module")
-def operator(kube: Any, ns: str, apis: tuple[Any, Any],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    op = start_operator(kube, ns, tmp_path_factory.mktemp("operator") / f"operator-{ns}.log")
-    try:
-        yield op
-        delete_jobs(apis, ns, pods=False)
-    finally:
-        op.stop()
-        print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(40)}")
 
 
 def cli_env(kube: Any, **extra: str) -> dict[str, str]:

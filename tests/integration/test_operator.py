@@ -9,7 +9,6 @@ the node-shutdown manager or the eviction API would.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,29 +48,14 @@ from testenv.kubetest import (
 
 pytestmark = pytest.mark.integration
 
+#: The namespace of this module (the ``ns`` fixture).
+NS_PREFIX = "op"
+
 
 
 # --- fixtures -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ns(apis: tuple[Any, Any], crd: None) -> Iterator[str]:
-    core, _ = apis
-    name = new_namespace(core, "op")
-    yield name
-    core.delete_namespace(name)
-
-
-@pytest.fixture(scope="module")
-def operator(kube: Any, ns: str, apis: tuple[Any, Any],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    op = start_operator(kube, ns, tmp_path_factory.mktemp("operator") / f"operator-{ns}.log")
-    try:
-        yield op
-        delete_jobs(apis, ns, pods=False)
-    finally:
-        op.stop()
-        print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(40)}")
 
 
 # --- helpers --------------------------------------------------------------------

@@ -22,18 +22,15 @@ from testenv.kubetest import (
     VERSION,
     cond,
     create_job,
-    delete_jobs,
     events,
     fail_pod,
     fake_node,
     get_job,
     heartbeat,
-    new_namespace,
     no_node_job,
     patch_pod_status,
     pod_names,
     run_pod,
-    start_operator,
     succeed_pod,
     terminated,
     wait_for,
@@ -42,25 +39,10 @@ from testenv.kubetest import (
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture(scope="module")
-def ns(apis: tuple[Any, Any], crd: None) -> Iterator[str]:
-    core, _ = apis
-    name = new_namespace(core, "pol")
-    yield name
-    core.delete_namespace(name)
+#: The namespace of this module (the ``ns`` fixture).
+NS_PREFIX = "pol"
 
 
-@pytest.fixture(scope="module")
-def operator(kube: Any, ns: str, apis: tuple[Any, Any],
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:  # fmt: skip
-    op = start_operator(kube, ns, tmp_path_factory.mktemp("operator") / f"operator-{ns}.log")
-    try:
-        yield op
-        delete_jobs(apis, ns, pods=False)
-    finally:
-        op.stop()
-        print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(60)}")
 
 
 @pytest.fixture
