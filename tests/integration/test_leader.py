@@ -96,8 +96,13 @@ def test_a_frozen_leader_is_replaced_fenced_and_exits_and_a_stopped_one_hands_ov
         first = wait_for(lambda: holder(core, ns), "a leader", timeout=30)
         assert pod_of(first) == "op-a"
         b.start()  # a standby answers its liveness endpoint too
-        standby = http_get(f"http://127.0.0.1:{b.liveness_port}/healthz")
-        assert '"standby": true' in standby and first in standby
+        # It answers as soon as it listens; it names the leader once its first look at the Lease is done.
+        def naming_the_leader() -> str | None:
+            body = http_get(f"http://127.0.0.1:{b.liveness_port}/healthz")
+            return body if first in body else None
+
+        standby = wait_for(naming_the_leader, "the standby to name the leader", timeout=30, interval=0.1)
+        assert '"standby": true' in standby
         job = create_job(apis, ns, no_node_job("ha", f"file://{tmp_path}/store"))
         pod = wait_for(lambda: core.read_namespaced_pod("ha-a1", ns), "pod ha-a1", timeout=60)
         assert pod.metadata.annotations[ANNOTATION_OPERATOR_INSTANCE] == first
