@@ -23,14 +23,20 @@ setup:
 # The heavy tests run in one lane, the rest beside them in another (testenv/lanes.py);
 # `make test LANES=` runs everything in one pytest session instead.
 LANES ?= 1
+# Byte-compiled once here: the suite starts hundreds of Python processes, and an
+# environment that sets PYTHONDONTWRITEBYTECODE would recompile the project in each.
 test: setup lint
+	$(PY) -m compileall -q spotguard testenv bench >/dev/null
 	$(if $(LANES),$(PY) -m testenv.lanes,$(PY) -m pytest) --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The long run: every randomized trial loop at full scale (80 crash trials, 20
 # sidecar SIGTERM trials, 30 torchrun crash trials, 3 SIGTERMs per torchrun
 # preemption test, 30 chunk GC trials, the sharded races, the 20-job fleets
-# with and without hostNetwork and a mixed one, the 4-rank torchrun preemption test).
+# with and without hostNetwork and a mixed one, the 4-rank torchrun preemption test, the
+# example and gang end-to-end jobs preempted by drain, shutdown and node loss, 3 preemptions
+# per exact-resume and Lightning sampler run, either rank killed mid-save, both ways a test
+# session ends).
 soak: setup
 	SPOTGUARD_TRIALS=full $(PY) -m pytest -m trials --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

@@ -438,7 +438,7 @@ def bench_upload(ctx: Ctx) -> Section:
 
 def _restore_stages(storage: Any) -> list[tuple[Any, str, str]]:
     """Where spotguard's restore spends its time, as (object, attribute, stage)."""
-    from spotguard.checkpoint import codec, local, remote
+    from spotguard.checkpoint import codec, local, verify_stored
 
     return [
         (storage, "list_dirs", "list"),
@@ -446,7 +446,7 @@ def _restore_stages(storage: Any) -> list[tuple[Any, str, str]]:
         (storage, "read_bytes", "manifest"),
         (storage, "download_files", "download"),
         (os, "fsync", "fsync"),
-        (remote, "verify_files", "verify"),
+        (verify_stored, "verify_files", "verify"),
         (codec, "load_safetensors", "load tensors"),
         (local, "load_safetensors", "load tensors"),
     ]
@@ -509,7 +509,7 @@ def bench_resume(ctx: Ctx) -> Section:
         downloaded and checked in one pass, not fsynced, then loaded."""
         from spotguard.checkpoint import MANIFEST_NAME, list_checkpoint_names, parse_manifest
         from spotguard.checkpoint.fetch import fetch_verified
-        from spotguard.checkpoint.remote import read_manifest_bytes
+        from spotguard.checkpoint.stored import read_manifest_bytes
 
         dest = ctx.work / f"one-pass-{uuid.uuid4().hex[:6]}"
         os.sync()

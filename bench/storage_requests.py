@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Section, fmt, seaweedfs_store
-from spotguard.checkpoint.remote import FULL_READ_SECONDS
+from spotguard.checkpoint.latest import FULL_READ_SECONDS
 
 NS = "bench"
 POLL_SECONDS = 30.0
@@ -135,7 +135,7 @@ def _populate(store: Any, root: str, plain: list[str], sharded: list[str], work:
 
 def _probe(store: Any, root: str, jobs: list[str], clock: Clock, full_read_seconds: float) -> Any:
     """The operator's storage probe over ``jobs`` (read from a filled reconcile cache: no control plane)."""
-    from spotguard.operator import reconcile as rc
+    from spotguard.operator import kubeapi as rc
     from spotguard.operator.metrics import OperatorMetrics
     from spotguard.operator.podbuilder import OperatorConfig
     from spotguard.operator.probe import CheckpointProbe

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from testenv import cluster, gcs, trials  # noqa: E402
+from testenv import cluster, gcs, lanes, trials  # noqa: E402
 from testenv.require import missing, require_module  # noqa: E402
 
 pytest_plugins = ["testenv.pytest_nodes"]
@@ -59,21 +59,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("replay", trials.replay_command(item.nodeid)))
 
 
-#: Modules whose tests keep both cores busy (torchrun groups, process-node fleets, end-to-end
-#: jobs, framework trainers): marked ``heavy``. ``make test`` runs them one after another in
-#: one lane while the rest of the suite runs beside them (``testenv/lanes.py``).
-#: The split was measured: heavy lane 34 min and light lane 23 min with Lightning and the GPU
-#: check among the heavy; these three (about 30 min alone) balance the two.
-HEAVY_MODULES = (
-    "tests/e2e/test_operator_e2e.py",
-    "tests/integration/test_fleet.py",
-    "tests/integration/test_run_torchrun.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # ``make test`` runs the heavy modules one after another in one lane while the rest of the
+    # suite runs beside them (testenv/lanes.py).
     for item in items:
-        if item.nodeid.split("::", 1)[0] in HEAVY_MODULES:
+        if item.nodeid.split("::", 1)[0] in lanes.HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
 
 

@@ -18,6 +18,7 @@ from spotguard.checkpoint.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 from spotguard.checkpoint.chunked import KnownChunks
 from spotguard.checkpoint.codec import StateError, snapshot_state
 from spotguard.checkpoint.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
+from spotguard.checkpoint.latest import LatestWatch, latest_verified
 from spotguard.checkpoint.local import (
     DeadlineExceeded,
     LocalWriter,
@@ -44,28 +45,22 @@ from spotguard.checkpoint.manifest import (
     parse_manifest,
     part_manifest_path,
 )
-from spotguard.checkpoint.remote import (
+from spotguard.checkpoint.parts import GlobalCommit, commit_global, read_parts
+from spotguard.checkpoint.restore import restore_checkpoint, restore_latest
+from spotguard.checkpoint.retention import RetentionCandidate, RetentionPlan, RetentionPolicy, plan_retention
+from spotguard.checkpoint.stored import (
     CheckpointCorruptError,
     CheckpointInfo,
-    GlobalCommit,
-    LatestWatch,
     Skipped,
-    UploadResult,
-    commit_global,
     delete_checkpoint,
-    latest_verified,
     list_checkpoint_names,
     read_latest_pointer,
     read_manifest,
-    read_parts,
-    restore_checkpoint,
-    restore_latest,
     update_latest_pointer,
-    upload_checkpoint,
-    verify_checkpoint,
 )
-from spotguard.checkpoint.retention import RetentionCandidate, RetentionPlan, RetentionPolicy, plan_retention
+from spotguard.checkpoint.upload import UploadResult, upload_checkpoint
 from spotguard.checkpoint.verify import VerifyResult
+from spotguard.checkpoint.verify_stored import verify_checkpoint
 
 __all__ = [
     "KnownChunks",

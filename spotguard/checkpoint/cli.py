@@ -171,7 +171,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     def run(args: argparse.Namespace) -> int:
         from spotguard.checkpoint.codec import StateError
         from spotguard.checkpoint.manifest import ManifestError
-        from spotguard.checkpoint.remote import CheckpointCorruptError
+        from spotguard.checkpoint.stored import CheckpointCorruptError
         from spotguard.storage import StorageError
 
         # The commands print what the library would log (skips, problems).
@@ -270,7 +270,8 @@ def _metrics_str(metrics: dict[str, float | None]) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """List checkpoints with their verification status."""
-    from spotguard.checkpoint.remote import list_checkpoint_names, read_latest_pointer, verify_checkpoint
+    from spotguard.checkpoint.stored import list_checkpoint_names, read_latest_pointer
+    from spotguard.checkpoint.verify_stored import verify_checkpoint
 
     storage = _open(args.uri)
     names = list_checkpoint_names(storage)
@@ -355,7 +356,8 @@ def _sharding_str(sharding: dict[str, Any] | None) -> str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Verify one checkpoint or all of them."""
-    from spotguard.checkpoint.remote import list_checkpoint_names, verify_checkpoint
+    from spotguard.checkpoint.stored import list_checkpoint_names
+    from spotguard.checkpoint.verify_stored import verify_checkpoint
 
     root, name = split_checkpoint_uri(args.uri)
     storage = _open(root)
@@ -383,12 +385,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = None, plain: bool = False) -> Any:
-    from spotguard.checkpoint.remote import (
-        CheckpointCorruptError,
-        list_checkpoint_names,
-        read_manifest,
-        restore_checkpoint,
-    )
+    from spotguard.checkpoint.restore import restore_checkpoint
+    from spotguard.checkpoint.stored import CheckpointCorruptError, list_checkpoint_names, read_manifest
 
     storage = _open(uri)
     names = [name] if name else list(reversed(list_checkpoint_names(storage)))
@@ -484,10 +482,10 @@ def cmd_average(args: argparse.Namespace) -> int:
     Hugging Face model folder: its weights, the part ``model``); a
     distributed one holds it in its DCP files (every part's), which are
     fetched, checked and loaded whole in this process; nested keys are joined
-    with ``.`` (:func:`spotguard.checkpoint.export.average_tensors`, which
+    with ``.`` (:func:`spotguard.checkpoint.stored_tensors.average_tensors`, which
     ``ckpt export --average`` uses too).
     """
-    from spotguard.checkpoint import export
+    from spotguard.checkpoint import stored_tensors
 
     try:
         from safetensors.torch import save_file
@@ -495,10 +493,10 @@ def cmd_average(args: argparse.Namespace) -> int:
         raise UserError("averaging needs torch and safetensors: pip install 'spotguard[torch]'") from None
 
     storage = _open(args.uri)
-    chosen = export.last_verified(storage, args.last, args.part, flag="--last", note=_note)
+    chosen = stored_tensors.last_verified(storage, args.last, args.part, flag="--last", note=_note)
     with tempfile.TemporaryDirectory(prefix="spotguard-avg-") as tmp:
-        out = export.average_tensors(storage, chosen, args.part, Path(tmp), _bars(args.progress))
-    what = export.describe_part(export.layout_of(chosen[0], args.part), args.part)
+        out = stored_tensors.average_tensors(storage, chosen, args.part, Path(tmp), _bars(args.progress))
+    what = stored_tensors.describe_part(stored_tensors.layout_of(chosen[0], args.part), args.part)
     part_file = f"{args.part}.safetensors"
     target = args.out / part_file if args.out.is_dir() else args.out
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -547,7 +545,7 @@ def _bars(progress: bool | None) -> Callable[[int, str], Progress]:
 
 
 def _size(raw: str) -> int:
-    from spotguard.checkpoint.export import parse_size
+    from spotguard.checkpoint.hf_folder import parse_size
 
     try:
         return parse_size(raw)

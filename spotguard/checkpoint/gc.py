@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from spotguard.checkpoint.chunked import TOMBSTONES_DIR
 from spotguard.checkpoint.intents import read_intents
+from spotguard.checkpoint.latest import latest_verified
 from spotguard.checkpoint.manifest import (
     CHUNKS_DIR,
     FORMAT_VERSION,
@@ -35,19 +36,13 @@ from spotguard.checkpoint.manifest import (
     parse_chunk_key,
     parse_manifest,
 )
-from spotguard.checkpoint.remote import (
-    delete_checkpoint,
-    latest_verified,
-    list_checkpoint_names,
-    read_manifest,
-    read_manifest_bytes,
-)
 from spotguard.checkpoint.retention import (
     RetentionCandidate,
     RetentionPlan,
     RetentionPolicy,
     plan_retention,
 )
+from spotguard.checkpoint.stored import delete_checkpoint, list_checkpoint_names, read_manifest, read_manifest_bytes
 from spotguard.storage.base import NotFoundError, ObjectInfo, PendingUpload, Storage
 
 log = logging.getLogger(__name__)
@@ -334,7 +329,7 @@ def sweep_chunks(
     was written after step 3, U stores its new chunks after step 1 (not
     listed, or written again: the second stat keeps them), and U found the
     checkpoint S it reuses chunks from still stored *after* writing its
-    intent (:func:`~spotguard.checkpoint.remote.upload_checkpoint` checks),
+    intent (:func:`~spotguard.checkpoint.upload.upload_checkpoint` checks),
     so S's manifest existed at step 2 or appeared before step 3 (read
     there), or S's upload is itself such a U, and so on back to one that was
     read. This holds for any crash of the collector or the uploader. One

@@ -270,6 +270,12 @@ def list_local_committed(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def newest_local_or_none(directory: Path) -> Path | None:
+    """The newest committed local checkpoint, if any."""
+    committed = list_local_committed(directory)
+    return committed[-1] if committed else None
+
+
 def read_local_manifest(path: Path) -> Manifest:
     """Parse ``<path>/manifest.json``; raises :class:`ManifestError` or ``FileNotFoundError``."""
     data = (Path(path) / MANIFEST_NAME).read_bytes()

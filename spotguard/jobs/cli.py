@@ -416,7 +416,7 @@ def _open_job_storage(job: Mapping[str, Any], args: argparse.Namespace, kube: Ku
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     """List a job's checkpoints in storage, each verified against its manifest."""
-    from spotguard.checkpoint.remote import list_checkpoint_names, read_latest_pointer, verify_checkpoint
+    from spotguard.checkpoint import list_checkpoint_names, read_latest_pointer, verify_checkpoint
     from spotguard.jobs import render
     from spotguard.storage import CredentialsError, NotFoundError
 
@@ -469,7 +469,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 def target_pod(name: str, status: Mapping[str, Any]) -> tuple[int, str]:
     """The attempt to preempt and its pod: rank 0's for a gang, else ``status.currentPod``."""
-    from spotguard.operator.decide import member_pod_name, pod_name
+    from spotguard.operator.jobstatus import member_pod_name, pod_name
 
     attempt = status.get("attempt")
     if not isinstance(attempt, int) or attempt < 1:
@@ -525,7 +525,7 @@ def evict(kube: Kube, pod: str) -> str:
 
 def cmd_preempt(args: argparse.Namespace) -> int:
     """Evict the current attempt's pod, then (with --wait) follow the job until the next attempt runs."""
-    from spotguard.operator.decide import SUSPENDED, TERMINAL_PHASES
+    from spotguard.operator.jobstatus import SUSPENDED, TERMINAL_PHASES
 
     kube = connect(args)
     job = get_job(kube, args.name)
@@ -568,7 +568,7 @@ def follow(kube: Kube, name: str, attempt: int, pod: str, timeout: float, progre
     """
     from kubernetes.client.exceptions import ApiException
 
-    from spotguard.operator.decide import FAILED, RUNNING, SUCCEEDED, SUSPENDED, attempt_pods
+    from spotguard.operator.jobstatus import FAILED, RUNNING, SUCCEEDED, SUSPENDED, attempt_pods
 
     deadline = time.monotonic() + timeout
     seen = _Seen()

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from spotguard.operator.decide import parse_time
 from spotguard.operator.spec import KIND, PreemptionSpec
+from spotguard.operator.times import parse_time
 
 #: kubectl's table: columns three spaces apart, headers in capitals.
 _GAP = "   "

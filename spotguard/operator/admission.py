@@ -46,7 +46,7 @@ from typing import Any
 from aiohttp import web
 
 from spotguard.operator.apierrors import api_reason, api_status
-from spotguard.operator.decide import TERMINAL_PHASES
+from spotguard.operator.jobstatus import TERMINAL_PHASES
 from spotguard.operator.podbuilder import LABEL_INJECT, OperatorConfig
 from spotguard.operator.spec import GROUP, PLURAL, PodTemplate, SpecError, gpu_limit
 from spotguard.operator.webhook import apply_to_patch

@@ -33,11 +33,12 @@ from typing import Any
 import kopf
 
 from spotguard import __version__
+from spotguard.operator import kubeapi
 from spotguard.operator import reconcile as rc
 from spotguard.operator.admission import AdmissionServer, manage_configurations
 from spotguard.operator.apierrors import api_reason
-from spotguard.operator.decide import TERMINAL_PHASES
 from spotguard.operator.hostports import DEFAULT_RANGE as DEFAULT_HOST_PORT_RANGE
+from spotguard.operator.jobstatus import TERMINAL_PHASES
 from spotguard.operator.leader import LeaderElector, StandbyLiveness, Timing, fence_requests, new_identity
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.notices import NoticeRelay
@@ -88,7 +89,7 @@ class OperatorOptions:
     #: This process: the Lease's holderIdentity, Events' reportingInstance, the pods' annotation.
     identity: str = field(default_factory=new_identity)
     #: Called before every write for a job (the leader election's fence; none when alone).
-    fence: Callable[[], None] = rc.no_fence
+    fence: Callable[[], None] = kubeapi.no_fence
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def kopf_session(info: kopf.ConnectionInfo, identity: str, fence: Callable[[], N
         fence()
 
     trace = aiohttp.TraceConfig()
-    if fence is not rc.no_fence:
+    if fence is not kubeapi.no_fence:
         # Before the request, and again once its connection is at hand (a new one may take a while).
         for hook in (trace.on_request_start, trace.on_connection_create_end, trace.on_connection_reuseconn):
             hook.append(fenced)
@@ -174,7 +175,7 @@ def operator_config(options: OperatorOptions, core: Any) -> OperatorConfig:
 class Runtime:
     """Per-process state the async handlers share (lives in kopf's memo)."""
 
-    ctx: rc.Context
+    ctx: kubeapi.Context
     #: None when the operator may not read checkpoints (``--no-read-checkpoints``).
     probe: CheckpointProbe | None = None
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
@@ -256,11 +257,11 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
         # No kopf webhooks: every replica serves admission itself (spotguard.operator.admission).
         core, custom = api_clients(options.identity)
-        if options.fence is not rc.no_fence:
+        if options.fence is not kubeapi.no_fence:
             fence_requests(core.api_client, options.fence)  # core and custom share it
         config = operator_config(options, core)
         logger.info("sidecar mode: %s", "native" if config.native_sidecar else "classic")
-        ctx = rc.Context(
+        ctx = kubeapi.Context(
             core=core,
             custom=custom,
             config=config,
@@ -371,10 +372,10 @@ async def woken_or_stopped(waker: asyncio.Event, stopped: kopf.DaemonStopped, ti
             w.cancel()
 
 
-def _delete_job_pods(ctx: rc.Context, namespace: str, name: str) -> None:
+def _delete_job_pods(ctx: kubeapi.Context, namespace: str, name: str) -> None:
     pods = ctx.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}")
     for pod in pods.items:
-        rc.delete_pod(ctx, namespace, pod.metadata.name, force=False)
+        kubeapi.delete_pod(ctx, namespace, pod.metadata.name, force=False)
 
 
 def admission_server(options: OperatorOptions) -> AdmissionServer:

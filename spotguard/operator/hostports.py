@@ -8,7 +8,7 @@ records it in ``status.hostPorts``: every attempt of the job uses the same
 pair, a restarted operator (or a standby replica) reads the taken pairs from
 the jobs themselves, and a job that finishes or is deleted frees its pair.
 
-This module holds the rules; ``reconcile.ensure_host_ports`` does the I/O.
+This module holds the rules; ``kubeapi.ensure_host_ports`` does the I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spotguard.operator.decide import (
+from spotguard.operator.jobstatus import (
     PENDING,
     TERMINAL_PHASES,
     Decision,

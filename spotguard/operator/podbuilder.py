@@ -29,8 +29,8 @@ from typing import Any
 
 from spotguard import __version__
 from spotguard import notice_relay as relay
-from spotguard.operator.decide import member_pod_name
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
+from spotguard.operator.jobstatus import member_pod_name
 from spotguard.operator.spec import (
     API_VERSION,
     GCS_KEY_VOLUME,

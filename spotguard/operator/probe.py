@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from spotguard.checkpoint.remote import FULL_READ_SECONDS
-from spotguard.operator.decide import TERMINAL_PHASES, format_time, parse_time
+from spotguard.checkpoint.latest import FULL_READ_SECONDS
+from spotguard.operator.jobstatus import TERMINAL_PHASES
 from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
+from spotguard.operator.times import format_time, parse_time
 
 log = logging.getLogger("spotguard.operator")
 
@@ -172,7 +173,7 @@ def _digest(value: Any) -> str:
 class CheckpointProbe:
     """Reads jobs' newest verified checkpoints on a bounded pool of its own.
 
-    ``ctx`` is the reconcile :class:`~spotguard.operator.reconcile.Context`
+    ``ctx`` is the reconcile's :class:`~spotguard.operator.kubeapi.Context`
     (API clients, the verified cache the reconcile reads). ``full_read_seconds``:
     how often a job's checkpoints are read in full although its ``latest``
     pointer did not change (0: at every poll). ``open_storage`` and ``clock``
@@ -339,7 +340,7 @@ class CheckpointProbe:
 
         Raises on any storage or Secret error (the message carries no credentials).
         """
-        from spotguard.operator.reconcile import get_job
+        from spotguard.operator.kubeapi import get_job
 
         # The reconcile's last look at the job (it is woken by every change of it);
         # the apiserver only when there was none yet.

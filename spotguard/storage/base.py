@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
@@ -86,8 +88,9 @@ class PendingUpload:
 class Storage(Protocol):
     """A flat object store rooted at :attr:`uri`.
 
-    Backends: :class:`spotguard.storage.s3.S3Storage` (``s3://bucket/prefix``)
-    and :class:`spotguard.storage.file.FileStorage` (``file:///path``).
+    Backends: :class:`spotguard.storage.s3.S3Storage` (``s3://bucket/prefix``),
+    :class:`spotguard.storage.gcs.GcsStorage` (``gs://bucket/prefix``) and
+    :class:`spotguard.storage.file.FileStorage` (``file:///path``).
     """
 
     @property
@@ -211,6 +214,54 @@ def check_key(key: str) -> str:
 def join_key(*parts: str) -> str:
     """Join key parts with ``/``, ignoring empty ones."""
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+# --- shared by the object-store backends -------------------------------------------------
+
+
+def dirs_in_listing(list_objects: Callable[[str], Iterable[ObjectInfo]], prefix: str = "") -> list[str]:
+    """The "directories" directly below ``prefix``, derived from the recursive listing.
+
+    Rather than from a delimiter listing: some stores keep reporting a
+    "directory" after its last object is deleted (SeaweedFS; an empty folder
+    of a GCS bucket with hierarchical namespace), and a deleted checkpoint
+    must not look like a broken one.
+    """
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    rests = (o.key[len(prefix) :] for o in list_objects(prefix))
+    return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
+
+
+def byte_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
+    """Pure: ``[start, end)`` ranges of at most ``chunk`` bytes covering ``size`` bytes."""
+    return [(start, min(start + chunk, size)) for start in range(0, size, chunk)]
+
+
+def read_in_order(
+    fetch: Callable[[int, int], bytes], ranges: Iterable[tuple[int, int]], window: int, *, thread_name_prefix: str = ""
+) -> Generator[bytes, None, None]:
+    """The ``[start, end)`` ranges of one object, fetched concurrently and handed out in order.
+
+    A bounded look-ahead keeps memory at about ``window`` ranges; when the
+    reader stops early, the fetches not started are cancelled.
+    """
+    pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix=thread_name_prefix)
+    pending: deque[Future[bytes]] = deque()
+    try:
+        it = iter(ranges)
+        for start, end in it:
+            pending.append(pool.submit(fetch, start, end))
+            if len(pending) >= window:
+                break
+        while pending:
+            data = pending.popleft().result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(fetch, nxt[0], nxt[1]))
+            yield data
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 # --- shared by the backends' parallel transfers ------------------------------------------

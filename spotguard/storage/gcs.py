@@ -1,11 +1,8 @@
-"""``gs://bucket/prefix`` storage through the ``google-cloud-storage`` client.
+"""``gs://bucket/prefix`` storage through the ``google-cloud-storage`` client: the transfers.
 
-Credentials are Application Default Credentials: Workload Identity on GKE (no
-key at all), a key file named by ``GOOGLE_APPLICATION_CREDENTIALS`` (say,
-mounted from a Secret), or ``gcloud auth application-default login`` on a
-workstation; ``credentials_file=`` names a key file explicitly. An emulator
-is reached through ``STORAGE_EMULATOR_HOST`` (the client's own convention) or
-``endpoint_url=``, with anonymous credentials. Nothing here logs credentials.
+The client, credentials (Application Default Credentials, a key file, or
+anonymous against an emulator), the mapping of the client's errors and the
+CRC32C-checked retries are :mod:`spotguard.storage.gcs_client`.
 
 What GCS gives natively, and how it is used:
 
@@ -47,27 +44,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
-import re
 import threading
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import google_crc32c
-import requests
 from google.api_core import exceptions as gexc
-from google.auth import exceptions as authexc
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import storage as gcs
 from google.cloud.storage.retry import DEFAULT_RETRY
-from google.oauth2 import service_account
-from requests.adapters import HTTPAdapter
 
 from spotguard.checkpoint.checksum import crc32c_from_base64, crc32c_of_parts
 from spotguard.storage.base import (
@@ -81,67 +69,29 @@ from spotguard.storage.base import (
     StorageError,
     StoredChecksum,
     Unchanged,
+    byte_ranges,
     check_key,
+    dirs_in_listing,
     locked_progress,
+    read_in_order,
     wait_all,
 )
-
-log = logging.getLogger(__name__)
-
-MiB = 1 << 20
-#: Resumable upload chunks must be multiples of this (a GCS rule).
-CHUNK_QUANTUM = 256 << 10
-#: The most calls one batch request may carry (a GCS limit).
-BATCH_LIMIT = 100
-_T = TypeVar("_T")
-
-# GCS bucket names: 3-63 characters (up to 222 with dots), lowercase letters,
-# digits, dashes, underscores and dots, starting and ending with a letter or digit.
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
-
-_NO_CREDENTIALS = (
-    "no Google Cloud credentials found: on GKE bind the pod's service account with Workload Identity, "
-    "elsewhere set GOOGLE_APPLICATION_CREDENTIALS to a service account key file "
-    "(or run `gcloud auth application-default login`)"
+from spotguard.storage.gcs_client import (
+    CHUNK_QUANTUM,
+    checked,
+    endpoint_of,
+    gcs_errors,
+    make_client,
+    parse_gs_uri,
+    upload_chunk_size,
 )
 
-
-def _data_corruption_types() -> tuple[type[BaseException], ...]:
-    """The client's checksum-mismatch exception (its module moved in google-cloud-storage 3)."""
-    found: list[type[BaseException]] = []
-    with contextlib.suppress(ImportError, AttributeError):
-        from google.cloud.storage import exceptions as storage_exceptions
-
-        found.append(storage_exceptions.DataCorruption)
-    with contextlib.suppress(ImportError, AttributeError):
-        from google.resumable_media import common as media_common
-
-        found.append(media_common.DataCorruption)
-    return tuple(found)
-
-
-_DATA_CORRUPTION = _data_corruption_types()
+MiB = 1 << 20
+#: The most calls one batch request may carry (a GCS limit).
+BATCH_LIMIT = 100
 
 
 # -- pure helpers -------------------------------------------------------------------
-
-
-def parse_gs_uri(uri: str) -> tuple[str, str]:
-    """Pure: split ``gs://bucket/prefix`` into bucket and prefix (no slashes around)."""
-    if not uri.startswith("gs://"):
-        raise ValueError(f"not a gs:// URI: {uri!r}")
-    bucket, _, prefix = uri[len("gs://") :].partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}: use gs://BUCKET/PREFIX")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise ValueError(
-            f"invalid bucket name {bucket!r} in {uri!r}: GCS bucket names are 3-63 lowercase letters, "
-            "digits, '-', '_' or '.'"
-        )
-    prefix = prefix.strip("/")
-    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
-        raise ValueError(f"invalid prefix in {uri!r}")
-    return bucket, prefix
 
 
 def crc32c_hex(value: str | None) -> str | None:
@@ -172,16 +122,6 @@ def generation_of(etag: str | None) -> int | None:
     if etag is None or not etag.isdigit():
         return None
     return int(etag)
-
-
-def byte_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
-    """Pure: ``[start, end)`` ranges of at most ``chunk`` bytes covering ``size`` bytes."""
-    return [(start, min(start + chunk, size)) for start in range(0, size, chunk)]
-
-
-def upload_chunk_size(requested: int) -> int:
-    """Pure: ``requested`` rounded up to a multiple of 256 KiB (what resumable uploads require)."""
-    return max(CHUNK_QUANTUM, -(-requested // CHUNK_QUANTUM) * CHUNK_QUANTUM)
 
 
 # -- the backend ----------------------------------------------------------------------
@@ -282,52 +222,12 @@ class GcsStorage:
         with self._client_lock:
             if self._client_obj is None:
                 with self._errors(self.uri):
-                    self._client_obj = self._make_client()
+                    self._client_obj = make_client(
+                        endpoint_url=self._endpoint_url, credentials_file=self._credentials_file,
+                        credentials_info=self._credentials_info, anonymous=self._anonymous, project=self._project,
+                        concurrency=self._concurrency,
+                    )  # fmt: skip
             return self._client_obj
-
-    def _make_client(self) -> Any:
-        credentials: Any = None
-        if self._credentials_file:
-            credentials = self._key_file_credentials(self._credentials_file)
-        elif self._credentials_info:
-            credentials = self._key_info_credentials(self._credentials_info)
-        elif self._anonymous:
-            credentials = AnonymousCredentials()  # type: ignore[no-untyped-call]
-        options = {"api_endpoint": self._endpoint_url} if self._endpoint_url else None
-        # project=None: object operations need no project, and none may be configured.
-        client = gcs.Client(project=self._project, credentials=credentials, client_options=options)
-        # Room in the connection pool for every concurrent transfer (the default keeps 10).
-        adapter = HTTPAdapter(pool_connections=4, pool_maxsize=2 * self._concurrency + 4)
-        session = client._http  # noqa: SLF001 - the client has no public way to size its pool
-        session.mount("https://", adapter)
-        session.mount("http://", adapter)
-        return client
-
-    @staticmethod
-    def _key_file_credentials(path: str) -> Any:
-        """A service account key file's credentials. Other kinds of credential files
-        (workload identity federation, user credentials) go through
-        ``GOOGLE_APPLICATION_CREDENTIALS``. Errors name the file, never its content."""
-        try:
-            return service_account.Credentials.from_service_account_file(path)  # type: ignore[no-untyped-call]
-        except FileNotFoundError:
-            raise CredentialsError(f"the service account key file {path} does not exist") from None
-        except (OSError, ValueError, KeyError) as exc:
-            raise CredentialsError(
-                f"cannot use {path} as a service account key ({type(exc).__name__}): it must be the JSON key "
-                "of a service account (type, client_email, private_key, token_uri)"
-            ) from None
-
-    @staticmethod
-    def _key_info_credentials(info: Mapping[str, Any]) -> Any:
-        """A service account key given as its parsed JSON (say, read from a Secret); errors never quote it."""
-        try:
-            return service_account.Credentials.from_service_account_info(info)  # type: ignore[no-untyped-call]
-        except (ValueError, KeyError) as exc:
-            raise CredentialsError(
-                f"the service account key given is not usable ({type(exc).__name__}): it must be the JSON key "
-                "of a service account (type, client_email, private_key, token_uri)"
-            ) from None
 
     def _bucket(self) -> Any:
         return self.client.bucket(self.bucket)
@@ -335,86 +235,13 @@ class GcsStorage:
     def _blob(self, key: str, *, generation: int | None = None, chunk_size: int | None = None) -> Any:
         return self._bucket().blob(self._key(key), generation=generation, chunk_size=chunk_size)
 
-    def _endpoint(self) -> str:
-        return self._endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
-
-    @contextmanager
-    def _errors(self, what: str, *, listing: bool = False) -> Iterator[None]:
+    def _errors(self, what: str, *, listing: bool = False) -> AbstractContextManager[None]:
         """Turn client errors into one-line :class:`StorageError` messages.
 
         ``listing``: a 404 means the bucket is missing (a listing never misses an object).
         """
-        try:
-            yield
-        except StorageError:
-            raise
-        except gexc.RetryError as exc:
-            cause = exc.cause
-            if isinstance(cause, (requests.exceptions.ConnectionError, ConnectionError)):
-                raise StorageError(
-                    f"cannot reach the GCS endpoint ({self._endpoint()}) while accessing {what} "
-                    f"(retried for {self._retry_deadline:.0f}s)"
-                ) from None
-            raise StorageError(
-                f"GCS kept failing on {what} for {self._retry_deadline:.0f}s: {_short(cause or exc)}"
-            ) from None
-        except authexc.DefaultCredentialsError as exc:
-            # Its messages name files and what is missing, never a key's content.
-            named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
-            if named:
-                raise CredentialsError(
-                    f"the Google Cloud credentials in GOOGLE_APPLICATION_CREDENTIALS={named} cannot be used "
-                    f"({_short(exc)}): it must name a service account key or a credential configuration file"
-                ) from None
-            raise CredentialsError(f"{_NO_CREDENTIALS} ({_short(exc)})") from None
-        except authexc.RefreshError as exc:
-            raise CredentialsError(
-                f"the Google Cloud credentials could not be refreshed while accessing {what}: {_short(exc)} "
-                "(check the Workload Identity binding or the key file)"
-            ) from None
-        except authexc.TransportError as exc:
-            raise StorageError(f"cannot reach Google's credential service while accessing {what}: {_short(exc)}") \
-                from None  # fmt: skip
-        except gexc.NotFound as exc:
-            # GCS says "The specified bucket does not exist." (the URL in the message names the bucket too).
-            if listing or "specified bucket does not exist" in str(exc.message).lower():
-                raise NotFoundError(f"bucket {self.bucket!r} does not exist") from None
-            raise NotFoundError(f"{what} does not exist") from None
-        except gexc.PreconditionFailed:
-            raise PreconditionFailedError(f"{what} changed since it was read") from None
-        except (gexc.Forbidden, gexc.Unauthorized) as exc:
-            raise CredentialsError(
-                f"access to {what} denied ({exc.code}): check the Google Cloud credentials and that the "
-                f"principal may read and write objects in bucket {self.bucket!r} (roles/storage.objectUser)"
-            ) from None
-        except gexc.GoogleAPICallError as exc:
-            raise StorageError(f"GCS error on {what}: {exc.code} {_short(exc.message)}") from None
-        except (requests.exceptions.ConnectionError, ConnectionError):
-            raise StorageError(f"cannot reach the GCS endpoint ({self._endpoint()}) while accessing {what}") \
-                from None  # fmt: skip
-        except _DATA_CORRUPTION as exc:
-            raise StorageError(
-                f"GCS transfer of {what} failed its CRC32C check repeatedly (a faulty network path or "
-                f"proxy?): {_short(exc)}"
-            ) from None
-
-    def _checked(self, what: str, fn: Callable[[], _T], attempts: int = 3) -> _T:
-        """Run a transfer whose bytes are checked by CRC32C, sending or reading them
-        again when the check fails (bytes damaged on the way), ``attempts`` times."""
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except _DATA_CORRUPTION:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("%s: the bytes failed their CRC32C check on the way; transferring them again", what)
-            except gexc.BadRequest as exc:
-                # GCS refuses an upload whose bytes do not have the CRC32C sent with them.
-                if "crc32c" not in str(exc).lower() or attempt == attempts - 1:
-                    raise
-                log.warning("%s: the store refused the bytes it received (CRC32C mismatch); sending them again",
-                            what)  # fmt: skip
-        raise AssertionError("unreachable")
+        return gcs_errors(what, bucket=self.bucket, endpoint_url=self._endpoint_url,
+                          retry_deadline=self._retry_deadline, listing=listing)  # fmt: skip
 
     def check(self) -> None:
         """Raise unless the prefix can be listed (needs only object permissions:
@@ -439,13 +266,7 @@ class GcsStorage:
             yield ObjectInfo(key=self._rel(blob.name), size=int(blob.size or 0), modified=blob.updated.timestamp())
 
     def list_dirs(self, prefix: str = "") -> list[str]:
-        # Derived from the recursive listing rather than delimiter="/": in a bucket
-        # with hierarchical namespace an empty folder outlives its last object, and
-        # a deleted checkpoint must not look like a broken one.
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        rests = (o.key[len(prefix) :] for o in self.list_objects(prefix))
-        return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
+        return dirs_in_listing(self.list_objects, prefix)
 
     def _metadata(self, key: str) -> Any:
         """The object's metadata (size, generation, crc32c, updated), or None when absent."""
@@ -500,7 +321,7 @@ class GcsStorage:
 
         try:
             with self._errors(self.uri_for(key)):
-                return self._checked(self.uri_for(key), once)
+                return checked(self.uri_for(key), once)
         except NotFoundError:
             return None
 
@@ -532,7 +353,7 @@ class GcsStorage:
         blob = self._blob(key, generation=generation)
         with self._errors(self.uri_for(key)):
             return bytes(
-                self._checked(
+                checked(
                     self.uri_for(key),
                     lambda: blob.download_as_bytes(raw_download=True, checksum="crc32c", retry=self._retry,
                                                    timeout=self._timeout),  # fmt: skip
@@ -554,24 +375,14 @@ class GcsStorage:
             return
         expected = crc32c_hex(blob.crc32c)
         parts: list[tuple[int, int]] = []
-        window = self._concurrency
-        pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="gcs-read")
-        pending: deque[Future[bytes]] = deque()
+        chunks = read_in_order(lambda s, e: self._get_range(key, generation, s, e), byte_ranges(size, chunk),
+                               self._concurrency, thread_name_prefix="gcs-read")  # fmt: skip
         try:
-            it = iter(byte_ranges(size, chunk))
-            for s, e in it:
-                pending.append(pool.submit(self._get_range, key, generation, s, e))
-                if len(pending) >= window:
-                    break
-            while pending:
-                data = pending.popleft().result()
-                nxt = next(it, None)
-                if nxt is not None:
-                    pending.append(pool.submit(self._get_range, key, generation, nxt[0], nxt[1]))
+            for data in chunks:
                 parts.append((google_crc32c.value(data), len(data)))
                 yield data
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            chunks.close()
         self._check_parts(key, expected, parts)
 
     def _check_parts(self, key: str, expected: str | None, parts: list[tuple[int, int]]) -> None:
@@ -670,7 +481,7 @@ class GcsStorage:
             return str(blob.generation or "")
 
         with self._errors(self.uri_for(key)):
-            return self._checked(self.uri_for(key), once)
+            return checked(self.uri_for(key), once)
 
     def upload_files(
         self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
@@ -708,7 +519,7 @@ class GcsStorage:
                 )  # fmt: skip
 
         with self._errors(self.uri_for(key)):
-            self._checked(self.uri_for(key), once)
+            checked(self.uri_for(key), once)
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete in batch requests of up to 100 deletions (missing objects ignored);
@@ -735,7 +546,8 @@ class GcsStorage:
                 responses = self._retry(send)()
             except ValueError:  # the answer was not a batch answer
                 raise StorageError(
-                    f"{self._endpoint()} does not take batch requests: open {self.uri} with batch_deletes=False"
+                    f"{endpoint_of(self._endpoint_url)} does not take batch requests: "
+                    f"open {self.uri} with batch_deletes=False"
                 ) from None
         again: list[str] = []
         for name, resp in zip(names, responses, strict=True):
@@ -805,9 +617,3 @@ class _ProgressReader:
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         return self._f.seek(offset, whence)
-
-
-def _short(exc: object, limit: int = 300) -> str:
-    """The first line of an error, cut to ``limit`` characters (client errors can be long)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."

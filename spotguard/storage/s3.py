@@ -1,81 +1,47 @@
-"""``s3://bucket/prefix`` storage through boto3 and s3transfer.
+"""``s3://bucket/prefix`` storage through boto3 and s3transfer: the transfers.
 
-Endpoint, region, credentials and the number of attempts per request come
-from the standard AWS environment and config files (``AWS_ENDPOINT_URL_S3``,
-``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_MAX_ATTEMPTS`` ...)
-unless given explicitly. Transient errors are
-retried by botocore (standard mode, exponential backoff with jitter); reads of
-large objects are split into concurrent ranged GETs that are retried one range
-at a time. Large files go up and down as concurrent multipart transfers.
+Reads of large objects are split into concurrent ranged GETs that are retried
+one range at a time. Large files go up and down as concurrent multipart
+transfers, carrying CRC32C additional checksums the store checks on receipt.
+The client, its settings (endpoint, region, credentials and attempts from the
+standard AWS environment unless given) and the mapping of botocore's errors
+are :mod:`spotguard.storage.s3_client`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from spotguard.storage.base import (
     UNCHANGED,
-    CredentialsError,
     NotFoundError,
     ObjectInfo,
     PendingUpload,
-    PreconditionFailedError,
     ProgressCallback,
     StorageError,
     StoredChecksum,
     Unchanged,
+    byte_ranges,
     check_key,
+    dirs_in_listing,
     locked_progress,
+    read_in_order,
     wait_all,
 )
+from spotguard.storage.s3_client import NOT_FOUND, error_code, make_client, parse_s3_uri, s3_errors
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _T = TypeVar("_T")
-
-_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
-_PRECONDITION = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
-_DENIED = {
-    "403",
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "InvalidToken",
-    "ExpiredToken",
-}
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into bucket and prefix (no slashes around)."""
-    if not uri.startswith("s3://"):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    rest = uri[len("s3://") :]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}: use s3://BUCKET/PREFIX")
-    prefix = prefix.strip("/")
-    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
-        raise ValueError(f"invalid prefix in {uri!r}")
-    return bucket, prefix
-
-
-def _error_code(exc: BaseException) -> tuple[str, int]:
-    response = getattr(exc, "response", None) or {}
-    code = str(response.get("Error", {}).get("Code", ""))
-    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
-
 
 class _ChecksumsUnsupported(Exception):
     """The store refused the additional-checksum fields of a request."""
@@ -94,7 +60,7 @@ def _raw(fn: Callable[[bool], _T], full_object: bool) -> _T:
     except ParamValidationError:
         raise _FullObjectUnsupported() from None  # an old botocore without ChecksumType
     except ClientError as exc:
-        code, status = _error_code(exc)
+        code, status = error_code(exc)
         if code in ("InvalidArgument", "InvalidRequest", "NotImplemented") or status == 501:
             raise _FullObjectUnsupported() from None
         raise
@@ -134,15 +100,9 @@ class S3Storage:
         send_checksums: bool = True,
         client: Any = None,
     ) -> None:
-        import boto3
         from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
 
         self.bucket, self.prefix = parse_s3_uri(uri)
-        if max_attempts is None:
-            # The standard AWS setting, else 8 attempts per request.
-            env_attempts = os.environ.get("AWS_MAX_ATTEMPTS", "")
-            max_attempts = int(env_attempts) if env_attempts.isdigit() and int(env_attempts) > 0 else 8
         self._read_chunk = read_chunk_size
         self._concurrency = max_concurrency
         self._conditional = True
@@ -151,32 +111,11 @@ class S3Storage:
         self._multipart_threshold = multipart_threshold
         self._part_size = multipart_chunksize
         if client is None:
-            session = boto3.session.Session(
-                aws_access_key_id=access_key,
-                aws_secret_access_key=secret_key,
-                aws_session_token=session_token,
-                region_name=region,
-                profile_name=profile,
-            )
-            has_endpoint = bool(
-                endpoint_url
-                or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL")
-            )
-            config = Config(
-                retries={"mode": "standard", "max_attempts": max_attempts},
-                max_pool_connections=max_pool_connections,
-                connect_timeout=10,
-                read_timeout=120,
-                # spotguard checks every byte end to end with the manifest's
-                # checksums; skip botocore's second checksum pass.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                # Custom endpoints (MinIO, SeaweedFS, ...) rarely have
-                # wildcard DNS for virtual-hosted buckets.
-                s3={"addressing_style": addressing_style or ("path" if has_endpoint else "auto")},  # type: ignore[arg-type]
-            )
-            client = session.client("s3", endpoint_url=endpoint_url, config=config)
+            client = make_client(
+                endpoint_url=endpoint_url, region=region, access_key=access_key, secret_key=secret_key,
+                session_token=session_token, profile=profile, max_attempts=max_attempts,
+                max_pool_connections=max_pool_connections, addressing_style=addressing_style,
+            )  # fmt: skip
         self.client = client
         self._transfer_config = TransferConfig(
             multipart_threshold=multipart_threshold,
@@ -212,55 +151,17 @@ class S3Storage:
             return prefix
         return f"{self.prefix}/{prefix}"
 
-    @contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
+    def _errors(self, what: str) -> AbstractContextManager[None]:
         """Turn botocore errors into one-line :class:`StorageError` messages."""
-        from botocore import exceptions as bx
-
-        try:
-            yield
-        except StorageError:
-            raise
-        except bx.NoCredentialsError:
-            raise CredentialsError(
-                "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "(or AWS_PROFILE / an instance role)"
-            ) from None
-        except bx.PartialCredentialsError as exc:
-            raise CredentialsError(f"incomplete AWS credentials: {exc}") from None
-        except (bx.EndpointConnectionError, bx.ConnectTimeoutError) as exc:
-            raise StorageError(
-                f"cannot reach the S3 endpoint ({exc.kwargs.get('endpoint_url', '?')}) "
-                f"while accessing {what}"
-            ) from None
-        except bx.ClientError as exc:
-            code, status = _error_code(exc)
-            if code == "NoSuchBucket":
-                raise NotFoundError(f"bucket {self.bucket!r} does not exist") from None
-            if code in _NOT_FOUND or status == 404:
-                raise NotFoundError(f"{what} does not exist") from None
-            if code in _PRECONDITION or status in (409, 412):
-                raise PreconditionFailedError(f"{what} changed since it was read") from None
-            if code in _DENIED or status == 403:
-                raise CredentialsError(
-                    f"access to {what} denied ({code or status}): check the AWS credentials"
-                ) from None
-            if code == "BadDigest":
-                raise StorageError(
-                    f"S3 error on {what}: BadDigest (the store received other bytes than were sent, "
-                    "repeatedly: a faulty network path or proxy?)"
-                ) from None
-            raise StorageError(f"S3 error on {what}: {code or status}") from None
-        except bx.BotoCoreError as exc:
-            raise StorageError(f"S3 error on {what}: {exc}") from None
+        return s3_errors(what, self.bucket)
 
     def check(self) -> None:
         with self._errors(f"bucket {self.bucket!r}"):
             try:
                 self.client.head_bucket(Bucket=self.bucket)
             except Exception as exc:
-                code, status = _error_code(exc)
-                if code in _NOT_FOUND or status == 404:
+                code, status = error_code(exc)
+                if code in NOT_FOUND or status == 404:
                     raise NotFoundError(f"bucket {self.bucket!r} does not exist") from None
                 raise
 
@@ -279,13 +180,7 @@ class S3Storage:
                 )
 
     def list_dirs(self, prefix: str = "") -> list[str]:
-        # Derived from the recursive listing rather than Delimiter="/": some
-        # stores (SeaweedFS) keep reporting a "directory" after its last object
-        # is deleted, and a deleted checkpoint must not look like a broken one.
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        rests = (o.key[len(prefix) :] for o in self.list_objects(prefix))
-        return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
+        return dirs_in_listing(self.list_objects, prefix)
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
@@ -324,7 +219,7 @@ class S3Storage:
             except ClientError as exc:
                 # botocore raises for a 304; it is the answer, not an error
                 # (and must not reach the generic mapping below).
-                code, status = _error_code(exc)
+                code, status = error_code(exc)
                 if status == 304 or code in ("304", "NotModified"):
                     return UNCHANGED
                 raise
@@ -395,29 +290,11 @@ class S3Storage:
         etag = str(head["ETag"])
         if size == 0:
             return
-        ranges = [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
+        ranges = byte_ranges(size, chunk)
         if len(ranges) == 1:
             yield self._get_range(key, 0, size, etag)
             return
-        # Fetch ranges concurrently, hand them out in order; bounded look-ahead
-        # keeps memory at about `window` chunks.
-        window = self._concurrency
-        pool = ThreadPoolExecutor(max_workers=window)
-        pending: deque[Future[bytes]] = deque()
-        try:
-            it = iter(ranges)
-            for s, e in it:
-                pending.append(pool.submit(self._get_range, key, s, e, etag))
-                if len(pending) >= window:
-                    break
-            while pending:
-                data = pending.popleft().result()
-                nxt = next(it, None)
-                if nxt is not None:
-                    pending.append(pool.submit(self._get_range, key, nxt[0], nxt[1], etag))
-                yield data
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        yield from read_in_order(lambda s, e: self._get_range(key, s, e, etag), ranges, self._concurrency)
 
     # -- writing ------------------------------------------------------------
     def write_bytes(
@@ -435,7 +312,7 @@ class S3Storage:
             try:
                 resp = self.client.put_object(**kwargs)
             except ClientError as exc:
-                code, status = _error_code(exc)
+                code, status = error_code(exc)
                 if code != "NotImplemented" and status != 501:
                     raise
                 # The store cannot do conditional writes: fall back to a plain
@@ -522,7 +399,7 @@ class S3Storage:
                 try:
                     return fn()
                 except ClientError as exc:
-                    code, status = _error_code(exc)
+                    code, status = error_code(exc)
                     if code == "NotImplemented" or status == 501:
                         raise _ChecksumsUnsupported() from None
                     if code != "BadDigest" or attempt == attempts - 1:

@@ -223,6 +223,25 @@ def set_state_dicts(model: Any, optimizer: Any, state: Mapping[str, Any], *, str
 # -- the process groups ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank decided in ``should_save`` (:meth:`DistContext.agree`)."""
+
+    preempt: bool  # some rank has a preempting request
+    save_now: bool  # some rank has a request
+    deadline: float | None  # the earliest deadline of any rank's requests
+    interval_due: bool  # some rank's interval is due
+
+
+@dataclass(frozen=True)
+class SaveStart:
+    """What every rank learns before a save's phase one ends (:meth:`DistContext.start_save`)."""
+
+    any_busy: bool  # a rank still writes the previous checkpoint at the deadline
+    any_failed: bool  # a rank could not snapshot its state
+    token: int  # rank 0's random token: the node's temporary directory and the save's id
+
+
 class DistContext:
     """The process groups and rank facts of a distributed Checkpointer.
 
@@ -267,22 +286,20 @@ class DistContext:
     def leader(self) -> bool:
         return self.info.node_leader
 
-    def agree(
-        self, preempt: bool, save_now: bool, deadline: float | None, due: bool
-    ) -> tuple[bool, bool, float | None, bool]:
+    def agree(self, preempt: bool, save_now: bool, deadline: float | None, interval_due: bool) -> Agreement:
         """One ``all_reduce(MAX)`` of this rank's flags: any rank's preempt or
         save-now counts, the earliest deadline wins."""
         import torch
 
         flags = torch.tensor(
-            [float(preempt), float(save_now), -deadline if deadline is not None else -math.inf, float(due)],
+            [float(preempt), float(save_now), -deadline if deadline is not None else -math.inf, float(interval_due)],
             dtype=torch.float64,
         )
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
         p, s, d, t = flags.tolist()
-        return p > 0, s > 0, (None if d == -math.inf else -d), t > 0
+        return Agreement(preempt=p > 0, save_now=s > 0, deadline=None if d == -math.inf else -d, interval_due=t > 0)
 
-    def start_save(self, busy: bool, failed: bool) -> tuple[bool, bool, int]:
+    def start_save(self, busy: bool, failed: bool) -> SaveStart:
         """Before a save: whether any rank still writes the previous one or
         could not snapshot, and a token (from rank 0) naming the temporary
         directory every rank of a node shares and naming the save in the
@@ -294,7 +311,7 @@ class DistContext:
         flags = torch.tensor([float(busy), float(failed), float(token)], dtype=torch.float64)
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
         b, f, t = flags.tolist()
-        return b > 0, f > 0, int(t)
+        return SaveStart(any_busy=b > 0, any_failed=f > 0, token=int(t))
 
     def gather(self, obj: Any, *, persist: bool) -> list[Any]:
         """Every rank's ``obj`` (on the persist group from the writer thread)."""

@@ -33,8 +33,12 @@ def run(out: Path, env: dict[str, str], *extra: str) -> str:
     return proc.stdout
 
 
+#: Preemptions per run: 3 in ``make soak``.
+INTERRUPTIONS = trials.count(full=3, quick=2)
+
+
 def interruption_steps() -> tuple[int, list[int]]:
-    return trials.seed(), sorted(trials.rng("exact-resume").sample(range(1, STEPS - 1), 3))
+    return trials.seed(), sorted(trials.rng("exact-resume").sample(range(1, STEPS - 1), INTERRUPTIONS))
 
 
 def compare(reference: Path, resumed: Path) -> None:
@@ -62,6 +66,7 @@ def reference(reference_runs: ReferenceRuns) -> Path:
     return reference_runs.get(("exact_train", STEPS), uninterrupted)
 
 
+@pytest.mark.trials
 def test_resume_from_local_checkpoints_is_bit_exact(reference: Path, tmp_path: Path) -> None:
     seed, stops = interruption_steps()
     print(f"seed {seed}: preempting after steps {stops}")
@@ -77,6 +82,7 @@ def test_resume_from_local_checkpoints_is_bit_exact(reference: Path, tmp_path: P
     compare(reference, out)
 
 
+@pytest.mark.trials
 def test_resume_through_s3_on_fresh_machines_is_bit_exact(reference: Path, tmp_path: Path, s3_store: Any,
                                                           s3_uri: str) -> None:  # fmt: skip
     """Each segment starts with an empty local directory (a new node) and

@@ -28,8 +28,8 @@ from spotguard.checkpoint import (
 from spotguard.checkpoint.codec import snapshot_state
 from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
 from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
-from spotguard.checkpoint.remote import list_checkpoint_names
 from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.stored import list_checkpoint_names
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper

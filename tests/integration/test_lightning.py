@@ -25,7 +25,7 @@ from reference_runs import ReferenceRuns
 from sidecar_helpers import PY, STOPPED_RE, Proc, base_env, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified
-from spotguard.checkpoint.remote import read_manifest
+from spotguard.checkpoint.stored import read_manifest
 from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,11 +162,12 @@ class Job:
         return digest_of(proc)
 
 
+@pytest.mark.trials
 def test_resumable_sampler_preempted_at_an_epoch_end_and_mid_epoch_ends_bit_identical(
     s3_store: Any, s3_uri: str, tmp_path: Path, references: References
 ) -> None:
-    """Three preemptions: after the last batch of an epoch, in the middle of
-    the next one, and wherever a SIGTERM lands; then the fit finishes."""
+    """Preemptions after the last batch of an epoch, in the middle of the next
+    one, and (in ``make soak``) wherever a SIGTERM lands; then the fit finishes."""
     expected = references.get(1, "sampler")
     seed = trials.seed()
     rng = trials.rng("lightning-sampler")
@@ -177,7 +178,8 @@ def test_resumable_sampler_preempted_at_an_epoch_end_and_mid_epoch_ends_bit_iden
         manifest = read_manifest(job.storage, f"ckpt-{at_epoch_end:012d}")
         assert {f.path for f in manifest.files} == {"lightning.ckpt", "spotguard-rank-00000.json"}
         job.preempt_after(2 * per_epoch + rng.randint(1, per_epoch - 1))  # mid-epoch
-        job.preempt_anywhere(rng)
+        if trials.scale() == "full":
+            job.preempt_anywhere(rng)
         assert job.finish() == expected, f"seed {seed}"
 
 

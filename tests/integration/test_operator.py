@@ -200,6 +200,8 @@ def test_suspend_and_resume(apis: tuple[Any, Any], ns: str, operator: OperatorPr
     _, custom = apis
     create_job(apis, ns, no_node_job("pause", f"file://{tmp_path}"))
     wait_pod(apis, ns, "pause-a1")
+    # Suspended once the status names the attempt (a suspend before that: the test after this one).
+    wait_status(apis, ns, "pause", "attempt 1", lambda s: s.get("attempt") == 1)
     custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "pause", {"spec": {"suspend": True}})
     st = wait_status(apis, ns, "pause", "Suspended", lambda s: s.get("phase") == "Suspended")
     assert st["preemptions"] == 0 and st["failures"] == 0 and cond(st, "Suspended")["status"] == "True"
@@ -208,6 +210,24 @@ def test_suspend_and_resume(apis: tuple[Any, Any], ns: str, operator: OperatorPr
     wait_pod(apis, ns, "pause-a2")
     st = wait_status(apis, ns, "pause", "resumed", lambda s: cond(s, "Suspended").get("status") == "False")
     assert st["attempt"] == 2 and st["preemptions"] == 0
+
+
+def test_a_suspend_stops_a_pod_whose_creation_the_status_lost(apis: tuple[Any, Any], ns: str,
+                                                            operator: OperatorProcess, tmp_path: Path) -> None:
+    core, custom = apis
+    body = no_node_job("lost", f"file://{tmp_path}")
+    body["spec"]["suspend"] = True
+    job = create_job(apis, ns, body)
+    wait_status(apis, ns, "lost", "Suspended", lambda s: s.get("phase") == "Suspended")
+    # What a look leaves when its status write is lost to a conflict: attempt 1's pod, the status at 0.
+    stray = build_pod("lost", ns, job["metadata"]["uid"], parse(job["spec"]), 1, OperatorConfig(image=IMAGE))
+    core.create_namespaced_pod(ns, stray)
+    wait_for(lambda: pod_names(apis, ns, "lost") == [], "the suspended job's stray pod to be stopped", timeout=30)
+    assert get_job(apis, ns, "lost")["status"]["attempt"] == 0
+    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "lost", {"spec": {"suspend": False}})
+    wait_pod(apis, ns, "lost-a1")
+    st = wait_status(apis, ns, "lost", "attempt 1", lambda s: s.get("attempt") == 1)
+    assert st["preemptions"] == 0 and st["failures"] == 0
 
 
 def test_verified_checkpoint_reported_and_kept_after_delete(apis: tuple[Any, Any], ns: str,
@@ -494,7 +514,7 @@ def test_final_checkpoint_is_recorded_after_success(apis: tuple[Any, Any], ns: s
 
 def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, Any], crd: None,
                                                              tmp_path: Path) -> None:
-    from spotguard.operator import reconcile as rc
+    from spotguard.operator import kubeapi as rc
     from spotguard.operator.metrics import OperatorMetrics
     from spotguard.operator.probe import CheckpointProbe
     from spotguard.storage import open_storage
@@ -604,7 +624,7 @@ def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: A
 
 def test_probe_shares_one_s3_client_between_jobs_with_the_same_credentials(apis: tuple[Any, Any], crd: None,
                                                                            s3_store: Any, tmp_path: Path) -> None:
-    from spotguard.operator import reconcile as rc
+    from spotguard.operator import kubeapi as rc
     from spotguard.operator.metrics import OperatorMetrics
     from spotguard.operator.probe import CheckpointProbe
 

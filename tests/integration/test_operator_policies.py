@@ -33,11 +33,18 @@ from testenv.kubetest import (
     run_pod,
     succeed_pod,
     terminated,
+    wait_events,
     wait_for,
     wait_status,
 )
 
 pytestmark = pytest.mark.integration
+
+
+def wait_metric(operator: OperatorProcess, name: str, labels: dict[str, str], value: float) -> None:
+    """The operator's metric reaches ``value`` (it is set just after the status write)."""
+    wait_for(lambda: metric_value(operator.metrics(), name, labels) == value, f"{name}{labels} == {value}", timeout=30)
+
 
 #: The namespace of this module (the ``ns`` fixture).
 NS_PREFIX = "pol"
@@ -88,10 +95,11 @@ def test_failure_rules_ignore_an_exit_code_and_fail_the_job_on_oom(apis: tuple[A
         fail_pod(apis, ns, f"rules-a{attempt}", code=134)
     st = wait_status(apis, ns, "rules", "attempt 3", lambda s: s.get("attempt") == 3)
     assert st["failures"] == 0 and st["ignoredFailures"] == 2 and st["phase"] != "Failed"
+    # Events and metrics follow the status write (kopf posts Events from a queue): wait for them.
+    wait_events(apis, ns, "rules", {"PodFailed"})
     ignored = [m for _, r, m in events(apis, ns, "rules") if r == "PodFailed"]
     assert ignored and all("not counted, spec.failurePolicy.rules[1]" in m for m in ignored), ignored
-    assert metric_value(operator.metrics(), "spotguard_job_ignored_failures_total",
-                        {"namespace": ns, "trainingjob": "rules"}) == 2  # fmt: skip
+    wait_metric(operator, "spotguard_job_ignored_failures_total", {"namespace": ns, "trainingjob": "rules"}, 2)
     patch_pod_status(apis, ns, "rules-a3", {"phase": "Failed", "containerStatuses": [
         terminated("trainer", 137, "OOMKilled"), terminated("spotguard-sidecar", 0)]})  # fmt: skip
     st = wait_status(apis, ns, "rules", "Failed", lambda s: s.get("phase") == "Failed")
@@ -148,6 +156,7 @@ def test_a_node_that_ended_the_job_twice_is_avoided(apis: tuple[Any, Any], ns: s
         fail_pod(apis, ns, f"avoid-a{attempt}")
     st = wait_status(apis, ns, "avoid", "attempt 3", lambda s: s.get("attempt") == 3)
     assert st["avoidedNodes"][0]["node"] == names[0] and st["avoidedNodes"][0]["ends"] == 2
+    wait_events(apis, ns, "avoid", {"NodeAvoided"})
     assert any(r == "NodeAvoided" and names[0] in m for _, r, m in events(apis, ns, "avoid"))
     pod = core.read_namespaced_pod("avoid-a3", ns)
     terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
@@ -179,8 +188,8 @@ def test_repeated_preemptions_move_the_job_to_on_demand_and_the_cooldown_brings_
     assert node_of(apis, ns, "fb-a3", names) == names[1], "attempt 3 runs on the on-demand node"
     run_pod(apis, ns, "fb-a3")
     labels = {"namespace": ns, "trainingjob": "fb"}
-    assert metric_value(operator.metrics(), "spotguard_job_on_fallback", labels) == 1
-    assert metric_value(operator.metrics(), "spotguard_job_placement_moves_total", {**labels, "to": "fallback"}) == 1
+    wait_metric(operator, "spotguard_job_on_fallback", labels, 1)
+    wait_metric(operator, "spotguard_job_placement_moves_total", {**labels, "to": "fallback"}, 1)
     # The cool-down is over: the operator stops attempt 3 (after its checkpoint) and attempt 4 runs on spot.
     started = time.monotonic()
     core, _ = apis
@@ -192,9 +201,8 @@ def test_repeated_preemptions_move_the_job_to_on_demand_and_the_cooldown_brings_
     assert st["placement"]["pool"] == "primary" and cond(st, "OnFallback")["status"] == "False", st
     assert st["preemptions"] == 2 and st["failures"] == 0 and st["lastPodEnd"]["kind"] == "moved"
     assert node_of(apis, ns, "fb-a4", names) == names[0], "attempt 4 is back on the spot node"
-    reasons = [r for _, r, _ in events(apis, ns, "fb")]
-    assert "FallbackPlacement" in reasons and "ReturningToPrimary" in reasons and "PrimaryPlacement" in reasons
-    assert metric_value(operator.metrics(), "spotguard_job_placement_moves_total", {**labels, "to": "primary"}) == 1
+    wait_events(apis, ns, "fb", {"FallbackPlacement", "ReturningToPrimary", "PrimaryPlacement"})
+    wait_metric(operator, "spotguard_job_placement_moves_total", {**labels, "to": "primary"}, 1)
     assert get_job(apis, ns, "fb")["status"]["attempt"] == 4
 
 

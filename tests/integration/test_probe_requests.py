@@ -16,7 +16,7 @@ import pytest
 from ckpt_helpers import commit_local, s3_options
 
 from spotguard.checkpoint import upload_checkpoint
-from spotguard.operator import reconcile as rc
+from spotguard.operator import kubeapi as rc
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import OperatorConfig
 from spotguard.operator.probe import CheckpointProbe

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from testenv import cluster
+from testenv import cluster, trials
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,9 @@ INNER_TESTS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["fail", "interrupt"])
+@pytest.mark.trials
+# Interrupted (SIGTERM mid-test) is the harder way out; a failing session tears down as every session does.
+@pytest.mark.parametrize("mode", trials.variants(full=["fail", "interrupt"], quick=["interrupt"]))
 def test_no_service_outlives_a_session(mode: str, tmp_path: Path) -> None:
     """A whole pytest session with all fixtures, failing or interrupted, leaves no process behind."""
     test_file = tmp_path / "test_inner.py"

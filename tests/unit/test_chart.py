@@ -209,6 +209,7 @@ def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
 def test_every_verb_the_operator_uses_is_granted() -> None:
     # Each API call in the operator's shell needs one of these (a call added there must be granted here).
     source = (ROOT / "spotguard" / "operator" / "reconcile.py").read_text()
+    source += (ROOT / "spotguard" / "operator" / "kubeapi.py").read_text()
     source += (ROOT / "spotguard" / "operator" / "handlers.py").read_text()
     source += (ROOT / "spotguard" / "operator" / "probe.py").read_text()
     source += (ROOT / "spotguard" / "operator" / "notices.py").read_text()

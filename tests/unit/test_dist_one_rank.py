@@ -119,7 +119,7 @@ def test_a_state_that_cannot_be_saved_raises_and_still_ends_a_preemption(group: 
     ckpt = spotguard.Checkpointer(tmp_path / "ck", distributed=True)
     ckpt.request_checkpoint("test", preempt=True)
     assert ckpt.should_save(1)
-    with pytest.raises(spotguard.trainer.checkpointer.StateError):
+    with pytest.raises(spotguard.checkpoint.StateError):
         ckpt.save(1, {"model": {"w": torch.ones(1)}, "bad": object()})
     assert ckpt.preempted
     ckpt.close()

@@ -9,11 +9,10 @@ import math
 import pytest
 import torch
 
-from spotguard.checkpoint.export import (
+from spotguard.checkpoint.hf_folder import (
     DEFAULT_MAX_SHARD_SIZE,
     ExportError,
     ModelKeys,
-    best_first,
     choose_prefix,
     folder_export_files,
     index_weight_files,
@@ -27,6 +26,7 @@ from spotguard.checkpoint.export import (
     shard_index,
     shared_storage_groups,
 )
+from spotguard.checkpoint.stored_tensors import best_first
 
 LLAMA = {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"}
 GPT2 = {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "lm_head.weight"}

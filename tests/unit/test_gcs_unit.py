@@ -10,16 +10,9 @@ require_module("google.cloud.storage")
 
 from spotguard.checkpoint.checksum import crc32c_to_base64  # noqa: E402
 from spotguard.storage import Storage, StorageError, StoreChecksums, open_storage  # noqa: E402
-from spotguard.storage.gcs import (  # noqa: E402
-    GcsStorage,
-    _Furthest,
-    byte_ranges,
-    crc32c_hex,
-    generation_of,
-    parse_gs_uri,
-    stored_checksum_from,
-    upload_chunk_size,
-)
+from spotguard.storage.base import byte_ranges  # noqa: E402
+from spotguard.storage.gcs import GcsStorage, _Furthest, crc32c_hex, generation_of, stored_checksum_from  # noqa: E402
+from spotguard.storage.gcs_client import parse_gs_uri, upload_chunk_size  # noqa: E402
 
 
 @pytest.mark.parametrize(

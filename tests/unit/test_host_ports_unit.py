@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from spotguard.operator import hostports as hp
-from spotguard.operator import reconcile as rc
+from spotguard.operator import kubeapi as rc
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import OperatorConfig, build_pods, build_service, host_ports
 from spotguard.operator.spec import parse

@@ -26,7 +26,7 @@ import pytest
 )
 def test_an_emergency_save_skips_fsync_only_for_a_live_uploader(preempt: bool, pruner: str, shipping: bool,
                                                                durable: bool) -> None:
-    from spotguard.trainer.checkpointer import emergency_save_is_durable
+    from spotguard.trainer.shipping import emergency_save_is_durable
 
     assert emergency_save_is_durable(preempt, pruner, shipping) is durable
 
@@ -55,7 +55,7 @@ def test_a_malformed_heartbeat_is_refused(doc: str) -> None:
 
 
 def test_an_emergency_upload_is_retried_with_backoff_until_the_deadline() -> None:
-    from spotguard.trainer.checkpointer import emergency_upload_pause
+    from spotguard.trainer.shipping import emergency_upload_pause
 
     pauses = [emergency_upload_pause(n, 100.0, 110.0) for n in range(1, 6)]
     assert pauses == [0.25, 0.5, 1.0, 2.0, 2.0]  # the sidecar's emergency backoff

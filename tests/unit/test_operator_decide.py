@@ -7,15 +7,10 @@ from typing import Any
 
 import pytest
 
+from spotguard.operator.accounting import on_create_error
 from spotguard.operator.classify import PodEnd
-from spotguard.operator.decide import (
-    Decision,
-    Observation,
-    condition,
-    decide,
-    on_create_error,
-    status_patch,
-)
+from spotguard.operator.decide import decide
+from spotguard.operator.jobstatus import Decision, Observation, condition, status_patch
 from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -294,3 +289,15 @@ def test_a_blocked_pod_that_is_deleted_clears_the_condition() -> None:
     s = step(step(None, None).status, NO_SECRET).status
     d = step(s, None, T0 + timedelta(seconds=10))  # deleted by the user: counted as a preemption
     assert d.create_attempt == 2 and cond(d, "PodBlocked") == ("False", "PodEnded")
+
+
+def test_a_suspend_stops_pods_whose_creation_the_status_lost() -> None:
+    # Attempt 1's pod was made but its status write lost (a conflict); then the job was suspended.
+    sus = spec()
+    sus = TrainingJobSpec(sus.template, sus.checkpoint, sus.preemption, sus.sidecar, suspend=True)
+    d = step(None, None, sp=sus, strays=("job-a1",))
+    assert d.status["phase"] == "Suspended" and d.status["attempt"] == 0 and d.create_attempt is None
+    assert d.delete_pods == (("job-a1", False),)  # gracefully: it saves a checkpoint first
+    # Gone (or going): nothing more to stop, and the resume makes attempt 1 again.
+    assert step(d.status, None, sp=sus).delete_pods == ()
+    assert step(d.status, None).create_attempt == 1

@@ -7,16 +7,11 @@ from typing import Any
 
 import pytest
 
+from spotguard.operator.accounting import on_create_error
 from spotguard.operator.classify import PodEnd
-from spotguard.operator.decide import (
-    Decision,
-    Member,
-    Observation,
-    condition,
-    decide,
-    gang_trigger,
-    on_create_error,
-)
+from spotguard.operator.decide import decide
+from spotguard.operator.gang import gang_trigger
+from spotguard.operator.jobstatus import Decision, Member, Observation, condition
 from spotguard.operator.podbuilder import OperatorConfig, build_pods, build_service, host_ports
 from spotguard.operator.spec import SpecError, TrainingJobSpec, check_name, parse
 
@@ -375,7 +370,7 @@ def _stored(value: Any) -> Any:
 
 
 def test_a_look_at_an_unchanged_gang_patches_nothing() -> None:
-    from spotguard.operator.decide import status_patch
+    from spotguard.operator.jobstatus import status_patch
 
     st = running()
     for members in ((m(0, SHUTDOWN), m(1, RUN)), (m(0, LOST, settled=False), m(1, TERMINATING, deleting=True))):

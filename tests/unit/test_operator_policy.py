@@ -9,7 +9,8 @@ import pytest
 
 from spotguard.operator import policy
 from spotguard.operator.classify import PodEnd, classify_pod_end
-from spotguard.operator.decide import Decision, Member, Observation, condition, decide
+from spotguard.operator.decide import decide
+from spotguard.operator.jobstatus import Decision, Member, Observation, condition
 from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

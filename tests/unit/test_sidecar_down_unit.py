@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from spotguard.operator.classify import PodEnd, classify_pod_end
-from spotguard.operator.decide import Decision, Member, Observation, condition, decide
+from spotguard.operator.decide import decide
+from spotguard.operator.jobstatus import Decision, Member, Observation, condition
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.spec import TrainingJobSpec, parse
 from spotguard.operator.testing import metric_value

@@ -149,7 +149,7 @@ def test_load_into_names_what_is_missing() -> None:
 )
 def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_control_dir: bool,
                                   want: str) -> None:
-    from spotguard.trainer.checkpointer import local_pruner
+    from spotguard.trainer.config import local_pruner
 
     assert local_pruner(upload, storage_uri, shares_control_dir) == want
 
@@ -168,6 +168,6 @@ def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_
     ],
 )
 def test_emergency_save_is_durable(preempt: bool, pruner: str, shipping: bool, durable: bool) -> None:
-    from spotguard.trainer.checkpointer import emergency_save_is_durable
+    from spotguard.trainer.shipping import emergency_save_is_durable
 
     assert emergency_save_is_durable(preempt, pruner, shipping) is durable

@@ -1,0 +1,150 @@
+"""What a Checkpointer is configured with: the ``SPOTGUARD_*`` environment and its settings.
+
+Two small dataclasses, read once: :class:`EnvConfig` is what the operator or
+``spotguard run`` put in the environment (``Checkpointer.from_env`` turns it
+into constructor keywords); :class:`Settings` is what the Checkpointer runs
+with, checked once at construction. The Checkpointer's attributes of the
+same names read and assign the settings, so its parts
+(:mod:`~spotguard.trainer.policy`, :mod:`~spotguard.trainer.persist`,
+:mod:`~spotguard.trainer.shipping`, :mod:`~spotguard.trainer.restore`) and
+the user always see one value. Also here, because it follows from the
+configuration alone: :func:`local_pruner`, who deletes local checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint.checksum import DEFAULT_ALGORITHM, check_algorithm
+from spotguard.checkpoint.retention import RetentionPolicy
+
+PRUNE_SELF = "self"
+PRUNE_UPLOADER = "uploader"
+PRUNE_LOCAL_ONLY = "local-only"
+
+
+def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool) -> str:
+    """Pure: who deletes this trainer's local checkpoints.
+
+    Only the uploader prunes, and only what is safe in storage:
+
+    - ``self``: the Checkpointer uploads itself (``upload=True``), so it
+      prunes checkpoints older than one it verified in storage;
+    - ``uploader``: a storage URI or a shared control directory means a
+      sidecar or ``spotguard run`` ships the checkpoints; it prunes, the
+      trainer never does (a checkpoint deleted before its upload is lost);
+    - ``local-only``: nothing ever ships them; a newer local checkpoint
+      supersedes an older one by design, so ``keep_local`` / the retention
+      policy prune locally.
+    """
+    if upload:
+        return PRUNE_SELF
+    if storage_uri or shares_control_dir:
+        return PRUNE_UPLOADER
+    return PRUNE_LOCAL_ONLY
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{key} must not be negative, got {raw!r}")
+    return value
+
+
+def _env_float(env: Mapping[str, str], key: str) -> float | None:
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be a number of seconds, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{key} must not be negative, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The Checkpointer's configuration in the ``SPOTGUARD_*`` environment
+    (set by the operator or ``spotguard run``); unset means the default."""
+
+    directory: str | None
+    storage_uri: str | None
+    control_dir: str | None
+    save_every_steps: int | None
+    save_every_seconds: float | None
+    checksum: str
+    job: str | None
+    attempt: int | None
+    retention: RetentionPolicy | None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> EnvConfig:
+        """Parse ``env``; a malformed number raises ValueError naming the variable."""
+        storage_uri = env.get("SPOTGUARD_STORAGE_URI") or None
+        control_dir = env.get("SPOTGUARD_CONTROL_DIR") or None
+        save_every_steps = _env_int(env, "SPOTGUARD_SAVE_EVERY_STEPS") or None
+        save_every_seconds = _env_float(env, "SPOTGUARD_SAVE_EVERY_SECONDS") or None
+        checksum = env.get("SPOTGUARD_CHECKSUM") or DEFAULT_ALGORITHM
+        job = env.get("SPOTGUARD_JOB") or None
+        attempt = _env_int(env, "SPOTGUARD_ATTEMPT")
+        policy = RetentionPolicy.from_env(env)
+        return cls(
+            directory=env.get("SPOTGUARD_CHECKPOINT_DIR") or None, storage_uri=storage_uri,
+            control_dir=control_dir, save_every_steps=save_every_steps, save_every_seconds=save_every_seconds,
+            checksum=checksum, job=job, attempt=attempt, retention=None if policy.keeps_everything else policy,
+        )  # fmt: skip
+
+    def kwargs(self) -> dict[str, Any]:
+        """The Checkpointer's keyword arguments this environment sets
+        (``retention`` only when it keeps less than everything)."""
+        out: dict[str, Any] = {
+            "storage_uri": self.storage_uri, "control_dir": self.control_dir,
+            "save_every_steps": self.save_every_steps, "save_every_seconds": self.save_every_seconds,
+            "checksum": self.checksum, "job": self.job, "attempt": self.attempt,
+        }  # fmt: skip
+        if self.retention is not None:
+            out["retention"] = self.retention
+        return out
+
+
+@dataclass
+class Settings:
+    """What a Checkpointer runs with (see its constructor for each field).
+
+    ``upload`` is only true with a storage URI; ``local_pruner`` is
+    :func:`local_pruner`'s answer. Mutable: assigning a Checkpointer
+    attribute of the same name assigns the field.
+    """
+
+    directory: Path
+    storage_uri: str | None
+    storage_options: dict[str, Any]
+    save_every_steps: int | None
+    save_every_seconds: float | None
+    checksum: str
+    control_dir: Path
+    keep_local: int
+    retention: RetentionPolicy | None
+    upload: bool
+    local_pruner: str
+    job: str | None
+    attempt: int | None
+    async_save: bool
+
+    def __post_init__(self) -> None:
+        if self.save_every_steps is not None and self.save_every_steps < 1:
+            raise ValueError("save_every_steps must be at least 1")
+        if self.save_every_seconds is not None and self.save_every_seconds <= 0:
+            raise ValueError("save_every_seconds must be positive")
+        self.checksum = check_algorithm(self.checksum)

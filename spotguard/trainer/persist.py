@@ -1,0 +1,264 @@
+"""The local two-phase save of one process: snapshot now, write in the background.
+
+Phase one copies the state to host memory (:func:`snapshot_state`; for a
+framework's folder, hard-links its files): the only time training waits.
+Phase two, on a writer thread, writes (or checksums) the files, the manifest
+last, and renames the temporary directory into place
+(:mod:`spotguard.checkpoint.local`). At most one write is in flight: a new
+save first waits for the previous write (back-pressure, never a dropped
+checkpoint). A preemption's save is synchronous and deadline-aware. Once a
+write ends, the requests it answers are acknowledged
+(:class:`~spotguard.trainer.channel.TrainerChannel`) and the checkpoint is
+shipped or pruned (:class:`~spotguard.trainer.shipping.Shipping`).
+Under torch.distributed the same writer thread runs the collective phase two
+of :mod:`~spotguard.trainer.collective`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint.codec import Snapshot, snapshot_state
+from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
+from spotguard.trainer import folder as _folder
+from spotguard.trainer.channel import Due, TrainerChannel
+from spotguard.trainer.config import Settings
+from spotguard.trainer.policy import SavePolicy, SaveRecord
+from spotguard.trainer.shipping import Shipping
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PersistJob:
+    """One save between its two phases."""
+
+    step: int
+    snapshot: Snapshot | None
+    epoch: int | None
+    metrics: Mapping[str, Any] | None
+    due: Due
+    snapshot_seconds: float = 0.0
+    # Distributed saves: the staged DCP tensors, the shared tmp-dir token,
+    # and what the writer thread found.
+    sharded: Any = None
+    token: int = 0
+    result: Path | None = None
+
+
+class LocalPersist:
+    """The writer thread and the single-process saves.
+
+    The parts it shares with the Checkpointer: ``settings`` (directory,
+    checksum, job and attempt for the manifest), ``policy`` (marks the step
+    saved), ``record`` (what the user reads), ``channel`` (answers the
+    requests), ``shipping`` (after a commit; durability) and ``pinned``
+    (host buffers reused by the next snapshot, None not to keep them).
+    """
+
+    def __init__(self, settings: Settings, policy: SavePolicy, record: SaveRecord, channel: TrainerChannel,
+                 shipping: Shipping, pinned: dict[Any, Any] | None) -> None:  # fmt: skip
+        self._settings = settings
+        self._policy = policy
+        self._record = record
+        self._channel = channel
+        self._shipping = shipping
+        self._pinned = pinned
+        self.thread: threading.Thread | None = None
+
+    # -- the writer thread ---------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight write; True when nothing is in flight any more."""
+        thread = self.thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        self.thread = None
+        return True
+
+    def wait_until(self, deadline: float | None) -> bool:
+        """:meth:`wait`, but not past ``deadline`` (unix time)."""
+        return self.wait(None if deadline is None else max(0.0, deadline - time.time()))
+
+    def _start(self, target: Callable[..., Any], args: tuple[Any, ...] = ()) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, name="spotguard-persist", daemon=True)
+        self.thread = thread
+        thread.start()
+        return thread
+
+    def answer_with_last(self, due: Due, *, preempt: bool = False) -> Path | None:
+        """A save of the step saved last: wait for its write, answer with it
+        (a preemption's answer still stops the loop)."""
+        self.wait_until(due.deadline)
+        self._channel.answer(due.requests, self._record.last_committed if self.thread is None else None)
+        if preempt:
+            self._channel.preempted = True
+        return self._record.last_committed
+
+    def phase_one_done(self, step: int, start: float) -> None:
+        """Phase one of ``step`` ended (it began at ``start``, perf_counter)."""
+        self._record.last_stall_seconds = time.perf_counter() - start
+        self._policy.saved(step)
+
+    def run_writer(self, job: PersistJob, target: Callable[..., None], args: tuple[Any, ...], *,
+                   sync: bool) -> Path | None:  # fmt: skip
+        """Start phase two of a distributed save on the writer thread; when
+        ``sync``, wait for it, but not past the deadline (a rank that died
+        would hold the others in a collective)."""
+        thread = self._start(target, args)
+        if not sync:
+            return None
+        timeout = None if job.due.deadline is None else max(0.0, job.due.deadline - time.time()) + 1.0
+        thread.join(timeout)
+        if not thread.is_alive():
+            self.thread = None
+        else:
+            log.error("checkpoint of step %d not committed by its deadline", job.step)
+        if job.due.preempt:
+            self._channel.preempted = True
+        return job.result
+
+    # -- a state ---------------------------------------------------------------------------
+    def save(self, step: int, state: Mapping[str, Any], due: Due, *, epoch: int | None,
+             metrics: Mapping[str, Any] | None, blocking: bool | None) -> Path | None:  # fmt: skip
+        """:meth:`Checkpointer.save` in a single process."""
+        sync = self._policy.synchronous(blocking, due.preempt)
+        if step == self._policy.last_step:
+            # This step is already committed or being written: wait for it.
+            return self.answer_with_last(due)
+        if not self.wait_until(due.deadline):
+            log.error("previous checkpoint still being written at the deadline; not starting step %d", step)
+            self._channel.answer(due.requests, None, deadline_exceeded=True)
+            return None
+        start = time.perf_counter()
+        try:
+            snapshot = snapshot_state(state, pinned=self._pinned)
+        except BaseException:
+            # The state cannot be saved (the caller's error); still answer
+            # the requests, so a preemption ends the loop instead of looping.
+            self._channel.answer(due.requests, None)
+            raise
+        self.phase_one_done(step, start)
+        job = PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, due,
+                         self._record.last_stall_seconds)  # fmt: skip
+        if sync:
+            return self._write(job)
+        self._start(self._write, (job,))
+        return None
+
+    def _write(self, job: PersistJob) -> Path | None:
+        """Phase two of :meth:`save`."""
+        record = self._record
+        start = time.perf_counter()
+        path: Path | None = None
+        deadline_exceeded = False
+        try:
+            assert job.snapshot is not None
+            path = write_checkpoint(
+                self._settings.directory,
+                job.step,
+                job.snapshot,
+                algorithm=self._settings.checksum,
+                epoch=job.epoch,
+                metrics=job.metrics,
+                job=self._settings.job,
+                attempt=self._settings.attempt,
+                deadline=job.due.deadline,
+                reason=job.due.reason,
+                request_id=job.due.request_id,
+                snapshot_seconds=job.snapshot_seconds,
+                durable=self._shipping.durable(job.due.preempt),
+            )
+            record.last_committed = path
+            record.last_persist_seconds = time.perf_counter() - start
+            log.info("checkpoint %s committed (%.2fs)", path, record.last_persist_seconds)
+        except DeadlineExceeded as exc:
+            deadline_exceeded = True
+            record.last_error = exc
+            newest = next(reversed(list_local_committed(self._settings.directory)), None)
+            log.error("%s; the newest committed checkpoint is %s", exc, newest.name if newest else "none")
+        except Exception as exc:
+            record.last_error = exc
+            log.error("checkpoint of step %d failed: %s", job.step, exc)
+        finally:
+            job.snapshot = None  # free host memory before anything slow
+        self._channel.answer(job.due.requests, path, deadline_exceeded=deadline_exceeded)
+        if path is not None:
+            self._shipping.after_commit(path, job.due)
+        return path
+
+    # -- a framework's folder --------------------------------------------------------------
+    def commit_folder(self, step: int, source: Path, due: Due, *, epoch: int | None,
+                      metrics: Mapping[str, Any] | None, exclude: Sequence[str],
+                      blocking: bool | None) -> Path | None:  # fmt: skip
+        """:meth:`Checkpointer.commit_folder` in a single process."""
+        s = self._settings
+        if step == self._policy.last_step:
+            # Committed, being committed, or resumed already: a framework
+            # saving the step again (into hard-linked files) is never re-linked.
+            return self.answer_with_last(due)
+        if not self.wait_until(due.deadline):
+            log.error("previous checkpoint still being written at the deadline; not committing step %d", step)
+            self._channel.answer(due.requests, None, deadline_exceeded=True)
+            return None
+        start = time.perf_counter()
+        writer = LocalWriter(s.directory, step, algorithm=s.checksum, deadline=due.deadline,
+                             durable=self._shipping.durable(due.preempt))  # fmt: skip
+        try:
+            names = _folder.folder_files(source, exclude)
+            for rel in names:
+                _folder.link_or_copy(source / rel, writer.tmp / rel)
+        except BaseException:
+            writer.abort()
+            self._channel.answer(due.requests, None)
+            raise
+        # From here on the framework may delete or rotate its folder: the
+        # checkpoint holds its own links. Checksums and the manifest are
+        # phase two: in the background, or now for a preemption.
+        self.phase_one_done(step, start)
+        job = PersistJob(step, None, epoch, _folder.metrics_of(metrics), due, self._record.last_stall_seconds)
+        if self._policy.synchronous(blocking, due.preempt):
+            return self._commit_linked(job, writer, names, source)
+        self._start(self._commit_linked, (job, writer, names, source))
+        return None
+
+    def _commit_linked(self, job: PersistJob, writer: LocalWriter, names: list[str], source: Path) -> Path | None:
+        """Phase two of :meth:`commit_folder`: checksum (and fsync) the linked
+        files, write the manifest last, rename; then answer the requests and ship."""
+        record = self._record
+        start = time.perf_counter()
+        try:
+            _folder.checksum_linked(writer, names)
+            persist = round(time.perf_counter() - start, 6)
+            path = writer.commit(epoch=job.epoch, metrics=job.metrics, job=self._settings.job,
+                                 attempt=self._settings.attempt, reason=job.due.reason,
+                                 request_id=job.due.request_id,
+                                 timing={"snapshot_seconds": round(job.snapshot_seconds, 6),
+                                         "persist_seconds": persist,
+                                         "save_seconds": round(job.snapshot_seconds + persist, 6)})  # fmt: skip
+        except DeadlineExceeded as exc:
+            writer.abort()
+            record.last_error = exc
+            log.error("checkpoint of step %d not committed before its deadline", job.step)
+            self._channel.answer(job.due.requests, None, deadline_exceeded=True)
+            return None
+        except Exception as exc:
+            writer.abort()
+            record.last_error = exc
+            log.error("checkpoint of step %d from %s failed: %s", job.step, source, exc)
+            self._channel.answer(job.due.requests, None)
+            return None
+        record.last_committed = path
+        record.last_persist_seconds = time.perf_counter() - start
+        log.info("checkpoint %s committed from %s (%.2fs)", path, source, record.last_persist_seconds)
+        self._channel.answer(job.due.requests, path)
+        self._shipping.after_commit(path, job.due)
+        return path

@@ -1,0 +1,184 @@
+"""What follows a commit in the trainer's own process: upload, retention, local pruning.
+
+In a pod the sidecar (or ``spotguard run``) ships checkpoints; with
+``upload=True`` the Checkpointer does it itself, after each commit: upload,
+verify, move the ``latest`` pointer, apply retention in storage (a
+preemption's upload is retried with backoff until its deadline instead).
+Local checkpoints are deleted only by whoever uploads them
+(:func:`~spotguard.trainer.config.local_pruner`). Whether a save fsyncs its
+data files depends on the same question: a preemption's save that a live
+uploader ships at once is made durable by the verified upload
+(:func:`emergency_save_is_durable`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint import (
+    ManifestError,
+    apply_retention,
+    list_local_committed,
+    prune_local,
+    read_local_manifest,
+    remove_checkpoint_dir,
+    update_latest_pointer,
+    upload_checkpoint,
+    verify_checkpoint,
+)
+from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
+from spotguard.sidecar.control import uploader_shipping
+from spotguard.trainer.channel import Due
+from spotguard.trainer.config import PRUNE_LOCAL_ONLY, PRUNE_SELF, Settings
+from spotguard.trainer.policy import SaveRecord
+
+log = logging.getLogger(__name__)
+
+
+def emergency_save_is_durable(preempt: bool, pruner: str, shipping: bool) -> bool:
+    """Pure: whether a save fsyncs its data files before it is acknowledged.
+
+    Every save does, except a preemption's when an uploader ships it at once
+    and has said so (``shipping``: the sidecar's or ``spotguard run``'s fresh
+    heartbeat, or with ``upload=True`` this process's last upload verified):
+    its durability is the verified upload, and the seconds an fsync of
+    gigabytes takes are the grace period's. Without a live uploader the local
+    copy is all there is.
+    """
+    return not preempt or pruner == PRUNE_LOCAL_ONLY or not shipping
+
+
+# A preemption's upload (``upload=True``) without a deadline is retried this long.
+EMERGENCY_UPLOAD_SECONDS = 25.0
+
+
+def emergency_upload_pause(attempt: int, now: float, deadline: float) -> float | None:
+    """Pure: seconds to wait before retrying a preemption's upload that failed
+    ``attempt`` times (the sidecar's emergency backoff), never past
+    ``deadline``; None when no time is left."""
+    # Imported here: the sidecar's service module pulls in its HTTP and metrics stack.
+    from spotguard.sidecar.service import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX
+    from spotguard.sidecar.shipper import retry_delay
+
+    left = deadline - now
+    if left <= 0:
+        return None
+    return min(retry_delay(attempt, EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX), left)
+
+
+class Shipping:
+    """Upload (``upload=True``) and prune after each commit.
+
+    ``open_storage`` opens (once) the settings' storage. :attr:`verified`
+    holds the checkpoints this process knows are verified in storage
+    (uploaded and verified here, or restored from storage): only those make
+    older local ones safe to delete.
+    """
+
+    def __init__(self, settings: Settings, record: SaveRecord, open_storage: Callable[[], Any]) -> None:
+        self._settings = settings
+        self._record = record
+        self._open_storage = open_storage
+        self.verified: set[str] = set()
+        # With upload=True: whether this process's last upload was verified.
+        self._shipping = False
+
+    def durable(self, preempt: bool) -> bool:
+        """Whether this save fsyncs its data files (see :func:`emergency_save_is_durable`)."""
+        pruner = self._settings.local_pruner
+        if not preempt or pruner == PRUNE_LOCAL_ONLY:
+            return True
+        shipping = self._shipping if pruner == PRUNE_SELF else uploader_shipping(self._settings.control_dir)
+        return emergency_save_is_durable(preempt, pruner, shipping)
+
+    def after_commit(self, path: Path, due: Due) -> None:
+        """Upload ``path`` (``upload=True``), then prune local checkpoints as
+        :func:`~spotguard.trainer.config.local_pruner` says."""
+        s = self._settings
+        if s.upload:
+            if due.preempt:
+                # A preemption's upload is retried until the save's deadline.
+                self.upload(path, until=due.deadline or time.time() + EMERGENCY_UPLOAD_SECONDS)
+            else:
+                self.upload(path)
+        try:
+            if s.local_pruner == PRUNE_SELF:
+                for name in plan_local_prune([p.name for p in list_local_committed(s.directory)],
+                                             self.verified, s.keep_local):  # fmt: skip
+                    remove_checkpoint_dir(s.directory / name)
+            elif s.local_pruner == PRUNE_LOCAL_ONLY:
+                if s.retention is not None and not s.retention.keeps_everything:
+                    self._apply_local_retention(path)
+                else:
+                    prune_local(s.directory, s.keep_local, protect=[path])
+            # PRUNE_UPLOADER: the sidecar / ``spotguard run`` prunes what it verified.
+        except OSError as exc:
+            log.warning("could not prune local checkpoints: %s", exc)
+
+    def upload(self, path: Path, *, until: float | None = None) -> None:
+        """Upload, verify, move the pointer, then apply retention in storage.
+        With ``until`` (a preemption's save): a failure is retried with
+        backoff until then, and retention waits for a routine upload."""
+        attempt = 0
+        while True:
+            try:
+                verified = self._upload_once(path)
+                self._shipping = True
+                break
+            except Exception as exc:
+                self._shipping = False
+                self._record.last_error = exc
+                attempt += 1
+                pause = None if until is None else emergency_upload_pause(attempt, time.time(), until)
+                if pause is None:
+                    log.error("upload of %s failed: %s", path.name, exc)
+                    return
+                log.warning("upload of %s failed (attempt %d): %s; retrying in %.2fs", path.name, attempt, exc,
+                            pause)  # fmt: skip
+                time.sleep(pause)
+        retention = self._settings.retention
+        if not verified or until is not None or retention is None or retention.keeps_everything:
+            return
+        try:
+            apply_retention(self._open_storage(), retention, newest_verified=path.name)
+        except Exception as exc:
+            self._record.last_error = exc
+            log.error("retention after the upload of %s failed: %s", path.name, exc)
+
+    def _upload_once(self, path: Path) -> bool:
+        """Upload, verify and move the pointer; True once the checkpoint is
+        verified in storage (False: one node's part, stored). Raises on failure."""
+        storage = self._open_storage()
+        result = upload_checkpoint(path, storage, update_pointer=False)
+        if not result.committed:
+            # One node's part of a distributed checkpoint: the uploader of
+            # the last part to arrive writes the global manifest.
+            log.info("uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage", path.name,
+                     result.bytes, result.seconds, result.parts_present, result.parts_total)  # fmt: skip
+            return False
+        verdict = verify_checkpoint(storage, path.name)
+        if not verdict.ok:
+            raise RuntimeError("verification failed: " + verdict.reason)
+        self.verified.add(path.name)
+        update_latest_pointer(storage, result.step)
+        log.info("uploaded and verified %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
+        return True
+
+    def _apply_local_retention(self, newest: Path) -> None:
+        retention = self._settings.retention
+        assert retention is not None
+        directory = self._settings.directory
+        candidates = []
+        for p in list_local_committed(directory):
+            try:
+                m = read_local_manifest(p)
+            except (OSError, ManifestError):
+                continue
+            candidates.append(RetentionCandidate(p.name, m.step, dict(m.metrics)))
+        plan = plan_retention(candidates, retention, newest.name)
+        for name in plan.delete:
+            remove_checkpoint_dir(directory / name)

@@ -1,0 +1,27 @@
+"""The lanes of ``make test``: which pytest arguments each lane adds to the command line's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from testenv import lanes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_heavy_lane_collects_only_its_modules_unless_tests_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    assert lanes.lane_args("heavy", ["--durations=30", "-x"]) == list(lanes.HEAVY_MODULES)
+    assert all((ROOT / m).is_file() for m in lanes.HEAVY_MODULES)
+    # A command line that names tests keeps its own selection (the marker still splits it).
+    assert lanes.lane_args("heavy", ["tests/unit"]) == []
+    assert lanes.lane_args("heavy", ["tests/integration/test_fleet.py::test_x", "-q"]) == []
+
+
+def test_the_light_lane_spreads_over_xdist_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(lanes.WORKERS_ENV, "3")
+    assert lanes.lane_args("light", ["tests/unit"]) == ["-n", "3", "--dist", "loadfile"]
+    monkeypatch.setenv(lanes.WORKERS_ENV, "0")
+    assert lanes.lane_args("light") == []
