@@ -79,8 +79,8 @@ def _plain(directory: Path, step: int) -> Path:
 def _parts(directory: Path, step: int) -> list[Path]:
     """The local part directories of a distributed checkpoint: PARTS nodes, one rank each."""
     from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
-    from spotguard.checkpoint.checksum import checksum_bytes
     from spotguard.checkpoint.manifest import new_manifest
+    from spotguard.storage.checksum import checksum_bytes
 
     out = []
     for index in range(PARTS):

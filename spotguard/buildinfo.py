@@ -12,7 +12,7 @@ import platform
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from spotguard import __version__
+from spotguard.version import __version__
 
 #: Which part of spotguard the process is (bounded).
 COMPONENTS = ("operator", "sidecar", "run")

@@ -14,11 +14,12 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from spotguard import __version__
+from spotguard.version import __version__
 
 _COMMAND_MODULES = (
     "spotguard.checkpoint.cli",  # ckpt ls|verify|restore|gc|average, restore
-    "spotguard.sidecar.cli",  # sidecar, run, demo
+    "spotguard.sidecar.cli",  # sidecar, run
+    "spotguard.demo.cli",  # demo
     "spotguard.operator.cli",  # operator
     "spotguard.jobs.cli",  # jobs ls|describe|checkpoints|preempt
 )

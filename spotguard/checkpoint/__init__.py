@@ -14,7 +14,6 @@ Importing this package does not import torch, numpy or boto3.
 
 from __future__ import annotations
 
-from spotguard.checkpoint.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 from spotguard.checkpoint.chunked import KnownChunks
 from spotguard.checkpoint.codec import StateError, snapshot_state
 from spotguard.checkpoint.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
@@ -61,6 +60,7 @@ from spotguard.checkpoint.stored import (
 from spotguard.checkpoint.upload import UploadResult, upload_checkpoint
 from spotguard.checkpoint.verify import VerifyResult
 from spotguard.checkpoint.verify_stored import verify_checkpoint
+from spotguard.storage.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 
 __all__ = [
     "KnownChunks",

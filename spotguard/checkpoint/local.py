@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.checksum import CHUNK, DEFAULT_ALGORITHM, Crc32cHasher, check_algorithm, new_hasher
 from spotguard.checkpoint.codec import (
     STATE_FILE,
     Snapshot,
@@ -44,6 +43,7 @@ from spotguard.checkpoint.manifest import (
 )
 from spotguard.checkpoint.pickle_scan import PICKLE_SUFFIXES, UnsafePickleError, check_pickle_safe
 from spotguard.checkpoint.verify import VerifyResult, verify_files
+from spotguard.storage.checksum import CHUNK, DEFAULT_ALGORITHM, Crc32cHasher, check_algorithm, new_hasher
 from spotguard.storage.file import fsync_dir
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from spotguard import __version__
-from spotguard.checkpoint.checksum import ALGORITHMS, checksum_bytes
+from spotguard.storage.checksum import ALGORITHMS, checksum_bytes
+from spotguard.version import __version__
 
 #: The newest format this spotguard reads and writes. A manifest without
 #: ``sharding`` (one process) is still written as version 1, byte for byte
@@ -314,7 +314,7 @@ def _parse_chunks(path: str, value: Any, size: int, checksum: str, algorithm: st
     """The chunks of one file of a version 3 manifest: ``[[sha256, size, crc32c], ...]``,
     sizes adding up to the file's, and (for a CRC32C manifest) the chunks'
     CRC32Cs combining to the file's."""
-    from spotguard.checkpoint.checksum import crc32c_of_parts
+    from spotguard.storage.checksum import crc32c_of_parts
 
     if not isinstance(value, list):
         raise ManifestError(f"{path}: 'chunks' must be a list")

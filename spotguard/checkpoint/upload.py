@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.chunked import KnownChunks, upload_chunks
 from spotguard.checkpoint.intents import upload_intent
 from spotguard.checkpoint.manifest import (
@@ -32,6 +31,7 @@ from spotguard.checkpoint.parts import commit_global, existing_commit
 from spotguard.checkpoint.stored import CheckpointCorruptError, read_manifest, update_latest_pointer
 from spotguard.checkpoint.verify_stored import verify_uploaded_files
 from spotguard.storage.base import NotFoundError, ProgressCallback, Storage
+from spotguard.storage.checksum import checksum_bytes
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from spotguard.checkpoint.checksum import Crc32cHasher, new_hasher
 from spotguard.checkpoint.manifest import FileEntry, Manifest
 from spotguard.checkpoint.pickle_scan import (
     NOT_PICKLE_SUFFIXES,
@@ -22,6 +21,7 @@ from spotguard.checkpoint.pickle_scan import (
     looks_like_pickle,
 )
 from spotguard.storage.base import NotFoundError, StoredChecksum
+from spotguard.storage.checksum import Crc32cHasher, new_hasher
 
 _SPOOL_MAX = 64 << 20
 

@@ -251,7 +251,7 @@ def connect(args: argparse.Namespace) -> Kube:
 
 
 def _version() -> str:
-    from spotguard import __version__
+    from spotguard.version import __version__
 
     return __version__
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import kopf
 
-from spotguard import __version__
 from spotguard.operator import kubeapi
 from spotguard.operator import reconcile as rc
 from spotguard.operator.admission import AdmissionServer, manage_configurations
@@ -51,6 +50,7 @@ from spotguard.operator.podbuilder import (
 from spotguard.operator.probe import CheckpointProbe
 from spotguard.operator.probes import Health, ProbeServer
 from spotguard.operator.spec import GROUP, PLURAL, VERSION
+from spotguard.version import __version__
 
 log = logging.getLogger("spotguard.operator")
 

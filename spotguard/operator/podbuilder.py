@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotguard import __version__
 from spotguard import notice_relay as relay
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.jobstatus import member_pod_name
@@ -42,6 +41,7 @@ from spotguard.operator.spec import (
     CheckpointSpec,
     TrainingJobSpec,
 )
+from spotguard.version import __version__
 
 LABEL_JOB = "spotguard.dev/job"
 LABEL_ATTEMPT = "spotguard.dev/attempt"

@@ -1,7 +1,8 @@
-"""``spotguard sidecar``, ``spotguard run`` and ``spotguard demo``.
+"""``spotguard sidecar`` and ``spotguard run``.
 
 Argument parsing only; heavy imports (boto3, torch, kubernetes) happen in
-the handlers so ``spotguard --help`` stays fast.
+the handlers so ``spotguard --help`` stays fast. ``spotguard demo`` is
+:mod:`spotguard.demo.cli`'s: the demo sits above the sidecar.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``sidecar``, ``run`` and ``demo`` to the top-level parser."""
+    """Add ``sidecar`` and ``run`` to the top-level parser."""
     _register_sidecar(subparsers)
     _register_run(subparsers)
-    _register_demo(subparsers)
 
 
 # -- sidecar ------------------------------------------------------------------
@@ -223,7 +223,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     latch = SignalLatch()
     latch.install()
 
-    from spotguard.sidecar.control import control_dir_from_env
+    from spotguard.contract.control import control_dir_from_env
     from spotguard.sidecar.metrics import SidecarMetrics
     from spotguard.sidecar.service import (
         AgentConfig,
@@ -397,40 +397,3 @@ def _run(args: argparse.Namespace) -> int:
     except (SetupError, StorageError) as exc:
         _fail(str(exc))
         return EXIT_USAGE
-
-
-# -- demo ---------------------------------------------------------------------
-
-
-def _register_demo(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        help="train a small model, preempt it several times, prove the result is bit-identical",
-        description="Train a small model under `spotguard run`, preempt it at random points, "
-        "train it once uninterrupted, and compare the two results byte for byte.",
-    )
-    p.add_argument("--storage", default=None,
-                   help="checkpoint storage (default file:// in a temporary directory)")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    p.add_argument("--preemptions", type=int, default=3, help="preemptions (default 3)")
-    p.add_argument("--save-every", type=int, default=50,
-                   help="routine checkpoint interval in steps (default 50)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed for the preemption points (default random)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the demo's files here (default a temporary directory, removed)")
-    p.set_defaults(func=_demo)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from spotguard.demo.runner import DemoOptions, run_demo
-
-    options = DemoOptions(
-        steps=args.steps,
-        preemptions=args.preemptions,
-        save_every=args.save_every,
-        storage=args.storage,
-        seed=args.seed,
-        workdir=args.workdir,
-    )
-    return run_demo(options)

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from spotguard.sidecar.control import (
+from spotguard.contract.control import (
     EXIT_FILE,
     CheckpointAck,
     CheckpointRequest,
@@ -39,6 +39,7 @@ from spotguard.sidecar.control import (
     trainer_said_preempted,
     write_heartbeat,
 )
+from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
 from spotguard.sidecar.metrics import SIDECAR_PORT_HINT, SidecarMetrics
@@ -47,7 +48,6 @@ from spotguard.sidecar.shipper import (
     CheckpointShipper,
     Shipped,
     log_stage,
-    retry_delay,
     step_of,
 )
 
@@ -61,10 +61,6 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_EMERGENCY_FAILED = 1
 
-# Retries of a failed emergency upload: soon, then a little less often; the
-# deadline bounds them all.
-EMERGENCY_RETRY_INITIAL = 0.25
-EMERGENCY_RETRY_MAX = 2.0
 # How long a classic sidecar whose trainer finished waits for an Event still being posted.
 EVENT_JOIN_SECONDS = 10.0
 # After the trainer's exit, how often a part waiting for other nodes' parts is tried again.

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 from spotguard.checkpoint.chunked import KnownChunks, chunks_named
 from spotguard.checkpoint.manifest import parse_checkpoint_name
 from spotguard.checkpoint.retention import plan_local_prune
-from spotguard.sidecar.control import save_reason_label
+from spotguard.contract.control import save_reason_label
+from spotguard.contract.retry import retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 
@@ -88,11 +89,6 @@ def observed_interval(times: list[float]) -> float | None:
         return None
     mid = len(gaps) // 2
     return gaps[mid] if len(gaps) % 2 else (gaps[mid - 1] + gaps[mid]) / 2
-
-
-def retry_delay(failures: int, initial: float = 1.0, maximum: float = 30.0) -> float:
-    """Pure: seconds before retrying a checkpoint that failed ``failures`` times."""
-    return float(min(maximum, initial * 2 ** max(0, failures - 1)))
 
 
 def log_stage(stage: str, seconds: float, **fields: Any) -> None:

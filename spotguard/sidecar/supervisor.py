@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from spotguard.sidecar.control import CheckpointRequest, ControlChannel
+from spotguard.contract.control import CheckpointRequest, ControlChannel
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
 from spotguard.sidecar.service import AgentConfig, CheckpointAgent, SignalLatch

@@ -57,7 +57,6 @@ import google_crc32c
 from google.api_core import exceptions as gexc
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from spotguard.checkpoint.checksum import crc32c_from_base64, crc32c_of_parts
 from spotguard.storage.base import (
     UNCHANGED,
     CredentialsError,
@@ -76,6 +75,7 @@ from spotguard.storage.base import (
     read_in_order,
     wait_all,
 )
+from spotguard.storage.checksum import crc32c_from_base64, crc32c_of_parts
 from spotguard.storage.gcs_client import (
     CHUNK_QUANTUM,
     checked,

@@ -428,7 +428,7 @@ class S3Storage:
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def _put_bytes(self, key: str, data: bytes) -> None:
-        from spotguard.checkpoint.checksum import checksum_bytes, crc32c_to_base64
+        from spotguard.storage.checksum import checksum_bytes, crc32c_to_base64
 
         crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
         self._checksum_call(
@@ -466,7 +466,7 @@ class S3Storage:
         length: int,
         progress: ProgressCallback | None,
     ) -> dict[str, Any]:
-        from spotguard.checkpoint.checksum import checksum_bytes, crc32c_to_base64
+        from spotguard.storage.checksum import checksum_bytes, crc32c_to_base64
 
         with open(src, "rb") as f:
             f.seek(offset)
@@ -486,7 +486,7 @@ class S3Storage:
         return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc, "_size": length}
 
     def _complete_multipart(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
-        from spotguard.checkpoint.checksum import crc32c_from_base64, crc32c_of_parts, crc32c_to_base64
+        from spotguard.storage.checksum import crc32c_from_base64, crc32c_of_parts, crc32c_to_base64
 
         extra: dict[str, str] = {}
         if self._full_object:
@@ -507,7 +507,7 @@ class S3Storage:
         """The CRC32C SeaweedFS/S3 computed for ``key`` on receipt, as whole-object
         hex; None when it keeps none. A multipart object's composite checksum is
         turned into the whole-object CRC32C from its per-part checksums."""
-        from spotguard.checkpoint.checksum import crc32c_from_base64
+        from spotguard.storage.checksum import crc32c_from_base64
 
         with self._errors(self.uri_for(key)):
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
@@ -530,7 +530,7 @@ class S3Storage:
         """The whole-object CRC32C of a multipart object, combined from the part
         checksums the store reports, or None when it does not report them or
         they do not add up to the object (its composite checksum and size)."""
-        from spotguard.checkpoint.checksum import crc32c_composite, crc32c_from_base64, crc32c_of_parts
+        from spotguard.storage.checksum import crc32c_composite, crc32c_from_base64, crc32c_of_parts
 
         count = int(composite.rsplit("-", 1)[1]) if "-" in composite else 0
         parts: list[tuple[int, int]] = []

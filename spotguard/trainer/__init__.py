@@ -6,7 +6,7 @@ and numpy only when they are already imported by the training code.
 
 from __future__ import annotations
 
-from spotguard.sidecar.control import (
+from spotguard.contract.control import (
     ACK_FILE,
     EXIT_FILE,
     PID_FILE,

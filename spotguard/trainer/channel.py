@@ -8,7 +8,7 @@ Requests wait in :class:`TrainerChannel` until a save takes them as one
 :class:`Due`; once that save is committed (or could not be) each is
 acknowledged in ``checkpoint-ack.json``. The channel also writes
 ``trainer.pid`` (which process to wake) and, at the end, ``trainer-exit.json``.
-The wire protocol itself is documented in :mod:`spotguard.sidecar.control`;
+The wire protocol itself is documented in :mod:`spotguard.contract.control`;
 when a save is due is :mod:`~spotguard.trainer.policy`'s question.
 """
 
@@ -27,7 +27,7 @@ from types import FrameType
 from typing import Any
 
 from spotguard.checkpoint.local import list_local_committed
-from spotguard.sidecar.control import (
+from spotguard.contract.control import (
     ACK_FILE,
     EXIT_FILE,
     INTERNAL_REQUEST_PREFIXES,
@@ -38,7 +38,7 @@ from spotguard.sidecar.control import (
     ack_json,
     parse_request,
 )
-from spotguard.sidecar.control import atomic_write_json as _write_json_atomic
+from spotguard.contract.control import atomic_write_json as _write_json_atomic
 from spotguard.trainer.config import Settings
 
 log = logging.getLogger(__name__)

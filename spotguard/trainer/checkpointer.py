@@ -48,11 +48,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast, overload
 
-from spotguard.checkpoint.checksum import DEFAULT_ALGORITHM
 from spotguard.checkpoint.local import WRITER_TMP_PREFIX, clean_stale_tmp
 from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.retention import RetentionPolicy
-from spotguard.sidecar.control import CONTROL_SUBDIR
+from spotguard.contract.control import CONTROL_SUBDIR
+from spotguard.storage.checksum import DEFAULT_ALGORITHM
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.collective import CollectiveSave

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.checksum import DEFAULT_ALGORITHM, check_algorithm
 from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.storage.checksum import DEFAULT_ALGORITHM, check_algorithm
 
 PRUNE_SELF = "self"
 PRUNE_UPLOADER = "uploader"

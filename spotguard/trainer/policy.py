@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotguard.sidecar.control import CheckpointRequest
+from spotguard.contract.control import CheckpointRequest
 from spotguard.trainer.channel import Due
 from spotguard.trainer.config import Settings
 from spotguard.trainer.distributed import DistContext

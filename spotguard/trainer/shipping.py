@@ -31,7 +31,8 @@ from spotguard.checkpoint import (
     verify_checkpoint,
 )
 from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
-from spotguard.sidecar.control import uploader_shipping
+from spotguard.contract.control import uploader_shipping
+from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.trainer.channel import Due
 from spotguard.trainer.config import PRUNE_LOCAL_ONLY, PRUNE_SELF, Settings
 from spotguard.trainer.policy import SaveRecord
@@ -60,10 +61,6 @@ def emergency_upload_pause(attempt: int, now: float, deadline: float) -> float |
     """Pure: seconds to wait before retrying a preemption's upload that failed
     ``attempt`` times (the sidecar's emergency backoff), never past
     ``deadline``; None when no time is left."""
-    # Imported here: the sidecar's service module pulls in its HTTP and metrics stack.
-    from spotguard.sidecar.service import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX
-    from spotguard.sidecar.shipper import retry_delay
-
     left = deadline - now
     if left <= 0:
         return None

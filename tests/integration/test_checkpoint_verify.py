@@ -25,8 +25,8 @@ from spotguard.checkpoint import (
     verify_checkpoint,
     verify_local_checkpoint,
 )
-from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.storage import Storage
+from spotguard.storage.checksum import checksum_bytes
 
 pytestmark = pytest.mark.integration
 

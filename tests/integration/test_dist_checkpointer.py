@@ -100,7 +100,7 @@ def _worker(argv: list[str]) -> int:
         if step == args.sigterm_at and rank == args.sigterm_rank:
             os.kill(os.getpid(), signal.SIGTERM)
         if step == args.request_at and rank == 0:
-            from spotguard.sidecar.control import ControlChannel
+            from spotguard.contract.control import ControlChannel
 
             ControlChannel(ckpt.control_dir).request_checkpoint("test", time.time() + 60, True, "req-1")
         if step == args.kill_at and rank == args.kill_rank:

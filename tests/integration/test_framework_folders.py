@@ -92,9 +92,9 @@ def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
 ) -> None:
     from ckpt_helpers import s3_options
 
-    from spotguard.checkpoint.checksum import new_hasher
     from spotguard.checkpoint.verify_stored import verify_checkpoint
     from spotguard.storage import open_storage
+    from spotguard.storage.checksum import new_hasher
     from spotguard.trainer.checkpointer import Checkpointer
 
     opts = s3_options(s3_store)

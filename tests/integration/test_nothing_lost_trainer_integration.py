@@ -138,12 +138,12 @@ def test_an_emergency_save_skips_fsync_only_while_an_uploader_says_it_ships(
     synced.clear()
     if uploader in ("live", "failing"):
         agent.step()  # a round of the uploader's loop: it ships ckpt-1, or fails to, and says so
-        from spotguard.sidecar.control import HEARTBEAT_FILE, parse_heartbeat
+        from spotguard.contract.control import HEARTBEAT_FILE, parse_heartbeat
 
         beat = parse_heartbeat((ctl / HEARTBEAT_FILE).read_bytes())
         assert beat.shipping is (uploader == "live") is (agent.shipper.last_shipped is not None)
     elif uploader == "stale":
-        from spotguard.sidecar.control import write_heartbeat
+        from spotguard.contract.control import write_heartbeat
 
         write_heartbeat(ctl, shipping=True, now=time.time() - 60)  # an uploader that stopped a minute ago
     ck.request_checkpoint("sigterm", preempt=True, deadline=time.time() + 20)
@@ -186,7 +186,7 @@ def test_an_in_process_emergency_upload_is_retried_until_the_store_answers(
 CHILD = """
 import json, os, time
 import numpy as np
-from spotguard.sidecar.control import uploader_shipping
+from spotguard.contract.control import uploader_shipping
 from spotguard.trainer import Checkpointer
 
 print("env", json.dumps(sorted(k for k in os.environ if k.startswith(("AWS_", "SPOTGUARD_")))), flush=True)

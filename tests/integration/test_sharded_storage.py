@@ -38,12 +38,12 @@ from spotguard.checkpoint import (
     verify_checkpoint,
     verify_local_checkpoint,
 )
-from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.manifest import new_manifest, parse_manifest, part_manifest_path
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper
 from spotguard.storage import Storage, open_storage
+from spotguard.storage.checksum import checksum_bytes
 from testenv import trials
 
 pytestmark = pytest.mark.integration
@@ -388,7 +388,7 @@ def test_a_finished_trainers_last_part_waits_for_a_slower_node_past_the_grace_pe
     """Both nodes' trainers finish at the same step, but one uploader is a backlog behind the other: the
     faster one waits for the other part (the grace period does not count: nobody is killing the pod), then
     exits 0 with the final checkpoint verified. It once gave up after the grace period, failing the job."""
-    from spotguard.sidecar.control import EXIT_FILE
+    from spotguard.contract.control import EXIT_FILE
 
     a, b = stores
     node0, node1 = tmp_path / "node0", tmp_path / "node1"

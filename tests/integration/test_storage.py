@@ -283,8 +283,8 @@ def test_s3_stored_checksums_are_the_whole_object_crc32c(s3_store: Any, s3_uri: 
     part checksums)."""
     import base64
 
-    from spotguard.checkpoint.checksum import checksum_bytes, checksum_file
     from spotguard.storage import StoreChecksums
+    from spotguard.storage.checksum import checksum_bytes, checksum_file
 
     storage = open_storage(s3_uri, **s3_options(s3_store), multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
     assert isinstance(storage, S3Storage) and isinstance(storage, StoreChecksums)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from spotguard.checkpoint.checksum import check_algorithm, checksum_bytes, checksum_chunks
 from spotguard.checkpoint.codec import (
     STATE_FILE,
     StateError,
@@ -28,6 +27,7 @@ from spotguard.checkpoint.codec import (
 from spotguard.checkpoint.manifest import FileEntry, new_manifest
 from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe, looks_like_pickle, pickle_globals
 from spotguard.checkpoint.verify import verify_files
+from spotguard.storage.checksum import check_algorithm, checksum_bytes, checksum_chunks
 
 
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:

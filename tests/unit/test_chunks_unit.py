@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.chunks import MAX_CHUNK, MIN_CHUNK, fixed_chunks, group_regions, hash_chunk, plan_file
 from spotguard.checkpoint.manifest import (
     FORMAT_VERSION_CHUNKED,
@@ -25,6 +24,7 @@ from spotguard.checkpoint.manifest import (
     to_chunked,
     to_plain,
 )
+from spotguard.storage.checksum import checksum_bytes
 
 MiB = 1 << 20
 
@@ -216,7 +216,7 @@ def test_crc32c_combine_matches_the_crc_of_the_concatenation() -> None:
 
     import google_crc32c
 
-    from spotguard.checkpoint.checksum import crc32c_combine, crc32c_of_parts
+    from spotguard.storage.checksum import crc32c_combine, crc32c_of_parts
 
     rng = random.Random(7)
     for size in [0, 1, 2, 3, 7, 8, 9, 255, 256, 4097, 65_537, 1_000_003, rng.randrange(1, 3_000_000)]:

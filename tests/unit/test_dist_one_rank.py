@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import spotguard
 from spotguard.checkpoint.local import verify_local_checkpoint
-from spotguard.sidecar.control import ControlChannel
+from spotguard.contract.control import ControlChannel
 from spotguard.trainer import distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

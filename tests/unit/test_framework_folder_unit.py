@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint.checksum import new_hasher
 from spotguard.checkpoint.local import list_local_committed, read_local_manifest
 from spotguard.checkpoint.manifest import FileEntry
 from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe
 from spotguard.integrations._core import process_group_backend, torchrun_world_size
+from spotguard.storage.checksum import new_hasher
 from spotguard.trainer.checkpointer import Checkpointer
 from spotguard.trainer.folder import FolderError, folder_files, metrics_of, node_files
 

@@ -8,9 +8,9 @@ from testenv.require import require_module
 
 require_module("google.cloud.storage")
 
-from spotguard.checkpoint.checksum import crc32c_to_base64  # noqa: E402
 from spotguard.storage import Storage, StorageError, StoreChecksums, open_storage  # noqa: E402
 from spotguard.storage.base import byte_ranges  # noqa: E402
+from spotguard.storage.checksum import crc32c_to_base64  # noqa: E402
 from spotguard.storage.gcs import GcsStorage, _Furthest, crc32c_hex, generation_of, stored_checksum_from  # noqa: E402
 from spotguard.storage.gcs_client import parse_gs_uri, upload_chunk_size  # noqa: E402
 

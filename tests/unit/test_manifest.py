@@ -10,14 +10,6 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.checksum import (
-    checksum_bytes,
-    crc32c_combine,
-    crc32c_composite,
-    crc32c_from_base64,
-    crc32c_of_parts,
-    crc32c_to_base64,
-)
 from spotguard.checkpoint.manifest import (
     FileEntry,
     ManifestError,
@@ -32,6 +24,14 @@ from spotguard.checkpoint.manifest import (
 )
 from spotguard.checkpoint.verify import check_stored_checksum, needs_content, verify_files_by_store
 from spotguard.storage.base import NotFoundError, StoredChecksum
+from spotguard.storage.checksum import (
+    checksum_bytes,
+    crc32c_combine,
+    crc32c_composite,
+    crc32c_from_base64,
+    crc32c_of_parts,
+    crc32c_to_base64,
+)
 
 GOOD_CRC = "0a1b2c3d"
 GOOD_SHA = "ab" * 32

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.manifest import FileEntry, new_manifest
 from spotguard.checkpoint.pickle_scan import (
     DCP_METADATA_GLOBALS,
@@ -21,6 +20,7 @@ from spotguard.checkpoint.pickle_scan import (
     pickle_globals,
 )
 from spotguard.checkpoint.verify import needs_content, verify_files
+from spotguard.storage.checksum import checksum_bytes
 from testenv.require import require_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

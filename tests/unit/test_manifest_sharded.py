@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.checksum import checksum_bytes
 from spotguard.checkpoint.manifest import (
     FORMAT_VERSION,
     FORMAT_VERSION_SHARDED,
@@ -21,6 +20,7 @@ from spotguard.checkpoint.manifest import (
     parse_part_manifest_path,
     part_manifest_path,
 )
+from spotguard.storage.checksum import checksum_bytes
 
 CRC = "0a1b2c3d"
 

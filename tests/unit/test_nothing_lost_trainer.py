@@ -32,7 +32,7 @@ def test_an_emergency_save_skips_fsync_only_for_a_live_uploader(preempt: bool, p
 
 
 def test_a_heartbeat_counts_only_while_fresh_and_shipping() -> None:
-    from spotguard.sidecar.control import HEARTBEAT_FRESH_SECONDS, heartbeat_says_shipping, parse_heartbeat
+    from spotguard.contract.control import HEARTBEAT_FRESH_SECONDS, heartbeat_says_shipping, parse_heartbeat
 
     beat = parse_heartbeat(json.dumps({"pid": 7, "time": 1000.0, "shipping": True}))
     assert (beat.pid, beat.time, beat.shipping) == (7, 1000.0, True)
@@ -48,7 +48,7 @@ def test_a_heartbeat_counts_only_while_fresh_and_shipping() -> None:
 @pytest.mark.parametrize("doc", ["[]", "{}", '{"time": "now", "shipping": true}', '{"time": 1.0, "shipping": 1}',
                                  "not json"])
 def test_a_malformed_heartbeat_is_refused(doc: str) -> None:
-    from spotguard.sidecar.control import parse_heartbeat
+    from spotguard.contract.control import parse_heartbeat
 
     with pytest.raises(ValueError):
         parse_heartbeat(doc)

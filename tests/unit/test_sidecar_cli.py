@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.demo import cli as demo_cli
 from spotguard.sidecar import cli
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spotguard")
-    cli.register(p.add_subparsers(dest="command"))
+    sub = p.add_subparsers(dest="command")
+    cli.register(sub)
+    demo_cli.register(sub)
     return p
 
 

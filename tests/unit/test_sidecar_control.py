@@ -8,7 +8,7 @@ from types import FrameType
 
 import pytest
 
-from spotguard.sidecar.control import CheckpointAck, CheckpointRequest, ack_answers, signal_trainer
+from spotguard.contract.control import CheckpointAck, CheckpointRequest, ack_answers, signal_trainer
 
 REQ = CheckpointRequest(id="r1", reason="sigterm", deadline=200.0, preempt=True, written_at=100.0)
 
@@ -58,7 +58,7 @@ def test_signal_trainer_asks_last_whether_the_pid_is_still_announced(announced: 
 
 
 def test_trainer_and_uploader_share_one_protocol_module() -> None:
-    import spotguard.sidecar.control as protocol
+    import spotguard.contract.control as protocol
     import spotguard.trainer as trainer
     import spotguard.trainer.checkpointer as checkpointer
 
@@ -83,13 +83,13 @@ def test_trainer_and_uploader_share_one_protocol_module() -> None:
     ],
 )
 def test_ack_json(request_id: str, committed: str | None, complete: bool, want: dict[str, object]) -> None:
-    from spotguard.sidecar.control import ack_json
+    from spotguard.contract.control import ack_json
 
     assert ack_json(request_id, committed, complete) == want
 
 
 def _exit(preempted: bool | None) -> object:
-    from spotguard.sidecar.control import TrainerExit
+    from spotguard.contract.control import TrainerExit
 
     return TrainerExit(pid=12, preempted=preempted, last_step=40)
 
@@ -109,7 +109,7 @@ def _exit(preempted: bool | None) -> object:
 )
 def test_trainer_said_preempted(exit_preempted: object, newest_reason: str | None, stop_reason: str | None,
                                 want: bool | None) -> None:
-    from spotguard.sidecar.control import trainer_said_preempted
+    from spotguard.contract.control import trainer_said_preempted
 
     exit_doc = None if exit_preempted == "absent" else _exit(exit_preempted)  # type: ignore[arg-type]
     assert trainer_said_preempted(exit_doc, newest_reason, stop_reason) is want  # type: ignore[arg-type]
@@ -135,7 +135,7 @@ def test_trainer_said_preempted(exit_preempted: object, newest_reason: str | Non
 )
 def test_decide_run_end(signal_source: str | None, gone_before: bool, trainer_preempted: bool | None,
                         stop_reason: str | None, want: tuple[bool, str]) -> None:
-    from spotguard.sidecar.control import RunEnd, decide_run_end
+    from spotguard.contract.control import RunEnd, decide_run_end
 
     got = decide_run_end(signal_source=signal_source, trainer_gone_before_signal=gone_before,
                          trainer_preempted=trainer_preempted, stop_reason=stop_reason)

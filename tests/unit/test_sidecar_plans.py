@@ -104,7 +104,7 @@ def test_termination_report(args: tuple[bool, str, int | None, int | None], want
 
 @pytest.mark.parametrize(("failures", "want"), [(1, 1.0), (2, 2.0), (3, 4.0), (5, 16.0), (6, 30.0), (50, 30.0)])
 def test_retry_delay(failures: int, want: float) -> None:
-    from spotguard.sidecar.shipper import retry_delay
+    from spotguard.contract.retry import retry_delay
 
     assert retry_delay(failures) == want
 

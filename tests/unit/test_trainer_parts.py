@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.checkpoint.retention import RetentionPolicy
-from spotguard.sidecar.control import CheckpointRequest
+from spotguard.contract.control import CheckpointRequest
 from spotguard.trainer.channel import Due
 from spotguard.trainer.config import EnvConfig, Settings
 from spotguard.trainer.policy import SavePolicy

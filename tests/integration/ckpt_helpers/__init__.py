@@ -110,8 +110,8 @@ def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int
     """A committed local part directory ``root/ckpt-<step>`` of a distributed
     checkpoint (files, then the part manifest)."""
     from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
-    from spotguard.checkpoint.checksum import checksum_bytes
     from spotguard.checkpoint.manifest import new_manifest
+    from spotguard.storage.checksum import checksum_bytes
 
     layout = PART_LAYOUT if layout is None else layout
     ranks = layout[index]

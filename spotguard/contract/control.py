@@ -22,6 +22,8 @@ The Checkpointer (trainer side) and the sidecar or ``spotguard run``
 
 The trainer reads requests at step boundaries; the signal (SIGUSR1) only
 makes it notice sooner. Files are the contract, signals are a courtesy.
+Both sides import this module from :mod:`spotguard.contract`, the floor below
+them both, so neither imports the other. Standard library only.
 
 Also here, so that both sides agree: the reasons a save records in its
 manifest (:func:`save_reason_label`) and whether a run ended preempted or

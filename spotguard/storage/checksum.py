@@ -1,6 +1,10 @@
 """File checksums: CRC32C (default, hardware-accelerated) or SHA-256.
 
 Checksums are written as lowercase hex: 8 digits for CRC32C, 64 for SHA-256.
+This module lives in the storage layer, the lowest that needs it: the S3 and
+GCS backends check the CRC32C a store computed per part against it, and the
+checkpoint layer above uses it for the checksums its manifests record.
+Standard library and google-crc32c only.
 """
 
 from __future__ import annotations
