@@ -215,18 +215,18 @@ def test_suspend_and_resume(apis: tuple[Any, Any], ns: str, operator: OperatorPr
 def test_a_suspend_stops_a_pod_whose_creation_the_status_lost(apis: tuple[Any, Any], ns: str,
                                                             operator: OperatorProcess, tmp_path: Path) -> None:
     core, custom = apis
-    body = no_node_job("lost", f"file://{tmp_path}")
+    body = no_node_job("stray", f"file://{tmp_path}")
     body["spec"]["suspend"] = True
     job = create_job(apis, ns, body)
-    wait_status(apis, ns, "lost", "Suspended", lambda s: s.get("phase") == "Suspended")
+    wait_status(apis, ns, "stray", "Suspended", lambda s: s.get("phase") == "Suspended")
     # What a look leaves when its status write is lost to a conflict: attempt 1's pod, the status at 0.
-    stray = build_pod("lost", ns, job["metadata"]["uid"], parse(job["spec"]), 1, OperatorConfig(image=IMAGE))
+    stray = build_pod("stray", ns, job["metadata"]["uid"], parse(job["spec"]), 1, OperatorConfig(image=IMAGE))
     core.create_namespaced_pod(ns, stray)
-    wait_for(lambda: pod_names(apis, ns, "lost") == [], "the suspended job's stray pod to be stopped", timeout=30)
-    assert get_job(apis, ns, "lost")["status"]["attempt"] == 0
-    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "lost", {"spec": {"suspend": False}})
-    wait_pod(apis, ns, "lost-a1")
-    st = wait_status(apis, ns, "lost", "attempt 1", lambda s: s.get("attempt") == 1)
+    wait_for(lambda: pod_names(apis, ns, "stray") == [], "the suspended job's stray pod to be stopped", timeout=30)
+    assert get_job(apis, ns, "stray")["status"]["attempt"] == 0
+    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "stray", {"spec": {"suspend": False}})
+    wait_pod(apis, ns, "stray-a1")
+    st = wait_status(apis, ns, "stray", "attempt 1", lambda s: s.get("attempt") == 1)
     assert st["preemptions"] == 0 and st["failures"] == 0
 
 
