@@ -186,6 +186,7 @@ class Checkpointer:
         # Host copies of the tensors, reused by the next snapshot (no page
         # faults on fresh memory); costs one resident copy of the state.
         pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
+        self._pinned = pinned  # the one pool, shared by the local and the collective save
         self._local = LocalPersist(s, self._policy, self._record, self._channel, self._shipping, pinned)
         self._collective: CollectiveSave | None = None
         if self._dist is not None:
