@@ -35,8 +35,8 @@ test: setup lint
 # preemption test, 30 chunk GC trials, the sharded races, the 20-job fleets
 # with and without hostNetwork and a mixed one, the 4-rank torchrun preemption test, the
 # example and gang end-to-end jobs preempted by drain, shutdown and node loss, 3 preemptions
-# per exact-resume and Lightning sampler run, either rank killed mid-save, both ways a test
-# session ends).
+# per exact-resume and Lightning sampler run, either rank killed mid-save, both ways a pytest
+# run ends).
 soak: setup
 	SPOTGUARD_TRIALS=full $(PY) -m pytest -m trials --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
