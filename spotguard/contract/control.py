@@ -18,7 +18,10 @@ The Checkpointer (trainer side) and the sidecar or ``spotguard run``
   ``{"pid", "time", "shipping"}``; ``time`` is unix time, ``shipping`` false
   while a checkpoint newer than the newest verified one could not be
   shipped. A preemption's save skips the fsync of its data only while this
-  is fresh (:data:`HEARTBEAT_FRESH_SECONDS`) and says ``shipping``.
+  is fresh (:data:`HEARTBEAT_FRESH_SECONDS`) and says ``shipping``;
+- ``staging-full.json`` (trainer, when a save found the checkpoint volume
+  full): ``{"step", "time", "free_bytes", "error"}``; the uploader passes it
+  on in its report (:func:`read_staging_full`). Removed by the next commit.
 
 The trainer reads requests at step boundaries; the signal (SIGUSR1) only
 makes it notice sooner. Files are the contract, signals are a courtesy.
@@ -48,9 +51,10 @@ ACK_FILE = "checkpoint-ack.json"
 PID_FILE = "trainer.pid"
 EXIT_FILE = "trainer-exit.json"
 HEARTBEAT_FILE = "uploader-heartbeat.json"
+STAGING_FULL_FILE = "staging-full.json"
 CONTROL_SUBDIR = ".control"
 # Cleared between runs; the heartbeat is not (a stale one says nothing).
-CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE)
+CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE, STAGING_FULL_FILE)
 
 # An uploader's heartbeat older than this says nothing: its loop is stuck or gone.
 HEARTBEAT_FRESH_SECONDS = 5.0
@@ -238,6 +242,25 @@ def atomic_write_json(path: Path, payload: Mapping[str, Any]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def read_staging_full(control_dir: Path) -> dict[str, Any] | None:
+    """The trainer's ``staging-full.json``: its last save found the checkpoint volume full (None: it did not)."""
+    try:
+        doc = json.loads((control_dir / STAGING_FULL_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    out: dict[str, Any] = {}
+    for key in ("step", "free_bytes"):
+        value = doc.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[key] = value
+    if isinstance(doc.get("time"), int | float) and not isinstance(doc.get("time"), bool):
+        out["time"] = float(doc["time"])
+    out["error"] = str(doc.get("error") or "no space left on the checkpoint volume")
+    return out
 
 
 # -- what a save was for, and how a run ended ---------------------------------

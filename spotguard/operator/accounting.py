@@ -29,6 +29,7 @@ from spotguard.operator.jobstatus import (
     COND_PREEMPTED,
     COND_RUNNING,
     COND_SIDECAR,
+    COND_STAGING_FULL,
     COND_SUCCEEDED,
     COND_SUSPENDED,
     FAILED,
@@ -42,6 +43,8 @@ from spotguard.operator.jobstatus import (
     R_POD_PENDING,
     R_PREEMPTION_LIMIT,
     R_SIDECAR_EXITED,
+    R_STAGING_FULL,
+    R_STAGING_HAD_ROOM,
     R_SUSPENDED,
     RESTARTING,
     SUCCEEDED,
@@ -87,6 +90,20 @@ def sidecar_exited(d: Draft, spec: TrainingJobSpec, end: PodEnd, decision: Decis
     if warning not in events:
         events.insert(0, warning)
     return replace(decision, events=tuple(events))
+
+
+def note_staging(d: Draft, end: PodEnd, who: str) -> None:
+    """Say whether the attempt's checkpoint volume filled up (condition StagingFull, and a Warning Event).
+
+    The sidecar reports it on its way out; the condition turns False again
+    when a later attempt ends without such a report.
+    """
+    if end.staging_full is not None:
+        message = f"{who}: {end.staging_full}"
+        d.cond(COND_STAGING_FULL, True, R_STAGING_FULL, message)
+        d.events.append(Event("Warning", R_STAGING_FULL, message))
+    elif condition_is(d.st, COND_STAGING_FULL):
+        d.cond(COND_STAGING_FULL, False, R_STAGING_HAD_ROOM, f"{who} ended without a full checkpoint volume")
 
 
 def create_next(d: Draft, spec: TrainingJobSpec) -> Decision:
@@ -140,6 +157,7 @@ def account(d: Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None, w
     delete = current if end.stop_pod else None
     force = end.stop_pod == "force"
     d.cond(COND_RUNNING, False, R_POD_ENDED, f"{who} ended: {end.reason}")
+    note_staging(d, end, who)
     if condition_is(st, COND_BLOCKED):
         d.cond(COND_BLOCKED, False, R_POD_ENDED, f"{who} ended: {end.reason}")
 

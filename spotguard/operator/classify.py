@@ -78,6 +78,8 @@ class PodEnd:
     exit_code: int | None = field(default=None, compare=False)
     #: The node the pod ran on, for an attempt that ended (``spec.avoidNodes``).
     node: str | None = field(default=None, compare=False)
+    #: The trainer's last save found the pod's checkpoint volume full: what the sidecar reported.
+    staging_full: str | None = field(default=None, compare=False)
 
 
 #: Reason of an attempt whose sidecar stopped while the trainer still ran.
@@ -158,6 +160,20 @@ def sidecar_report(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
                 return None
             return report if isinstance(report, Mapping) else None
     return None
+
+
+def staging_full(report: Mapping[str, Any] | None) -> str | None:
+    """What the sidecar's report says about a full checkpoint volume (``stagingFull``), as one sentence."""
+    full = report.get("stagingFull") if report else None
+    if not isinstance(full, Mapping):
+        return None
+    error = full.get("error")
+    step = full.get("step")
+    if isinstance(error, str) and error:
+        return error
+    at = f" of step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
+    return (f"the checkpoint{at} was not written: the checkpoint volume is full. Give it more room"
+            " (spec.checkpoint.staging: emptyDir.sizeLimit or ephemeral.size)")
 
 
 def _report_step(report: Mapping[str, Any] | None) -> int | None:
@@ -411,6 +427,9 @@ def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) ->
     if isinstance(node, str) and node:
         end = replace(end, node=node)
     report = sidecar_report(pod)
+    full = staging_full(report)
+    if full is not None:
+        end = replace(end, staging_full=full)
     trainer_step = report.get("trainerStep") if report else None
     if end.kind == "preempted" and isinstance(trainer_step, int) and end.step is not None:
         end = replace(end, lost_steps=max(0, trainer_step - end.step))

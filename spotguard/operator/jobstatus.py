@@ -44,6 +44,8 @@ COND_INVALID = "Invalid"
 COND_BLOCKED = "PodBlocked"
 #: spotguard's sidecar runs beside the trainer; set once a sidecar went down.
 COND_SIDECAR = "SidecarHealthy"
+#: The last attempt's trainer could not write a checkpoint: its staging volume was full.
+COND_STAGING_FULL = "StagingFull"
 
 # Reasons (conditions and Events)
 R_INVALID_SPEC = "InvalidSpec"
@@ -66,6 +68,8 @@ R_NODES_MISSING = "NodesMissing"
 R_GANG_STARTING = "GangStarting"
 R_SIDECAR_EXITED = SIDECAR_EXITED
 R_SIDECAR_RUNNING = "SidecarRunning"
+R_STAGING_FULL = "StagingFull"
+R_STAGING_HAD_ROOM = "StagingHadRoom"
 
 #: How long a pod may wait for a node before the job says so (a cluster
 #: autoscaler often needs a few minutes to add a GPU node).

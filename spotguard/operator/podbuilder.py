@@ -8,8 +8,9 @@ Layout of every pod:
 * the sidecar ``spotguard-sidecar``: a native sidecar (init container with
   ``restartPolicy: Always``) on servers >= 1.29, else a regular container that
   delays its own exit until the emergency upload is verified;
-* an ``emptyDir`` shared by all of them at ``/var/lib/spotguard`` (checkpoints in
-  ``/var/lib/spotguard/checkpoints``);
+* a staging volume shared by all of them at ``/var/lib/spotguard`` (checkpoints in
+  ``/var/lib/spotguard/checkpoints``): an ``emptyDir`` without a limit unless
+  ``spec.checkpoint.staging`` places it (:func:`staging_volume`);
 * with the ``k8s`` notice source and a notice relay (``OperatorConfig.notice_url``):
   a projected ServiceAccount token of the pod (audience ``spotguard.dev/notices``),
   mounted into the sidecar only, which asks the operator for its pod's
@@ -23,6 +24,7 @@ Jobs or JobSets.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ from spotguard.operator.spec import (
     SHARED_VOLUME,
     SIDECAR_CONTAINER,
     CheckpointSpec,
+    StagingSpec,
     TrainingJobSpec,
 )
 from spotguard.version import __version__
@@ -62,6 +65,13 @@ GCS_KEY_NAME = "key.json"
 GCS_KEY_FILE = f"{GCS_KEY_DIR}/{GCS_KEY_NAME}"
 CHECKPOINT_DIR = f"{MOUNT_PATH}/checkpoints"
 CONTROL_DIR = f"{CHECKPOINT_DIR}/.control"
+
+#: A staging volume holds the checkpoint being written, the last local one, and slack: this many checkpoints.
+STAGING_CHECKPOINTS = 3
+#: A per-pod claim needs a size: this one when none is given and no checkpoint was verified yet.
+DEFAULT_EPHEMERAL_SIZE = "100Gi"
+#: hostPath staging: each pod's own subdirectory of the node's directory (the contract's env gives both).
+HOST_PATH_SUBDIR = "$(POD_NAMESPACE)/$(POD_NAME)"
 
 DEFAULT_IMAGE = f"spotguard/spotguard:{__version__}"
 DEFAULT_SIDECAR_RESOURCES: Mapping[str, Any] = {
@@ -104,6 +114,8 @@ class Injection:
     notice_url: str | None = None
     #: torchrun's environment for this pod (every container), empty for one process.
     torchrun_env: tuple[tuple[str, str], ...] = ()
+    #: Bytes of the job's newest verified checkpoint, if known: sizes a staging volume the spec gives no size.
+    staging_bytes: int | None = None
 
 
 def server_supports_native_sidecars(major: str, minor: str) -> bool:
@@ -216,9 +228,70 @@ def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
     container["env"] = [e for e in env if e["name"] not in names] + own
 
 
-def _mount(container: dict[str, Any]) -> None:
+def last_checkpoint_bytes(status: Mapping[str, Any] | None) -> int | None:
+    """The size of the job's newest verified checkpoint (``status.lastVerifiedCheckpoint.bytes``), if known."""
+    last = (status or {}).get("lastVerifiedCheckpoint")
+    value = last.get("bytes") if isinstance(last, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def staging_size(staging: StagingSpec, checkpoint_bytes: int | None) -> str | None:
+    """The size of a staging volume: the spec's own, else ``STAGING_CHECKPOINTS`` x the last checkpoint.
+
+    Rounded up to whole GiB (a quantity the user reads at a glance). A
+    ``hostPath`` has no size; an ``emptyDir`` with neither stays unlimited;
+    a claim (``ephemeral``) must ask for something: :data:`DEFAULT_EPHEMERAL_SIZE`.
+    """
+    if staging.kind == "hostPath":
+        return None
+    if staging.size is not None:
+        return staging.size
+    if checkpoint_bytes:
+        return f"{math.ceil(STAGING_CHECKPOINTS * checkpoint_bytes / 2**30)}Gi"
+    return DEFAULT_EPHEMERAL_SIZE if staging.kind == "ephemeral" else None
+
+
+def staging_volume(inj: Injection) -> dict[str, Any]:
+    """The shared volume the checkpoints are staged in, as ``spec.checkpoint.staging`` places it.
+
+    Absent: an ``emptyDir`` without a limit, as pods always had. A generic
+    ephemeral volume is a claim per pod (deleted with the pod), so each attempt
+    is sized from the newest checkpoint; a ``hostPath`` (the node's NVMe) is
+    shared by every pod on the node, so each pod mounts its own subdirectory
+    (:data:`HOST_PATH_SUBDIR`).
+    """
+    staging = inj.checkpoint.staging
+    if staging is None:
+        return {"name": SHARED_VOLUME, "emptyDir": {}}
+    size = staging_size(staging, inj.staging_bytes)
+    if staging.kind == "hostPath":
+        return {"name": SHARED_VOLUME, "hostPath": {"path": staging.path, "type": "DirectoryOrCreate"}}
+    if staging.kind == "ephemeral":
+        claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+        if staging.storage_class:
+            claim["storageClassName"] = staging.storage_class
+        template = {"metadata": {"labels": {LABEL_JOB: inj.job, LABEL_MANAGED_BY: "spotguard"}}, "spec": claim}
+        return {"name": SHARED_VOLUME, "ephemeral": {"volumeClaimTemplate": template}}
+    empty: dict[str, Any] = {}
+    if staging.medium:
+        empty["medium"] = staging.medium
+    if size is not None:
+        empty["sizeLimit"] = size
+    return {"name": SHARED_VOLUME, "emptyDir": empty}
+
+
+def shared_mount(inj: Injection) -> dict[str, Any]:
+    """How every container mounts the staging volume (a hostPath: the pod's own subdirectory)."""
+    mount: dict[str, Any] = {"name": SHARED_VOLUME, "mountPath": MOUNT_PATH}
+    staging = inj.checkpoint.staging
+    if staging is not None and staging.kind == "hostPath":
+        mount["subPathExpr"] = HOST_PATH_SUBDIR
+    return mount
+
+
+def _mount(container: dict[str, Any], inj: Injection) -> None:
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != SHARED_VOLUME]
-    mounts.append({"name": SHARED_VOLUME, "mountPath": MOUNT_PATH})
+    mounts.append(shared_mount(inj))
     container["volumeMounts"] = mounts
 
 
@@ -236,7 +309,7 @@ def _key_mount() -> dict[str, Any]:
 
 
 def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[str, Any]:
-    mounts = [{"name": SHARED_VOLUME, "mountPath": MOUNT_PATH}]
+    mounts = [shared_mount(inj)]
     if gcs_key_volume(inj) is not None:
         mounts.append(_key_mount())
     c: dict[str, Any] = {
@@ -304,11 +377,11 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     containers = [copy.deepcopy(c) for c in spec.get("containers") or [] if c.get("name") not in reserved]
     for c in containers:
         _merge_env(c, env)
-        _mount(c)
+        _mount(c, inj)
     user_init = [copy.deepcopy(c) for c in spec.get("initContainers") or [] if c.get("name") not in reserved]
     for c in user_init:
         _merge_env(c, env)
-        _mount(c)
+        _mount(c, inj)
     sidecar = sidecar_container(inj)
     if inj.native_sidecar:
         # Native sidecars start in order: restore first, then the sidecar, which
@@ -319,7 +392,7 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
         spec["initContainers"] = [restore_container(inj), *user_init]
         spec["containers"] = [*containers, sidecar]
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in (SHARED_VOLUME, GCS_KEY_VOLUME)]
-    volumes.append({"name": SHARED_VOLUME, "emptyDir": {}})
+    volumes.append(staging_volume(inj))
     key = gcs_key_volume(inj)
     if key is not None:
         volumes.append(key)
@@ -424,10 +497,13 @@ def build_pod(
     config: OperatorConfig,
     rank: int = 0,
     allocated: tuple[int, int] | None = None,
+    checkpoint_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The pod of node rank ``rank`` in attempt ``attempt`` of TrainingJob ``namespace/job`` (owner ``uid``).
 
     ``allocated``: the job's host ports (``status.hostPorts``), for ``hostNetwork``.
+    ``checkpoint_bytes``: the newest verified checkpoint's size (:func:`last_checkpoint_bytes`),
+    which sizes a staging volume the spec gives no size.
     """
     master, metrics = effective_ports(spec, uid, allocated)
     inj = Injection(
@@ -445,6 +521,7 @@ def build_pod(
         notices=spec.preemption.notices,
         notice_url=config.notice_url,
         torchrun_env=torchrun_env(job, namespace, spec, rank, master),
+        staging_bytes=checkpoint_bytes,
     )
     pod_spec = inject(spec.template.spec, inj)
     pod_spec["restartPolicy"] = "Never"
@@ -490,9 +567,11 @@ def build_pods(
     attempt: int,
     config: OperatorConfig,
     allocated: tuple[int, int] | None = None,
+    checkpoint_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every pod of an attempt, by node rank."""
-    return [build_pod(job, namespace, uid, spec, attempt, config, rank, allocated) for rank in range(spec.nodes)]
+    return [build_pod(job, namespace, uid, spec, attempt, config, rank, allocated, checkpoint_bytes)
+            for rank in range(spec.nodes)]  # fmt: skip
 
 
 def build_service(

@@ -372,7 +372,8 @@ class CheckpointProbe:
             return None, finished
         created = parse_time(info.created)
         stamp = format_time(created or datetime.now(UTC))
-        return {"step": int(info.step), "uri": info.uri, "time": stamp}, finished
+        # bytes: what a staging volume the spec gives no size is sized from (podbuilder.staging_size).
+        return {"step": int(info.step), "uri": info.uri, "time": stamp, "bytes": int(info.size)}, finished
 
     def probe_once(self, namespace: str, name: str) -> Outcome:
         """Read one job's storage and refresh the cache (blocking)."""

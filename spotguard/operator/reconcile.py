@@ -57,7 +57,7 @@ from spotguard.operator.kubeapi import (
     patch_status,
     post_event,
 )
-from spotguard.operator.podbuilder import LABEL_ATTEMPT, LABEL_JOB, build_pods, build_service
+from spotguard.operator.podbuilder import LABEL_ATTEMPT, LABEL_JOB, build_pods, build_service, last_checkpoint_bytes
 from spotguard.operator.spec import SpecError, TrainingJobSpec, check_name, parse
 from spotguard.operator.times import parse_time
 
@@ -280,7 +280,8 @@ def apply(
         if ports is None and hp.needs_host_ports(spec):
             return Decision(status=dict(job.get("status") or {}), requeue_after=hp.WAIT_SECONDS)
         pods = [{**pod, "spec": policy.placed(pod["spec"], spec, decision.status, now)}
-                for pod in build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports)]
+                for pod in build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports,
+                                      last_checkpoint_bytes(decision.status))]
         made: list[str] = []
         try:
             service = build_service(name, namespace, uid, spec, ports)

@@ -35,6 +35,7 @@ from spotguard.contract.control import (
     decide_run_end,
     find_trainer_processes,
     is_trainer_process,
+    read_staging_full,
     signal_trainer,
     trainer_said_preempted,
     write_heartbeat,
@@ -643,6 +644,9 @@ def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metric
     last = agent.shipper.last_shipped
     report = termination_report(end.preempted, end.reason, last.step if last else None,
                                 agent.trainer_last_step(), metrics_error)
+    full = read_staging_full(agent.config.control_dir)
+    if full is not None:  # the trainer's last save found the checkpoint volume full: the operator says so
+        report["stagingFull"] = full
     write_termination_report(options.termination_log, report)
     log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason,
               step=report.get("step"))

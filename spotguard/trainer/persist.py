@@ -12,11 +12,24 @@ write ends, the requests it answers are acknowledged
 shipped or pruned (:class:`~spotguard.trainer.shipping.Shipping`).
 Under torch.distributed the same writer thread runs the collective phase two
 of :mod:`~spotguard.trainer.collective`.
+
+A write that finds the checkpoint volume full (``ENOSPC``, ``EDQUOT``) is a
+named failure, :class:`StagingFullError`: the partial checkpoint is removed,
+the older committed ones stay, and the save is reported as failed like any
+other (``last_error``, the requests' acknowledgement, ``staging-full.json``
+for the uploader's report) rather than raised. Training goes on: a write runs
+on the writer thread, where an exception could not reach the training loop,
+a full volume often frees itself (the uploader prunes shipped checkpoints),
+and a preemption's save that raised would skip the orderly stop.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +39,7 @@ from typing import Any
 
 from spotguard.checkpoint.codec import Snapshot, snapshot_state
 from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
+from spotguard.contract.control import STAGING_FULL_FILE, atomic_write_json
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.config import Settings
@@ -33,6 +47,49 @@ from spotguard.trainer.policy import SavePolicy, SaveRecord
 from spotguard.trainer.shipping import Shipping
 
 log = logging.getLogger(__name__)
+
+#: The errors a write on a full volume ends in: no space, or the volume's quota reached.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class StagingFullError(OSError):
+    """A checkpoint could not be written: its volume (the pod's staging volume) is full.
+
+    The partial checkpoint was removed and the older committed ones are kept.
+    ``Checkpointer.last_error`` holds it after such a save.
+    """
+
+    def __init__(self, step: int, directory: Path, free_bytes: int | None, cause: BaseException) -> None:
+        free = (f"{free_bytes} bytes free once the partial checkpoint was removed" if free_bytes is not None
+                else "free space unknown")  # fmt: skip
+        super().__init__(
+            errno.ENOSPC,
+            f"checkpoint of step {step} not written: the checkpoint volume at {directory} is full ({free}; {cause})."
+            " The older checkpoints are kept. Give the staging volume more room"
+            " (spec.checkpoint.staging: sizeLimit or size), or keep fewer local checkpoints",
+        )
+        self.step = step
+        self.directory = directory
+        self.free_bytes = free_bytes
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says the volume is full."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL_ERRNOS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 @dataclass
@@ -186,14 +243,44 @@ class LocalPersist:
             newest = next(reversed(list_local_committed(self._settings.directory)), None)
             log.error("%s; the newest committed checkpoint is %s", exc, newest.name if newest else "none")
         except Exception as exc:
-            record.last_error = exc
-            log.error("checkpoint of step %d failed: %s", job.step, exc)
+            record.last_error = self._failed(job.step, exc)
         finally:
             job.snapshot = None  # free host memory before anything slow
         self._channel.answer(job.due.requests, path, deadline_exceeded=deadline_exceeded)
         if path is not None:
+            self._staging_ok()
             self._shipping.after_commit(path, job.due)
         return path
+
+    # -- a full volume ---------------------------------------------------------------------
+    def _failed(self, step: int, exc: BaseException, source: Path | None = None) -> BaseException:
+        """Log a failed write and return the error to record: a :class:`StagingFullError` for a full volume.
+
+        The writer has already removed its partial checkpoint; on a full
+        volume the uploader is told (``staging-full.json``) so that the pod's
+        end reports it.
+        """
+        if not disk_full(exc):
+            where = f" from {source}" if source is not None else ""
+            log.error("checkpoint of step %d%s failed: %s", step, where, exc)
+            return exc
+        directory = self._settings.directory
+        error = StagingFullError(step, directory, _free_bytes(directory), exc)
+        newest = next(reversed(list_local_committed(directory)), None)
+        log.error("%s; the newest committed checkpoint is %s", error.strerror, newest.name if newest else "none")
+        if self._channel.owner:
+            doc = {"step": step, "time": time.time(), "free_bytes": error.free_bytes, "error": error.strerror}
+            try:
+                atomic_write_json(self._channel.control_dir / STAGING_FULL_FILE, doc)
+            except OSError as why:
+                log.warning("could not tell the uploader that the checkpoint volume is full: %s", why)
+        return error
+
+    def _staging_ok(self) -> None:
+        """A checkpoint was committed: the volume is not full (any more)."""
+        if self._channel.owner:
+            with contextlib.suppress(OSError):
+                os.unlink(self._channel.control_dir / STAGING_FULL_FILE)
 
     # -- a framework's folder --------------------------------------------------------------
     def commit_folder(self, step: int, source: Path, due: Due, *, epoch: int | None,
@@ -252,13 +339,13 @@ class LocalPersist:
             return None
         except Exception as exc:
             writer.abort()
-            record.last_error = exc
-            log.error("checkpoint of step %d from %s failed: %s", job.step, source, exc)
+            record.last_error = self._failed(job.step, exc, source)
             self._channel.answer(job.due.requests, None)
             return None
         record.last_committed = path
         record.last_persist_seconds = time.perf_counter() - start
         log.info("checkpoint %s committed from %s (%.2fs)", path, source, record.last_persist_seconds)
         self._channel.answer(job.due.requests, path)
+        self._staging_ok()
         self._shipping.after_commit(path, job.due)
         return path
