@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import dist, frameworks, gang, goodput, incremental, storage_requests  # noqa: E402
+from bench import dist, frameworks, gang, goodput, incremental, preempt_upload, storage_requests  # noqa: E402
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -801,6 +801,7 @@ BENCHES: dict[str, Any] = {
     "gang": gang.bench_gang,
     "frameworks": frameworks.bench_frameworks,
     "incremental": incremental.bench_incremental,
+    "preempt-upload": preempt_upload.bench_preempt_upload,
 }
 try:
     from bench import operator_bench

@@ -48,6 +48,8 @@ from spotguard.storage.base import NotFoundError, ObjectInfo, PendingUpload, Sto
 log = logging.getLogger(__name__)
 
 DEFAULT_ORPHAN_GRACE = 3600.0
+#: :attr:`ChunkSweep.aborted` of a sweep that gave way to a preemption.
+SWEEP_STOPPED = "stopped: a preemption came first"
 DEFAULT_STALE_UPLOAD_AGE = 6 * 3600.0
 
 
@@ -71,17 +73,25 @@ class GcReport:
     chunk_sweep_aborted: str | None = None
 
 
+class Stopped(Exception):
+    """Housekeeping gave way to a preemption before it deleted anything more."""
+
+
 def plan_storage_retention(
-    storage: Storage, policy: RetentionPolicy, newest_verified: str | None = None
-) -> tuple[RetentionPlan, str | None]:
+    storage: Storage, policy: RetentionPolicy, newest_verified: str | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[RetentionPlan, str | None]:  # fmt: skip
     """Build the retention plan for a storage root: candidates are checkpoints
     with a readable manifest; the newest verified one is found by verification
-    unless the caller knows it (an uploader that just verified it)."""
+    unless the caller knows it (an uploader that just verified it).
+    ``should_stop`` is asked before each manifest read (:class:`Stopped`)."""
     if newest_verified is None:
         info, _ = latest_verified(storage)
         newest_verified = info.name if info else None
     candidates: list[RetentionCandidate] = []
     for name in list_checkpoint_names(storage):
+        if should_stop is not None and should_stop():
+            raise Stopped()
         try:
             manifest = read_manifest(storage, name)
         except (NotFoundError, ManifestError):
@@ -101,8 +111,12 @@ def apply_retention(
     """Delete the checkpoints the policy does not keep; returns their names
     (the names that would be deleted, with ``dry_run``). ``newest_verified``
     spares a verification the caller has just done; ``should_stop`` is asked
-    before each deletion (a preemption stops housekeeping at once)."""
-    plan, _ = plan_storage_retention(storage, policy, newest_verified)
+    before each manifest read and each deletion (a preemption stops
+    housekeeping at once; nothing is deleted after it)."""
+    try:
+        plan, _ = plan_storage_retention(storage, policy, newest_verified, should_stop)
+    except Stopped:
+        return []
     if dry_run:
         return list(plan.delete)
     deleted: list[str] = []
@@ -201,7 +215,8 @@ class ChunkSweep:
     ``deleted`` are chunk keys (``chunks/<aa>/<sha256>``), ``freed_bytes``
     their total size, ``kept`` the number of listed chunks this sweep left,
     ``tombstones_deleted`` the keys of expired tombstones. ``aborted`` says
-    why nothing was deleted (a manifest newer than this spotguard), or is None.
+    why nothing was deleted (a manifest newer than this spotguard), or why the
+    sweep stopped early (:data:`SWEEP_STOPPED`: a preemption), or is None.
     """
 
     deleted: list[str] = field(default_factory=list)
@@ -240,11 +255,14 @@ def _chunks_of(data: bytes, expected_name: str | None = None) -> set[str]:
     return set(manifest.chunk_refs()) if manifest.chunked else set()
 
 
-def _mark_manifests(storage: Storage, marks: _Marks) -> None:
-    """Add the chunks of every stored manifest not read yet to ``marks``."""
+def _mark_manifests(storage: Storage, marks: _Marks, should_stop: Callable[[], bool] | None = None) -> None:
+    """Add the chunks of every stored manifest not read yet to ``marks``
+    (:class:`Stopped` when ``should_stop`` says so before a read)."""
     for name in list_checkpoint_names(storage):
         if name in marks.seen:
             continue
+        if should_stop is not None and should_stop():
+            raise Stopped()
         key = f"{name}/{MANIFEST_NAME}"
         try:
             data = read_manifest_bytes(storage, name)
@@ -262,16 +280,18 @@ def _mark_manifests(storage: Storage, marks: _Marks) -> None:
                         storage.uri_for(key), exc)  # fmt: skip
 
 
-def _mark(storage: Storage, grace: float, now: float) -> _Marks:
+def _mark(storage: Storage, grace: float, now: float, should_stop: Callable[[], bool] | None = None) -> _Marks:
     """Every chunk a stored manifest or a tombstone younger than ``grace``
     references. Manifests are read before tombstones are listed: a checkpoint
     deleted meanwhile had its tombstone written before its manifest went, so
     its chunks are marked either way."""
     marks = _Marks()
-    _mark_manifests(storage, marks)
+    _mark_manifests(storage, marks, should_stop)
     if marks.aborted is not None:
         return marks
     for info in storage.list_objects(f"{TOMBSTONES_DIR}/"):
+        if should_stop is not None and should_stop():
+            raise Stopped()
         if now - info.modified >= grace:
             marks.expired_tombstones.append(info)
             continue
@@ -345,22 +365,30 @@ def sweep_chunks(
     taken for one that is not there); deletions already done stay done and
     are safe.
 
-    ``now`` (unix seconds) is for tests; ``should_stop`` is asked before each
-    deletion; ``dry_run`` deletes nothing and returns what the sweep would
-    delete, without the second stat.
+    ``now`` (unix seconds) is for tests; ``dry_run`` deletes nothing and
+    returns what the sweep would delete, without the second stat.
+    ``should_stop`` is asked for each listed object, before each manifest
+    read and before each deletion: a preemption stops the sweep at its next
+    object (``aborted`` then says so), deleting nothing more.
     """
     now = time.time() if now is None else now
-    listed: dict[str, ObjectInfo] = {}
-    for info in storage.list_objects(f"{CHUNKS_DIR}/"):
-        digest = parse_chunk_key(info.key)
-        if digest is not None:
-            listed[digest] = info
-    marks = _mark(storage, grace, now)
-    if marks.aborted is None:
-        # Uploads in progress, and checkpoints whose manifests appeared since
-        # the mark (their uploads may have ended before the intents were read).
-        intents = read_intents(storage, now)
-        _mark_manifests(storage, marks)
+    try:
+        listed: dict[str, ObjectInfo] = {}
+        for info in storage.list_objects(f"{CHUNKS_DIR}/"):
+            if should_stop is not None and should_stop():
+                raise Stopped()
+            digest = parse_chunk_key(info.key)
+            if digest is not None:
+                listed[digest] = info
+        marks = _mark(storage, grace, now, should_stop)
+        if marks.aborted is None:
+            # Uploads in progress, and checkpoints whose manifests appeared since
+            # the mark (their uploads may have ended before the intents were read).
+            intents = read_intents(storage, now)
+            _mark_manifests(storage, marks, should_stop)
+    except Stopped:
+        log.info("chunk sweep of %s stopped before deleting anything: a preemption came first", storage.uri)
+        return ChunkSweep(aborted=SWEEP_STOPPED)
     if marks.aborted is not None:
         log.warning("chunk sweep of %s aborted, nothing deleted: %s; upgrade spotguard", storage.uri, marks.aborted)
         return ChunkSweep(kept=len(listed), aborted=marks.aborted)
@@ -397,6 +425,7 @@ def sweep_chunks(
                 sweep.freed_bytes += freed
     sweep.kept = len(listed) - len(sweep.deleted)
     if should_stop is not None and should_stop():
+        sweep.aborted = SWEEP_STOPPED
         return sweep
     if expired:
         storage.delete(expired)

@@ -8,14 +8,24 @@ under an upload intent that keeps the chunk collector off what it reuses
 (:mod:`~spotguard.checkpoint.intents`). A part of a distributed checkpoint is
 checked in storage before its part manifest is stored, then tries the global
 commit (:mod:`~spotguard.checkpoint.parts`).
+
+A routine upload gives way to a preemption: with ``should_stop`` it stops
+at its next request (a part, a chunk, a file) by raising
+:class:`UploadCancelled`; nothing it has not written yet is written after
+that (never a manifest or the pointer), and what it stored stays for a
+later upload of the same checkpoint to skip (``resume``, or the chunks
+:attr:`UploadCancelled.stored_chunks` names).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from spotguard.checkpoint.chunked import KnownChunks, upload_chunks
 from spotguard.checkpoint.intents import upload_intent
@@ -23,14 +33,16 @@ from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     ManifestError,
+    parse_chunk_key,
     parse_manifest,
     part_manifest_path,
     to_plain,
 )
 from spotguard.checkpoint.parts import commit_global, existing_commit
-from spotguard.checkpoint.stored import CheckpointCorruptError, read_manifest, update_latest_pointer
+from spotguard.checkpoint.stored import CheckpointCorruptError, read_manifest, stored_files, update_latest_pointer
+from spotguard.checkpoint.verify import check_stored_checksum
 from spotguard.checkpoint.verify_stored import verify_uploaded_files
-from spotguard.storage.base import NotFoundError, ProgressCallback, Storage
+from spotguard.storage.base import NotFoundError, ProgressCallback, Storage, StoreChecksums
 from spotguard.storage.checksum import checksum_bytes
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,78 @@ class UploadResult:
     reused_chunks: int = 0
 
 
+class UploadCancelled(Exception):
+    """An upload stopped because ``should_stop`` said so (a preemption came first).
+
+    Not a failure: the checkpoint is neither committed nor pointed to by
+    this upload. ``stored_chunks`` (digest -> size) are the chunks it stored
+    before it stopped: a later upload of the same checkpoint may take them as
+    known (they are checked to exist before a manifest names them).
+    """
+
+    def __init__(self, name: str, stored_chunks: dict[str, int] | None = None) -> None:
+        super().__init__(f"upload of {name} stopped: a preemption came first")
+        self.name = name
+        self.stored_chunks: dict[str, int] = dict(stored_chunks or {})
+
+
+#: Storage methods that send a request; a stopped upload sends none of them again.
+_REQUESTS = frozenset({
+    "write_bytes", "write_checked", "upload_files", "stat", "read_bytes", "read_with_etag", "read_if_changed",
+    "iter_chunks", "list_objects", "list_dirs", "delete", "stored_checksum", "download_files",
+})  # fmt: skip
+
+
+@dataclass
+class _StopGuard:
+    """The storage an upload with ``should_stop`` talks to: every request is
+    preceded by the question, so a stopped upload ends at its next request
+    (the requests already on the wire finish; the storage layer aborts a
+    multipart upload it cannot complete). Remembers the chunks it stored."""
+
+    storage: Storage
+    should_stop: Callable[[], bool]
+    name: str
+    stored_chunks: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check(self) -> None:
+        if self.should_stop():
+            with self._lock:
+                raise UploadCancelled(self.name, self.stored_chunks)
+
+    def progress(self, report: ProgressCallback | None) -> ProgressCallback:
+        """A progress callback that stops the transfer (between its parts) once stopped."""
+
+        def call(n: int) -> None:
+            self.check()
+            if report is not None:
+                report(n)
+
+        return call
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.storage, attr)
+        if attr not in _REQUESTS or not callable(value):
+            return value
+        if attr == "write_checked":
+            return self._write_checked
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.check()
+            return value(*args, **kwargs)
+
+        return guarded
+
+    def _write_checked(self, key: str, data: bytes) -> None:
+        self.check()
+        self.storage.write_checked(key, data)
+        digest = parse_chunk_key(key)
+        if digest is not None:
+            with self._lock:
+                self.stored_chunks[digest] = len(data)
+
+
 def upload_checkpoint(
     local_ckpt_dir: Path,
     storage: Storage,
@@ -70,6 +154,8 @@ def upload_checkpoint(
     progress: ProgressCallback | None = None,
     update_pointer: bool = True,
     incremental: bool | KnownChunks = False,
+    should_stop: Callable[[], bool] | None = None,
+    resume: bool = False,
 ) -> UploadResult:
     """Upload a committed local checkpoint: data files (concurrently), then the
     manifest, then the ``latest`` pointer.
@@ -91,6 +177,15 @@ def upload_checkpoint(
     ``UploadResult.committed`` says whether it does. A part whose checkpoint
     is already committed with this very part manifest uploads nothing again.
 
+    ``should_stop`` (a routine upload that a preemption may overtake) is
+    asked before each request and between the parts of a transfer: once it
+    says yes, :class:`UploadCancelled` is raised at the next one, and nothing
+    more is written (no manifest, no pointer); the upload intent is removed.
+    ``resume`` (an earlier upload of this checkpoint was stopped) first lists
+    what the checkpoint's prefix holds and does not send again a file the
+    store holds with the manifest's size and checksum (by the checksum the
+    store computed on receipt; stores without one get every file again).
+
     Raises :class:`ManifestError` / ``FileNotFoundError`` when the local
     checkpoint is not complete (or, for a part, when storage already holds
     the step committed from other parts), :class:`CheckpointCorruptError`
@@ -105,15 +200,37 @@ def upload_checkpoint(
         size = (local_ckpt_dir / entry.path).stat().st_size
         if size != entry.size:
             raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
+    if should_stop is None:
+        return _upload(local_ckpt_dir, storage, storage, manifest, manifest_bytes, progress, update_pointer,
+                       incremental, resume, start)  # fmt: skip
+    # The intent is written and removed through the store itself (a stopped
+    # upload removes it); the transfers go through the guard.
+    guard = _StopGuard(storage, should_stop, manifest.name)
+    guard.check()
+    try:
+        return _upload(local_ckpt_dir, storage, cast("Storage", guard), manifest, manifest_bytes,
+                       guard.progress(progress), update_pointer, incremental, resume, start)  # fmt: skip
+    except Exception as exc:
+        if not isinstance(exc, UploadCancelled) and not should_stop():
+            raise
+        # Whatever the transfer made of the stop (the storage layer may wrap it): a
+        # stop, with every chunk stored by now (the transfers have returned).
+        raise UploadCancelled(manifest.name, guard.stored_chunks) from exc
+
+
+def _upload(local_ckpt_dir: Path, storage: Storage, io: Storage, manifest: Manifest, manifest_bytes: bytes,
+            progress: ProgressCallback | None, update_pointer: bool, incremental: bool | KnownChunks, resume: bool,
+            start: float) -> UploadResult:  # fmt: skip
+    """The upload proper: intents through ``storage``, everything else through ``io``."""
+    name = manifest.name
     if manifest.is_part:
         with upload_intent(storage, manifest.name):
-            return _upload_part(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
-    name = manifest.name
+            return _upload_part(local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start)
     if incremental is not False:
         known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
         with upload_intent(storage, name, known.chunks):
             if _known_source_stored(storage, known):
-                return _upload_incremental(local_ckpt_dir, storage, manifest, known, progress, update_pointer, start)
+                return _upload_incremental(local_ckpt_dir, io, manifest, known, progress, update_pointer, start)
         # What it knew came from a checkpoint deleted since (retention): a collector
         # that did not see this upload yet may sweep those chunks. Learn again.
         log.info("%s: %s, whose chunks this upload would reuse, is gone; using the latest pointer's",
@@ -122,9 +239,10 @@ def upload_checkpoint(
         with upload_intent(storage, name, known.chunks):
             if not _known_source_stored(storage, known):
                 known = KnownChunks()
-            return _upload_incremental(local_ckpt_dir, storage, manifest, known, progress, update_pointer, start)
+            return _upload_incremental(local_ckpt_dir, io, manifest, known, progress, update_pointer, start)
     with upload_intent(storage, name):
-        return _upload_plain(local_ckpt_dir, storage, manifest, manifest_bytes, progress, update_pointer, start)
+        return _upload_plain(local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start,
+                             resume=resume)  # fmt: skip
 
 
 def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:
@@ -158,14 +276,48 @@ def _upload_incremental(local_ckpt_dir: Path, storage: Storage, manifest: Manife
     )  # fmt: skip
 
 
+def files_to_send(manifest: Manifest, stored: Iterable[tuple[str, Any]]) -> list[str]:
+    """Pure: the paths of ``manifest``'s files still to upload, given
+    ``stored``: (path, what the store says of it) for files already in the
+    checkpoint's prefix, each a :class:`~spotguard.storage.base.StoredChecksum`
+    or None (the store computed none). A file is skipped only when the store
+    holds it with the manifest's size and checksum, in the manifest's algorithm."""
+    held = dict(stored)
+    send: list[str] = []
+    for entry in manifest.files:
+        info = held.get(entry.path)
+        if (info is None or info.algorithm != manifest.checksum_algorithm
+                or check_stored_checksum(entry, manifest.checksum_algorithm, info) is not None):  # fmt: skip
+            send.append(entry.path)
+    return send
+
+
+def _stored_checksums(storage: Storage, manifest: Manifest) -> list[tuple[str, Any]]:
+    """What the store says of the files of ``manifest`` already below its prefix
+    (an interrupted upload's): one listing, then one request per file found."""
+    if not isinstance(storage, StoreChecksums):
+        return []
+    present = stored_files(storage, manifest.name)
+    wanted = {e.path: e.size for e in manifest.files}
+    return [(path, storage.stored_checksum(f"{manifest.name}/{path}"))
+            for path, info in present.items() if wanted.get(path) == info.size]  # fmt: skip
+
+
 def _upload_plain(local_ckpt_dir: Path, storage: Storage, manifest: Manifest, manifest_bytes: bytes,
-                  progress: ProgressCallback | None, update_pointer: bool, start: float) -> UploadResult:
+                  progress: ProgressCallback | None, update_pointer: bool, start: float,
+                  resume: bool = False) -> UploadResult:  # fmt: skip
     name = manifest.name
     if manifest.chunked:
         # A copy restored from an incremental store, uploaded whole.
         manifest = to_plain(manifest)
         manifest_bytes = manifest.to_json()
-    storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
+    paths = [e.path for e in manifest.files]
+    if resume:
+        paths = files_to_send(manifest, _stored_checksums(storage, manifest))
+        if len(paths) < len(manifest.files):
+            log.info("%s: %d of %d file(s) already stored by an interrupted upload; not sent again",
+                     storage.uri_for(name), len(manifest.files) - len(paths), len(manifest.files))  # fmt: skip
+    storage.upload_files([(local_ckpt_dir / p, f"{name}/{p}") for p in paths], progress)
     # The manifest goes last: its presence means every data file is stored.
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", manifest_bytes)
     pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
@@ -240,4 +392,4 @@ def _upload_part(
     )
 
 
-__all__ = ["UploadResult", "upload_checkpoint"]
+__all__ = ["UploadCancelled", "UploadResult", "files_to_send", "upload_checkpoint"]

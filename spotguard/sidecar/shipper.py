@@ -10,6 +10,17 @@ copies) is separate: the routine loop runs it after shipping, the
 emergency path never does. This shipper is the only one that deletes local
 checkpoints, and only those older than one it verified in storage.
 
+A preemption comes first. A routine round's ``should_stop`` is watched
+while an upload is in flight (every :data:`STOP_POLL_SECONDS`): once it says
+yes the upload is told to stop at its next request
+(:class:`~spotguard.checkpoint.upload.UploadCancelled`), the round returns
+at once and the emergency upload may start while the stopped one's last
+requests drain. A stopped upload writes no manifest and moves no pointer;
+what it stored is kept, and the next upload of the same checkpoint skips
+it (its chunks are taken as known, its complete files are not sent again).
+Housekeeping (retention, the chunk sweep) runs outside the shipping lock and
+stops at its next object, so it never holds an emergency upload back.
+
 A part of a distributed checkpoint (one node's files) is shipped by
 uploading it and then trying the global commit. When other parts are not
 in storage yet the part is *awaiting* (:attr:`CheckpointShipper.awaiting`):
@@ -46,6 +57,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two sweeps of unused chunks when retention deleted nothing.
 SWEEP_INTERVAL = 900.0
+#: How often a routine upload in flight asks whether a preemption came.
+STOP_POLL_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,12 @@ class CheckpointShipper:
         #: next upload sends them from local bytes.
         self._suspect: set[str] = set()
         self._last_sweep = 0.0
+        #: Uploads a preemption stopped: name -> (when, chunks they stored), for
+        #: the next upload of the same checkpoint to skip what is stored.
+        self.stopped: dict[str, tuple[float, dict[str, int]]] = {}
+        self._stopped_lock = threading.Lock()
+        #: Serializes housekeeping runs; shipping never waits for it.
+        self._housekeeping_lock = threading.Lock()
 
     @property
     def last_shipped(self) -> Shipped | None:
@@ -239,9 +258,11 @@ class CheckpointShipper:
         checkpoints at or below a step. Failures are logged and counted,
         never raised: the next call tries again. A round stops at its first
         failure (the store is likely down for the rest too). ``should_stop``
-        is asked before each checkpoint: a preemption in the middle of a
-        backlog (a slow store) gets the shipper back at once, for the
-        emergency path to ship only the newest.
+        is asked before each checkpoint and, while one is uploaded, every
+        :data:`STOP_POLL_SECONDS`: a preemption in the middle of a backlog (a
+        slow store) or of a large upload gets the shipper back at once, for
+        the emergency path to ship only the newest; the stopped upload's
+        checkpoint is neither failed nor backed off.
         """
         with self._lock:
             paths = {p.name: p for p in self.committed()}
@@ -268,8 +289,10 @@ class CheckpointShipper:
             for name in names:
                 if should_stop is not None and should_stop():
                     break
-                shipped = self._ship_one(paths[name])
+                shipped = self._ship_one(paths[name], should_stop)
                 if shipped is None:
+                    if should_stop is not None and should_stop():
+                        break  # a preemption: the emergency path ships the newest
                     if self.failed.get(name, "").startswith("upload:"):
                         break  # the store is likely down for the rest too
                     # Stored but not verified (a damaged chunk): a newer checkpoint
@@ -283,12 +306,20 @@ class CheckpointShipper:
     def housekeeping(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Retention in storage, then local pruning; never part of the emergency path.
 
-        ``should_stop`` is asked before each deletion: a preemption that comes
-        meanwhile gets the shipper back at once.
+        Retention and the chunk sweep run outside the shipping lock (an
+        emergency :meth:`ship` never waits for them) against the newest
+        checkpoint verified when they start: nothing newer is deleted.
+        ``should_stop`` is asked before each manifest read, listed chunk and
+        deletion: a preemption that comes meanwhile gets the shipper back at once.
         """
-        with self._lock:
-            self._retention(should_stop)
-            self._prune_local()
+        with self._housekeeping_lock:
+            with self._lock:
+                last = self.last_shipped
+            self._retention(last, should_stop)
+            if should_stop():
+                return
+            with self._lock:
+                self._prune_local()
 
     def _observe_saves(self, paths: dict[str, Path]) -> None:
         """Record each new checkpoint's save time, as its manifest reports it."""
@@ -322,15 +353,17 @@ class CheckpointShipper:
         if interval is not None:
             self.metrics.set_interval(interval)
 
-    def _ship_one(self, path: Path) -> Shipped | None:
-        from spotguard.checkpoint import upload_checkpoint
+    def _ship_one(self, path: Path, should_stop: Callable[[], bool] | None = None) -> Shipped | None:
+        from spotguard.checkpoint.upload import UploadCancelled
 
         name = path.name
         t0 = time.monotonic()
         try:
-            # The pointer moves only after verification (below).
-            result = upload_checkpoint(path, self.storage, update_pointer=False,
-                                       incremental=self._known_chunks() if self.incremental else False)  # fmt: skip
+            result = self._upload(path, should_stop)
+        except UploadCancelled:
+            log.warning("stage=upload name=%s stopped after %.3fs: a preemption came first; what it stored is "
+                        "kept for a later upload of it", name, time.monotonic() - t0)  # fmt: skip
+            return None
         except Exception as exc:  # noqa: BLE001 - storage errors are retried later
             if not (path / "manifest.json").exists():
                 # Removed locally meanwhile (only a newer verified one supersedes it).
@@ -350,11 +383,71 @@ class CheckpointShipper:
                       reused_chunks=result.reused_chunks, reused_bytes=result.reused_bytes)  # fmt: skip
         else:
             log_stage("upload", upload_seconds, name=name, bytes=nbytes)
+        with self._stopped_lock:
+            self.stopped.pop(name, None)
         if not getattr(result, "committed", True):
             # A part, uploaded and verified; the other parts are not all there yet.
             self._await(name, result.parts_present, result.parts_total, nbytes, upload_seconds)
             return None
         return self._verify_and_point(name, nbytes, upload_seconds)
+
+    def _upload(self, path: Path, should_stop: Callable[[], bool] | None) -> Any:
+        """Upload ``path`` (the pointer moves only after verification).
+
+        With ``should_stop`` the upload runs in a thread of its own and this
+        one watches ``should_stop``: once it says yes, the upload is told to
+        stop at its next request and :class:`UploadCancelled` is raised here
+        at once (the stopped upload's requests on the wire drain meanwhile;
+        the chunks it stored are recorded in :attr:`stopped` when it ends).
+        An earlier stopped upload of the same checkpoint is resumed: its
+        chunks count as known, its complete files are not sent again.
+        """
+        from spotguard.checkpoint import upload_checkpoint
+        from spotguard.checkpoint.upload import UploadCancelled
+
+        name = path.name
+        with self._stopped_lock:
+            earlier = self.stopped.get(name)
+        incremental: bool | KnownChunks = False
+        if self.incremental:
+            incremental = with_stored_chunks(self._known_chunks(), earlier, time.monotonic())
+        resume = earlier is not None
+        if should_stop is None:
+            return upload_checkpoint(path, self.storage, update_pointer=False, incremental=incremental,
+                                     resume=resume)  # fmt: skip
+        stop = threading.Event()
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def work() -> None:
+            try:
+                outcome.append(upload_checkpoint(path, self.storage, update_pointer=False, incremental=incremental,
+                                                 should_stop=stop.is_set, resume=resume))  # fmt: skip
+            except UploadCancelled as exc:
+                self._note_stopped(name, exc.stored_chunks)
+                outcome.append(exc)
+            except BaseException as exc:  # noqa: BLE001 - handed to the shipping thread
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=work, name=f"spotguard-upload-{name}", daemon=True)
+        thread.start()
+        while not done.wait(STOP_POLL_SECONDS):
+            if should_stop():
+                stop.set()
+                if not done.is_set():
+                    self._note_stopped(name, {})
+                    raise UploadCancelled(name)
+                break
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _note_stopped(self, name: str, chunks: dict[str, int]) -> None:
+        with self._stopped_lock:
+            _, before = self.stopped.get(name, (0.0, {}))
+            self.stopped[name] = (time.monotonic(), {**before, **chunks})
 
     def _await(self, name: str, present: int, total: int, nbytes: int, upload_seconds: float) -> None:
         first = name not in self.awaiting
@@ -494,14 +587,13 @@ class CheckpointShipper:
         delay = retry_delay(self._failures[name])
         self._retry_at[name] = time.monotonic() + delay
 
-    def _retention(self, should_stop: Callable[[], bool]) -> None:
+    def _retention(self, last: Shipped | None, should_stop: Callable[[], bool]) -> None:
         """Delete what the policy does not keep.
 
-        The plan is built from the manifests in storage and the newest
-        checkpoint this shipper verified (nothing is read back to verify it
-        again); everything newer than that one is kept by the planner.
+        The plan is built from the manifests in storage and ``last``, the
+        newest checkpoint this shipper verified (nothing is read back to
+        verify it again); everything newer than that one is kept by the planner.
         """
-        last = self.last_shipped
         if self.retention is None or last is None:
             return
         from spotguard.checkpoint import apply_retention
@@ -516,6 +608,8 @@ class CheckpointShipper:
             log.error("retention failed: %s", _one_line(exc))
         if deleted:
             log_stage("retention", time.monotonic() - t0, deleted=",".join(deleted))
+        if should_stop():
+            return
         if self.incremental and (deleted or time.monotonic() - self._last_sweep > SWEEP_INTERVAL):
             self._sweep_chunks(should_stop)
 
@@ -552,6 +646,20 @@ class CheckpointShipper:
                 continue
             self.metrics.deleted_local.labels(**self.metrics.labels).inc()
             log.info("pruned local %s (a newer checkpoint is verified in storage)", name)
+
+
+def with_stored_chunks(known: KnownChunks, stopped: tuple[float, dict[str, int]] | None, now: float) -> KnownChunks:
+    """Pure: ``known`` plus the chunks a stopped upload of the same checkpoint
+    stored (``stopped``: when it stopped, by ``time.monotonic``, and its
+    chunks), while that is younger than half the orphan grace (a chunk sweep
+    keeps unreferenced chunks younger than the grace). Reused chunks are
+    checked to exist before a manifest names them, and the upload's intent
+    names them, so a collector keeps them meanwhile."""
+    from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
+
+    if stopped is None or not stopped[1] or now - stopped[0] >= DEFAULT_ORPHAN_GRACE / 2:
+        return known
+    return KnownChunks({**stopped[1], **known.chunks}, known.source, known.since)
 
 
 def _part_index(manifest_bytes: bytes) -> int | None:

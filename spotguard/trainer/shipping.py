@@ -9,6 +9,12 @@ Local checkpoints are deleted only by whoever uploads them
 data files depends on the same question: a preemption's save that a live
 uploader ships at once is made durable by the verified upload
 (:func:`emergency_save_is_durable`).
+
+A preemption comes first here too: a routine upload asks ``preempting``
+before each request and between the parts of a transfer, and stops
+(:class:`~spotguard.checkpoint.upload.UploadCancelled`) so that the
+preemption's save, which waits for the job before it, goes at once; the
+next upload of the stopped checkpoint does not send its stored files again.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from spotguard.checkpoint import (
     verify_checkpoint,
 )
 from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
+from spotguard.checkpoint.upload import UploadCancelled
 from spotguard.contract.control import uploader_shipping
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.trainer.channel import Due
@@ -73,14 +80,19 @@ class Shipping:
     ``open_storage`` opens (once) the settings' storage. :attr:`verified`
     holds the checkpoints this process knows are verified in storage
     (uploaded and verified here, or restored from storage): only those make
-    older local ones safe to delete.
+    older local ones safe to delete. ``preempting`` says whether a
+    preemption is pending: a routine upload then stops at its next request.
     """
 
-    def __init__(self, settings: Settings, record: SaveRecord, open_storage: Callable[[], Any]) -> None:
+    def __init__(self, settings: Settings, record: SaveRecord, open_storage: Callable[[], Any],
+                 preempting: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self._settings = settings
         self._record = record
         self._open_storage = open_storage
+        self._preempting = preempting
         self.verified: set[str] = set()
+        #: Checkpoints whose routine upload a preemption stopped (resumed when uploaded again).
+        self.stopped: set[str] = set()
         # With upload=True: whether this process's last upload was verified.
         self._shipping = False
 
@@ -119,13 +131,20 @@ class Shipping:
     def upload(self, path: Path, *, until: float | None = None) -> None:
         """Upload, verify, move the pointer, then apply retention in storage.
         With ``until`` (a preemption's save): a failure is retried with
-        backoff until then, and retention waits for a routine upload."""
+        backoff until then, and retention waits for a routine upload.
+        Without (a routine upload): a pending preemption stops it."""
         attempt = 0
+        should_stop = self._preempting if until is None else None
         while True:
             try:
-                verified = self._upload_once(path)
+                verified = self._upload_once(path, should_stop)
                 self._shipping = True
                 break
+            except UploadCancelled:
+                # Not a failure: the preemption's checkpoint supersedes this one.
+                self.stopped.add(path.name)
+                log.warning("upload of %s stopped: a preemption came first; what it stored is kept", path.name)
+                return
             except Exception as exc:
                 self._shipping = False
                 self._record.last_error = exc
@@ -141,16 +160,19 @@ class Shipping:
         if not verified or until is not None or retention is None or retention.keeps_everything:
             return
         try:
-            apply_retention(self._open_storage(), retention, newest_verified=path.name)
+            apply_retention(self._open_storage(), retention, newest_verified=path.name, should_stop=self._preempting)
         except Exception as exc:
             self._record.last_error = exc
             log.error("retention after the upload of %s failed: %s", path.name, exc)
 
-    def _upload_once(self, path: Path) -> bool:
+    def _upload_once(self, path: Path, should_stop: Callable[[], bool] | None = None) -> bool:
         """Upload, verify and move the pointer; True once the checkpoint is
-        verified in storage (False: one node's part, stored). Raises on failure."""
+        verified in storage (False: one node's part, stored). Raises on failure,
+        :class:`UploadCancelled` when ``should_stop`` stopped the upload."""
         storage = self._open_storage()
-        result = upload_checkpoint(path, storage, update_pointer=False)
+        result = upload_checkpoint(path, storage, update_pointer=False, should_stop=should_stop,
+                                   resume=path.name in self.stopped)  # fmt: skip
+        self.stopped.discard(path.name)
         if not result.committed:
             # One node's part of a distributed checkpoint: the uploader of
             # the last part to arrive writes the global manifest.

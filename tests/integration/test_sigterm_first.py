@@ -1,0 +1,151 @@
+"""A preemption comes first: a routine upload in flight gives way to the emergency checkpoint.
+
+Against the real S3 store: the sidecar's shipper is in a routine round,
+uploading a large checkpoint, when SIGTERM comes (the signal latch's event);
+the round returns, the emergency checkpoint is uploaded and verified without
+waiting for the routine one, which never becomes verified (nor pointed to)
+unless a later upload completes it, reusing what the stopped one stored. A
+chunk sweep in progress stops at its next object and deletes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sidecar_helpers import s3_storage
+
+from spotguard.checkpoint import read_latest_pointer, upload_checkpoint, verify_checkpoint
+from spotguard.checkpoint.codec import snapshot_state
+from spotguard.checkpoint.gc import SWEEP_STOPPED, sweep_chunks
+from spotguard.checkpoint.local import write_checkpoint
+from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+from spotguard.sidecar.deadline import ThroughputTracker
+from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.shipper import CheckpointShipper, Shipped, with_stored_chunks
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+#: The routine checkpoint: many more parts (and chunks) than are in flight at once, so that stopping
+#: it saves most of its requests; small enough for a quick test.
+ROUTINE_MB = 24
+
+
+def commit(directory: Path, step: int, megabytes: int) -> Path:
+    """A checkpoint of random bytes (nothing in it deduplicates), distinct per step: one
+    tensor (one chunk) per MiB."""
+    gen = torch.Generator().manual_seed(step)
+    tensors = {f"w{i}": torch.randint(0, 256, (MiB,), dtype=torch.uint8, generator=gen) for i in range(megabytes)}
+    return write_checkpoint(directory, step, snapshot_state({"model": tensors, "step": step}))
+
+
+def small_parts(s3_store: Any, s3_uri: str) -> Any:
+    """The store with small multipart parts, two at a time (the defaults put a small file's every part
+    in flight at once, and a stop then saves nothing)."""
+    from spotguard.storage import open_storage
+
+    return open_storage(s3_uri, endpoint_url=s3_store.endpoint_url, access_key=s3_store.access_key,
+                        secret_key=s3_store.secret_key, region=s3_store.region, multipart_threshold=5 * MiB,
+                        multipart_chunksize=5 * MiB, max_concurrency=2)  # fmt: skip
+
+
+def drain(name: str, timeout: float = 60.0) -> None:
+    """Wait for the stopped upload's last requests (its thread) to end."""
+    for thread in threading.enumerate():
+        if thread.name == f"spotguard-upload-{name}":
+            thread.join(timeout)
+            assert not thread.is_alive(), f"the stopped upload of {name} never ended"
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["whole", "chunks"])
+def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
+    s3_store: Any, s3_uri: str, tmp_path: Path, incremental: bool
+) -> None:
+    storage = small_parts(s3_store, s3_uri)
+    local = tmp_path / "ckpt"
+    events: list[tuple[str, float]] = []
+
+    def verified(shipped: Shipped) -> None:
+        events.append((f"verified {shipped.name}", time.monotonic()))
+
+    shipper = CheckpointShipper(local, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10,
+                                on_verified=verified, incremental=incremental)  # fmt: skip
+    # The routine upload's own duration, measured here: one of the same size, uninterrupted.
+    commit(local, 5, ROUTINE_MB)
+    t0 = time.monotonic()
+    assert [s.name for s in shipper.ship(housekeeping=False)] == [checkpoint_name(5)]
+    routine_seconds = time.monotonic() - t0
+
+    routine = commit(local, 10, ROUTINE_MB)
+    sigterm = threading.Event()
+    returned: list[float] = []
+
+    def routine_round() -> None:
+        shipper.ship(housekeeping=False, should_stop=sigterm.is_set)
+        returned.append(time.monotonic())
+
+    thread = threading.Thread(target=routine_round)
+    thread.start()
+    time.sleep(routine_seconds / 4)  # well inside the routine upload
+    commit(local, 20, 2)  # the trainer's emergency checkpoint
+    t_signal = time.monotonic()
+    sigterm.set()
+    events.append(("sigterm", t_signal))
+    shipped = shipper.ship(newest_only=True, housekeeping=False)  # the emergency path
+    t_verified = time.monotonic()
+    thread.join(routine_seconds * 4)
+    assert not thread.is_alive() and returned
+
+    assert [s.name for s in shipped] == [checkpoint_name(20)]
+    # The routine round gave way at once, and its checkpoint was not verified first (nor at all).
+    assert [e for e, _ in events] == [f"verified {checkpoint_name(5)}", "sigterm", f"verified {checkpoint_name(20)}"]
+    assert returned[0] - t_signal < routine_seconds / 4, (returned[0] - t_signal, routine_seconds)
+    # Waiting for the rest of the routine upload would take three quarters of its duration.
+    assert t_verified - t_signal < routine_seconds / 2, (t_verified - t_signal, routine_seconds)
+    assert read_latest_pointer(storage) == 20
+    assert verify_checkpoint(storage, checkpoint_name(20)).ok
+
+    # The stopped upload wrote no manifest (nothing names an unverified checkpoint)...
+    drain(routine.name)
+    assert storage.stat(f"{routine.name}/{MANIFEST_NAME}") is None
+    assert routine.name not in shipper.shipped and routine.name not in shipper.failed
+    # ...and nothing is lost: a later upload completes it, and it verifies.
+    if incremental:
+        _, stored = shipper.stopped[routine.name]
+        assert stored, "the stopped upload stored no chunk before it stopped"
+        assert all(storage.stat(f"{CHUNKS_DIR}/{d[:2]}/{d}") is not None for d in stored)
+        known = with_stored_chunks(shipper._known_chunks(), shipper.stopped[routine.name], time.monotonic())
+        later = upload_checkpoint(routine, storage, update_pointer=False, incremental=known)
+        # What the stopped upload stored is not sent again.
+        assert later.reused_chunks >= len(stored) and later.reused_bytes >= sum(stored.values())
+    else:
+        later = upload_checkpoint(routine, storage, update_pointer=False, resume=True)
+    assert verify_checkpoint(storage, routine.name).ok
+    assert read_latest_pointer(storage) == 20  # the pointer never goes back
+
+
+def test_a_chunk_sweep_stops_at_its_next_object_and_deletes_nothing(s3_store: Any, s3_uri: str,
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    storage = s3_storage(s3_store, s3_uri)
+    path = commit(tmp_path / "ckpt", 10, 16)
+    upload_checkpoint(path, storage, incremental=True)
+    # The checkpoint is gone (only its chunks are left): a sweep without grace would delete them all.
+    storage.delete([f"{path.name}/{MANIFEST_NAME}"])
+    chunks = sorted(o.key for o in storage.list_objects(f"{CHUNKS_DIR}/"))
+    assert len(chunks) >= 2
+    asked: list[int] = []
+
+    def preempted_after_first_object() -> bool:
+        asked.append(1)
+        return len(asked) > 1
+
+    swept = sweep_chunks(storage, grace=0.0, now=time.time() + 1, should_stop=preempted_after_first_object)
+    assert swept.aborted == SWEEP_STOPPED and swept.deleted == []
+    assert sorted(o.key for o in storage.list_objects(f"{CHUNKS_DIR}/")) == chunks
+    # Without the preemption the same sweep deletes them (the test can fail).
+    assert sorted(sweep_chunks(storage, grace=0.0, now=time.time() + 1).deleted) == chunks
