@@ -6,15 +6,15 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard.version import __version__
 
-__all__ = ["Checkpointer", "__version__", "torch_state"]
+__all__ = ["Checkpointer", "__version__", "deterministic", "torch_state"]
 
 if TYPE_CHECKING:
-    from spotguard.trainer import Checkpointer, torch_state
+    from spotguard.trainer import Checkpointer, deterministic, torch_state
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import spotguard` (and `spotguard --help`) stays light.
-    if name in ("Checkpointer", "torch_state"):
+    if name in ("Checkpointer", "deterministic", "torch_state"):
         from spotguard import trainer
 
         return getattr(trainer, name)

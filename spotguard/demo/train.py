@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # One thread: identical results whatever the machine's core count.
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    spotguard.deterministic()  # torch.use_deterministic_algorithms(True), without importing the compiler
 
     save_every = args.save_every
     if save_every is None:

@@ -1,4 +1,4 @@
-"""The training-side API: :class:`Checkpointer` and :func:`torch_state`.
+"""The training-side API: :class:`Checkpointer`, :func:`torch_state` and :func:`deterministic`.
 
 Importing this package does not import torch; the state helpers use torch
 and numpy only when they are already imported by the training code.
@@ -15,6 +15,7 @@ from spotguard.contract.control import (
     parse_request,
 )
 from spotguard.trainer.checkpointer import Checkpointer
+from spotguard.trainer.determinism import deterministic
 from spotguard.trainer.state import RestoredState, capture_rng, restore_rng, torch_state
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "Checkpointer",
     "RestoredState",
     "capture_rng",
+    "deterministic",
     "parse_request",
     "restore_rng",
     "torch_state",

@@ -69,6 +69,11 @@ OWNER_TAG = "spotguard-podnet"
 # The machine-wide allocation table and its lock.
 NET_DIR = Path(os.environ.get("SPOTGUARD_PODNET_DIR", "/run/spotguard-podnet"))
 MIRROR_SECONDS = 0.5
+# Once every port a sandbox may mirror is mirrored, it re-reads the host's listeners this seldom:
+# reading /proc/<pid>/net/tcp costs in proportion to every socket on the host, and a suite
+# keeps dozens of sandboxes up. A port still missing is looked for every MIRROR_SECONDS, a
+# registration is seen at once, and a service that went away at the first refused connection.
+SETTLED_SECONDS = 5.0
 MTU = 65535
 CLONE_NEWNET, CLONE_NEWUTS = 0x40000000, 0x04000000
 _SPLICE_CHUNK = 1 << 20
@@ -465,14 +470,26 @@ class Mirror:
     Only the ports that ``allowed`` returns (asked at every refresh) are mirrored.
     """
 
-    def __init__(self, host_ns: int, host_pid: int, libc: Any, allowed: Callable[[], Container[int]]) -> None:
+    def __init__(self, host_ns: int, host_pid: int, libc: Any, allowed: Callable[[], Collection[int]]) -> None:
         self.host_ns, self.host_pid, self.libc = host_ns, host_pid, libc
         self.allowed = allowed
         self.selector = selectors.DefaultSelector()
         self.listeners: dict[int, tuple[socket.socket, str]] = {}
+        self._allowed: frozenset[int] = frozenset()
+        self._refreshed = 0.0  # monotonic time of the last read of the host's listeners
+        self._stale = threading.Event()  # a forward found its host service gone
+
+    def due(self, now: float) -> bool:
+        """Whether to re-read the host's listeners now (see :data:`SETTLED_SECONDS`)."""
+        allowed = frozenset(self.allowed())
+        return (allowed != self._allowed or self._stale.is_set() or now - self._refreshed >= SETTLED_SECONDS
+                or any(port not in self.listeners for port in allowed))  # fmt: skip
 
     def refresh(self) -> None:
-        wanted = host_listeners(self.host_pid, self.allowed())
+        allowed = frozenset(self.allowed())
+        self._allowed, self._refreshed = allowed, time.monotonic()
+        self._stale.clear()
+        wanted = host_listeners(self.host_pid, allowed)
         for port in [p for p in self.listeners if wanted.get(p) != self.listeners[p][1]]:
             sock, _ = self.listeners.pop(port)
             self.selector.unregister(sock)
@@ -509,8 +526,10 @@ class Mirror:
                         break
                     conn.setblocking(True)
                     threading.Thread(target=self._forward, args=(conn, target, port), daemon=True).start()
-            if time.monotonic() >= next_refresh:
-                self.refresh()
+            now = time.monotonic()
+            if now >= next_refresh:
+                if self.due(now):
+                    self.refresh()
                 next_refresh = time.monotonic() + MIRROR_SECONDS
 
     def _forward(self, conn: socket.socket, target: str, port: int) -> None:
@@ -521,6 +540,7 @@ class Mirror:
         try:
             upstream = socket.create_connection((target, port), timeout=30)
         except OSError:
+            self._stale.set()  # the service went away: the next look drops its mirror (refused, as on a node)
             _reset(conn)
             return
         upstream.settimeout(None)
