@@ -182,7 +182,9 @@ class Checkpointer:
         # Only local rank 0 of a node reads requests and writes the control files.
         owner = self._dist is None or self._dist.leader
         self._channel = TrainerChannel(s, owner=owner)
-        self._shipping = Shipping(s, self._record, self._open_storage)
+        # A pending preemption stops a routine upload (its save waits for that job).
+        self._shipping = Shipping(s, self._record, self._open_storage,
+                                  preempting=lambda: any(r.preempt for r in self._channel.pending))
         # Host copies of the tensors, reused by the next snapshot (no page
         # faults on fresh memory); costs one resident copy of the state.
         pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
@@ -272,7 +274,12 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """True when a checkpoint is due after ``step``: a request is pending,
         ``step`` is a positive multiple of ``save_every_steps``, or
-        ``save_every_seconds`` passed since the last save."""
+        ``save_every_seconds`` passed since the last save.
+
+        Under torch.distributed with more than one rank, requests, signals
+        and the time interval are agreed on without blocking the step: what
+        any rank sees at ``should_save(k)`` makes every rank's
+        ``should_save(k + 1)`` true (see :meth:`SavePolicy.agree`)."""
         self._channel.poll()
         if self._dist is not None:
             return self._policy.agree(step, self._channel.pending, self._dist)
@@ -445,15 +452,31 @@ class Checkpointer:
         if self._closed:
             return
         self.wait()
+        self._settle_flags()
         self._channel.announce_exit(self._policy.last_step)
         if self._dist is not None:
             _distributed._active -= 1
         self._channel.release_signals()
         self._closed = True
 
+    def _settle_flags(self) -> None:
+        """Wait for the flag exchange the last ``should_save`` posted, so that
+        no collective is pending when the process group is destroyed (its
+        answer would apply to a step that never comes)."""
+        if self._dist is not None:
+            if not self._dist.dist.is_initialized():
+                self._dist.forget_exchange()  # the group is gone: no wait can finish
+                return
+            try:
+                self._dist.collect()
+            except Exception as exc:  # a rank that is gone: nothing left to agree with
+                log.warning("the last flag exchange between the ranks did not finish: %s", exc)
+
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
             self.wait()
+        if not self._closed:
+            self._settle_flags()
         self._channel.announce_exit(self._policy.last_step)
 
     def __enter__(self) -> Checkpointer:
