@@ -352,6 +352,84 @@ def load_safetensors(path: Path, as_torch: bool) -> dict[str, Any]:
         raise StateError(f"{path.name}: not a valid safetensors file ({exc})") from None
 
 
+# -- safetensors layout, for reading straight into tensors ---------------------------
+
+#: The largest header a safetensors file may have (the reference reader's limit).
+MAX_SAFETENSORS_HEADER = 100_000_000
+#: safetensors dtype name -> torch dtype attribute name.
+ST_TO_TORCH = {st: name for name, st in _TORCH_TO_ST.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """Where one tensor's bytes lie in a safetensors file: ``[start, end)``, file offsets."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return _ST_ITEMSIZE[self.dtype]
+
+
+def safetensors_header_end(first8: bytes, file_size: int) -> int:
+    """Pure: the offset where a safetensors file's tensor data starts (8 + header
+    length), from its first 8 bytes; raises :class:`StateError` when that cannot
+    be the start of a safetensors file of ``file_size`` bytes."""
+    if len(first8) < 8 or file_size < 8:
+        raise StateError(f"{file_size} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > min(MAX_SAFETENSORS_HEADER, file_size - 8):
+        raise StateError(f"header length {n} does not fit a file of {file_size} bytes")
+    return 8 + int(n)
+
+
+def parse_safetensors_header(header: bytes, file_size: int) -> list[TensorSpan]:
+    """Pure: the tensors of a safetensors file from its JSON header (the bytes
+    after the 8-byte length), ordered by offset. Checks what the reference
+    reader checks (known dtypes, sizes that match shapes, tensors that tile the
+    data exactly), so that the bytes can be read straight into tensors before
+    anything else parses them; raises :class:`StateError` saying what is wrong."""
+    base = 8 + len(header)
+    try:
+        doc = json.loads(header)
+    except ValueError as exc:
+        raise StateError(f"header is not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise StateError("header is not a JSON object")
+    spans: list[TensorSpan] = []
+    for key, info in doc.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise StateError(f"tensor {key!r}: needs dtype, shape and two data_offsets") from None
+        if dtype not in _ST_ITEMSIZE:
+            raise StateError(f"tensor {key!r}: unknown dtype {dtype!r}")
+        dims = tuple(shape) if isinstance(shape, list) else None
+        if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise StateError(f"tensor {key!r}: bad shape {shape!r}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (b, e)) or not 0 <= b <= e:
+            raise StateError(f"tensor {key!r}: bad data_offsets {[b, e]!r}")
+        if e - b != math.prod(dims) * _ST_ITEMSIZE[dtype]:
+            raise StateError(f"tensor {key!r}: {e - b} bytes do not hold shape {list(dims)} of {dtype}")
+        spans.append(TensorSpan(str(key), dtype, dims, base + b, base + e))
+    spans.sort(key=lambda t: (t.start, t.end))
+    at = base
+    for t in spans:
+        if t.start != at:
+            raise StateError(f"tensor {t.key!r}: data at offset {t.start - base}, expected {at - base} "
+                             "(overlapping or a gap)")  # fmt: skip
+        at = t.end
+    if at != file_size:
+        raise StateError(f"tensors end at byte {at}, the file has {file_size}")
+    return spans
+
+
 def tensor_files_of(doc: Any) -> set[str]:
     """Every file a ``state.json`` document references."""
     found: set[str] = set()

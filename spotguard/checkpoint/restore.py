@@ -7,21 +7,31 @@ downloaded and matches the manifest (checked as it streams in:
 :mod:`~spotguard.checkpoint.local` reads. :func:`restore_latest` walks back
 to the newest checkpoint that restores, as
 :func:`~spotguard.checkpoint.latest.latest_verified` does without
-downloading.
+downloading. :func:`restore_latest_state` does the same without a local
+copy: the state is read from the store straight into memory, verified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from spotguard.checkpoint.chunked import fetch_chunks
+from spotguard.checkpoint.codec import StateError
 from spotguard.checkpoint.fetch import fetch_verified
-from spotguard.checkpoint.local import TMP_PREFIX, remove_checkpoint_dir, verify_local_checkpoint
+from spotguard.checkpoint.local import (
+    TMP_PREFIX,
+    load_checkpoint_state,
+    remove_checkpoint_dir,
+    verify_local_checkpoint,
+)
 from spotguard.checkpoint.manifest import MANIFEST_NAME, ManifestError, parse_checkpoint_name, parse_manifest, to_plain
 from spotguard.checkpoint.parts import missing_manifest_problems, name_parts
 from spotguard.checkpoint.stored import (
@@ -32,6 +42,7 @@ from spotguard.checkpoint.stored import (
     read_manifest_bytes,
     stored_files,
 )
+from spotguard.checkpoint.stream import NotStreamable, load_stored_state
 from spotguard.storage.base import NotFoundError, ProgressCallback, Storage
 from spotguard.storage.file import fsync_dir
 
@@ -139,4 +150,57 @@ def restore_latest(
     return None
 
 
-__all__ = ["RESTORE_TMP_PREFIX", "restore_checkpoint", "restore_latest"]
+def restore_state(
+    storage: Storage,
+    name: str,
+    *,
+    progress: ProgressCallback | None = None,
+    scratch: Path | None = None,
+) -> tuple[CheckpointInfo, dict[str, Any]]:
+    """The state of stored checkpoint ``name``, verified, without a local copy.
+
+    One process's state is read from the store straight into its tensors and
+    checked on the way (:func:`~spotguard.checkpoint.stream.load_stored_state`);
+    any other checkpoint is restored into a temporary directory below
+    ``scratch`` (the system's default when None), loaded and removed. Raises
+    :class:`CheckpointCorruptError` (nothing is returned from a checkpoint that
+    does not verify) or :class:`StorageError`.
+    """
+    try:
+        manifest, state = load_stored_state(storage, name, progress=progress)
+        return CheckpointInfo.from_manifest(manifest, storage.uri_for(name)), state
+    except NotStreamable:
+        pass
+    with tempfile.TemporaryDirectory(prefix=RESTORE_TMP_PREFIX, dir=scratch) as tmp:
+        info = restore_checkpoint(storage, name, Path(tmp), progress=progress)
+        try:
+            state = load_checkpoint_state(Path(info.uri))
+        except StateError as exc:
+            raise CheckpointCorruptError(name, [str(exc)]) from None
+    return dataclasses.replace(info, uri=storage.uri_for(name)), state
+
+
+def restore_latest_state(
+    storage: Storage,
+    *,
+    progress: ProgressCallback | None = None,
+    on_skip: Callable[[Skipped], None] | None = None,
+    scratch: Path | None = None,
+) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """The state of the newest verified checkpoint, read straight into memory
+    (:func:`restore_state`), walking back past checkpoints that are
+    incomplete or fail verification exactly as :func:`restore_latest` does.
+    Returns None when storage holds no usable checkpoint; storage failures
+    propagate."""
+    for name in reversed(list_checkpoint_names(storage)):
+        try:
+            return restore_state(storage, name, progress=progress, scratch=scratch)
+        except CheckpointCorruptError as exc:
+            skipped = Skipped(name, parse_checkpoint_name(name) or 0, "; ".join(exc.problems))
+            log.warning("skipping checkpoint %s: %s", storage.uri_for(name), skipped.reason)
+            if on_skip is not None:
+                on_skip(skipped)
+    return None
+
+
+__all__ = ["RESTORE_TMP_PREFIX", "restore_checkpoint", "restore_latest", "restore_latest_state", "restore_state"]

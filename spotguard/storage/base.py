@@ -15,7 +15,9 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, TypeVar, runtime_checkable
+
+_R = TypeVar("_R")
 
 #: Called with the number of bytes transferred since the previous call.
 ProgressCallback = Callable[[int], None]
@@ -187,6 +189,38 @@ class Storage(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RangedObject:
+    """One version of a stored object, read by byte ranges.
+
+    ``fetch(start, end)`` returns bytes ``[start, end)`` of the version that
+    was current when the object was opened (a replaced object fails the read
+    rather than mixing versions); ranges may be fetched concurrently, up to
+    ``concurrency`` at once, ``chunk`` bytes each being what the backend is
+    tuned for.
+    """
+
+    key: str
+    size: int
+    fetch: Callable[[int, int], bytes]
+    chunk: int
+    concurrency: int
+
+
+@runtime_checkable
+class RangedReads(Protocol):
+    """A backend that reads an object's byte ranges on request (S3, GCS).
+
+    Optional: it lets a reader fetch the ranges of a large object concurrently
+    and put each straight where it belongs (a restore into tensors); readers
+    use :meth:`Storage.iter_chunks` where a backend lacks it.
+    """
+
+    def open_ranged(self, key: str) -> RangedObject:
+        """Open ``key`` for ranged reads; raises :class:`NotFoundError`."""
+        ...
+
+
 @runtime_checkable
 class StoreChecksums(Protocol):
     """A backend whose store computes checksums on receipt (S3 additional checksums).
@@ -239,15 +273,17 @@ def byte_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def read_in_order(
-    fetch: Callable[[int, int], bytes], ranges: Iterable[tuple[int, int]], window: int, *, thread_name_prefix: str = ""
-) -> Generator[bytes, None, None]:
+    fetch: Callable[[int, int], _R], ranges: Iterable[tuple[int, int]], window: int, *, thread_name_prefix: str = ""
+) -> Generator[_R, None, None]:
     """The ``[start, end)`` ranges of one object, fetched concurrently and handed out in order.
 
     A bounded look-ahead keeps memory at about ``window`` ranges; when the
-    reader stops early, the fetches not started are cancelled.
+    reader stops early, the fetches not started are cancelled. ``fetch`` may
+    return what it made of the bytes rather than the bytes (a restore puts
+    them in place on the fetching thread and hands out only their checksum).
     """
     pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix=thread_name_prefix)
-    pending: deque[Future[bytes]] = deque()
+    pending: deque[Future[_R]] = deque()
     try:
         it = iter(ranges)
         for start, end in it:

@@ -65,6 +65,7 @@ from spotguard.storage.base import (
     PendingUpload,
     PreconditionFailedError,
     ProgressCallback,
+    RangedObject,
     StorageError,
     StoredChecksum,
     Unchanged,
@@ -348,6 +349,15 @@ class GcsStorage:
                 return once()
         except NotFoundError:
             raise NotFoundError(f"{self.uri_for(key)} was replaced or deleted while being read") from None
+
+    def open_ranged(self, key: str) -> RangedObject:
+        """``key`` for concurrent ranged reads of the generation current now."""
+        blob = self._metadata(key)
+        if blob is None:
+            raise NotFoundError(f"{self.uri_for(key)} does not exist")
+        generation = int(blob.generation)
+        return RangedObject(key, int(blob.size or 0), lambda s, e: self._get_range(key, generation, s, e),
+                            max(self._read_chunk, MiB), self._concurrency)  # fmt: skip
 
     def _whole(self, key: str, generation: int) -> bytes:
         blob = self._blob(key, generation=generation)

@@ -26,6 +26,7 @@ from spotguard.storage.base import (
     ObjectInfo,
     PendingUpload,
     ProgressCallback,
+    RangedObject,
     StorageError,
     StoredChecksum,
     Unchanged,
@@ -295,6 +296,15 @@ class S3Storage:
             yield self._get_range(key, 0, size, etag)
             return
         yield from read_in_order(lambda s, e: self._get_range(key, s, e, etag), ranges, self._concurrency)
+
+    def open_ranged(self, key: str) -> RangedObject:
+        """``key`` for concurrent ranged GETs, each retried on its own and
+        pinned to the entity tag seen now (``If-Match``)."""
+        with self._errors(self.uri_for(key)):
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        etag = str(head["ETag"])
+        return RangedObject(key, int(head["ContentLength"]), lambda s, e: self._get_range(key, s, e, etag),
+                            max(self._read_chunk, MiB), self._concurrency)  # fmt: skip
 
     # -- writing ------------------------------------------------------------
     def write_bytes(
