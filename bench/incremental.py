@@ -269,6 +269,10 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
 
     keys = ["total", "save", "upload", "verify"]
     per_gib = {m: {k: slope(m, k) for k in keys} for m in MODES}
+    # For the goodput scenarios: SIGTERM -> verified = fixed + per GiB of frozen base, incremental.
+    ctx.costs["incr_per_frozen_gb"] = per_gib["incremental"]["total"]
+    ctx.costs["incr_fixed"] = max(0.0, median([x.to_verified for x in runs[(lo_gb, "incremental")]])
+                                  - per_gib["incremental"]["total"] * lo_gb)  # fmt: skip
     s.notes.append(
         f"`spotguard run` supervising a trainer (bench/incremental_worker.py) whose state is a frozen base "
         f"(float32 tensors of 64 MiB, `requires_grad=False`, distinct random values) and an adapter of "
