@@ -36,11 +36,9 @@ BASE_PATH = "/notices/v1"
 POD_PATH = f"{BASE_PATH}/pod"
 EVENT_PATH = f"{BASE_PATH}/event"
 
-#: The sidecar's environment: the relay's pod URL (``http://<operator Service>:<port>/notices/v1/pod``) ...
-URL_ENV = "SPOTGUARD_NOTICE_URL"
-#: ... and the file holding the projected token (kubelet rewrites it before it expires).
-TOKEN_FILE_ENV = "SPOTGUARD_NOTICE_TOKEN_FILE"
-#: Where the operator mounts the token into the sidecar container.
+#: Where the operator mounts the projected token into the sidecar container (kubelet rewrites it before it
+#: expires); the sidecar finds it, and the relay's pod URL, in its environment (``spotguard.contract.env``:
+#: ``NOTICE_TOKEN_FILE``, ``NOTICE_URL``).
 TOKEN_DIR = "/var/run/secrets/spotguard.dev/notices"
 TOKEN_NAME = "token"
 TOKEN_FILE = f"{TOKEN_DIR}/{TOKEN_NAME}"

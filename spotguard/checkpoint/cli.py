@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from spotguard.cliutil import error, progress_flag, usage
+from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, Var, from_env
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -128,9 +129,9 @@ def register(subparsers: Any) -> None:
         description="Download the newest verified checkpoint into DEST/ckpt-<step>/. "
         "Exits 0 also when there is none yet.",
     )
-    p.add_argument("--storage", default=os.environ.get("SPOTGUARD_STORAGE_URI"), metavar="URI",
+    p.add_argument("--storage", default=from_env(STORAGE_URI), metavar="URI",
                    help="job checkpoint root (env SPOTGUARD_STORAGE_URI)")  # fmt: skip
-    p.add_argument("--dest", type=Path, default=_env_path("SPOTGUARD_CHECKPOINT_DIR"), metavar="DIR",
+    p.add_argument("--dest", type=Path, default=_env_path(CHECKPOINT_DIR), metavar="DIR",
                    help="local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR)")  # fmt: skip
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_init_restore))
@@ -143,8 +144,8 @@ class UserError(Exception):
     """A problem the user can fix; printed as one line."""
 
 
-def _env_path(name: str) -> Path | None:
-    value = os.environ.get(name)
+def _env_path(var: Var[str, None]) -> Path | None:
+    value = from_env(var)
     return Path(value) if value else None
 
 
@@ -422,9 +423,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_init_restore(args: argparse.Namespace) -> int:
     """Init-container restore: like ``ckpt restore`` but "nothing yet" is fine."""
     if not args.storage:
-        raise UserError("no storage URI: pass --storage URI or set SPOTGUARD_STORAGE_URI")
+        raise UserError(f"no storage URI: pass --storage URI or set {STORAGE_URI.name}")
     if args.dest is None:
-        raise UserError("no destination: pass --dest DIR or set SPOTGUARD_CHECKPOINT_DIR")
+        raise UserError(f"no destination: pass --dest DIR or set {CHECKPOINT_DIR.name}")
     info = _restore(args.storage, args.dest, args.progress)
     if info is None:
         print(f"no verified checkpoint at {args.storage} yet; the trainer starts fresh")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -35,30 +34,19 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from spotguard.contract.env import GC_LEASE_SECONDS, from_env
 from spotguard.storage.base import NotFoundError, ObjectInfo, Storage
 
 log = logging.getLogger(__name__)
 
 UPLOADS_DIR = "gc/uploads"
-LEASE_ENV = "SPOTGUARD_GC_LEASE_SECONDS"
-DEFAULT_LEASE = 60.0
 _INTENT_SUFFIX = ".json"
 _ALIVE_SUFFIX = ".alive"
 
 
 def lease_seconds(env: Mapping[str, str] | None = None) -> float:
-    """The intent lease: ``SPOTGUARD_GC_LEASE_SECONDS``, default 60."""
-    env = os.environ if env is None else env
-    value = env.get(LEASE_ENV, "")
-    if not value:
-        return DEFAULT_LEASE
-    try:
-        lease = float(value)
-    except ValueError:
-        raise ValueError(f"{LEASE_ENV}={value!r} is not a number of seconds") from None
-    if lease <= 0:
-        raise ValueError(f"{LEASE_ENV}={value!r} must be more than 0")
-    return lease
+    """The intent lease: ``SPOTGUARD_GC_LEASE_SECONDS``, default 60 (more than 0, or ValueError naming it)."""
+    return from_env(GC_LEASE_SECONDS, env)
 
 
 def minimum_orphan_grace(env: Mapping[str, str] | None = None) -> float:
@@ -72,7 +60,7 @@ def check_orphan_grace(grace: float, env: Mapping[str, str] | None = None) -> No
     if grace < least:
         raise ValueError(
             f"an orphan grace of {grace:g}s is shorter than the upload lease ({least:g}s): a chunk of an upload "
-            f"that stalled briefly could be deleted; use at least {least:g} (the lease is {LEASE_ENV})"
+            f"that stalled briefly could be deleted; use at least {least:g} (the lease is {GC_LEASE_SECONDS.name})"
         )
 
 

@@ -17,11 +17,11 @@ nothing is deleted.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint.manifest import parse_checkpoint_name
+from spotguard.contract.env import BEST_METRIC, BEST_MODE, KEEP_BEST, KEEP_EVERY, KEEP_LAST, from_env
 
 
 @dataclass(frozen=True)
@@ -55,23 +55,12 @@ class RetentionPolicy:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RetentionPolicy:
         """From ``SPOTGUARD_KEEP_LAST``, ``SPOTGUARD_KEEP_BEST``,
         ``SPOTGUARD_BEST_METRIC``, ``SPOTGUARD_BEST_MODE``, ``SPOTGUARD_KEEP_EVERY``."""
-        env = os.environ if environ is None else environ
-
-        def num(key: str) -> int | None:
-            raw = env.get(key, "").strip()
-            if not raw:
-                return None
-            try:
-                return int(raw)
-            except ValueError:
-                raise ValueError(f"{key} must be an integer, got {raw!r}") from None
-
         return cls(
-            keep_last=num("SPOTGUARD_KEEP_LAST"),
-            keep_best=num("SPOTGUARD_KEEP_BEST"),
-            metric=env.get("SPOTGUARD_BEST_METRIC") or None,
-            mode=(env.get("SPOTGUARD_BEST_MODE") or "min").strip().lower(),
-            keep_every=num("SPOTGUARD_KEEP_EVERY"),
+            keep_last=from_env(KEEP_LAST, environ),
+            keep_best=from_env(KEEP_BEST, environ),
+            metric=from_env(BEST_METRIC, environ) or None,
+            mode=from_env(BEST_MODE, environ).strip().lower(),
+            keep_every=from_env(KEEP_EVERY, environ),
         )
 
 

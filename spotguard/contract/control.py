@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotguard.contract.env import CONTROL_DIR, from_env
+
 REQUEST_FILE = "checkpoint-request.json"
 ACK_FILE = "checkpoint-ack.json"
 PID_FILE = "trainer.pid"
@@ -228,8 +230,7 @@ def uploader_shipping(control_dir: Path, now: float | None = None) -> bool:
 
 def control_dir_from_env(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> Path:
     """``SPOTGUARD_CONTROL_DIR``, else ``<checkpoint dir>/.control``."""
-    env = os.environ if env is None else env
-    value = env.get("SPOTGUARD_CONTROL_DIR")
+    value = from_env(CONTROL_DIR, env)
     return Path(value) if value else checkpoint_dir / CONTROL_SUBDIR
 
 

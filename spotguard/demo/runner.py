@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotguard.contract import env as envvars
+
 _STEP_RE = re.compile(r"^step (\d+) ")
 _RESUMED_RE = re.compile(r"^resumed from step (\d+)")
 _STAGE_RE = re.compile(r"stage=(\w+) seconds=([0-9.]+)")
@@ -152,8 +154,8 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
     log_path = root / "demo.log"
     env = dict(os.environ)
     # The demo's own settings win over anything inherited from the shell.
-    for key in [k for k in env if k.startswith("SPOTGUARD_")]:
-        if key not in ("SPOTGUARD_TESTENV_RUN",):
+    for key in [k for k in env if k.startswith(envvars.PREFIX)]:
+        if key != envvars.TESTENV_RUN.name:
             env.pop(key)
     env["PYTHONUNBUFFERED"] = "1"
     points = preemption_points(options.steps, options.preemptions, rng)
@@ -164,7 +166,7 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
     out("training once without interruption (reference) ...")
     ref_out = root / "reference.safetensors"
     ref_env = dict(env)
-    ref_env["SPOTGUARD_CHECKPOINT_DIR"] = str(root / "reference-checkpoints")
+    ref_env[envvars.CHECKPOINT_DIR.name] = str(root / "reference-checkpoints")
     ref = subprocess.run(
         _train_command(options.steps, ref_out, options.save_every, 0.0),
         env=ref_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,

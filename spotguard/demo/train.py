@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spotguard.contract.env import SAVE_EVERY_STEPS, from_env
+
 FEATURES = 16
 CLASSES = 4
 DATASET_SIZE = 1024
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     save_every = args.save_every
     if save_every is None:
-        save_every = int(os.environ.get("SPOTGUARD_SAVE_EVERY_STEPS") or 50)
+        env_every = from_env(SAVE_EVERY_STEPS)
+        save_every = 50 if env_every is None else env_every
     ckpt = spotguard.Checkpointer.from_env(save_every_steps=save_every)
 
     model, optimizer, scheduler = build(args)

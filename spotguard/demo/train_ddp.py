@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import spotguard
+from spotguard.contract.env import SAVE_EVERY_STEPS, from_env
 
 FEATURES = 16
 CLASSES = 4
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     """Train; 0 also when preempted (the checkpoint is written)."""
     args = parse_args(argv)
     rank, _world, device = setup()
-    save_every = args.save_every or int(os.environ.get("SPOTGUARD_SAVE_EVERY_STEPS") or 50)
+    env_every = from_env(SAVE_EVERY_STEPS)
+    save_every = args.save_every or (50 if env_every is None else env_every)
     # Distributed because a process group is initialized: should_save and
     # preempted agree on every rank, save is collective.
     ckpt = spotguard.Checkpointer.from_env(save_every_steps=save_every)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from spotguard.contract.env import SAVE_EVERY_STEPS, from_env, to_env
 from spotguard.integrations.lightning import ResumableSampler, SpotguardCallback, spotguard_ckpt_path
 
 FEATURES = 16
@@ -182,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if args.save_every is not None:
-        os.environ["SPOTGUARD_SAVE_EVERY_STEPS"] = str(args.save_every)
-    elif not os.environ.get("SPOTGUARD_SAVE_EVERY_STEPS"):
-        os.environ["SPOTGUARD_SAVE_EVERY_STEPS"] = "50"
+        os.environ[SAVE_EVERY_STEPS.name] = to_env(SAVE_EVERY_STEPS, args.save_every)
+    elif from_env(SAVE_EVERY_STEPS) is None:
+        os.environ[SAVE_EVERY_STEPS.name] = to_env(SAVE_EVERY_STEPS, 50)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = int(os.environ.get("RANK", "0"))

@@ -241,7 +241,7 @@ def sidecar_down(status: Mapping[str, Any]) -> str | None:
     by kubelet: down only while kubelet backs off (``CrashLoopBackOff``).
     """
     trainers = [str(cs.get("name")) for cs in _container_statuses(status, "containerStatuses")
-                if cs.get("name") not in SPOTGUARD_CONTAINERS
+                if cs.get("name") not in OWN_CONTAINERS
                 and isinstance((cs.get("state") or {}).get("running"), Mapping)]  # fmt: skip
     found = _sidecar_status(status)
     if not trainers or found is None:
@@ -282,7 +282,7 @@ def _disruption(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 #: spotguard's own containers: their failure is spotguard's, not the training code's.
-SPOTGUARD_CONTAINERS = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
+OWN_CONTAINERS = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 # Longest detail taken from a container's termination message.
 _DETAIL_MAX = 300
@@ -384,7 +384,7 @@ def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str, _Failed] | None:
         f = _failed(cs)
         if f is None:
             continue
-        if f.name in SPOTGUARD_CONTAINERS:
+        if f.name in OWN_CONTAINERS:
             return (*_spotguard_failure(f), f)
         return "InitContainerFailed", f"init container {f.name} exited with code {f.code}", f
     user: list[_Failed] = []

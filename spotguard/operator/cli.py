@@ -8,23 +8,9 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+from spotguard.contract import env
+from spotguard.contract.env import cli_default
 from spotguard.notice_relay import POD_PATH
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    return default
 
 
 def register(subparsers: Any) -> None:
@@ -47,7 +33,7 @@ def register(subparsers: Any) -> None:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (the default)")
     p.add_argument(
         "--image",
-        default=os.environ.get("SPOTGUARD_IMAGE"),
+        default=cli_default(env.IMAGE),
         help="image for the restore and sidecar containers (env SPOTGUARD_IMAGE)",
     )
     p.add_argument("--image-pull-policy", choices=["Always", "IfNotPresent", "Never"], default=None)
@@ -112,25 +98,25 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--resync-seconds",
         type=float,
-        default=_env_float("SPOTGUARD_RESYNC_SECONDS", 30.0),
+        default=cli_default(env.RESYNC_SECONDS),
         help="look at every job at least this often",
     )
     p.add_argument(
         "--checkpoint-poll-seconds",
         type=float,
-        default=_env_float("SPOTGUARD_CHECKPOINT_POLL_SECONDS", 30.0),
+        default=cli_default(env.CHECKPOINT_POLL_SECONDS),
         help="how often to read each job's newest verified checkpoint from storage",
     )
     p.add_argument(
         "--read-checkpoints",
         action=argparse.BooleanOptionalAction,
-        default=_env_bool("SPOTGUARD_READ_CHECKPOINTS", True),
+        default=cli_default(env.READ_CHECKPOINTS),
         help="read each job's storage (with its credentials Secret) to report the newest verified checkpoint"
         " in its status; --no-read-checkpoints: never read a Secret or a store (env SPOTGUARD_READ_CHECKPOINTS)",
     )
     p.add_argument(
         "--host-port-range",
-        default=os.environ.get("SPOTGUARD_HOST_PORT_RANGE", "20000-29999"),
+        default=cli_default(env.HOST_PORT_RANGE),
         metavar="FIRST-LAST",
         help="host ports for jobs with hostNetwork: each gets a pair no other job holds (master port, sidecar"
         " metrics port); keep it outside the cluster's NodePort range (default 20000-29999,"
@@ -183,7 +169,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--checkpoint-full-read-seconds",
         type=float,
-        default=_env_float("SPOTGUARD_CHECKPOINT_FULL_READ_SECONDS", 1800.0),
+        default=cli_default(env.CHECKPOINT_FULL_READ_SECONDS),
         metavar="SECONDS",
         help="read each job's checkpoints in full at least this often; in between a poll that finds the latest"
         " pointer unchanged costs one conditional request (default 1800; 0: read everything at every poll;"
@@ -224,6 +210,11 @@ def run_operator(args: argparse.Namespace) -> int:
         return 2
 
     try:
+        read_checkpoints = env.option_or_env(env.READ_CHECKPOINTS, args.read_checkpoints)
+    except ValueError as exc:
+        print(f"spotguard operator: {exc}", file=sys.stderr)
+        return 2
+    try:
         host_port_range = parse_range(args.host_port_range)
     except ValueError as exc:
         print(f"spotguard operator: --host-port-range: {exc}", file=sys.stderr)
@@ -259,7 +250,7 @@ def run_operator(args: argparse.Namespace) -> int:
         native_sidecar=args.native_sidecar,
         resync_seconds=args.resync_seconds,
         checkpoint_poll_seconds=args.checkpoint_poll_seconds,
-        read_checkpoints=args.read_checkpoints,
+        read_checkpoints=read_checkpoints,
         probe_workers=max(1, args.probe_workers),
         checkpoint_full_read_seconds=max(0.0, args.checkpoint_full_read_seconds),
         host_port_range=host_port_range,

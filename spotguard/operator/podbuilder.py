@@ -27,9 +27,10 @@ import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from spotguard import notice_relay as relay
+from spotguard.contract import env as envvars
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.jobstatus import member_pod_name
 from spotguard.operator.spec import (
@@ -126,8 +127,16 @@ def server_supports_native_sidecars(major: str, minor: str) -> bool:
         return False
 
 
+_T = TypeVar("_T", str, int, float, bool)
+
+
 def _env_value(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
+
+
+def _contract_value(var: envvars.Var[_T, Any], value: _T) -> dict[str, Any]:
+    """A variable of the in-pod contract, rendered as its readers parse it (:func:`~spotguard.contract.env.to_env`)."""
+    return _env_value(var.name, envvars.to_env(var, value))
 
 
 def _secret_env(name: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:
@@ -151,26 +160,26 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
     """
     ck = inj.checkpoint
     env = [
-        _env_value("SPOTGUARD_CHECKPOINT_DIR", CHECKPOINT_DIR),
-        _env_value("SPOTGUARD_CONTROL_DIR", CONTROL_DIR),
-        _env_value("SPOTGUARD_STORAGE_URI", inj.storage_uri),
-        _env_value("SPOTGUARD_JOB", inj.job),
-        _env_value("SPOTGUARD_CHECKSUM", ck.checksum),
-        _env_value("SPOTGUARD_GRACE_SECONDS", str(inj.grace_period_seconds)),
-        _env_value("SPOTGUARD_KEEP_LAST", str(ck.retention.keep_last)),
+        _contract_value(envvars.CHECKPOINT_DIR, CHECKPOINT_DIR),
+        _contract_value(envvars.CONTROL_DIR, CONTROL_DIR),
+        _contract_value(envvars.STORAGE_URI, inj.storage_uri),
+        _contract_value(envvars.JOB, inj.job),
+        _contract_value(envvars.CHECKSUM, ck.checksum),
+        _contract_value(envvars.GRACE_SECONDS, inj.grace_period_seconds),
+        _contract_value(envvars.KEEP_LAST, ck.retention.keep_last),
     ]
     if inj.attempt is not None:
-        env.append(_env_value("SPOTGUARD_ATTEMPT", str(inj.attempt)))
+        env.append(_contract_value(envvars.ATTEMPT, inj.attempt))
     if ck.every_steps is not None:
-        env.append(_env_value("SPOTGUARD_SAVE_EVERY_STEPS", str(ck.every_steps)))
+        env.append(_contract_value(envvars.SAVE_EVERY_STEPS, ck.every_steps))
     if ck.every_seconds is not None:
-        env.append(_env_value("SPOTGUARD_SAVE_EVERY_SECONDS", f"{ck.every_seconds:g}"))
+        env.append(_contract_value(envvars.SAVE_EVERY_SECONDS, ck.every_seconds))
     if ck.retention.keep_best:
-        env.append(_env_value("SPOTGUARD_KEEP_BEST", str(ck.retention.keep_best)))
-        env.append(_env_value("SPOTGUARD_BEST_METRIC", ck.retention.best_metric or ""))
-        env.append(_env_value("SPOTGUARD_BEST_MODE", ck.retention.best_mode))
+        env.append(_contract_value(envvars.KEEP_BEST, ck.retention.keep_best))
+        env.append(_contract_value(envvars.BEST_METRIC, ck.retention.best_metric or ""))
+        env.append(_contract_value(envvars.BEST_MODE, ck.retention.best_mode))
     if ck.retention.keep_every:
-        env.append(_env_value("SPOTGUARD_KEEP_EVERY", str(ck.retention.keep_every)))
+        env.append(_contract_value(envvars.KEEP_EVERY, ck.retention.keep_every))
     env += [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -217,7 +226,7 @@ def trainer_env(inj: Injection) -> list[dict[str, Any]]:
     exposed = ck.expose_credentials_to_trainer
     env = contract_env(inj, credentials=exposed)
     if ck.credentials_secret is not None and not exposed:
-        env = [e for e in env if e["name"] != "SPOTGUARD_STORAGE_URI"]
+        env = [e for e in env if e["name"] != envvars.STORAGE_URI.name]
     return env
 
 
@@ -330,7 +339,7 @@ def restore_container(inj: Injection) -> dict[str, Any]:
     c = _spotguard_container(
         RESTORE_CONTAINER,
         inj,
-        ["spotguard", "restore", "--storage", "$(SPOTGUARD_STORAGE_URI)", "--dest", CHECKPOINT_DIR],
+        ["spotguard", "restore", "--storage", f"$({envvars.STORAGE_URI.name})", "--dest", CHECKPOINT_DIR],
     )
     # A failed restore says why in its log: its tail becomes the termination message.
     c["terminationMessagePolicy"] = "FallbackToLogsOnError"
@@ -342,19 +351,22 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
     c = _spotguard_container(SIDECAR_CONTAINER, inj, ["spotguard", "sidecar"])
     mode = "native" if inj.native_sidecar else "classic"
     c["env"] += [
-        _env_value("SPOTGUARD_SIDECAR_MODE", mode),
-        _env_value("SPOTGUARD_METRICS_PORT", str(inj.metrics_port)),
+        _contract_value(envvars.SIDECAR_MODE, mode),
+        _contract_value(envvars.METRICS_PORT, inj.metrics_port),
     ]
     if inj.notices:
-        c["env"].append(_env_value("SPOTGUARD_NOTICES", ",".join(inj.notices)))
+        c["env"].append(_contract_value(envvars.NOTICES, ",".join(inj.notices)))
     if notice_token_volume(inj) is not None:
         # The k8s source asks the operator, with a token only this container sees.
         assert inj.notice_url is not None
-        c["env"] += [_env_value(relay.URL_ENV, inj.notice_url), _env_value(relay.TOKEN_FILE_ENV, relay.TOKEN_FILE)]
+        c["env"] += [
+            _contract_value(envvars.NOTICE_URL, inj.notice_url),
+            _contract_value(envvars.NOTICE_TOKEN_FILE, relay.TOKEN_FILE),
+        ]
         c["volumeMounts"].append({"name": NOTICE_TOKEN_VOLUME, "mountPath": relay.TOKEN_DIR, "readOnly": True})
     if inj.checkpoint.incremental:
         # Only the sidecar uploads; absent when off, so existing jobs' pods stay as they were.
-        c["env"].append(_env_value("SPOTGUARD_INCREMENTAL", "true"))
+        c["env"].append(_contract_value(envvars.INCREMENTAL, True))
     if inj.metrics_port:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
     # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.

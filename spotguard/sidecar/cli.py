@@ -14,22 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spotguard.contract import env
+from spotguard.contract.env import cli_default
+
 log = logging.getLogger("spotguard.sidecar")
 
 DEFAULT_CHECKPOINT_DIR = "/var/lib/spotguard/checkpoints"
-DEFAULT_METRICS_PORT = 9400
+DEFAULT_METRICS_PORT = env.METRICS_PORT.default
 # Created by kubelet in every container; absent elsewhere (then no report).
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-INCREMENTAL_ENV = "SPOTGUARD_INCREMENTAL"
-_TRUE_WORDS = ("1", "true", "yes", "on")
-_FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    # Defaults from the environment stay strings: argparse converts (and
-    # rejects) them only for the subcommand being run.
-    value = os.environ.get(name)
-    return value if value not in (None, "") else default
+DEFAULT_TERMINATION_LOG = env.TERMINATION_LOG.default
 
 
 def register(subparsers: Any) -> None:
@@ -49,11 +42,11 @@ def _register_sidecar(subparsers: Any) -> None:
         "checkpoint, and on SIGTERM or a preemption notice get an emergency checkpoint "
         "verified in storage before the deadline.",
     )
-    p.add_argument("--storage", default=_env("SPOTGUARD_STORAGE_URI"),
+    p.add_argument("--storage", default=cli_default(env.STORAGE_URI),
                    help="job's checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
                    "(env SPOTGUARD_STORAGE_URI)")
     p.add_argument("--checkpoint-dir", type=Path,
-                   default=Path(_env("SPOTGUARD_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR) or ""),
+                   default=Path(cli_default(env.CHECKPOINT_DIR) or DEFAULT_CHECKPOINT_DIR),
                    help="shared local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR, "
                    f"default {DEFAULT_CHECKPOINT_DIR})")
     p.add_argument("--control-dir", type=Path, default=None,
@@ -62,35 +55,35 @@ def _register_sidecar(subparsers: Any) -> None:
     p.add_argument("--trainer-pid-file", type=Path, default=None,
                    help="file holding the trainer's pid (default CONTROL_DIR/trainer.pid)")
     p.add_argument("--grace-seconds", type=float,
-                   default=_env("SPOTGUARD_GRACE_SECONDS", "30.0"),
+                   default=cli_default(env.GRACE_SECONDS),
                    help="time between SIGTERM and the kill (env SPOTGUARD_GRACE_SECONDS, "
                    "default 30)")
     p.add_argument("--safety-margin", type=float,
-                   default=_env("SPOTGUARD_SAFETY_MARGIN_SECONDS", "5.0"),
+                   default=cli_default(env.SAFETY_MARGIN_SECONDS),
                    help="seconds kept free at the end of the grace period (default 5)")
     p.add_argument("--finish-seconds", type=float,
-                   default=_env("SPOTGUARD_FINISH_SECONDS", "600"),
+                   default=cli_default(env.FINISH_SECONDS),
                    help="after the trainer exits on its own, how long its last checkpoint may take "
                    "to be verified, other nodes' parts included (env SPOTGUARD_FINISH_SECONDS, "
                    "default 600)")
     p.add_argument("--mode", choices=("classic", "native"),
-                   default=_env("SPOTGUARD_SIDECAR_MODE", "classic"),
+                   default=cli_default(env.SIDECAR_MODE),
                    help="classic: exit once the trainer has exited and everything is shipped; "
                    "native (Kubernetes native sidecar): run until SIGTERM")
     p.add_argument("--metrics-port", type=int,
-                   default=_env("SPOTGUARD_METRICS_PORT", str(DEFAULT_METRICS_PORT)),
+                   default=cli_default(env.METRICS_PORT),
                    help=f"Prometheus metrics port, 0 to disable (default {DEFAULT_METRICS_PORT})")
-    p.add_argument("--metrics-addr", default=_env("SPOTGUARD_METRICS_ADDR", "0.0.0.0"),
+    p.add_argument("--metrics-addr", default=cli_default(env.METRICS_ADDR),
                    help="address to serve metrics on (default 0.0.0.0)")
     _add_notice_args(p)
     p.add_argument("--proactive-interval", type=float,
-                   default=_env("SPOTGUARD_PROACTIVE_INTERVAL", "0.0"),
+                   default=cli_default(env.PROACTIVE_INTERVAL),
                    help="when the emergency checkpoint would not fit the grace period, request "
                    "a checkpoint every this many seconds (0: never, the default)")
     _add_retention_args(p)
     _add_incremental_arg(p)
     p.add_argument("--termination-log", type=Path,
-                   default=_env("SPOTGUARD_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
+                   default=cli_default(env.TERMINATION_LOG),
                    help="write a JSON report here on exit, for the operator "
                    f"(default {DEFAULT_TERMINATION_LOG} when it exists)")
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
@@ -101,20 +94,20 @@ def _register_sidecar(subparsers: Any) -> None:
 def _add_notice_args(p: argparse.ArgumentParser) -> None:
     from spotguard.sidecar import notices as n
 
-    p.add_argument("--notices", default=_env("SPOTGUARD_NOTICES", ""),
+    p.add_argument("--notices", default=cli_default(env.NOTICES),
                    help="early notice sources to poll, comma-separated from aws,gce,azure,k8s "
                    "(env SPOTGUARD_NOTICES; default none)")
     p.add_argument("--aws-imds-endpoint",
-                   default=_env("SPOTGUARD_AWS_IMDS_ENDPOINT", n.AWS_IMDS_ENDPOINT))
+                   default=cli_default(env.AWS_IMDS_ENDPOINT) or n.AWS_IMDS_ENDPOINT)
     p.add_argument("--gce-metadata-endpoint",
-                   default=_env("SPOTGUARD_GCE_METADATA_ENDPOINT", n.GCE_METADATA_ENDPOINT))
+                   default=cli_default(env.GCE_METADATA_ENDPOINT) or n.GCE_METADATA_ENDPOINT)
     p.add_argument("--azure-metadata-endpoint",
-                   default=_env("SPOTGUARD_AZURE_METADATA_ENDPOINT", n.AZURE_METADATA_ENDPOINT))
+                   default=cli_default(env.AZURE_METADATA_ENDPOINT) or n.AZURE_METADATA_ENDPOINT)
     p.add_argument("--notice-interval", type=float,
-                   default=_env("SPOTGUARD_NOTICE_INTERVAL", "2.0"),
+                   default=cli_default(env.NOTICE_INTERVAL),
                    help="seconds between notice polls (default 2)")
     p.add_argument("--notice-stops-training", action="store_true",
-                   default=_env("SPOTGUARD_NOTICE_STOPS_TRAINING", "") in ("1", "true", "yes"),
+                   default=cli_default(env.NOTICE_STOPS_TRAINING),
                    help="stop training after a notice's checkpoint instead of continuing "
                    "until SIGTERM")
 
@@ -123,17 +116,17 @@ def _add_retention_args(p: argparse.ArgumentParser) -> None:
     """Retention options shared by ``sidecar`` and ``run`` (defaults from ``SPOTGUARD_KEEP_*``)."""
     g = p.add_argument_group("retention", "which checkpoints stay in storage (a checkpoint is kept "
                              "if any rule keeps it; the newest verified one always is; no rule: keep all)")
-    g.add_argument("--keep-last", type=int, default=_env("SPOTGUARD_KEEP_LAST"),
+    g.add_argument("--keep-last", type=int, default=cli_default(env.KEEP_LAST),
                    help="keep the N newest (env SPOTGUARD_KEEP_LAST)")
-    g.add_argument("--keep-best", type=int, default=_env("SPOTGUARD_KEEP_BEST"),
+    g.add_argument("--keep-best", type=int, default=cli_default(env.KEEP_BEST),
                    help="keep the M best by --best-metric (env SPOTGUARD_KEEP_BEST)")
-    g.add_argument("--best-metric", default=_env("SPOTGUARD_BEST_METRIC"),
+    g.add_argument("--best-metric", default=cli_default(env.BEST_METRIC),
                    help="metric for --keep-best, as saved with each checkpoint (env SPOTGUARD_BEST_METRIC)")
-    g.add_argument("--best-mode", choices=("min", "max"), default=_env("SPOTGUARD_BEST_MODE", "min"),
+    g.add_argument("--best-mode", choices=("min", "max"), default=cli_default(env.BEST_MODE),
                    help="whether lower or higher --best-metric is better (env SPOTGUARD_BEST_MODE, default min)")
-    g.add_argument("--keep-every", type=int, default=_env("SPOTGUARD_KEEP_EVERY"),
+    g.add_argument("--keep-every", type=int, default=cli_default(env.KEEP_EVERY),
                    help="keep every checkpoint whose step is a multiple of K (env SPOTGUARD_KEEP_EVERY)")
-    g.add_argument("--keep-local", type=int, default=_env("SPOTGUARD_KEEP_LOCAL", "1"),
+    g.add_argument("--keep-local", type=int, default=cli_default(env.KEEP_LOCAL),
                    help="local checkpoints kept after a newer one is verified in storage "
                    "(env SPOTGUARD_KEEP_LOCAL, default 1)")
 
@@ -158,10 +151,10 @@ def retention_from_args(args: argparse.Namespace) -> Any | None:
 def _add_incremental_arg(p: argparse.ArgumentParser) -> None:
     # The environment's value stays a string here: incremental_from_args
     # checks it, for the subcommand being run only.
-    p.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=_env(INCREMENTAL_ENV),
+    p.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=cli_default(env.INCREMENTAL),
                    help="upload only the data storage does not hold yet: checkpoints are stored as "
                    "content-addressed chunks shared between checkpoints of the job (env "
-                   f"{INCREMENTAL_ENV}, default off)")
+                   f"{env.INCREMENTAL.name}, default off)")
 
 
 def incremental_from_args(args: argparse.Namespace) -> bool:
@@ -169,15 +162,15 @@ def incremental_from_args(args: argparse.Namespace) -> bool:
 
     Raises ValueError (one line, naming the variable) for a value that is no boolean.
     """
-    value = args.incremental
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    word = str(value).strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS or not word:
-        return False
-    raise ValueError(f"{INCREMENTAL_ENV} must be {'/'.join(_TRUE_WORDS)} or {'/'.join(_FALSE_WORDS)}, not {value!r}")
+    return env.option_or_env(env.INCREMENTAL, args.incremental)
+
+
+def notice_stops_training_from_args(args: argparse.Namespace) -> bool:
+    """Whether a notice's checkpoint stops training: the option, else ``SPOTGUARD_NOTICE_STOPS_TRAINING``.
+
+    Raises ValueError (one line, naming the variable) for a value that is no boolean.
+    """
+    return env.option_or_env(env.NOTICE_STOPS_TRAINING, args.notice_stops_training)
 
 
 def _notice_sources(args: argparse.Namespace) -> list[Any]:
@@ -195,10 +188,10 @@ def _notice_sources(args: argparse.Namespace) -> list[Any]:
 def _save_every_seconds() -> float | None:
     # The trainer validates this setting; here it only feeds a metric.
     try:
-        value = float(_env("SPOTGUARD_SAVE_EVERY_SECONDS", "0") or 0)
+        value = env.from_env(env.SAVE_EVERY_SECONDS)
     except ValueError:
         return None
-    return value if value > 0 else None
+    return value or None
 
 
 def _termination_log(path: Path) -> Path | None:
@@ -245,12 +238,13 @@ def _sidecar(args: argparse.Namespace) -> int:
         return _fail(message)
 
     if not args.storage:
-        return fail("no storage: pass --storage URI or set SPOTGUARD_STORAGE_URI")
+        return fail(f"no storage: pass --storage URI or set {env.STORAGE_URI.name}")
     try:
         sources = _notice_sources(args)
         storage = open_storage(args.storage)
         retention = retention_from_args(args)
         incremental = incremental_from_args(args)
+        notice_stops_training = notice_stops_training_from_args(args)
     except (ValueError, StorageError) as exc:
         return fail(str(exc))
     ckdir: Path = args.checkpoint_dir
@@ -264,13 +258,13 @@ def _sidecar(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_interval,
         keep_local=args.keep_local,
         proactive_interval_seconds=args.proactive_interval or None,
-        notice_stops_training=args.notice_stops_training,
+        notice_stops_training=notice_stops_training,
         trainer_markers=default_markers(ckdir),
         save_every_seconds=_save_every_seconds(),
         incremental=incremental,
     )
-    metrics = SidecarMetrics(namespace=_env("POD_NAMESPACE", "") or "",
-                             job=_env("SPOTGUARD_JOB", "") or "")
+    metrics = SidecarMetrics(namespace=os.environ.get("POD_NAMESPACE") or "",
+                             job=cli_default(env.JOB) or "" or "")
     agent = CheckpointAgent(config, storage, metrics, retention)
     if args.trainer_pid_file is not None:
         agent.channel.pid_file = args.trainer_pid_file
@@ -303,7 +297,7 @@ def _register_run(subparsers: Any) -> None:
         "after a crash. Run the same command again after a preemption to resume.",
         usage="spotguard run [options] -- CMD [ARG ...]",
     )
-    p.add_argument("--storage", default=_env("SPOTGUARD_STORAGE_URI"),
+    p.add_argument("--storage", default=cli_default(env.STORAGE_URI),
                    help="checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
                    "(default file://WORKDIR/store)")
     p.add_argument("--workdir", type=Path, default=Path(".spotguard"),
@@ -313,7 +307,7 @@ def _register_run(subparsers: Any) -> None:
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts after the command fails (default 3)")
     p.add_argument("--grace-seconds", type=float,
-                   default=_env("SPOTGUARD_GRACE_SECONDS", "30.0"),
+                   default=cli_default(env.GRACE_SECONDS),
                    help="time allowed for the emergency checkpoint after SIGTERM (default 30)")
     p.add_argument("--backoff", type=float, default=1.0,
                    help="seconds before the first restart, doubling with each failure that made "
@@ -323,7 +317,7 @@ def _register_run(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
-    p.add_argument("--job", default=_env("SPOTGUARD_JOB", ""), help="job name for metrics/logs")
+    p.add_argument("--job", default=cli_default(env.JOB) or "", help="job name for metrics/logs")
     p.add_argument("--pass-credentials", action="store_true",
                    help="hand the command the storage credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
                    "AWS_SESSION_TOKEN, ...) and SPOTGUARD_STORAGE_URI; by default it gets neither, as "
@@ -361,6 +355,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         retention = retention_from_args(args)
         incremental = incremental_from_args(args)
+        notice_stops_training = notice_stops_training_from_args(args)
         sources = _notice_sources(args)
     except ValueError as exc:
         _fail(str(exc))
@@ -382,7 +377,7 @@ def _run(args: argparse.Namespace) -> int:
         retention=retention,
         notice_sources=sources,
         notice_interval_seconds=args.notice_interval,
-        notice_stops_training=args.notice_stops_training,
+        notice_stops_training=notice_stops_training,
         incremental=incremental,
         pass_credentials=args.pass_credentials,
     )

@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotguard import notice_relay
+from spotguard.contract import env as envvars
+from spotguard.contract.env import from_env
 from spotguard.sidecar.notices import http_request, read_token, relay_error
 
 log = logging.getLogger(__name__)
@@ -109,9 +111,9 @@ def post_pod_event(
     permission, a timeout) is logged at INFO or DEBUG and returns False.
     """
     env = os.environ if env is None else env
-    relay_url = env.get(notice_relay.URL_ENV)
+    relay_url = from_env(envvars.NOTICE_URL, env)
     if relay_url:
-        return _post_through_relay(relay_url, env.get(notice_relay.TOKEN_FILE_ENV) or notice_relay.TOKEN_FILE,
+        return _post_through_relay(relay_url, from_env(envvars.NOTICE_TOKEN_FILE, env) or notice_relay.TOKEN_FILE,
                                    reason, message, timeout)  # fmt: skip
     pod, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE")
     if not pod or not namespace:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from spotguard.buildinfo import build_info
+from spotguard.contract.env import METRICS_PORT
 
 if TYPE_CHECKING:
     from spotguard.sidecar.deadline import DeadlineAssessment
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # What to do when the metrics port cannot be bound, for the sidecar (set by the
 # operator from the TrainingJob) and for ``spotguard run``.
-SIDECAR_PORT_HINT = ("set spec.sidecar.metricsPort (--metrics-port, SPOTGUARD_METRICS_PORT) to a free "
+SIDECAR_PORT_HINT = (f"set spec.sidecar.metricsPort (--metrics-port, {METRICS_PORT.name}) to a free "
                      "port, or to 0 to turn metrics off")
 RUN_PORT_HINT = "pass --metrics-port with a free port, or 0 to turn metrics off"
 

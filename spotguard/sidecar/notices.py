@@ -26,6 +26,8 @@ from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
 
 from spotguard import notice_relay
+from spotguard.contract import env as envvars
+from spotguard.contract.env import from_env
 
 log = logging.getLogger(__name__)
 
@@ -517,18 +519,18 @@ class NoticeSettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> NoticeSettings:
         """Read ``SPOTGUARD_NOTICES`` and the endpoint variables."""
-        env = os.environ if env is None else env
+        environ = os.environ if env is None else env
         return cls(
-            sources=parse_sources(env.get("SPOTGUARD_NOTICES", "")),
-            aws_endpoint=env.get("SPOTGUARD_AWS_IMDS_ENDPOINT", AWS_IMDS_ENDPOINT),
-            gce_endpoint=env.get("SPOTGUARD_GCE_METADATA_ENDPOINT", GCE_METADATA_ENDPOINT),
-            azure_endpoint=env.get("SPOTGUARD_AZURE_METADATA_ENDPOINT", AZURE_METADATA_ENDPOINT),
-            pod_name=env.get("POD_NAME") or None,
-            pod_namespace=env.get("POD_NAMESPACE") or None,
-            kubeconfig=env.get("KUBECONFIG") or None,
-            relay_url=env.get(notice_relay.URL_ENV) or None,
-            relay_token_file=env.get(notice_relay.TOKEN_FILE_ENV) or notice_relay.TOKEN_FILE,
-            interval_seconds=float(env.get("SPOTGUARD_NOTICE_INTERVAL", "2")),
+            sources=parse_sources(from_env(envvars.NOTICES, environ)),
+            aws_endpoint=from_env(envvars.AWS_IMDS_ENDPOINT, environ) or AWS_IMDS_ENDPOINT,
+            gce_endpoint=from_env(envvars.GCE_METADATA_ENDPOINT, environ) or GCE_METADATA_ENDPOINT,
+            azure_endpoint=from_env(envvars.AZURE_METADATA_ENDPOINT, environ) or AZURE_METADATA_ENDPOINT,
+            pod_name=environ.get("POD_NAME") or None,
+            pod_namespace=environ.get("POD_NAMESPACE") or None,
+            kubeconfig=environ.get("KUBECONFIG") or None,
+            relay_url=from_env(envvars.NOTICE_URL, environ) or None,
+            relay_token_file=from_env(envvars.NOTICE_TOKEN_FILE, environ) or notice_relay.TOKEN_FILE,
+            interval_seconds=from_env(envvars.NOTICE_INTERVAL, environ),
         )
 
 
@@ -556,7 +558,7 @@ def build_sources(settings: NoticeSettings) -> list[NoticeSource]:
         elif name == "k8s":
             if not settings.relay_url and (not settings.pod_name or not settings.pod_namespace):
                 raise ValueError(
-                    f"notice source k8s needs {notice_relay.URL_ENV} (in a pod of the operator's), or POD_NAME"
+                    f"notice source k8s needs {envvars.NOTICE_URL.name} (in a pod of the operator's), or POD_NAME"
                     " and POD_NAMESPACE (to read the pod from the API)"
                 )
             sources.append(

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from spotguard.contract import env as envvars
 from spotguard.contract.control import (
     EXIT_FILE,
     CheckpointAck,
@@ -659,19 +660,8 @@ def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> 
     host (a process node) every pod's trainer uses the same mount path.
     """
     env = dict(os.environ) if env is None else env
-    markers = {"SPOTGUARD_CHECKPOINT_DIR": str(checkpoint_dir)}
-    for key in ("POD_NAME", "POD_NAMESPACE", "SPOTGUARD_ATTEMPT"):
+    markers = {envvars.CHECKPOINT_DIR.name: str(checkpoint_dir)}
+    for key in ("POD_NAME", "POD_NAMESPACE", envvars.ATTEMPT.name):
         if env.get(key):
             markers[key] = env[key]
     return markers
-
-
-def env_float(name: str, default: float) -> float:
-    """A float from the environment, with a clear error for a bad value."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number") from None

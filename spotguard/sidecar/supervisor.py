@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from spotguard.contract import env as envvars
 from spotguard.contract.control import CheckpointRequest, ControlChannel
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
@@ -58,7 +59,6 @@ log = logging.getLogger(__name__)
 EXIT_FINISHED = 0
 EXIT_USAGE = 2
 EXIT_EMERGENCY_FAILED = 3
-RUN_ID_ENV = "SPOTGUARD_RUN_ID"
 LOCK_FILE = "supervisor.lock"
 CHILD_FILE = "child.json"
 # The variables whose values are storage credentials (read by the S3 client
@@ -118,7 +118,7 @@ class RunConfig:
 
 def without_storage_credentials(env: Mapping[str, str]) -> dict[str, str]:
     """Pure: ``env`` without the storage credentials and the storage URI."""
-    drop = {*STORAGE_CREDENTIAL_ENV, "SPOTGUARD_STORAGE_URI"}
+    drop = {*STORAGE_CREDENTIAL_ENV, envvars.STORAGE_URI.name}
     return {k: v for k, v in env.items() if k not in drop}
 
 
@@ -190,7 +190,7 @@ def kill_run(run_id: str) -> list[int]:
     each in a session of its own), so a group signal does not reach them;
     the run id in their environment does.
     """
-    pids = processes_with_env(RUN_ID_ENV, run_id)
+    pids = processes_with_env(envvars.RUN_ID.name, run_id)
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
@@ -217,7 +217,7 @@ class Supervisor:
             safety_margin_seconds=config.safety_margin_seconds,
             poll_seconds=config.poll_seconds,
             keep_local=config.keep_local,
-            trainer_markers={RUN_ID_ENV: self.run_id},
+            trainer_markers={envvars.RUN_ID.name: self.run_id},
             save_every_seconds=config.save_every_seconds,
             notice_stops_training=config.notice_stops_training,
             incremental=config.incremental,
@@ -368,11 +368,11 @@ class Supervisor:
         env = dict(os.environ)
         env.update(self.config.extra_env)
         env.update({
-            "SPOTGUARD_CHECKPOINT_DIR": str(self.config.checkpoint_dir),
-            "SPOTGUARD_STORAGE_URI": self.config.storage_uri,
-            "SPOTGUARD_CONTROL_DIR": str(self.config.control_dir),
-            "SPOTGUARD_ATTEMPT": str(self.attempt),
-            RUN_ID_ENV: self.run_id,
+            envvars.CHECKPOINT_DIR.name: envvars.to_env(envvars.CHECKPOINT_DIR, str(self.config.checkpoint_dir)),
+            envvars.STORAGE_URI.name: envvars.to_env(envvars.STORAGE_URI, self.config.storage_uri),
+            envvars.CONTROL_DIR.name: envvars.to_env(envvars.CONTROL_DIR, str(self.config.control_dir)),
+            envvars.ATTEMPT.name: envvars.to_env(envvars.ATTEMPT, self.attempt),
+            envvars.RUN_ID.name: envvars.to_env(envvars.RUN_ID, self.run_id),
         })
         if not self.config.pass_credentials:
             env = without_storage_credentials(env)
@@ -380,7 +380,7 @@ class Supervisor:
         # emergency checkpoint; the supervisor kills them at its own deadline.
         env.setdefault(TORCHRUN_SHUTDOWN_ENV, str(max(1, math.ceil(self.config.grace_seconds))))
         if self.config.job:
-            env["SPOTGUARD_JOB"] = self.config.job
+            env[envvars.JOB.name] = envvars.to_env(envvars.JOB, self.config.job)
         return env
 
     def spawn(self) -> subprocess.Popen[bytes]:

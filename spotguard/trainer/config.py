@@ -19,6 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.contract.env import (
+    ATTEMPT,
+    CHECKPOINT_DIR,
+    CHECKSUM,
+    CONTROL_DIR,
+    JOB,
+    SAVE_EVERY_SECONDS,
+    SAVE_EVERY_STEPS,
+    STORAGE_URI,
+    from_env,
+)
 from spotguard.storage.checksum import DEFAULT_ALGORITHM, check_algorithm
 
 PRUNE_SELF = "self"
@@ -47,32 +58,6 @@ def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool
     return PRUNE_LOCAL_ONLY
 
 
-def _env_int(env: Mapping[str, str], key: str) -> int | None:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{key} must be an integer, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{key} must not be negative, got {raw!r}")
-    return value
-
-
-def _env_float(env: Mapping[str, str], key: str) -> float | None:
-    raw = env.get(key, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{key} must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{key} must not be negative, got {raw!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class EnvConfig:
     """The Checkpointer's configuration in the ``SPOTGUARD_*`` environment
@@ -91,16 +76,16 @@ class EnvConfig:
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
         """Parse ``env``; a malformed number raises ValueError naming the variable."""
-        storage_uri = env.get("SPOTGUARD_STORAGE_URI") or None
-        control_dir = env.get("SPOTGUARD_CONTROL_DIR") or None
-        save_every_steps = _env_int(env, "SPOTGUARD_SAVE_EVERY_STEPS") or None
-        save_every_seconds = _env_float(env, "SPOTGUARD_SAVE_EVERY_SECONDS") or None
-        checksum = env.get("SPOTGUARD_CHECKSUM") or DEFAULT_ALGORITHM
-        job = env.get("SPOTGUARD_JOB") or None
-        attempt = _env_int(env, "SPOTGUARD_ATTEMPT")
+        storage_uri = from_env(STORAGE_URI, env) or None
+        control_dir = from_env(CONTROL_DIR, env) or None
+        save_every_steps = from_env(SAVE_EVERY_STEPS, env) or None
+        save_every_seconds = from_env(SAVE_EVERY_SECONDS, env) or None
+        checksum = from_env(CHECKSUM, env) or DEFAULT_ALGORITHM
+        job = from_env(JOB, env) or None
+        attempt = from_env(ATTEMPT, env)
         policy = RetentionPolicy.from_env(env)
         return cls(
-            directory=env.get("SPOTGUARD_CHECKPOINT_DIR") or None, storage_uri=storage_uri,
+            directory=from_env(CHECKPOINT_DIR, env) or None, storage_uri=storage_uri,
             control_dir=control_dir, save_every_steps=save_every_steps, save_every_seconds=save_every_seconds,
             checksum=checksum, job=job, attempt=attempt, retention=None if policy.keeps_everything else policy,
         )  # fmt: skip

@@ -26,7 +26,10 @@ from sidecar_helpers import (
 )
 
 from spotguard.checkpoint import latest_verified
-from spotguard.sidecar.supervisor import RUN_ID_ENV, processes_with_env
+from spotguard.contract.env import RUN_ID
+from spotguard.sidecar.supervisor import processes_with_env
+
+RUN_ID_ENV = RUN_ID.name
 
 STEPS = 120
 SAVE_EVERY = 10

@@ -25,8 +25,10 @@ from sidecar_helpers import PY, STOPPED_RE, Proc, base_env, free_port, reaping, 
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_checkpoint
 from spotguard.checkpoint.stored import read_latest_pointer, read_manifest
-from spotguard.sidecar.supervisor import RUN_ID_ENV
+from spotguard.contract.env import RUN_ID
 from testenv import trials
+
+RUN_ID_ENV = RUN_ID.name
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"

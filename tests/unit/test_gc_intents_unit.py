@@ -6,15 +6,16 @@ import pytest
 
 from spotguard.checkpoint.gc import plan_sweep
 from spotguard.checkpoint.intents import (
-    DEFAULT_LEASE,
-    LEASE_ENV,
     Intent,
     Intents,
     check_orphan_grace,
     lease_seconds,
     minimum_orphan_grace,
 )
+from spotguard.contract.env import GC_LEASE_SECONDS
 from spotguard.storage.base import ObjectInfo
+
+LEASE_ENV, DEFAULT_LEASE = GC_LEASE_SECONDS.name, GC_LEASE_SECONDS.default
 
 
 def test_the_lease_comes_from_the_environment_and_bounds_the_grace() -> None:
