@@ -46,6 +46,7 @@ unit: setup
 
 lint: setup
 	$(VENV)/bin/ruff check spotguard tests testenv bench
+	$(VENV)/bin/ruff format --check spotguard tests testenv bench
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

@@ -68,8 +68,16 @@ def measure() -> Iterator[Usage]:
     finally:
         usage.wall = time.perf_counter() - t0
         r1s, r1c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        usage.cpu = (r1s.ru_utime - r0s.ru_utime + r1s.ru_stime - r0s.ru_stime
-                     + r1c.ru_utime - r0c.ru_utime + r1c.ru_stime - r0c.ru_stime)  # fmt: skip
+        usage.cpu = (
+            r1s.ru_utime
+            - r0s.ru_utime
+            + r1s.ru_stime
+            - r0s.ru_stime
+            + r1c.ru_utime
+            - r0c.ru_utime
+            + r1c.ru_stime
+            - r0c.ru_stime
+        )
 
 
 def repeat(fn: Callable[[], float], n: int) -> list[float]:
@@ -102,8 +110,12 @@ class Section:
     goals: list[tuple[str, bool, str]] = field(default_factory=list)  # (goal, met, detail)
 
     def markdown(self) -> str:
-        out = [f"## {self.title}", "", f"Reproduce: `.venv/bin/python -m bench.run --only {self.command}` "
-               "(part of `make bench`)", ""]
+        out = [
+            f"## {self.title}",
+            "",
+            f"Reproduce: `.venv/bin/python -m bench.run --only {self.command}` (part of `make bench`)",
+            "",
+        ]
         if self.headers:
             out.append("| " + " | ".join(self.headers) + " |")
             out.append("|" + "---|" * len(self.headers))
@@ -188,8 +200,10 @@ class Spread:
 
         if self.n == 1:
             return f"{f(self.median)}{suffix} (1 round: no spread)"
-        return (f"{f(self.median)}{suffix} (IQR {f(self.q1)}-{f(self.q3)}{suffix}, "
-                f"min-max {f(self.lo)}-{f(self.hi)}{suffix}, {self.n} rounds)")  # fmt: skip
+        return (
+            f"{f(self.median)}{suffix} (IQR {f(self.q1)}-{f(self.q3)}{suffix}, "
+            f"min-max {f(self.lo)}-{f(self.hi)}{suffix}, {self.n} rounds)"
+        )
 
     def cell(self, suffix: str = "x", digits: int = 2) -> str:
         """Short form for a table cell: ``2.21x [2.05-2.40]``."""
@@ -198,8 +212,7 @@ class Spread:
         return f"{self.median:.{digits}f}{suffix} [{self.q1:.{digits}f}-{self.q3:.{digits}f}]"
 
 
-def goal(section: Section, text: str, spread: Spread, threshold: float, *, suffix: str = "x",
-         detail: str = "") -> bool:
+def goal(section: Section, text: str, spread: Spread, threshold: float, *, suffix: str = "x", detail: str = "") -> bool:
     """Record a goal judged on the worse quartile of ``spread``; returns whether it is met."""
     met = spread.meets(threshold)
     worse = "lower" if spread.higher_is_better else "upper"

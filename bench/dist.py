@@ -34,8 +34,15 @@ def _free_port() -> int:
 
 
 def _torchrun(nproc: int) -> list[str]:
-    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]  # fmt: skip
+    return [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -54,10 +61,18 @@ def _worker(ctx: Ctx, nproc: int, mode: str, *extra: str) -> dict[str, Any]:
 def bench_flags(ctx: Ctx) -> Section:
     reps = ctx.rounds_for(3)
     rows: list[list[str]] = []
-    s = Section("Flag agreement per step (distributed)", "flags",
-                ["ranks", "should_save (us, median)", "blocking gloo all_reduce (us, median)",
-                 "training step (ms, median)", "should_save / step, per round [IQR]",
-                 "blocking all_reduce / step, per round [IQR]"])  # fmt: skip
+    s = Section(
+        "Flag agreement per step (distributed)",
+        "flags",
+        [
+            "ranks",
+            "should_save (us, median)",
+            "blocking gloo all_reduce (us, median)",
+            "training step (ms, median)",
+            "should_save / step, per round [IQR]",
+            "blocking all_reduce / step, per round [IQR]",
+        ],
+    )
     for nproc in (2, 4):
         agree, bare, step, shares, bare_shares = [], [], [], [], []
         for _ in range(reps):
@@ -69,9 +84,16 @@ def bench_flags(ctx: Ctx) -> Section:
             shares.append(100 * a / st)
             bare_shares.append(100 * b / st)
         share = Spread.of(shares, higher_is_better=False)
-        rows.append([str(nproc), fmt(median(agree) * 1e6, 0), fmt(median(bare) * 1e6, 0),
-                     fmt(median(step) * 1e3, 2), share.cell("%", 1),
-                     Spread.of(bare_shares, higher_is_better=False).cell("%", 1)])  # fmt: skip
+        rows.append(
+            [
+                str(nproc),
+                fmt(median(agree) * 1e6, 0),
+                fmt(median(bare) * 1e6, 0),
+                fmt(median(step) * 1e3, 2),
+                share.cell("%", 1),
+                Spread.of(bare_shares, higher_is_better=False).cell("%", 1),
+            ]
+        )
         goal(s, f"should_save at most 5% of a DDP step ({nproc} ranks)", share, 5.0, suffix="%")
         ctx.costs[f"flags_us_{nproc}"] = median(agree) * 1e6
     s.rows += rows
@@ -96,14 +118,20 @@ def bench_dist_stall(ctx: Ctx) -> Section:
     sg, plain, asy = r["spotguard"], r["dcp.save"], r["dcp.async_save"]
     vs_async = per_round(sg, asy, higher_is_better=False)
     vs_plain = per_round(sg, plain, higher_is_better=False)
-    s = Section("Trainer stall per checkpoint of sharded state (FSDP2, 2 ranks)", "dist-stall",
-                ["method", "trainer blocked (s, median of slowest rank)", "spotguard / method, per round [IQR]"])
+    s = Section(
+        "Trainer stall per checkpoint of sharded state (FSDP2, 2 ranks)",
+        "dist-stall",
+        ["method", "trainer blocked (s, median of slowest rank)", "spotguard / method, per round [IQR]"],
+    )
     s.rows += [
-        ["spotguard two-phase save (stage to host, DCP write + checksums + part manifest in background)",
-         fmt(median(sg), 3), "1.0x"],
+        [
+            "spotguard two-phase save (stage to host, DCP write + checksums + part manifest in background)",
+            fmt(median(sg), 3),
+            "1.0x",
+        ],
         ["dcp.save (blocking)", fmt(median(plain), 3), vs_plain.cell()],
         ["dcp.async_save (stages, then writes in the background)", fmt(median(asy), 3), vs_async.cell()],
-    ]  # fmt: skip
+    ]
     goal(s, "spotguard's stall at most dcp.async_save's", vs_async, 1.0)
     s.notes.append(
         f"FSDP2 (`fully_shard`) over 2 gloo ranks on CPU, parameters and AdamW moments "
@@ -125,10 +153,27 @@ def _sigterm_once(ctx: Ctx, nproc: int, nbytes: int) -> tuple[float, int, dict[s
     workdir = ctx.work / prefix
     spotguard_bin = Path(sys.executable).parent / "spotguard"
     proc = subprocess.Popen(
-        [str(spotguard_bin), "run", "--storage", f"s3://{ctx.s3.bucket}/{prefix}", "--workdir", str(workdir),
-         "--grace-seconds", "600", "--", *_torchrun(nproc), str(WORKER), "sigterm", "--bytes", str(nbytes)],
-        env={**_env(), **ctx.s3.env()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(spotguard_bin),
+            "run",
+            "--storage",
+            f"s3://{ctx.s3.bucket}/{prefix}",
+            "--workdir",
+            str(workdir),
+            "--grace-seconds",
+            "600",
+            "--",
+            *_torchrun(nproc),
+            str(WORKER),
+            "sigterm",
+            "--bytes",
+            str(nbytes),
+        ],
+        env={**_env(), **ctx.s3.env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -167,9 +212,17 @@ def _sigterm_once(ctx: Ctx, nproc: int, nbytes: int) -> tuple[float, int, dict[s
 def bench_dist_sigterm(ctx: Ctx) -> Section:
     reps = ctx.rounds_for(3)
     nbytes = int(float(os.environ.get("BENCH_DIST_SIGTERM_GB", "0.5")) * 1024 * MiB)
-    s = Section("SIGTERM to a globally verified checkpoint (torchrun under spotguard run)", "dist-sigterm",
-                ["ranks", "SIGTERM -> globally verified (s)", "raw upload of the same bytes (s)",
-                 "ratio, per round [IQR]", "exit codes"])  # fmt: skip
+    s = Section(
+        "SIGTERM to a globally verified checkpoint (torchrun under spotguard run)",
+        "dist-sigterm",
+        [
+            "ranks",
+            "SIGTERM -> globally verified (s)",
+            "raw upload of the same bytes (s)",
+            "ratio, per round [IQR]",
+            "exit codes",
+        ],
+    )
     stage_rows: list[str] = []
     for nproc in (2, 4):
         lat, raws, codes, stages_all = [], [], set(), []
@@ -179,14 +232,17 @@ def bench_dist_sigterm(ctx: Ctx) -> Section:
             raws.append(raw)
             codes.add(str(rc))
             stages_all.append(stages)
-            print(f"   {nproc} ranks round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw {raw:.2f}s, "
-                  f"stages {stages}", flush=True)  # fmt: skip
+            print(
+                f"   {nproc} ranks round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw {raw:.2f}s, stages {stages}",
+                flush=True,
+            )
         ratio = per_round(lat, raws, higher_is_better=False)
         s.rows.append([str(nproc), fmt(median(lat)), fmt(median(raws)), ratio.cell(), ",".join(sorted(codes))])
         ctx.costs[f"dist_sigterm_{nproc}"] = median(lat)
         keys = ["save", "upload", "verify", "pointer", "emergency"]
-        stage_rows.append(f"| {nproc} | " + " | ".join(
-            f"{median([st.get(k, 0.0) for st in stages_all]):.2f}" for k in keys) + " |")
+        stage_rows.append(
+            f"| {nproc} | " + " | ".join(f"{median([st.get(k, 0.0) for st in stages_all]):.2f}" for k in keys) + " |"
+        )
     s.notes.append(
         f"`spotguard run -- torchrun --nproc-per-node N bench/dist_worker.py sigterm`: an FSDP2-sharded "
         f"state of {nbytes / MiB:.0f} MiB (parameters + AdamW moments) over N gloo ranks; SIGTERM to the "
@@ -195,8 +251,10 @@ def bench_dist_sigterm(ctx: Ctx) -> Section:
         "and moves the pointer, then exits 143. Baseline: the same files uploaded with the project's "
         f"concurrent multipart upload and nothing else. {reps} rounds per rank count."
     )
-    s.notes.append("Median seconds per stage from the supervisor's `stage=<name> seconds=<s>` lines "
-                   "(`save` is the ranks' emergency save as the supervisor waits for it, `emergency` the whole "
-                   "path):\n\n| ranks | save | upload | verify | pointer | emergency |\n|---|---|---|---|---|---|\n"
-                   + "\n".join(stage_rows))
+    s.notes.append(
+        "Median seconds per stage from the supervisor's `stage=<name> seconds=<s>` lines "
+        "(`save` is the ranks' emergency save as the supervisor waits for it, `emergency` the whole "
+        "path):\n\n| ranks | save | upload | verify | pointer | emergency |\n|---|---|---|---|---|---|\n"
+        + "\n".join(stage_rows)
+    )
     return s

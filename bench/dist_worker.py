@@ -220,8 +220,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--work", default=tempfile.gettempdir())
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the sharded state lives (stall, sigterm); cuda: nccl, one GPU per rank")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the sharded state lives (stall, sigterm); cuda: nccl, one GPU per rank",
+    )
     args = p.parse_args()
     if args.device == "cuda" and args.mode == "flags":
         p.error("--device cuda: only the stall and sigterm modes")

@@ -67,10 +67,20 @@ def run_hf(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 512, (256, 32), generator=g)]
     saving = args.save_every > 0
     targs = TrainingArguments(
-        output_dir=str(work / "out"), max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-4,
-        save_strategy="steps" if saving else "no", save_steps=args.save_every or 500, save_total_limit=2,
-        logging_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0,
-    )  # fmt: skip
+        output_dir=str(work / "out"),
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-4,
+        save_strategy="steps" if saving else "no",
+        save_steps=args.save_every or 500,
+        save_total_limit=2,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     callbacks: list[Any] = [Timing()]
     if args.mode == "spotguard":
         from spotguard.integrations.huggingface import SpotguardCallback
@@ -122,11 +132,20 @@ def run_lightning(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         callbacks.append(SpotguardCallback())
     elif saving:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(work / "out"), every_n_train_steps=args.save_every,
-                                                      save_top_k=-1))  # fmt: skip
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=args.mode == "plain" and saving, default_root_dir=str(work))  # fmt: skip
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=str(work / "out"), every_n_train_steps=args.save_every, save_top_k=-1)
+        )
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=args.mode == "plain" and saving,
+        default_root_dir=str(work),
+    )
     trainer.fit(Model(), loader)
     saved = {s for s in range(1, args.steps + 1) if saving and s % args.save_every == 0}
     return clock.summary(saved, skip=3)

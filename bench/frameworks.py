@@ -30,17 +30,40 @@ ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = {"hf": "Hugging Face Trainer", "lightning": "Lightning"}
 OVERHEAD = {"steps": 300, "width": 64, "layers": 2, "save_every": 0}
 # Some 20 M parameters each: GPT-2 blocks of width 512 / an MLP of width 1536.
-STALL = {"hf": {"steps": 36, "width": 512, "layers": 6, "save_every": 8},
-         "lightning": {"steps": 36, "width": 1536, "layers": 8, "save_every": 8}}  # fmt: skip
+STALL = {
+    "hf": {"steps": 36, "width": 512, "layers": 6, "save_every": 8},
+    "lightning": {"steps": 36, "width": 1536, "layers": 8, "save_every": 8},
+}
 
 
 def _run(framework: str, mode: str, cfg: dict[str, int]) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "bench.framework_worker", framework, "--mode", mode, "--steps", str(cfg["steps"]),
-               "--save-every", str(cfg["save_every"]), "--width", str(cfg["width"]), "--layers", str(cfg["layers"]),
-               "--out", out.name]  # fmt: skip
-        env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT),
-               "HOME": tempfile.gettempdir(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.framework_worker",
+            framework,
+            "--mode",
+            mode,
+            "--steps",
+            str(cfg["steps"]),
+            "--save-every",
+            str(cfg["save_every"]),
+            "--width",
+            str(cfg["width"]),
+            "--layers",
+            str(cfg["layers"]),
+            "--out",
+            out.name,
+        ]
+        env = {
+            "PATH": str(Path(sys.executable).parent),
+            "OMP_NUM_THREADS": "2",
+            "PYTHONPATH": str(ROOT),
+            "HOME": tempfile.gettempdir(),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+        }
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"{framework} {mode} failed:\n{proc.stderr[-3000:]}")
@@ -51,9 +74,10 @@ def _run(framework: str, mode: str, cfg: dict[str, int]) -> dict[str, Any]:
 def bench_frameworks(ctx: Ctx) -> Section:
     rounds = ctx.rounds_for(4)
     section = Section(
-        "Framework callbacks: per-step overhead and checkpoint stall", "frameworks",
+        "Framework callbacks: per-step overhead and checkpoint stall",
+        "frameworks",
         ["framework", "measure", "framework alone", "with spotguard", "ratio (median, IQR, min-max)"],
-    )  # fmt: skip
+    )
     for fw, label in FRAMEWORKS.items():
         step: dict[str, list[float]] = {"plain": [], "spotguard": []}
         stall: dict[str, list[float]] = {"plain": [], "spotguard": []}
@@ -66,15 +90,32 @@ def bench_frameworks(ctx: Ctx) -> Section:
                 stall[mode].append(max(1e-6, res["gap_save"] - res["gap_plain"]))
         over = per_round(step["spotguard"], step["plain"], higher_is_better=False)
         cost = per_round(stall["spotguard"], stall["plain"], higher_is_better=False)
-        section.rows.append([label, "time per training step (no checkpoint)", f"{fmt(median(step['plain']) * 1e3)} ms",
-                             f"{fmt(median(step['spotguard']) * 1e3)} ms", over.cell()])  # fmt: skip
+        section.rows.append(
+            [
+                label,
+                "time per training step (no checkpoint)",
+                f"{fmt(median(step['plain']) * 1e3)} ms",
+                f"{fmt(median(step['spotguard']) * 1e3)} ms",
+                over.cell(),
+            ]
+        )
         cfg = STALL[fw]
-        section.rows.append([label, f"stall of one checkpoint ({cfg['layers']} layers x {cfg['width']})",
-                             f"{fmt(median(stall['plain']), 3)} s", f"{fmt(median(stall['spotguard']), 3)} s",
-                             cost.cell()])  # fmt: skip
+        section.rows.append(
+            [
+                label,
+                f"stall of one checkpoint ({cfg['layers']} layers x {cfg['width']})",
+                f"{fmt(median(stall['plain']), 3)} s",
+                f"{fmt(median(stall['spotguard']), 3)} s",
+                cost.cell(),
+            ]
+        )
         goal(section, f"{label}: the callback's per-step cost is noise (<= 1.05x)", over, 1.05)
-        goal(section, f"{label}: a checkpoint stalls training at most 1.25x as long as the framework's own save",
-             cost, 1.25)  # fmt: skip
+        goal(
+            section,
+            f"{label}: a checkpoint stalls training at most 1.25x as long as the framework's own save",
+            cost,
+            1.25,
+        )
     section.notes.append(
         f"{rounds} interleaved rounds; each run is its own process. Per step: a tiny model "
         f"({OVERHEAD['layers']} layers x {OVERHEAD['width']}), {OVERHEAD['steps']} steps, no checkpoint, so what "

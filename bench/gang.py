@@ -29,8 +29,14 @@ TRAINER = "trap 'kill $! 2>/dev/null; exit 143' TERM; while true; do sleep 1 & w
 
 def _job(name: str, nodes: int, storage: str) -> dict[str, Any]:
     # One GPU each, one per process node: every member on a node of its own.
-    return kubetest.job_body(name, storage, kubetest.shell_trainer(TRAINER), nodes=nodes, sidecar={"metricsPort": 0},
-                             preemption=kubetest.fast_preemption(1000, 3, GRACE))  # fmt: skip
+    return kubetest.job_body(
+        name,
+        storage,
+        kubetest.shell_trainer(TRAINER),
+        nodes=nodes,
+        sidecar={"metricsPort": 0},
+        preemption=kubetest.fast_preemption(1000, 3, GRACE),
+    )
 
 
 def bench_gang(ctx: Ctx) -> Section:
@@ -45,14 +51,17 @@ def bench_gang(ctx: Ctx) -> Section:
     store = ctx.work / "gang-store"
     ca = getattr(kube, "kubelet_client_ca", None)
     count = sum(SIZES)  # every job runs all the time: one node per pod
-    nodes = ProcessNodes.start(kube.kubeconfig, ctx.work / "gang-nodes", count=count,
-                               extra_args=["--client-ca-file", str(ca)] if ca else None)  # fmt: skip
-    op = kubetest.operator_process(kube, ns, ctx.work / "operator-gang.log", image="spotguard:bench",
-                                   resync_seconds=None, poll_seconds=30)  # fmt: skip
+    nodes = ProcessNodes.start(
+        kube.kubeconfig, ctx.work / "gang-nodes", count=count, extra_args=["--client-ca-file", str(ca)] if ca else None
+    )
+    op = kubetest.operator_process(
+        kube, ns, ctx.work / "operator-gang.log", image="spotguard:bench", resync_seconds=None, poll_seconds=30
+    )
 
     def pods(job: str, attempt: int) -> list[dict[str, Any]]:
-        resp = core.list_namespaced_pod(ns, label_selector=f"spotguard.dev/job={job},spotguard.dev/attempt={attempt}",
-                                        _preload_content=False)  # fmt: skip
+        resp = core.list_namespaced_pod(
+            ns, label_selector=f"spotguard.dev/job={job},spotguard.dev/attempt={attempt}", _preload_content=False
+        )
         items: list[dict[str, Any]] = json.loads(resp.data)["items"]
         return items
 
@@ -77,8 +86,12 @@ def bench_gang(ctx: Ctx) -> Section:
         victim = f"{job}-a{attempt}" if n == 1 else f"{job}-a{attempt}-{n - 1}"
         t0 = time.monotonic()
         nodes.preempt(victim, ns, "shutdown", grace_seconds=GRACE, wait=False)
-        wait_for(lambda: len(pods(job, attempt + 1)) == n, f"{job} attempt {attempt + 1}'s {n} pods",
-                 timeout=120, interval=0.02)  # fmt: skip
+        wait_for(
+            lambda: len(pods(job, attempt + 1)) == n,
+            f"{job} attempt {attempt + 1}'s {n} pods",
+            timeout=120,
+            interval=0.02,
+        )
         dt = time.monotonic() - t0
         wait_running(job, attempt + 1, n)
         return dt
@@ -96,8 +109,12 @@ def bench_gang(ctx: Ctx) -> Section:
             for n in order:
                 results[n].append(preempt(f"gang{n}", n))
             print(f"   round {r + 1}: " + ", ".join(f"{n} node(s) {results[n][-1]:.2f}s" for n in SIZES), flush=True)
-        counted = {n: (custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, f"gang{n}").get("status")
-                       or {}).get("preemptions") for n in SIZES}  # fmt: skip
+        counted = {
+            n: (custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, f"gang{n}").get("status") or {}).get(
+                "preemptions"
+            )
+            for n in SIZES
+        }
     finally:
         op.stop()
         core.delete_namespace(ns)
@@ -111,13 +128,17 @@ def bench_gang(ctx: Ctx) -> Section:
     def extra(n: int) -> float:
         return Spread.of([a - b for a, b in zip(results[n], base, strict=True)]).median
 
-    s = Section("Gang preemption: one member preempted -> every replacement pod created", "gang",
-                ["nodes per job", "p50 (s)", "p95 (s)", "min-max (s)", "vs 1 node, per round [IQR]"])  # fmt: skip
+    s = Section(
+        "Gang preemption: one member preempted -> every replacement pod created",
+        "gang",
+        ["nodes per job", "p50 (s)", "p95 (s)", "min-max (s)", "vs 1 node, per round [IQR]"],
+    )
     for n in SIZES:
         xs = results[n]
         ratio = "1.00x (baseline)" if n == 1 else per_round(xs, base, higher_is_better=False).cell()
-        s.rows.append([str(n), fmt(percentile(xs, 0.5)), fmt(percentile(xs, 0.95)), f"{min(xs):.2f}-{max(xs):.2f}",
-                       ratio])  # fmt: skip
+        s.rows.append(
+            [str(n), fmt(percentile(xs, 0.5)), fmt(percentile(xs, 0.95)), f"{min(xs):.2f}-{max(xs):.2f}", ratio]
+        )
         ctx.costs[f"gang_restart_p50_{n}"] = percentile(xs, 0.5)
     s.notes.append(
         f"{count} process nodes (one GPU each) and three TrainingJobs running side by side, of 1, 2 and 4 nodes; "

@@ -159,9 +159,11 @@ def run_scenario(sc: Scenario, trials: int = 400, seed: int = 7) -> ScenarioResu
 def compare(costs: Costs, trace: Trace, trials: int = 400, seed: int = 0) -> list[Result]:
     out = []
     mtbf = trace.mtbf_hours * 3600
-    for name, label in (("spotguard", "spotguard (two-phase + emergency on notice)"),
-                        ("periodic", "periodic only (blocking save + upload)"),
-                        ("none", "none (restart from scratch)")):  # fmt: skip
+    for name, label in (
+        ("spotguard", "spotguard (two-phase + emergency on notice)"),
+        ("periodic", "periodic only (blocking save + upload)"),
+        ("none", "none (restart from scratch)"),
+    ):
         rng = random.Random(seed)
         walls = [simulate(costs, trace, name, rng) for _ in range(trials)]
         mean_wall = sum(walls) / len(walls)

@@ -126,8 +126,17 @@ class Child:
         self.lines: list[tuple[float, str]] = []
         self._cond = threading.Condition()
         self._log = log
-        self.popen = subprocess.Popen(argv, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        self.popen = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -222,13 +231,23 @@ def check_env(ctx: Ctx, c: Check) -> None:
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         props = torch.cuda.get_device_properties(i)
         free, total = torch.cuda.mem_get_info(i)
-        gpus.append({"name": props.name, "total_gib": round(total / 2**30, 1), "free_gib": round(free / 2**30, 1),
-                     "capability": f"{props.major}.{props.minor}"})
-        c.say(f"GPU {i}: {props.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), "
-              f"compute capability {props.major}.{props.minor}")
+        gpus.append(
+            {
+                "name": props.name,
+                "total_gib": round(total / 2**30, 1),
+                "free_gib": round(free / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}",
+            }
+        )
+        c.say(
+            f"GPU {i}: {props.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), "
+            f"compute capability {props.major}.{props.minor}"
+        )
     c.fig("gpus", gpus)
-    c.say(f"device {ctx.device}, backend {'nccl' if ctx.cuda else 'gloo'}, {ctx.ranks} rank(s), "
-          f"size {ctx.size_mib} MiB, launcher {' '.join(Path(a).name for a in ctx.launcher)}")
+    c.say(
+        f"device {ctx.device}, backend {'nccl' if ctx.cuda else 'gloo'}, {ctx.ranks} rank(s), "
+        f"size {ctx.size_mib} MiB, launcher {' '.join(Path(a).name for a in ctx.launcher)}"
+    )
     c.fig("device", ctx.device)
     c.fig("ranks", ctx.ranks)
     if ctx.cuda and not dist.is_nccl_available():
@@ -245,16 +264,29 @@ def check_ddp(ctx: Ctx, c: Check) -> None:
     sigterm_at = steps // 3
     work = ctx.root / "ddp"
     work.mkdir()
-    train = ["-m", "spotguard.demo.train_ddp", "--steps", str(steps), "--save-every", str(save_every),
-             "--log-every", "1"]
+    train = [
+        "-m",
+        "spotguard.demo.train_ddp",
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--log-every",
+        "1",
+    ]
     env = child_env({"NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "VERSION")} if ctx.cuda else None)
-    c.say(f"{ctx.ranks} rank(s), {'nccl' if ctx.cuda else 'gloo'}, {steps} steps, save every {save_every}, "
-          f"SIGTERM after step {sigterm_at}")
+    c.say(
+        f"{ctx.ranks} rank(s), {'nccl' if ctx.cuda else 'gloo'}, {steps} steps, save every {save_every}, "
+        f"SIGTERM after step {sigterm_at}"
+    )
 
     t0 = time.monotonic()
-    ref = run_child([*ctx.torchrun(), *train, "--step-delay", "0"],
-                    {**env, "SPOTGUARD_CHECKPOINT_DIR": str(work / "reference-ckpt")}, work / "reference.log",
-                    ctx.timeout)
+    ref = run_child(
+        [*ctx.torchrun(), *train, "--step-delay", "0"],
+        {**env, "SPOTGUARD_CHECKPOINT_DIR": str(work / "reference-ckpt")},
+        work / "reference.log",
+        ctx.timeout,
+    )
     found = ref.find(DIGEST_RE)
     if found is None:
         raise CheckFailed(f"the uninterrupted run printed no final digest:\n{ref.tail()}")
@@ -266,8 +298,23 @@ def check_ddp(ctx: Ctx, c: Check) -> None:
         c.fig("nccl_line_seen", nccl_seen)
 
     store = work / "store"
-    run = [sys.executable, "-m", "spotguard.cli", "run", "--workdir", str(work / "run"), "--storage",
-           f"file://{store}", "--max-restarts", "0", "--", *ctx.torchrun(), *train, "--step-delay", delay]
+    run = [
+        sys.executable,
+        "-m",
+        "spotguard.cli",
+        "run",
+        "--workdir",
+        str(work / "run"),
+        "--storage",
+        f"file://{store}",
+        "--max-restarts",
+        "0",
+        "--",
+        *ctx.torchrun(),
+        *train,
+        "--step-delay",
+        delay,
+    ]
     first = Child(run, env, work / "preempted.log")
     try:
         first.wait_for(lambda ln: bool(STEP_RE.match(ln)) and int(ln.split()[1]) >= sigterm_at, ctx.timeout)
@@ -286,8 +333,10 @@ def check_ddp(ctx: Ctx, c: Check) -> None:
     stopped = int(stopped_m[1].group(1))
     to_line = c.fig("sigterm_to_verified_line_s", round(verified_m[0] - sent, 3))
     own = c.fig("emergency_s", float(verified_m[1].group(1)))
-    c.say(f"preempted after step {stopped}; SIGTERM -> verified line {to_line:.2f}s "
-          f"(the supervisor's own figure {own:.2f}s)")
+    c.say(
+        f"preempted after step {stopped}; SIGTERM -> verified line {to_line:.2f}s "
+        f"(the supervisor's own figure {own:.2f}s)"
+    )
 
     from spotguard.checkpoint import latest_verified
     from spotguard.storage import open_storage
@@ -305,8 +354,10 @@ def check_ddp(ctx: Ctx, c: Check) -> None:
         raise CheckFailed(f"the second run printed no 'resumed from step' or no final digest:\n{again.tail()}")
     step, exact = int(resumed[1].group(1)), resumed[1].group(2) == "True"
     final = digest[1].group(1)
-    c.say(f"resumed from step {step} exact={exact}, finished in {time.monotonic() - t0:.1f}s, "
-          f"final digest {final[:16]}...")
+    c.say(
+        f"resumed from step {step} exact={exact}, finished in {time.monotonic() - t0:.1f}s, "
+        f"final digest {final[:16]}..."
+    )
     c.fig("stopped_step", stopped)
     c.fig("resumed_step", step)
     same = c.fig("bit_exact", final == reference)
@@ -324,8 +375,21 @@ def check_fsdp_stall(ctx: Ctx, c: Check) -> None:
     work = ctx.root / "stall"
     work.mkdir()
     out = work / "result.json"
-    argv = [*ctx.torchrun(), str(ROOT / "bench" / "dist_worker.py"), "stall", "--out", str(out), "--work",
-            str(work), "--bytes", str(ctx.size_mib * MiB), "--rounds", str(ctx.rounds), "--device", ctx.device]
+    argv = [
+        *ctx.torchrun(),
+        str(ROOT / "bench" / "dist_worker.py"),
+        "stall",
+        "--out",
+        str(out),
+        "--work",
+        str(work),
+        "--bytes",
+        str(ctx.size_mib * MiB),
+        "--rounds",
+        str(ctx.rounds),
+        "--device",
+        ctx.device,
+    ]
     run_child(argv, child_env(), work / "stall.log", ctx.timeout * 2)
     r = json.loads(out.read_text())
     sg, plain, asy = r["spotguard"], r["dcp.save"], r["dcp.async_save"]
@@ -333,12 +397,18 @@ def check_fsdp_stall(ctx: Ctx, c: Check) -> None:
         raise CheckFailed(f"expected {ctx.rounds} rounds of each method, got {len(sg)}, {len(plain)}, {len(asy)}")
     vs_async = median([a / b for a, b in zip(sg, asy, strict=True)])
     vs_plain = median([a / b for a, b in zip(sg, plain, strict=True)])
-    c.say(f"FSDP2 over {r['world_size']} rank(s), {ctx.size_mib} MiB of parameters + AdamW moments "
-          f"({r['bytes_per_rank'] / MiB:.0f} MiB per rank), {ctx.rounds} rounds")
-    c.say(f"trainer stall per checkpoint (median, slowest rank): spotguard {median(sg):.3f}s, "
-          f"dcp.async_save {median(asy):.3f}s, dcp.save {median(plain):.3f}s")
-    c.say(f"spotguard / dcp.async_save {vs_async:.2f}x, spotguard / dcp.save {vs_plain:.2f}x "
-          "(median per-round ratio; below 1 is better)")
+    c.say(
+        f"FSDP2 over {r['world_size']} rank(s), {ctx.size_mib} MiB of parameters + AdamW moments "
+        f"({r['bytes_per_rank'] / MiB:.0f} MiB per rank), {ctx.rounds} rounds"
+    )
+    c.say(
+        f"trainer stall per checkpoint (median, slowest rank): spotguard {median(sg):.3f}s, "
+        f"dcp.async_save {median(asy):.3f}s, dcp.save {median(plain):.3f}s"
+    )
+    c.say(
+        f"spotguard / dcp.async_save {vs_async:.2f}x, spotguard / dcp.save {vs_plain:.2f}x "
+        "(median per-round ratio; below 1 is better)"
+    )
     c.fig("spotguard_s", round(median(sg), 4))
     c.fig("dcp_async_save_s", round(median(asy), 4))
     c.fig("dcp_save_s", round(median(plain), 4))
@@ -352,8 +422,21 @@ def check_fsdp_stall(ctx: Ctx, c: Check) -> None:
 def check_fsdp_exact(ctx: Ctx, c: Check) -> None:
     work = ctx.root / "exact"
     work.mkdir()
-    argv = [*ctx.torchrun(), "-m", "bench.gpu_check", "--worker", "fsdp-exact", "--dir", str(work / "ckpt"),
-            "--out", str(work), "--size-mib", str(ctx.size_mib), "--device", ctx.device]
+    argv = [
+        *ctx.torchrun(),
+        "-m",
+        "bench.gpu_check",
+        "--worker",
+        "fsdp-exact",
+        "--dir",
+        str(work / "ckpt"),
+        "--out",
+        str(work),
+        "--size-mib",
+        str(ctx.size_mib),
+        "--device",
+        ctx.device,
+    ]
     run_child(argv, child_env(), work / "exact.log", ctx.timeout)
     results = []
     for rank in range(ctx.ranks):
@@ -367,8 +450,10 @@ def check_fsdp_exact(ctx: Ctx, c: Check) -> None:
     tensors = sum(r["tensors"] for r in results)
     nbytes = sum(r["bytes"] for r in results)
     stall = max(r["stall_s"] for r in results)
-    c.say(f"saved step {results[0]['step']} of FSDP2 state over {ctx.ranks} rank(s): {tensors} local tensors, "
-          f"{nbytes / MiB:.1f} MiB; save stall {stall:.3f}s")
+    c.say(
+        f"saved step {results[0]['step']} of FSDP2 state over {ctx.ranks} rank(s): {tensors} local tensors, "
+        f"{nbytes / MiB:.1f} MiB; save stall {stall:.3f}s"
+    )
     c.fig("tensors", tensors)
     c.fig("bytes", nbytes)
     c.fig("save_stall_s", round(stall, 4))
@@ -376,10 +461,14 @@ def check_fsdp_exact(ctx: Ctx, c: Check) -> None:
     changed = all(r["changed_before_restore"] for r in results)
     exact = all(r["exact"] for r in results)
     groups = all(r["groups_equal"] for r in results)
-    c.say(f"fresh model differed before restore: {'yes' if changed else 'no'}; restored exact={exact}; "
-          f"optimizer hyperparameters equal: {'yes' if groups else 'no'}")
-    c.say(f"parameters and optimizer moments bitwise equal after restore: {'yes' if not bad else 'no'}"
-          f" ({tensors - len(bad)}/{tensors})")
+    c.say(
+        f"fresh model differed before restore: {'yes' if changed else 'no'}; restored exact={exact}; "
+        f"optimizer hyperparameters equal: {'yes' if groups else 'no'}"
+    )
+    c.say(
+        f"parameters and optimizer moments bitwise equal after restore: {'yes' if not bad else 'no'}"
+        f" ({tensors - len(bad)}/{tensors})"
+    )
     c.fig("bitwise_equal", not bad)
     if not changed:
         raise CheckFailed("the fresh model equalled the saved one before the restore: the comparison proves nothing")
@@ -487,8 +576,8 @@ def fsdp_exact_worker(args: argparse.Namespace) -> int:
             mismatched=sorted(k for k in saved.keys() & got.keys() if not _bitwise_equal(saved[k], got[k])),
             missing=sorted(saved.keys() - got.keys()),
             extra=sorted(got.keys() - saved.keys()),
-            groups_equal=groups == [repr({k: v for k, v in g.items() if k != "params"})
-                                    for g in fresh_opt.param_groups],
+            groups_equal=groups
+            == [repr({k: v for k, v in g.items() if k != "params"}) for g in fresh_opt.param_groups],
         )
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -530,8 +619,10 @@ def check_pinned(ctx: Ctx, c: Check) -> None:
             raise CheckFailed(f"no host buffer of the saved tensor's shape among {len(pool)} kept")
         pinned = all(b.is_pinned() for b in bufs.values())
         ptrs = {k: b.data_ptr() for k, b in bufs.items()}
-        c.say(f"host buffers kept after a save: {len(pool)}; the {ctx.size_mib} MiB tensor's pinned: "
-              f"{'yes' if pinned else 'no'}{'' if ctx.cuda else ' (CPU tensor: no pinning needed)'}")
+        c.say(
+            f"host buffers kept after a save: {len(pool)}; the {ctx.size_mib} MiB tensor's pinned: "
+            f"{'yes' if pinned else 'no'}{'' if ctx.cuda else ' (CPU tensor: no pinning needed)'}"
+        )
         c.fig("pinned", pinned)
 
         raw = torch.empty(n, pin_memory=True) if ctx.cuda else None
@@ -566,11 +657,15 @@ def check_pinned(ctx: Ctx, c: Check) -> None:
         return nbytes / median(xs) / 1e9
 
     baseline = ".cpu()" if ctx.cuda else "clone()"
-    c.say(f"same buffers reused by {ctx.rounds} more saves: {'yes' if reused else 'no'}; "
-          f"host copy equals the tensor: {'yes' if matches else 'no'}")
-    c.say(f"host copy of {ctx.size_mib} MiB (median of {ctx.rounds}): Checkpointer.save {gbps(sg):.2f} GB/s, "
-          f"plain {baseline} {gbps(plain):.2f} GB/s ({gbps(sg) / gbps(plain):.2f}x)"
-          + (f", raw copy into a pinned buffer {gbps(direct):.2f} GB/s" if direct else ""))
+    c.say(
+        f"same buffers reused by {ctx.rounds} more saves: {'yes' if reused else 'no'}; "
+        f"host copy equals the tensor: {'yes' if matches else 'no'}"
+    )
+    c.say(
+        f"host copy of {ctx.size_mib} MiB (median of {ctx.rounds}): Checkpointer.save {gbps(sg):.2f} GB/s, "
+        f"plain {baseline} {gbps(plain):.2f} GB/s ({gbps(sg) / gbps(plain):.2f}x)"
+        + (f", raw copy into a pinned buffer {gbps(direct):.2f} GB/s" if direct else "")
+    )
     c.fig("save_gbps", round(gbps(sg), 3))
     c.fig("plain_gbps", round(gbps(plain), 3))
     if direct:
@@ -588,19 +683,26 @@ def check_pinned(ctx: Ctx, c: Check) -> None:
 
 
 RUNNERS: dict[str, Callable[[Ctx, Check], None]] = {
-    "env": check_env, "ddp": check_ddp, "fsdp-stall": check_fsdp_stall, "fsdp-exact": check_fsdp_exact,
+    "env": check_env,
+    "ddp": check_ddp,
+    "fsdp-stall": check_fsdp_stall,
+    "fsdp-exact": check_fsdp_exact,
     "pinned": check_pinned,
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--allow-cpu", action="store_true", help="without CUDA, run the checks on CPU with gloo")
     p.add_argument("--quick", action="store_true", help="smallest sizes and fewest rounds")
-    p.add_argument("--size-mib", type=int, default=None,
-                   help="state size of the FSDP2 and pinned checks (default 512 on GPU, 64 on CPU; "
-                        "--quick: 128, 16)")
+    p.add_argument(
+        "--size-mib",
+        type=int,
+        default=None,
+        help="state size of the FSDP2 and pinned checks (default 512 on GPU, 64 on CPU; --quick: 128, 16)",
+    )
     p.add_argument("--ranks", type=int, default=None, help="ranks of the distributed checks (default min(GPUs, 2))")
     p.add_argument("--only", default=None, help=f"comma-separated checks to run, of {','.join(CHECKS)}")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
@@ -624,8 +726,10 @@ def make_ctx(args: argparse.Namespace) -> Ctx:
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
-        raise UsageError("CUDA is not available (torch "
-                         f"{torch.__version__}); run on a GPU machine, or pass --allow-cpu to check on CPU")
+        raise UsageError(
+            "CUDA is not available (torch "
+            f"{torch.__version__}); run on a GPU machine, or pass --allow-cpu to check on CPU"
+        )
     gpus = torch.cuda.device_count() if cuda else 0
     ranks = args.ranks or (min(gpus, 2) if cuda else 2)
     if cuda and ranks > gpus:
@@ -681,8 +785,13 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(ctx.root, ignore_errors=True)
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'} in {total:.1f}s", flush=True)
     summary = {
-        "ok": not failed, "failed": failed, "device": ctx.device, "ranks": ctx.ranks, "size_mib": ctx.size_mib,
-        "quick": ctx.quick, "seconds": round(total, 1),
+        "ok": not failed,
+        "failed": failed,
+        "device": ctx.device,
+        "ranks": ctx.ranks,
+        "size_mib": ctx.size_mib,
+        "quick": ctx.quick,
+        "seconds": round(total, 1),
         "checks": {c.name: {"ok": c.ok, "reason": c.reason, **c.figures} for c in checks},
     }
     print(json.dumps(summary), flush=True)

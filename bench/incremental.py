@@ -137,15 +137,37 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
 
     prefix = f"bench-incr-{uuid.uuid4().hex[:8]}"
     workdir = work / prefix
-    env = {**os.environ, **s3.env(), "SPOTGUARD_SAVE_EVERY_STEPS": "100000000", "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        **s3.env(),
+        "SPOTGUARD_SAVE_EVERY_STEPS": "100000000",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("SPOTGUARD_INCREMENTAL", None)  # the option below decides
-    cmd = [str(Path(sys.executable).parent / "spotguard"), "run", "--storage", f"s3://{s3.bucket}/{prefix}",
-           "--workdir", str(workdir), "--grace-seconds", "900"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "spotguard"),
+        "run",
+        "--storage",
+        f"s3://{s3.bucket}/{prefix}",
+        "--workdir",
+        str(workdir),
+        "--grace-seconds",
+        "900",
+    ]
     if mode == "incremental":
         cmd.append("--incremental")
-    cmd += ["--", sys.executable, "-m", "bench.incremental_worker", shape, "--frozen-bytes", str(frozen),
-            "--trainable-bytes", str(trainable)]  # fmt: skip
+    cmd += [
+        "--",
+        sys.executable,
+        "-m",
+        "bench.incremental_worker",
+        shape,
+        "--frozen-bytes",
+        str(frozen),
+        "--trainable-bytes",
+        str(trainable),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = _Lines(proc)
     try:
@@ -175,8 +197,13 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
         if m.group(1) == "upload":
             fields = dict(_FIELD.findall(m.group(3)))
             uploaded = int(fields.get("bytes", -1))
-    storage = open_storage(f"s3://{s3.bucket}/{prefix}", endpoint_url=s3.endpoint_url, region=s3.region,
-                           access_key=s3.access_key, secret_key=s3.secret_key)  # fmt: skip
+    storage = open_storage(
+        f"s3://{s3.bucket}/{prefix}",
+        endpoint_url=s3.endpoint_url,
+        region=s3.region,
+        access_key=s3.access_key,
+        secret_key=s3.secret_key,
+    )
     info, _ = latest_verified(storage)
     if info is None or uploaded < 0:
         raise RuntimeError(f"{mode} {shape}: no verified SIGTERM checkpoint:\n" + "".join(out.since(t0))[-4000:])
@@ -186,9 +213,16 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
     with contextlib.suppress(Exception):  # what the run stored, so that the store's disk stays small
         storage.delete([o.key for o in storage.list_objects("")])
     shutil.rmtree(workdir, ignore_errors=True)
-    return Run(t_verified - t0, t_exit - t0, manifest.total_size, uploaded, stages, fields, proc.returncode,
-               [f.size for f in manifest.files])  # fmt: skip
-
+    return Run(
+        t_verified - t0,
+        t_exit - t0,
+        manifest.total_size,
+        uploaded,
+        stages,
+        fields,
+        proc.returncode,
+        [f.size for f in manifest.files],
+    )
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -225,15 +259,25 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
             for mode in order:
                 run = _run_once(s3, ctx.work, mode, "finetune", int(gb * GiB), ADAPTER_BYTES)
                 runs[(gb, mode)].append(run)
-                print(f"   finetune {gb:g} GiB {mode} round {r + 1}: SIGTERM -> verified {run.to_verified:.2f}s, "
-                      f"uploaded {run.uploaded / MiB:.1f} of {run.size / MiB:.1f} MiB, stages {run.stages}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"   finetune {gb:g} GiB {mode} round {r + 1}: SIGTERM -> verified {run.to_verified:.2f}s, "
+                    f"uploaded {run.uploaded / MiB:.1f} of {run.size / MiB:.1f} MiB, stages {run.stages}",
+                    flush=True,
+                )
     s = Section(
-        "Incremental checkpoints: fine-tune-shaped state", "incremental",
-        ["frozen base", "mode", "checkpoint (MiB)", "uploaded by the SIGTERM checkpoint (MiB)",
-         "share of the checkpoint, per round [IQR]", "SIGTERM -> verified (s, median, min-max)",
-         "incremental / plain, per round [IQR]", "save / upload / verify (s)"],
-    )  # fmt: skip
+        "Incremental checkpoints: fine-tune-shaped state",
+        "incremental",
+        [
+            "frozen base",
+            "mode",
+            "checkpoint (MiB)",
+            "uploaded by the SIGTERM checkpoint (MiB)",
+            "share of the checkpoint, per round [IQR]",
+            "SIGTERM -> verified (s, median, min-max)",
+            "incremental / plain, per round [IQR]",
+            "save / upload / verify (s)",
+        ],
+    )
     for gb in sizes:
         plain, incr = runs[(gb, "plain")], runs[(gb, "incremental")]
         vs = per_round([x.to_verified for x in incr], [x.to_verified for x in plain], higher_is_better=False)
@@ -242,37 +286,61 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
             share = Spread.of([100 * x.uploaded / x.size for x in rs], higher_is_better=False)
             lat = [x.to_verified for x in rs]
             st = " / ".join(fmt(median([x.stages.get(k, 0.0) for x in rs])) for k in ("save", "upload", "verify"))
-            s.rows.append([f"{gb:g} GiB", MODES[mode], fmt(median([x.size for x in rs]) / MiB, 0),
-                           fmt(median([x.uploaded for x in rs]) / MiB, 1), share.cell("%", 1),
-                           f"{fmt(median(lat))} ({fmt(min(lat))}-{fmt(max(lat))})",
-                           "1.00x" if mode == "plain" else vs.cell(), st])  # fmt: skip
+            s.rows.append(
+                [
+                    f"{gb:g} GiB",
+                    MODES[mode],
+                    fmt(median([x.size for x in rs]) / MiB, 0),
+                    fmt(median([x.uploaded for x in rs]) / MiB, 1),
+                    share.cell("%", 1),
+                    f"{fmt(median(lat))} ({fmt(min(lat))}-{fmt(max(lat))})",
+                    "1.00x" if mode == "plain" else vs.cell(),
+                    st,
+                ]
+            )
     for gb in sizes:
         incr = runs[(gb, "incremental")]
         share = Spread.of([100 * x.uploaded / x.size for x in incr], higher_is_better=False)
         chunks = incr[0].fields
-        goal(s, f"incremental: a checkpoint after the first uploads < 5% of the full checkpoint ({gb:g} GiB frozen)",
-             share, 5, suffix="%",
-             detail=f"{chunks.get('new_chunks', '?')} new chunks, "
-                    f"{chunks.get('reused_chunks', '?')} reused")  # fmt: skip
+        goal(
+            s,
+            f"incremental: a checkpoint after the first uploads < 5% of the full checkpoint ({gb:g} GiB frozen)",
+            share,
+            5,
+            suffix="%",
+            detail=f"{chunks.get('new_chunks', '?')} new chunks, {chunks.get('reused_chunks', '?')} reused",
+        )
     lo_gb, hi_gb = min(sizes), max(sizes)
-    growth = {m: per_round([x.to_verified for x in runs[(hi_gb, m)]], [x.to_verified for x in runs[(lo_gb, m)]],
-                           higher_is_better=False) for m in MODES}  # fmt: skip
-    met = goal(s, f"incremental: SIGTERM -> verified does not grow with the frozen part ({hi_gb:g} GiB vs "
-               f"{lo_gb:g} GiB frozen, <= 1.25x)", growth["incremental"], 1.25,
-               detail=f"plain: {growth['plain'].text()}")  # fmt: skip
+    growth = {
+        m: per_round(
+            [x.to_verified for x in runs[(hi_gb, m)]], [x.to_verified for x in runs[(lo_gb, m)]], higher_is_better=False
+        )
+        for m in MODES
+    }
+    met = goal(
+        s,
+        f"incremental: SIGTERM -> verified does not grow with the frozen part ({hi_gb:g} GiB vs "
+        f"{lo_gb:g} GiB frozen, <= 1.25x)",
+        growth["incremental"],
+        1.25,
+        detail=f"plain: {growth['plain'].text()}",
+    )
 
     # How each stage grows with the frozen part: slope over the sizes of the per-size medians.
     def slope(mode: str, key: str) -> float:
-        ys = [median([(x.to_verified if key == "total" else x.stages.get(key, 0.0)) for x in runs[(gb, mode)]])
-              for gb in sizes]  # fmt: skip
+        ys = [
+            median([(x.to_verified if key == "total" else x.stages.get(key, 0.0)) for x in runs[(gb, mode)]])
+            for gb in sizes
+        ]
         return _slope(sizes, ys)
 
     keys = ["total", "save", "upload", "verify"]
     per_gib = {m: {k: slope(m, k) for k in keys} for m in MODES}
     # For the goodput scenarios: SIGTERM -> verified = fixed + per GiB of frozen base, incremental.
     ctx.costs["incr_per_frozen_gb"] = per_gib["incremental"]["total"]
-    ctx.costs["incr_fixed"] = max(0.0, median([x.to_verified for x in runs[(lo_gb, "incremental")]])
-                                  - per_gib["incremental"]["total"] * lo_gb)  # fmt: skip
+    ctx.costs["incr_fixed"] = max(
+        0.0, median([x.to_verified for x in runs[(lo_gb, "incremental")]]) - per_gib["incremental"]["total"] * lo_gb
+    )
     s.notes.append(
         f"`spotguard run` supervising a trainer (bench/incremental_worker.py) whose state is a frozen base "
         f"(float32 tensors of 64 MiB, `requires_grad=False`, distinct random values) and an adapter of "
@@ -330,10 +398,12 @@ def _bench_full(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Section:
     def one(mode: str) -> Callable[[], Run]:
         def run() -> Run:
             res = _run_once(s3, ctx.work, mode, "full", 0, FULL_STATE_BYTES)
-            print(f"   full {mode}: SIGTERM -> verified {res.to_verified:.2f}s, "
-                  f"upload {res.stages.get('upload', 0):.2f}s, uploaded {res.uploaded / MiB:.1f} of "
-                  f"{res.size / MiB:.1f} MiB, stages {res.stages}",
-                  flush=True)  # fmt: skip
+            print(
+                f"   full {mode}: SIGTERM -> verified {res.to_verified:.2f}s, "
+                f"upload {res.stages.get('upload', 0):.2f}s, uploaded {res.uploaded / MiB:.1f} of "
+                f"{res.size / MiB:.1f} MiB, stages {res.stages}",
+                flush=True,
+            )
             return res
 
         return run
@@ -341,24 +411,41 @@ def _bench_full(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Section:
     res: dict[str, list[Run]] = interleaved(reps, {m: one(m) for m in MODES})
     plain, incr = res["plain"], res["incremental"]
     total = per_round([x.to_verified for x in incr], [x.to_verified for x in plain], higher_is_better=False)
-    upload = per_round([x.stages.get("upload", 0.0) for x in incr], [x.stages.get("upload", 0.0) for x in plain],
-                       higher_is_better=False)  # fmt: skip
-    ship = per_round([x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in incr],
-                     [x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in plain],
-                     higher_is_better=False)  # fmt: skip
+    upload = per_round(
+        [x.stages.get("upload", 0.0) for x in incr],
+        [x.stages.get("upload", 0.0) for x in plain],
+        higher_is_better=False,
+    )
+    ship = per_round(
+        [x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in incr],
+        [x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in plain],
+        higher_is_better=False,
+    )
     s = Section(
         "Incremental checkpoints: full training (chunking overhead)",
         "incremental",
         ["measure", "plain (s, median)", "incremental (s, median)", "incremental / plain, per round [IQR]"],
     )
     s.rows += [
-        ["SIGTERM -> verified", fmt(median([x.to_verified for x in plain])),
-         fmt(median([x.to_verified for x in incr])), total.cell()],
-        ["upload (stage=upload)", fmt(median([x.stages.get("upload", 0.0) for x in plain])),
-         fmt(median([x.stages.get("upload", 0.0) for x in incr])), upload.cell()],
-        ["upload + verify", fmt(median([x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in plain])),
-         fmt(median([x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in incr])), ship.cell()],
-    ]  # fmt: skip
+        [
+            "SIGTERM -> verified",
+            fmt(median([x.to_verified for x in plain])),
+            fmt(median([x.to_verified for x in incr])),
+            total.cell(),
+        ],
+        [
+            "upload (stage=upload)",
+            fmt(median([x.stages.get("upload", 0.0) for x in plain])),
+            fmt(median([x.stages.get("upload", 0.0) for x in incr])),
+            upload.cell(),
+        ],
+        [
+            "upload + verify",
+            fmt(median([x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in plain])),
+            fmt(median([x.stages.get("upload", 0.0) + x.stages.get("verify", 0.0) for x in incr])),
+            ship.cell(),
+        ],
+    ]
     met_total = goal(s, "full training: chunking overhead on SIGTERM -> verified < 10% (<= 1.10x plain)", total, 1.10)
     met_up = goal(s, "full training: chunking overhead on the upload < 10% (<= 1.10x plain)", upload, 1.10)
     size = median([x.size for x in incr])
@@ -419,8 +506,12 @@ def _bench_hashes(ctx: Ctx) -> tuple[Section, dict[str, float]]:
         "CRC32C (google-crc32c)": google_crc32c.value,
         "SHA-256 + CRC32C (a chunk's name and checksum, `hash_chunk`)": hash_chunk,
     }
-    keys = {"SHA-256 (hashlib)": "sha256", "BLAKE2b (hashlib)": "blake2b", "CRC32C (google-crc32c)": "crc32c",
-            "SHA-256 + CRC32C (a chunk's name and checksum, `hash_chunk`)": "sha256+crc32c"}  # fmt: skip
+    keys = {
+        "SHA-256 (hashlib)": "sha256",
+        "BLAKE2b (hashlib)": "blake2b",
+        "CRC32C (google-crc32c)": "crc32c",
+        "SHA-256 + CRC32C (a chunk's name and checksum, `hash_chunk`)": "sha256+crc32c",
+    }
     pool = ThreadPoolExecutor(max_workers=2)
 
     def timed(fn: Callable[[bytes], Any], threads: int) -> Callable[[], float]:
@@ -439,9 +530,17 @@ def _bench_hashes(ctx: Ctx) -> tuple[Section, dict[str, float]]:
         res = interleaved(reps, methods)
     finally:
         pool.shutdown()
-    s = Section("Content hash throughput", "incremental",
-                     ["algorithm", "1 thread, 256 MiB (GB/s)", "2 threads, 16 MiB chunks (GB/s)",
-                      "2 threads / 1 thread, per round [IQR]", "vs SHA-256 (1 thread), per round [IQR]"])  # fmt: skip
+    s = Section(
+        "Content hash throughput",
+        "incremental",
+        [
+            "algorithm",
+            "1 thread, 256 MiB (GB/s)",
+            "2 threads, 16 MiB chunks (GB/s)",
+            "2 threads / 1 thread, per round [IQR]",
+            "vs SHA-256 (1 thread), per round [IQR]",
+        ],
+    )
     sha = res["SHA-256 (hashlib)|1"]
     speeds: dict[str, float] = {}
     for k in fns:

@@ -38,31 +38,57 @@ def _job(name: str, storage: str, endpoint: str | None = None) -> dict[str, Any]
         "kind": "TrainingJob",
         "metadata": {"name": name},
         "spec": {
-            "template": {"spec": {
-                "nodeSelector": NO_NODE,
-                "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-                                "resources": {"limits": {"nvidia.com/gpu": 1}}}],
-            }},
+            "template": {
+                "spec": {
+                    "nodeSelector": NO_NODE,
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "trainer:1",
+                            "command": ["python", "-m", "train"],
+                            "resources": {"limits": {"nvidia.com/gpu": 1}},
+                        }
+                    ],
+                }
+            },
             "checkpoint": checkpoint,
-            "preemption": {"maxPreemptions": 100, "backoffLimit": 3, "gracePeriodSeconds": 30,
-                           "backoff": {"initialSeconds": 0}},
+            "preemption": {
+                "maxPreemptions": 100,
+                "backoffLimit": 3,
+                "gracePeriodSeconds": 30,
+                "backoff": {"initialSeconds": 0},
+            },
         },
-    }  # fmt: skip
+    }
 
 
 def _terminated(name: str) -> dict[str, Any]:
-    done = {"exitCode": 0, "reason": "Completed", "startedAt": "2030-01-01T00:00:00Z",
-            "finishedAt": "2030-01-01T00:01:00Z"}
-    return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-            "state": {"terminated": done}}  # fmt: skip
+    done = {
+        "exitCode": 0,
+        "reason": "Completed",
+        "startedAt": "2030-01-01T00:00:00Z",
+        "finishedAt": "2030-01-01T00:01:00Z",
+    }
+    return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "", "state": {"terminated": done}}
 
 
 def _shutdown_status() -> dict[str, Any]:
-    return {"status": {
-        "phase": "Failed", "reason": "Terminated", "message": SHUTDOWN_MESSAGE,
-        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                        "message": SHUTDOWN_MESSAGE}],
-        "containerStatuses": [_terminated("trainer"), _terminated("spotguard-sidecar")]}}  # fmt: skip
+    return {
+        "status": {
+            "phase": "Failed",
+            "reason": "Terminated",
+            "message": SHUTDOWN_MESSAGE,
+            "conditions": [
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "TerminationByKubelet",
+                    "message": SHUTDOWN_MESSAGE,
+                }
+            ],
+            "containerStatuses": [_terminated("trainer"), _terminated("spotguard-sidecar")],
+        }
+    }
 
 
 class ProcSampler:
@@ -130,8 +156,12 @@ def bench_operator(ctx: Any) -> Section:
     # The chart's default storage poll.
     poll = os.environ.get("BENCH_OPERATOR_POLL_SECONDS", "30")
     kubectl = str(kube.bin_dir / "kubectl")
-    subprocess.run([kubectl, "apply", "-f", str(ROOT / "crds" / "trainingjob.yaml")], env={**os.environ, **kube.env()},
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [kubectl, "apply", "-f", str(ROOT / "crds" / "trainingjob.yaml")],
+        env={**os.environ, **kube.env()},
+        check=True,
+        capture_output=True,
+    )
     api = kube.api_client()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     ns = f"bench-{uuid.uuid4().hex[:6]}"
@@ -141,8 +171,13 @@ def bench_operator(ctx: Any) -> Section:
     sup = cluster.Supervisor(ctx.work / "operator-store")
     store = cluster.start_seaweedfs(sup, bucket="operator-bench")
     weed_pid = sup.services[-1].popen.pid
-    core.create_namespaced_secret(ns, {"metadata": {"name": "bench-s3"}, "stringData": {
-        "AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key}})  # fmt: skip
+    core.create_namespaced_secret(
+        ns,
+        {
+            "metadata": {"name": "bench-s3"},
+            "stringData": {"AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key},
+        },
+    )
     storage = f"s3://{store.bucket}/jobs"
 
     def pods() -> dict[str, Any]:
@@ -170,9 +205,11 @@ def bench_operator(ctx: Any) -> Section:
             out.append(time.monotonic() - t1)
         return out
 
-    op = OperatorProcess(["-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off",
-                          "--checkpoint-poll-seconds", poll],
-                         env=kube.env(), log_path=ctx.work / "operator-bench.log").start()  # fmt: skip
+    op = OperatorProcess(
+        ["-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off", "--checkpoint-poll-seconds", poll],
+        env=kube.env(),
+        log_path=ctx.work / "operator-bench.log",
+    ).start()
     try:
         assert op.proc is not None
         pid = op.proc.pid
@@ -180,8 +217,9 @@ def bench_operator(ctx: Any) -> Section:
         t0 = time.monotonic()
         with ProcSampler(pid) as create_sample:
             for i in range(n_jobs):
-                custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL,
-                                                       _job(f"job-{i:03d}", storage, store.endpoint_url))
+                custom.create_namespaced_custom_object(
+                    GROUP, VERSION, ns, PLURAL, _job(f"job-{i:03d}", storage, store.endpoint_url)
+                )
             wait_for(lambda: len(pods()) >= n_jobs, f"{n_jobs} pods", timeout=600, interval=0.5)
         create_seconds = time.monotonic() - t0
         # 2. Steady state: the operator just watches n_jobs jobs (and reads their storage).
@@ -206,8 +244,7 @@ def bench_operator(ctx: Any) -> Section:
         sup.stop()
     peak_rss = max(x.max_rss() for x in (create_sample, idle_sample, preempt_sample))
     p95, p95_paused = percentile(latencies, 0.95), percentile(paused, 0.95)
-    s = Section(f"Operator: reschedule latency and cost with {n_jobs} TrainingJobs", "operator",
-                ["measure", "value"])  # fmt: skip
+    s = Section(f"Operator: reschedule latency and cost with {n_jobs} TrainingJobs", "operator", ["measure", "value"])
     s.rows += [
         ["pod end -> replacement pod created, p50", fmt(percentile(latencies, 0.5), 3) + " s"],
         ["pod end -> replacement pod created, p95", fmt(p95, 3) + " s"],
@@ -221,7 +258,7 @@ def bench_operator(ctx: Any) -> Section:
         ["operator CPU while rescheduling", f"{preempt_sample.cpu_share():.0%}"],
         ["operator peak resident memory", f"{peak_rss / MiB:.0f} MiB"],
         [f"storage handles / S3 clients held after {reads:.0f} reads", f"{clients:.0f} / {connections:.0f}"],
-    ]  # fmt: skip
+    ]
     s.notes.append(
         f"{len(latencies)} + {len(paused)} preemptions, one at a time, each the pod status kubelet's graceful node "
         "shutdown leaves (Failed, reason Terminated, DisruptionTarget), patched through the apiserver; latency is "

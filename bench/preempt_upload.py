@@ -49,8 +49,13 @@ def _shipper(s3: S3Store, work: Path) -> Any:
     from spotguard.sidecar.shipper import CheckpointShipper
     from spotguard.storage import open_storage
 
-    storage = open_storage(f"s3://{s3.bucket}/{uuid.uuid4().hex[:10]}", endpoint_url=s3.endpoint_url,
-                           access_key=s3.access_key, secret_key=s3.secret_key, region=s3.region)  # fmt: skip
+    storage = open_storage(
+        f"s3://{s3.bucket}/{uuid.uuid4().hex[:10]}",
+        endpoint_url=s3.endpoint_url,
+        access_key=s3.access_key,
+        secret_key=s3.secret_key,
+        region=s3.region,
+    )
     return CheckpointShipper(work, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10)
 
 
@@ -69,8 +74,12 @@ def bench_preempt_upload(ctx: Ctx) -> Section:
     size_mb = int(os.environ.get("BENCH_PREEMPT_UPLOAD_MB", "1024"))
     reps = ctx.rounds_for(5)
     gen = torch.Generator().manual_seed(0)
-    state = {"model": {f"w{i}": torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, generator=gen)
-                       for i in range(max(1, size_mb // 64))}}  # fmt: skip
+    state = {
+        "model": {
+            f"w{i}": torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, generator=gen)
+            for i in range(max(1, size_mb // 64))
+        }
+    }
     routine_seconds: list[float] = []
     stopped_after: list[float] = []
 

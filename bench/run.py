@@ -68,8 +68,16 @@ from testenv import cluster  # noqa: E402
 class Ctx:
     """What the benchmarks share: scratch space, the S3 store, measured costs."""
 
-    def __init__(self, work: Path, s3: cluster.S3Store | None, state_mb: int, *, rounds: int | None = None,
-                 plots: Path = PLOTS, profile: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        work: Path,
+        s3: cluster.S3Store | None,
+        state_mb: int,
+        *,
+        rounds: int | None = None,
+        plots: Path = PLOTS,
+        profile: bool = False,
+    ) -> None:
         self.work = work
         self.s3 = s3
         self.state_bytes = state_mb * MiB
@@ -146,8 +154,14 @@ class StageClock:
         return timed
 
 
-def _plot_bars(path: Path, title: str, labels: list[str], values: list[float], ylabel: str,
-               errors: list[tuple[float, float]] | None = None) -> str:  # fmt: skip
+def _plot_bars(
+    path: Path,
+    title: str,
+    labels: list[str],
+    values: list[float],
+    ylabel: str,
+    errors: list[tuple[float, float]] | None = None,
+) -> str:
     """A bar chart; ``errors`` are (low, high) whiskers around each bar. Returns
     the path relative to the report's directory."""
     import matplotlib
@@ -158,8 +172,10 @@ def _plot_bars(path: Path, title: str, labels: list[str], values: list[float], y
     fig, ax = plt.subplots(figsize=(6, 3.2))
     yerr = None
     if errors is not None:
-        yerr = [[max(0.0, v - lo) for v, (lo, _) in zip(values, errors, strict=True)],
-                [max(0.0, hi - v) for v, (_, hi) in zip(values, errors, strict=True)]]  # fmt: skip
+        yerr = [
+            [max(0.0, v - lo) for v, (lo, _) in zip(values, errors, strict=True)],
+            [max(0.0, hi - v) for v, (_, hi) in zip(values, errors, strict=True)],
+        ]
     bars = ax.bar(labels, values, color=["#2b7bba"] + ["#999999"] * (len(values) - 1), yerr=yerr, capsize=4)
     ax.bar_label(bars, fmt="%.3g")
     ax.set_ylabel(ylabel)
@@ -202,8 +218,7 @@ def bench_checksum(ctx: Ctx) -> Section:
 
     res = interleaved(reps, {k: timed(f) for k, f in fns.items()})
     sha = res["SHA-256 (hashlib)"]
-    s = Section("Checksum throughput", "checksum",
-                ["algorithm", "GiB/s (median)", "vs SHA-256, per round"])  # fmt: skip
+    s = Section("Checksum throughput", "checksum", ["algorithm", "GiB/s (median)", "vs SHA-256, per round"])
     for k, v in res.items():
         s.rows.append([k, fmt(median(v)), per_round(v, sha).cell()])
     crc = per_round(res["CRC32C (google-crc32c)"], sha)
@@ -212,8 +227,14 @@ def bench_checksum(ctx: Ctx) -> Section:
         f"{crc.text()} SHA-256's speed here, so checksumming never limits a save or a verify; "
         "SHA-256 is offered for stores or policies that want a cryptographic digest."
     )
-    s.plot = _plot_bars(ctx.plots / "checksum.png", "Checksum throughput", list(res),
-                        [median(v) for v in res.values()], "GiB/s", [_range(v) for v in res.values()])  # fmt: skip
+    s.plot = _plot_bars(
+        ctx.plots / "checksum.png",
+        "Checksum throughput",
+        list(res),
+        [median(v) for v in res.values()],
+        "GiB/s",
+        [_range(v) for v in res.values()],
+    )
     return s
 
 
@@ -277,31 +298,43 @@ def bench_stall(ctx: Ctx) -> tuple[Section, Section]:
         ck.wait()
         return stall, ck.last_persist_seconds
 
-    res = interleaved(reps, {
-        "sg": sg,
-        "sync": lambda: torch_save(True),
-        "raw": lambda: raw_write(ckpt_bytes),
-        "nosync": lambda: torch_save(False),
-    })  # fmt: skip
+    res = interleaved(
+        reps,
+        {
+            "sg": sg,
+            "sync": lambda: torch_save(True),
+            "raw": lambda: raw_write(ckpt_bytes),
+            "nosync": lambda: torch_save(False),
+        },
+    )
     ck.close()
     ctx.ckpt_dir = sorted(ckdir.glob("ckpt-*"))[-1]
     stalls = [a for a, _ in res["sg"]]
     persists = [b for _, b in res["sg"]]
     syncs, nosyncs, raws = res["sync"], res["nosync"], res["raw"]
-    ctx.costs.update(stall_sg=median(stalls), stall_torch_save=median(syncs), persist=median(persists),
-                     state_bytes=nbytes)  # fmt: skip
+    ctx.costs.update(
+        stall_sg=median(stalls), stall_torch_save=median(syncs), persist=median(persists), state_bytes=nbytes
+    )
     vs_sync = per_round(syncs, stalls)
     vs_nosync = per_round(nosyncs, stalls)
 
-    s = Section("Trainer stall per checkpoint", "stall",
-                ["method", "trainer blocked (s, median)", "ratio vs spotguard, per round [IQR]"])  # fmt: skip
+    s = Section(
+        "Trainer stall per checkpoint",
+        "stall",
+        ["method", "trainer blocked (s, median)", "ratio vs spotguard, per round [IQR]"],
+    )
     s.rows += [
         ["spotguard two-phase save (snapshot, persist in background)", fmt(median(stalls), 3), "1.0x"],
         ["torch.save + fsync (durable)", fmt(median(syncs), 3), vs_sync.cell(digits=1)],
         ["torch.save, no fsync (page cache only)", fmt(median(nosyncs), 3), vs_nosync.cell(digits=1)],
     ]
-    met = goal(s, "trainer stall >=10x less than torch.save", vs_sync, 10,
-               detail=f"vs torch.save into the page cache: {vs_nosync.text()}")  # fmt: skip
+    met = goal(
+        s,
+        "trainer stall >=10x less than torch.save",
+        vs_sync,
+        10,
+        detail=f"vs torch.save into the page cache: {vs_nosync.text()}",
+    )
     if not met:
         s.notes.append(
             "Why the goal is missed here: on a CPU-only machine the snapshot is a memory copy of the "
@@ -316,13 +349,15 @@ def bench_stall(ctx: Ctx) -> tuple[Section, Section]:
         "save, each round running every method once (dirty pages flushed before each)."
     )
     share = Spread.of([100 * r / p for r, p in zip(raws, persists, strict=True)])  # persist MiB/s / raw MiB/s
-    s2 = Section("Persist throughput", "stall",
-                 ["method", "MiB/s (median)", "share of raw write, per round [IQR]"])  # fmt: skip
+    s2 = Section("Persist throughput", "stall", ["method", "MiB/s (median)", "share of raw write, per round [IQR]"])
     s2.rows += [
-        ["spotguard background persist (safetensors + CRC32C + fsync + manifest + rename)",
-         fmt(ckpt_bytes / median(persists) / MiB, 0), share.cell("%", 0)],
+        [
+            "spotguard background persist (safetensors + CRC32C + fsync + manifest + rename)",
+            fmt(ckpt_bytes / median(persists) / MiB, 0),
+            share.cell("%", 0),
+        ],
         ["raw sequential os.write + fsync of the same bytes", fmt(ckpt_bytes / median(raws) / MiB, 0), "100%"],
-    ]  # fmt: skip
+    ]
     if not goal(s2, "persist throughput >=85% of a raw sequential write", share, 85, suffix="%"):
         s2.notes.append(
             f"Missed: the worse quartile is {share.worse():.0f}%. Why: the raw baseline rewrites one 64 MiB "
@@ -331,14 +366,24 @@ def bench_stall(ctx: Ctx) -> tuple[Section, Section]:
             "bytes), and fsyncs several files and two directories; on a shared machine the ratio also moves "
             "with background disk load."
         )
-    s.plot = _plot_bars(ctx.plots / "stall.png", "Trainer stall per checkpoint",
-                        ["spotguard", "torch.save+fsync", "torch.save"],
-                        [median(stalls), median(syncs), median(nosyncs)], "seconds",
-                        [_range(stalls), _range(syncs), _range(nosyncs)])  # fmt: skip
+    s.plot = _plot_bars(
+        ctx.plots / "stall.png",
+        "Trainer stall per checkpoint",
+        ["spotguard", "torch.save+fsync", "torch.save"],
+        [median(stalls), median(syncs), median(nosyncs)],
+        "seconds",
+        [_range(stalls), _range(syncs), _range(nosyncs)],
+    )
     tps = [ckpt_bytes / p / MiB for p in persists]
     raw_tps = [ckpt_bytes / r / MiB for r in raws]
-    s2.plot = _plot_bars(ctx.plots / "persist.png", "Persist throughput", ["spotguard", "raw write"],
-                         [median(tps), median(raw_tps)], "MiB/s", [_range(tps), _range(raw_tps)])  # fmt: skip
+    s2.plot = _plot_bars(
+        ctx.plots / "persist.png",
+        "Persist throughput",
+        ["spotguard", "raw write"],
+        [median(tps), median(raw_tps)],
+        "MiB/s",
+        [_range(tps), _range(raw_tps)],
+    )
     return s, s2
 
 
@@ -383,13 +428,20 @@ def bench_upload(ctx: Ctx) -> Section:
         prefix = f"bench-s5-{uuid.uuid4().hex[:8]}"
         env = {**os.environ, **s3.env()}
         with measure() as u:
-            subprocess.run([str(s5cmd), "--endpoint-url", s3.endpoint_url, "cp", f"{src}/*",
-                            f"s3://{s3.bucket}/{prefix}/"], env=env, check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                [str(s5cmd), "--endpoint-url", s3.endpoint_url, "cp", f"{src}/*", f"s3://{s3.bucket}/{prefix}/"],
+                env=env,
+                check=True,
+                capture_output=True,
+            )
         _drop_prefix(ctx, prefix)
         return u.wall, u.cpu
 
-    names = {"sg": "spotguard upload_checkpoint", "boto": "boto3 upload_file, defaults",
-             "s5": "s5cmd cp (default workers)"}  # fmt: skip
+    names = {
+        "sg": "spotguard upload_checkpoint",
+        "boto": "boto3 upload_file, defaults",
+        "s5": "s5cmd cp (default workers)",
+    }
     res = interleaved(reps, {"sg": sg, "boto": boto_default, "s5": s5})
     walls = {k: [w for w, _ in v] for k, v in res.items()}
     cpus = {k: [c for _, c in v] for k, v in res.items()}
@@ -402,12 +454,16 @@ def bench_upload(ctx: Ctx) -> Section:
         verdict = verify_checkpoint(storage, res_up.name)
     assert verdict.ok
     how = getattr(verdict, "method", "") or "read-back"  # checksums the store keeps, or a download + CRC32C
-    s = Section("Upload to S3 (SeaweedFS on this machine)", "upload",
-                ["method", "MiB/s (median)", "CPU s per GiB", "spotguard's speed vs it, per round [IQR]"])  # fmt: skip
+    s = Section(
+        "Upload to S3 (SeaweedFS on this machine)",
+        "upload",
+        ["method", "MiB/s (median)", "CPU s per GiB", "spotguard's speed vs it, per round [IQR]"],
+    )
     for key, label in names.items():
         speed = "1.00x" if key == "sg" else per_round(walls[key], walls["sg"]).cell()
-        s.rows.append([label, fmt(nbytes / median(walls[key]) / MiB, 0),
-                       fmt(median(cpus[key]) / (nbytes / GiB), 2), speed])  # fmt: skip
+        s.rows.append(
+            [label, fmt(nbytes / median(walls[key]) / MiB, 0), fmt(median(cpus[key]) / (nbytes / GiB), 2), speed]
+        )
     goal(s, "at least s5cmd's speed", vs_s5, 0.95, detail="within 5%")
     if not goal(s, ">=2x boto3 defaults", vs_boto, 2):
         lowest = min(names, key=lambda k: median(cpus[k]))
@@ -427,9 +483,14 @@ def bench_upload(ctx: Ctx) -> Section:
     ctx.costs["upload"] = median(walls["sg"])
     ctx.costs["verify"] = v.wall
     speeds = {k: [nbytes / w / MiB for w in walls[k]] for k in names}
-    s.plot = _plot_bars(ctx.plots / "upload.png", "Upload throughput", ["spotguard", "boto3 defaults", "s5cmd"],
-                        [median(x) for x in speeds.values()], "MiB/s",
-                        [_range(x) for x in speeds.values()])  # fmt: skip
+    s.plot = _plot_bars(
+        ctx.plots / "upload.png",
+        "Upload throughput",
+        ["spotguard", "boto3 defaults", "s5cmd"],
+        [median(x) for x in speeds.values()],
+        "MiB/s",
+        [_range(x) for x in speeds.values()],
+    )
     return s
 
 
@@ -530,19 +591,32 @@ def bench_resume(ctx: Ctx) -> Section:
     sg_times, naive_times = res["sg"], res["naive"]
     ratio = per_round(naive_times, sg_times)
     ctx.costs["resume"] = median(sg_times)
-    s = Section("Resume: download + verify + load", "resume",
-                ["method", "seconds (median, min-max)", "naive / spotguard, per round [IQR]"])  # fmt: skip
+    s = Section(
+        "Resume: download + verify + load",
+        "resume",
+        ["method", "seconds (median, min-max)", "naive / spotguard, per round [IQR]"],
+    )
     s.rows += [
-        ["spotguard restore_latest_state (streamed into tensors, checksummed on the way)",
-         f"{fmt(median(sg_times))} ({fmt(min(sg_times))}-{fmt(max(sg_times))})", "1.0x"],
-        ["boto3 download_file + torch.load(weights_only=True) (no verification)",
-         f"{fmt(median(naive_times))} ({fmt(min(naive_times))}-{fmt(max(naive_times))})", ratio.cell()],
-    ]  # fmt: skip
+        [
+            "spotguard restore_latest_state (streamed into tensors, checksummed on the way)",
+            f"{fmt(median(sg_times))} ({fmt(min(sg_times))}-{fmt(max(sg_times))})",
+            "1.0x",
+        ],
+        [
+            "boto3 download_file + torch.load(weights_only=True) (no verification)",
+            f"{fmt(median(naive_times))} ({fmt(min(naive_times))}-{fmt(max(naive_times))})",
+            ratio.cell(),
+        ],
+    ]
     if "to_disk" in res:
         op = res["to_disk"]
-        s.rows.append(["(--profile) restore_latest into a local copy (checked in one pass, no fsync) + load",
-                       f"{fmt(median(op))} ({fmt(min(op))}-{fmt(max(op))})",
-                       per_round(naive_times, op).cell()])  # fmt: skip
+        s.rows.append(
+            [
+                "(--profile) restore_latest into a local copy (checked in one pass, no fsync) + load",
+                f"{fmt(median(op))} ({fmt(min(op))}-{fmt(max(op))})",
+                per_round(naive_times, op).cell(),
+            ]
+        )
     met = goal(s, ">=2x faster than naive download + torch.load", ratio, 2)
 
     def med(rounds: list[dict[str, float]], k: str) -> float:
@@ -556,7 +630,7 @@ def bench_resume(ctx: Ctx) -> Section:
     naive_profile = ", ".join(f"{k} {med(naive_rounds, k):.2f}s" for k in naive_rounds[0])
     s.notes.append(
         f"{reps} interleaved rounds (dirty pages flushed before each). Where spotguard's restore spends its "
-        f"time (median per stage; \"thread-s\" stages add up the seconds of concurrent threads): {profile}; "
+        f'time (median per stage; "thread-s" stages add up the seconds of concurrent threads): {profile}; '
         f"in its slowest round ({stage_rounds[slowest]['total']:.2f}s): {worst}. The naive path: {naive_profile}."
     )
     if not met:
@@ -571,12 +645,19 @@ def bench_resume(ctx: Ctx) -> Section:
             f"({med(naive_rounds, 'torch.load'):.2f}s)."
         )
     if ctx.profile:
-        s.notes.append("cProfile of one more restore (main thread, top 12 by cumulative time; the ranged GETs "
-                       "run on worker threads):\n\n```\n" + _cprofile(lambda: sg()) + "```")  # fmt: skip
+        s.notes.append(
+            "cProfile of one more restore (main thread, top 12 by cumulative time; the ranged GETs "
+            "run on worker threads):\n\n```\n" + _cprofile(lambda: sg()) + "```"
+        )
         stage_rounds.pop()  # the profiled round is not one of the measured ones
-    s.plot = _plot_bars(ctx.plots / "resume.png", "Resume time", ["spotguard", "naive"],
-                        [median(sg_times), median(naive_times)], "seconds",
-                        [_range(sg_times), _range(naive_times)])  # fmt: skip
+    s.plot = _plot_bars(
+        ctx.plots / "resume.png",
+        "Resume time",
+        ["spotguard", "naive"],
+        [median(sg_times), median(naive_times)],
+        "seconds",
+        [_range(sg_times), _range(naive_times)],
+    )
     return s
 
 
@@ -607,11 +688,26 @@ def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], 
     env = {**os.environ, **ctx.s3.env(), "SPOTGUARD_SAVE_EVERY_STEPS": "100000000", "PYTHONPATH": str(ROOT)}
     spotguard_bin = Path(sys.executable).parent / "spotguard"
     proc = subprocess.Popen(
-        [str(spotguard_bin), "run", "--storage", f"s3://{ctx.s3.bucket}/{prefix}", "--workdir", str(workdir),
-         "--grace-seconds", "600", "--", sys.executable, str(ROOT / "bench" / "sigterm_trainer.py"),
-         "--bytes", str(nbytes)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(spotguard_bin),
+            "run",
+            "--storage",
+            f"s3://{ctx.s3.bucket}/{prefix}",
+            "--workdir",
+            str(workdir),
+            "--grace-seconds",
+            "600",
+            "--",
+            sys.executable,
+            str(ROOT / "bench" / "sigterm_trainer.py"),
+            "--bytes",
+            str(nbytes),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
@@ -674,8 +770,11 @@ def bench_sigterm(ctx: Ctx) -> Section:
             if not first:
                 raw = _raw_upload(ctx, keep)
             results[gb].append((latency, rc, stages, raw))
-            print(f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw upload {raw:.2f}s "
-                  f"({'before' if first else 'after'}), stages {stages}", flush=True)  # fmt: skip
+            print(
+                f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw upload {raw:.2f}s "
+                f"({'before' if first else 'after'}), stages {stages}",
+                flush=True,
+            )
     for keep in kept.values():
         shutil.rmtree(keep.parent, ignore_errors=True)
     # Linear fit latency = a + b * size over the medians, to estimate the largest state that fits 25 s.
@@ -692,9 +791,17 @@ def bench_sigterm(ctx: Ctx) -> Section:
     # How much one preemption's emergency time varies (its largest size): the goodput scenarios draw from it.
     spread = Spread.of([x[0] for x in results[max(sizes)]], higher_is_better=False)
     ctx.costs["emergency_sigma"] = goodput.sigma_from_quartile(spread.median, spread.q3)
-    s = Section("SIGTERM to checkpoint verified in S3", "sigterm",
-                ["state", "SIGTERM -> verified (s)", "raw upload of the same bytes (s)",
-                 "SIGTERM -> verified / raw upload, per round [IQR]", "exit code"])  # fmt: skip
+    s = Section(
+        "SIGTERM to checkpoint verified in S3",
+        "sigterm",
+        [
+            "state",
+            "SIGTERM -> verified (s)",
+            "raw upload of the same bytes (s)",
+            "SIGTERM -> verified / raw upload, per round [IQR]",
+            "exit code",
+        ],
+    )
     all_stages: list[str] = []
     for gb in sizes:
         rounds = results[gb]
@@ -718,13 +825,23 @@ def bench_sigterm(ctx: Ctx) -> Section:
         "cost is the network's, not this machine's."
     )
     # Where the emergency path's time goes, from the `stage=... seconds=...` lines the supervisor logs.
-    s.notes.append("Where the time goes, median seconds per stage from the supervisor's stage log lines "
-                   "(`stage=<name> seconds=<s>`; `ship` is upload + verify, `emergency` the whole path):\n")
-    s.notes.append("| state | SIGTERM -> verified | " + " | ".join(all_stages) + " |\n|"
-                   + "---|" * (len(all_stages) + 2) + "\n" + "\n".join(
-                       f"| {gb:g} GiB | {median([x[0] for x in results[gb]]):.2f} | " + " | ".join(
-                           f"{median([x[2].get(k, 0.0) for x in results[gb]]):.2f}" for k in all_stages) + " |"
-                       for gb in sizes))  # fmt: skip
+    s.notes.append(
+        "Where the time goes, median seconds per stage from the supervisor's stage log lines "
+        "(`stage=<name> seconds=<s>`; `ship` is upload + verify, `emergency` the whole path):\n"
+    )
+    s.notes.append(
+        "| state | SIGTERM -> verified | "
+        + " | ".join(all_stages)
+        + " |\n|"
+        + "---|" * (len(all_stages) + 2)
+        + "\n"
+        + "\n".join(
+            f"| {gb:g} GiB | {median([x[0] for x in results[gb]]):.2f} | "
+            + " | ".join(f"{median([x[2].get(k, 0.0) for x in results[gb]]):.2f}" for k in all_stages)
+            + " |"
+            for gb in sizes
+        )
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -734,8 +851,13 @@ def bench_sigterm(ctx: Ctx) -> Section:
     lo = [ys[i] - min(x[0] for x in results[gb]) for i, gb in enumerate(sizes)]
     hi = [max(x[0] for x in results[gb]) - ys[i] for i, gb in enumerate(sizes)]
     ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=4, label="SIGTERM -> verified")
-    ax.plot(xs, [median([x[3] for x in results[gb]]) for gb in sizes], "s--", color="#999999",
-            label="raw upload of the same bytes")  # fmt: skip
+    ax.plot(
+        xs,
+        [median([x[3] for x in results[gb]]) for gb in sizes],
+        "s--",
+        color="#999999",
+        label="raw upload of the same bytes",
+    )
     ax.axhline(25, color="red", ls="--", label="25 s budget")
     ax.set_xlabel("state size (GiB)")
     ax.set_ylabel("seconds")
@@ -762,12 +884,18 @@ def bench_goodput(ctx: Ctx) -> Section:
         restart=30.0 + ctx.costs.get("resume", 5.0),
         ship=ctx.costs.get("emergency_fixed", 2.0) + per_gb * gb,  # a routine checkpoint's way to verified
     )
-    source = ("come from this run" if "stall_sg" in ctx.costs
-              else "are defaults (run it with the other benchmarks to use measured ones)")
+    source = (
+        "come from this run"
+        if "stall_sg" in ctx.costs
+        else "are defaults (run it with the other benchmarks to use measured ones)"
+    )
     trace = goodput.Trace(mtbf_hours=1.0, notice_seconds=30.0, job_hours=24.0)
     res = goodput.compare(costs, trace, trials=400, seed=7)
-    s = Section("Goodput over a preemption trace (simulation)", "goodput",
-                ["strategy", "checkpoint interval", "goodput", "wall hours for 24 h of compute"])  # fmt: skip
+    s = Section(
+        "Goodput over a preemption trace (simulation)",
+        "goodput",
+        ["strategy", "checkpoint interval", "goodput", "wall hours for 24 h of compute"],
+    )
     for r in res:
         if r.finished < 1:
             wall = f"over {goodput.CAP_HOURS:.0f} (the cap) in {1 - r.finished:.0%} of runs"
@@ -782,8 +910,13 @@ def bench_goodput(ctx: Ctx) -> Section:
         f"restart (pod start assumed 30 s + measured resume) {costs.restart:.1f} s, for the "
         f"{gb:.2f} GiB state of the stall benchmark. Intervals are Young/Daly: sqrt(2 x cost x MTBF)."
     )
-    s.plot = _plot_bars(ctx.plots / "goodput.png", "Goodput", [r.name.split(" ")[0] for r in res],
-                        [r.goodput * 100 for r in res], "% useful compute")  # fmt: skip
+    s.plot = _plot_bars(
+        ctx.plots / "goodput.png",
+        "Goodput",
+        [r.name.split(" ")[0] for r in res],
+        [r.goodput * 100 for r in res],
+        "% useful compute",
+    )
     _seven_b_scenarios(ctx, s, resume_per_gb=ctx.costs.get("resume", 5.0) / max(gb, 1e-9))
     return s
 
@@ -809,25 +942,51 @@ def _seven_b_scenarios(ctx: Ctx, s: Section, resume_per_gb: float) -> None:
     # A blocking periodic checkpoint costs the whole state's save + upload in both.
     # (name, emergency and routine way to verified, blocking save + upload, state a node restores)
     workloads = [
-        (f"7B LoRA fine-tune ({SEVEN_B_FROZEN_GIB:g} GiB frozen base, incremental)", lora,
-         fixed + per_gb * (SEVEN_B_FROZEN_GIB + SEVEN_B_ADAPTER_GIB), SEVEN_B_FROZEN_GIB + SEVEN_B_ADAPTER_GIB),
-        (f"7B full training ({SEVEN_B_FULL_GB:g} GB over {SEVEN_B_NODES} nodes, {per_node:.0f} GiB each)", full,
-         full, per_node),
-    ]  # fmt: skip
+        (
+            f"7B LoRA fine-tune ({SEVEN_B_FROZEN_GIB:g} GiB frozen base, incremental)",
+            lora,
+            fixed + per_gb * (SEVEN_B_FROZEN_GIB + SEVEN_B_ADAPTER_GIB),
+            SEVEN_B_FROZEN_GIB + SEVEN_B_ADAPTER_GIB,
+        ),
+        (
+            f"7B full training ({SEVEN_B_FULL_GB:g} GB over {SEVEN_B_NODES} nodes, {per_node:.0f} GiB each)",
+            full,
+            full,
+            per_node,
+        ),
+    ]
     rows = []
     for name, emergency, blocking, state_gib in workloads:
-        costs = goodput.Costs(stall_spotguard=ctx.costs.get("stall_sg", 0.1), stall_periodic=blocking,
-                              emergency=emergency, restart=30.0 + resume_per_gb * state_gib,
-                              emergency_sigma=sigma, ship=emergency)  # fmt: skip
+        costs = goodput.Costs(
+            stall_spotguard=ctx.costs.get("stall_sg", 0.1),
+            stall_periodic=blocking,
+            emergency=emergency,
+            restart=30.0 + resume_per_gb * state_gib,
+            emergency_sigma=sigma,
+            ship=emergency,
+        )
         for notice in (30.0, 120.0):
             r = goodput.run_scenario(goodput.Scenario(name, costs, notice))
-            rows.append([name, f"{notice:.0f} s", fmt(emergency, 1), f"{r.in_time:.0%}",
-                         f"{r.spotguard.goodput:.1%}", f"{r.periodic.goodput:.1%}"])  # fmt: skip
-    table = ("| workload | notice | emergency save + upload + verify (s, median) | preemptions verified in time "
-             "| goodput, spotguard | goodput, periodic only |\n|---|---|---|---|---|---|\n"
-             + "\n".join("| " + " | ".join(r) + " |" for r in rows))  # fmt: skip
-    src = ("this run's costs" if measured else "default costs (run with the sigterm and incremental sections to "
-           "use measured ones)")  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    f"{notice:.0f} s",
+                    fmt(emergency, 1),
+                    f"{r.in_time:.0%}",
+                    f"{r.spotguard.goodput:.1%}",
+                    f"{r.periodic.goodput:.1%}",
+                ]
+            )
+    table = (
+        "| workload | notice | emergency save + upload + verify (s, median) | preemptions verified in time "
+        "| goodput, spotguard | goodput, periodic only |\n|---|---|---|---|---|---|\n"
+        + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    )
+    src = (
+        "this run's costs"
+        if measured
+        else "default costs (run with the sigterm and incremental sections to use measured ones)"
+    )
     s.notes.append(
         f"The users' scale, with {src} scaled per GiB: plain {per_gb:.2f} s/GiB + {fixed:.1f} s, incremental "
         f"{per_frozen:.2f} s per GiB of unchanged base + {incr_fixed:.1f} s; each preemption's emergency time "
@@ -869,23 +1028,30 @@ except ImportError:  # pragma: no cover
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated benchmarks")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved rounds per section (default: each section's own, 3 to 7)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds per section (default: each section's own, 3 to 7)"
+    )
     parser.add_argument("--profile", action="store_true", help="add a cProfile of one restore to the resume section")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="report file (default: docs/benchmarks.md for a full run, a temporary "
-                             "directory for a partial one); plots go to bench/ next to it")  # fmt: skip
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="report file (default: docs/benchmarks.md for a full run, a temporary "
+        "directory for a partial one); plots go to bench/ next to it",
+    )
     args = parser.parse_args(argv)
     chosen = [b.strip() for b in args.only.split(",") if b.strip()]
     unknown = set(chosen) - set(BENCHES)
     if unknown:
         parser.error(f"unknown benchmarks {sorted(unknown)}; choose from {list(BENCHES)}")
     full = set(chosen) == set(BENCHES) and args.rounds is None
-    output: Path = args.output or (DOCS / "benchmarks.md" if full else
-                                   Path(tempfile.gettempdir()) / "spotguard-bench" / "benchmarks.partial.md")
+    output: Path = args.output or (
+        DOCS / "benchmarks.md" if full else Path(tempfile.gettempdir()) / "spotguard-bench" / "benchmarks.partial.md"
+    )
     plots = PLOTS if output.parent.resolve() == DOCS.resolve() else output.parent / "bench"
     plots.mkdir(parents=True, exist_ok=True)
     state_mb = int(os.environ.get("BENCH_STATE_MB", "512"))

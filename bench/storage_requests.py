@@ -49,7 +49,6 @@ class Clock:
         return self.now
 
 
-
 @contextlib.contextmanager
 def _environment(values: dict[str, str]) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
@@ -71,8 +70,11 @@ def _plain(directory: Path, step: int) -> Path:
     from spotguard.checkpoint import snapshot_state, write_checkpoint
 
     rng = np.random.default_rng(step)
-    state = {"model": {"w": rng.standard_normal(4096).astype(np.float32)},
-             "optimizer": {"m": rng.standard_normal(2048)}, "step": step}  # fmt: skip
+    state = {
+        "model": {"w": rng.standard_normal(4096).astype(np.float32)},
+        "optimizer": {"m": rng.standard_normal(2048)},
+        "step": step,
+    }
     return write_checkpoint(directory, step, snapshot_state(state))
 
 
@@ -85,8 +87,10 @@ def _parts(directory: Path, step: int) -> list[Path]:
     out = []
     for index in range(PARTS):
         ckpt = directory / f"part{index}" / checkpoint_name(step)
-        files = {f"dcp/__{index}_0.distcp": os.urandom(4096), f"ranks/{index:05d}/state.json":
-                 json.dumps({"rank": index, "step": step}).encode()}  # fmt: skip
+        files = {
+            f"dcp/__{index}_0.distcp": os.urandom(4096),
+            f"ranks/{index:05d}/state.json": json.dumps({"rank": index, "step": step}).encode(),
+        }
         entries = []
         for rel, data in sorted(files.items()):
             (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -98,15 +102,20 @@ def _parts(directory: Path, step: int) -> list[Path]:
     return out
 
 
-def _populate(store: Any, root: str, plain: list[str], sharded: list[str], work: Path,
-              pool: ThreadPoolExecutor) -> None:  # fmt: skip
+def _populate(
+    store: Any, root: str, plain: list[str], sharded: list[str], work: Path, pool: ThreadPoolExecutor
+) -> None:
     """One verified checkpoint per job (step 200), as the sidecar leaves it: uploaded once per kind by
     ``upload_checkpoint`` (data, manifest, pointer), then copied in the store to every job (pointer last)."""
     from spotguard.checkpoint import upload_checkpoint
     from spotguard.storage import open_storage
 
-    options = {"endpoint_url": store.endpoint_url, "access_key": store.access_key, "secret_key": store.secret_key,
-               "region": store.region}  # fmt: skip
+    options = {
+        "endpoint_url": store.endpoint_url,
+        "access_key": store.access_key,
+        "secret_key": store.secret_key,
+        "region": store.region,
+    }
     bucket, prefix = root[len("s3://") :].split("/", 1)
     template = open_storage(f"{root}/templates/plain", **options)
     client = template.client  # type: ignore[attr-defined]
@@ -144,11 +153,15 @@ def _probe(store: Any, root: str, jobs: list[str], clock: Clock, full_read_secon
     trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"]}
     for job in jobs:
         ctx.jobs[(NS, job)] = {
-            "apiVersion": "spotguard.dev/v1alpha1", "kind": "TrainingJob", "metadata": {"name": job},
-            "spec": {"template": {"spec": {"containers": [trainer]}},
-                     "checkpoint": {"storage": root, "endpoint": store.endpoint_url, "region": store.region}},
+            "apiVersion": "spotguard.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": job},
+            "spec": {
+                "template": {"spec": {"containers": [trainer]}},
+                "checkpoint": {"storage": root, "endpoint": store.endpoint_url, "region": store.region},
+            },
             "status": {"phase": "Running"},
-        }  # fmt: skip
+        }
     return CheckpointProbe(ctx, workers=1, full_read_seconds=full_read_seconds, clock=clock)
 
 
@@ -233,10 +246,14 @@ def bench_storage_requests(ctx: Any) -> Section:
                     watch.shutdown()
                 unchanged_poll = sum(unchanged) / polls
                 rows[label] = {
-                    "jobs": len(jobs), "base_poll": base_poll, "base_hour": base_poll * per_hour,
-                    "unchanged_poll": unchanged_poll, "start": start, "periodic": periodic,
+                    "jobs": len(jobs),
+                    "base_poll": base_poll,
+                    "base_hour": base_poll * per_hour,
+                    "unchanged_poll": unchanged_poll,
+                    "start": start,
+                    "periodic": periodic,
                     "watch_hour": (per_hour - fulls) * unchanged_poll + fulls * periodic,
-                }  # fmt: skip
+                }
             # The arithmetic checked: a few jobs polled through one whole simulated hour.
             sample = plain[:4] + sharded[:1]
             clock = Clock()
@@ -258,26 +275,56 @@ def bench_storage_requests(ctx: Any) -> Section:
 
     everything = {k: mix(k) for k in ("base_poll", "base_hour", "unchanged_poll", "start", "periodic", "watch_hour")}
     rows[f"all {total} jobs"] = everything | {"jobs": total}
-    hour_check["computed"] = sum((rows["single-process"] if j in plain else rows[f"distributed, {PARTS} parts"])
-                                 ["watch_hour"] for j in sample) / len(sample)  # fmt: skip
-    s = Section(f"Operator storage requests per job-hour ({total} jobs, a poll every {POLL_SECONDS:.0f} s)",
-                "storage-requests",
-                ["jobs", "baseline (full read every poll): per poll", "baseline: per job-hour",
-                 "watch: per unchanged poll", "watch: per full read", "watch: per job-hour",
-                 "baseline / watch"])  # fmt: skip
+    hour_check["computed"] = sum(
+        (rows["single-process"] if j in plain else rows[f"distributed, {PARTS} parts"])["watch_hour"] for j in sample
+    ) / len(sample)
+    s = Section(
+        f"Operator storage requests per job-hour ({total} jobs, a poll every {POLL_SECONDS:.0f} s)",
+        "storage-requests",
+        [
+            "jobs",
+            "baseline (full read every poll): per poll",
+            "baseline: per job-hour",
+            "watch: per unchanged poll",
+            "watch: per full read",
+            "watch: per job-hour",
+            "baseline / watch",
+        ],
+    )
     for label, r in rows.items():
-        s.rows.append([f"{label} ({r['jobs']:.0f})", fmt(r["base_poll"]), fmt(r["base_hour"], 0),
-                       fmt(r["unchanged_poll"]), fmt(r["periodic"], 1), fmt(r["watch_hour"], 1),
-                       f"{r['base_hour'] / r['watch_hour']:.1f}x"])  # fmt: skip
+        s.rows.append(
+            [
+                f"{label} ({r['jobs']:.0f})",
+                fmt(r["base_poll"]),
+                fmt(r["base_hour"], 0),
+                fmt(r["unchanged_poll"]),
+                fmt(r["periodic"], 1),
+                fmt(r["watch_hour"], 1),
+                f"{r['base_hour'] / r['watch_hour']:.1f}x",
+            ]
+        )
     changes = 6.0  # a new checkpoint every 10 minutes: each a full read; no periodic one is then due
     busy = changes * everything["periodic"] + (per_hour - changes) * everything["unchanged_poll"]
-    s.rows.append([f"all, a new checkpoint every 10 min ({changes:.0f} full reads an hour)",
-                   fmt(everything["base_poll"]), fmt(everything["base_hour"], 0), fmt(everything["unchanged_poll"]),
-                   fmt(everything["periodic"], 1), fmt(busy, 1), f"{everything['base_hour'] / busy:.1f}x"])  # fmt: skip
+    s.rows.append(
+        [
+            f"all, a new checkpoint every 10 min ({changes:.0f} full reads an hour)",
+            fmt(everything["base_poll"]),
+            fmt(everything["base_hour"], 0),
+            fmt(everything["unchanged_poll"]),
+            fmt(everything["periodic"], 1),
+            fmt(busy, 1),
+            f"{everything['base_hour'] / busy:.1f}x",
+        ]
+    )
     worst = max(r["unchanged_poll"] for r in rows.values())
-    s.goals.append(("one storage request per poll when nothing changed", worst <= 1.0,
-                    f"{worst:.2f} requests per unchanged poll, every kind of job; "
-                    f"{everything['base_hour'] / everything['watch_hour']:.1f}x fewer per job-hour"))  # fmt: skip
+    s.goals.append(
+        (
+            "one storage request per poll when nothing changed",
+            worst <= 1.0,
+            f"{worst:.2f} requests per unchanged poll, every kind of job; "
+            f"{everything['base_hour'] / everything['watch_hour']:.1f}x fewer per job-hour",
+        )
+    )
 
     def show(c: Counter[str]) -> str:
         return ", ".join(f"{n} {k}" for k, n in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -300,8 +347,13 @@ def bench_storage_requests(ctx: Any) -> Section:
         f"measured, {hour_check['computed']:.1f} computed. The operator's start costs one full read per job "
         f"({everything['start']:.1f} requests on average), not in the hourly figures."
     )
-    s.notes.append("Requests by kind, from each probe's second poll of every job on: "
-                   + "; ".join(f"{label}: {show(c)}" for label, c in kinds.items()) + ".")  # fmt: skip
-    s.notes.append(f"Polling took {poll_seconds:.0f} s of wall time (16 threads calling the probe; the store and "
-                   "other work share this machine's cores).")  # fmt: skip
+    s.notes.append(
+        "Requests by kind, from each probe's second poll of every job on: "
+        + "; ".join(f"{label}: {show(c)}" for label, c in kinds.items())
+        + "."
+    )
+    s.notes.append(
+        f"Polling took {poll_seconds:.0f} s of wall time (16 threads calling the probe; the store and "
+        "other work share this machine's cores)."
+    )
     return s

@@ -22,7 +22,11 @@ def build_info(registry: CollectorRegistry, component: str) -> Gauge:
     """Register ``spotguard_build_info{version, python, component}`` = 1 in ``registry``."""
     if component not in COMPONENTS:
         raise ValueError(f"unknown component {component!r}; one of {COMPONENTS}")
-    gauge = Gauge("spotguard_build_info", "spotguard's version and Python's, always 1.",
-                  ["version", "python", "component"], registry=registry)  # fmt: skip
+    gauge = Gauge(
+        "spotguard_build_info",
+        "spotguard's version and Python's, always 1.",
+        ["version", "python", "component"],
+        registry=registry,
+    )
     gauge.labels(__version__, platform.python_version(), component).set(1)
     return gauge

@@ -249,18 +249,33 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
     svc = sup.start(
         "weed",
         [
-            str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-master.volumeSizeLimitMB=256", "-volume.max=0",
-            f"-master.port={p['master']}", f"-master.port.grpc={p['mg']}",
-            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['vg']}",
-            "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['fg']}",
-            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['sg']}", f"-s3.config={config}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-iam.port={p['iam']}",
+            str(weed),
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-master.volumeSizeLimitMB=256",
+            "-volume.max=0",
+            f"-master.port={p['master']}",
+            f"-master.port.grpc={p['mg']}",
+            f"-volume.port={p['volume']}",
+            f"-volume.port.grpc={p['vg']}",
+            "-filer",
+            f"-filer.port={p['filer']}",
+            f"-filer.port.grpc={p['fg']}",
+            "-s3",
+            f"-s3.port={p['s3']}",
+            f"-s3.port.grpc={p['sg']}",
+            f"-s3.config={config}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-iam.port={p['iam']}",
             f"-metricsPort={p['metrics']}",
         ],
         # weed takes over 10 s to leave on SIGTERM; its data is throwaway test state.
         stop_timeout=2.0,
-    )  # fmt: skip
+    )
     store = S3Store(f"http://127.0.0.1:{p['s3']}", access, secret, "us-east-1", bucket)
 
     def bucket_ready() -> bool:
@@ -325,9 +340,12 @@ def start_prometheus(
     for name in pods or {}:
         (d / f"{name}.targets.json").write_text("[]")
         scrape_configs.append(
-            {"job_name": name, "honor_labels": True,
-             "file_sd_configs": [{"files": [str(d / f"{name}.targets.json")], "refresh_interval": "1s"}]}
-        )  # fmt: skip
+            {
+                "job_name": name,
+                "honor_labels": True,
+                "file_sd_configs": [{"files": [str(d / f"{name}.targets.json")], "refresh_interval": "1s"}],
+            }
+        )
     config = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [str(f) for f in rule_files or []],
@@ -337,9 +355,14 @@ def start_prometheus(
     url = f"http://127.0.0.1:{port}"
     svc = sup.start(
         f"prometheus-{port}",
-        ["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-    )  # fmt: skip
+        [
+            "prometheus",
+            f"--config.file={d / 'prometheus.yml'}",
+            f"--storage.tsdb.path={d / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+    )
     wait_until(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200, 60, "prometheus", svc)
     if pods:
         threading.Thread(target=_pod_targets, args=(svc, d, pods), name="prometheus pods", daemon=True).start()
@@ -414,7 +437,7 @@ def write_kubeconfig(path: Path, server: str, token: str, ca_file: Path) -> None
             {"name": "spotguard-dev", "context": {"cluster": "spotguard-dev", "user": "admin", "namespace": "default"}}
         ],
         "current-context": "spotguard-dev",
-    }  # fmt: skip
+    }
     path.write_text(json.dumps(cfg, indent=2))  # JSON is valid YAML
     path.chmod(0o600)
 
@@ -439,12 +462,48 @@ def kubelet_client_certs(certs: Path) -> tuple[Path, Path, Path]:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365", "-subj", "/CN=kubelet-client-ca",
-            "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client",
-            "-keyout", str(key), "-out", str(csr))  # fmt: skip
-    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-            "-days", "365", "-out", str(cert))  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "365",
+        "-subj",
+        "/CN=kubelet-client-ca",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-days",
+        "365",
+        "-out",
+        str(cert),
+    )
     for secret in (ca_key, key):
         secret.chmod(0o600)
     csr.unlink()
@@ -460,14 +519,19 @@ AUDIT_POLICY = {
     "omitStages": ["RequestReceived"],
     "rules": [
         {"level": "None", "namespaces": ["kube-system", "kube-node-lease"]},
-        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"],
-         "resources": [{"group": "", "resources": ["pods", "events", "services", "serviceaccounts"]},
-                       {"group": "coordination.k8s.io", "resources": ["leases"]},
-                       {"group": "rbac.authorization.k8s.io", "resources": ["rolebindings"]},
-                       {"group": "spotguard.dev", "resources": ["trainingjobs", "trainingjobs/status"]}]},
+        {
+            "level": "Metadata",
+            "verbs": ["create", "update", "patch", "delete", "deletecollection"],
+            "resources": [
+                {"group": "", "resources": ["pods", "events", "services", "serviceaccounts"]},
+                {"group": "coordination.k8s.io", "resources": ["leases"]},
+                {"group": "rbac.authorization.k8s.io", "resources": ["rolebindings"]},
+                {"group": "spotguard.dev", "resources": ["trainingjobs", "trainingjobs/status"]},
+            ],
+        },
         {"level": "None"},
     ],
-}  # fmt: skip
+}
 
 
 def start_control_plane(sup: Supervisor) -> ControlPlane:
@@ -491,30 +555,51 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     etcd_url, peer_url = f"http://127.0.0.1:{etcd_port}", f"http://127.0.0.1:{etcd_peer}"
     etcd = sup.start(
         "etcd",
-        ["etcd", "--name=default", f"--data-dir={d / 'etcd'}",
-         f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-         f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-         f"--initial-cluster=default={peer_url}", "--listen-metrics-urls="],
-    )  # fmt: skip
+        [
+            "etcd",
+            "--name=default",
+            f"--data-dir={d / 'etcd'}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=default={peer_url}",
+            "--listen-metrics-urls=",
+        ],
+    )
     wait_until(lambda: urllib.request.urlopen(f"{etcd_url}/health", timeout=2).status == 200, 30, "etcd", etcd)
 
     server = f"https://127.0.0.1:{api_port}"
     api = sup.start(
         "kube-apiserver",
-        [str(bins / "kube-apiserver"), f"--etcd-servers={etcd_url}", f"--cert-dir={d / 'certs'}",
-         f"--secure-port={api_port}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-         f"--token-auth-file={tokens}", "--authorization-mode=RBAC",
-         f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
-         "--service-account-issuer=https://kubernetes.default.svc",
-         "--service-cluster-ip-range=10.0.0.0/24", "--enable-priority-and-fairness=false",
-         "--allow-privileged=true", "--profiling=false",
-         # Logs (kubectl logs) come from the node's kubelet endpoint: reach it at 127.0.0.1, with a client cert.
-         "--kubelet-preferred-address-types=InternalIP,Hostname",
-         f"--kubelet-client-certificate={kubelet_cert}", f"--kubelet-client-key={kubelet_key}",
-         # Who wrote what, in the apiserver's own order (tests of the operator's replicas read it).
-         f"--audit-policy-file={audit_policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
-         "--audit-log-maxsize=200", "--audit-log-maxbackup=1"],
-    )  # fmt: skip
+        [
+            str(bins / "kube-apiserver"),
+            f"--etcd-servers={etcd_url}",
+            f"--cert-dir={d / 'certs'}",
+            f"--secure-port={api_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--token-auth-file={tokens}",
+            "--authorization-mode=RBAC",
+            f"--service-account-key-file={sa_key}",
+            f"--service-account-signing-key-file={sa_key}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--enable-priority-and-fairness=false",
+            "--allow-privileged=true",
+            "--profiling=false",
+            # Logs (kubectl logs) come from the node's kubelet endpoint: reach it at 127.0.0.1, with a client cert.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            f"--kubelet-client-certificate={kubelet_cert}",
+            f"--kubelet-client-key={kubelet_key}",
+            # Who wrote what, in the apiserver's own order (tests of the operator's replicas read it).
+            f"--audit-policy-file={audit_policy}",
+            f"--audit-log-path={audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=200",
+            "--audit-log-maxbackup=1",
+        ],
+    )
     wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
     sup.host_services.add(api_port, "kube-apiserver")
 
@@ -522,16 +607,31 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     write_kubeconfig(kubeconfig, server, token, d / "certs" / "apiserver.crt")
     sup.start(
         "kube-controller-manager",
-        [str(bins / "kube-controller-manager"), f"--kubeconfig={kubeconfig}",
-         f"--service-account-private-key-file={sa_key}", f"--root-ca-file={d / 'certs' / 'apiserver.crt'}",
-         "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0", "--port=0",
-         "--controllers=*,-csrsigning", "--profiling=false"],
-    )  # fmt: skip
+        [
+            str(bins / "kube-controller-manager"),
+            f"--kubeconfig={kubeconfig}",
+            f"--service-account-private-key-file={sa_key}",
+            f"--root-ca-file={d / 'certs' / 'apiserver.crt'}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            "--secure-port=0",
+            "--port=0",
+            "--controllers=*,-csrsigning",
+            "--profiling=false",
+        ],
+    )
     sup.start(
         "kube-scheduler",
-        [str(bins / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
-         "--bind-address=127.0.0.1", "--port=0", "--secure-port=0", "--profiling=false"],
-    )  # fmt: skip
+        [
+            str(bins / "kube-scheduler"),
+            f"--kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            "--port=0",
+            "--secure-port=0",
+            "--profiling=false",
+        ],
+    )
     # Pods are refused until the controller-manager has made the default ServiceAccount.
     wait_until(
         lambda: _https_get(f"{server}/api/v1/namespaces/default/serviceaccounts/default", token)[0] == 200,
@@ -592,8 +692,11 @@ def _serve(args: argparse.Namespace) -> int:
         assert env.kube is not None and env.s3 is not None
         (state / "kubeconfig").write_text(env.kube.kubeconfig.read_text())
         (state / "kubeconfig").chmod(0o600)
-        s3env = {**env.s3.env(), "SPOTGUARD_S3_BUCKET": env.s3.bucket,
-                 "SPOTGUARD_STORAGE_URI": f"s3://{env.s3.bucket}/checkpoints"}  # fmt: skip
+        s3env = {
+            **env.s3.env(),
+            "SPOTGUARD_S3_BUCKET": env.s3.bucket,
+            "SPOTGUARD_STORAGE_URI": f"s3://{env.s3.bucket}/checkpoints",
+        }
         (state / "s3.env").write_text("".join(f"export {k}={v}\n" for k, v in s3env.items()))
         (state / "s3.env").chmod(0o600)
         if args.nodes:
@@ -601,12 +704,24 @@ def _serve(args: argparse.Namespace) -> int:
             node_state.mkdir(exist_ok=True)
             nodes = env.sup.start(
                 "processnode",
-                [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(state / "kubeconfig"),
-                 "--nodes", str(args.nodes), "--state-dir", str(node_state),
-                 "--client-ca-file", str(env.kube.kubelet_client_ca),
-                 "--host-services-dir", str(env.sup.host_services.directory)],
+                [
+                    sys.executable,
+                    "-m",
+                    "testenv.processnode",
+                    "run",
+                    "--kubeconfig",
+                    str(state / "kubeconfig"),
+                    "--nodes",
+                    str(args.nodes),
+                    "--state-dir",
+                    str(node_state),
+                    "--client-ca-file",
+                    str(env.kube.kubelet_client_ca),
+                    "--host-services-dir",
+                    str(env.sup.host_services.directory),
+                ],
                 extra_env={"PYTHONPATH": str(repo_root())},
-            )  # fmt: skip
+            )
             # The agent writes its control file once its nodes are registered and Ready.
             wait_until(lambda: (node_state / "control.json").exists(), 60, "process nodes", nodes)
         (state / "ready").write_text(env.sup.run_id)
@@ -632,9 +747,12 @@ def _up(args: argparse.Namespace) -> int:
     log = (state / "serve.log").open("ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "testenv.cluster", "serve", "--state-dir", str(state), "--nodes", str(args.nodes)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(repo_root())},
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if (state / "ready").exists():

@@ -61,9 +61,11 @@ class GcsEmulator:
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (already there is fine)."""
         request = urllib.request.Request(
-            f"{self.endpoint_url}/storage/v1/b", data=json.dumps({"name": name}).encode(), method="POST",
+            f"{self.endpoint_url}/storage/v1/b",
+            data=json.dumps({"name": name}).encode(),
+            method="POST",
             headers={"Content-Type": "application/json"},
-        )  # fmt: skip
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as resp:
                 resp.read()
@@ -103,10 +105,23 @@ def start_fake_gcs(sup: Supervisor, bucket: str = "spotguard-test") -> GcsEmulat
     url = f"http://127.0.0.1:{port}"
     svc = sup.start(
         f"fake-gcs-server-{port}",
-        [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-external-url", url,
-         "-backend", "memory", "-log-level", "warn"],
+        [
+            str(binary),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-external-url",
+            url,
+            "-backend",
+            "memory",
+            "-log-level",
+            "warn",
+        ],
         stop_timeout=2.0,
-    )  # fmt: skip
+    )
     emulator = GcsEmulator(url, bucket)
 
     def ready() -> bool:

@@ -69,8 +69,13 @@ Apis = tuple[Any, Any]
 
 
 def kubectl(kube: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args],
-                          capture_output=True, text=True, check=check, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=60,
+    )
 
 
 def apis(kube: Any) -> Apis:
@@ -143,9 +148,18 @@ def audit_writes(kube: Any, namespaces: Collection[str]) -> list[AuditWrite] | N
         if ev.get("stage") != "ResponseComplete" or ref.get("namespace") not in namespaces:
             continue
         resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
-        out.append(AuditWrite(ev.get("requestReceivedTimestamp", ""), ev.get("verb", ""), resource,
-                              ref["namespace"], ref.get("name", ""), int((ev.get("responseStatus") or {}).get(
-                                  "code", 0)), (ev.get("user") or {}).get("username", ""), ev.get("userAgent", "")))
+        out.append(
+            AuditWrite(
+                ev.get("requestReceivedTimestamp", ""),
+                ev.get("verb", ""),
+                resource,
+                ref["namespace"],
+                ref.get("name", ""),
+                int((ev.get("responseStatus") or {}).get("code", 0)),
+                (ev.get("user") or {}).get("username", ""),
+                ev.get("userAgent", ""),
+            )
+        )
     return sorted(out, key=lambda w: w.at)
 
 
@@ -165,9 +179,16 @@ def lease_holder(api_client: Any, namespace: str, name: str) -> str | None:
 # --- the operator -----------------------------------------------------------------
 
 
-def operator_process(kube: Any, namespace: str, log_path: Path, *, image: str = IMAGE,
-                     resync_seconds: float | None = 2, poll_seconds: float = 1,
-                     extra_args: Iterable[str] = ()) -> OperatorProcess:
+def operator_process(
+    kube: Any,
+    namespace: str,
+    log_path: Path,
+    *,
+    image: str = IMAGE,
+    resync_seconds: float | None = 2,
+    poll_seconds: float = 1,
+    extra_args: Iterable[str] = (),
+) -> OperatorProcess:
     """The operator watching ``namespace`` with classic sidecars, not started yet.
 
     ``resync_seconds`` None leaves the operator's default; ``poll_seconds`` is
@@ -193,8 +214,12 @@ def shell_trainer(script: str, env: dict[str, str] | None = None) -> dict[str, A
 
     One GPU per pod and one per process node: each pod on a node of its own.
     """
-    container: dict[str, Any] = {"name": "trainer", "image": "busybox", "command": ["sh", "-c", script],
-                                 "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": "busybox",
+        "command": ["sh", "-c", script],
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+    }
     if env is not None:
         container["env"] = [{"name": k, "value": v} for k, v in env.items()]
     return container
@@ -202,13 +227,27 @@ def shell_trainer(script: str, env: dict[str, str] | None = None) -> dict[str, A
 
 def fast_preemption(max_preemptions: int, backoff_limit: int, grace: int, **extra: Any) -> dict[str, Any]:
     """``spec.preemption`` with no backoff before the next attempt, after a failure or a preemption."""
-    return {"maxPreemptions": max_preemptions, "backoffLimit": backoff_limit, "gracePeriodSeconds": grace,
-            "backoff": {"initialSeconds": 0}, "preemptionBackoff": {"initialSeconds": 0}, **extra}  # fmt: skip
+    return {
+        "maxPreemptions": max_preemptions,
+        "backoffLimit": backoff_limit,
+        "gracePeriodSeconds": grace,
+        "backoff": {"initialSeconds": 0},
+        "preemptionBackoff": {"initialSeconds": 0},
+        **extra,
+    }
 
 
-def job_body(name: str, storage: str, trainer: dict[str, Any], *, nodes: int | None = None,
-             node_selector: dict[str, str] | None = None, pod_spec: dict[str, Any] | None = None,
-             every_steps: int | None = None, **spec: Any) -> dict[str, Any]:
+def job_body(
+    name: str,
+    storage: str,
+    trainer: dict[str, Any],
+    *,
+    nodes: int | None = None,
+    node_selector: dict[str, str] | None = None,
+    pod_spec: dict[str, Any] | None = None,
+    every_steps: int | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
     """A TrainingJob whose pods run the one container ``trainer``.
 
     ``pod_spec`` adds fields to the pod template's spec; ``spec`` sets (replaces)
@@ -224,8 +263,7 @@ def job_body(name: str, storage: str, trainer: dict[str, Any], *, nodes: int | N
     if nodes is not None:
         body_spec["nodes"] = nodes
     body_spec.update(spec)
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": body_spec}  # fmt: skip
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name}, "spec": body_spec}
 
 
 def create_job(apis: Apis, ns: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -249,9 +287,18 @@ def cond(st: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in st.get("conditions") or [] if c["type"] == type_), {})
 
 
-def wait_status(apis: Apis, ns: str, name: str, what: str, pred: Callable[[dict[str, Any]], Any],
-                timeout: float = 60, interval: float = 0.2, *, stop_if_failed: bool = False,
-                describe: Callable[[], str] | None = None) -> dict[str, Any]:
+def wait_status(
+    apis: Apis,
+    ns: str,
+    name: str,
+    what: str,
+    pred: Callable[[dict[str, Any]], Any],
+    timeout: float = 60,
+    interval: float = 0.2,
+    *,
+    stop_if_failed: bool = False,
+    describe: Callable[[], str] | None = None,
+) -> dict[str, Any]:
     """Wait until ``pred(status)`` holds; the status then.
 
     ``stop_if_failed``: a job that reaches phase Failed first fails the wait at
@@ -284,14 +331,14 @@ def wait_events(apis: Apis, ns: str, name: str, wanted: set[str]) -> None:
     """Wait until the job has Events with every reason in ``wanted``: kopf posts
     Events from a background queue, so they may land just after the status."""
     try:
-        wait_for(lambda: wanted <= {r for _t, r, _m in events(apis, ns, name)}, f"Events {sorted(wanted)}",
-                 timeout=30)  # fmt: skip
+        wait_for(lambda: wanted <= {r for _t, r, _m in events(apis, ns, name)}, f"Events {sorted(wanted)}", timeout=30)
     except TimeoutError:
         raise AssertionError(f"{name}: Events {[r for _t, r, _m in events(apis, ns, name)]}") from None
 
 
-def wait_event(apis: Apis, ns: str, name: str, what: str, pred: Callable[[str, str, str], Any],
-               timeout: float = 30) -> tuple[str, str, str]:
+def wait_event(
+    apis: Apis, ns: str, name: str, what: str, pred: Callable[[str, str, str], Any], timeout: float = 30
+) -> tuple[str, str, str]:
     """An Event on the job for which ``pred(type, reason, message)`` holds (kopf posts them a little later)."""
 
     def check() -> tuple[str, str, str] | None:
@@ -311,12 +358,18 @@ def delete_jobs(apis: Apis, ns: str, *, pods: bool = True) -> None:
     """
     core, custom = apis
     custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
-    wait_for(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
-             f"the TrainingJobs in {ns} to be deleted", timeout=60)  # fmt: skip
+    wait_for(
+        lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
+        f"the TrainingJobs in {ns} to be deleted",
+        timeout=60,
+    )
     if pods:
         core.delete_collection_namespaced_pod(ns, label_selector="spotguard.dev/job", grace_period_seconds=0)
-        wait_for(lambda: not core.list_namespaced_pod(ns, label_selector="spotguard.dev/job").items,
-                 f"the pods in {ns} to be gone", timeout=60)  # fmt: skip
+        wait_for(
+            lambda: not core.list_namespaced_pod(ns, label_selector="spotguard.dev/job").items,
+            f"the pods in {ns} to be gone",
+            timeout=60,
+        )
 
 
 # --- a namespace with its own operator, on process nodes ------------------------------
@@ -369,20 +422,32 @@ class Env:
         evs = [f"{r}: {m}" for _t, r, m in self.events(job)]
         return "pods:\n  " + "\n  ".join(lines) + "\nevents:\n  " + "\n  ".join(evs)
 
-    def wait_status(self, name: str, what: str, pred: Callable[[dict[str, Any]], Any], timeout: float = 90,
-                    interval: float = 0.2) -> dict[str, Any]:
+    def wait_status(
+        self, name: str, what: str, pred: Callable[[dict[str, Any]], Any], timeout: float = 90, interval: float = 0.2
+    ) -> dict[str, Any]:
         """:func:`wait_status`, given up at once when the job fails first."""
-        return wait_status(self.apis, self.ns, name, what, pred, timeout, interval, stop_if_failed=True,
-                           describe=lambda: self.describe(name))  # fmt: skip
+        return wait_status(
+            self.apis,
+            self.ns,
+            name,
+            what,
+            pred,
+            timeout,
+            interval,
+            stop_if_failed=True,
+            describe=lambda: self.describe(name),
+        )
 
-    def wait_event(self, name: str, what: str, pred: Callable[[str, str, str], Any],
-                   timeout: float = 30) -> tuple[str, str, str]:
+    def wait_event(
+        self, name: str, what: str, pred: Callable[[str, str, str], Any], timeout: float = 30
+    ) -> tuple[str, str, str]:
         return wait_event(self.apis, self.ns, name, what, pred, timeout)
 
 
 @contextlib.contextmanager
-def operator_namespace(kube: Any, apis: Apis, nodes: Any, prefix: str, log_dir: Path,
-                       **operator_options: Any) -> Iterator[Env]:
+def operator_namespace(
+    kube: Any, apis: Apis, nodes: Any, prefix: str, log_dir: Path, **operator_options: Any
+) -> Iterator[Env]:
     """A new namespace ``prefix-...`` and its operator (logging to ``log_dir``) for the block.
 
     At the end every TrainingJob and pod of it is deleted (by a new operator
@@ -471,10 +536,19 @@ class PodWatch:
                 life.added, life.added_at = self.seq, now
             if life.stopped is None and (kind == "DELETED" or phase in ("Succeeded", "Failed")):
                 life.stopped, life.stopped_at = self.seq, now
-            disruption = next((c.reason for c in (pod.status.conditions if pod.status else None) or []
-                               if c.type == "DisruptionTarget" and c.status == "True"), None)  # fmt: skip
-            state = " ".join(x for x in (kind if kind == "DELETED" else phase, meta.deletion_timestamp and "deleting",
-                                         disruption) if x)  # fmt: skip
+            disruption = next(
+                (
+                    c.reason
+                    for c in (pod.status.conditions if pod.status else None) or []
+                    if c.type == "DisruptionTarget" and c.status == "True"
+                ),
+                None,
+            )
+            state = " ".join(
+                x
+                for x in (kind if kind == "DELETED" else phase, meta.deletion_timestamp and "deleting", disruption)
+                if x
+            )
             if not life.states or life.states[-1] != state:
                 life.states.append(state)
 
@@ -559,11 +633,14 @@ NO_NODE = {"spotguard.dev/test-no-node": "true"}
 
 def no_node_job(name: str, storage: str, **spec: Any) -> dict[str, Any]:
     """A one-pod job whose pod no node takes; ``spec`` replaces top-level fields of the job's spec."""
-    trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-               "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
+    trainer = {
+        "name": "trainer",
+        "image": "trainer:1",
+        "command": ["python", "-m", "train"],
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+    }
     preemption = {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5, "backoff": {"initialSeconds": 0}}
-    return job_body(name, storage, trainer, node_selector=NO_NODE, every_steps=10,
-                    **{"preemption": preemption, **spec})  # fmt: skip
+    return job_body(name, storage, trainer, node_selector=NO_NODE, every_steps=10, **{"preemption": preemption, **spec})
 
 
 def pod_names(apis: tuple[Any, Any], ns: str, job: str) -> list[str]:
@@ -583,9 +660,21 @@ def patch_pod_status(apis: tuple[Any, Any], ns: str, pod: str, st: dict[str, Any
 
 
 def terminated(name: str, code: int, reason: str | None = None) -> dict[str, Any]:
-    return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-            "state": {"terminated": {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
-                                     "startedAt": "2030-01-01T00:00:00Z", "finishedAt": "2030-01-01T00:01:00Z"}}}
+    return {
+        "name": name,
+        "ready": False,
+        "restartCount": 0,
+        "image": "x",
+        "imageID": "",
+        "state": {
+            "terminated": {
+                "exitCode": code,
+                "reason": reason or ("Completed" if code == 0 else "Error"),
+                "startedAt": "2030-01-01T00:00:00Z",
+                "finishedAt": "2030-01-01T00:01:00Z",
+            }
+        },
+    }
 
 
 def run_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
@@ -593,23 +682,44 @@ def run_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
 
 
 def succeed_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
-    patch_pod_status(apis, ns, pod, {"phase": "Succeeded", "containerStatuses": [
-        terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
+    patch_pod_status(
+        apis,
+        ns,
+        pod,
+        {"phase": "Succeeded", "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]},
+    )
 
 
 def fail_pod(apis: tuple[Any, Any], ns: str, pod: str, code: int = 1) -> None:
-    patch_pod_status(apis, ns, pod, {"phase": "Failed", "containerStatuses": [
-        terminated("trainer", code), terminated("spotguard-sidecar", 0)]})
+    patch_pod_status(
+        apis,
+        ns,
+        pod,
+        {"phase": "Failed", "containerStatuses": [terminated("trainer", code), terminated("spotguard-sidecar", 0)]},
+    )
 
 
 def shutdown_pod(apis: tuple[Any, Any], ns: str, pod: str) -> None:
     """What kubelet's graceful node shutdown leaves (1.26+)."""
-    patch_pod_status(apis, ns, pod, {
-        "phase": "Failed", "reason": "Terminated",
-        "message": "Pod was terminated in response to imminent node shutdown.",
-        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-                        "message": "Pod was terminated in response to imminent node shutdown."}],
-        "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})
+    patch_pod_status(
+        apis,
+        ns,
+        pod,
+        {
+            "phase": "Failed",
+            "reason": "Terminated",
+            "message": "Pod was terminated in response to imminent node shutdown.",
+            "conditions": [
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "TerminationByKubelet",
+                    "message": "Pod was terminated in response to imminent node shutdown.",
+                }
+            ],
+            "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)],
+        },
+    )
 
 
 def fake_node(core: Any, name: str, labels: dict[str, str]) -> None:
@@ -619,14 +729,29 @@ def fake_node(core: Any, name: str, labels: dict[str, str]) -> None:
     ~40 s old: keep a test on it short, or call ``heartbeat``.
     """
     capacity = {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"}
-    core.create_node({"metadata": {"name": name, "labels": labels},
-                      "status": {"capacity": capacity, "allocatable": capacity}})  # fmt: skip
+    core.create_node(
+        {"metadata": {"name": name, "labels": labels}, "status": {"capacity": capacity, "allocatable": capacity}}
+    )
     heartbeat(core, name)
 
 
 def heartbeat(core: Any, name: str) -> None:
     """Report a fake node Ready now."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    core.patch_node_status(name, {"status": {"conditions": [
-        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready",
-         "lastHeartbeatTime": now, "lastTransitionTime": now}]}})  # fmt: skip
+    core.patch_node_status(
+        name,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "KubeletReady",
+                        "message": "ready",
+                        "lastHeartbeatTime": now,
+                        "lastTransitionTime": now,
+                    }
+                ]
+            }
+        },
+    )

@@ -83,11 +83,15 @@ def main(argv: list[str]) -> int:
         with logs[name].open("wb") as log:
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-m", expr, *lane_args(name, argv), *argv],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
     described = [" ".join([f"{n} (-m {LANES[n]!r}", *lane_args(n, argv)]) + f", {logs[n]})" for n in LANES]
-    print(f"lanes: {', '.join(described)}; "
-          f"{trials.SEED_ENV}={trials.seed()} {trials.SCALE_ENV}={trials.scale()}", flush=True)
+    print(
+        f"lanes: {', '.join(described)}; {trials.SEED_ENV}={trials.seed()} {trials.SCALE_ENV}={trials.scale()}",
+        flush=True,
+    )
 
     def forward(signum: int, _frame: object) -> None:
         for p in procs.values():
@@ -110,8 +114,11 @@ def main(argv: list[str]) -> int:
         what = "no tests collected" if rc == 5 else ("passed" if rc == 0 else "FAILED")
         print(f"==> lane {name}: {what} (exit {rc}), {seconds:.0f} s")
     busy, total = (b - a for a, b in zip(cpu0, cpu_times(), strict=True))
-    print(f"==> lanes: {time.monotonic() - started:.0f} s of wall time; the CPUs were busy "
-          f"{100 * busy / max(total, 1):.0f}% of it (every process on the machine)", flush=True)
+    print(
+        f"==> lanes: {time.monotonic() - started:.0f} s of wall time; the CPUs were busy "
+        f"{100 * busy / max(total, 1):.0f}% of it (every process on the machine)",
+        flush=True,
+    )
     codes = [ended[name][0] for name in LANES]
     if all(rc == 5 for rc in codes):
         return 1  # nothing ran at all

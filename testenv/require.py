@@ -38,8 +38,9 @@ def missing(what: str, hint: str = SETUP_HINT) -> NoReturn:
     """``what`` is missing: skip (with ``hint``, what to install or run) outside CI, fail under CI."""
     message = f"{what}: {hint}"
     if in_ci():
-        pytest.fail(f"{message} ({CI_ENV} is set: a missing requirement fails the test, it is not skipped)",
-                    pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"{message} ({CI_ENV} is set: a missing requirement fails the test, it is not skipped)", pytrace=False
+        )
     pytest.skip(message, allow_module_level=True)
 
 

@@ -119,9 +119,7 @@ def kube(testenv_supervisor: cluster.Supervisor) -> cluster.ControlPlane:
             pytest.exit(f"SPOTGUARD_TEST_KUBECONFIG={external} is not a file", returncode=2)
         from kubernetes import config
 
-        loader = config.kube_config.KubeConfigLoader(
-            config_dict=config.kube_config.yaml.safe_load(path.read_text())
-        )
+        loader = config.kube_config.KubeConfigLoader(config_dict=config.kube_config.yaml.safe_load(path.read_text()))
         server = loader._cluster["server"]  # noqa: SLF001 - no public accessor
         return cluster.ControlPlane(path, server, "", cluster.bin_dir())
     return cluster.start_control_plane(testenv_supervisor)

@@ -191,8 +191,11 @@ def upload_chunks(
                 if info is not None and info.size == ref.size:
                     count("reused", ref.size)
                     return ref
-                log.warning("%s: known chunk %s is missing from storage; uploading it again",
-                            storage.uri_for(ref.key), ref.hash[:12])  # fmt: skip
+                log.warning(
+                    "%s: known chunk %s is missing from storage; uploading it again",
+                    storage.uri_for(ref.key),
+                    ref.hash[:12],
+                )
             storage.write_checked(ref.key, data)
             count("new", ref.size)
             if progress is not None:
@@ -294,8 +297,14 @@ def verify_chunks(
                 if stored.size != ref.size:
                     return where.format(f"size {stored.size} bytes, manifest says {ref.size}"), 0, METHOD_STORE
                 if stored.value != ref.checksum:
-                    return where.format(f"crc32c checksum mismatch (the store computed {stored.value} on "
-                                        f"receipt, manifest says {ref.checksum})"), 0, METHOD_STORE  # fmt: skip
+                    return (
+                        where.format(
+                            f"crc32c checksum mismatch (the store computed {stored.value} on "
+                            f"receipt, manifest says {ref.checksum})"
+                        ),
+                        0,
+                        METHOD_STORE,
+                    )
                 return None, 0, METHOD_STORE
         try:
             data = storage.read_bytes(ref.key)
@@ -321,8 +330,9 @@ def verify_chunks(
     for entry in manifest.files:
         if needs_content(entry.path) or manifest.checksum_algorithm != "crc32c":
             try:
-                problem, nbytes = check_one_file(entry, manifest.checksum_algorithm, entry.size,
-                                                 _reader(partial(stream_file, storage, entry)))  # fmt: skip
+                problem, nbytes = check_one_file(
+                    entry, manifest.checksum_algorithm, entry.size, _reader(partial(stream_file, storage, entry))
+                )
             except (_ChunkDamaged, NotFoundError) as exc:
                 problem, nbytes = str(exc), 0
             checks.read_bytes += nbytes
@@ -406,8 +416,9 @@ def fetch_chunks(
         return problems
     for entry in manifest.files:
         if needs_content(entry.path) or manifest.checksum_algorithm != "crc32c":
-            problem, _ = check_one_file(entry, manifest.checksum_algorithm, entry.size,
-                                        _reader(partial(_read_local, dest / entry.path)))  # fmt: skip
+            problem, _ = check_one_file(
+                entry, manifest.checksum_algorithm, entry.size, _reader(partial(_read_local, dest / entry.path))
+            )
             if problem:
                 problems.append(problem)
     return problems

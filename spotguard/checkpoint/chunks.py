@@ -58,8 +58,9 @@ def hash_chunk(data: bytes | memoryview) -> ChunkRef:
     return ChunkRef(hashlib.sha256(data).hexdigest(), len(data), f"{google_crc32c.value(data):08x}")
 
 
-def group_regions(regions: Sequence[tuple[int, int]], size: int, *, max_chunk: int = MAX_CHUNK,
-                  min_chunk: int = MIN_CHUNK) -> list[tuple[int, int]]:  # fmt: skip
+def group_regions(
+    regions: Sequence[tuple[int, int]], size: int, *, max_chunk: int = MAX_CHUNK, min_chunk: int = MIN_CHUNK
+) -> list[tuple[int, int]]:
     """Chunks ``(offset, length)`` covering ``[0, size)`` given the file's
     layout: ``regions`` are the ``(start, end)`` byte ranges the format
     declares (tensors, archive entries), in any order; the bytes between them

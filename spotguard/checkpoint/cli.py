@@ -45,24 +45,35 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("ls", help="list checkpoints: step, time, size, metrics, verified yes/no and why")
     p.add_argument("uri", metavar="URI")
     p.add_argument("--quick", action="store_true", help="check sizes only, do not read the data")
-    p.add_argument("--deep", action="store_true",
-                   help="read every byte back instead of trusting checksums the store computed on receipt")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="read every byte back instead of trusting checksums the store computed on receipt",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_guard(cmd_ls))
 
     p = sub.add_parser("verify", help="verify checkpoints (all, or URI/ckpt-N); non-zero exit names what is bad")
     p.add_argument("uri", metavar="URI[/ckpt-N]")
-    p.add_argument("--deep", action="store_true",
-                   help="read every byte back instead of trusting checksums the store computed on receipt "
-                   "(finds damage that happened after the store accepted the data)")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="read every byte back instead of trusting checksums the store computed on receipt "
+        "(finds damage that happened after the store accepted the data)",
+    )
     p.set_defaults(func=_guard(cmd_verify))
 
     p = sub.add_parser("restore", help="download the newest verified checkpoint (or URI/ckpt-N) into DEST")
     p.add_argument("uri", metavar="URI[/ckpt-N]")
     p.add_argument("dest", metavar="DEST", type=Path)
-    p.add_argument("--plain", "--export", action="store_true", dest="plain",
-                   help="write a self-contained copy: whole files and a manifest without chunk references "
-                        "(for a checkpoint stored incrementally; to share it, or to hand the files to a framework)")
+    p.add_argument(
+        "--plain",
+        "--export",
+        action="store_true",
+        dest="plain",
+        help="write a self-contained copy: whole files and a manifest without chunk references "
+        "(for a checkpoint stored incrementally; to share it, or to hand the files to a framework)",
+    )
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_restore))
 
@@ -79,14 +90,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mode", choices=("min", "max"), default="min", help="whether lower or higher is better")
     p.add_argument("--keep-every", type=_pos_int, metavar="K", help="keep checkpoints whose step is a multiple of K")
     p.add_argument(
-        "--orphan-grace", type=float, default=3600.0, metavar="SECONDS",
+        "--orphan-grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
         help="delete incomplete prefixes, and chunks no checkpoint uses, only when untouched this long (default "
         "3600; at least the upload lease, SPOTGUARD_GC_LEASE_SECONDS, default 60)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--stale-upload-age", type=float, default=6 * 3600.0, metavar="SECONDS",
+        "--stale-upload-age",
+        type=float,
+        default=6 * 3600.0,
+        metavar="SECONDS",
         help="abort multipart uploads started this long ago (default 21600)",
-    )  # fmt: skip
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.set_defaults(func=_guard(cmd_gc))
 
@@ -109,16 +126,25 @@ def register(subparsers: Any) -> None:
     p.add_argument("uri", metavar="URI[/ckpt-N]")
     p.add_argument("dest", metavar="DEST", type=Path)
     p.add_argument("--format", choices=("hf",), required=True, help="hf: a Hugging Face model folder")
-    p.add_argument("--config", type=Path, metavar="PATH",
-                   help="the model's config.json, or a model directory (its tokenizer files come along); needed "
-                        "for a spotguard state, adds what a Trainer checkpoint lacks")  # fmt: skip
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="the model's config.json, or a model directory (its tokenizer files come along); needed "
+        "for a spotguard state, adds what a Trainer checkpoint lacks",
+    )
     pick = p.add_mutually_exclusive_group()
     pick.add_argument("--best", metavar="METRIC", help="the verified checkpoint with the best recorded METRIC")
     pick.add_argument("--average", type=_pos_int, metavar="N", help="the element-wise mean of the last N verified")
     p.add_argument("--mode", choices=("min", "max"), default="min", help="for --best: lower or higher is better")
     p.add_argument("--part", default="model", help="state part holding the model's state_dict (default: model)")
-    p.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
-                   help="split model.safetensors above this size, with an index (default 5GB)")  # fmt: skip
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="split model.safetensors above this size, with an index (default 5GB)",
+    )
     p.add_argument("--force", action="store_true", help="replace a DEST that is not empty")
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_export))
@@ -129,10 +155,19 @@ def register(subparsers: Any) -> None:
         description="Download the newest verified checkpoint into DEST/ckpt-<step>/. "
         "Exits 0 also when there is none yet.",
     )
-    p.add_argument("--storage", default=from_env(STORAGE_URI), metavar="URI",
-                   help="job checkpoint root (env SPOTGUARD_STORAGE_URI)")  # fmt: skip
-    p.add_argument("--dest", type=Path, default=_env_path(CHECKPOINT_DIR), metavar="DIR",
-                   help="local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR)")  # fmt: skip
+    p.add_argument(
+        "--storage",
+        default=from_env(STORAGE_URI),
+        metavar="URI",
+        help="job checkpoint root (env SPOTGUARD_STORAGE_URI)",
+    )
+    p.add_argument(
+        "--dest",
+        type=Path,
+        default=_env_path(CHECKPOINT_DIR),
+        metavar="DIR",
+        help="local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR)",
+    )
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_init_restore))
 
@@ -161,9 +196,6 @@ def _pos_int(raw: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {raw}")
     return value
-
-
-
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -326,8 +358,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         mark = "*" if r["latest"] else " "
         shards = f"{_sharding_str(r['sharding']):<16}  " if sharded else ""
         new = f"{_human(r['new_bytes']) if r['new_bytes'] is not None else '-':>10}  " if chunked else ""
-        print(f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {new}{shards}"
-              f"{_metrics_str(r['metrics']):<24}  {verified}")  # fmt: skip
+        print(
+            f"{r['step']:>12}{mark} {created:<20}  {size:>10}  {new}{shards}"
+            f"{_metrics_str(r['metrics']):<24}  {verified}"
+        )
     return EXIT_OK
 
 
@@ -337,11 +371,19 @@ def _sharding_row(result: Any) -> dict[str, Any] | None:
     manifest), parts and the parts present."""
     m = result.manifest
     if m is not None and m.sharding is not None:
-        return {"world_size": m.sharding.world_size, "parts": m.sharding.parts,
-                "parts_present": list(range(m.sharding.parts)), "complete": True}  # fmt: skip
+        return {
+            "world_size": m.sharding.world_size,
+            "parts": m.sharding.parts,
+            "parts_present": list(range(m.sharding.parts)),
+            "complete": True,
+        }
     if result.parts_total is not None or result.parts_present:
-        return {"world_size": None, "parts": result.parts_total, "parts_present": list(result.parts_present or []),
-                "complete": False}  # fmt: skip
+        return {
+            "world_size": None,
+            "parts": result.parts_total,
+            "parts_present": list(result.parts_present or []),
+            "complete": False,
+        }
     return None
 
 
@@ -370,10 +412,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = verify_checkpoint(storage, n, deep=args.deep)
         if result.ok and result.manifest is not None:
             m = result.manifest
-            shards = (f", {m.sharding.world_size} ranks in {m.sharding.parts} parts"
-                      if m.sharding is not None else "")  # fmt: skip
-            print(f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm}{shards}, "
-                  f"by {result.method or 'manifest'})")
+            shards = f", {m.sharding.world_size} ranks in {m.sharding.parts} parts" if m.sharding is not None else ""
+            print(
+                f"{n}: ok ({len(m.files)} files, {_human(m.total_size)}, {m.checksum_algorithm}{shards}, "
+                f"by {result.method or 'manifest'})"
+            )
         else:
             failed += 1
             print(f"{n}: FAILED")
@@ -443,9 +486,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.keep_best is not None and not args.metric:
         raise UserError("--keep-best needs --metric NAME")
     policy = RetentionPolicy(
-        keep_last=args.keep_last, keep_best=args.keep_best, metric=args.metric, mode=args.mode,
+        keep_last=args.keep_last,
+        keep_best=args.keep_best,
+        metric=args.metric,
+        mode=args.mode,
         keep_every=args.keep_every,
-    )  # fmt: skip
+    )
     try:
         check_orphan_grace(args.orphan_grace)
     except ValueError as exc:
@@ -471,8 +517,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.chunk_sweep_aborted:
         print(f"kept every chunk: {report.chunk_sweep_aborted}")
     elif report.chunks_deleted:
-        print(f"{verb:<7} {len(report.chunks_deleted)} unused chunk(s), {_human(report.chunk_bytes_freed)} "
-              "(no kept checkpoint uses them)")  # fmt: skip
+        print(
+            f"{verb:<7} {len(report.chunks_deleted)} unused chunk(s), {_human(report.chunk_bytes_freed)} "
+            "(no kept checkpoint uses them)"
+        )
     return EXIT_OK
 
 
@@ -516,13 +564,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     root, name = split_checkpoint_uri(args.uri)
     storage = _open(root)
     result = export.export_hf(
-        storage, name, args.dest, config=args.config, best=args.best, mode=args.mode, average=args.average,
-        part=args.part, max_shard_size=args.max_shard_size, force=args.force, bars=_bars(args.progress),
+        storage,
+        name,
+        args.dest,
+        config=args.config,
+        best=args.best,
+        mode=args.mode,
+        average=args.average,
+        part=args.part,
+        max_shard_size=args.max_shard_size,
+        force=args.force,
+        bars=_bars(args.progress),
         note=_note,
-    )  # fmt: skip
+    )
     src = result.sources
-    what = (f"the average of steps {', '.join(str(m.step) for m in src)}" if len(src) > 1
-            else f"{src[0].name} (step {src[0].step})")  # fmt: skip
+    what = (
+        f"the average of steps {', '.join(str(m.step) for m in src)}"
+        if len(src) > 1
+        else f"{src[0].name} (step {src[0].step})"
+    )
     print(f"exported {what} to {result.dest}: {', '.join(result.files)}")
     weights = result.weights
     if weights is not None and weights.architecture is None:

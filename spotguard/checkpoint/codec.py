@@ -39,20 +39,53 @@ class StateError(ValueError):
 
 # safetensors dtype names <-> numpy dtype strings; torch dtypes are mapped lazily.
 _NUMPY_TO_ST = {
-    "float64": "F64", "float32": "F32", "float16": "F16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-}  # fmt: skip
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 _TORCH_TO_ST = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}  # fmt: skip
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
 _ST_ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 @dataclass
@@ -187,11 +220,7 @@ class _Snapshotter:
             return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
         if isinstance(value, Mapping):
             metadata = getattr(value, "_metadata", None)
-            plain = (
-                all(isinstance(k, str) for k in value)
-                and TAG not in value
-                and not isinstance(value, OrderedDict)
-            )
+            plain = all(isinstance(k, str) for k in value) and TAG not in value and not isinstance(value, OrderedDict)
             if plain:
                 return {k: self.encode(v, (*path, k)) for k, v in value.items()}
             doc: dict[str, Any] = {
@@ -422,8 +451,9 @@ def parse_safetensors_header(header: bytes, file_size: int) -> list[TensorSpan]:
     at = base
     for t in spans:
         if t.start != at:
-            raise StateError(f"tensor {t.key!r}: data at offset {t.start - base}, expected {at - base} "
-                             "(overlapping or a gap)")  # fmt: skip
+            raise StateError(
+                f"tensor {t.key!r}: data at offset {t.start - base}, expected {at - base} (overlapping or a gap)"
+            )
         at = t.end
     if at != file_size:
         raise StateError(f"tensors end at byte {at}, the file has {file_size}")

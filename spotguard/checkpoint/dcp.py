@@ -94,8 +94,9 @@ def parse_metadata(data: bytes) -> Any:
         if not isinstance(path, str) or not _DATA_FILE.match(path):
             raise UnsafeMetadataError(f"DCP metadata: data file {path!r} is not a DCP data file of this directory")
         if info.transform_descriptors:
-            raise UnsafeMetadataError(f"DCP metadata: {index.fqn!r} uses stream transforms "
-                                      f"{info.transform_descriptors}")  # fmt: skip
+            raise UnsafeMetadataError(
+                f"DCP metadata: {index.fqn!r} uses stream transforms {info.transform_descriptors}"
+            )
     return metadata
 
 

@@ -108,8 +108,10 @@ def config_sources(path: Path) -> dict[str, Path]:
     if not path.is_dir():
         raise ExportError(f"--config {path}: no such file or directory")
     if not (path / CONFIG_NAME).is_file():
-        raise ExportError(f"--config {path}: no {CONFIG_NAME} in it (pass a model directory saved with "
-                          "save_pretrained, or the config.json file)")  # fmt: skip
+        raise ExportError(
+            f"--config {path}: no {CONFIG_NAME} in it (pass a model directory saved with "
+            "save_pretrained, or the config.json file)"
+        )
     out = {CONFIG_NAME: path / CONFIG_NAME}
     for name in MODEL_FOLDER_EXTRAS:
         if (path / name).is_file():
@@ -147,8 +149,9 @@ def export_hf(
     :class:`CheckpointCorruptError` or a storage error; ``dest`` is then
     unchanged."""
     if name is not None and (best is not None or average is not None):
-        raise ExportError("--best and --average choose among all checkpoints: give the storage root URI, "
-                          "not one checkpoint")  # fmt: skip
+        raise ExportError(
+            "--best and --average choose among all checkpoints: give the storage root URI, not one checkpoint"
+        )
     if best is not None and average is not None:
         raise ExportError("--best and --average exclude each other")
     dest = Path(os.path.abspath(dest))  # "." and ".." resolved: the name is the folder's
@@ -164,8 +167,10 @@ def export_hf(
         sources = last_verified(storage, average or 1, part, flag="--average", note=note)
     layout = layout_of(sources[0], part)
     if layout != LAYOUT_FOLDER and not extra:
-        raise ExportError(f"{sources[0].name} holds a spotguard state, without the model's config: pass --config "
-                          "PATH (the model's config.json, or a directory saved with save_pretrained)")  # fmt: skip
+        raise ExportError(
+            f"{sources[0].name} holds a spotguard state, without the model's config: pass --config "
+            "PATH (the model's config.json, or a directory saved with save_pretrained)"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = dest.parent / f".{dest.name}.spotguard-export-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -180,8 +185,17 @@ def export_hf(
     return result
 
 
-def _build(storage: Storage, sources: list[Manifest], layout: str, staging: Path, extra: Mapping[str, Path],
-           part: str, max_shard_size: int, averaged: bool, bars: BarFactory) -> ExportResult:  # fmt: skip
+def _build(
+    storage: Storage,
+    sources: list[Manifest],
+    layout: str,
+    staging: Path,
+    extra: Mapping[str, Path],
+    part: str,
+    max_shard_size: int,
+    averaged: bool,
+    bars: BarFactory,
+) -> ExportResult:
     newest = sources[0]
     result = ExportResult(staging, sources, layout, [])
     if layout == LAYOUT_FOLDER:
@@ -194,8 +208,10 @@ def _build(storage: Storage, sources: list[Manifest], layout: str, staging: Path
         if not (staging / rel).exists():
             shutil.copyfile(src, staging / rel)
     if not (staging / CONFIG_NAME).is_file():
-        raise ExportError(f"{newest.name} holds no {CONFIG_NAME}: pass --config PATH (the model's config.json, or "
-                          "a directory saved with save_pretrained)")  # fmt: skip
+        raise ExportError(
+            f"{newest.name} holds no {CONFIG_NAME}: pass --config PATH (the model's config.json, or "
+            "a directory saved with save_pretrained)"
+        )
     if layout != LAYOUT_FOLDER or averaged:
         with tempfile.TemporaryDirectory(prefix=".spotguard-export-", dir=staging.parent) as tmp:
             if averaged:

@@ -78,9 +78,11 @@ class Stopped(Exception):
 
 
 def plan_storage_retention(
-    storage: Storage, policy: RetentionPolicy, newest_verified: str | None = None,
+    storage: Storage,
+    policy: RetentionPolicy,
+    newest_verified: str | None = None,
     should_stop: Callable[[], bool] | None = None,
-) -> tuple[RetentionPlan, str | None]:  # fmt: skip
+) -> tuple[RetentionPlan, str | None]:
     """Build the retention plan for a storage root: candidates are checkpoints
     with a readable manifest; the newest verified one is found by verification
     unless the caller knows it (an uploader that just verified it).
@@ -226,8 +228,9 @@ class ChunkSweep:
     aborted: str | None = None
 
 
-def plan_sweep(chunks: Mapping[str, ObjectInfo], referenced: Collection[str], grace: float, now: float,
-               floor: float | None = None) -> list[str]:  # fmt: skip
+def plan_sweep(
+    chunks: Mapping[str, ObjectInfo], referenced: Collection[str], grace: float, now: float, floor: float | None = None
+) -> list[str]:
     """The chunks to delete, as sorted digests: those of ``chunks`` (digest ->
     stored object) that are not ``referenced``, whose object is at least
     ``grace`` seconds old at ``now``, and, when an upload is in progress,
@@ -236,9 +239,10 @@ def plan_sweep(chunks: Mapping[str, ObjectInfo], referenced: Collection[str], gr
     chunk may also have just been uploaded again for a checkpoint the mark
     did not see."""
     return sorted(
-        d for d, info in chunks.items()
+        d
+        for d, info in chunks.items()
         if d not in referenced and now - info.modified >= grace and (floor is None or info.modified < floor - 1.0)
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -276,8 +280,7 @@ def _mark_manifests(storage: Storage, marks: _Marks, should_stop: Callable[[], b
             marks.referenced |= _chunks_of(data, expected_name=name)
         except ManifestError as exc:
             # It can never verify, so no resume needs its chunks.
-            log.warning("chunk sweep: %s is unreadable (%s); its chunks are not kept for it",
-                        storage.uri_for(key), exc)  # fmt: skip
+            log.warning("chunk sweep: %s is unreadable (%s); its chunks are not kept for it", storage.uri_for(key), exc)
 
 
 def _mark(storage: Storage, grace: float, now: float, should_stop: Callable[[], bool] | None = None) -> _Marks:
@@ -431,8 +434,9 @@ def sweep_chunks(
         storage.delete(expired)
         sweep.tombstones_deleted = expired
     if sweep.deleted:
-        log.info("chunk sweep: deleted %d chunks (%d bytes) from %s", len(sweep.deleted), sweep.freed_bytes,
-                 storage.uri)  # fmt: skip
+        log.info(
+            "chunk sweep: deleted %d chunks (%d bytes) from %s", len(sweep.deleted), sweep.freed_bytes, storage.uri
+        )
     return sweep
 
 

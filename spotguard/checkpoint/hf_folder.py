@@ -47,22 +47,50 @@ MODEL_PREFIX = "model."
 
 #: A Trainer checkpoint's training state: resuming needs it, the model does not.
 TRAINING_STATE = (
-    "optimizer.*", "scheduler.*", "scaler.*", "rng_state*.pth", "trainer_state.json", "training_args.bin",
-    "global_step*", "latest", "zero_to_fp32.py", "optimizer_*", "pytorch_model_fsdp_*",
-)  # fmt: skip
+    "optimizer.*",
+    "scheduler.*",
+    "scaler.*",
+    "rng_state*.pth",
+    "trainer_state.json",
+    "training_args.bin",
+    "global_step*",
+    "latest",
+    "zero_to_fp32.py",
+    "optimizer_*",
+    "pytorch_model_fsdp_*",
+)
 #: Files of a model folder besides its config and weights (copied from ``--config DIR``).
 MODEL_FOLDER_EXTRAS = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
     "processor_config.json",
-)  # fmt: skip
+)
 _WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS = {
-    "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}  # fmt: skip
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class ExportError(ValueError):
@@ -171,9 +199,10 @@ def key_mismatch(
     have = set(keys)
     sources = {source: target for target, source in tied.items()}
     missing = sorted(
-        k for k in set(expected) - have
+        k
+        for k in set(expected) - have
         if not (k in tied and tied[k] in have) and not (k in sources and sources[k] in have)
-    )  # fmt: skip
+    )
     return missing, sorted(have - set(expected))
 
 
@@ -207,8 +236,10 @@ def shard_index(shards: Sequence[Sequence[str]], sizes: Mapping[str, int]) -> di
     """Pure: the standard ``model.safetensors.index.json`` document for ``shards``."""
     files = shard_file_names(len(shards))
     weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
-    return {"metadata": {"total_size": sum(sizes[n] for n in weight_map)},
-            "weight_map": dict(sorted(weight_map.items()))}  # fmt: skip
+    return {
+        "metadata": {"total_size": sum(sizes[n] for n in weight_map)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
 
 
 def index_weight_files(doc: Any) -> list[str]:
@@ -310,9 +341,11 @@ def prepare_weights(tensors: Mapping[str, torch.Tensor], model: ModelKeys | None
     drop, clone = resolve_tied(renamed, shared_storage_groups(renamed), tied)
     for target in sorted(drop):
         if not torch.equal(renamed[target], renamed[tied[target]]):
-            raise ExportError(f"{what}: {target} differs from {tied[target]}, but the config ties them "
-                              "(tie_word_embeddings): the exported model would not be the trained one; "
-                              "pass the config the model was trained with (--config)")  # fmt: skip
+            raise ExportError(
+                f"{what}: {target} differs from {tied[target]}, but the config ties them "
+                "(tie_word_embeddings): the exported model would not be the trained one; "
+                "pass the config the model was trained with (--config)"
+            )
     out = {k: (t.clone() if k in clone else t) for k, t in renamed.items() if k not in drop}
     if model is not None:
         missing, unexpected = key_mismatch(out, model.expected, tied)
@@ -321,11 +354,18 @@ def prepare_weights(tensors: Mapping[str, torch.Tensor], model: ModelKeys | None
             if unexpected:
                 said.append(f"{len(unexpected)} keys it does not have (e.g. {', '.join(unexpected[:3])})")
             removed = f" after removing the prefix {prefix!r}" if prefix else ""
-            raise ExportError(f"{what} does not fit {model.architecture}{removed}: {'; '.join(said)}; pass the "
-                              "config of the model that was trained (--config), or the state part that holds "
-                              "its state_dict (--part)")  # fmt: skip
-    return PreparedWeights(out, prefix, {k: tied[k] for k in sorted(drop)}, sorted(clone),
-                           model.architecture if model is not None else None)  # fmt: skip
+            raise ExportError(
+                f"{what} does not fit {model.architecture}{removed}: {'; '.join(said)}; pass the "
+                "config of the model that was trained (--config), or the state part that holds "
+                "its state_dict (--part)"
+            )
+    return PreparedWeights(
+        out,
+        prefix,
+        {k: tied[k] for k in sorted(drop)},
+        sorted(clone),
+        model.architecture if model is not None else None,
+    )
 
 
 def write_weights(
@@ -348,8 +388,25 @@ def write_weights(
 
 
 __all__ = [
-    "CONFIG_NAME", "DEFAULT_MAX_SHARD_SIZE", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "ExportError",
-    "ModelKeys", "PreparedWeights", "choose_prefix", "describe_model", "folder_export_files", "index_weight_files",
-    "is_weight_file", "key_mismatch", "parse_size", "plan_shards", "prepare_weights", "resolve_tied",
-    "shard_file_names", "shard_index", "shared_storage_groups", "write_weights",
-]  # fmt: skip
+    "CONFIG_NAME",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "ExportError",
+    "ModelKeys",
+    "PreparedWeights",
+    "choose_prefix",
+    "describe_model",
+    "folder_export_files",
+    "index_weight_files",
+    "is_weight_file",
+    "key_mismatch",
+    "parse_size",
+    "plan_shards",
+    "prepare_weights",
+    "resolve_tied",
+    "shard_file_names",
+    "shard_index",
+    "shared_storage_groups",
+    "write_weights",
+]

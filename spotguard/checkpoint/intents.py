@@ -124,19 +124,22 @@ def read_intents(storage: Storage, now: float | None = None, lease: float | None
             doc = {}
         known = doc.get("known") if isinstance(doc, dict) else None
         checkpoint = doc.get("checkpoint") if isinstance(doc, dict) else None
-        found.live.append(Intent(
-            key=key,
-            checkpoint=checkpoint if isinstance(checkpoint, str) else "",
-            known=frozenset(d for d in known if isinstance(d, str)) if isinstance(known, list) else frozenset(),
-            # An unreadable intent protects everything stored since it was.
-            since=info.modified,
-        ))  # fmt: skip
+        found.live.append(
+            Intent(
+                key=key,
+                checkpoint=checkpoint if isinstance(checkpoint, str) else "",
+                known=frozenset(d for d in known if isinstance(d, str)) if isinstance(known, list) else frozenset(),
+                # An unreadable intent protects everything stored since it was.
+                since=info.modified,
+            )
+        )
     return found
 
 
 @contextmanager
-def upload_intent(storage: Storage, checkpoint: str, known: Iterable[str] = (),
-                  lease: float | None = None) -> Iterator[str]:  # fmt: skip
+def upload_intent(
+    storage: Storage, checkpoint: str, known: Iterable[str] = (), lease: float | None = None
+) -> Iterator[str]:
     """Make an upload of ``checkpoint`` that may reuse ``known`` visible to
     collectors for as long as the block runs; yields the intent's key.
     Storage errors writing the intent propagate (the upload must not go on

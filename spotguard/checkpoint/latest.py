@@ -40,8 +40,12 @@ def latest_verified(
         if result.ok and result.manifest is not None:
             return CheckpointInfo.from_manifest(result.manifest, storage.uri_for(name)), skipped
         skipped.append(Skipped(name, parse_checkpoint_name(name) or 0, result.reason))
-        log.log(logging.DEBUG if quiet else logging.WARNING, "skipping checkpoint %s: %s",
-                storage.uri_for(name), result.reason)  # fmt: skip
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "skipping checkpoint %s: %s",
+            storage.uri_for(name),
+            result.reason,
+        )
     return None, skipped
 
 

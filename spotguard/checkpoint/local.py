@@ -140,8 +140,7 @@ class LocalWriter:
         ``state.json`` (below ``prefix``, e.g. ``ranks/00001/``)."""
         for file, blobs in sorted(snapshot.tensors.items()):
             self.add_file(prefix + file, iter_safetensors(blobs))
-        self.add_bytes(prefix + STATE_FILE,
-                       json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())  # fmt: skip
+        self.add_bytes(prefix + STATE_FILE, json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())
 
     def add_written(self, path: str) -> FileEntry:
         """Record a data file another library already wrote into the
@@ -182,9 +181,18 @@ class LocalWriter:
             self._check_deadline()
         files = list(self.entries) if entries is None else sorted(entries, key=lambda e: e.path)
         manifest = new_manifest(
-            self.step, files, self.algorithm, epoch=epoch, metrics=metrics, job=job, attempt=attempt,
-            reason=reason, request_id=request_id, timing=timing, sharding=sharding,
-        )  # fmt: skip
+            self.step,
+            files,
+            self.algorithm,
+            epoch=epoch,
+            metrics=metrics,
+            job=job,
+            attempt=attempt,
+            reason=reason,
+            request_id=request_id,
+            timing=timing,
+            sharding=sharding,
+        )
         # Nested directories (dcp/, ranks/<r>/): their entries must be durable too.
         for sub in sorted({str(Path(f.path).parent) for f in files if "/" in f.path}, reverse=True):
             fsync_dir(self.tmp / sub)
@@ -248,8 +256,9 @@ def write_checkpoint(
         if snapshot_seconds is not None:
             timing["snapshot_seconds"] = round(snapshot_seconds, 6)
             timing["save_seconds"] = round(snapshot_seconds + timing["persist_seconds"], 6)
-        return writer.commit(epoch=epoch, metrics=metrics, job=job, attempt=attempt, reason=reason,
-                             request_id=request_id, timing=timing)  # fmt: skip
+        return writer.commit(
+            epoch=epoch, metrics=metrics, job=job, attempt=attempt, reason=reason, request_id=request_id, timing=timing
+        )
     except BaseException:
         writer.abort()
         raise
@@ -474,8 +483,9 @@ def load_rank_state(path: Path, manifest: Manifest, prefix: str) -> dict[str, An
     def load_file(name: str, as_torch: bool) -> Mapping[str, Any]:
         full = prefix + name
         if "/" in name or full not in listed or not name.endswith(".safetensors"):
-            raise StateError(f"{prefix}{STATE_FILE} references {name!r}, which is not a safetensors file "
-                             "of this checkpoint")  # fmt: skip
+            raise StateError(
+                f"{prefix}{STATE_FILE} references {name!r}, which is not a safetensors file of this checkpoint"
+            )
         key = (full, as_torch)
         if key not in cache:
             cache[key] = load_safetensors(path / full, as_torch)

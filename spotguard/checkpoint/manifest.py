@@ -169,8 +169,12 @@ class Sharding:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``sharding`` object of the manifest."""
-        doc: dict[str, Any] = {"world_size": self.world_size, "parts": self.parts, "part": self.part,
-                               "ranks": list(self.ranks)}  # fmt: skip
+        doc: dict[str, Any] = {
+            "world_size": self.world_size,
+            "parts": self.parts,
+            "part": self.part,
+            "ranks": list(self.ranks),
+        }
         if self.save_id is not None:
             doc["save_id"] = self.save_id
         return doc
@@ -285,11 +289,20 @@ def to_chunked(manifest: Manifest, chunks: Mapping[str, Iterable[ChunkRef]]) -> 
             raise ManifestError(f"{f.path}: no chunks given")
         files.append(FileEntry(f.path, f.size, f.checksum, tuple(chunks[f.path])))
     out = Manifest(
-        step=manifest.step, files=tuple(files), checksum_algorithm=manifest.checksum_algorithm,
-        created=manifest.created, writer=manifest.writer, epoch=manifest.epoch, metrics=dict(manifest.metrics),
-        job=manifest.job, attempt=manifest.attempt, reason=manifest.reason, request_id=manifest.request_id,
-        timing=manifest.timing, format_version=FORMAT_VERSION_CHUNKED,
-    )  # fmt: skip
+        step=manifest.step,
+        files=tuple(files),
+        checksum_algorithm=manifest.checksum_algorithm,
+        created=manifest.created,
+        writer=manifest.writer,
+        epoch=manifest.epoch,
+        metrics=dict(manifest.metrics),
+        job=manifest.job,
+        attempt=manifest.attempt,
+        reason=manifest.reason,
+        request_id=manifest.request_id,
+        timing=manifest.timing,
+        format_version=FORMAT_VERSION_CHUNKED,
+    )
     return parse_manifest(out.to_json())
 
 
@@ -300,13 +313,21 @@ def to_plain(manifest: Manifest) -> Manifest:
         return manifest
     files = tuple(FileEntry(f.path, f.size, f.checksum) for f in manifest.files)
     out = Manifest(
-        step=manifest.step, files=files, checksum_algorithm=manifest.checksum_algorithm,
-        created=manifest.created, writer=manifest.writer, epoch=manifest.epoch, metrics=dict(manifest.metrics),
-        job=manifest.job, attempt=manifest.attempt, reason=manifest.reason, request_id=manifest.request_id,
+        step=manifest.step,
+        files=files,
+        checksum_algorithm=manifest.checksum_algorithm,
+        created=manifest.created,
+        writer=manifest.writer,
+        epoch=manifest.epoch,
+        metrics=dict(manifest.metrics),
+        job=manifest.job,
+        attempt=manifest.attempt,
+        reason=manifest.reason,
+        request_id=manifest.request_id,
         timing=manifest.timing,
         format_version=FORMAT_VERSION_SINGLE if manifest.sharding is None else FORMAT_VERSION_SHARDED,
         sharding=manifest.sharding,
-    )  # fmt: skip
+    )
     return parse_manifest(out.to_json())
 
 
@@ -496,11 +517,7 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ManifestError(f"{path}: size must be a non-negative integer, got {size!r}")
         checksum = entry.get("checksum")
-        if (
-            not isinstance(checksum, str)
-            or len(checksum) != _HEX_LEN[algorithm]
-            or not _HEX_RE.match(checksum)
-        ):
+        if not isinstance(checksum, str) or len(checksum) != _HEX_LEN[algorithm] or not _HEX_RE.match(checksum):
             raise ManifestError(f"{path}: checksum {checksum!r} is not a {algorithm} hex digest")
         chunks = None
         if version == FORMAT_VERSION_CHUNKED:
@@ -573,19 +590,22 @@ def _check_sharded_files(sharding: Sharding, paths: set[str]) -> None:
     if sharding.part is not None:
         inside = sorted(p for p in paths if p.split("/", 1)[0] == PARTS_DIR)
         if inside:
-            raise ManifestError(f"part {sharding.part} lists {inside[0]!r}, inside {PARTS_DIR}/ "
-                                "where the part manifests go")  # fmt: skip
+            raise ManifestError(
+                f"part {sharding.part} lists {inside[0]!r}, inside {PARTS_DIR}/ where the part manifests go"
+            )
         return
     if stray:
         raise ManifestError(f"file {stray[0]!r} inside {PARTS_DIR}/ is not a part manifest")
     missing = [i for i in range(sharding.parts) if i not in listed]
     if missing:
-        raise ManifestError(f"global manifest does not list {part_manifest_path(missing[0])} "
-                            f"(part {missing[0]} of {sharding.parts})")  # fmt: skip
+        raise ManifestError(
+            f"global manifest does not list {part_manifest_path(missing[0])} (part {missing[0]} of {sharding.parts})"
+        )
     extra = sorted(i for i in listed if i >= sharding.parts)
     if extra:
-        raise ManifestError(f"global manifest lists {part_manifest_path(extra[0])}, "
-                            f"but the checkpoint has {sharding.parts} part(s)")  # fmt: skip
+        raise ManifestError(
+            f"global manifest lists {part_manifest_path(extra[0])}, but the checkpoint has {sharding.parts} part(s)"
+        )
 
 
 def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
@@ -629,17 +649,22 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
         if m.step != first.step:
             raise ManifestError(f"part {index}: step {m.step}, but part {min(by_index)} has step {first.step}")
         if m.sharding.world_size != world_size:
-            raise ManifestError(f"part {index}: world_size {m.sharding.world_size}, "
-                                f"but part {min(by_index)} has {world_size}")  # fmt: skip
+            raise ManifestError(
+                f"part {index}: world_size {m.sharding.world_size}, but part {min(by_index)} has {world_size}"
+            )
         if m.sharding.parts != count:
             raise ManifestError(f"part {index}: {m.sharding.parts} parts, but part {min(by_index)} says {count}")
         if m.sharding.save_id != first.sharding.save_id:
-            raise ManifestError(f"part {index} is from another save of step {m.step} (save {m.sharding.save_id}, "
-                                f"part {min(by_index)}'s is {first.sharding.save_id}); waiting for its node "
-                                "to ship this save's part")  # fmt: skip
+            raise ManifestError(
+                f"part {index} is from another save of step {m.step} (save {m.sharding.save_id}, "
+                f"part {min(by_index)}'s is {first.sharding.save_id}); waiting for its node "
+                "to ship this save's part"
+            )
         if m.checksum_algorithm != first.checksum_algorithm:
-            raise ManifestError(f"part {index}: checksum algorithm {m.checksum_algorithm}, "
-                                f"but part {min(by_index)} uses {first.checksum_algorithm}")  # fmt: skip
+            raise ManifestError(
+                f"part {index}: checksum algorithm {m.checksum_algorithm}, "
+                f"but part {min(by_index)} uses {first.checksum_algorithm}"
+            )
     missing = [i for i in range(count) if i not in by_index]
     if missing:
         raise ManifestError(f"part(s) {', '.join(map(str, missing))} of {count} missing")
@@ -655,8 +680,9 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
             rank_owner[rank] = index
         for entry in m.files:
             if entry.path.split("/", 1)[0] == PARTS_DIR:
-                raise ManifestError(f"part {index}: file {entry.path!r} is inside {PARTS_DIR}/, "
-                                    "where the part manifests go")  # fmt: skip
+                raise ManifestError(
+                    f"part {index}: file {entry.path!r} is inside {PARTS_DIR}/, where the part manifests go"
+                )
             if entry.path in path_owner:
                 raise ManifestError(f"part {index}: file {entry.path!r} is also in part {path_owner[entry.path]}")
             path_owner[entry.path] = index
@@ -671,12 +697,27 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
     head = by_index[0][1]
     created = max((by_index[i][1] for i in range(count)), key=lambda m: (m.created_at, m.created)).created
     manifest = Manifest(
-        step=head.step, files=tuple(files), checksum_algorithm=algorithm, created=created, writer=head.writer,
-        epoch=head.epoch, metrics=dict(head.metrics), job=head.job, attempt=head.attempt, reason=head.reason,
-        request_id=head.request_id, timing=head.timing, format_version=FORMAT_VERSION_SHARDED,
-        sharding=Sharding(world_size=world_size, parts=count, part=None, ranks=tuple(range(world_size)),
-                          save_id=first.sharding.save_id),
-    )  # fmt: skip
+        step=head.step,
+        files=tuple(files),
+        checksum_algorithm=algorithm,
+        created=created,
+        writer=head.writer,
+        epoch=head.epoch,
+        metrics=dict(head.metrics),
+        job=head.job,
+        attempt=head.attempt,
+        reason=head.reason,
+        request_id=head.request_id,
+        timing=head.timing,
+        format_version=FORMAT_VERSION_SHARDED,
+        sharding=Sharding(
+            world_size=world_size,
+            parts=count,
+            part=None,
+            ranks=tuple(range(world_size)),
+            save_id=first.sharding.save_id,
+        ),
+    )
     return parse_manifest(manifest.to_json())
 
 

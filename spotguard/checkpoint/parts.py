@@ -219,8 +219,10 @@ def check_against_parts(storage: Storage, name: str, manifest: Manifest) -> list
         return [f"{PARTS_DIR}/: {exc}"]
     if expected.sharding != manifest.sharding or set(expected.files) != set(manifest.files):
         extra = sorted({f.path for f in manifest.files} - {f.path for f in expected.files})
-        return [f"{MANIFEST_NAME}: does not match the part manifests"
-                + (f" (lists {extra[0]!r}, which no part lists)" if extra else "")]  # fmt: skip
+        return [
+            f"{MANIFEST_NAME}: does not match the part manifests"
+            + (f" (lists {extra[0]!r}, which no part lists)" if extra else "")
+        ]
     return []
 
 

@@ -51,24 +51,43 @@ _SAFE_TORCH_SUFFIXES = ("Storage",)
 
 #: What ``torch.distributed.checkpoint`` pickles into its ``.metadata``: plain
 #: data classes, enums and a path. Constructing them runs no user code.
-DCP_METADATA_GLOBALS = frozenset({
-    ("torch.distributed.checkpoint.metadata", "Metadata"),
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-})
+DCP_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+    }
+)
 _TORCH_DTYPES = {
-    "float16", "float32", "float64", "bfloat16", "half", "float", "double",
-    "int8", "int16", "int32", "int64", "uint8", "bool", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
-}  # fmt: skip
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "half",
+    "float",
+    "double",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "uint16",
+    "uint32",
+    "uint64",
+}
 
 _STRING_OPS = {
     "SHORT_BINUNICODE",

@@ -107,8 +107,9 @@ def verified(storage: Storage, names: Iterable[str], note: Callable[[str], None]
             note(f"skipped {name}: {result.reason}")
 
 
-def last_verified(storage: Storage, count: int, part: str, *, flag: str,
-                  note: Callable[[str], None] = quiet_note) -> list[Manifest]:  # fmt: skip
+def last_verified(
+    storage: Storage, count: int, part: str, *, flag: str, note: Callable[[str], None] = quiet_note
+) -> list[Manifest]:
     """The ``count`` newest verified checkpoints (newest first), each holding
     state part ``part``; ``flag`` names the option that asked, for the error
     when there are fewer."""
@@ -127,8 +128,10 @@ def named_verified(storage: Storage, name: str) -> Manifest:
     """The manifest of checkpoint ``name``, which must verify."""
     result = verify_checkpoint(storage, name)
     if not result.ok or result.manifest is None:
-        raise ExportError(f"{name} does not verify, refusing to export it: {result.reason} "
-                          f"(`spotguard ckpt ls {storage.uri}` shows which checkpoints do)")  # fmt: skip
+        raise ExportError(
+            f"{name} does not verify, refusing to export it: {result.reason} "
+            f"(`spotguard ckpt ls {storage.uri}` shows which checkpoints do)"
+        )
     return result.manifest
 
 
@@ -146,8 +149,10 @@ def best_verified(storage: Storage, metric: str, mode: str, note: Callable[[str]
         candidates.append((name, manifest.step, manifest.metrics))
     order = best_first(candidates, metric, mode)
     if not order:
-        raise ExportError(f"no checkpoint at {storage.uri} records the metric {metric!r} "
-                          f"(recorded: {', '.join(sorted(recorded)) or 'none'})")  # fmt: skip
+        raise ExportError(
+            f"no checkpoint at {storage.uri} records the metric {metric!r} "
+            f"(recorded: {', '.join(sorted(recorded)) or 'none'})"
+        )
     for manifest in verified(storage, order, note):
         return manifest
     raise ExportError(f"no checkpoint at {storage.uri} that records {metric!r} verifies")
@@ -170,15 +175,19 @@ def layout_of(manifest: Manifest, part: str) -> str:
         return LAYOUT_STATE
     if STATE_FILE not in paths and (SAFE_WEIGHTS_NAME in paths or SAFE_WEIGHTS_INDEX_NAME in paths):
         if part != "model":
-            raise ExportError(f"{manifest.name} is a Hugging Face model folder: its weights are its only state "
-                              "part (leave --part at model)")  # fmt: skip
+            raise ExportError(
+                f"{manifest.name} is a Hugging Face model folder: its weights are its only state "
+                "part (leave --part at model)"
+            )
         return LAYOUT_FOLDER
     if manifest.sharding is not None:
         raise ExportError(f"{manifest.name} is a distributed checkpoint without {DCP_METADATA}")
     if part_file in paths:
         return LAYOUT_STATE
-    raise ExportError(f"{manifest.name} has no {part_file} (choose the state part with --part) and is not a "
-                      f"Hugging Face model folder (no {SAFE_WEIGHTS_NAME})")  # fmt: skip
+    raise ExportError(
+        f"{manifest.name} has no {part_file} (choose the state part with --part) and is not a "
+        f"Hugging Face model folder (no {SAFE_WEIGHTS_NAME})"
+    )
 
 
 def describe_part(layout: str, part: str) -> str:
@@ -190,8 +199,9 @@ def describe_part(layout: str, part: str) -> str:
     return f"{part}.safetensors"
 
 
-def fetch_files(storage: Storage, manifest: Manifest, paths: Iterable[str], dest: Path,
-                bars: BarFactory = silent) -> None:  # fmt: skip
+def fetch_files(
+    storage: Storage, manifest: Manifest, paths: Iterable[str], dest: Path, bars: BarFactory = silent
+) -> None:
     """Download some files of a checkpoint into ``dest`` (relative paths kept),
     each checked against ``manifest`` as it streams in (size, checksum, pickle
     safety), also from a checkpoint stored incrementally. Raises
@@ -218,8 +228,9 @@ def fetch_files(storage: Storage, manifest: Manifest, paths: Iterable[str], dest
         raise CheckpointCorruptError(manifest.name, problems)
 
 
-def part_tensors(storage: Storage, manifest: Manifest, scratch: Path, part: str,
-                 bars: BarFactory = silent) -> dict[str, torch.Tensor]:  # fmt: skip
+def part_tensors(
+    storage: Storage, manifest: Manifest, scratch: Path, part: str, bars: BarFactory = silent
+) -> dict[str, torch.Tensor]:
     """The tensors of state part ``part`` of a verified checkpoint, whole (a
     distributed checkpoint's nested keys joined with ``.``), downloaded into
     ``scratch`` (removed afterwards) and checked on the way."""
@@ -251,18 +262,19 @@ def part_tensors(storage: Storage, manifest: Manifest, scratch: Path, part: str,
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _dcp_part_tensors(storage: Storage, manifest: Manifest, scratch: Path, part: str,
-                      bars: BarFactory) -> dict[str, torch.Tensor]:  # fmt: skip
+def _dcp_part_tensors(
+    storage: Storage, manifest: Manifest, scratch: Path, part: str, bars: BarFactory
+) -> dict[str, torch.Tensor]:
     import torch
 
     from spotguard.checkpoint.dcp import load_full_state
 
-    fetch_files(storage, manifest, [f.path for f in manifest.files if f.path.startswith(f"{DCP_DIR}/")], scratch,
-                bars)  # fmt: skip
+    fetch_files(storage, manifest, [f.path for f in manifest.files if f.path.startswith(f"{DCP_DIR}/")], scratch, bars)
     state = load_full_state(scratch / DCP_DIR)
     if part not in state:
-        raise ExportError(f"{manifest.name} has no state part {part!r} (it has {', '.join(sorted(state))}; "
-                          "choose it with --part)")  # fmt: skip
+        raise ExportError(
+            f"{manifest.name} has no state part {part!r} (it has {', '.join(sorted(state))}; choose it with --part)"
+        )
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -278,8 +290,9 @@ def _dcp_part_tensors(storage: Storage, manifest: Manifest, scratch: Path, part:
     return flat
 
 
-def average_tensors(storage: Storage, manifests: Sequence[Manifest], part: str, scratch: Path,
-                    bars: BarFactory = silent) -> dict[str, torch.Tensor]:  # fmt: skip
+def average_tensors(
+    storage: Storage, manifests: Sequence[Manifest], part: str, scratch: Path, bars: BarFactory = silent
+) -> dict[str, torch.Tensor]:
     """The element-wise mean of state part ``part`` over ``manifests`` (newest
     first), computed in float64 and stored in each tensor's own dtype; integer
     tensors (step counters, masks) are taken from the newest checkpoint.
@@ -309,7 +322,21 @@ def average_tensors(storage: Storage, manifests: Sequence[Manifest], part: str, 
 
 
 __all__ = [
-    "LAYOUT_DCP", "LAYOUT_FOLDER", "LAYOUT_STATE", "BarFactory", "ProgressBar", "average_tensors", "best_first",
-    "best_verified", "describe_part", "fetch_files", "last_verified", "layout_of", "named_verified", "part_tensors",
-    "quiet_note", "silent", "verified",
-]  # fmt: skip
+    "LAYOUT_DCP",
+    "LAYOUT_FOLDER",
+    "LAYOUT_STATE",
+    "BarFactory",
+    "ProgressBar",
+    "average_tensors",
+    "best_first",
+    "best_verified",
+    "describe_part",
+    "fetch_files",
+    "last_verified",
+    "layout_of",
+    "named_verified",
+    "part_tensors",
+    "quiet_note",
+    "silent",
+    "verified",
+]

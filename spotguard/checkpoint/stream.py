@@ -68,9 +68,7 @@ class _Damaged(Exception):
 def streamable(manifest: Manifest) -> bool:
     """Whether :func:`load_stored_state` can load ``manifest``'s checkpoint: one
     process's state (``state.json`` and its safetensors files)."""
-    return manifest.sharding is None and manifest.locally_complete and any(
-        f.path == STATE_FILE for f in manifest.files
-    )
+    return manifest.sharding is None and manifest.locally_complete and any(f.path == STATE_FILE for f in manifest.files)
 
 
 @dataclass
@@ -118,8 +116,9 @@ def _allocate(spans: list[TensorSpan]) -> tuple[dict[str, torch.Tensor], list[An
 class _FileRead:
     """One file read from storage in pieces, checked and placed as they arrive."""
 
-    def __init__(self, storage: Storage, name: str, entry: FileEntry, algorithm: str,
-                 progress: ProgressCallback | None) -> None:  # fmt: skip
+    def __init__(
+        self, storage: Storage, name: str, entry: FileEntry, algorithm: str, progress: ProgressCallback | None
+    ) -> None:
         self.storage = storage
         self.key = f"{name}/{entry.path}"
         self.entry = entry
@@ -249,12 +248,14 @@ class _FileRead:
         """Raise :class:`_Damaged` unless the bytes read are the manifest's."""
         entry = self.entry
         if self.total != entry.size:
-            raise _Damaged(f"{entry.path}: size {self.total} bytes while reading, manifest says {entry.size} "
-                           "(truncated)")  # fmt: skip
+            raise _Damaged(
+                f"{entry.path}: size {self.total} bytes while reading, manifest says {entry.size} (truncated)"
+            )
         value = self.ordered.hexdigest() if self.ordered is not None else f"{self.crc:08x}"
         if value != entry.checksum:
-            raise _Damaged(f"{entry.path}: {self.algorithm} checksum mismatch (data has {value}, "
-                           f"manifest says {entry.checksum})")  # fmt: skip
+            raise _Damaged(
+                f"{entry.path}: {self.algorithm} checksum mismatch (data has {value}, manifest says {entry.checksum})"
+            )
 
 
 _progress_lock = threading.Lock()
@@ -278,8 +279,9 @@ def _users_of(entry: FileEntry) -> str:
     return _chunk_of([entry.path])
 
 
-def _check_whole(storage: Storage, name: str, entry: FileEntry, algorithm: str, size: int | None,
-                 keep: bool) -> tuple[str | None, bytes | None]:  # fmt: skip
+def _check_whole(
+    storage: Storage, name: str, entry: FileEntry, algorithm: str, size: int | None, keep: bool
+) -> tuple[str | None, bytes | None]:
     """Check one file the state does not load into tensors (size, checksum,
     pickle safety), streamed; its bytes when ``keep``."""
     kept: list[bytes] = []
@@ -298,8 +300,9 @@ def _check_whole(storage: Storage, name: str, entry: FileEntry, algorithm: str, 
     return problem, (b"".join(kept) if keep and problem is None else None)
 
 
-def load_stored_state(storage: Storage, name: str, *, progress: ProgressCallback | None = None,
-                      workers: int = DEFAULT_FILE_WORKERS) -> tuple[Manifest, dict[str, Any]]:  # fmt: skip
+def load_stored_state(
+    storage: Storage, name: str, *, progress: ProgressCallback | None = None, workers: int = DEFAULT_FILE_WORKERS
+) -> tuple[Manifest, dict[str, Any]]:
     """The state of stored checkpoint ``name``, read into memory and checked
     against its manifest on the way (see the module's docstring).
 
@@ -331,8 +334,9 @@ def load_stored_state(storage: Storage, name: str, *, progress: ProgressCallback
     entries = {e.path: e for e in manifest.files}
 
     def fail(problems: list[str]) -> CheckpointCorruptError:
-        return CheckpointCorruptError(name, problems if manifest.chunked else name_parts(storage, name, manifest,
-                                                                                        problems))  # fmt: skip
+        return CheckpointCorruptError(
+            name, problems if manifest.chunked else name_parts(storage, name, manifest, problems)
+        )
 
     # state.json first, checked before it is parsed: it names the tensor files.
     problem, doc_bytes = _check_whole(storage, name, entries[STATE_FILE], algorithm, sizes.get(STATE_FILE), True)

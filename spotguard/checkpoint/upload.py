@@ -91,10 +91,23 @@ class UploadCancelled(Exception):
 
 
 #: Storage methods that send a request; a stopped upload sends none of them again.
-_REQUESTS = frozenset({
-    "write_bytes", "write_checked", "upload_files", "stat", "read_bytes", "read_with_etag", "read_if_changed",
-    "iter_chunks", "list_objects", "list_dirs", "delete", "stored_checksum", "download_files",
-})  # fmt: skip
+_REQUESTS = frozenset(
+    {
+        "write_bytes",
+        "write_checked",
+        "upload_files",
+        "stat",
+        "read_bytes",
+        "read_with_etag",
+        "read_if_changed",
+        "iter_chunks",
+        "list_objects",
+        "list_dirs",
+        "delete",
+        "stored_checksum",
+        "download_files",
+    }
+)
 
 
 @dataclass
@@ -201,15 +214,35 @@ def upload_checkpoint(
         if size != entry.size:
             raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
     if should_stop is None:
-        return _upload(local_ckpt_dir, storage, storage, manifest, manifest_bytes, progress, update_pointer,
-                       incremental, resume, start)  # fmt: skip
+        return _upload(
+            local_ckpt_dir,
+            storage,
+            storage,
+            manifest,
+            manifest_bytes,
+            progress,
+            update_pointer,
+            incremental,
+            resume,
+            start,
+        )
     # The intent is written and removed through the store itself (a stopped
     # upload removes it); the transfers go through the guard.
     guard = _StopGuard(storage, should_stop, manifest.name)
     guard.check()
     try:
-        return _upload(local_ckpt_dir, storage, cast("Storage", guard), manifest, manifest_bytes,
-                       guard.progress(progress), update_pointer, incremental, resume, start)  # fmt: skip
+        return _upload(
+            local_ckpt_dir,
+            storage,
+            cast("Storage", guard),
+            manifest,
+            manifest_bytes,
+            guard.progress(progress),
+            update_pointer,
+            incremental,
+            resume,
+            start,
+        )
     except Exception as exc:
         if not isinstance(exc, UploadCancelled) and not should_stop():
             raise
@@ -218,9 +251,18 @@ def upload_checkpoint(
         raise UploadCancelled(manifest.name, guard.stored_chunks) from exc
 
 
-def _upload(local_ckpt_dir: Path, storage: Storage, io: Storage, manifest: Manifest, manifest_bytes: bytes,
-            progress: ProgressCallback | None, update_pointer: bool, incremental: bool | KnownChunks, resume: bool,
-            start: float) -> UploadResult:  # fmt: skip
+def _upload(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    io: Storage,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    incremental: bool | KnownChunks,
+    resume: bool,
+    start: float,
+) -> UploadResult:
     """The upload proper: intents through ``storage``, everything else through ``io``."""
     name = manifest.name
     if manifest.is_part:
@@ -233,16 +275,20 @@ def _upload(local_ckpt_dir: Path, storage: Storage, io: Storage, manifest: Manif
                 return _upload_incremental(local_ckpt_dir, io, manifest, known, progress, update_pointer, start)
         # What it knew came from a checkpoint deleted since (retention): a collector
         # that did not see this upload yet may sweep those chunks. Learn again.
-        log.info("%s: %s, whose chunks this upload would reuse, is gone; using the latest pointer's",
-                 storage.uri_for(name), known.source)  # fmt: skip
+        log.info(
+            "%s: %s, whose chunks this upload would reuse, is gone; using the latest pointer's",
+            storage.uri_for(name),
+            known.source,
+        )
         known = KnownChunks.from_storage(storage)
         with upload_intent(storage, name, known.chunks):
             if not _known_source_stored(storage, known):
                 known = KnownChunks()
             return _upload_incremental(local_ckpt_dir, io, manifest, known, progress, update_pointer, start)
     with upload_intent(storage, name):
-        return _upload_plain(local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start,
-                             resume=resume)  # fmt: skip
+        return _upload_plain(
+            local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start, resume=resume
+        )
 
 
 def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:
@@ -258,22 +304,40 @@ def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:
     return storage.stat(f"{known.source}/{MANIFEST_NAME}") is not None
 
 
-def _upload_incremental(local_ckpt_dir: Path, storage: Storage, manifest: Manifest, known: KnownChunks,
-                        progress: ProgressCallback | None, update_pointer: bool, start: float) -> UploadResult:
+def _upload_incremental(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    known: KnownChunks,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    start: float,
+) -> UploadResult:
     name = manifest.name
     chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
     # The manifest goes last: its presence means every chunk it names is stored.
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
     pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
-    log.info("uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes)",
-             storage.uri_for(name), chunked.new_chunks, chunked.new_bytes, chunked.reused_chunks,
-             chunked.reused_bytes)  # fmt: skip
+    log.info(
+        "uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes)",
+        storage.uri_for(name),
+        chunked.new_chunks,
+        chunked.new_bytes,
+        chunked.reused_chunks,
+        chunked.reused_bytes,
+    )
     return UploadResult(
-        step=manifest.step, name=name, bytes=chunked.new_bytes + len(chunked.manifest_bytes),
-        seconds=time.monotonic() - start, uri=storage.uri_for(name), pointer_updated=pointer,
-        new_bytes=chunked.new_bytes, reused_bytes=chunked.reused_bytes, new_chunks=chunked.new_chunks,
+        step=manifest.step,
+        name=name,
+        bytes=chunked.new_bytes + len(chunked.manifest_bytes),
+        seconds=time.monotonic() - start,
+        uri=storage.uri_for(name),
+        pointer_updated=pointer,
+        new_bytes=chunked.new_bytes,
+        reused_bytes=chunked.reused_bytes,
+        new_chunks=chunked.new_chunks,
         reused_chunks=chunked.reused_chunks,
-    )  # fmt: skip
+    )
 
 
 def files_to_send(manifest: Manifest, stored: Iterable[tuple[str, Any]]) -> list[str]:
@@ -286,8 +350,11 @@ def files_to_send(manifest: Manifest, stored: Iterable[tuple[str, Any]]) -> list
     send: list[str] = []
     for entry in manifest.files:
         info = held.get(entry.path)
-        if (info is None or info.algorithm != manifest.checksum_algorithm
-                or check_stored_checksum(entry, manifest.checksum_algorithm, info) is not None):  # fmt: skip
+        if (
+            info is None
+            or info.algorithm != manifest.checksum_algorithm
+            or check_stored_checksum(entry, manifest.checksum_algorithm, info) is not None
+        ):
             send.append(entry.path)
     return send
 
@@ -299,13 +366,23 @@ def _stored_checksums(storage: Storage, manifest: Manifest) -> list[tuple[str, A
         return []
     present = stored_files(storage, manifest.name)
     wanted = {e.path: e.size for e in manifest.files}
-    return [(path, storage.stored_checksum(f"{manifest.name}/{path}"))
-            for path, info in present.items() if wanted.get(path) == info.size]  # fmt: skip
+    return [
+        (path, storage.stored_checksum(f"{manifest.name}/{path}"))
+        for path, info in present.items()
+        if wanted.get(path) == info.size
+    ]
 
 
-def _upload_plain(local_ckpt_dir: Path, storage: Storage, manifest: Manifest, manifest_bytes: bytes,
-                  progress: ProgressCallback | None, update_pointer: bool, start: float,
-                  resume: bool = False) -> UploadResult:  # fmt: skip
+def _upload_plain(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    start: float,
+    resume: bool = False,
+) -> UploadResult:
     name = manifest.name
     if manifest.chunked:
         # A copy restored from an incremental store, uploaded whole.
@@ -315,8 +392,12 @@ def _upload_plain(local_ckpt_dir: Path, storage: Storage, manifest: Manifest, ma
     if resume:
         paths = files_to_send(manifest, _stored_checksums(storage, manifest))
         if len(paths) < len(manifest.files):
-            log.info("%s: %d of %d file(s) already stored by an interrupted upload; not sent again",
-                     storage.uri_for(name), len(manifest.files) - len(paths), len(manifest.files))  # fmt: skip
+            log.info(
+                "%s: %d of %d file(s) already stored by an interrupted upload; not sent again",
+                storage.uri_for(name),
+                len(manifest.files) - len(paths),
+                len(manifest.files),
+            )
     storage.upload_files([(local_ckpt_dir / p, f"{name}/{p}") for p in paths], progress)
     # The manifest goes last: its presence means every data file is stored.
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", manifest_bytes)
@@ -377,8 +458,14 @@ def _upload_part(
         commit = commit_global(storage, name)
     pointer = update_latest_pointer(storage, manifest.step) if update_pointer and commit.committed else False
     total = commit.total or sharding.parts
-    log.info("uploaded part %d of %s: %s (%d of %d parts present)", index, storage.uri_for(name), commit.status,
-             len(commit.present), total)  # fmt: skip
+    log.info(
+        "uploaded part %d of %s: %s (%d of %d parts present)",
+        index,
+        storage.uri_for(name),
+        commit.status,
+        len(commit.present),
+        total,
+    )
     return UploadResult(
         step=manifest.step,
         name=name,

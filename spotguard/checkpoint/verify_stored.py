@@ -33,7 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def verify_checkpoint(
-    storage: Storage, name: str, *, checksums: bool = True, deep: bool = False, workers: int = 4,
+    storage: Storage,
+    name: str,
+    *,
+    checksums: bool = True,
+    deep: bool = False,
+    workers: int = 4,
     quiet: bool = False,
 ) -> VerifyResult:
     """Check that every file in the checkpoint's manifest exists in storage
@@ -66,17 +71,26 @@ def verify_checkpoint(
         return VerifyResult(name, False, [f"{MANIFEST_NAME}: {exc}"])
     if manifest.is_part:
         assert manifest.sharding is not None
-        return VerifyResult(name, False, [
-            f"{MANIFEST_NAME}: the manifest of part {manifest.sharding.part} of {manifest.sharding.parts}, "
-            "not of the whole checkpoint"
-        ])  # fmt: skip
+        return VerifyResult(
+            name,
+            False,
+            [
+                f"{MANIFEST_NAME}: the manifest of part {manifest.sharding.part} of {manifest.sharding.parts}, "
+                "not of the whole checkpoint"
+            ],
+        )
     if manifest.chunked:
         chunk_checks = verify_chunks(storage, manifest, checksums=checksums, deep=deep, workers=max(workers, 8))
         result = VerifyResult(
-            name, not chunk_checks.problems, chunk_checks.problems, manifest, chunk_checks.read_bytes,
+            name,
+            not chunk_checks.problems,
+            chunk_checks.problems,
+            manifest,
+            chunk_checks.read_bytes,
             method=chunk_checks.method if checksums else METHOD_SIZES,
-            store_checked=chunk_checks.store_checked, read_back=chunk_checks.read_back,
-        )  # fmt: skip
+            store_checked=chunk_checks.store_checked,
+            read_back=chunk_checks.read_back,
+        )
         _log_verify(storage, name, result, "chunks", quiet)
         return result
     listing = stored_files(storage, name)
@@ -93,16 +107,27 @@ def verify_checkpoint(
 
         checks = verify_files_by_store(manifest, sizes, stored, read_chunks, workers=workers)
         result = VerifyResult(
-            name, not checks.problems, checks.problems, manifest, checks.read_bytes,
-            method=checks.method, store_checked=checks.store_checked, read_back=checks.read_back,
-        )  # fmt: skip
+            name,
+            not checks.problems,
+            checks.problems,
+            manifest,
+            checks.read_bytes,
+            method=checks.method,
+            store_checked=checks.store_checked,
+            read_back=checks.read_back,
+        )
     else:
         problems, nbytes = verify_files(manifest, sizes, read_chunks, checksums=checksums, workers=workers)
         method = METHOD_READ_BACK if checksums else METHOD_SIZES
         result = VerifyResult(
-            name, not problems, problems, manifest, nbytes,
-            method=method, read_back=len(manifest.files) if checksums else 0,
-        )  # fmt: skip
+            name,
+            not problems,
+            problems,
+            manifest,
+            nbytes,
+            method=method,
+            read_back=len(manifest.files) if checksums else 0,
+        )
     if manifest.sharding is not None:
         result.problems = name_parts(storage, name, manifest, result.problems)
         if not result.problems:
@@ -118,9 +143,14 @@ def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str, qu
     log.log(
         logging.DEBUG if quiet else logging.INFO,
         "verify %s: %s by %s (%d %s by store checksum, %d read back, %d bytes read)",
-        storage.uri_for(name), "ok" if result.ok else "FAILED", result.method,
-        result.store_checked, unit, result.read_back, result.checked_bytes,
-    )  # fmt: skip
+        storage.uri_for(name),
+        "ok" if result.ok else "FAILED",
+        result.method,
+        result.store_checked,
+        unit,
+        result.read_back,
+        result.checked_bytes,
+    )
 
 
 def verify_uploaded_files(storage: Storage, name: str, manifest: Manifest, *, workers: int = 4) -> list[str]:

@@ -85,8 +85,7 @@ class CheckpointRequest:
 
     def to_json(self) -> dict[str, Any]:
         """The wire form (the contract's four keys)."""
-        return {"id": self.id, "reason": self.reason, "deadline": self.deadline,
-                "preempt": self.preempt}
+        return {"id": self.id, "reason": self.reason, "deadline": self.deadline, "preempt": self.preempt}
 
 
 def parse_request(data: bytes | str) -> CheckpointRequest:
@@ -195,12 +194,12 @@ def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
         raise ValueError(f"heartbeat time {when!r} is not a number")
     if not isinstance(shipping, bool):
         raise ValueError(f"heartbeat 'shipping' {shipping!r} is not a boolean")
-    return UploaderHeartbeat(pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
-                             float(when), shipping)  # fmt: skip
+    return UploaderHeartbeat(pid if isinstance(pid, int) and not isinstance(pid, bool) else None, float(when), shipping)
 
 
-def heartbeat_says_shipping(beat: UploaderHeartbeat | None, now: float,
-                            max_age: float = HEARTBEAT_FRESH_SECONDS) -> bool:  # fmt: skip
+def heartbeat_says_shipping(
+    beat: UploaderHeartbeat | None, now: float, max_age: float = HEARTBEAT_FRESH_SECONDS
+) -> bool:
     """Pure: does this heartbeat show an uploader alive and shipping at ``now``?"""
     if beat is None or not beat.shipping:
         return False

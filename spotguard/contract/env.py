@@ -73,80 +73,114 @@ def _var(name: str, type_: type[T], default: D, meaning: str, bound: Bound = "an
 # the trainer's and the sidecar's; ``spotguard run`` writes the trainer's.
 
 # The Checkpointer (trainer side), also read by the restore init container and the sidecar.
-CHECKPOINT_DIR = _var("CHECKPOINT_DIR", str, None,
-                      "local checkpoint directory shared by trainer and uploader (unset: the reader's default)")
+CHECKPOINT_DIR = _var(
+    "CHECKPOINT_DIR",
+    str,
+    None,
+    "local checkpoint directory shared by trainer and uploader (unset: the reader's default)",
+)
 CONTROL_DIR = _var("CONTROL_DIR", str, None, "control channel directory (unset: <checkpoint dir>/.control)")
 STORAGE_URI = _var("STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...")
 JOB = _var("JOB", str, None, "job name for manifests, metrics and logs")
 ATTEMPT = _var("ATTEMPT", int, None, "the restart attempt this pod or command belongs to", "non-negative")
 CHECKSUM = _var("CHECKSUM", str, None, "checksum algorithm of new checkpoints (unset: the default algorithm)")
-SAVE_EVERY_STEPS = _var("SAVE_EVERY_STEPS", int, None, "checkpoint every N steps (unset or 0: no step interval)",
-                        "non-negative")
-SAVE_EVERY_SECONDS = _var("SAVE_EVERY_SECONDS", float, None,
-                          "checkpoint every this many seconds (unset or 0: no time interval)", "non-negative")
+SAVE_EVERY_STEPS = _var(
+    "SAVE_EVERY_STEPS", int, None, "checkpoint every N steps (unset or 0: no step interval)", "non-negative"
+)
+SAVE_EVERY_SECONDS = _var(
+    "SAVE_EVERY_SECONDS",
+    float,
+    None,
+    "checkpoint every this many seconds (unset or 0: no time interval)",
+    "non-negative",
+)
 
 # Retention (the Checkpointer's local pruning, the sidecar's and spotguard run's storage retention).
 KEEP_LAST = _var("KEEP_LAST", int, None, "retention: keep the N newest checkpoints", "non-negative")
 KEEP_BEST = _var("KEEP_BEST", int, None, "retention: keep the M best by SPOTGUARD_BEST_METRIC", "non-negative")
 BEST_METRIC = _var("BEST_METRIC", str, None, "retention: the metric saved with each checkpoint that ranks them")
 BEST_MODE = _var("BEST_MODE", str, "min", "retention: min or max, whether lower or higher BEST_METRIC is better")
-KEEP_EVERY = _var("KEEP_EVERY", int, None, "retention: keep every checkpoint whose step is a multiple of K",
-                  "non-negative")
-KEEP_LOCAL = _var("KEEP_LOCAL", int, 1, "local checkpoints kept after a newer one is verified in storage",
-                  "non-negative")
+KEEP_EVERY = _var(
+    "KEEP_EVERY", int, None, "retention: keep every checkpoint whose step is a multiple of K", "non-negative"
+)
+KEEP_LOCAL = _var(
+    "KEEP_LOCAL", int, 1, "local checkpoints kept after a newer one is verified in storage", "non-negative"
+)
 
 # The sidecar and spotguard run (uploader side).
 SIDECAR_MODE = _var("SIDECAR_MODE", str, "classic", "classic (exit with the trainer) or native (run until SIGTERM)")
 GRACE_SECONDS = _var("GRACE_SECONDS", float, 30.0, "seconds between SIGTERM and the kill", "non-negative")
-SAFETY_MARGIN_SECONDS = _var("SAFETY_MARGIN_SECONDS", float, 5.0,
-                             "seconds kept free at the end of the grace period", "non-negative")
-FINISH_SECONDS = _var("FINISH_SECONDS", float, 600.0,
-                      "after the trainer exits on its own, how long its last checkpoint may take to be verified",
-                      "non-negative")
-PROACTIVE_INTERVAL = _var("PROACTIVE_INTERVAL", float, 0.0,
-                          "when at risk, request a checkpoint this often (0: never)", "non-negative")
+SAFETY_MARGIN_SECONDS = _var(
+    "SAFETY_MARGIN_SECONDS", float, 5.0, "seconds kept free at the end of the grace period", "non-negative"
+)
+FINISH_SECONDS = _var(
+    "FINISH_SECONDS",
+    float,
+    600.0,
+    "after the trainer exits on its own, how long its last checkpoint may take to be verified",
+    "non-negative",
+)
+PROACTIVE_INTERVAL = _var(
+    "PROACTIVE_INTERVAL", float, 0.0, "when at risk, request a checkpoint this often (0: never)", "non-negative"
+)
 METRICS_PORT = _var("METRICS_PORT", int, 9400, "the sidecar's Prometheus metrics port (0: off)", "non-negative")
 METRICS_ADDR = _var("METRICS_ADDR", str, "0.0.0.0", "address the sidecar serves metrics on")
-TERMINATION_LOG = _var("TERMINATION_LOG", str, "/dev/termination-log",
-                       "where the sidecar writes its exit report (the default only where it exists)")
+TERMINATION_LOG = _var(
+    "TERMINATION_LOG",
+    str,
+    "/dev/termination-log",
+    "where the sidecar writes its exit report (the default only where it exists)",
+)
 INCREMENTAL = _var("INCREMENTAL", bool, False, "upload checkpoints as shared content-addressed chunks")
 RUN_ID = _var("RUN_ID", str, None, "marks the processes of one spotguard run, so that a later start can kill them")
 
 # Early preemption notices (the sidecar and spotguard run).
 NOTICES = _var("NOTICES", str, "", "notice sources to poll, comma-separated from aws,gce,azure,k8s")
 NOTICE_INTERVAL = _var("NOTICE_INTERVAL", float, 2.0, "seconds between notice polls", "non-negative")
-NOTICE_STOPS_TRAINING = _var("NOTICE_STOPS_TRAINING", bool, False,
-                             "stop training after a notice's checkpoint instead of continuing until SIGTERM")
+NOTICE_STOPS_TRAINING = _var(
+    "NOTICE_STOPS_TRAINING",
+    bool,
+    False,
+    "stop training after a notice's checkpoint instead of continuing until SIGTERM",
+)
 NOTICE_URL = _var("NOTICE_URL", str, None, "the operator's notice relay the k8s source asks (set by the operator)")
-NOTICE_TOKEN_FILE = _var("NOTICE_TOKEN_FILE", str, None,
-                         "the pod's projected token the relay is shown (unset: where the operator mounts it)")
+NOTICE_TOKEN_FILE = _var(
+    "NOTICE_TOKEN_FILE", str, None, "the pod's projected token the relay is shown (unset: where the operator mounts it)"
+)
 AWS_IMDS_ENDPOINT = _var("AWS_IMDS_ENDPOINT", str, None, "the AWS instance metadata endpoint (unset: AWS's)")
 GCE_METADATA_ENDPOINT = _var("GCE_METADATA_ENDPOINT", str, None, "the GCE metadata endpoint (unset: Google's)")
-AZURE_METADATA_ENDPOINT = _var("AZURE_METADATA_ENDPOINT", str, None,
-                               "the Azure scheduled-events endpoint (unset: Azure's)")
+AZURE_METADATA_ENDPOINT = _var(
+    "AZURE_METADATA_ENDPOINT", str, None, "the Azure scheduled-events endpoint (unset: Azure's)"
+)
 
 # Storage garbage collection (everyone who uploads or collects).
-GC_LEASE_SECONDS = _var("GC_LEASE_SECONDS", float, 60.0,
-                        "how long an upload intent protects its chunks from collection", "positive")
+GC_LEASE_SECONDS = _var(
+    "GC_LEASE_SECONDS", float, 60.0, "how long an upload intent protects its chunks from collection", "positive"
+)
 
 # The operator.
 IMAGE = _var("IMAGE", str, None, "image of the restore and sidecar containers (unset: the release's image)")
 RESYNC_SECONDS = _var("RESYNC_SECONDS", float, 30.0, "look at every job at least this often", "non-negative")
-CHECKPOINT_POLL_SECONDS = _var("CHECKPOINT_POLL_SECONDS", float, 30.0,
-                               "how often to read each job's newest verified checkpoint", "non-negative")
-CHECKPOINT_FULL_READ_SECONDS = _var("CHECKPOINT_FULL_READ_SECONDS", float, 1800.0,
-                                    "read each job's checkpoints in full at least this often", "non-negative")
-READ_CHECKPOINTS = _var("READ_CHECKPOINTS", bool, True,
-                        "read each job's storage (with its credentials Secret) for its status")
+CHECKPOINT_POLL_SECONDS = _var(
+    "CHECKPOINT_POLL_SECONDS", float, 30.0, "how often to read each job's newest verified checkpoint", "non-negative"
+)
+CHECKPOINT_FULL_READ_SECONDS = _var(
+    "CHECKPOINT_FULL_READ_SECONDS",
+    float,
+    1800.0,
+    "read each job's checkpoints in full at least this often",
+    "non-negative",
+)
+READ_CHECKPOINTS = _var(
+    "READ_CHECKPOINTS", bool, True, "read each job's storage (with its credentials Secret) for its status"
+)
 HOST_PORT_RANGE = _var("HOST_PORT_RANGE", str, "20000-29999", "host ports for jobs with hostNetwork, FIRST-LAST")
 
 # The test environment's run marker: processes carrying it are the run's leftovers; the demo passes it on.
 TESTENV_RUN = _var("TESTENV_RUN", str, None, "the test environment's run marker (passed on by the demo)")
 
 #: Every variable, by name.
-REGISTRY: dict[str, Var[Any, Any]] = {
-    v.name: v for v in list(globals().values()) if isinstance(v, Var)
-}
+REGISTRY: dict[str, Var[Any, Any]] = {v.name: v for v in list(globals().values()) if isinstance(v, Var)}
 
 
 # -- parsing and rendering ------------------------------------------------------------

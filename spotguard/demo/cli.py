@@ -22,16 +22,14 @@ def register(subparsers: Any) -> None:
         description="Train a small model under `spotguard run`, preempt it at random points, "
         "train it once uninterrupted, and compare the two results byte for byte.",
     )
-    p.add_argument("--storage", default=None,
-                   help="checkpoint storage (default file:// in a temporary directory)")
+    p.add_argument("--storage", default=None, help="checkpoint storage (default file:// in a temporary directory)")
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--preemptions", type=int, default=3, help="preemptions (default 3)")
-    p.add_argument("--save-every", type=int, default=50,
-                   help="routine checkpoint interval in steps (default 50)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed for the preemption points (default random)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the demo's files here (default a temporary directory, removed)")
+    p.add_argument("--save-every", type=int, default=50, help="routine checkpoint interval in steps (default 50)")
+    p.add_argument("--seed", type=int, default=None, help="seed for the preemption points (default random)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="keep the demo's files here (default a temporary directory, removed)"
+    )
     p.set_defaults(func=_demo)
 
 

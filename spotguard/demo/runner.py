@@ -83,23 +83,33 @@ def lost_steps(segments: list[Segment]) -> list[int]:
 
 def _train_command(steps: int, output: Path, save_every: int, step_delay: float) -> list[str]:
     return [
-        sys.executable, "-m", "spotguard.demo.train",
-        "--steps", str(steps),
-        "--save-every", str(save_every),
-        "--output", str(output),
-        "--step-delay", str(step_delay),
-        "--log-every", "1",
+        sys.executable,
+        "-m",
+        "spotguard.demo.train",
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--output",
+        str(output),
+        "--step-delay",
+        str(step_delay),
+        "--log-every",
+        "1",
     ]
 
 
-def _run_segment(
-    cmd: list[str], env: dict[str, str], preempt_at: int | None, verbose_log: Path
-) -> Segment:
+def _run_segment(cmd: list[str], env: dict[str, str], preempt_at: int | None, verbose_log: Path) -> Segment:
     """Run one ``spotguard run``; SIGTERM it once the trainer reports ``preempt_at``."""
     seg = Segment()
     proc = subprocess.Popen(
-        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, bufsize=1,
+        cmd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     sent = False
     assert proc.stdout is not None
@@ -159,8 +169,10 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
             env.pop(key)
     env["PYTHONUNBUFFERED"] = "1"
     points = preemption_points(options.steps, options.preemptions, rng)
-    out(f"spotguard demo: {options.steps} steps of a small MLP, {len(points)} preemptions "
-        f"at steps {', '.join(map(str, points)) or 'none'}")
+    out(
+        f"spotguard demo: {options.steps} steps of a small MLP, {len(points)} preemptions "
+        f"at steps {', '.join(map(str, points)) or 'none'}"
+    )
     out(f"storage: {storage}")
 
     out("training once without interruption (reference) ...")
@@ -169,7 +181,11 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
     ref_env[envvars.CHECKPOINT_DIR.name] = str(root / "reference-checkpoints")
     ref = subprocess.run(
         _train_command(options.steps, ref_out, options.save_every, 0.0),
-        env=ref_env, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+        env=ref_env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     with log_path.open("a", encoding="utf-8") as logf:
         logf.write(ref.stdout + ref.stderr)
@@ -180,12 +196,18 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
         return 1
 
     run_cmd = [
-        sys.executable, "-m", "spotguard.cli", "run",
-        "--workdir", str(root / "run"),
-        "--storage", storage,
-        "--max-restarts", "0",
-        "--", *_train_command(options.steps, root / "final.safetensors", options.save_every,
-                              options.step_delay),
+        sys.executable,
+        "-m",
+        "spotguard.cli",
+        "run",
+        "--workdir",
+        str(root / "run"),
+        "--storage",
+        storage,
+        "--max-restarts",
+        "0",
+        "--",
+        *_train_command(options.steps, root / "final.safetensors", options.save_every, options.step_delay),
     ]
     segments: list[Segment] = []
     for i, point in enumerate([*points, None], start=1):
@@ -193,8 +215,10 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
         seg = _run_segment(run_cmd, env, point, log_path)
         segments.append(seg)
         resumed = "scratch" if seg.resumed_from is None else f"step {seg.resumed_from}"
-        out(f"start {i}: resumed from {resumed}, {label}: stopped after step {seg.last_step}, "
-            f"exit status {seg.exit_status}")
+        out(
+            f"start {i}: resumed from {resumed}, {label}: stopped after step {seg.last_step}, "
+            f"exit status {seg.exit_status}"
+        )
         expected = 0 if point is None else 128 + signal.SIGTERM
         if seg.exit_status != expected:
             out(f"unexpected exit status {seg.exit_status} (wanted {expected}); log in {log_path}:")
@@ -217,7 +241,9 @@ def _demo(options: DemoOptions, rng: random.Random, root: Path, out: Callable[[s
     out(f"  upload: {_fmt_seconds(stages.get('upload', []))}")
     out(f"  verify: {_fmt_seconds(stages.get('verify', []))}")
     out(f"  preemption to verified checkpoint: {_fmt_seconds(stages.get('emergency', []))}")
-    out(f"  final state sha256: resumed {_digest(final)[:16] if final.is_file() else 'missing'}, "
-        f"uninterrupted {_digest(ref_out)[:16]}")
+    out(
+        f"  final state sha256: resumed {_digest(final)[:16] if final.is_file() else 'missing'}, "
+        f"uninterrupted {_digest(ref_out)[:16]}"
+    )
     out(f"bitwise identical: {'yes' if identical else 'no'}")
     return 0 if identical else 1

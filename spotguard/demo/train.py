@@ -35,23 +35,37 @@ DATASET_SIZE = 1024
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(prog="python -m spotguard.demo.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m spotguard.demo.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=300, help="total training steps (default 300)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64, help="hidden width (default 64)")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=None,
-                   help="checkpoint every N steps (default: SPOTGUARD_SAVE_EVERY_STEPS, else 50)")
-    p.add_argument("--output", type=Path, default=None,
-                   help="write the final model and optimizer state here (safetensors)")
-    p.add_argument("--step-delay", type=float, default=0.0,
-                   help="sleep this long after each step (makes a tiny model take real time)")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        help="checkpoint every N steps (default: SPOTGUARD_SAVE_EVERY_STEPS, else 50)",
+    )
+    p.add_argument(
+        "--output", type=Path, default=None, help="write the final model and optimizer state here (safetensors)"
+    )
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="sleep this long after each step (makes a tiny model take real time)",
+    )
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
-    p.add_argument("--frozen-mib", type=float, default=0.0,
-                   help="add a frozen embedding table of this many MiB (a fine-tune's frozen base; "
-                        "checkpointed, never trained: what incremental checkpoints upload once)")
+    p.add_argument(
+        "--frozen-mib",
+        type=float,
+        default=0.0,
+        help="add a frozen embedding table of this many MiB (a fine-tune's frozen base; "
+        "checkpointed, never trained: what incremental checkpoints upload once)",
+    )
     return p.parse_args(argv)
 
 
@@ -109,14 +123,17 @@ def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(
-        nn.Linear(FEATURES, args.hidden), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(FEATURES, args.hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
         nn.Linear(args.hidden, CLASSES),
     )
     if getattr(args, "frozen_mib", 0.0) > 0:
         model = FrozenBase.wrap(model, args.frozen_mib)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
-                                  weight_decay=0.01)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
     # Step-based (not "fraction of total steps"), so the schedule does not
     # depend on how long the run was asked to be.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
@@ -127,8 +144,7 @@ def final_state_tensors(model: Any, optimizer: Any) -> dict[str, Any]:
     """Model parameters and every optimizer tensor, flat, for a byte-exact comparison."""
     import torch
 
-    out: dict[str, Any] = {f"model.{k}": v.detach().clone().contiguous()
-                           for k, v in model.state_dict().items()}
+    out: dict[str, Any] = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     for pid, st in optimizer.state_dict()["state"].items():
         for key, value in st.items():
             if isinstance(value, torch.Tensor):
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     preempted = False
     for step in range(start, args.steps):
         epoch, batch = divmod(step, batches_per_epoch)
-        idx = batch_order(epoch, args.seed)[batch * args.batch_size:(batch + 1) * args.batch_size]
+        idx = batch_order(epoch, args.seed)[batch * args.batch_size : (batch + 1) * args.batch_size]
         loss = loss_fn(model(x[idx], idx) if args.frozen_mib > 0 else model(x[idx]), y[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -185,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
         if ckpt.should_save(step):
-            ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler),
-                      metrics={"loss": float(loss.item())})
+            ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler), metrics={"loss": float(loss.item())})
         if ckpt.preempted:
             preempted = True
             break

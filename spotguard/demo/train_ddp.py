@@ -55,8 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=None,
-                   help="checkpoint every N steps (default SPOTGUARD_SAVE_EVERY_STEPS, else 50)")
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        help="checkpoint every N steps (default SPOTGUARD_SAVE_EVERY_STEPS, else 50)",
+    )
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep after each step (seconds)")
     p.add_argument("--log-every", type=int, default=10)
     return p.parse_args(argv)
@@ -104,8 +108,12 @@ def build_model(hidden: int, seed: int) -> nn.Module:
     """The same initial weights on every rank (DDP also broadcasts rank 0's)."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(FEATURES, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.1),
         nn.Linear(hidden, CLASSES),
     )
 
@@ -123,8 +131,9 @@ def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
     A sharded wrapper (FSDP2's ``fully_shard``) works the same way with
     spotguard: torch_state/restore go through torch.distributed.checkpoint.
     """
-    return DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=True)
+    return DistributedDataParallel(
+        model.to(device), device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True
+    )
 
 
 def local_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
@@ -189,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if state is None:
             print("starting from scratch", flush=True)
         else:
-            print(f"resumed from step {state.step} exact={state.exact} "
-                  f"resharded_from={state.resharded_from}", flush=True)
+            print(
+                f"resumed from step {state.step} exact={state.exact} resharded_from={state.resharded_from}", flush=True
+            )
 
     loss_fn = nn.CrossEntropyLoss()
     model.train()
@@ -206,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss.item():.6f}", flush=True)
         if ckpt.should_save(step):
-            ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler),
-                      metrics={"loss": float(loss.item())})
+            ckpt.save(step, spotguard.torch_state(model, optimizer, scheduler), metrics={"loss": float(loss.item())})
         if ckpt.preempted:
             preempted = True
             break

@@ -87,10 +87,14 @@ class Classifier(pl.LightningModule):
         super().__init__()
         self.lr = lr
         self.net = nn.Sequential(
-            nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Dropout(0.1),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1),
+            nn.Linear(FEATURES, hidden),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(0.1),
             nn.Linear(hidden, CLASSES),
-        )  # fmt: skip
+        )
         self.loss_fn = nn.CrossEntropyLoss()
         self.last_loss = float("nan")
 
@@ -140,8 +144,9 @@ class Progress(pl.Callback):
         self.delay = delay
         self.pause_at = pause_at
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if trainer.is_global_zero:
             print(f"step {step} loss {getattr(pl_module, 'last_loss', float('nan')):.6f}", flush=True)
@@ -209,13 +214,20 @@ def main(argv: list[str] | None = None) -> int:
 
     spotguard = SpotguardCallback()
     trainer = pl.Trainer(
-        max_epochs=args.epochs, max_steps=args.max_steps, accelerator="cpu",
-        devices=local_world, num_nodes=max(1, world // local_world),
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        accelerator="cpu",
+        devices=local_world,
+        num_nodes=max(1, world // local_world),
         strategy="ddp" if world > 1 else "auto",
         callbacks=[Progress(spotguard, args.step_delay, args.pause_for_preemption_at), spotguard],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=True,
-    )  # fmt: skip
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+    )
     trainer.fit(model, loader, ckpt_path=ckpt_path)
 
     if spotguard.preempted:

@@ -73,6 +73,9 @@ def ensure_process_group() -> bool:
         if cuda and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend=process_group_backend(cuda))
-        log.info("initialized torch.distributed (%s, %d ranks) for spotguard's resume",
-                 dist.get_backend(), dist.get_world_size())  # fmt: skip
+        log.info(
+            "initialized torch.distributed (%s, %d ranks) for spotguard's resume",
+            dist.get_backend(),
+            dist.get_world_size(),
+        )
     return dist.get_world_size() > 1

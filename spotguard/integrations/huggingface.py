@@ -138,9 +138,12 @@ class SpotguardCallback(TrainerCallback):
             # committed: moved aside, not deleted.
             moved = move_aside_stale_folders(output_dir_of(args), state.global_step)
             if moved:
-                log.warning("spotguard: moved %d folder(s) newer than the step resumed from (%d) aside, kept: %s",
-                            len(moved), state.global_step,
-                            ", ".join(f"{old} -> {new}" for old, new in moved))  # fmt: skip
+                log.warning(
+                    "spotguard: moved %d folder(s) newer than the step resumed from (%d) aside, kept: %s",
+                    len(moved),
+                    state.global_step,
+                    ", ".join(f"{old} -> {new}" for old, new in moved),
+                )
 
     # -- the training loop ---------------------------------------------------------
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -168,11 +171,18 @@ class SpotguardCallback(TrainerCallback):
         folder = output_dir_of(args) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         if not folder.is_dir():
             # Every rank must call commit_folder (it is collective): fail on all of them alike.
-            raise RuntimeError(f"spotguard: the Trainer saved step {step} but {folder} does not exist "
-                               "(hyperparameter search runs are not supported)")  # fmt: skip
+            raise RuntimeError(
+                f"spotguard: the Trainer saved step {step} but {folder} does not exist "
+                "(hyperparameter search runs are not supported)"
+            )
         ckpt = self.checkpointer
-        ckpt.commit_folder(step, folder, epoch=int(state.epoch) if state.epoch is not None else None,
-                           metrics=last_metrics(state), exclude=EXCLUDE)  # fmt: skip
+        ckpt.commit_folder(
+            step,
+            folder,
+            epoch=int(state.epoch) if state.epoch is not None else None,
+            metrics=last_metrics(state),
+            exclude=EXCLUDE,
+        )
         self._committed_step = step
         if ckpt.preempted:
             control.should_training_stop = True
@@ -203,8 +213,10 @@ def check_arguments(args: TrainingArguments) -> None:
             "agree on, and uploads and verifies that checkpoint."
         )
     if getattr(args, "save_only_model", False):
-        log.warning("spotguard: save_only_model=True keeps optimizer, scheduler and RNG state out of the "
-                    "Trainer's checkpoints; a resumed run will not continue exactly")  # fmt: skip
+        log.warning(
+            "spotguard: save_only_model=True keeps optimizer, scheduler and RNG state out of the "
+            "Trainer's checkpoints; a resumed run will not continue exactly"
+        )
 
 
 def check_directory(output_dir: Path, checkpoint_dir: Path) -> None:
@@ -213,8 +225,10 @@ def check_directory(output_dir: Path, checkpoint_dir: Path) -> None:
     out = output_dir.resolve()
     for p in (checkpoint_dir.resolve(), *checkpoint_dir.resolve().parents):
         if p.parent == out and fnmatch.fnmatch(p.name, f"{PREFIX_CHECKPOINT_DIR}-*"):
-            raise ValueError(f"spotguard's checkpoint directory {checkpoint_dir} is inside the Trainer's "
-                             f"{p}, which its rotation deletes; use a directory outside it")  # fmt: skip
+            raise ValueError(
+                f"spotguard's checkpoint directory {checkpoint_dir} is inside the Trainer's "
+                f"{p}, which its rotation deletes; use a directory outside it"
+            )
 
 
 def stale_folders(output_dir: Path, step: int) -> list[Path]:

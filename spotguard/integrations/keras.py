@@ -262,8 +262,9 @@ def restore_rngs(state: Mapping[str, Any], generators: Mapping[str, Any] | None 
         if name in saved:
             _set_generator_state(gen, saved[name])
         else:
-            log.warning("the checkpoint holds no state of generator %r: it is not restored, the resume is not exact",
-                        name)  # fmt: skip
+            log.warning(
+                "the checkpoint holds no state of generator %r: it is not restored, the resume is not exact", name
+            )
 
 
 # -- variables ---------------------------------------------------------------------------
@@ -290,8 +291,10 @@ def _load_variables(variables: Sequence[Any], saved: Mapping[str, Any], what: st
     for key, v in zip(keys, variables, strict=True):
         value = saved[key]
         if tuple(value.shape) != tuple(v.shape):
-            raise ValueError(f"{where}: {what} variable {key} has shape {tuple(value.shape)} in the checkpoint, "
-                             f"{tuple(v.shape)} here: build the same model")  # fmt: skip
+            raise ValueError(
+                f"{where}: {what} variable {key} has shape {tuple(value.shape)} in the checkpoint, "
+                f"{tuple(v.shape)} here: build the same model"
+            )
     for key, v in zip(keys, variables, strict=True):
         v.assign(saved[key])
 
@@ -396,8 +399,10 @@ class SpotguardCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
         if getattr(model, "optimizer", None) is None:
             raise ValueError("SpotguardCallback needs a compiled model: call model.compile(optimizer=...) before fit")
         if not model.built or not model.optimizer.built:
-            raise ValueError("SpotguardCallback needs a built model: build it before fit (keras.Input(...) in a "
-                             "Sequential, model.build(shape), or call it on a batch)")  # fmt: skip
+            raise ValueError(
+                "SpotguardCallback needs a built model: build it before fit (keras.Input(...) in a "
+                "Sequential, model.build(shape), or call it on a batch)"
+            )
 
     def _load(self, folder: Path) -> int:
         """Load the checkpoint in ``folder``; returns its step."""
@@ -407,30 +412,47 @@ class SpotguardCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
             raise ValueError(f"{folder}: cannot load the checkpoint: {exc}") from None
         meta = state.get("keras")
         if not isinstance(meta, Mapping) or meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"{folder} is a spotguard checkpoint not written by SpotguardCallback for Keras "
-                             f"(format {STATE_FORMAT}); restore it yourself, or start with another checkpoint "
-                             "directory and storage prefix")  # fmt: skip
+            raise ValueError(
+                f"{folder} is a spotguard checkpoint not written by SpotguardCallback for Keras "
+                f"(format {STATE_FORMAT}); restore it yourself, or start with another checkpoint "
+                "directory and storage prefix"
+            )
         model = self.model
         _load_variables(model.variables, state["model"], "model", folder)
         _load_variables(model.optimizer.variables, state["optimizer"], "optimizer", folder)
         point = ResumePoint.of(str(meta["position"]), int(meta["epoch"]), int(meta["batches_done"]))
         saved_batches = meta.get("num_batches")
         if point.skip_batches and saved_batches is not None and saved_batches != self._num_batches:
-            log.warning("the checkpoint's epochs had %s batches, this fit's have %s: the mid-epoch resume is not "
-                        "exact (same data and batch_size needed)", saved_batches, self._num_batches)  # fmt: skip
+            log.warning(
+                "the checkpoint's epochs had %s batches, this fit's have %s: the mid-epoch resume is not "
+                "exact (same data and batch_size needed)",
+                saved_batches,
+                self._num_batches,
+            )
         self.resumed_from = int(meta["step"])
         if point.epoch:
             # What fit reads after on_train_begin (as keras.callbacks.BackupAndRestore does).
             model._initial_epoch = point.epoch
         if point.skip_batches:
-            self._resume = _PendingResume(point, state["rng"]["epoch_start"], state["rng"]["now"],
-                                          state.get("metrics") or {}, dict(meta.get("logs") or {}), folder)  # fmt: skip
+            self._resume = _PendingResume(
+                point,
+                state["rng"]["epoch_start"],
+                state["rng"]["now"],
+                state.get("metrics") or {},
+                dict(meta.get("logs") or {}),
+                folder,
+            )
             self._wrap_train_function()
         else:
             # Before anything of the next epoch draws (its loader's shuffle).
             restore_rngs(state["rng"]["now"], self.generators)
-        log.info("resuming from %s (step %d): epoch %d%s", folder, self.resumed_from, point.epoch + 1,
-                 f" after its first {point.skip_batches} batches" if point.skip_batches else "")  # fmt: skip
+        log.info(
+            "resuming from %s (step %d): epoch %d%s",
+            folder,
+            self.resumed_from,
+            point.epoch + 1,
+            f" after its first {point.skip_batches} batches" if point.skip_batches else "",
+        )
         return self.resumed_from
 
     # -- skipping the batches of a mid-epoch resume ----------------------------------------
@@ -470,8 +492,12 @@ class SpotguardCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
                 restore_rngs(resume.epoch_start_rng, self.generators)
                 _load_variables(self.model.metrics_variables, resume.metrics, "metrics", resume.folder)
             else:
-                log.warning("the fit starts with epoch %d, the checkpoint is in epoch %d: its done batches are not "
-                            "skipped, the resume is not exact", epoch + 1, resume.point.epoch + 1)  # fmt: skip
+                log.warning(
+                    "the fit starts with epoch %d, the checkpoint is in epoch %d: its done batches are not "
+                    "skipped, the resume is not exact",
+                    epoch + 1,
+                    resume.point.epoch + 1,
+                )
                 self._resume = None
                 self._unwrap_train_function()
         self._epoch_start_rng = capture_rngs(self.generators)
@@ -562,11 +588,16 @@ class SpotguardCallback(keras.callbacks.Callback):  # type: ignore[misc]  # kera
             "metrics": _variables_state(model.metrics_variables) if position == MID_EPOCH else {},
             "rng": rng,
             "keras": {
-                "format": STATE_FORMAT, "position": position, "epoch": self._epoch, "step": self.step,
+                "format": STATE_FORMAT,
+                "position": position,
+                "epoch": self._epoch,
+                "step": self.step,
                 "batches_done": self._batches_done if position == MID_EPOCH else 0,
-                "num_batches": self._num_batches, "logs": clean_logs, "keras_version": keras.__version__,
+                "num_batches": self._num_batches,
+                "logs": clean_logs,
+                "keras_version": keras.__version__,
             },
-        }  # fmt: skip
+        }
         ckpt.save(self.step, state, epoch=self._epoch, metrics=checkpoint_metrics(logs, position))
         self.last_saved_step = self.step
 
@@ -583,5 +614,15 @@ class _PendingResume:
     folder: Path
 
 
-__all__ = ["EPOCH_END", "FINAL", "MID_EPOCH", "ResumePoint", "SpotguardCallback", "best_metric_retention",
-           "capture_rngs", "checkpoint_metrics", "restore_rngs", "variable_keys"]  # fmt: skip
+__all__ = [
+    "EPOCH_END",
+    "FINAL",
+    "MID_EPOCH",
+    "ResumePoint",
+    "SpotguardCallback",
+    "best_metric_retention",
+    "capture_rngs",
+    "checkpoint_metrics",
+    "restore_rngs",
+    "variable_keys",
+]

@@ -107,8 +107,14 @@ class ResumableSampler(DistributedSampler[int]):
                 if dist.is_available() and dist.is_initialized()
                 else int(os.environ.get("RANK", "0") or 0)
             )
-        super().__init__(data_source, num_replicas=num_replicas, rank=rank,  # type: ignore[arg-type]
-                         shuffle=shuffle, seed=seed, drop_last=drop_last)  # fmt: skip
+        super().__init__(
+            data_source,  # type: ignore[arg-type]
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.size = len(data_source)
         self._resume_at = 0  # samples of self.epoch to skip at the next iteration
         self._yielded = 0  # samples of self.epoch yielded by the current iteration
@@ -155,16 +161,27 @@ class ResumableSampler(DistributedSampler[int]):
         (default: those yielded so far; the callback passes what training
         actually consumed, which a loader's prefetching may trail)."""
         done = self._yielded if consumed is None else consumed
-        return {"epoch": int(self.epoch), "consumed": int(min(max(done, 0), self.num_samples)),
-                "seed": int(self.seed), "size": int(self.size), "num_replicas": int(self.num_replicas),
-                "shuffle": bool(self.shuffle), "drop_last": bool(self.drop_last)}  # fmt: skip
+        return {
+            "epoch": int(self.epoch),
+            "consumed": int(min(max(done, 0), self.num_samples)),
+            "seed": int(self.seed),
+            "size": int(self.size),
+            "num_replicas": int(self.num_replicas),
+            "shuffle": bool(self.shuffle),
+            "drop_last": bool(self.drop_last),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the saved position (an epoch whose samples were
         all consumed continues with the next epoch). Raises ValueError when
         the state is of a sampler over other data or another setup."""
-        for key, mine in (("seed", self.seed), ("size", self.size), ("num_replicas", self.num_replicas),
-                          ("shuffle", self.shuffle), ("drop_last", self.drop_last)):  # fmt: skip
+        for key, mine in (
+            ("seed", self.seed),
+            ("size", self.size),
+            ("num_replicas", self.num_replicas),
+            ("shuffle", self.shuffle),
+            ("drop_last", self.drop_last),
+        ):
             if key in state and state[key] != mine:
                 raise ValueError(f"sampler state has {key}={state[key]!r}, this sampler {mine!r}")
         epoch, consumed = int(state["epoch"]), int(state["consumed"])
@@ -209,7 +226,7 @@ def rng_state() -> dict[str, Any]:
             "pos": int(np_state["state"]["pos"]),
             "has_gauss": int(np_state["has_gauss"]),
             "gauss": float(np_state["gauss"]),
-        },  # fmt: skip
+        },
         "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available():
@@ -222,15 +239,23 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     npst = state["numpy"]
-    np.random.set_state({"bit_generator": npst["bit_generator"],
-                         "state": {"key": np.asarray(npst["key"], dtype=np.uint32), "pos": npst["pos"]},
-                         "has_gauss": npst["has_gauss"], "gauss": npst["gauss"]})  # fmt: skip
+    np.random.set_state(
+        {
+            "bit_generator": npst["bit_generator"],
+            "state": {"key": np.asarray(npst["key"], dtype=np.uint32), "pos": npst["pos"]},
+            "has_gauss": npst["has_gauss"],
+            "gauss": npst["gauss"],
+        }
+    )
     torch.set_rng_state(_unb64(state["torch"]))
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            log.warning("checkpoint holds the RNG of %d CUDA devices, this process sees %d: restoring the first ones",
-                        len(cuda), torch.cuda.device_count())  # fmt: skip
+            log.warning(
+                "checkpoint holds the RNG of %d CUDA devices, this process sees %d: restoring the first ones",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
         for device, s in enumerate(cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(_unb64(s), device)
 
@@ -447,15 +472,26 @@ class SpotguardCallback(pl.Callback):
             elif sampler is not None and batch_idx is not None and size is not None:
                 consumed = (batch_idx + 1) * size  # what training took, whatever was prefetched
             samplers.append(sampler.state_dict(consumed) if sampler is not None else None)
-        doc = {"format": RANK_FORMAT, "step": step, "rank": rank, "world_size": world, "position": position,
-               "epoch": int(trainer.current_epoch), "rng": rng_state(), "samplers": samplers}  # fmt: skip
+        doc = {
+            "format": RANK_FORMAT,
+            "step": step,
+            "rank": rank,
+            "world_size": world,
+            "position": position,
+            "epoch": int(trainer.current_epoch),
+            "rng": rng_state(),
+            "samplers": samplers,
+        }
         tmp = staging / (RANK_FILE.format(rank=rank) + ".tmp")
         tmp.write_text(json.dumps(doc), encoding="utf-8")
         os.replace(tmp, staging / RANK_FILE.format(rank=rank))
         # Every rank calls it; global rank 0 writes; it ends with a barrier.
         trainer.save_checkpoint(staging / CKPT_NAME, weights_only=False)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
-                   if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)}  # fmt: skip
+        metrics = {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+        }
         ckpt.commit_folder(step, staging, epoch=int(trainer.current_epoch), metrics=metrics)
         self.last_saved_step = step
         if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
@@ -480,12 +516,20 @@ class SpotguardCallback(pl.Callback):
         try:
             doc = json.loads(rank_file.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            log.warning("%s has no %s: RNG and sampler position not restored, the resumed fit is not exact",
-                        Path(path).parent, rank_file.name)  # fmt: skip
+            log.warning(
+                "%s has no %s: RNG and sampler position not restored, the resumed fit is not exact",
+                Path(path).parent,
+                rank_file.name,
+            )
             return
         if doc.get("format") != RANK_FORMAT or doc.get("world_size") != world:
-            log.warning("%s was written by %s rank(s), this fit has %d: RNG and sampler position not restored, "
-                        "the resumed fit is not exact", rank_file, doc.get("world_size"), world)  # fmt: skip
+            log.warning(
+                "%s was written by %s rank(s), this fit has %d: RNG and sampler position not restored, "
+                "the resumed fit is not exact",
+                rank_file,
+                doc.get("world_size"),
+                world,
+            )
             return
         self._pending = doc
         if doc["position"] in ("epoch_end", "final"):
@@ -516,10 +560,19 @@ def spotguard_ckpt_path(checkpointer: Checkpointer | None = None) -> str | None:
         return None
     path = folder / CKPT_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} is a spotguard checkpoint without {CKPT_NAME}: not written by "
-                                "SpotguardCallback; pass it to Lightning yourself if it is yours")  # fmt: skip
+        raise FileNotFoundError(
+            f"{folder} is a spotguard checkpoint without {CKPT_NAME}: not written by "
+            "SpotguardCallback; pass it to Lightning yourself if it is yours"
+        )
     return str(path)
 
 
-__all__ = ["CKPT_NAME", "ResumableRandomSampler", "ResumableSampler", "SpotguardCallback", "rng_state",
-           "set_rng_state", "spotguard_ckpt_path"]  # fmt: skip
+__all__ = [
+    "CKPT_NAME",
+    "ResumableRandomSampler",
+    "ResumableSampler",
+    "SpotguardCallback",
+    "rng_state",
+    "set_rng_state",
+    "spotguard_ckpt_path",
+]

@@ -72,12 +72,18 @@ def register(subparsers: Any) -> None:
     )
     _cluster_flags(p)
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--endpoint-url", metavar="URL", help="S3 endpoint (default: spec.checkpoint.endpoint, else "
-                   "AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)")  # fmt: skip
+    p.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        help="S3 endpoint (default: spec.checkpoint.endpoint, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)",
+    )
     p.add_argument("--region", metavar="REGION", help="S3 region (default: spec.checkpoint.region, else AWS_REGION)")
     p.add_argument("--quick", action="store_true", help="check sizes only, do not read the data")
-    p.add_argument("--deep", action="store_true",
-                   help="read every byte back instead of trusting checksums the store computed on receipt")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="read every byte back instead of trusting checksums the store computed on receipt",
+    )
     _output_flag(p)
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_checkpoints))
@@ -91,10 +97,19 @@ def register(subparsers: Any) -> None:
     )
     _cluster_flags(p)
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--wait", action=argparse.BooleanOptionalAction, default=True,
-                   help="wait until the next attempt runs or the job ends (default: --wait)")  # fmt: skip
-    p.add_argument("--timeout", type=_pos_float, default=DEFAULT_PREEMPT_TIMEOUT, metavar="SECONDS",
-                   help=f"give up waiting after this long, exit status 1 (default {DEFAULT_PREEMPT_TIMEOUT:g})")
+    p.add_argument(
+        "--wait",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wait until the next attempt runs or the job ends (default: --wait)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_pos_float,
+        default=DEFAULT_PREEMPT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"give up waiting after this long, exit status 1 (default {DEFAULT_PREEMPT_TIMEOUT:g})",
+    )
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_preempt))
 
@@ -107,16 +122,17 @@ class UserError(Exception):
 
 
 def _cluster_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, "
-                   "else the in-cluster ServiceAccount)")  # fmt: skip
+    p.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, else the in-cluster ServiceAccount)",
+    )
     p.add_argument("--context", metavar="NAME", help="kubeconfig context (default: its current context)")
-    p.add_argument("-n", "--namespace", metavar="NS",
-                   help="namespace (default: the context's, else \"default\")")  # fmt: skip
+    p.add_argument("-n", "--namespace", metavar="NS", help='namespace (default: the context\'s, else "default")')
 
 
 def _output_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=OUTPUTS, default="table", help="output format (default: table)")
-
 
 
 def _pos_float(raw: str) -> float:
@@ -127,8 +143,6 @@ def _pos_float(raw: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0: {raw}")
     return value
-
-
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -246,8 +260,9 @@ def connect(args: argparse.Namespace) -> Kube:
     args._server = cfg.host
     api = client.ApiClient(cfg)
     api.user_agent = f"spotguard-jobs/{_version()}"
-    return Kube(api, client.CoreV1Api(api), client.CustomObjectsApi(api), args.namespace or namespace or "default",
-                cfg.host)  # fmt: skip
+    return Kube(
+        api, client.CoreV1Api(api), client.CustomObjectsApi(api), args.namespace or namespace or "default", cfg.host
+    )
 
 
 def _version() -> str:
@@ -286,17 +301,22 @@ def api_errors(kube: Kube, what: str, *, name: str | None = None) -> Iterator[No
     except ApiException as exc:
         status, message = exc.status, _api_message(exc)
         if _unserved(exc):
-            raise UserError("the TrainingJob API (trainingjobs.spotguard.dev) is not served by "
-                            f"{kube.server}: install spotguard's chart (or kubectl apply -f "
-                            "crds/trainingjob.yaml)") from None  # fmt: skip
+            raise UserError(
+                "the TrainingJob API (trainingjobs.spotguard.dev) is not served by "
+                f"{kube.server}: install spotguard's chart (or kubectl apply -f "
+                "crds/trainingjob.yaml)"
+            ) from None
         if status == 404 and name is not None:
             raise UserError(f"trainingjob {name} not found in namespace {kube.namespace}") from None
         if status == 401:
-            raise UserError(f"{kube.server} refused the credentials (401 Unauthorized): log in again or check "
-                            "the kubeconfig's user") from None  # fmt: skip
+            raise UserError(
+                f"{kube.server} refused the credentials (401 Unauthorized): log in again or check the kubeconfig's user"
+            ) from None
         if status == 403:
-            raise UserError(f"not allowed to {what}: {message} (reading needs the built-in view role in the "
-                            "namespace, which spotguard's chart extends to TrainingJobs)") from None  # fmt: skip
+            raise UserError(
+                f"not allowed to {what}: {message} (reading needs the built-in view role in the "
+                "namespace, which spotguard's chart extends to TrainingJobs)"
+            ) from None
         raise UserError(f"cannot {what} ({status}): {message}") from None
 
 
@@ -334,8 +354,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if args.all_namespaces:
             listed = kube.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=REQUEST_TIMEOUT)
         else:
-            listed = kube.custom.list_namespaced_custom_object(GROUP, VERSION, kube.namespace, PLURAL,
-                                                               _request_timeout=REQUEST_TIMEOUT)  # fmt: skip
+            listed = kube.custom.list_namespaced_custom_object(
+                GROUP, VERSION, kube.namespace, PLURAL, _request_timeout=REQUEST_TIMEOUT
+            )
     items = list(listed.get("items") or [])
     if args.output != "table":
         _print_output(render.job_list(items), args.output)
@@ -355,8 +376,9 @@ def _job_events(kube: Kube, name: str) -> list[dict[str, Any]]:
 
     selector = f"involvedObject.kind={KIND},involvedObject.name={name}"
     with api_errors(kube, f"list the Events in namespace {kube.namespace}"):
-        listed = kube.core.list_namespaced_event(kube.namespace, field_selector=selector,
-                                                 _request_timeout=REQUEST_TIMEOUT)  # fmt: skip
+        listed = kube.core.list_namespaced_event(
+            kube.namespace, field_selector=selector, _request_timeout=REQUEST_TIMEOUT
+        )
     return [kube.api.sanitize_for_serialization(e) for e in listed.items]
 
 
@@ -364,8 +386,9 @@ def _job_pods(kube: Kube, name: str) -> list[dict[str, Any]]:
     from spotguard.operator.podbuilder import LABEL_JOB
 
     with api_errors(kube, f"list the pods in namespace {kube.namespace}"):
-        listed = kube.core.list_namespaced_pod(kube.namespace, label_selector=f"{LABEL_JOB}={name}",
-                                               _request_timeout=REQUEST_TIMEOUT)  # fmt: skip
+        listed = kube.core.list_namespaced_pod(
+            kube.namespace, label_selector=f"{LABEL_JOB}={name}", _request_timeout=REQUEST_TIMEOUT
+        )
     return [kube.api.sanitize_for_serialization(p) for p in listed.items]
 
 
@@ -434,17 +457,19 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             result = verify_checkpoint(storage, name, checksums=not args.quick, deep=args.deep)
             m = result.manifest
             step = int(name.split("-")[1])
-            rows.append({
-                "step": step,
-                "name": name,
-                "uri": storage.uri_for(name),
-                "created": m.created if m else None,
-                "size": m.total_size if m else None,
-                "verified": result.ok,
-                "method": result.method,
-                "problems": list(result.problems),
-                "latest": pointer == step,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "step": step,
+                    "name": name,
+                    "uri": storage.uri_for(name),
+                    "created": m.created if m else None,
+                    "size": m.total_size if m else None,
+                    "verified": result.ok,
+                    "method": result.method,
+                    "problems": list(result.problems),
+                    "latest": pointer == step,
+                }
+            )
     except CredentialsError as exc:
         raise UserError(f"{exc} ({hint})") from None
     except NotFoundError as exc:
@@ -452,8 +477,10 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     finally:
         progress.clear()
     if args.output != "table":
-        _print_output({"trainingjob": args.name, "namespace": kube.namespace, "uri": storage.uri,
-                       "checkpoints": rows}, args.output)  # fmt: skip
+        _print_output(
+            {"trainingjob": args.name, "namespace": kube.namespace, "uri": storage.uri, "checkpoints": rows},
+            args.output,
+        )
         return EXIT_OK
     if not rows:
         print(f"no checkpoints of trainingjob {args.name} yet at {storage.uri}")
@@ -473,8 +500,10 @@ def target_pod(name: str, status: Mapping[str, Any]) -> tuple[int, str]:
 
     attempt = status.get("attempt")
     if not isinstance(attempt, int) or attempt < 1:
-        raise UserError(f"trainingjob {name} has no pod yet (phase {status.get('phase') or 'Pending'}): "
-                        "preempt it once its first attempt's pod exists")  # fmt: skip
+        raise UserError(
+            f"trainingjob {name} has no pod yet (phase {status.get('phase') or 'Pending'}): "
+            "preempt it once its first attempt's pod exists"
+        )
     nodes = status.get("nodes")
     if isinstance(nodes, int) and nodes > 1:
         return attempt, member_pod_name(name, attempt, 0, nodes)
@@ -506,18 +535,25 @@ def evict(kube: Kube, pod: str) -> str:
                     "relax the budget for the drill"
                 ) from None
             if exc.status == 404 and not _unserved(exc):
-                raise UserError(f"pod {pod} not found in namespace {kube.namespace}: the attempt ended meanwhile? "
-                                f"see `spotguard jobs describe` for the job") from None  # fmt: skip
+                raise UserError(
+                    f"pod {pod} not found in namespace {kube.namespace}: the attempt ended meanwhile? "
+                    f"see `spotguard jobs describe` for the job"
+                ) from None
             if exc.status == 403:
-                raise UserError(f"not allowed to evict pod {pod}: {message} (needs create on pods/eviction, as the "
-                                "built-in edit role has)") from None  # fmt: skip
+                raise UserError(
+                    f"not allowed to evict pod {pod}: {message} (needs create on pods/eviction, as the "
+                    "built-in edit role has)"
+                ) from None
             unserved = exc.status == 400 and ("no kind" in message or "registered for version" in message)
             if unserved or exc.status in (404, 405):
                 refused.append(f"{version}: {message}")
                 continue
             raise UserError(f"cannot evict pod {pod} ({exc.status}): {message}") from None
-    print(f"spotguard: the apiserver offers no Eviction API ({'; '.join(refused)}): deleting pod {pod} gracefully "
-          "instead (no PodDisruptionBudget is consulted)", file=sys.stderr)  # fmt: skip
+    print(
+        f"spotguard: the apiserver offers no Eviction API ({'; '.join(refused)}): deleting pod {pod} gracefully "
+        "instead (no PodDisruptionBudget is consulted)",
+        file=sys.stderr,
+    )
     with api_errors(kube, f"delete pod {pod}"):
         kube.core.delete_namespaced_pod(pod, kube.namespace, _request_timeout=REQUEST_TIMEOUT)
     return "deleted"
@@ -538,9 +574,11 @@ def cmd_preempt(args: argparse.Namespace) -> int:
     attempt, pod = target_pod(args.name, st)
     last = st.get("lastPodEnd") or {}
     if last.get("attempt") == attempt:
-        raise UserError(f"attempt {attempt} of trainingjob {args.name} has ended already ({last.get('kind')}: "
-                        f"{last.get('reason')}); the next one starts {st.get('restartAt') or 'soon'}: "
-                        "preempt that one once it exists")  # fmt: skip
+        raise UserError(
+            f"attempt {attempt} of trainingjob {args.name} has ended already ({last.get('kind')}: "
+            f"{last.get('reason')}); the next one starts {st.get('restartAt') or 'soon'}: "
+            "preempt that one once it exists"
+        )
     progress = Progress(args.progress)
     done = evict(kube, pod)
     print(f"{done} pod {pod} (attempt {attempt} of trainingjob {args.name})", flush=True)
@@ -581,8 +619,10 @@ def follow(kube: Kube, name: str, attempt: int, pod: str, timeout: float, progre
                 if p.metadata.deletion_timestamp is not None and not seen.stopping:
                     seen.stopping = True
                     grace = p.metadata.deletion_grace_period_seconds
-                    progress.line(f"pod {pod} is stopping" + (f" (grace period {grace}s: the trainer saves an "
-                                                              "emergency checkpoint)" if grace else ""))  # fmt: skip
+                    progress.line(
+                        f"pod {pod} is stopping"
+                        + (f" (grace period {grace}s: the trainer saves an emergency checkpoint)" if grace else "")
+                    )
             except ApiException as exc:
                 if exc.status != 404:
                     raise
@@ -606,8 +646,10 @@ def follow(kube: Kube, name: str, attempt: int, pod: str, timeout: float, progre
         phase = st.get("phase")
         if current > attempt and phase == RUNNING:
             progress.line(f"attempt {current} running")
-            print(f"trainingjob {name}: attempt {current} is running (pod {st.get('currentPod')}); "
-                  f"preemptions {st.get('preemptions', 0)}, failures {st.get('failures', 0)}")  # fmt: skip
+            print(
+                f"trainingjob {name}: attempt {current} is running (pod {st.get('currentPod')}); "
+                f"preemptions {st.get('preemptions', 0)}, failures {st.get('failures', 0)}"
+            )
             return EXIT_OK
         if phase == SUCCEEDED:
             print(f"trainingjob {name} succeeded (attempt {current})")
@@ -625,9 +667,13 @@ def follow(kube: Kube, name: str, attempt: int, pod: str, timeout: float, progre
             break
         time.sleep(POLL_SECONDS)
     now = st.get("attempt")
-    state = (f"attempt {now} is {st.get('phase')}" if now != attempt else
-             f"attempt {attempt} has not ended yet (phase {st.get('phase')})")  # fmt: skip
+    state = (
+        f"attempt {now} is {st.get('phase')}"
+        if now != attempt
+        else f"attempt {attempt} has not ended yet (phase {st.get('phase')})"
+    )
     running: dict[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "Running"), {})
     detail = f": {running.get('message')}" if running.get("message") and now != attempt else ""
-    raise UserError(f"timed out after {timeout:g}s waiting for trainingjob {name} to run its next attempt: "
-                    f"{state}{detail}")  # fmt: skip
+    raise UserError(
+        f"timed out after {timeout:g}s waiting for trainingjob {name} to run its next attempt: {state}{detail}"
+    )

@@ -169,8 +169,9 @@ def job_row(job: Mapping[str, Any], now: datetime) -> list[str]:
 
 def ls_table(jobs: Sequence[Mapping[str, Any]], now: datetime, *, all_namespaces: bool = False) -> str:
     """The ``ls`` table, sorted by namespace then name; a NAMESPACE column first with ``-A``."""
-    ordered = sorted(jobs, key=lambda j: (str(_map(j.get("metadata")).get("namespace")),
-                                         str(_map(j.get("metadata")).get("name"))))  # fmt: skip
+    ordered = sorted(
+        jobs, key=lambda j: (str(_map(j.get("metadata")).get("namespace")), str(_map(j.get("metadata")).get("name")))
+    )
     if not all_namespaces:
         return table(LS_HEADERS, (job_row(j, now) for j in ordered))
     rows = ([str(_map(j.get("metadata")).get("namespace") or "-"), *job_row(j, now)] for j in ordered)
@@ -256,8 +257,13 @@ def job_events(job: Mapping[str, Any], events: Iterable[Mapping[str, Any]]) -> l
         if uid and obj.get("uid") and obj.get("uid") != uid:
             continue
         t = _event_time(ev)
-        item = JobEvent(str(ev.get("type") or "Normal"), str(ev.get("reason") or ""), str(ev.get("message") or ""),
-                        t, _int(ev.get("count")) or 1)  # fmt: skip
+        item = JobEvent(
+            str(ev.get("type") or "Normal"),
+            str(ev.get("reason") or ""),
+            str(ev.get("message") or ""),
+            t,
+            _int(ev.get("count")) or 1,
+        )
         key = (item.reason, item.message, item.time)
         if key in seen:
             continue
@@ -284,10 +290,19 @@ _SIDECAR_RE = re.compile(
 )
 
 #: Events that say something about the job at the time, noted on the attempt they came with.
-_NOTE_REASONS = frozenset({
-    "PreemptionLimitExceeded", "BackoffLimitExceeded", "FailedByRule", "DeadlineExceeded", "NodeAvoided",
-    "FallbackPlacement", "PrimaryPlacement", "PodCreateFailed", "InvalidSpec",
-})  # fmt: skip
+_NOTE_REASONS = frozenset(
+    {
+        "PreemptionLimitExceeded",
+        "BackoffLimitExceeded",
+        "FailedByRule",
+        "DeadlineExceeded",
+        "NodeAvoided",
+        "FallbackPlacement",
+        "PrimaryPlacement",
+        "PodCreateFailed",
+        "InvalidSpec",
+    }
+)
 
 
 def pod_attempt(job: str, pod: str) -> int | None:
@@ -351,12 +366,13 @@ def attempt_history(job: str, status: Mapping[str, Any], events: Sequence[JobEve
         elif ev.reason == "Preempted" and (pm := _PREEMPTED_RE.match(msg)):
             n, pod, node = _who(job, pm.group("who"))
             step = pm.group("step")
-            set_end(n, AttemptEnd("preempted", pm.group("reason"), "", int(step) if step else None, ev.time, pod,
-                                  node))  # fmt: skip
+            set_end(n, AttemptEnd("preempted", pm.group("reason"), "", int(step) if step else None, ev.time, pod, node))
         elif ev.reason == "PodFailed" and (fm := _FAILED_RE.match(msg)):
             n, pod, node = _who(job, fm.group("who"))
-            set_end(n, AttemptEnd("failed", fm.group("reason"), (fm.group("message") or "").strip(), None, ev.time,
-                                  pod, node))  # fmt: skip
+            set_end(
+                n,
+                AttemptEnd("failed", fm.group("reason"), (fm.group("message") or "").strip(), None, ev.time, pod, node),
+            )
         elif ev.reason == "SidecarExited" and (sm := _SIDECAR_RE.match(msg)):
             n, pod, node = _who(job, sm.group("who"))
             if n is not None and n not in gang_cause:
@@ -366,8 +382,9 @@ def attempt_history(job: str, status: Mapping[str, Any], events: Sequence[JobEve
             if gm.group("attempt"):
                 n = int(gm.group("attempt"))
             if n is not None:
-                gang_cause[n] = AttemptEnd(gm.group("kind"), gm.group("reason"), (gm.group("message") or "").strip(),
-                                           None, ev.time, pod, node)  # fmt: skip
+                gang_cause[n] = AttemptEnd(
+                    gm.group("kind"), gm.group("reason"), (gm.group("message") or "").strip(), None, ev.time, pod, node
+                )
                 get(n)
         elif ev.reason == "Completed":
             n, pod, node = _who(job, msg)
@@ -421,8 +438,10 @@ def history_gaps(status: Mapping[str, Any], attempts: Sequence[Attempt]) -> list
         counted = _int(status.get(key)) or 0
         shown = sum(1 for a in attempts if a.end is not None and a.end.kind == kind)
         if counted > shown:
-            notes.append(f"{counted - shown} of {counted} {key} have no record left: the Events of older attempts"
-                         " have expired (most clusters keep Events for an hour)")  # fmt: skip
+            notes.append(
+                f"{counted - shown} of {counted} {key} have no record left: the Events of older attempts"
+                " have expired (most clusters keep Events for an hour)"
+            )
     return notes
 
 
@@ -457,15 +476,17 @@ def pod_rows(job: str, pods: Sequence[Mapping[str, Any]], current: int) -> list[
             raw = labels.get("spotguard.dev/attempt")
             attempt = int(raw) if isinstance(raw, str) and raw.isdigit() else None
         rank = labels.get("spotguard.dev/node-rank")
-        out.append({
-            "name": name,
-            "attempt": attempt,
-            "rank": int(rank) if isinstance(rank, str) and rank.isdigit() else None,
-            "status": pod_status(p),
-            "node": _str(spec.get("nodeName")),
-            "created": _str(meta.get("creationTimestamp")),
-            "current": attempt == current,
-        })  # fmt: skip
+        out.append(
+            {
+                "name": name,
+                "attempt": attempt,
+                "rank": int(rank) if isinstance(rank, str) and rank.isdigit() else None,
+                "status": pod_status(p),
+                "node": _str(spec.get("nodeName")),
+                "created": _str(meta.get("creationTimestamp")),
+                "current": attempt == current,
+            }
+        )
     return sorted(out, key=lambda r: (-(r["attempt"] or 0), r["rank"] or 0, r["name"]))
 
 
@@ -481,8 +502,9 @@ def job_storage(job: Mapping[str, Any]) -> str | None:
     return f"{storage.rstrip('/')}/{meta['namespace']}/{meta['name']}"
 
 
-def describe(job: Mapping[str, Any], events: Iterable[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]],
-             now: datetime) -> dict[str, Any]:
+def describe(
+    job: Mapping[str, Any], events: Iterable[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], now: datetime
+) -> dict[str, Any]:
     """Everything ``describe`` shows, as one plain dict (also what ``-o json|yaml`` prints)."""
     meta, spec, st = _map(job.get("metadata")), _map(job.get("spec")), _map(job.get("status"))
     name = str(meta.get("name") or "")
@@ -501,10 +523,14 @@ def describe(job: Mapping[str, Any], events: Iterable[Mapping[str, Any]], pods: 
         "attempt": current,
         "currentPod": st.get("currentPod"),
         "nodes": _int(spec.get("nodes")) or 1,
-        "preemptions": {"count": _int(st.get("preemptions")) or 0,
-                        "limit": max_pre if max_pre is not None else _PRE.max_preemptions},
-        "failures": {"count": _int(st.get("failures")) or 0,
-                     "limit": limit if limit is not None else _PRE.backoff_limit},
+        "preemptions": {
+            "count": _int(st.get("preemptions")) or 0,
+            "limit": max_pre if max_pre is not None else _PRE.max_preemptions,
+        },
+        "failures": {
+            "count": _int(st.get("failures")) or 0,
+            "limit": limit if limit is not None else _PRE.backoff_limit,
+        },
         "restartAt": st.get("restartAt"),
         "storage": job_storage(job),
         "lastVerifiedCheckpoint": dict(_map(st.get("lastVerifiedCheckpoint"))) or None,
@@ -591,14 +617,18 @@ def render_describe(desc: Mapping[str, Any], now: datetime) -> str:
     avoided = desc.get("avoidedNodes") or []
     if avoided:
         out.append("Avoided nodes:")
-        rows = [(r.get("node"), r.get("ends"), when(r.get("until"), now) if r.get("until") else "not avoided yet")
-                for r in avoided]  # fmt: skip
+        rows = [
+            (r.get("node"), r.get("ends"), when(r.get("until"), now) if r.get("until") else "not avoided yet")
+            for r in avoided
+        ]
         out += ["  " + line for line in table(("NODE", "ENDS", "AVOIDED UNTIL"), rows).splitlines()]
     conds = desc.get("conditions") or []
     if conds:
         out.append("Conditions:")
-        cond_lines = [(c.get("type"), c.get("status"), c.get("reason"), age(c.get("lastTransitionTime"), now),
-                 c.get("message")) for c in conds]  # fmt: skip
+        cond_lines = [
+            (c.get("type"), c.get("status"), c.get("reason"), age(c.get("lastTransitionTime"), now), c.get("message"))
+            for c in conds
+        ]
         out += ["  " + line for line in table(("TYPE", "STATUS", "REASON", "AGE", "MESSAGE"), cond_lines).splitlines()]
     out.append("Attempts:")
     if desc.get("attemptsOmitted"):

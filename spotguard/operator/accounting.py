@@ -81,10 +81,11 @@ def sidecar_exited(d: Draft, spec: TrainingJobSpec, end: PodEnd, decision: Decis
         when = "now" if decision.create_attempt is not None else f"at {st.get('restartAt')}"
         then = f"attempt {nxt} starts {when} (failure {failures} of backoffLimit {limit})"
     grace = spec.preemption.grace_period_seconds
-    message = (f"pod {pod}: {end.message}. Checkpoints were no longer uploaded: stopping the pod"
-               f" (the trainer has {grace}s to save a checkpoint); {then}")  # fmt: skip
-    set_condition(st.setdefault("conditions", []), COND_SIDECAR, False, R_SIDECAR_EXITED, message, d.now,
-                  d.generation)  # fmt: skip
+    message = (
+        f"pod {pod}: {end.message}. Checkpoints were no longer uploaded: stopping the pod"
+        f" (the trainer has {grace}s to save a checkpoint); {then}"
+    )
+    set_condition(st.setdefault("conditions", []), COND_SIDECAR, False, R_SIDECAR_EXITED, message, d.now, d.generation)
     warning = Event("Warning", R_SIDECAR_EXITED, message)
     events = [warning if e.reason == R_POD_FAILED else e for e in decision.events]
     if warning not in events:
@@ -180,8 +181,11 @@ def account(d: Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None, w
     if placement.get("returning") == attempt:
         # Stopped to go back to the primary placement: not a preemption, not a failure.
         record["kind"] = MOVED
-        return replace(moved(d, spec, PRIMARY, policy.R_TO_PRIMARY, "the fallback's cool-down is over",
-                              record=record), delete_pod=delete, force_delete=force)  # fmt: skip
+        return replace(
+            moved(d, spec, PRIMARY, policy.R_TO_PRIMARY, "the fallback's cool-down is over", record=record),
+            delete_pod=delete,
+            force_delete=force,
+        )
 
     at = f" at step {step}" if isinstance(step, int) else ""
     avoided = policy.note_end_on_node(st, spec, end.node, d.now)
@@ -209,11 +213,13 @@ def account(d: Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None, w
         assert index is not None
         said = policy.describe_rule(spec.failure_rules[index], index)
         if action == "FailJob":
-            return fail(d, policy.R_RULE_FAIL, f"{who} failed ({end.reason}): {end.message}; {said}", end, delete,
-                         force)  # fmt: skip
+            return fail(
+                d, policy.R_RULE_FAIL, f"{who} failed ({end.reason}): {end.message}; {said}", end, delete, force
+            )
         st["ignoredFailures"] = d.int("ignoredFailures") + 1
-        d.events.append(Event("Warning", R_POD_FAILED,
-                              f"{who} failed ({end.reason}): {end.message}; not counted, {said}"))  # fmt: skip
+        d.events.append(
+            Event("Warning", R_POD_FAILED, f"{who} failed ({end.reason}): {end.message}; not counted, {said}")
+        )
         delay = spec.preemption.backoff.delay(1)
     else:
         st["failures"] += 1
@@ -282,8 +288,13 @@ def moved(
 ) -> Decision:
     """The attempt ends to move the job (not counted); the next one starts at once where it goes."""
     st = d.st
-    st["lastPodEnd"] = record or {"attempt": st["attempt"], "kind": MOVED, "reason": reason, "message": message,
-                                  "time": format_time(d.now)}  # fmt: skip
+    st["lastPodEnd"] = record or {
+        "attempt": st["attempt"],
+        "kind": MOVED,
+        "reason": reason,
+        "message": message,
+        "time": format_time(d.now),
+    }
     switch(d, spec, to, reason, message)
     st.get("placement", {}).pop("returning", None)
     return replace(create_next(d, spec), delete_pod=delete_pod)
@@ -296,21 +307,28 @@ def return_to_primary(d: Draft, spec: TrainingJobSpec, current: str | None, *, r
     placement = d.st.setdefault("placement", {})
     if placement.get("returning") != d.st["attempt"]:
         placement["returning"] = d.st["attempt"]
-        d.events.append(Event("Normal", policy.R_RETURNING, f"the fallback's cool-down is over: stopping pod"
-                              f" {current} after a checkpoint; the next attempt runs on the primary placement"))
+        d.events.append(
+            Event(
+                "Normal",
+                policy.R_RETURNING,
+                f"the fallback's cool-down is over: stopping pod"
+                f" {current} after a checkpoint; the next attempt runs on the primary placement",
+            )
+        )
     return finish(d, delete_pod=current)
 
 
 def deadline_exceeded(d: Draft, spec: TrainingJobSpec, observation: Observation, current: str | None) -> Decision:
     """``spec.activeDeadlineSeconds`` ran out: the job fails; its pods stop after an emergency checkpoint."""
-    message = (f"the job ran longer than spec.activeDeadlineSeconds ({spec.active_deadline_seconds}s since"
-               f" {d.st.get('startTime')}); its checkpoints are kept")  # fmt: skip
+    message = (
+        f"the job ran longer than spec.activeDeadlineSeconds ({spec.active_deadline_seconds}s since"
+        f" {d.st.get('startTime')}); its checkpoints are kept"
+    )
     members = tuple((m.pod, False) for m in observation.members if m.present and not m.settled)
     single = current if current is not None and not observation.members else None
     decision = fail(d, policy.R_DEADLINE, message, PodEnd("failed", policy.R_DEADLINE, message), single, False)
     d.st.pop("teardown", None)
     return replace(decision, delete_pods=members)
-
 
 
 def on_create_error(

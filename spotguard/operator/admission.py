@@ -126,8 +126,11 @@ def allowed(uid: str) -> dict[str, Any]:
 
 def denied(uid: str, code: int, reason: str, message: str) -> dict[str, Any]:
     """Pure: an admission response that refuses the request; the apiserver shows ``message`` to the user."""
-    return {"uid": uid, "allowed": False, "status": {"status": "Failure", "code": code, "reason": reason,
-                                                     "message": message}}  # fmt: skip
+    return {
+        "uid": uid,
+        "allowed": False,
+        "status": {"status": "Failure", "code": code, "reason": reason, "message": message},
+    }
 
 
 def mutate_pod(request: Mapping[str, Any], config: OperatorConfig) -> dict[str, Any]:
@@ -227,19 +230,28 @@ def restart_refusal(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | Non
 
     before, after = _checkpoint(old_spec), _checkpoint(new_spec)
     old_storage, new_storage = before.get("storage"), after.get("storage")
-    if isinstance(old_storage, str) and isinstance(new_storage, str) and \
-            old_storage.rstrip("/") != new_storage.rstrip("/"):  # fmt: skip
+    if (
+        isinstance(old_storage, str)
+        and isinstance(new_storage, str)
+        and old_storage.rstrip("/") != new_storage.rstrip("/")
+    ):
         old_uri, new_uri = _job_uri(old_storage, namespace, name), _job_uri(new_storage, namespace, name)
-        problems.append(f"changing spec.checkpoint.storage from {old_storage} to {new_storage} would restart"
-                        f" training from nothing ({new_uri} has none of this job's checkpoints; they are in"
-                        f" {old_uri})")  # fmt: skip
-        copy_hint = (f" To keep the progress, first copy everything under {old_uri}/ to {new_uri}/ (with the"
-                     f" store's own tools; `spotguard ckpt ls {new_uri}` then lists the checkpoints there)"
-                     " and annotate as said.")  # fmt: skip
+        problems.append(
+            f"changing spec.checkpoint.storage from {old_storage} to {new_storage} would restart"
+            f" training from nothing ({new_uri} has none of this job's checkpoints; they are in"
+            f" {old_uri})"
+        )
+        copy_hint = (
+            f" To keep the progress, first copy everything under {old_uri}/ to {new_uri}/ (with the"
+            f" store's own tools; `spotguard ckpt ls {new_uri}` then lists the checkpoints there)"
+            " and annotate as said."
+        )
     if before.get("endpoint") != after.get("endpoint"):
         was, now = before.get("endpoint") or "(none)", after.get("endpoint") or "(none)"
-        problems.append(f"changing spec.checkpoint.endpoint from {was} to {now} would restart training from"
-                        " nothing if it names another store (that store has none of this job's checkpoints)")
+        problems.append(
+            f"changing spec.checkpoint.endpoint from {was} to {now} would restart training from"
+            " nothing if it names another store (that store has none of this job's checkpoints)"
+        )
     (old_nodes, old_nproc, _), (new_nodes, new_nproc, implicit) = _world(old_spec), _world(new_spec)
     old_world = old_nodes * old_nproc if old_nodes is not None and old_nproc is not None else None
     new_world = new_nodes * new_nproc if new_nodes is not None and new_nproc is not None else None
@@ -252,15 +264,19 @@ def restart_refusal(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | Non
             source = " (the trainer's nvidia.com/gpu limit)" if implicit else ""
             world_changes.append(f"spec.nprocPerNode{source} from {old_nproc} to {new_nproc}")
         sizes = f" ({new_world} training processes instead of {old_world})" if old_world and new_world else ""
-        problems.append(f"changing {' and '.join(world_changes)} would resume at another world size{sizes}: the"
-                        " checkpoint is resharded, not resumed exactly (per-rank RNG states, the data order and"
-                        " the effective batch size change)")  # fmt: skip
+        problems.append(
+            f"changing {' and '.join(world_changes)} would resume at another world size{sizes}: the"
+            " checkpoint is resharded, not resumed exactly (per-rank RNG states, the data order and"
+            " the effective batch size change)"
+        )
     if not problems:
         return None
-    return (f"{'; '.join(problems)}. To do it on purpose, set the annotation {ALLOW_RESTART_ANNOTATION}=true"
-            f" in the same update (or before it: `kubectl annotate trainingjob {name} -n {namespace}"
-            f" {ALLOW_RESTART_ANNOTATION}=true`, and remove it afterwards), or delete the job and create a new"
-            f" one.{copy_hint}")  # fmt: skip
+    return (
+        f"{'; '.join(problems)}. To do it on purpose, set the annotation {ALLOW_RESTART_ANNOTATION}=true"
+        f" in the same update (or before it: `kubectl annotate trainingjob {name} -n {namespace}"
+        f" {ALLOW_RESTART_ANNOTATION}=true`, and remove it afterwards), or delete the job and create a new"
+        f" one.{copy_hint}"
+    )
 
 
 def validate_trainingjob(request: Mapping[str, Any], namespaces: Collection[str] = ()) -> dict[str, Any]:
@@ -299,34 +315,59 @@ def review_response(
     return 200, {"apiVersion": version, "kind": "AdmissionReview", "response": response}
 
 
-def webhook_configurations(name: str, base_url: str, ca_bundle: bytes, timeout_seconds: int = 10) -> tuple[
-        dict[str, Any], dict[str, Any]]:  # fmt: skip
+def webhook_configurations(
+    name: str, base_url: str, ca_bundle: bytes, timeout_seconds: int = 10
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Pure: the Mutating- and ValidatingWebhookConfiguration ``name`` for a server at ``base_url``
     (``--webhook-manage``; the chart writes its own, for its Service)."""
     bundle = base64.b64encode(ca_bundle).decode()
     common = {"admissionReviewVersions": ["v1"], "sideEffects": "None", "timeoutSeconds": timeout_seconds}
     mutating = {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": name},
-        "webhooks": [{
-            "name": MUTATING_WEBHOOK, **common, "failurePolicy": "Fail",
-            "objectSelector": {"matchLabels": {LABEL_INJECT: "true"}},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"],
-                       "scope": "Namespaced"}],
-            "clientConfig": {"url": f"{base_url}{MUTATE_PATH}", "caBundle": bundle},
-        }],
-    }  # fmt: skip
+        "webhooks": [
+            {
+                "name": MUTATING_WEBHOOK,
+                **common,
+                "failurePolicy": "Fail",
+                "objectSelector": {"matchLabels": {LABEL_INJECT: "true"}},
+                "rules": [
+                    {
+                        "operations": ["CREATE"],
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "resources": ["pods"],
+                        "scope": "Namespaced",
+                    }
+                ],
+                "clientConfig": {"url": f"{base_url}{MUTATE_PATH}", "caBundle": bundle},
+            }
+        ],
+    }
     validating = {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
         "metadata": {"name": name},
-        "webhooks": [{
-            # Ignore: an operator that is down must not block every edit of every job.
-            "name": VALIDATING_WEBHOOK, **common, "failurePolicy": "Ignore",
-            "rules": [{"operations": ["UPDATE"], "apiGroups": [GROUP], "apiVersions": ["*"], "resources": [PLURAL],
-                       "scope": "Namespaced"}],
-            "clientConfig": {"url": f"{base_url}{VALIDATE_PATH}", "caBundle": bundle},
-        }],
-    }  # fmt: skip
+        "webhooks": [
+            {
+                # Ignore: an operator that is down must not block every edit of every job.
+                "name": VALIDATING_WEBHOOK,
+                **common,
+                "failurePolicy": "Ignore",
+                "rules": [
+                    {
+                        "operations": ["UPDATE"],
+                        "apiGroups": [GROUP],
+                        "apiVersions": ["*"],
+                        "resources": [PLURAL],
+                        "scope": "Namespaced",
+                    }
+                ],
+                "clientConfig": {"url": f"{base_url}{VALIDATE_PATH}", "caBundle": bundle},
+            }
+        ],
+    }
     return mutating, validating
 
 
@@ -479,13 +520,23 @@ class AdmissionServer:
             except (OSError, ssl.SSLError) as exc:
                 if str(exc) != reported:
                     reported = str(exc)
-                    log.warning("admission: cannot serve on %s:%d yet: %s; trying again every %g s",
-                                self.address, self.port, exc, RETRY_SECONDS)  # fmt: skip
+                    log.warning(
+                        "admission: cannot serve on %s:%d yet: %s; trying again every %g s",
+                        self.address,
+                        self.port,
+                        exc,
+                        RETRY_SECONDS,
+                    )
                 await self._pause(RETRY_SECONDS)
                 continue
             self._listening = True
-            log.info("admission webhooks served on https://%s:%d (%s, %s)", self.address, self.port,
-                     MUTATE_PATH, VALIDATE_PATH)  # fmt: skip
+            log.info(
+                "admission webhooks served on https://%s:%d (%s, %s)",
+                self.address,
+                self.port,
+                MUTATE_PATH,
+                VALIDATE_PATH,
+            )
             return context
         return None
 
@@ -497,8 +548,7 @@ class AdmissionServer:
                 await asyncio.to_thread(self.manage)
                 return
             except Exception as exc:
-                log.warning("admission: cannot register the webhook configurations: %s; trying again",
-                            api_reason(exc))
+                log.warning("admission: cannot register the webhook configurations: %s; trying again", api_reason(exc))
             await self._pause(delay)
             delay = min(30.0, delay * 2)
 
@@ -536,11 +586,19 @@ def manage_configurations(api_client: Any, name: str, base_url: str, ca_bundle: 
     api = client.AdmissionregistrationV1Api(api_client)
     mutating, validating = webhook_configurations(name, base_url, ca_bundle)
     pairs = (
-        (mutating, api.read_mutating_webhook_configuration, api.create_mutating_webhook_configuration,
-         api.replace_mutating_webhook_configuration),
-        (validating, api.read_validating_webhook_configuration, api.create_validating_webhook_configuration,
-         api.replace_validating_webhook_configuration),
-    )  # fmt: skip
+        (
+            mutating,
+            api.read_mutating_webhook_configuration,
+            api.create_mutating_webhook_configuration,
+            api.replace_mutating_webhook_configuration,
+        ),
+        (
+            validating,
+            api.read_validating_webhook_configuration,
+            api.create_validating_webhook_configuration,
+            api.replace_validating_webhook_configuration,
+        ),
+    )
     for body, read, create, replace in pairs:
         try:
             current = read(name)

@@ -172,8 +172,10 @@ def staging_full(report: Mapping[str, Any] | None) -> str | None:
     if isinstance(error, str) and error:
         return error
     at = f" of step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
-    return (f"the checkpoint{at} was not written: the checkpoint volume is full. Give it more room"
-            " (spec.checkpoint.staging: emptyDir.sizeLimit or ephemeral.size)")
+    return (
+        f"the checkpoint{at} was not written: the checkpoint volume is full. Give it more room"
+        " (spec.checkpoint.staging: emptyDir.sizeLimit or ephemeral.size)"
+    )
 
 
 def _report_step(report: Mapping[str, Any] | None) -> int | None:
@@ -240,9 +242,11 @@ def sidecar_down(status: Mapping[str, Any]) -> str | None:
     native one (an init container with ``restartPolicy: Always``) is restarted
     by kubelet: down only while kubelet backs off (``CrashLoopBackOff``).
     """
-    trainers = [str(cs.get("name")) for cs in _container_statuses(status, "containerStatuses")
-                if cs.get("name") not in OWN_CONTAINERS
-                and isinstance((cs.get("state") or {}).get("running"), Mapping)]  # fmt: skip
+    trainers = [
+        str(cs.get("name"))
+        for cs in _container_statuses(status, "containerStatuses")
+        if cs.get("name") not in OWN_CONTAINERS and isinstance((cs.get("state") or {}).get("running"), Mapping)
+    ]
     found = _sidecar_status(status)
     if not trainers or found is None:
         return None
@@ -264,8 +268,10 @@ def sidecar_down(status: Mapping[str, Any]) -> str | None:
         if not isinstance(waiting, Mapping) or waiting.get("reason") != "CrashLoopBackOff":
             return None
         term = last if isinstance(last, Mapping) else {}
-        how = (f"keeps crashing (CrashLoopBackOff, {cs.get('restartCount', 0)} restarts;"
-               f" last exited with code {term.get('exitCode')})")  # fmt: skip
+        how = (
+            f"keeps crashing (CrashLoopBackOff, {cs.get('restartCount', 0)} restarts;"
+            f" last exited with code {term.get('exitCode')})"
+        )
     if term.get("reason") == "OOMKilled":
         how += " after running out of memory (OOMKilled): give it more memory (spec.sidecar.resources)"
     message = term.get("message")
@@ -505,8 +511,9 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
         if crashed is not None:
             # A classic sidecar may not see that its trainer is gone and would
             # keep the pod running: the attempt has failed, stop the pod.
-            return PodEnd("failed", crashed[0], crashed[1], step, stop_pod="graceful", container=crashed[2],
-                          exit_code=crashed[3])  # fmt: skip
+            return PodEnd(
+                "failed", crashed[0], crashed[1], step, stop_pod="graceful", container=crashed[2], exit_code=crashed[3]
+            )
         down = sidecar_down(status)
         if down is not None:
             # Checkpoints are no longer uploaded: stop the pod (the trainer gets

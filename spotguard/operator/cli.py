@@ -188,15 +188,21 @@ def run_operator(args: argparse.Namespace) -> int:
             print(f"spotguard operator: no such file: {path}", file=sys.stderr)
             return 2
     if args.webhook and args.webhook_manage and not args.webhook_host and args.webhook_address in ("0.0.0.0", "::"):
-        print("spotguard operator: --webhook-manage needs --webhook-host, the name or address the apiserver reaches"
-              " this webhook server at (the configuration's URL)", file=sys.stderr)  # fmt: skip
+        print(
+            "spotguard operator: --webhook-manage needs --webhook-host, the name or address the apiserver reaches"
+            " this webhook server at (the configuration's URL)",
+            file=sys.stderr,
+        )
         return 2
     if args.peering is not None:
         print("spotguard operator: --peering (kopf peering) was replaced by --leader-elect (a Lease)", file=sys.stderr)
         return 2
     if args.notice_cluster_role is not None:
-        print("spotguard operator: warning: --notice-cluster-role is ignored: the operator binds no role any more;"
-              " sidecars with the k8s notice source ask the operator (--notice-url)", file=sys.stderr)  # fmt: skip
+        print(
+            "spotguard operator: warning: --notice-cluster-role is ignored: the operator binds no role any more;"
+            " sidecars with the k8s notice source ask the operator (--notice-url)",
+            file=sys.stderr,
+        )
     problem = notice_url_problem(args.notice_url, args.liveness)
     if problem:
         print(f"spotguard operator: --notice-url: {problem}", file=sys.stderr)
@@ -220,8 +226,11 @@ def run_operator(args: argparse.Namespace) -> int:
         print(f"spotguard operator: --host-port-range: {exc}", file=sys.stderr)
         return 2
     if overlaps_nodeports(*host_port_range):
-        print(f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
-              f" default NodePort range {format_range(NODEPORT_RANGE)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
+            f" default NodePort range {format_range(NODEPORT_RANGE)}",
+            file=sys.stderr,
+        )
     problem = preflight()
     if problem:
         print(f"spotguard operator: {problem}", file=sys.stderr)
@@ -318,6 +327,8 @@ def preflight() -> str | None:
         return f"cannot reach the Kubernetes API: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     served = {v.group_version for g in groups.groups or [] for v in g.versions or []}
     if f"{GROUP}/{VERSION}" not in served:
-        return (f"the {PLURAL}.{GROUP} CRD ({VERSION}) is not installed: "
-                "kubectl apply -f crds/trainingjob.yaml (or install the Helm chart)")
+        return (
+            f"the {PLURAL}.{GROUP} CRD ({VERSION}) is not installed: "
+            "kubectl apply -f crds/trainingjob.yaml (or install the Helm chart)"
+        )
     return None

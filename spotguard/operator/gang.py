@@ -111,11 +111,16 @@ def decide_gang(d: Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> D
         # Not observed (the reconcile always lists them); treat every missing rank as gone.
         have = {m.rank for m in members}
         members = [*members] + [
-            Member(r, member_pod_name(d.job, attempt, r, nodes),
-                   PodEnd("preempted", "PodDeleted", "the pod was deleted before it finished"),
-                   present=False, settled=True)
-            for r in range(nodes) if r not in have
-        ]  # fmt: skip
+            Member(
+                r,
+                member_pod_name(d.job, attempt, r, nodes),
+                PodEnd("preempted", "PodDeleted", "the pod was deleted before it finished"),
+                present=False,
+                settled=True,
+            )
+            for r in range(nodes)
+            if r not in have
+        ]
     members = sorted(members, key=lambda m: m.rank)
     teardown = st.get("teardown")
     if not isinstance(teardown, Mapping) or teardown.get("attempt") != attempt:
@@ -135,21 +140,25 @@ def decide_gang(d: Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> D
         if trigger is not None:
             if trigger.end.reason == R_SIDECAR_EXITED:
                 _gang_sidecar_exited(d, spec, members, trigger)
-            return _start_teardown(d, members, trigger, trigger.end.kind, trigger.end.reason,
-                                   trigger.end.message)  # fmt: skip
+            return _start_teardown(d, members, trigger, trigger.end.kind, trigger.end.reason, trigger.end.message)
         return _gang_running(d, spec, members)
 
     # Stopping: upgrade the cause if the machine turns out to have gone, then wait for every pod.
     if teardown.get("kind") != "suspended" and teardown.get("strength", 0) < 2:
         trigger = gang_trigger(members)
         if trigger is not None and _strength(trigger.end) == 2:
-            st["teardown"] = {**teardown, **_teardown_cause(trigger, "preempted", trigger.end.reason,
-                                                            trigger.end.message)}  # fmt: skip
+            st["teardown"] = {
+                **teardown,
+                **_teardown_cause(trigger, "preempted", trigger.end.reason, trigger.end.message),
+            }
             teardown = st["teardown"]
     pending = [m for m in members if not m.settled]
     if pending:
-        deletes = tuple((m.pod, m.end.stop_pod == "force") for m in pending
-                        if m.present and (not m.deleting or m.end.stop_pod == "force"))  # fmt: skip
+        deletes = tuple(
+            (m.pod, m.end.stop_pod == "force")
+            for m in pending
+            if m.present and (not m.deleting or m.end.stop_pod == "force")
+        )
         waiting = ", ".join(m.pod for m in pending)
         d.cond(COND_RUNNING, False, R_GANG_STOPPING, f"stopping attempt {attempt}: waiting for {waiting} to end")
         return finish(d, delete_pods=deletes, requeue_after=None if not deletes else 2.0)
@@ -178,9 +187,11 @@ def _teardown_cause(m: Member, kind: str, reason: str, message: str) -> dict[str
 def _gang_sidecar_exited(d: Draft, spec: TrainingJobSpec, members: Sequence[Member], trigger: Member) -> None:
     """SidecarHealthy False and a Warning when a gang member's sidecar stopped while its trainer ran."""
     grace, limit = spec.preemption.grace_period_seconds, spec.preemption.backoff_limit
-    message = (f"{_member_where(trigger)}: {trigger.end.message}. Checkpoints were no longer uploaded:"
-               f" stopping the {len(members)} pods of attempt {d.st['attempt']} (the trainers have {grace}s to"
-               f" save a checkpoint); it counts as a failure (backoffLimit {limit})")  # fmt: skip
+    message = (
+        f"{_member_where(trigger)}: {trigger.end.message}. Checkpoints were no longer uploaded:"
+        f" stopping the {len(members)} pods of attempt {d.st['attempt']} (the trainers have {grace}s to"
+        f" save a checkpoint); it counts as a failure (backoffLimit {limit})"
+    )
     d.cond(COND_SIDECAR, False, R_SIDECAR_EXITED, message)
     d.events.append(Event("Warning", R_SIDECAR_EXITED, message))
 
@@ -222,8 +233,13 @@ def _end_gang(d: Draft, spec: TrainingJobSpec, members: Sequence[Member], teardo
     where = str(teardown.get("pod") or "")
     node = teardown.get("node")
     if kind == "suspended":
-        st["lastPodEnd"] = {"attempt": st["attempt"], "kind": "suspended", "reason": R_SUSPENDED,
-                            "message": "spec.suspend is true", "time": format_time(d.now)}  # fmt: skip
+        st["lastPodEnd"] = {
+            "attempt": st["attempt"],
+            "kind": "suspended",
+            "reason": R_SUSPENDED,
+            "message": "spec.suspend is true",
+            "time": format_time(d.now),
+        }
         st["phase"] = SUSPENDED
         d.cond(COND_RUNNING, False, R_SUSPENDED, "the job is suspended")
         d.events.append(Event("Normal", R_SUSPENDED, f"job suspended; the {len(members)} pods stopped"))
@@ -279,8 +295,10 @@ def _gang_running(d: Draft, spec: TrainingJobSpec, members: Sequence[Member]) ->
         waited = max(policy.unschedulable_for(m.end, d.now) or 0.0 for m in unschedulable)
         move = policy.unschedulable_move(spec, st, waited)
         if move == 0:
-            message = (f"{len(unschedulable)} of {nodes} pods could not be scheduled for {waited:.0f}s:"
-                       f" {unschedulable[0].end.message}")  # fmt: skip
+            message = (
+                f"{len(unschedulable)} of {nodes} pods could not be scheduled for {waited:.0f}s:"
+                f" {unschedulable[0].end.message}"
+            )
             return _start_teardown(d, members, None, MOVED, "Unschedulable", message)
     if unschedulable:
         first = unschedulable[0]

@@ -152,8 +152,13 @@ def kopf_session(info: kopf.ConnectionInfo, identity: str, fence: Callable[[], N
         trust_env=info.trust_env,
         trace_configs=[trace],
     )
-    return kopf.AiohttpSession(aiohttp_session=session, server=info.server, priority=info.priority,
-                               default_namespace=info.default_namespace, expiration=info.expiration)  # fmt: skip
+    return kopf.AiohttpSession(
+        aiohttp_session=session,
+        server=info.server,
+        priority=info.priority,
+        default_namespace=info.default_namespace,
+        expiration=info.expiration,
+    )
 
 
 def detect_native_sidecars(core: Any) -> bool:
@@ -167,8 +172,12 @@ def detect_native_sidecars(core: Any) -> bool:
 def operator_config(options: OperatorOptions, core: Any) -> OperatorConfig:
     """What shapes every pod: the image, its pull policy, the sidecar mode (``auto`` asks the server)."""
     native = detect_native_sidecars(core) if options.native_sidecar == "auto" else options.native_sidecar == "on"
-    return OperatorConfig(image=options.image, image_pull_policy=options.image_pull_policy, native_sidecar=native,
-                          notice_url=options.notice_url)  # fmt: skip
+    return OperatorConfig(
+        image=options.image,
+        image_pull_policy=options.image_pull_policy,
+        native_sidecar=native,
+        notice_url=options.notice_url,
+    )
 
 
 @dataclass
@@ -274,9 +283,11 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             instance=options.identity,
             fence=options.fence,
         )
-        probe = CheckpointProbe(
-            ctx, workers=options.probe_workers, full_read_seconds=options.checkpoint_full_read_seconds
-        ) if options.read_checkpoints else None
+        probe = (
+            CheckpointProbe(ctx, workers=options.probe_workers, full_read_seconds=options.checkpoint_full_read_seconds)
+            if options.read_checkpoints
+            else None
+        )
         if probe is None:
             logger.info("not reading checkpoints: no Secret and no store is read")
         memo.runtime = Runtime(ctx=ctx, probe=probe)
@@ -396,8 +407,15 @@ def admission_server(options: OperatorOptions) -> AdmissionServer:
                 bundle = f.read()
             manage_configurations(api_client(options.identity), name, base_url, bundle)
 
-    return AdmissionServer(options.webhook_addr, options.webhook_port, options.webhook_cert, options.webhook_key,
-                           config, namespaces=options.namespaces, manage=manage)  # fmt: skip
+    return AdmissionServer(
+        options.webhook_addr,
+        options.webhook_port,
+        options.webhook_cert,
+        options.webhook_key,
+        config,
+        namespaces=options.namespaces,
+        manage=manage,
+    )
 
 
 def run(options: OperatorOptions, *, liveness: str | None, election: Election | None = None) -> None:

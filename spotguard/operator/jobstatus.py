@@ -308,7 +308,6 @@ def sidecar_up(d: Draft, message: str) -> None:
         d.events.append(Event("Normal", R_SIDECAR_RUNNING, message))
 
 
-
 def changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
     """Whether a status patch is needed."""
     return dict(old or {}) != dict(new)

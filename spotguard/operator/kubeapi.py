@@ -162,8 +162,11 @@ def node_state(ctx: Context, name: str) -> str:
         raise
     conditions = ((json.loads(node.data).get("status") or {}).get("conditions")) or []
     for cond in conditions:
-        if cond.get("type") == "Ready" and cond.get("status") != "True" and \
-                NODE_SHUTTING_DOWN in str(cond.get("message") or ""):
+        if (
+            cond.get("type") == "Ready"
+            and cond.get("status") != "True"
+            and NODE_SHUTTING_DOWN in str(cond.get("message") or "")
+        ):
             return "shutting-down"
     return "up"
 
@@ -190,8 +193,13 @@ def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
     The pod is annotated with the operator's instance: which replica made it.
     """
     namespace = pod["metadata"]["namespace"]
-    pod = {**pod, "metadata": {**pod["metadata"], "annotations": {
-        **(pod["metadata"].get("annotations") or {}), ANNOTATION_OPERATOR_INSTANCE: ctx.instance}}}
+    pod = {
+        **pod,
+        "metadata": {
+            **pod["metadata"],
+            "annotations": {**(pod["metadata"].get("annotations") or {}), ANNOTATION_OPERATOR_INSTANCE: ctx.instance},
+        },
+    }
     ctx.fence()
     try:
         ctx.core.create_namespaced_pod(namespace, pod)
@@ -299,15 +307,23 @@ def delete_finished_job(ctx: Context, job: Mapping[str, Any]) -> None:
     ctx.fence()
     try:
         ctx.custom.delete_namespaced_custom_object(
-            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"],
+            GROUP,
+            VERSION,
+            meta["namespace"],
+            PLURAL,
+            meta["name"],
             body={"preconditions": {"uid": meta.get("uid")}},
-        )  # fmt: skip
+        )
     except Exception as exc:
         if api_status(exc) not in (404, 409):
             raise
         return
-    log.info("%s/%s: deleted %ss after it finished (spec.ttlSecondsAfterFinished); its checkpoints are kept",
-             meta["namespace"], meta["name"], (job.get("spec") or {}).get("ttlSecondsAfterFinished"))  # fmt: skip
+    log.info(
+        "%s/%s: deleted %ss after it finished (spec.ttlSecondsAfterFinished); its checkpoints are kept",
+        meta["namespace"],
+        meta["name"],
+        (job.get("spec") or {}).get("ttlSecondsAfterFinished"),
+    )
 
 
 # --- host ports ----------------------------------------------------------------------
@@ -333,8 +349,11 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
     if not ctx.namespaces:
         items = ctx.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
     else:
-        items = [i for ns in ctx.namespaces
-                 for i in ctx.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]  # fmt: skip
+        items = [
+            i
+            for ns in ctx.namespaces
+            for i in ctx.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
+        ]
     return list(items)
 
 
@@ -401,8 +420,14 @@ def ensure_host_ports(ctx: Context, job: dict[str, Any], spec: TrainingJobSpec) 
             # The check: a list read after the claim was written.
             others = hp.holders(list_jobs(ctx), uid, mine.pair)
             if others:
-                log.info("%s/%s: host ports %d and %d are also claimed by %s: trying another pair",
-                         namespace, name, mine.master, mine.metrics, ", ".join(others))  # fmt: skip
+                log.info(
+                    "%s/%s: host ports %d and %d are also claimed by %s: trying another pair",
+                    namespace,
+                    name,
+                    mine.master,
+                    mine.metrics,
+                    ", ".join(others),
+                )
                 avoid.update(mine.pair)
                 _patch_ports(ctx, job, None)
                 continue

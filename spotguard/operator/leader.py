@@ -111,11 +111,15 @@ class Timing:
         if self.lease_duration < 1 or self.renew_deadline <= 0 or self.retry_period <= 0:
             return "every duration must be positive (the lease duration at least 1 s)"
         if self.lease_duration <= self.renew_deadline:
-            return (f"the lease duration ({self.lease_duration} s) must be longer than the renew deadline "
-                    f"({self.renew_deadline:g} s): a leader must give up before a standby may take over")
+            return (
+                f"the lease duration ({self.lease_duration} s) must be longer than the renew deadline "
+                f"({self.renew_deadline:g} s): a leader must give up before a standby may take over"
+            )
         if self.renew_deadline <= JITTER_FACTOR * self.retry_period:
-            return (f"the renew deadline ({self.renew_deadline:g} s) must be longer than {JITTER_FACTOR:g} x the "
-                    f"retry period ({self.retry_period:g} s): a leader must get more than one try to renew")
+            return (
+                f"the renew deadline ({self.renew_deadline:g} s) must be longer than {JITTER_FACTOR:g} x the "
+                f"retry period ({self.retry_period:g} s): a leader must get more than one try to renew"
+            )
         return None
 
 
@@ -202,8 +206,7 @@ def decide(
     stamp = micro_time(wall)
     record = observed.record
     if record is not None and record.holder == me:
-        return Step("renew", Record(me, timing.lease_duration, record.acquire_time or stamp, stamp,
-                                    record.transitions))  # fmt: skip
+        return Step("renew", Record(me, timing.lease_duration, record.acquire_time or stamp, stamp, record.transitions))
     if leading:
         return Step("lost")
     if record is None:
@@ -308,8 +311,9 @@ class LeaderElector:
 
     def _read(self, timeout: float) -> tuple[Record | None, str | None]:
         try:
-            resp = self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False,
-                                                  _request_timeout=timeout)  # fmt: skip
+            resp = self.api.read_namespaced_lease(
+                self.name, self.namespace, _preload_content=False, _request_timeout=timeout
+            )
         except Exception as exc:
             if api_status(exc) == 404:
                 return None, None
@@ -325,11 +329,11 @@ class LeaderElector:
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": record.spec()}
         try:
             if action == "create":
-                self.api.create_namespaced_lease(self.namespace, body, _preload_content=False,
-                                                 _request_timeout=timeout)  # fmt: skip
+                self.api.create_namespaced_lease(self.namespace, body, _preload_content=False, _request_timeout=timeout)
             else:
-                self.api.replace_namespaced_lease(self.name, self.namespace, body, _preload_content=False,
-                                                  _request_timeout=timeout)  # fmt: skip
+                self.api.replace_namespaced_lease(
+                    self.name, self.namespace, body, _preload_content=False, _request_timeout=timeout
+                )
         except Exception as exc:
             if api_status(exc) in (404, 409):
                 return False
@@ -411,8 +415,9 @@ class LeaderElector:
         if not fenced(self.renewed_at, self.clock(), self.timing.renew_deadline):
             return False
         since = "never" if self.renewed_at is None else f"{self.clock() - self.renewed_at:.1f} s ago"
-        self.on_lost(f"the Lease {self.where} was last renewed {since} "
-                     f"(renew deadline {self.timing.renew_deadline:g} s)")
+        self.on_lost(
+            f"the Lease {self.where} was last renewed {since} (renew deadline {self.timing.renew_deadline:g} s)"
+        )
         return True
 
     def fence(self) -> None:

@@ -109,15 +109,21 @@ def bearer_token(authorization: str | None) -> str:
     scheme, _, token = (authorization or "").strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise Refused(401, f"no bearer token: send the pod's projected ServiceAccount token (audience {AUDIENCE})"
-                      " as 'Authorization: Bearer <token>'")
+        raise Refused(
+            401,
+            f"no bearer token: send the pod's projected ServiceAccount token (audience {AUDIENCE})"
+            " as 'Authorization: Bearer <token>'",
+        )
     return token
 
 
 def token_review(token: str, audience: str = AUDIENCE) -> dict[str, Any]:
     """Pure: the TokenReview that verifies ``token`` for ``audience`` only."""
-    return {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-            "spec": {"token": token, "audiences": [audience]}}  # fmt: skip
+    return {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenReview",
+        "spec": {"token": token, "audiences": [audience]},
+    }
 
 
 def _one(extra: Mapping[str, Any], key: str) -> str | None:
@@ -134,8 +140,11 @@ def caller_of(status: Mapping[str, Any], audience: str = AUDIENCE) -> Caller:
     token that is not a ServiceAccount's or not bound to a pod.
     """
     if status.get("authenticated") is not True:
-        raise Refused(401, f"the token is not valid for audience {audience} (expired, or not a projected"
-                      f" ServiceAccount token with that audience)")  # fmt: skip
+        raise Refused(
+            401,
+            f"the token is not valid for audience {audience} (expired, or not a projected"
+            f" ServiceAccount token with that audience)",
+        )
     audiences = status.get("audiences")
     # An apiserver without audiences of its own would accept any token: the review must name ours.
     if not isinstance(audiences, list) or audience not in audiences:
@@ -144,7 +153,7 @@ def caller_of(status: Mapping[str, Any], audience: str = AUDIENCE) -> Caller:
     if not isinstance(user, Mapping):
         user = {}
     username = str(user.get("username") or "")
-    parts = username[len(SERVICE_ACCOUNT_PREFIX):].split(":") if username.startswith(SERVICE_ACCOUNT_PREFIX) else []
+    parts = username[len(SERVICE_ACCOUNT_PREFIX) :].split(":") if username.startswith(SERVICE_ACCOUNT_PREFIX) else []
     if len(parts) != 2 or not all(parts):
         raise Refused(403, "the token is not a ServiceAccount's: use the pod's projected ServiceAccount token")
     extra = user.get("extra")
@@ -190,10 +199,12 @@ def pod_view(pod: Mapping[str, Any]) -> dict[str, Any]:
     conditions = [dict(c) for c in status.get("conditions") or [] if isinstance(c, Mapping)]
     return {
         "metadata": {"uid": meta.get("uid"), "deletionTimestamp": meta.get("deletionTimestamp")},
-        "spec": {"terminationGracePeriodSeconds": spec.get("terminationGracePeriodSeconds"),
-                 "nodeName": spec.get("nodeName")},
+        "spec": {
+            "terminationGracePeriodSeconds": spec.get("terminationGracePeriodSeconds"),
+            "nodeName": spec.get("nodeName"),
+        },
         "status": {"conditions": conditions},
-    }  # fmt: skip
+    }
 
 
 def event_request(body: bytes) -> tuple[str, str]:
@@ -214,8 +225,9 @@ def event_request(body: bytes) -> tuple[str, str]:
     return reason, message
 
 
-def relayed_event(caller: Caller, node: str | None, reason: str, message: str, now: datetime,
-                  instance: str) -> dict[str, Any]:  # fmt: skip
+def relayed_event(
+    caller: Caller, node: str | None, reason: str, message: str, now: datetime, instance: str
+) -> dict[str, Any]:
     """Pure: the core/v1 Warning Event the relay posts on the caller's own pod, for its sidecar."""
     stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     source: dict[str, Any] = {"component": "spotguard-sidecar"}
@@ -225,8 +237,13 @@ def relayed_event(caller: Caller, node: str | None, reason: str, message: str, n
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"generateName": f"{caller.pod}.", "namespace": caller.namespace},
-        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": caller.pod, "namespace": caller.namespace,
-                           "uid": caller.uid},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": caller.pod,
+            "namespace": caller.namespace,
+            "uid": caller.uid,
+        },
         "reason": reason,
         "message": message,
         "type": "Warning",
@@ -236,7 +253,7 @@ def relayed_event(caller: Caller, node: str | None, reason: str, message: str, n
         "firstTimestamp": stamp,
         "lastTimestamp": stamp,
         "count": 1,
-    }  # fmt: skip
+    }
 
 
 def refusal(exc: Refused) -> Answer:
@@ -293,8 +310,13 @@ class NoticeRelay:
 
     max_body = MAX_BODY
 
-    def __init__(self, core: Any, namespaces: Collection[str] = (), instance: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: Any,
+        namespaces: Collection[str] = (),
+        instance: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         from kubernetes import client
 
         self.core = core
@@ -336,8 +358,9 @@ class NoticeRelay:
         if not known:
             try:
                 with self._api_call("TokenReview"):
-                    resp = self.auth.create_token_review(token_review(token), _preload_content=False,
-                                                         _request_timeout=API_TIMEOUT_SECONDS)  # fmt: skip
+                    resp = self.auth.create_token_review(
+                        token_review(token), _preload_content=False, _request_timeout=API_TIMEOUT_SECONDS
+                    )
                 status = json.loads(resp.data).get("status") or {}
             except Refused:
                 raise
@@ -372,8 +395,9 @@ class NoticeRelay:
             return pod  # type: ignore[no-any-return]
         try:
             with self._api_call("reading the pod"):
-                resp = self.core.read_namespaced_pod(caller.pod, caller.namespace, _preload_content=False,
-                                                     _request_timeout=API_TIMEOUT_SECONDS)  # fmt: skip
+                resp = self.core.read_namespaced_pod(
+                    caller.pod, caller.namespace, _preload_content=False, _request_timeout=API_TIMEOUT_SECONDS
+                )
             pod = json.loads(resp.data)
         except Refused:
             raise
@@ -406,8 +430,10 @@ class NoticeRelay:
         reason = api_reason(exc)
         hint = ""
         if api_status(exc) == 403:
-            hint = (" (the operator's RBAC needs create on tokenreviews.authentication.k8s.io, get on pods and"
-                    " create on events where its jobs run: install the chart's RBAC)")
+            hint = (
+                " (the operator's RBAC needs create on tokenreviews.authentication.k8s.io, get on pods and"
+                " create on events where its jobs run: install the chart's RBAC)"
+            )
         text = f"{what}: {reason}{hint}"
         if text != self._trouble:
             self._trouble = text

@@ -410,8 +410,10 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
         volumes.append(key)
         if inj.checkpoint.expose_credentials_to_trainer:
             for c in [*containers, *user_init]:
-                c["volumeMounts"] = [*(m for m in c.get("volumeMounts") or [] if m.get("name") != GCS_KEY_VOLUME),
-                                     _key_mount()]  # fmt: skip
+                c["volumeMounts"] = [
+                    *(m for m in c.get("volumeMounts") or [] if m.get("name") != GCS_KEY_VOLUME),
+                    _key_mount(),
+                ]
     spec["volumes"] = volumes
     token = notice_token_volume(inj)
     if token is not None:
@@ -430,8 +432,7 @@ def notice_token_volume(inj: Injection) -> dict[str, Any] | None:
     """
     if "k8s" not in inj.notices or not inj.notice_url:
         return None
-    source = {"audience": relay.AUDIENCE, "expirationSeconds": relay.TOKEN_EXPIRATION_SECONDS,
-              "path": relay.TOKEN_NAME}  # fmt: skip
+    source = {"audience": relay.AUDIENCE, "expirationSeconds": relay.TOKEN_EXPIRATION_SECONDS, "path": relay.TOKEN_NAME}
     return {"name": NOTICE_TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": source}]}}
 
 
@@ -582,8 +583,10 @@ def build_pods(
     checkpoint_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every pod of an attempt, by node rank."""
-    return [build_pod(job, namespace, uid, spec, attempt, config, rank, allocated, checkpoint_bytes)
-            for rank in range(spec.nodes)]  # fmt: skip
+    return [
+        build_pod(job, namespace, uid, spec, attempt, config, rank, allocated, checkpoint_bytes)
+        for rank in range(spec.nodes)
+    ]
 
 
 def build_service(
@@ -624,4 +627,3 @@ def _owner_ref(job: str, uid: str) -> dict[str, Any]:
         "controller": True,
         "blockOwnerDeletion": True,
     }
-

@@ -108,9 +108,7 @@ def ttl_expires_at(spec: TrainingJobSpec, status: Mapping[str, Any]) -> datetime
 # --- avoided nodes ----------------------------------------------------------------------
 
 
-def note_end_on_node(
-    status: dict[str, Any], spec: TrainingJobSpec, node: str | None, now: datetime
-) -> str | None:
+def note_end_on_node(status: dict[str, Any], spec: TrainingJobSpec, node: str | None, now: datetime) -> str | None:
     """Count an attempt that ended on ``node``; returns a message when the node is now avoided."""
     avoid = spec.avoid_nodes
     if avoid is None or not node:
@@ -128,8 +126,10 @@ def note_end_on_node(
     if ends >= avoid.after_ends:
         until = now + timedelta(seconds=avoid.for_seconds)
         if parse_time(record.get("until")) is None:
-            message = (f"node {node} is avoided until {format_time(until)}: attempts of this job ended on it"
-                       f" {ends} times (spec.avoidNodes.afterEnds {avoid.after_ends})")  # fmt: skip
+            message = (
+                f"node {node} is avoided until {format_time(until)}: attempts of this job ended on it"
+                f" {ends} times (spec.avoidNodes.afterEnds {avoid.after_ends})"
+            )
         record["until"] = format_time(until)
     records.sort(key=lambda r: str(r.get("lastEnd") or ""))
     status["avoidedNodes"] = records[-MAX_NODE_RECORDS:]
@@ -182,9 +182,11 @@ def note_preemption(status: dict[str, Any], spec: TrainingJobSpec, now: datetime
     times = [t for t in placement.get("recentPreemptions") or [] if (p := parse_time(t)) is not None and p > since]
     times.append(format_time(now))
     if len(times) >= fb.after_preemptions:
-        return (f"preempted {len(times)} times within {fb.window_seconds:g}s on the primary placement"
-                f" (spec.fallback.afterPreemptions {fb.after_preemptions})")  # fmt: skip
-    placement["recentPreemptions"] = times[-fb.after_preemptions:]
+        return (
+            f"preempted {len(times)} times within {fb.window_seconds:g}s on the primary placement"
+            f" (spec.fallback.afterPreemptions {fb.after_preemptions})"
+        )
+    placement["recentPreemptions"] = times[-fb.after_preemptions :]
     status["placement"] = placement
     return None
 

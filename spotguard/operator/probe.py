@@ -247,8 +247,10 @@ class CheckpointProbe:
         if sec is not None:
             raw = self._cached_secret(namespace, sec.name).get(sec.key_file_key)
             if not raw:
-                raise ProbeError(f"the credentials Secret {sec.name} has no key {sec.key_file_key!r}"
-                                 " (a service account's JSON key: spec.checkpoint.credentialsSecret.keyFileKey)")
+                raise ProbeError(
+                    f"the credentials Secret {sec.name} has no key {sec.key_file_key!r}"
+                    " (a service account's JSON key: spec.checkpoint.credentialsSecret.keyFileKey)"
+                )
             try:
                 options["credentials_info"] = json.loads(raw)
             except ValueError:
@@ -291,8 +293,9 @@ class CheckpointProbe:
 
             # Sizes and manifests only: the sidecar verified every checksum when it uploaded,
             # and re-reading whole checkpoints at every full read would double the egress.
-            watch = LatestWatch(storage, full_read_seconds=self.full_read_seconds, checksums=False, quiet=True,
-                                clock=self._clock)  # fmt: skip
+            watch = LatestWatch(
+                storage, full_read_seconds=self.full_read_seconds, checksums=False, quiet=True, clock=self._clock
+            )
             handle = _Client(fingerprint, storage, connection, watch)
             with self._lock:
                 if connection:
@@ -404,8 +407,14 @@ class CheckpointProbe:
         changed = False
         if entry is not None:
             changed = self.ctx.verified.put(namespace, name, entry)
-            log.log(logging.INFO if changed else logging.DEBUG, "%s/%s: newest verified checkpoint: step %s (%.2fs)",
-                    namespace, name, entry["step"], time.monotonic() - started)  # fmt: skip
+            log.log(
+                logging.INFO if changed else logging.DEBUG,
+                "%s/%s: newest verified checkpoint: step %s (%.2fs)",
+                namespace,
+                name,
+                entry["step"],
+                time.monotonic() - started,
+            )
         if finished:
             # Nothing will change any more: drop the client, keep the cached entry for the status.
             with self._lock:

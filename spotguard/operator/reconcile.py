@@ -129,11 +129,15 @@ def stray_pods(ctx: Context, namespace: str, job: str, uid: str | None, attempt:
     listed = ctx.core.list_namespaced_pod(
         namespace, label_selector=f"{LABEL_JOB}={job},{LABEL_ATTEMPT}={attempt}", _preload_content=False
     )
-    return tuple(sorted(
-        p["metadata"]["name"] for p in json.loads(listed.data).get("items") or []
-        if (not uid or owned_by(p, uid)) and not p["metadata"].get("deletionTimestamp")
-        and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-    ))
+    return tuple(
+        sorted(
+            p["metadata"]["name"]
+            for p in json.loads(listed.data).get("items") or []
+            if (not uid or owned_by(p, uid))
+            and not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        )
+    )
 
 
 def observe_gang(
@@ -239,7 +243,6 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
     return decision.requeue_after
 
 
-
 def _wait_for_ports(ctx: Context, job: dict[str, Any], exhausted: str | None, now: datetime) -> float | None:
     """No pair for a job about to start an attempt: say so (when the range is full) and look again later."""
     meta = job["metadata"]
@@ -279,9 +282,19 @@ def apply(
     if decision.create_attempt is not None and isinstance(spec, TrainingJobSpec):
         if ports is None and hp.needs_host_ports(spec):
             return Decision(status=dict(job.get("status") or {}), requeue_after=hp.WAIT_SECONDS)
-        pods = [{**pod, "spec": policy.placed(pod["spec"], spec, decision.status, now)}
-                for pod in build_pods(name, namespace, uid, spec, decision.create_attempt, ctx.config, ports,
-                                      last_checkpoint_bytes(decision.status))]
+        pods = [
+            {**pod, "spec": policy.placed(pod["spec"], spec, decision.status, now)}
+            for pod in build_pods(
+                name,
+                namespace,
+                uid,
+                spec,
+                decision.create_attempt,
+                ctx.config,
+                ports,
+                last_checkpoint_bytes(decision.status),
+            )
+        ]
         made: list[str] = []
         try:
             service = build_service(name, namespace, uid, spec, ports)

@@ -52,12 +52,23 @@ _QUANTITY_RE = re.compile(
     r"^(?P<num>\+?([0-9]+(\.[0-9]*)?|\.[0-9]+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
 )
 _QUANTITY_FACTORS: Mapping[str, Decimal] = {
-    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-    "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
-}  # fmt: skip
+    "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
 #: The kinds of ``spec.checkpoint.staging``, as the pod volume sources they become.
 STAGING_KINDS = ("emptyDir", "ephemeral", "hostPath")
 EMPTY_DIR_MEDIA = ("", "Memory")
@@ -472,7 +483,7 @@ def parse_staging(raw: Any, path: str = "spec.checkpoint.staging") -> StagingSpe
     if kind == "emptyDir":
         medium = body.get("medium") or ""
         if medium not in EMPTY_DIR_MEDIA:
-            raise SpecError(f"{kpath}.medium", f"must be \"\" (the node's disk) or \"Memory\", not {medium!r}")
+            raise SpecError(f"{kpath}.medium", f'must be "" (the node\'s disk) or "Memory", not {medium!r}')
         return StagingSpec(kind, size=_quantity(body, "sizeLimit", kpath), medium=medium)
     if kind == "ephemeral":
         storage_class = _str(body, "storageClassName", kpath)

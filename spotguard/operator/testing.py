@@ -89,11 +89,18 @@ class OperatorProcess:
         self.liveness_port = liveness_port or ports[1]
         self.log_path = log_path
         self.argv = [
-            sys.executable, "-m", "spotguard.cli", "operator",
-            "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
-            "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
+            sys.executable,
+            "-m",
+            "spotguard.cli",
+            "operator",
+            "--metrics-address",
+            "127.0.0.1",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness",
+            f"http://127.0.0.1:{self.liveness_port}/healthz",
             *args,
-        ]  # fmt: skip
+        ]
         self.env = {**os.environ, **env}
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -101,9 +108,13 @@ class OperatorProcess:
         """Start and wait until kopf reports it is alive."""
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.argv,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
-        )  # fmt: skip
+        )
         log.close()
 
         def alive() -> bool:

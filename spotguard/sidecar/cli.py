@@ -42,50 +42,82 @@ def _register_sidecar(subparsers: Any) -> None:
         "checkpoint, and on SIGTERM or a preemption notice get an emergency checkpoint "
         "verified in storage before the deadline.",
     )
-    p.add_argument("--storage", default=cli_default(env.STORAGE_URI),
-                   help="job's checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
-                   "(env SPOTGUARD_STORAGE_URI)")
-    p.add_argument("--checkpoint-dir", type=Path,
-                   default=Path(cli_default(env.CHECKPOINT_DIR) or DEFAULT_CHECKPOINT_DIR),
-                   help="shared local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR, "
-                   f"default {DEFAULT_CHECKPOINT_DIR})")
-    p.add_argument("--control-dir", type=Path, default=None,
-                   help="control channel directory (env SPOTGUARD_CONTROL_DIR, "
-                   "default CHECKPOINT_DIR/.control)")
-    p.add_argument("--trainer-pid-file", type=Path, default=None,
-                   help="file holding the trainer's pid (default CONTROL_DIR/trainer.pid)")
-    p.add_argument("--grace-seconds", type=float,
-                   default=cli_default(env.GRACE_SECONDS),
-                   help="time between SIGTERM and the kill (env SPOTGUARD_GRACE_SECONDS, "
-                   "default 30)")
-    p.add_argument("--safety-margin", type=float,
-                   default=cli_default(env.SAFETY_MARGIN_SECONDS),
-                   help="seconds kept free at the end of the grace period (default 5)")
-    p.add_argument("--finish-seconds", type=float,
-                   default=cli_default(env.FINISH_SECONDS),
-                   help="after the trainer exits on its own, how long its last checkpoint may take "
-                   "to be verified, other nodes' parts included (env SPOTGUARD_FINISH_SECONDS, "
-                   "default 600)")
-    p.add_argument("--mode", choices=("classic", "native"),
-                   default=cli_default(env.SIDECAR_MODE),
-                   help="classic: exit once the trainer has exited and everything is shipped; "
-                   "native (Kubernetes native sidecar): run until SIGTERM")
-    p.add_argument("--metrics-port", type=int,
-                   default=cli_default(env.METRICS_PORT),
-                   help=f"Prometheus metrics port, 0 to disable (default {DEFAULT_METRICS_PORT})")
-    p.add_argument("--metrics-addr", default=cli_default(env.METRICS_ADDR),
-                   help="address to serve metrics on (default 0.0.0.0)")
+    p.add_argument(
+        "--storage",
+        default=cli_default(env.STORAGE_URI),
+        help="job's checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
+        "(env SPOTGUARD_STORAGE_URI)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(cli_default(env.CHECKPOINT_DIR) or DEFAULT_CHECKPOINT_DIR),
+        help=f"shared local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR, default {DEFAULT_CHECKPOINT_DIR})",
+    )
+    p.add_argument(
+        "--control-dir",
+        type=Path,
+        default=None,
+        help="control channel directory (env SPOTGUARD_CONTROL_DIR, default CHECKPOINT_DIR/.control)",
+    )
+    p.add_argument(
+        "--trainer-pid-file",
+        type=Path,
+        default=None,
+        help="file holding the trainer's pid (default CONTROL_DIR/trainer.pid)",
+    )
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=cli_default(env.GRACE_SECONDS),
+        help="time between SIGTERM and the kill (env SPOTGUARD_GRACE_SECONDS, default 30)",
+    )
+    p.add_argument(
+        "--safety-margin",
+        type=float,
+        default=cli_default(env.SAFETY_MARGIN_SECONDS),
+        help="seconds kept free at the end of the grace period (default 5)",
+    )
+    p.add_argument(
+        "--finish-seconds",
+        type=float,
+        default=cli_default(env.FINISH_SECONDS),
+        help="after the trainer exits on its own, how long its last checkpoint may take "
+        "to be verified, other nodes' parts included (env SPOTGUARD_FINISH_SECONDS, "
+        "default 600)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("classic", "native"),
+        default=cli_default(env.SIDECAR_MODE),
+        help="classic: exit once the trainer has exited and everything is shipped; "
+        "native (Kubernetes native sidecar): run until SIGTERM",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=cli_default(env.METRICS_PORT),
+        help=f"Prometheus metrics port, 0 to disable (default {DEFAULT_METRICS_PORT})",
+    )
+    p.add_argument(
+        "--metrics-addr", default=cli_default(env.METRICS_ADDR), help="address to serve metrics on (default 0.0.0.0)"
+    )
     _add_notice_args(p)
-    p.add_argument("--proactive-interval", type=float,
-                   default=cli_default(env.PROACTIVE_INTERVAL),
-                   help="when the emergency checkpoint would not fit the grace period, request "
-                   "a checkpoint every this many seconds (0: never, the default)")
+    p.add_argument(
+        "--proactive-interval",
+        type=float,
+        default=cli_default(env.PROACTIVE_INTERVAL),
+        help="when the emergency checkpoint would not fit the grace period, request "
+        "a checkpoint every this many seconds (0: never, the default)",
+    )
     _add_retention_args(p)
     _add_incremental_arg(p)
-    p.add_argument("--termination-log", type=Path,
-                   default=cli_default(env.TERMINATION_LOG),
-                   help="write a JSON report here on exit, for the operator "
-                   f"(default {DEFAULT_TERMINATION_LOG} when it exists)")
+    p.add_argument(
+        "--termination-log",
+        type=Path,
+        default=cli_default(env.TERMINATION_LOG),
+        help=f"write a JSON report here on exit, for the operator (default {DEFAULT_TERMINATION_LOG} when it exists)",
+    )
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_sidecar)
@@ -94,41 +126,70 @@ def _register_sidecar(subparsers: Any) -> None:
 def _add_notice_args(p: argparse.ArgumentParser) -> None:
     from spotguard.sidecar import notices as n
 
-    p.add_argument("--notices", default=cli_default(env.NOTICES),
-                   help="early notice sources to poll, comma-separated from aws,gce,azure,k8s "
-                   "(env SPOTGUARD_NOTICES; default none)")
-    p.add_argument("--aws-imds-endpoint",
-                   default=cli_default(env.AWS_IMDS_ENDPOINT) or n.AWS_IMDS_ENDPOINT)
-    p.add_argument("--gce-metadata-endpoint",
-                   default=cli_default(env.GCE_METADATA_ENDPOINT) or n.GCE_METADATA_ENDPOINT)
-    p.add_argument("--azure-metadata-endpoint",
-                   default=cli_default(env.AZURE_METADATA_ENDPOINT) or n.AZURE_METADATA_ENDPOINT)
-    p.add_argument("--notice-interval", type=float,
-                   default=cli_default(env.NOTICE_INTERVAL),
-                   help="seconds between notice polls (default 2)")
-    p.add_argument("--notice-stops-training", action="store_true",
-                   default=cli_default(env.NOTICE_STOPS_TRAINING),
-                   help="stop training after a notice's checkpoint instead of continuing "
-                   "until SIGTERM")
+    p.add_argument(
+        "--notices",
+        default=cli_default(env.NOTICES),
+        help="early notice sources to poll, comma-separated from aws,gce,azure,k8s "
+        "(env SPOTGUARD_NOTICES; default none)",
+    )
+    p.add_argument("--aws-imds-endpoint", default=cli_default(env.AWS_IMDS_ENDPOINT) or n.AWS_IMDS_ENDPOINT)
+    p.add_argument("--gce-metadata-endpoint", default=cli_default(env.GCE_METADATA_ENDPOINT) or n.GCE_METADATA_ENDPOINT)
+    p.add_argument(
+        "--azure-metadata-endpoint", default=cli_default(env.AZURE_METADATA_ENDPOINT) or n.AZURE_METADATA_ENDPOINT
+    )
+    p.add_argument(
+        "--notice-interval",
+        type=float,
+        default=cli_default(env.NOTICE_INTERVAL),
+        help="seconds between notice polls (default 2)",
+    )
+    p.add_argument(
+        "--notice-stops-training",
+        action="store_true",
+        default=cli_default(env.NOTICE_STOPS_TRAINING),
+        help="stop training after a notice's checkpoint instead of continuing until SIGTERM",
+    )
 
 
 def _add_retention_args(p: argparse.ArgumentParser) -> None:
     """Retention options shared by ``sidecar`` and ``run`` (defaults from ``SPOTGUARD_KEEP_*``)."""
-    g = p.add_argument_group("retention", "which checkpoints stay in storage (a checkpoint is kept "
-                             "if any rule keeps it; the newest verified one always is; no rule: keep all)")
-    g.add_argument("--keep-last", type=int, default=cli_default(env.KEEP_LAST),
-                   help="keep the N newest (env SPOTGUARD_KEEP_LAST)")
-    g.add_argument("--keep-best", type=int, default=cli_default(env.KEEP_BEST),
-                   help="keep the M best by --best-metric (env SPOTGUARD_KEEP_BEST)")
-    g.add_argument("--best-metric", default=cli_default(env.BEST_METRIC),
-                   help="metric for --keep-best, as saved with each checkpoint (env SPOTGUARD_BEST_METRIC)")
-    g.add_argument("--best-mode", choices=("min", "max"), default=cli_default(env.BEST_MODE),
-                   help="whether lower or higher --best-metric is better (env SPOTGUARD_BEST_MODE, default min)")
-    g.add_argument("--keep-every", type=int, default=cli_default(env.KEEP_EVERY),
-                   help="keep every checkpoint whose step is a multiple of K (env SPOTGUARD_KEEP_EVERY)")
-    g.add_argument("--keep-local", type=int, default=cli_default(env.KEEP_LOCAL),
-                   help="local checkpoints kept after a newer one is verified in storage "
-                   "(env SPOTGUARD_KEEP_LOCAL, default 1)")
+    g = p.add_argument_group(
+        "retention",
+        "which checkpoints stay in storage (a checkpoint is kept "
+        "if any rule keeps it; the newest verified one always is; no rule: keep all)",
+    )
+    g.add_argument(
+        "--keep-last", type=int, default=cli_default(env.KEEP_LAST), help="keep the N newest (env SPOTGUARD_KEEP_LAST)"
+    )
+    g.add_argument(
+        "--keep-best",
+        type=int,
+        default=cli_default(env.KEEP_BEST),
+        help="keep the M best by --best-metric (env SPOTGUARD_KEEP_BEST)",
+    )
+    g.add_argument(
+        "--best-metric",
+        default=cli_default(env.BEST_METRIC),
+        help="metric for --keep-best, as saved with each checkpoint (env SPOTGUARD_BEST_METRIC)",
+    )
+    g.add_argument(
+        "--best-mode",
+        choices=("min", "max"),
+        default=cli_default(env.BEST_MODE),
+        help="whether lower or higher --best-metric is better (env SPOTGUARD_BEST_MODE, default min)",
+    )
+    g.add_argument(
+        "--keep-every",
+        type=int,
+        default=cli_default(env.KEEP_EVERY),
+        help="keep every checkpoint whose step is a multiple of K (env SPOTGUARD_KEEP_EVERY)",
+    )
+    g.add_argument(
+        "--keep-local",
+        type=int,
+        default=cli_default(env.KEEP_LOCAL),
+        help="local checkpoints kept after a newer one is verified in storage (env SPOTGUARD_KEEP_LOCAL, default 1)",
+    )
 
 
 def retention_from_args(args: argparse.Namespace) -> Any | None:
@@ -151,10 +212,14 @@ def retention_from_args(args: argparse.Namespace) -> Any | None:
 def _add_incremental_arg(p: argparse.ArgumentParser) -> None:
     # The environment's value stays a string here: incremental_from_args
     # checks it, for the subcommand being run only.
-    p.add_argument("--incremental", action=argparse.BooleanOptionalAction, default=cli_default(env.INCREMENTAL),
-                   help="upload only the data storage does not hold yet: checkpoints are stored as "
-                   "content-addressed chunks shared between checkpoints of the job (env "
-                   f"{env.INCREMENTAL.name}, default off)")
+    p.add_argument(
+        "--incremental",
+        action=argparse.BooleanOptionalAction,
+        default=cli_default(env.INCREMENTAL),
+        help="upload only the data storage does not hold yet: checkpoints are stored as "
+        "content-addressed chunks shared between checkpoints of the job (env "
+        f"{env.INCREMENTAL.name}, default off)",
+    )
 
 
 def incremental_from_args(args: argparse.Namespace) -> bool:
@@ -263,8 +328,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         save_every_seconds=_save_every_seconds(),
         incremental=incremental,
     )
-    metrics = SidecarMetrics(namespace=os.environ.get("POD_NAMESPACE") or "",
-                             job=cli_default(env.JOB) or "" or "")
+    metrics = SidecarMetrics(namespace=os.environ.get("POD_NAMESPACE") or "", job=cli_default(env.JOB) or "" or "")
     agent = CheckpointAgent(config, storage, metrics, retention)
     if args.trainer_pid_file is not None:
         agent.channel.pid_file = args.trainer_pid_file
@@ -297,31 +361,41 @@ def _register_run(subparsers: Any) -> None:
         "after a crash. Run the same command again after a preemption to resume.",
         usage="spotguard run [options] -- CMD [ARG ...]",
     )
-    p.add_argument("--storage", default=cli_default(env.STORAGE_URI),
-                   help="checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
-                   "(default file://WORKDIR/store)")
-    p.add_argument("--workdir", type=Path, default=Path(".spotguard"),
-                   help="local state: checkpoints, lock (default ./.spotguard)")
-    p.add_argument("--checkpoint-dir", type=Path, default=None,
-                   help="local checkpoint directory (default WORKDIR/checkpoints)")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="restarts after the command fails (default 3)")
-    p.add_argument("--grace-seconds", type=float,
-                   default=cli_default(env.GRACE_SECONDS),
-                   help="time allowed for the emergency checkpoint after SIGTERM (default 30)")
-    p.add_argument("--backoff", type=float, default=1.0,
-                   help="seconds before the first restart, doubling with each failure that made "
-                   "no progress (default 1)")
-    p.add_argument("--backoff-max", type=float, default=60.0,
-                   help="longest wait before a restart (default 60)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics on this port (default off)")
+    p.add_argument(
+        "--storage",
+        default=cli_default(env.STORAGE_URI),
+        help="checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH (default file://WORKDIR/store)",
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=Path(".spotguard"), help="local state: checkpoints, lock (default ./.spotguard)"
+    )
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="local checkpoint directory (default WORKDIR/checkpoints)"
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts after the command fails (default 3)")
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=cli_default(env.GRACE_SECONDS),
+        help="time allowed for the emergency checkpoint after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        help="seconds before the first restart, doubling with each failure that made no progress (default 1)",
+    )
+    p.add_argument("--backoff-max", type=float, default=60.0, help="longest wait before a restart (default 60)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--job", default=cli_default(env.JOB) or "", help="job name for metrics/logs")
-    p.add_argument("--pass-credentials", action="store_true",
-                   help="hand the command the storage credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                   "AWS_SESSION_TOKEN, ...) and SPOTGUARD_STORAGE_URI; by default it gets neither, as "
-                   "spotguard run restores and uploads for it")
+    p.add_argument(
+        "--pass-credentials",
+        action="store_true",
+        help="hand the command the storage credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_SESSION_TOKEN, ...) and SPOTGUARD_STORAGE_URI; by default it gets neither, as "
+        "spotguard run restores and uploads for it",
+    )
     _add_notice_args(p)
     _add_retention_args(p)
     _add_incremental_arg(p)

@@ -48,8 +48,7 @@ class DeadlineAssessment:
             return f"no save/upload measured yet; budget {self.budget_seconds:.1f}s"
         verdict = "AT RISK" if self.at_risk else "fits"
         return (
-            f"expected emergency checkpoint {self.expected_seconds:.1f}s, "
-            f"budget {self.budget_seconds:.1f}s: {verdict}"
+            f"expected emergency checkpoint {self.expected_seconds:.1f}s, budget {self.budget_seconds:.1f}s: {verdict}"
         )
 
 

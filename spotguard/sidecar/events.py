@@ -113,8 +113,9 @@ def post_pod_event(
     env = os.environ if env is None else env
     relay_url = from_env(envvars.NOTICE_URL, env)
     if relay_url:
-        return _post_through_relay(relay_url, from_env(envvars.NOTICE_TOKEN_FILE, env) or notice_relay.TOKEN_FILE,
-                                   reason, message, timeout)  # fmt: skip
+        return _post_through_relay(
+            relay_url, from_env(envvars.NOTICE_TOKEN_FILE, env) or notice_relay.TOKEN_FILE, reason, message, timeout
+        )
     pod, namespace = env.get("POD_NAME"), env.get("POD_NAMESPACE")
     if not pod or not namespace:
         log.debug("no POD_NAME/POD_NAMESPACE: event %s not posted", reason)
@@ -140,14 +141,24 @@ def _post_through_relay(url: str, token_file: str, reason: str, message: str, ti
     body = json.dumps({"reason": reason, "message": message[:MAX_MESSAGE]}).encode()
     try:
         token = read_token(token_file)
-        resp = http_request(target, method="POST", data=body, timeout=timeout,
-                            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        resp = http_request(
+            target,
+            method="POST",
+            data=body,
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
     except (OSError, ValueError) as exc:
         log.info("could not post event %s through the notice relay %s: %s", reason, target, exc)
         return False
     if resp.status not in (200, 201, 202):
-        log.info("the notice relay %s did not post event %s: HTTP %d: %s", target, reason, resp.status,
-                 relay_error(resp.body))  # fmt: skip
+        log.info(
+            "the notice relay %s did not post event %s: HTTP %d: %s",
+            target,
+            reason,
+            resp.status,
+            relay_error(resp.body),
+        )
         return False
     log.debug("the notice relay posted event %s", reason)
     return True

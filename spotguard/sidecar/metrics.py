@@ -24,8 +24,7 @@ if TYPE_CHECKING:
     from spotguard.sidecar.deadline import DeadlineAssessment
 
 # Checkpoints range from megabytes to hundreds of gigabytes: cover 50 ms to 30 min.
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-                    600.0, 1800.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 # Bounded label values, listed so callers cannot invent new ones by accident.
 STAGES = ("save", "upload", "verify", "retention", "emergency", "restore", "notice")
@@ -36,8 +35,9 @@ log = logging.getLogger(__name__)
 
 # What to do when the metrics port cannot be bound, for the sidecar (set by the
 # operator from the TrainingJob) and for ``spotguard run``.
-SIDECAR_PORT_HINT = (f"set spec.sidecar.metricsPort (--metrics-port, {METRICS_PORT.name}) to a free "
-                     "port, or to 0 to turn metrics off")
+SIDECAR_PORT_HINT = (
+    f"set spec.sidecar.metricsPort (--metrics-port, {METRICS_PORT.name}) to a free port, or to 0 to turn metrics off"
+)
 RUN_PORT_HINT = "pass --metrics-port with a free port, or 0 to turn metrics off"
 
 
@@ -46,15 +46,17 @@ def metrics_unavailable_message(port: int, addr: str, error: BaseException | str
 
     ``error`` is the exception (or its text), e.g. ``[Errno 98] Address already in use``.
     """
-    return (f"cannot serve metrics on {addr}:{port}: {error}; checkpoints are still shipped, "
-            f"only metrics are off; {hint}")
+    return (
+        f"cannot serve metrics on {addr}:{port}: {error}; checkpoints are still shipped, only metrics are off; {hint}"
+    )
 
 
 class SidecarMetrics:
     """The sidecar's series in their own registry."""
 
-    def __init__(self, namespace: str = "", job: str = "",
-                 registry: CollectorRegistry | None = None, component: str = "sidecar") -> None:
+    def __init__(
+        self, namespace: str = "", job: str = "", registry: CollectorRegistry | None = None, component: str = "sidecar"
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.labels = {"namespace": namespace, "trainingjob": job}
         base = ["namespace", "trainingjob"]
@@ -63,75 +65,119 @@ class SidecarMetrics:
         self.save_duration = Histogram(
             "spotguard_checkpoint_save_duration_seconds",
             "Time the trainer took to save a checkpoint locally (snapshot + write), by reason.",
-            base + ["reason"], buckets=DURATION_BUCKETS, registry=r)
+            base + ["reason"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.request_latency = Histogram(
             "spotguard_checkpoint_request_latency_seconds",
             "From a checkpoint request to the trainer's acknowledgement (step boundary + write).",
-            base, buckets=DURATION_BUCKETS, registry=r)
+            base,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.upload_duration = Histogram(
             "spotguard_checkpoint_upload_duration_seconds",
             "Time to upload one checkpoint (data, manifest, pointer).",
-            base, buckets=DURATION_BUCKETS, registry=r)
+            base,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.verify_duration = Histogram(
             "spotguard_checkpoint_verify_duration_seconds",
             "Time to verify one uploaded checkpoint against its manifest.",
-            base, buckets=DURATION_BUCKETS, registry=r)
+            base,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.emergency_duration = Histogram(
             "spotguard_checkpoint_emergency_duration_seconds",
             "From a preemption signal or notice to the emergency checkpoint verified in storage.",
-            base + ["source"], buckets=DURATION_BUCKETS, registry=r)
+            base + ["source"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.uploaded_bytes = Counter(
-            "spotguard_checkpoint_uploaded_bytes_total",
-            "Bytes of checkpoint files uploaded.", base, registry=r)
+            "spotguard_checkpoint_uploaded_bytes_total", "Bytes of checkpoint files uploaded.", base, registry=r
+        )
         self.reused_bytes = Counter(
             "spotguard_checkpoint_reused_bytes_total",
             "Bytes of checkpoint files already in storage that an incremental upload did not send again.",
-            base, registry=r)
+            base,
+            registry=r,
+        )
         self.uploads = Counter(
             "spotguard_checkpoint_uploads_total",
             "Checkpoint uploads by result (verified or failed).",
-            base + ["result"], registry=r)
+            base + ["result"],
+            registry=r,
+        )
         self.last_verified_step = Gauge(
             "spotguard_checkpoint_last_verified_step",
-            "Step of the newest checkpoint verified in storage.", base, registry=r)
+            "Step of the newest checkpoint verified in storage.",
+            base,
+            registry=r,
+        )
         self.last_verified_timestamp = Gauge(
             "spotguard_checkpoint_last_verified_timestamp_seconds",
-            "Unix time the newest checkpoint was verified in storage.", base, registry=r)
+            "Unix time the newest checkpoint was verified in storage.",
+            base,
+            registry=r,
+        )
         self.failures = Counter(
             "spotguard_checkpoint_failures_total",
             "Failures by stage (save, upload, verify, retention, emergency, restore, notice).",
-            base + ["stage"], registry=r)
+            base + ["stage"],
+            registry=r,
+        )
         self.notices = Counter(
             "spotguard_preemption_notices_total",
             "Preemption notices and signals received, by source.",
-            base + ["source"], registry=r)
+            base + ["source"],
+            registry=r,
+        )
         self.deadline_at_risk = Gauge(
             "spotguard_checkpoint_deadline_at_risk",
             "1 when the expected emergency save + upload does not fit the grace period.",
-            base, registry=r)
+            base,
+            registry=r,
+        )
         self.expected_emergency = Gauge(
             "spotguard_checkpoint_expected_emergency_seconds",
             "Expected duration of an emergency save + upload from recent throughput.",
-            base, registry=r)
+            base,
+            registry=r,
+        )
         self.grace = Gauge(
             "spotguard_checkpoint_grace_seconds",
             "The grace period the sidecar plans emergency checkpoints against.",
-            base, registry=r)
+            base,
+            registry=r,
+        )
         self.start_time = Gauge(
             "spotguard_sidecar_start_timestamp_seconds",
-            "Unix time the sidecar (or spotguard run) started.", base, registry=r)
+            "Unix time the sidecar (or spotguard run) started.",
+            base,
+            registry=r,
+        )
         self.checkpoint_interval = Gauge(
             "spotguard_checkpoint_interval_seconds",
-            "Seconds between routine checkpoints: SPOTGUARD_SAVE_EVERY_SECONDS, else as observed "
-            "(0 while unknown).", base, registry=r)
+            "Seconds between routine checkpoints: SPOTGUARD_SAVE_EVERY_SECONDS, else as observed (0 while unknown).",
+            base,
+            registry=r,
+        )
         self.restarts = Counter(
             "spotguard_run_restarts_total",
             "Restarts of the training command by spotguard run, by reason.",
-            base + ["reason"], registry=r)
+            base + ["reason"],
+            registry=r,
+        )
         self.deleted_local = Counter(
             "spotguard_checkpoint_local_pruned_total",
             "Local checkpoints removed after a newer one was verified in storage.",
-            base, registry=r)
+            base,
+            registry=r,
+        )
         # Make the labelled families visible (with zeros) before the first event,
         # so dashboards and alerts see a series from the start.
         for stage in STAGES:

@@ -178,9 +178,7 @@ class AwsSpotNotices:
         resp = http_request(url, headers={"X-aws-ec2-metadata-token": token}, timeout=self.timeout)
         if resp.status == 401:
             token = self._fetch_token()
-            resp = http_request(
-                url, headers={"X-aws-ec2-metadata-token": token}, timeout=self.timeout
-            )
+            resp = http_request(url, headers={"X-aws-ec2-metadata-token": token}, timeout=self.timeout)
         return resp
 
     def poll(self) -> Notice | None:
@@ -309,8 +307,7 @@ class AzureScheduledEvents:
             if resp.status != 200:
                 raise OSError(f"scheduledevents answered HTTP {resp.status}")
             doc = _json_object(resp.body)
-            events = [e for e in doc.get("Events") or []
-                      if isinstance(e, dict) and e.get("EventType") == "Preempt"]
+            events = [e for e in doc.get("Events") or [] if isinstance(e, dict) and e.get("EventType") == "Preempt"]
             # Report each event once before repeating the first: a second
             # Preempt event must not hide behind one already being handled.
             events.sort(key=lambda e: str(e.get("EventId")) in self._reported)
@@ -354,8 +351,7 @@ class AzureScheduledEvents:
             return
         if resp.status != 200:
             self.last_error = f"azure acknowledge answered HTTP {resp.status}"
-            log.warning("azure: acknowledging event %s answered HTTP %s",
-                        notice.event_id, resp.status)
+            log.warning("azure: acknowledging event %s answered HTTP %s", notice.event_id, resp.status)
 
 
 class KubernetesDisruptionNotices:
@@ -420,9 +416,7 @@ class KubernetesDisruptionNotices:
             self.last_error = None
             return disruption_notice(view, self._first_seen_now())
         try:
-            pod = self._core_api().read_namespaced_pod(
-                self.pod_name, self.namespace, _request_timeout=self.timeout
-            )
+            pod = self._core_api().read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001 - any API/config failure means "no answer"
             self.last_error = f"k8s: reading pod {self.namespace}/{self.pod_name}: {exc}"
             return None
@@ -539,9 +533,7 @@ def parse_sources(text: str) -> list[str]:
     names = [part.strip().lower() for part in text.split(",") if part.strip()]
     unknown = [n for n in names if n not in KNOWN_SOURCES]
     if unknown:
-        raise ValueError(
-            f"unknown notice source(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_SOURCES)}"
-        )
+        raise ValueError(f"unknown notice source(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_SOURCES)}")
     return list(dict.fromkeys(names))
 
 
@@ -563,8 +555,11 @@ def build_sources(settings: NoticeSettings) -> list[NoticeSource]:
                 )
             sources.append(
                 KubernetesDisruptionNotices(
-                    settings.pod_name, settings.pod_namespace, settings.kubeconfig,
-                    relay_url=settings.relay_url, token_file=settings.relay_token_file,
+                    settings.pod_name,
+                    settings.pod_namespace,
+                    settings.kubeconfig,
+                    relay_url=settings.relay_url,
+                    token_file=settings.relay_token_file,
                 )
             )
     return sources

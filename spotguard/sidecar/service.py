@@ -134,8 +134,14 @@ class CheckpointAgent:
         self.channel = ControlChannel(config.control_dir)
         self.tracker = ThroughputTracker(config.grace_seconds, config.safety_margin_seconds)
         self.shipper = CheckpointShipper(
-            config.checkpoint_dir, storage, metrics, self.tracker, retention, config.keep_local,
-            configured_interval=config.save_every_seconds, incremental=config.incremental,
+            config.checkpoint_dir,
+            storage,
+            metrics,
+            self.tracker,
+            retention,
+            config.keep_local,
+            configured_interval=config.save_every_seconds,
+            incremental=config.incremental,
         )
         self._trainer_state_override = trainer_state
         self._notices: queue.Queue[tuple[Notice, NoticeSource]] = queue.Queue()
@@ -189,8 +195,11 @@ class CheckpointAgent:
 
     def wake_trainer(self) -> bool:
         """SIGUSR1 to the trainer when its identity can be checked."""
-        return signal_trainer(self.channel.trainer_pid(), self.config.trainer_markers,
-                              still_announced=lambda pid: self.channel.trainer_pid() == pid)
+        return signal_trainer(
+            self.channel.trainer_pid(),
+            self.config.trainer_markers,
+            still_announced=lambda pid: self.channel.trainer_pid() == pid,
+        )
 
     # -- notices -------------------------------------------------------------
 
@@ -207,20 +216,30 @@ class CheckpointAgent:
                 return
             self.metrics.notice(notice.source)
             now = time.time()
-            deadline = notice_deadline(notice.deadline, now, self.config.grace_seconds,
-                                       self.config.safety_margin_seconds)
+            deadline = notice_deadline(
+                notice.deadline, now, self.config.grace_seconds, self.config.safety_margin_seconds
+            )
             if notice.deadline is not None and notice.deadline - self.config.safety_margin_seconds <= now:
-                log.warning("notice source=%s: its announced time leaves %.1fs, not more than the "
-                            "safety margin of %.1fs: checkpointing anyway (best effort)",
-                            notice.source, notice.deadline - now, self.config.safety_margin_seconds)
+                log.warning(
+                    "notice source=%s: its announced time leaves %.1fs, not more than the "
+                    "safety margin of %.1fs: checkpointing anyway (best effort)",
+                    notice.source,
+                    notice.deadline - now,
+                    self.config.safety_margin_seconds,
+                )
             preempt = notice.preempt and self.config.notice_stops_training
             req = self.channel.request_checkpoint(f"notice:{notice.source}", deadline, preempt)
             if preempt and self.stop_reason is None:
                 self.stop_reason = req.reason
             self.wake_trainer()
             self.pending.append(PendingRequest(req, notice.source, now, notice, source))
-            log.warning("notice source=%s %s: requested checkpoint id=%s deadline_in=%.1fs",
-                        notice.source, notice.detail, req.id, deadline - now)
+            log.warning(
+                "notice source=%s %s: requested checkpoint id=%s deadline_in=%.1fs",
+                notice.source,
+                notice.detail,
+                req.id,
+                deadline - now,
+            )
 
     def settle_pending(self) -> None:
         """Complete notice requests whose checkpoint is now verified in storage."""
@@ -240,8 +259,7 @@ class CheckpointAgent:
             if item.target_step is not None and last is not None and last.step >= item.target_step:
                 elapsed = time.time() - item.started
                 self.metrics.observe_emergency(elapsed, item.source)
-                log_stage("notice_checkpoint", elapsed, source=item.source, step=last.step,
-                          name=last.name)
+                log_stage("notice_checkpoint", elapsed, source=item.source, step=last.step, name=last.name)
                 if item.notice is not None and item.notice_source is not None:
                     item.notice_source.acknowledge(item.notice)
                 continue
@@ -303,8 +321,9 @@ class CheckpointAgent:
 
     # -- emergency -----------------------------------------------------------
 
-    def emergency(self, source: str, received_at: float,
-                  forward: Callable[[CheckpointRequest], None] | None = None) -> bool:
+    def emergency(
+        self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None = None
+    ) -> bool:
         """Preemption now: get the newest state verified in storage before the deadline.
 
         The emergency path is save -> upload -> verify -> pointer, and
@@ -318,8 +337,7 @@ class CheckpointAgent:
         deadline = received_at + self.config.grace_seconds - self.config.safety_margin_seconds
         self.beat()
         state = self.trainer_state()
-        log.warning("preemption source=%s trainer=%s deadline_in=%.1fs", source, state,
-                    deadline - time.time())
+        log.warning("preemption source=%s trainer=%s deadline_in=%.1fs", source, state, deadline - time.time())
         target: str | None = None
         if state != "gone":
             t0 = time.monotonic()
@@ -358,20 +376,34 @@ class CheckpointAgent:
                 continue
             attempt += 1
             pause = min(retry_delay(attempt, EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX), deadline - now)
-            log.warning("stage=retry attempt=%d in=%.2fs want_step=%s reason=%s", attempt, pause, want,
-                        self._why_not_verified() or "not committed yet")
+            log.warning(
+                "stage=retry attempt=%d in=%.2fs want_step=%s reason=%s",
+                attempt,
+                pause,
+                want,
+                self._why_not_verified() or "not committed yet",
+            )
             time.sleep(max(0.0, pause))
         log_stage("ship", time.monotonic() - t1, attempts=attempt + 1)
         last = self.shipper.last_shipped
         if verified_at is not None and self._verified_at_least(want):
             elapsed = verified_at - received_at
             self.metrics.observe_emergency(elapsed, source)
-            log_stage("emergency", elapsed, result="verified",
-                      step=last.step if last else None, name=last.name if last else None)
+            log_stage(
+                "emergency",
+                elapsed,
+                result="verified",
+                step=last.step if last else None,
+                name=last.name if last else None,
+            )
             return True
         self.metrics.failure("emergency")
-        log.error("stage=emergency seconds=%.3f result=failed want_step=%s verified_step=%s",
-                  time.time() - received_at, want, last.step if last else None)
+        log.error(
+            "stage=emergency seconds=%.3f result=failed want_step=%s verified_step=%s",
+            time.time() - received_at,
+            want,
+            last.step if last else None,
+        )
         return False
 
     def flush(self, deadline: float) -> bool:
@@ -398,15 +430,21 @@ class CheckpointAgent:
             slowest = FLUSH_AWAIT_POLL_SECONDS if not self.shipper.failed else 30.0
             pause = min(retry_delay(attempt, maximum=slowest), deadline - time.time())
             if pause <= 0:
-                log.error("the newest checkpoint could not be verified in storage: %s",
-                          self._why_not_verified() or "unknown reason")
+                log.error(
+                    "the newest checkpoint could not be verified in storage: %s",
+                    self._why_not_verified() or "unknown reason",
+                )
                 return False
             time.sleep(pause)
 
     def _why_not_verified(self) -> str:
         """Failures, and parts stored but waiting for other nodes' parts, in one line."""
-        return "; ".join([*self.shipper.failed.values(),
-                          *(f"{name}: awaiting {what}" for name, what in self.shipper.awaiting.items())])
+        return "; ".join(
+            [
+                *self.shipper.failed.values(),
+                *(f"{name}: awaiting {what}" for name, what in self.shipper.awaiting.items()),
+            ]
+        )
 
     def run_end(self, signal_source: str | None, trainer_gone_before_signal: bool) -> RunEnd:
         """How the run ended, from what the trainer left behind (see :func:`decide_run_end`)."""
@@ -420,8 +458,12 @@ class CheckpointAgent:
             except (OSError, ValueError):
                 reason = None
         said = trainer_said_preempted(self.channel.read_exit(), reason, self.stop_reason)
-        return decide_run_end(signal_source=signal_source, trainer_gone_before_signal=trainer_gone_before_signal,
-                              trainer_preempted=said, stop_reason=self.stop_reason)
+        return decide_run_end(
+            signal_source=signal_source,
+            trainer_gone_before_signal=trainer_gone_before_signal,
+            trainer_preempted=said,
+            stop_reason=self.stop_reason,
+        )
 
     def trainer_last_step(self) -> int | None:
         """The last step the trainer reached, as it said on exit or in its last ack."""
@@ -536,8 +578,9 @@ class SidecarOptions:
     post_events: bool = True
 
 
-def termination_report(preempted: bool, reason: str, verified_step: int | None,
-                       trainer_step: int | None, metrics_error: str | None = None) -> dict[str, Any]:
+def termination_report(
+    preempted: bool, reason: str, verified_step: int | None, trainer_step: int | None, metrics_error: str | None = None
+) -> dict[str, Any]:
     """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep", "metricsError"}``.
 
     ``step`` is the newest checkpoint verified in storage, ``trainerStep``
@@ -588,16 +631,25 @@ def run_sidecar(
     if options.metrics_port is not None:
         # Metrics are secondary: a port taken by another pod on a hostNetwork
         # node is a warning (log, Event, report), and shipping goes on.
-        _port, metrics_error = agent.metrics.serve_or_warn(options.metrics_port, options.metrics_addr,
-                                                           SIDECAR_PORT_HINT)
+        _port, metrics_error = agent.metrics.serve_or_warn(
+            options.metrics_port, options.metrics_addr, SIDECAR_PORT_HINT
+        )
         if metrics_error is not None and options.post_events:
             event = post_pod_event_async(REASON_METRICS_PORT_UNAVAILABLE, metrics_error)
-    watcher = NoticeWatcher(sources, agent.enqueue_notice, options.notice_interval_seconds,
-                            on_error=lambda _name: agent.metrics.failure("notice"))
+    watcher = NoticeWatcher(
+        sources,
+        agent.enqueue_notice,
+        options.notice_interval_seconds,
+        on_error=lambda _name: agent.metrics.failure("notice"),
+    )
     watcher.start()
     agent.shipper.adopt_existing()
-    log.info("sidecar watching %s (grace %.0fs, notices: %s)", agent.config.checkpoint_dir,
-             agent.config.grace_seconds, ",".join(s.name for s in sources) or "none")
+    log.info(
+        "sidecar watching %s (grace %.0fs, notices: %s)",
+        agent.config.checkpoint_dir,
+        agent.config.grace_seconds,
+        ",".join(s.name for s in sources) or "none",
+    )
     agent.interrupt = latch.event
     try:
         while not latch.event.is_set():
@@ -631,8 +683,12 @@ def run_sidecar(
         trainer_before = agent.trainer_state()
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
-        _report(agent, options, agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"),
-                metrics_error)
+        _report(
+            agent,
+            options,
+            agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"),
+            metrics_error,
+        )
         # Retention waits for the next routine round (the next pod's sidecar):
         # the grace period is for the checkpoint only.
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
@@ -643,14 +699,14 @@ def run_sidecar(
 def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> None:
     t0 = time.monotonic()
     last = agent.shipper.last_shipped
-    report = termination_report(end.preempted, end.reason, last.step if last else None,
-                                agent.trainer_last_step(), metrics_error)
+    report = termination_report(
+        end.preempted, end.reason, last.step if last else None, agent.trainer_last_step(), metrics_error
+    )
     full = read_staging_full(agent.config.control_dir)
     if full is not None:  # the trainer's last save found the checkpoint volume full: the operator says so
         report["stagingFull"] = full
     write_termination_report(options.termination_log, report)
-    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason,
-              step=report.get("step"))
+    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason, step=report.get("step"))
 
 
 def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -229,10 +229,14 @@ class CheckpointShipper:
                         key = f"{path.name}/{part_manifest_path(index)}"
                     stored = self.storage.read_bytes(key)
                     same = (stored == local or _stored_incrementally_as(stored, local)) and verify_checkpoint(
-                        self.storage, path.name, checksums=False).ok  # fmt: skip
-                    if index is not None and stored == local and not same and self.storage.stat(
-                        f"{path.name}/{MANIFEST_NAME}"
-                    ) is None:
+                        self.storage, path.name, checksums=False
+                    ).ok
+                    if (
+                        index is not None
+                        and stored == local
+                        and not same
+                        and self.storage.stat(f"{path.name}/{MANIFEST_NAME}") is None
+                    ):
                         # This part is stored (after its files verified); the others are not all there.
                         self._await(path.name, 1, 0, 0, 0.0)
                         continue
@@ -248,8 +252,13 @@ class CheckpointShipper:
                     self.metrics.observe_verified(0.0, step_of(path.name), now)
                     log.info("already in storage: %s", path.name)
 
-    def ship(self, newest_only: bool = False, upto_step: int | None = None,
-             housekeeping: bool = True, should_stop: Callable[[], bool] | None = None) -> list[Shipped]:
+    def ship(
+        self,
+        newest_only: bool = False,
+        upto_step: int | None = None,
+        housekeeping: bool = True,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[Shipped]:
         """Upload, verify and point to what is pending; then, with
         ``housekeeping``, apply retention and prune local copies.
 
@@ -361,8 +370,12 @@ class CheckpointShipper:
         try:
             result = self._upload(path, should_stop)
         except UploadCancelled:
-            log.warning("stage=upload name=%s stopped after %.3fs: a preemption came first; what it stored is "
-                        "kept for a later upload of it", name, time.monotonic() - t0)  # fmt: skip
+            log.warning(
+                "stage=upload name=%s stopped after %.3fs: a preemption came first; what it stored is "
+                "kept for a later upload of it",
+                name,
+                time.monotonic() - t0,
+            )
             return None
         except Exception as exc:  # noqa: BLE001 - storage errors are retried later
             if not (path / "manifest.json").exists():
@@ -372,15 +385,21 @@ class CheckpointShipper:
             self.failed[name] = f"upload: {_one_line(exc)}"
             self._backoff(name)
             self.metrics.observe_upload_failed("upload")
-            log.error("upload of %s failed after %.3fs: %s", name, time.monotonic() - t0,
-                      _one_line(exc))
+            log.error("upload of %s failed after %.3fs: %s", name, time.monotonic() - t0, _one_line(exc))
             return None
         upload_seconds = time.monotonic() - t0
         nbytes = int(getattr(result, "bytes", 0))
         self.metrics.observe_upload(upload_seconds, nbytes, int(getattr(result, "reused_bytes", 0)))
         if self.incremental:
-            log_stage("upload", upload_seconds, name=name, bytes=nbytes, new_chunks=result.new_chunks,
-                      reused_chunks=result.reused_chunks, reused_bytes=result.reused_bytes)  # fmt: skip
+            log_stage(
+                "upload",
+                upload_seconds,
+                name=name,
+                bytes=nbytes,
+                new_chunks=result.new_chunks,
+                reused_chunks=result.reused_chunks,
+                reused_bytes=result.reused_bytes,
+            )
         else:
             log_stage("upload", upload_seconds, name=name, bytes=nbytes)
         with self._stopped_lock:
@@ -413,16 +432,23 @@ class CheckpointShipper:
             incremental = with_stored_chunks(self._known_chunks(), earlier, time.monotonic())
         resume = earlier is not None
         if should_stop is None:
-            return upload_checkpoint(path, self.storage, update_pointer=False, incremental=incremental,
-                                     resume=resume)  # fmt: skip
+            return upload_checkpoint(path, self.storage, update_pointer=False, incremental=incremental, resume=resume)
         stop = threading.Event()
         done = threading.Event()
         outcome: list[Any] = []
 
         def work() -> None:
             try:
-                outcome.append(upload_checkpoint(path, self.storage, update_pointer=False, incremental=incremental,
-                                                 should_stop=stop.is_set, resume=resume))  # fmt: skip
+                outcome.append(
+                    upload_checkpoint(
+                        path,
+                        self.storage,
+                        update_pointer=False,
+                        incremental=incremental,
+                        should_stop=stop.is_set,
+                        resume=resume,
+                    )
+                )
             except UploadCancelled as exc:
                 self._note_stopped(name, exc.stored_chunks)
                 outcome.append(exc)
@@ -457,8 +483,13 @@ class CheckpointShipper:
         self._retry_at.pop(name, None)
         if first:
             self._awaiting_since[name] = (time.monotonic(), nbytes, upload_seconds)
-            log.info("stage=await name=%s parts=%d/%d: this part is stored and verified; waiting for the "
-                     "other parts before the global commit", name, present, total)  # fmt: skip
+            log.info(
+                "stage=await name=%s parts=%d/%d: this part is stored and verified; waiting for the "
+                "other parts before the global commit",
+                name,
+                present,
+                total,
+            )
 
     def _retry_commit(self, name: str) -> Shipped | None:
         """One more try at the global commit of an awaiting part."""
@@ -479,7 +510,8 @@ class CheckpointShipper:
         if not commit.committed:
             total = commit.total if commit.total is not None else "?"
             self.awaiting[name] = f"parts {len(commit.present)}/{total} in storage" + (
-                f" ({commit.problem})" if commit.problem else "")  # fmt: skip
+                f" ({commit.problem})" if commit.problem else ""
+            )
             return None
         log.info("stage=commit name=%s status=%s parts=%d", name, commit.status, commit.total or 0)
         _, nbytes, upload_seconds = self._awaiting_since.get(name, (0.0, 0, 0.0))
@@ -506,12 +538,15 @@ class CheckpointShipper:
                 # Sent again from local bytes by the next upload that uses them: the
                 # same content key then heals every checkpoint that names it.
                 self._suspect |= damaged
-                log.warning("%d chunk(s) named by the verification of %s will be uploaded again: %s",
-                            len(damaged), name, ", ".join(sorted(d[:12] for d in damaged)))  # fmt: skip
+                log.warning(
+                    "%d chunk(s) named by the verification of %s will be uploaded again: %s",
+                    len(damaged),
+                    name,
+                    ", ".join(sorted(d[:12] for d in damaged)),
+                )
             self._backoff(name)
             self.metrics.observe_upload_failed("verify")
-            log.error("verification of %s failed after %.3fs: %s", name, verify_seconds,
-                      "; ".join(problems))
+            log.error("verification of %s failed after %.3fs: %s", name, verify_seconds, "; ".join(problems))
             return None
         log_stage("verify", verify_seconds, name=name)
         if verdict.manifest is not None and verdict.manifest.chunked:
@@ -578,8 +613,9 @@ class CheckpointShipper:
             manifest = parse_manifest(manifest_bytes)
         except ValueError:
             return
-        if manifest.chunked and (self._known is None or (parse_checkpoint_name(self._known.source or "") or -1)
-                                 < manifest.step):  # fmt: skip
+        if manifest.chunked and (
+            self._known is None or (parse_checkpoint_name(self._known.source or "") or -1) < manifest.step
+        ):
             self._known = KnownChunks.of(manifest)
 
     def _backoff(self, name: str) -> None:
@@ -601,8 +637,7 @@ class CheckpointShipper:
         t0 = time.monotonic()
         deleted: list[str] = []
         try:
-            deleted = apply_retention(self.storage, self.retention, newest_verified=last.name,
-                                      should_stop=should_stop)
+            deleted = apply_retention(self.storage, self.retention, newest_verified=last.name, should_stop=should_stop)
         except Exception as exc:  # noqa: BLE001
             self.metrics.failure("retention")
             log.error("retention failed: %s", _one_line(exc))
@@ -630,8 +665,13 @@ class CheckpointShipper:
             log.error("chunk sweep failed: %s", _one_line(exc))
             return
         if swept.deleted or swept.aborted:
-            log_stage("sweep", time.monotonic() - t0, chunks_deleted=len(swept.deleted), bytes_freed=swept.freed_bytes,
-                      aborted=swept.aborted or "")  # fmt: skip
+            log_stage(
+                "sweep",
+                time.monotonic() - t0,
+                chunks_deleted=len(swept.deleted),
+                bytes_freed=swept.freed_bytes,
+                aborted=swept.aborted or "",
+            )
 
     def _prune_local(self) -> None:
         # An awaiting part is never pruned: the other nodes' parts may still come.

@@ -222,8 +222,7 @@ class Supervisor:
             notice_stops_training=config.notice_stops_training,
             incremental=config.incremental,
         )
-        self.agent = CheckpointAgent(agent_config, storage, metrics, config.retention,
-                                     trainer_state=self._child_state)
+        self.agent = CheckpointAgent(agent_config, storage, metrics, config.retention, trainer_state=self._child_state)
         self.agent.interrupt = self.latch.event
         self.attempt = 0
 
@@ -270,8 +269,9 @@ class Supervisor:
                 newest_local = newest_local or path.name
                 continue
             if stored:
-                log.warning("local copy of %s is damaged (%s): it is in storage, fetching it again",
-                            path.name, result.reason)
+                log.warning(
+                    "local copy of %s is damaged (%s): it is in storage, fetching it again", path.name, result.reason
+                )
                 shipper.forget(path.name)
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -286,9 +286,12 @@ class Supervisor:
             self.metrics.failure("restore")
             if newest_local is None:
                 raise SetupError(f"cannot restore from {self.config.storage_uri}: {exc}") from exc
-            log.warning("storage unreachable (%s): resuming from local %s, which is not verified in "
-                        "storage yet; it is shipped once storage answers", " ".join(str(exc).split()),
-                        newest_local)
+            log.warning(
+                "storage unreachable (%s): resuming from local %s, which is not verified in "
+                "storage yet; it is shipped once storage answers",
+                " ".join(str(exc).split()),
+                newest_local,
+            )
             return
         if info is not None:
             log_stage("restore", time.monotonic() - t0, name=info.name, step=info.step)
@@ -296,11 +299,13 @@ class Supervisor:
             shipper.mark_verified(info.name)
         elif newest_local is not None:
             verified = newest_local in shipper.shipped
-            log.info("resuming from local %s%s", newest_local,
-                     "" if verified else " (not verified in storage yet; shipping it)")
+            log.info(
+                "resuming from local %s%s",
+                newest_local,
+                "" if verified else " (not verified in storage yet; shipping it)",
+            )
         else:
-            log.info("no verified checkpoint in %s yet: starting from scratch",
-                     self.config.storage_uri)
+            log.info("no verified checkpoint in %s yet: starting from scratch", self.config.storage_uri)
 
     def _loadable_local(self) -> str | None:
         """The newest local checkpoint a trainer can load.
@@ -323,9 +328,12 @@ class Supervisor:
             if manifest.locally_complete:
                 return path.name
             if path.name not in shipper.shipped:
-                log.info("local %s is part %s of %d: not resumable until every part is verified in storage",
-                         path.name, manifest.sharding.part if manifest.sharding else "?",
-                         manifest.sharding.parts if manifest.sharding else 0)
+                log.info(
+                    "local %s is part %s of %d: not resumable until every part is verified in storage",
+                    path.name,
+                    manifest.sharding.part if manifest.sharding else "?",
+                    manifest.sharding.parts if manifest.sharding else 0,
+                )
                 continue
             try:
                 restore_checkpoint(self.storage, path.name, self.config.checkpoint_dir)
@@ -367,13 +375,15 @@ class Supervisor:
         """
         env = dict(os.environ)
         env.update(self.config.extra_env)
-        env.update({
-            envvars.CHECKPOINT_DIR.name: envvars.to_env(envvars.CHECKPOINT_DIR, str(self.config.checkpoint_dir)),
-            envvars.STORAGE_URI.name: envvars.to_env(envvars.STORAGE_URI, self.config.storage_uri),
-            envvars.CONTROL_DIR.name: envvars.to_env(envvars.CONTROL_DIR, str(self.config.control_dir)),
-            envvars.ATTEMPT.name: envvars.to_env(envvars.ATTEMPT, self.attempt),
-            envvars.RUN_ID.name: envvars.to_env(envvars.RUN_ID, self.run_id),
-        })
+        env.update(
+            {
+                envvars.CHECKPOINT_DIR.name: envvars.to_env(envvars.CHECKPOINT_DIR, str(self.config.checkpoint_dir)),
+                envvars.STORAGE_URI.name: envvars.to_env(envvars.STORAGE_URI, self.config.storage_uri),
+                envvars.CONTROL_DIR.name: envvars.to_env(envvars.CONTROL_DIR, str(self.config.control_dir)),
+                envvars.ATTEMPT.name: envvars.to_env(envvars.ATTEMPT, self.attempt),
+                envvars.RUN_ID.name: envvars.to_env(envvars.RUN_ID, self.run_id),
+            }
+        )
         if not self.config.pass_credentials:
             env = without_storage_credentials(env)
         # Under torchrun the workers must get the whole grace period for their
@@ -386,7 +396,8 @@ class Supervisor:
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start the command in its own process group, tied to our life."""
         (self.config.workdir / CHILD_FILE).write_text(
-            json.dumps({"run_id": self.run_id, "supervisor_pid": os.getpid()}), encoding="utf-8")
+            json.dumps({"run_id": self.run_id, "supervisor_pid": os.getpid()}), encoding="utf-8"
+        )
         try:
             child = subprocess.Popen(
                 self.config.command,
@@ -397,8 +408,7 @@ class Supervisor:
             )
         except OSError as exc:
             raise SetupError(f"cannot start {self.config.command[0]!r}: {exc.strerror}") from exc
-        log.info("started attempt %d: pid %d: %s", self.attempt, child.pid,
-                 " ".join(self.config.command))
+        log.info("started attempt %d: pid %d: %s", self.attempt, child.pid, " ".join(self.config.command))
         return child
 
     def _signal_group(self, sig: int) -> None:
@@ -433,9 +443,12 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until the command finishes, is preempted, or runs out of restarts."""
         self.latch.install()
-        watcher = NoticeWatcher(self.config.notice_sources, self.agent.enqueue_notice,
-                                self.config.notice_interval_seconds,
-                                on_error=lambda _name: self.metrics.failure("notice"))
+        watcher = NoticeWatcher(
+            self.config.notice_sources,
+            self.agent.enqueue_notice,
+            self.config.notice_interval_seconds,
+            on_error=lambda _name: self.metrics.failure("notice"),
+        )
         try:
             kill_leftovers(self.config.workdir)
             self.recover()
@@ -465,22 +478,22 @@ class Supervisor:
                 # A finished command's last checkpoint may wait longer than a crashed one's:
                 # after a crash the next attempt goes on shipping.
                 now = time.time()
-                shipped = self.agent.flush(self.agent.config.finish_deadline(now) if rc == 0
-                                           else now + self.config.grace_seconds)
+                shipped = self.agent.flush(
+                    self.agent.config.finish_deadline(now) if rc == 0 else now + self.config.grace_seconds
+                )
                 if rc == 0:
                     return self._ended(shipped)
                 restarts += 1
                 reason = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
                 if restarts > self.config.max_restarts:
-                    log.error("command failed (%s); restart budget of %d spent", reason,
-                              self.config.max_restarts)
+                    log.error("command failed (%s); restart budget of %d spent", reason, self.config.max_restarts)
                     return rc if rc > 0 else 128 - rc
                 streak = 1 if self._verified_step() > verified_before else streak + 1
-                delay = backoff_delay(streak, self.config.backoff_seconds,
-                                      self.config.backoff_max_seconds)
+                delay = backoff_delay(streak, self.config.backoff_seconds, self.config.backoff_max_seconds)
                 self.metrics.restart("crash")
-                log.warning("command failed (%s); restart %d/%d in %.1fs", reason, restarts,
-                            self.config.max_restarts, delay)
+                log.warning(
+                    "command failed (%s); restart %d/%d in %.1fs", reason, restarts, self.config.max_restarts, delay
+                )
                 if self.latch.event.wait(delay):
                     return self._preempted()
                 self.recover()
@@ -497,8 +510,11 @@ class Supervisor:
         if not shipped:
             return EXIT_EMERGENCY_FAILED
         if end.preempted:
-            log.info("preempted (%s): newest verified checkpoint %s; run the same command to resume",
-                     end.reason, self._last_name())
+            log.info(
+                "preempted (%s): newest verified checkpoint %s; run the same command to resume",
+                end.reason,
+                self._last_name(),
+            )
             return 128 + int(signal.SIGTERM)
         log.info("command finished; newest verified checkpoint: %s", self._last_name())
         self.agent.shipper.housekeeping(self.latch.event.is_set)
@@ -519,13 +535,17 @@ class Supervisor:
             self._reap()
         self.agent.settle_pending()
         end = self.agent.run_end(source, trainer_gone_before_signal=False)
-        log_stage("report", 0.0, preempted=end.preempted, reason=end.reason,
-                  step=self.agent.shipper.last_shipped.step if self.agent.shipper.last_shipped else None)
+        log_stage(
+            "report",
+            0.0,
+            preempted=end.preempted,
+            reason=end.reason,
+            step=self.agent.shipper.last_shipped.step if self.agent.shipper.last_shipped else None,
+        )
         if not ok:
             return EXIT_EMERGENCY_FAILED
         signum = signal.SIGINT if source == "sigint" else signal.SIGTERM
-        log.info("preempted: newest verified checkpoint %s; run the same command to resume",
-                 self._last_name())
+        log.info("preempted: newest verified checkpoint %s; run the same command to resume", self._last_name())
         return 128 + int(signum)
 
     def _verified_step(self) -> int:

@@ -90,9 +90,7 @@ def open_storage(uri: str, **options: Any) -> Storage:
         return FileStorage(path, **options)
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
-        raise StorageError(
-            f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3://, gs:// or file://"
-        )
+        raise StorageError(f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3://, gs:// or file://")
     from spotguard.storage.file import FileStorage
 
     return FileStorage(uri, **options)

@@ -147,9 +147,7 @@ class Storage(Protocol):
         concurrently)."""
         ...
 
-    def write_bytes(
-        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
-    ) -> str:
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
         """Store ``data`` atomically and return its entity tag.
 
         ``if_match`` writes only if the current entity tag equals it;
@@ -158,9 +156,7 @@ class Storage(Protocol):
         """
         ...
 
-    def upload_files(
-        self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
-    ) -> None:
+    def upload_files(self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None) -> None:
         """Upload local files to keys, concurrently; returns when all are stored."""
         ...
 
@@ -169,9 +165,7 @@ class Storage(Protocol):
         receipt and keeps where it does (S3 additional checksums)."""
         ...
 
-    def download_files(
-        self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
-    ) -> None:
+    def download_files(self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None) -> None:
         """Download keys to local paths, concurrently. A path appears only once
         its file is complete."""
         ...

@@ -108,9 +108,7 @@ class FileStorage:
             entries = list(os.scandir(base))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(
-            e.name for e in entries if e.is_dir() and not e.name.startswith(TMP_PREFIX)
-        )
+        return sorted(e.name for e in entries if e.is_dir() and not e.name.startswith(TMP_PREFIX))
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
@@ -181,9 +179,7 @@ class FileStorage:
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
-    def write_bytes(
-        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
-    ) -> str:
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
         target = self._path(key)
         if if_match is None and not if_none_match:
             self._write_atomic(target, data)
@@ -227,15 +223,11 @@ class FileStorage:
             for fut in [pool.submit(self._copy, s, d, progress) for s, d in jobs]:
                 fut.result()
 
-    def upload_files(
-        self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
-    ) -> None:
+    def upload_files(self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None) -> None:
         jobs = [(Path(src), self._path(key)) for src, key in items]
         self._run_all(jobs, progress)
 
-    def download_files(
-        self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
-    ) -> None:
+    def download_files(self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None) -> None:
         jobs: list[tuple[Path, Path]] = []
         for key, dst in items:
             src = self._path(key)

@@ -174,8 +174,8 @@ class GcsStorage:
         self._credentials_file = credentials_file
         self._credentials_info = dict(credentials_info) if credentials_info else None
         # A custom endpoint is an emulator unless credentials are asked for.
-        self._anonymous = anonymous if anonymous is not None else bool(
-            endpoint_url and not credentials_file and not credentials_info
+        self._anonymous = (
+            anonymous if anonymous is not None else bool(endpoint_url and not credentials_file and not credentials_info)
         )
         self._project = project
         self._concurrency = max(1, max_concurrency)
@@ -224,10 +224,13 @@ class GcsStorage:
             if self._client_obj is None:
                 with self._errors(self.uri):
                     self._client_obj = make_client(
-                        endpoint_url=self._endpoint_url, credentials_file=self._credentials_file,
-                        credentials_info=self._credentials_info, anonymous=self._anonymous, project=self._project,
+                        endpoint_url=self._endpoint_url,
+                        credentials_file=self._credentials_file,
+                        credentials_info=self._credentials_info,
+                        anonymous=self._anonymous,
+                        project=self._project,
                         concurrency=self._concurrency,
-                    )  # fmt: skip
+                    )
             return self._client_obj
 
     def _bucket(self) -> Any:
@@ -241,17 +244,26 @@ class GcsStorage:
 
         ``listing``: a 404 means the bucket is missing (a listing never misses an object).
         """
-        return gcs_errors(what, bucket=self.bucket, endpoint_url=self._endpoint_url,
-                          retry_deadline=self._retry_deadline, listing=listing)  # fmt: skip
+        return gcs_errors(
+            what,
+            bucket=self.bucket,
+            endpoint_url=self._endpoint_url,
+            retry_deadline=self._retry_deadline,
+            listing=listing,
+        )
 
     def check(self) -> None:
         """Raise unless the prefix can be listed (needs only object permissions:
         a principal with an object role on the bucket may lack ``buckets.get``)."""
         with self._errors(f"bucket {self.bucket!r}", listing=True):
             pages = self.client.list_blobs(
-                self.bucket, prefix=self._full_prefix(""), max_results=1, fields="items(name),nextPageToken",
-                retry=self._retry, timeout=self._timeout,
-            )  # fmt: skip
+                self.bucket,
+                prefix=self._full_prefix(""),
+                max_results=1,
+                fields="items(name),nextPageToken",
+                retry=self._retry,
+                timeout=self._timeout,
+            )
             list(pages)
 
     # -- reading ------------------------------------------------------------
@@ -259,10 +271,13 @@ class GcsStorage:
         with self._errors(self.uri, listing=True):
             blobs = list(
                 self.client.list_blobs(
-                    self.bucket, prefix=self._full_prefix(prefix), fields="items(name,size,updated),nextPageToken",
-                    retry=self._retry, timeout=self._timeout,
+                    self.bucket,
+                    prefix=self._full_prefix(prefix),
+                    fields="items(name,size,updated),nextPageToken",
+                    retry=self._retry,
+                    timeout=self._timeout,
                 )
-            )  # fmt: skip
+            )
         for blob in blobs:
             yield ObjectInfo(key=self._rel(blob.name), size=int(blob.size or 0), modified=blob.updated.timestamp())
 
@@ -313,9 +328,12 @@ class GcsStorage:
             blob = self._blob(key)
             try:
                 data = blob.download_as_bytes(
-                    raw_download=True, checksum="crc32c", if_generation_not_match=not_generation,
-                    retry=self._retry, timeout=self._timeout,
-                )  # fmt: skip
+                    raw_download=True,
+                    checksum="crc32c",
+                    if_generation_not_match=not_generation,
+                    retry=self._retry,
+                    timeout=self._timeout,
+                )
             except gexc.NotModified:
                 return UNCHANGED
             return bytes(data), str(blob.generation or "")
@@ -356,8 +374,13 @@ class GcsStorage:
         if blob is None:
             raise NotFoundError(f"{self.uri_for(key)} does not exist")
         generation = int(blob.generation)
-        return RangedObject(key, int(blob.size or 0), lambda s, e: self._get_range(key, generation, s, e),
-                            max(self._read_chunk, MiB), self._concurrency)  # fmt: skip
+        return RangedObject(
+            key,
+            int(blob.size or 0),
+            lambda s, e: self._get_range(key, generation, s, e),
+            max(self._read_chunk, MiB),
+            self._concurrency,
+        )
 
     def _whole(self, key: str, generation: int) -> bytes:
         blob = self._blob(key, generation=generation)
@@ -365,8 +388,9 @@ class GcsStorage:
             return bytes(
                 checked(
                     self.uri_for(key),
-                    lambda: blob.download_as_bytes(raw_download=True, checksum="crc32c", retry=self._retry,
-                                                   timeout=self._timeout),  # fmt: skip
+                    lambda: blob.download_as_bytes(
+                        raw_download=True, checksum="crc32c", retry=self._retry, timeout=self._timeout
+                    ),
                 )
             )
 
@@ -385,8 +409,12 @@ class GcsStorage:
             return
         expected = crc32c_hex(blob.crc32c)
         parts: list[tuple[int, int]] = []
-        chunks = read_in_order(lambda s, e: self._get_range(key, generation, s, e), byte_ranges(size, chunk),
-                               self._concurrency, thread_name_prefix="gcs-read")  # fmt: skip
+        chunks = read_in_order(
+            lambda s, e: self._get_range(key, generation, s, e),
+            byte_ranges(size, chunk),
+            self._concurrency,
+            thread_name_prefix="gcs-read",
+        )
         try:
             for data in chunks:
                 parts.append((google_crc32c.value(data), len(data)))
@@ -405,9 +433,7 @@ class GcsStorage:
                 "(damaged on the way: read it again)"
             )
 
-    def download_files(
-        self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
-    ) -> None:
+    def download_files(self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None) -> None:
         """Download concurrently: small objects in one GET each, large ones in
         ranged GETs of one generation written at their offsets; each file is
         checked against the CRC32C GCS keeps, then renamed into place."""
@@ -429,8 +455,9 @@ class GcsStorage:
                     with open(tmp, "wb") as f:
                         f.truncate(size)
                     for s, e in byte_ranges(size, self._read_chunk):
-                        jobs.append((index, pool.submit(self._fetch_into, key, int(meta.generation), tmp, s, e,
-                                                        report)))  # fmt: skip
+                        jobs.append(
+                            (index, pool.submit(self._fetch_into, key, int(meta.generation), tmp, s, e, report))
+                        )
                 wait_all([f for _, f in jobs])
                 per_file: dict[int, list[tuple[int, int, int]]] = {}
                 for index, fut in jobs:
@@ -460,9 +487,7 @@ class GcsStorage:
         return start, google_crc32c.value(data), len(data)
 
     # -- writing ------------------------------------------------------------
-    def write_bytes(
-        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
-    ) -> str:
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
         """Store ``data`` and return its generation; ``if_none_match`` is
         ``ifGenerationMatch=0``, ``if_match`` is ``ifGenerationMatch=<tag>``."""
         condition: int | None = None
@@ -485,17 +510,19 @@ class GcsStorage:
         def once() -> str:
             blob = self._blob(key)
             blob.upload_from_file(
-                io.BytesIO(data), size=len(data), checksum="crc32c", if_generation_match=if_generation_match,
-                retry=self._retry, timeout=self._timeout,
-            )  # fmt: skip
+                io.BytesIO(data),
+                size=len(data),
+                checksum="crc32c",
+                if_generation_match=if_generation_match,
+                retry=self._retry,
+                timeout=self._timeout,
+            )
             return str(blob.generation or "")
 
         with self._errors(self.uri_for(key)):
             return checked(self.uri_for(key), once)
 
-    def upload_files(
-        self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
-    ) -> None:
+    def upload_files(self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None) -> None:
         """Upload files concurrently, each with the CRC32C of its bytes: files below
         ``resumable_threshold`` in one request, larger ones as resumable uploads in
         ``chunk_size`` pieces (from google-cloud-storage 3 on the last piece
@@ -524,9 +551,12 @@ class GcsStorage:
             with open(src, "rb") as f:
                 # size=None: a resumable upload whatever the size, ended when the file is.
                 blob.upload_from_file(
-                    _ProgressReader(f, reported), size=None, checksum="crc32c", retry=self._retry,
+                    _ProgressReader(f, reported),
+                    size=None,
+                    checksum="crc32c",
+                    retry=self._retry,
                     timeout=self._timeout,
-                )  # fmt: skip
+                )
 
         with self._errors(self.uri_for(key)):
             checked(self.uri_for(key), once)

@@ -170,9 +170,7 @@ def gcs_errors(
                 f"cannot reach the GCS endpoint ({endpoint_of(endpoint_url)}) while accessing {what} "
                 f"(retried for {retry_deadline:.0f}s)"
             ) from None
-        raise StorageError(
-            f"GCS kept failing on {what} for {retry_deadline:.0f}s: {short(cause or exc)}"
-        ) from None
+        raise StorageError(f"GCS kept failing on {what} for {retry_deadline:.0f}s: {short(cause or exc)}") from None
     except authexc.DefaultCredentialsError as exc:
         # Its messages name files and what is missing, never a key's content.
         named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
@@ -188,8 +186,7 @@ def gcs_errors(
             "(check the Workload Identity binding or the key file)"
         ) from None
     except authexc.TransportError as exc:
-        raise StorageError(f"cannot reach Google's credential service while accessing {what}: {short(exc)}") \
-            from None  # fmt: skip
+        raise StorageError(f"cannot reach Google's credential service while accessing {what}: {short(exc)}") from None
     except gexc.NotFound as exc:
         # GCS says "The specified bucket does not exist." (the URL in the message names the bucket too).
         if listing or "specified bucket does not exist" in str(exc.message).lower():
@@ -205,12 +202,12 @@ def gcs_errors(
     except gexc.GoogleAPICallError as exc:
         raise StorageError(f"GCS error on {what}: {exc.code} {short(exc.message)}") from None
     except (requests.exceptions.ConnectionError, ConnectionError):
-        raise StorageError(f"cannot reach the GCS endpoint ({endpoint_of(endpoint_url)}) while accessing {what}") \
-            from None  # fmt: skip
+        raise StorageError(
+            f"cannot reach the GCS endpoint ({endpoint_of(endpoint_url)}) while accessing {what}"
+        ) from None
     except _DATA_CORRUPTION as exc:
         raise StorageError(
-            f"GCS transfer of {what} failed its CRC32C check repeatedly (a faulty network path or "
-            f"proxy?): {short(exc)}"
+            f"GCS transfer of {what} failed its CRC32C check repeatedly (a faulty network path or proxy?): {short(exc)}"
         ) from None
 
 
@@ -228,8 +225,7 @@ def checked(what: str, fn: Callable[[], _T], attempts: int = 3) -> _T:
             # GCS refuses an upload whose bytes do not have the CRC32C sent with them.
             if "crc32c" not in str(exc).lower() or attempt == attempts - 1:
                 raise
-            log.warning("%s: the store refused the bytes it received (CRC32C mismatch); sending them again",
-                        what)  # fmt: skip
+            log.warning("%s: the store refused the bytes it received (CRC32C mismatch); sending them again", what)
     raise AssertionError("unreachable")
 
 

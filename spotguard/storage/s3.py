@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 _T = TypeVar("_T")
 
+
 class _ChecksumsUnsupported(Exception):
     """The store refused the additional-checksum fields of a request."""
 
@@ -113,10 +114,16 @@ class S3Storage:
         self._part_size = multipart_chunksize
         if client is None:
             client = make_client(
-                endpoint_url=endpoint_url, region=region, access_key=access_key, secret_key=secret_key,
-                session_token=session_token, profile=profile, max_attempts=max_attempts,
-                max_pool_connections=max_pool_connections, addressing_style=addressing_style,
-            )  # fmt: skip
+                endpoint_url=endpoint_url,
+                region=region,
+                access_key=access_key,
+                secret_key=secret_key,
+                session_token=session_token,
+                profile=profile,
+                max_attempts=max_attempts,
+                max_pool_connections=max_pool_connections,
+                addressing_style=addressing_style,
+            )
         self.client = client
         self._transfer_config = TransferConfig(
             multipart_threshold=multipart_threshold,
@@ -189,9 +196,7 @@ class S3Storage:
                 head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except NotFoundError:
             return None
-        return ObjectInfo(
-            key=key, size=int(head["ContentLength"]), modified=head["LastModified"].timestamp()
-        )
+        return ObjectInfo(key=key, size=int(head["ContentLength"]), modified=head["LastModified"].timestamp())
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
         def once() -> tuple[bytes, str]:
@@ -303,13 +308,16 @@ class S3Storage:
         with self._errors(self.uri_for(key)):
             head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         etag = str(head["ETag"])
-        return RangedObject(key, int(head["ContentLength"]), lambda s, e: self._get_range(key, s, e, etag),
-                            max(self._read_chunk, MiB), self._concurrency)  # fmt: skip
+        return RangedObject(
+            key,
+            int(head["ContentLength"]),
+            lambda s, e: self._get_range(key, s, e, etag),
+            max(self._read_chunk, MiB),
+            self._concurrency,
+        )
 
     # -- writing ------------------------------------------------------------
-    def write_bytes(
-        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
-    ) -> str:
+    def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
         from botocore.exceptions import ClientError
 
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
@@ -334,9 +342,7 @@ class S3Storage:
                 resp = self.client.put_object(**kwargs)
         return str(resp.get("ETag", ""))
 
-    def upload_files(
-        self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None
-    ) -> None:
+    def upload_files(self, items: Iterable[tuple[Path, str]], progress: ProgressCallback | None = None) -> None:
         """Upload files concurrently, each with the CRC32C of its bytes (per part
         for multipart uploads) so that the store checks what it receives and
         keeps the checksum (:meth:`stored_checksum`)."""
@@ -356,14 +362,10 @@ class S3Storage:
 
         subscribers = [ProgressCallbackInvoker(locked_progress(progress))] if progress else None
         with self._errors(self.uri), create_transfer_manager(self.client, self._transfer_config) as tm:
-            futures = [
-                tm.upload(str(src), self.bucket, self._key(key), subscribers=subscribers) for src, key in items
-            ]
+            futures = [tm.upload(str(src), self.bucket, self._key(key), subscribers=subscribers) for src, key in items]
             wait_all(futures)
 
-    def _upload_files_checksummed(
-        self, items: list[tuple[Path, str]], progress: ProgressCallback | None
-    ) -> None:
+    def _upload_files_checksummed(self, items: list[tuple[Path, str]], progress: ProgressCallback | None) -> None:
         report = locked_progress(progress) if progress else None
         sized = [(Path(src), key, Path(src).stat().st_size) for src, key in items]
         pending: list[tuple[str, str, list[Future[dict[str, Any]]]]] = []
@@ -414,8 +416,7 @@ class S3Storage:
                         raise _ChecksumsUnsupported() from None
                     if code != "BadDigest" or attempt == attempts - 1:
                         raise
-                    log.warning("%s: the store refused the bytes it received (BadDigest); sending them again",
-                                what)
+                    log.warning("%s: the store refused the bytes it received (BadDigest); sending them again", what)
         raise AssertionError("unreachable")
 
     def _put_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
@@ -487,10 +488,14 @@ class S3Storage:
         resp = self._checksum_call(
             self.uri_for(key),
             lambda: self.client.upload_part(
-                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number,
-                Body=data, ChecksumCRC32C=crc,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+                ChecksumCRC32C=crc,
             ),
-        )  # fmt: skip
+        )
         if progress is not None:
             progress(len(data))
         return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc, "_size": length}
@@ -508,10 +513,13 @@ class S3Storage:
         self._checksum_call(
             self.uri_for(key),
             lambda: self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, MultipartUpload={"Parts": listed},
+                Bucket=self.bucket,
+                Key=self._key(key),
+                UploadId=upload_id,
+                MultipartUpload={"Parts": listed},
                 **extra,
             ),
-        )  # fmt: skip
+        )
 
     def stored_checksum(self, key: str) -> StoredChecksum | None:
         """The CRC32C SeaweedFS/S3 computed for ``key`` on receipt, as whole-object
@@ -559,9 +567,7 @@ class S3Storage:
             return None
         return crc32c_of_parts(parts)
 
-    def download_files(
-        self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None
-    ) -> None:
+    def download_files(self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None) -> None:
         from boto3.s3.transfer import ProgressCallbackInvoker, create_transfer_manager
 
         items = list(items)

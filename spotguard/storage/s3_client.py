@@ -80,11 +80,7 @@ def make_client(
         region_name=region,
         profile_name=profile,
     )
-    has_endpoint = bool(
-        endpoint_url
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-    )
+    has_endpoint = bool(endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
     config = Config(
         retries={"mode": "standard", "max_attempts": max_attempts},
         max_pool_connections=max_pool_connections,
@@ -119,8 +115,7 @@ def s3_errors(what: str, bucket: str) -> Iterator[None]:
         raise CredentialsError(f"incomplete AWS credentials: {exc}") from None
     except (bx.EndpointConnectionError, bx.ConnectTimeoutError) as exc:
         raise StorageError(
-            f"cannot reach the S3 endpoint ({exc.kwargs.get('endpoint_url', '?')}) "
-            f"while accessing {what}"
+            f"cannot reach the S3 endpoint ({exc.kwargs.get('endpoint_url', '?')}) while accessing {what}"
         ) from None
     except bx.ClientError as exc:
         code, status = error_code(exc)
@@ -131,9 +126,7 @@ def s3_errors(what: str, bucket: str) -> Iterator[None]:
         if code in _PRECONDITION or status in (409, 412):
             raise PreconditionFailedError(f"{what} changed since it was read") from None
         if code in _DENIED or status == 403:
-            raise CredentialsError(
-                f"access to {what} denied ({code or status}): check the AWS credentials"
-            ) from None
+            raise CredentialsError(f"access to {what} denied ({code or status}): check the AWS credentials") from None
         if code == "BadDigest":
             raise StorageError(
                 f"S3 error on {what}: BadDigest (the store received other bytes than were sent, "

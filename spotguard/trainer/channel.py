@@ -169,8 +169,9 @@ class TrainerChannel:
         with contextlib.suppress(OSError):
             (self.control_dir / PID_FILE).unlink()
         with contextlib.suppress(OSError):
-            _write_json_atomic(self.control_dir / EXIT_FILE,
-                               TrainerExit(os.getpid(), self.preempted, last_step).to_json())  # fmt: skip
+            _write_json_atomic(
+                self.control_dir / EXIT_FILE, TrainerExit(os.getpid(), self.preempted, last_step).to_json()
+            )
 
     # -- requests ----------------------------------------------------------------------
     def _load_previous_ack(self) -> None:
@@ -251,8 +252,11 @@ class TrainerChannel:
         # sidecar waiting on a file request reads.
         for request in sorted(requests, key=lambda r: not r.id.startswith(INTERNAL_REQUEST_PREFIXES)):
             self._handled.add(request.id)
-            doc = ack_json(request.id, committed.name if committed is not None else None,
-                           complete=path is not None and not deadline_exceeded)  # fmt: skip
+            doc = ack_json(
+                request.id,
+                committed.name if committed is not None else None,
+                complete=path is not None and not deadline_exceeded,
+            )
             try:
                 _write_json_atomic(self.control_dir / ACK_FILE, doc)
             except OSError as exc:

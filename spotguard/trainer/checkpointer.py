@@ -163,12 +163,21 @@ class Checkpointer:
         storage_uri = storage_uri or None
         upload = upload and storage_uri is not None
         self._settings = s = Settings(
-            directory=root, storage_uri=storage_uri, storage_options=dict(storage_options or {}),
-            save_every_steps=save_every_steps, save_every_seconds=save_every_seconds, checksum=checksum,
-            control_dir=Path(control_dir) if control_dir else root / CONTROL_SUBDIR, keep_local=keep_local,
-            retention=retention, upload=upload, local_pruner=pruner_for(upload, storage_uri, control_dir is not None),
-            job=job, attempt=attempt, async_save=async_save,
-        )  # fmt: skip
+            directory=root,
+            storage_uri=storage_uri,
+            storage_options=dict(storage_options or {}),
+            save_every_steps=save_every_steps,
+            save_every_seconds=save_every_seconds,
+            checksum=checksum,
+            control_dir=Path(control_dir) if control_dir else root / CONTROL_SUBDIR,
+            keep_local=keep_local,
+            retention=retention,
+            upload=upload,
+            local_pruner=pruner_for(upload, storage_uri, control_dir is not None),
+            job=job,
+            attempt=attempt,
+            async_save=async_save,
+        )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)
         self._storage: Any = None
@@ -183,8 +192,9 @@ class Checkpointer:
         owner = self._dist is None or self._dist.leader
         self._channel = TrainerChannel(s, owner=owner)
         # A pending preemption stops a routine upload (its save waits for that job).
-        self._shipping = Shipping(s, self._record, self._open_storage,
-                                  preempting=lambda: any(r.preempt for r in self._channel.pending))
+        self._shipping = Shipping(
+            s, self._record, self._open_storage, preempting=lambda: any(r.preempt for r in self._channel.pending)
+        )
         # Host copies of the tensors, reused by the next snapshot (no page
         # faults on fresh memory); costs one resident copy of the state.
         pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
@@ -192,8 +202,9 @@ class Checkpointer:
         self._local = LocalPersist(s, self._policy, self._record, self._channel, self._shipping, pinned)
         self._collective: CollectiveSave | None = None
         if self._dist is not None:
-            self._collective = CollectiveSave(self._dist, s, self._policy, self._record, self._channel, self._local,
-                                              self._shipping, pinned=pinned)  # fmt: skip
+            self._collective = CollectiveSave(
+                self._dist, s, self._policy, self._record, self._channel, self._local, self._shipping, pinned=pinned
+            )
         self._restorer = Restorer(s, self._open_storage, self._shipping.verified)
 
         root.mkdir(parents=True, exist_ok=True)
@@ -207,8 +218,7 @@ class Checkpointer:
             for node in sorted({n for n, _ in seen}):  # every rank decides alike
                 paths = {path for n, path in seen if n == node}
                 if len(paths) > 1:
-                    raise ValueError(f"the ranks of node {node} must use one checkpoint directory, "
-                                     f"got {sorted(paths)}")  # fmt: skip
+                    raise ValueError(f"the ranks of node {node} must use one checkpoint directory, got {sorted(paths)}")
         if handle_signals and self.install_signal_handlers() and owner:
             self._channel.announce()
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -368,10 +378,12 @@ class Checkpointer:
         with self._save_lock:
             due = self._take(step)
             if self._collective is not None:
-                return self._collective.commit_folder(step, source, due, epoch=epoch, metrics=metrics,
-                                                      exclude=tuple(exclude), blocking=blocking)  # fmt: skip
-            return self._local.commit_folder(step, source, due, epoch=epoch, metrics=metrics, exclude=exclude,
-                                             blocking=blocking)  # fmt: skip
+                return self._collective.commit_folder(
+                    step, source, due, epoch=epoch, metrics=metrics, exclude=tuple(exclude), blocking=blocking
+                )
+            return self._local.commit_folder(
+                step, source, due, epoch=epoch, metrics=metrics, exclude=exclude, blocking=blocking
+            )
 
     def resume_folder(self) -> Path | None:
         """The checkpoint folder to hand to the framework on resume, or None
@@ -417,12 +429,13 @@ class Checkpointer:
         newest checkpoint every node can load (or a newer verified one in
         storage) and each loads its part; see :mod:`spotguard.trainer.distributed`."""
         if self._dist is not None:
-            restored = self._restorer.restore_collective(self._dist, model, optimizer, scheduler,
-                                                         restore_rng=restore_rng, strict=strict,
-                                                         objects=objects)  # fmt: skip
+            restored = self._restorer.restore_collective(
+                self._dist, model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects
+            )
         else:
-            restored = self._restorer.restore(model, optimizer, scheduler, restore_rng=restore_rng, strict=strict,
-                                              objects=objects)  # fmt: skip
+            restored = self._restorer.restore(
+                model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects
+            )
         if restored is not None:
             self._resumed(Path(restored.path), restored.step)
         return restored

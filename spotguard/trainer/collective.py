@@ -61,9 +61,18 @@ class CommitReport:
 class CollectiveSave:
     """``save`` and ``commit_folder`` under torch.distributed (collective: every rank, same step)."""
 
-    def __init__(self, dist: DistContext, settings: Settings, policy: SavePolicy, record: SaveRecord,
-                 channel: TrainerChannel, local: LocalPersist, shipping: Shipping, *,
-                 pinned: dict[Any, Any] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dist: DistContext,
+        settings: Settings,
+        policy: SavePolicy,
+        record: SaveRecord,
+        channel: TrainerChannel,
+        local: LocalPersist,
+        shipping: Shipping,
+        *,
+        pinned: dict[Any, Any] | None,
+    ) -> None:
         self._d = dist
         self._settings = settings
         self._policy = policy
@@ -80,12 +89,21 @@ class CollectiveSave:
 
     def _sharding(self, token: int) -> Sharding:
         d = self._d
-        return Sharding(world_size=d.world_size, parts=d.parts, part=d.info.node, ranks=d.node_ranks,
-                        save_id=f"{token:013x}")  # fmt: skip
+        return Sharding(
+            world_size=d.world_size, parts=d.parts, part=d.info.node, ranks=d.node_ranks, save_id=f"{token:013x}"
+        )
 
     # -- a state -------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], due: Due, *, epoch: int | None,
-             metrics: Mapping[str, Any] | None, blocking: bool | None) -> Path | None:  # fmt: skip
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        due: Due,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        blocking: bool | None,
+    ) -> Path | None:
         """:meth:`Checkpointer.save` under torch.distributed."""
         sync = self._policy.synchronous(blocking, due.preempt)
         if step == self._policy.last_step:
@@ -113,8 +131,16 @@ class CollectiveSave:
                 raise error
             return None
         self._local.phase_one_done(step, start)
-        job = PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, due,
-                         self._record.last_stall_seconds, sharded=sharded, token=begun.token)  # fmt: skip
+        job = PersistJob(
+            step,
+            snapshot,
+            epoch,
+            dict(metrics) if metrics else None,
+            due,
+            self._record.last_stall_seconds,
+            sharded=sharded,
+            token=begun.token,
+        )
         return self._local.run_writer(job, self._persist, (job,), sync=sync)
 
     def _snapshot(self, state: Mapping[str, Any]) -> tuple[Any, Snapshot]:
@@ -131,8 +157,9 @@ class CollectiveSave:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
                 pin = bool(torch.cuda.is_available())
-                options = StagingOptions(use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False,
-                                         use_non_blocking_copy=pin)  # fmt: skip
+                options = StagingOptions(
+                    use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pin
+                )
                 self._stager = DefaultStager(options)
             staged = self._stager.stage(tensors)
             if self._pinned is None:  # reuse_host_buffers=False
@@ -155,8 +182,9 @@ class CollectiveSave:
         writer: LocalWriter | None = None
         deadline_exceeded = False
         try:
-            writer = LocalWriter(s.directory, job.step, algorithm=s.checksum, deadline=job.due.deadline,
-                                 durable=durable, tmp=tmp)  # fmt: skip
+            writer = LocalWriter(
+                s.directory, job.step, algorithm=s.checksum, deadline=job.due.deadline, durable=durable, tmp=tmp
+            )
             assert job.snapshot is not None
             writer.add_snapshot(job.snapshot, prefix=_distributed.rank_prefix(d.rank))
         except DeadlineExceeded as exc:
@@ -168,8 +196,9 @@ class CollectiveSave:
         dcp_dir = tmp / DCP_DIR
         try:
             if job.sharded is not None:
-                dcp_save(job.sharded, storage_writer=FileSystemWriter(dcp_dir, sync_files=durable),
-                         process_group=d.persist)  # fmt: skip
+                dcp_save(
+                    job.sharded, storage_writer=FileSystemWriter(dcp_dir, sync_files=durable), process_group=d.persist
+                )
             if writer is not None and error is None:
                 mine = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
                 if d.rank == 0 and job.sharded is not None:
@@ -185,8 +214,9 @@ class CollectiveSave:
             job.sharded = None
         entries = [(e.path, e.size, e.checksum) for e in writer.entries] if writer is not None and error is None else []
         try:
-            reports: list[RankReport] = d.gather(RankReport(d.info.node, d.leader, entries, error, deadline_exceeded),
-                                                 persist=True)  # fmt: skip
+            reports: list[RankReport] = d.gather(
+                RankReport(d.info.node, d.leader, entries, error, deadline_exceeded), persist=True
+            )
         except Exception as exc:
             log.error("checkpoint of step %d failed: %s", job.step, exc)
             record.last_error = exc
@@ -198,17 +228,28 @@ class CollectiveSave:
         committed_here = not d.leader
         if d.leader:
             if not errors and writer is not None:
-                node_entries = [FileEntry(p, n, c) for r in reports if r.node == d.info.node
-                                for p, n, c in r.entries or ()]  # fmt: skip
+                node_entries = [
+                    FileEntry(p, n, c) for r in reports if r.node == d.info.node for p, n, c in r.entries or ()
+                ]
                 persist_seconds = round(time.perf_counter() - start, 6)
-                timing = {"persist_seconds": persist_seconds, "snapshot_seconds": round(job.snapshot_seconds, 6),
-                          "save_seconds": round(job.snapshot_seconds + persist_seconds, 6)}  # fmt: skip
+                timing = {
+                    "persist_seconds": persist_seconds,
+                    "snapshot_seconds": round(job.snapshot_seconds, 6),
+                    "save_seconds": round(job.snapshot_seconds + persist_seconds, 6),
+                }
                 try:
                     path = writer.commit(
-                        epoch=job.epoch, metrics=job.metrics, job=s.job, attempt=s.attempt, reason=job.due.reason,
-                        request_id=job.due.request_id, timing=timing, sharding=self._sharding(job.token),
-                        entries=node_entries, check_deadline=False,
-                    )  # fmt: skip
+                        epoch=job.epoch,
+                        metrics=job.metrics,
+                        job=s.job,
+                        attempt=s.attempt,
+                        reason=job.due.reason,
+                        request_id=job.due.request_id,
+                        timing=timing,
+                        sharding=self._sharding(job.token),
+                        entries=node_entries,
+                        check_deadline=False,
+                    )
                     committed_here = True
                 except Exception as exc:
                     error = f"node {d.info.node}: commit failed: {exc}"
@@ -226,9 +267,13 @@ class CollectiveSave:
             record.last_error = RuntimeError("; ".join(problems) or "commit failed")
             if deadline_exceeded:
                 newest = next(reversed(list_local_committed(s.directory)), None)
-                log.error("checkpoint of step %d not finished before its deadline (%s); the newest committed "
-                          "checkpoint is %s", job.step, "; ".join(problems),
-                          newest.name if newest else "none")  # fmt: skip
+                log.error(
+                    "checkpoint of step %d not finished before its deadline (%s); the newest committed "
+                    "checkpoint is %s",
+                    job.step,
+                    "; ".join(problems),
+                    newest.name if newest else "none",
+                )
             else:
                 log.error("checkpoint of step %d failed: %s", job.step, "; ".join(problems))
         job.result = final
@@ -245,9 +290,17 @@ class CollectiveSave:
             return [CommitReport(False, f"rank {self._d.rank}: {exc}")]
 
     # -- a framework's folder ---------------------------------------------------------------
-    def commit_folder(self, step: int, source: Path, due: Due, *, epoch: int | None,
-                      metrics: Mapping[str, Any] | None, exclude: tuple[str, ...],
-                      blocking: bool | None) -> Path | None:  # fmt: skip
+    def commit_folder(
+        self,
+        step: int,
+        source: Path,
+        due: Due,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        exclude: tuple[str, ...],
+        blocking: bool | None,
+    ) -> Path | None:
         """:meth:`Checkpointer.commit_folder` under torch.distributed: every
         node's local rank 0 links its node's files now; checksums, the part
         manifest and the agreement that every node committed follow on the
@@ -272,9 +325,14 @@ class CollectiveSave:
             return None
         if d.leader:
             try:
-                writer = LocalWriter(s.directory, step, algorithm=s.checksum, deadline=due.deadline,
-                                     durable=self._shipping.durable(due.preempt),
-                                     tmp=self._tmp(step, begun.token))  # fmt: skip
+                writer = LocalWriter(
+                    s.directory,
+                    step,
+                    algorithm=s.checksum,
+                    deadline=due.deadline,
+                    durable=self._shipping.durable(due.preempt),
+                    tmp=self._tmp(step, begun.token),
+                )
                 names = _folder.folder_files(source, exclude)
                 for rel in names:
                     _folder.link_or_copy(source / rel, writer.tmp / rel)
@@ -283,8 +341,9 @@ class CollectiveSave:
         # Every rank may go on once its node's files are linked (the framework may rotate them away).
         linked = d.gather(error is None, persist=False)
         self._local.phase_one_done(step, start)
-        job = PersistJob(step, None, epoch, _folder.metrics_of(metrics), due, self._record.last_stall_seconds,
-                         token=begun.token)  # fmt: skip
+        job = PersistJob(
+            step, None, epoch, _folder.metrics_of(metrics), due, self._record.last_stall_seconds, token=begun.token
+        )
         failed = None if all(linked) else (f"node {d.info.node}: {error}" if error is not None else "")
         return self._local.run_writer(job, self._persist_folder, (job, writer, names, source, failed), sync=sync)
 
@@ -307,8 +366,9 @@ class CollectiveSave:
             except Exception as exc:
                 error = f"node {d.info.node}: {exc}"
         try:
-            reports: list[RankReport] = d.gather(RankReport(d.info.node, d.leader, listed, error, deadline_exceeded),
-                                                 persist=True)  # fmt: skip
+            reports: list[RankReport] = d.gather(
+                RankReport(d.info.node, d.leader, listed, error, deadline_exceeded), persist=True
+            )
         except Exception as exc:
             log.error("checkpoint of step %d failed: %s", job.step, exc)
             record.last_error = exc
@@ -327,12 +387,21 @@ class CollectiveSave:
                         (writer.tmp / rel).unlink()
                     persist = round(time.perf_counter() - start, 6)
                     writer.commit(
-                        epoch=job.epoch, metrics=job.metrics, job=s.job, attempt=s.attempt, reason=job.due.reason,
+                        epoch=job.epoch,
+                        metrics=job.metrics,
+                        job=s.job,
+                        attempt=s.attempt,
+                        reason=job.due.reason,
                         request_id=job.due.request_id,
-                        timing={"snapshot_seconds": round(job.snapshot_seconds, 6), "persist_seconds": persist,
-                                "save_seconds": round(job.snapshot_seconds + persist, 6)},
-                        sharding=self._sharding(job.token), entries=mine, check_deadline=False,
-                    )  # fmt: skip
+                        timing={
+                            "snapshot_seconds": round(job.snapshot_seconds, 6),
+                            "persist_seconds": persist,
+                            "save_seconds": round(job.snapshot_seconds + persist, 6),
+                        },
+                        sharding=self._sharding(job.token),
+                        entries=mine,
+                        check_deadline=False,
+                    )
                     committed_here = True
                 except Exception as exc:
                     error = f"node {d.info.node}: commit failed: {exc}"
@@ -346,8 +415,9 @@ class CollectiveSave:
             record.last_committed = final
             record.last_persist_seconds = time.perf_counter() - start
             if d.rank == 0:
-                log.info("checkpoint %s committed from %s on every rank (%.2fs)", final, source,
-                         record.last_persist_seconds)  # fmt: skip
+                log.info(
+                    "checkpoint %s committed from %s on every rank (%.2fs)", final, source, record.last_persist_seconds
+                )
         else:
             record.last_error = RuntimeError("; ".join(problems) or "commit failed")
             log.error("checkpoint of step %d not committed: %s", job.step, "; ".join(problems) or "commit failed")

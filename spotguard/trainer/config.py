@@ -85,19 +85,29 @@ class EnvConfig:
         attempt = from_env(ATTEMPT, env)
         policy = RetentionPolicy.from_env(env)
         return cls(
-            directory=from_env(CHECKPOINT_DIR, env) or None, storage_uri=storage_uri,
-            control_dir=control_dir, save_every_steps=save_every_steps, save_every_seconds=save_every_seconds,
-            checksum=checksum, job=job, attempt=attempt, retention=None if policy.keeps_everything else policy,
-        )  # fmt: skip
+            directory=from_env(CHECKPOINT_DIR, env) or None,
+            storage_uri=storage_uri,
+            control_dir=control_dir,
+            save_every_steps=save_every_steps,
+            save_every_seconds=save_every_seconds,
+            checksum=checksum,
+            job=job,
+            attempt=attempt,
+            retention=None if policy.keeps_everything else policy,
+        )
 
     def kwargs(self) -> dict[str, Any]:
         """The Checkpointer's keyword arguments this environment sets
         (``retention`` only when it keeps less than everything)."""
         out: dict[str, Any] = {
-            "storage_uri": self.storage_uri, "control_dir": self.control_dir,
-            "save_every_steps": self.save_every_steps, "save_every_seconds": self.save_every_seconds,
-            "checksum": self.checksum, "job": self.job, "attempt": self.attempt,
-        }  # fmt: skip
+            "storage_uri": self.storage_uri,
+            "control_dir": self.control_dir,
+            "save_every_steps": self.save_every_steps,
+            "save_every_seconds": self.save_every_seconds,
+            "checksum": self.checksum,
+            "job": self.job,
+            "attempt": self.attempt,
+        }
         if self.retention is not None:
             out["retention"] = self.retention
         return out

@@ -186,7 +186,7 @@ def fill_tensors(skeleton: Any, tensors: Mapping[str, Any] | None, base: tuple[s
     if isinstance(skeleton, Mapping):
         if set(skeleton) == {_MARK}:
             node: Any = tensors
-            for key in list(skeleton[_MARK])[len(base):]:
+            for key in list(skeleton[_MARK])[len(base) :]:
                 if not isinstance(node, Mapping) or key not in node:
                     raise KeyError(".".join(skeleton[_MARK]))
                 node = node[key]
@@ -224,8 +224,9 @@ def set_state_dicts(model: Any, optimizer: Any, state: Mapping[str, Any], *, str
 
     options = StateDictOptions(strict=strict)
     if model is not None and optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)  # fmt: skip
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+        )
     elif model is not None:
         set_model_state_dict(model, state["model"], options=options)
 
@@ -247,8 +248,7 @@ class Agreement:
     def flags(preempt: bool, save_now: bool, deadline: float | None, interval_due: bool) -> list[float]:
         """One rank's flags as the numbers the ``all_reduce(MAX)`` combines
         (the deadline negated: the earliest wins)."""
-        return [float(preempt), float(save_now), -deadline if deadline is not None else -math.inf,
-                float(interval_due)]  # fmt: skip
+        return [float(preempt), float(save_now), -deadline if deadline is not None else -math.inf, float(interval_due)]
 
     @classmethod
     def of(cls, values: list[float]) -> Agreement:
@@ -278,8 +278,10 @@ class DistContext:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("distributed checkpoints need torch.distributed to be initialized "
-                               "(dist.init_process_group) before the Checkpointer is built")  # fmt: skip
+            raise RuntimeError(
+                "distributed checkpoints need torch.distributed to be initialized "
+                "(dist.init_process_group) before the Checkpointer is built"
+            )
         self.dist = dist
         env = os.environ if env is None else env
         self.info = rank_info_from_env(env, dist.get_rank(), dist.get_world_size())
@@ -297,8 +299,9 @@ class DistContext:
         if sorted(set(self.node_of)) != list(range(self.parts)):
             raise RuntimeError(f"node indices (GROUP_RANK) of the ranks are not 0..n-1: {sorted(set(self.node_of))}")
         leaders = [r for r, (_, lr) in enumerate(nodes) if int(lr) == 0]
-        if len(leaders) != self.parts or any(sum(1 for r in leaders if self.node_of[r] == n) != 1
-                                             for n in range(self.parts)):  # fmt: skip
+        if len(leaders) != self.parts or any(
+            sum(1 for r in leaders if self.node_of[r] == n) != 1 for n in range(self.parts)
+        ):
             raise RuntimeError("every node needs exactly one local rank 0 (LOCAL_RANK)")
 
     @property
@@ -429,8 +432,9 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
     if sharding is None:
         # A single-process checkpoint: full state dicts, loaded by every rank.
         full = load_checkpoint_state(path, manifest)
-        restored = RestoredState(full, step=manifest.step, name=manifest.name, path=str(path),
-                                 epoch=manifest.epoch, metrics=manifest.metrics)  # fmt: skip
+        restored = RestoredState(
+            full, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch, metrics=manifest.metrics
+        )
         restored.exact, restored.resharded_from = ctx.world_size == 1, 1
         restored.rank_state_own = ctx.rank == 0
         if live:
@@ -454,14 +458,16 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
             try:
                 state[key] = fill_tensors(value, (tensors or {}).get(key), (key,))
             except KeyError as exc:
-                raise StateError(f"{path.name}: the saved {key} state has tensor {exc.args[0]!r}, "
-                                 f"which the live {key} does not") from None  # fmt: skip
+                raise StateError(
+                    f"{path.name}: the saved {key} state has tensor {exc.args[0]!r}, which the live {key} does not"
+                ) from None
         else:
             state[key] = value
     if live:
         set_state_dicts(model, optimizer, state, strict=strict)
-    restored = RestoredState(state, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch,
-                             metrics=manifest.metrics)  # fmt: skip
+    restored = RestoredState(
+        state, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch, metrics=manifest.metrics
+    )
     restored.sharded = True
     restored.rank_state_own = own
     if sharding.world_size != ctx.world_size:
@@ -491,14 +497,19 @@ def load_sharded_whole(path: Any, manifest: Any) -> Any:
             state[key] = fill_tensors(value, tensors.get(key), (key,)) if key in DCP_KEYS else value
         except KeyError as exc:
             raise StateError(f"{path.name}: tensor {exc.args[0]!r} is missing from its DCP files") from None
-    restored = RestoredState(state, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch,
-                             metrics=manifest.metrics)  # fmt: skip
+    restored = RestoredState(
+        state, step=manifest.step, name=manifest.name, path=str(path), epoch=manifest.epoch, metrics=manifest.metrics
+    )
     restored.sharded = True
     world = manifest.sharding.world_size
     if world != 1:
         restored.exact, restored.resharded_from = False, world
-        log.warning("checkpoint %s was written by %d ranks, restored by one process: model and optimizer are "
-                    "whole, RNG states and data position are rank 0's", restored.name, world)  # fmt: skip
+        log.warning(
+            "checkpoint %s was written by %d ranks, restored by one process: model and optimizer are "
+            "whole, RNG states and data position are rank 0's",
+            restored.name,
+            world,
+        )
     return restored
 
 
@@ -508,7 +519,10 @@ def _warn_inexact(restored: Any, ctx: DistContext) -> None:
     log.warning(
         "checkpoint %s was written by %d rank(s), restored on %d: model and optimizer are resharded, but "
         "per-rank RNG states and data positions cannot be exact%s",
-        restored.name, restored.resharded_from, ctx.world_size,
-        "" if restored.rank_state_own else f" (rank {ctx.rank} has no saved state: it keeps its fresh RNG and "
-        "uses rank 0's scheduler and extras)",
-    )  # fmt: skip
+        restored.name,
+        restored.resharded_from,
+        ctx.world_size,
+        ""
+        if restored.rank_state_own
+        else f" (rank {ctx.rank} has no saved state: it keeps its fresh RNG and uses rank 0's scheduler and extras)",
+    )

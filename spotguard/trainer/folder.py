@@ -101,8 +101,10 @@ def node_files(
             if seen is None:
                 first[path] = (n, size, checksum)
             elif (seen[1], seen[2]) != (size, checksum):
-                raise FolderError(f"{path}: nodes {seen[0]} and {n} wrote different contents at one path; "
-                                  "a framework file must be identical wherever it is written")  # fmt: skip
+                raise FolderError(
+                    f"{path}: nodes {seen[0]} and {n} wrote different contents at one path; "
+                    "a framework file must be identical wherever it is written"
+                )
     mine: list[FileEntry] = []
     drop: list[str] = []
     for n, entries in gathered:
@@ -114,8 +116,6 @@ def node_files(
             else:
                 drop.append(path)
     return sorted(mine, key=lambda e: e.path), sorted(drop)
-
-
 
 
 def entries_json(entries: Iterable[FileEntry]) -> list[tuple[str, int, str]]:

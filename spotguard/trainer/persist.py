@@ -60,8 +60,11 @@ class StagingFullError(OSError):
     """
 
     def __init__(self, step: int, directory: Path, free_bytes: int | None, cause: BaseException) -> None:
-        free = (f"{free_bytes} bytes free once the partial checkpoint was removed" if free_bytes is not None
-                else "free space unknown")  # fmt: skip
+        free = (
+            f"{free_bytes} bytes free once the partial checkpoint was removed"
+            if free_bytes is not None
+            else "free space unknown"
+        )
         super().__init__(
             errno.ENOSPC,
             f"checkpoint of step {step} not written: the checkpoint volume at {directory} is full ({free}; {cause})."
@@ -119,8 +122,15 @@ class LocalPersist:
     (host buffers reused by the next snapshot, None not to keep them).
     """
 
-    def __init__(self, settings: Settings, policy: SavePolicy, record: SaveRecord, channel: TrainerChannel,
-                 shipping: Shipping, pinned: dict[Any, Any] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: Settings,
+        policy: SavePolicy,
+        record: SaveRecord,
+        channel: TrainerChannel,
+        shipping: Shipping,
+        pinned: dict[Any, Any] | None,
+    ) -> None:
         self._settings = settings
         self._policy = policy
         self._record = record
@@ -165,8 +175,9 @@ class LocalPersist:
         self._record.last_stall_seconds = time.perf_counter() - start
         self._policy.saved(step)
 
-    def run_writer(self, job: PersistJob, target: Callable[..., None], args: tuple[Any, ...], *,
-                   sync: bool) -> Path | None:  # fmt: skip
+    def run_writer(
+        self, job: PersistJob, target: Callable[..., None], args: tuple[Any, ...], *, sync: bool
+    ) -> Path | None:
         """Start phase two of a distributed save on the writer thread; when
         ``sync``, wait for it, but not past the deadline (a rank that died
         would hold the others in a collective)."""
@@ -184,8 +195,16 @@ class LocalPersist:
         return job.result
 
     # -- a state ---------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], due: Due, *, epoch: int | None,
-             metrics: Mapping[str, Any] | None, blocking: bool | None) -> Path | None:  # fmt: skip
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        due: Due,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        blocking: bool | None,
+    ) -> Path | None:
         """:meth:`Checkpointer.save` in a single process."""
         sync = self._policy.synchronous(blocking, due.preempt)
         if step == self._policy.last_step:
@@ -204,8 +223,9 @@ class LocalPersist:
             self._channel.answer(due.requests, None)
             raise
         self.phase_one_done(step, start)
-        job = PersistJob(step, snapshot, epoch, dict(metrics) if metrics else None, due,
-                         self._record.last_stall_seconds)  # fmt: skip
+        job = PersistJob(
+            step, snapshot, epoch, dict(metrics) if metrics else None, due, self._record.last_stall_seconds
+        )
         if sync:
             return self._write(job)
         self._start(self._write, (job,))
@@ -283,9 +303,17 @@ class LocalPersist:
                 os.unlink(self._channel.control_dir / STAGING_FULL_FILE)
 
     # -- a framework's folder --------------------------------------------------------------
-    def commit_folder(self, step: int, source: Path, due: Due, *, epoch: int | None,
-                      metrics: Mapping[str, Any] | None, exclude: Sequence[str],
-                      blocking: bool | None) -> Path | None:  # fmt: skip
+    def commit_folder(
+        self,
+        step: int,
+        source: Path,
+        due: Due,
+        *,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        exclude: Sequence[str],
+        blocking: bool | None,
+    ) -> Path | None:
         """:meth:`Checkpointer.commit_folder` in a single process."""
         s = self._settings
         if step == self._policy.last_step:
@@ -297,8 +325,9 @@ class LocalPersist:
             self._channel.answer(due.requests, None, deadline_exceeded=True)
             return None
         start = time.perf_counter()
-        writer = LocalWriter(s.directory, step, algorithm=s.checksum, deadline=due.deadline,
-                             durable=self._shipping.durable(due.preempt))  # fmt: skip
+        writer = LocalWriter(
+            s.directory, step, algorithm=s.checksum, deadline=due.deadline, durable=self._shipping.durable(due.preempt)
+        )
         try:
             names = _folder.folder_files(source, exclude)
             for rel in names:
@@ -325,12 +354,19 @@ class LocalPersist:
         try:
             _folder.checksum_linked(writer, names)
             persist = round(time.perf_counter() - start, 6)
-            path = writer.commit(epoch=job.epoch, metrics=job.metrics, job=self._settings.job,
-                                 attempt=self._settings.attempt, reason=job.due.reason,
-                                 request_id=job.due.request_id,
-                                 timing={"snapshot_seconds": round(job.snapshot_seconds, 6),
-                                         "persist_seconds": persist,
-                                         "save_seconds": round(job.snapshot_seconds + persist, 6)})  # fmt: skip
+            path = writer.commit(
+                epoch=job.epoch,
+                metrics=job.metrics,
+                job=self._settings.job,
+                attempt=self._settings.attempt,
+                reason=job.due.reason,
+                request_id=job.due.request_id,
+                timing={
+                    "snapshot_seconds": round(job.snapshot_seconds, 6),
+                    "persist_seconds": persist,
+                    "save_seconds": round(job.snapshot_seconds + persist, 6),
+                },
+            )
         except DeadlineExceeded as exc:
             writer.abort()
             record.last_error = exc

@@ -97,8 +97,9 @@ class Restorer:
         self._verified = verified
 
     # -- one process -----------------------------------------------------------------------
-    def restore(self, model: Any, optimizer: Any, scheduler: Any, *, restore_rng: bool, strict: bool,
-                objects: Mapping[str, Any]) -> RestoredState | None:  # fmt: skip
+    def restore(
+        self, model: Any, optimizer: Any, scheduler: Any, *, restore_rng: bool, strict: bool, objects: Mapping[str, Any]
+    ) -> RestoredState | None:
         """:meth:`Checkpointer.restore` in a single process."""
         directory = self._settings.directory
         restored: RestoredState | None = None
@@ -166,8 +167,17 @@ class Restorer:
         return None
 
     # -- under torch.distributed -------------------------------------------------------------
-    def restore_collective(self, d: DistContext, model: Any, optimizer: Any, scheduler: Any, *, restore_rng: bool,
-                           strict: bool, objects: Mapping[str, Any]) -> RestoredState | None:  # fmt: skip
+    def restore_collective(
+        self,
+        d: DistContext,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        restore_rng: bool,
+        strict: bool,
+        objects: Mapping[str, Any],
+    ) -> RestoredState | None:
         """:meth:`Checkpointer.restore` under torch.distributed (collective)."""
         name = self.agreed_name(d)
         if name is None:
@@ -179,8 +189,13 @@ class Restorer:
             restored.load_into(None, None, scheduler, restore_rng=False, strict=strict, **objects)
         if restore_rng and restored.rank_state_own and isinstance(restored.state.get("rng"), Mapping):
             restore_rng_state(restored.state["rng"])
-        log.info("rank %d restored %s (step %d)%s", d.rank, path, restored.step,
-                 "" if restored.exact else f", resharded from {restored.resharded_from} ranks")  # fmt: skip
+        log.info(
+            "rank %d restored %s (step %d)%s",
+            d.rank,
+            path,
+            restored.step,
+            "" if restored.exact else f", resharded from {restored.resharded_from} ranks",
+        )
         return restored
 
     def agreed_name(self, d: DistContext) -> str | None:
@@ -223,8 +238,11 @@ class Restorer:
         candidates: list[str] = []
         if d.rank == 0:
             try:
-                candidates = [n for n in reversed(list_checkpoint_names(self._open_storage()))
-                              if (parse_checkpoint_name(n) or -1) > agreed]  # fmt: skip
+                candidates = [
+                    n
+                    for n in reversed(list_checkpoint_names(self._open_storage()))
+                    if (parse_checkpoint_name(n) or -1) > agreed
+                ]
             except Exception as exc:
                 log.warning("could not look for a newer checkpoint in storage: %s", exc)
         candidates = d.broadcast(candidates)

@@ -84,8 +84,13 @@ class Shipping:
     preemption is pending: a routine upload then stops at its next request.
     """
 
-    def __init__(self, settings: Settings, record: SaveRecord, open_storage: Callable[[], Any],
-                 preempting: Callable[[], bool] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: Settings,
+        record: SaveRecord,
+        open_storage: Callable[[], Any],
+        preempting: Callable[[], bool] | None = None,
+    ) -> None:
         self._settings = settings
         self._record = record
         self._open_storage = open_storage
@@ -116,8 +121,9 @@ class Shipping:
                 self.upload(path)
         try:
             if s.local_pruner == PRUNE_SELF:
-                for name in plan_local_prune([p.name for p in list_local_committed(s.directory)],
-                                             self.verified, s.keep_local):  # fmt: skip
+                for name in plan_local_prune(
+                    [p.name for p in list_local_committed(s.directory)], self.verified, s.keep_local
+                ):
                     remove_checkpoint_dir(s.directory / name)
             elif s.local_pruner == PRUNE_LOCAL_ONLY:
                 if s.retention is not None and not s.retention.keeps_everything:
@@ -153,8 +159,7 @@ class Shipping:
                 if pause is None:
                     log.error("upload of %s failed: %s", path.name, exc)
                     return
-                log.warning("upload of %s failed (attempt %d): %s; retrying in %.2fs", path.name, attempt, exc,
-                            pause)  # fmt: skip
+                log.warning("upload of %s failed (attempt %d): %s; retrying in %.2fs", path.name, attempt, exc, pause)
                 time.sleep(pause)
         retention = self._settings.retention
         if not verified or until is not None or retention is None or retention.keeps_everything:
@@ -170,14 +175,21 @@ class Shipping:
         verified in storage (False: one node's part, stored). Raises on failure,
         :class:`UploadCancelled` when ``should_stop`` stopped the upload."""
         storage = self._open_storage()
-        result = upload_checkpoint(path, storage, update_pointer=False, should_stop=should_stop,
-                                   resume=path.name in self.stopped)  # fmt: skip
+        result = upload_checkpoint(
+            path, storage, update_pointer=False, should_stop=should_stop, resume=path.name in self.stopped
+        )
         self.stopped.discard(path.name)
         if not result.committed:
             # One node's part of a distributed checkpoint: the uploader of
             # the last part to arrive writes the global manifest.
-            log.info("uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage", path.name,
-                     result.bytes, result.seconds, result.parts_present, result.parts_total)  # fmt: skip
+            log.info(
+                "uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage",
+                path.name,
+                result.bytes,
+                result.seconds,
+                result.parts_present,
+                result.parts_total,
+            )
             return False
         verdict = verify_checkpoint(storage, path.name)
         if not verdict.ok:

@@ -150,8 +150,12 @@ class Agent:
 
     def _write_control(self) -> None:
         assert self._server is not None
-        info = {"pid": os.getpid(), "port": self._server.server_port, "nodes": self.node_names(),
-                "host_services": str(self.host_services)}  # fmt: skip
+        info = {
+            "pid": os.getpid(),
+            "port": self._server.server_port,
+            "nodes": self.node_names(),
+            "host_services": str(self.host_services),
+        }
         tmp = self.state_dir / "control.json.tmp"
         tmp.write_text(json.dumps(info))
         tmp.replace(self.state_dir / "control.json")
@@ -186,8 +190,13 @@ class Agent:
                     self.stopping.wait(1.0)
 
     def _watch_once(self, rv: str) -> str:
-        query = {"watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true",
-                 "timeoutSeconds": "60", "fieldSelector": "spec.nodeName!="}  # fmt: skip
+        query = {
+            "watch": "true",
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": "60",
+            "fieldSelector": "spec.nodeName!=",
+        }
         resp = self.kube.request("GET", "/api/v1/pods", query=query, timeout=(10.0, 90.0), stream=True)
         try:
             for line in watch_lines(resp):
@@ -216,8 +225,12 @@ class Agent:
                 self.hosts.resync_endpoint_slices(listing["items"])
                 rv = listing["metadata"]["resourceVersion"]
                 while not self.stopping.is_set():
-                    query = {"watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true",
-                             "timeoutSeconds": "60"}  # fmt: skip
+                    query = {
+                        "watch": "true",
+                        "resourceVersion": rv,
+                        "allowWatchBookmarks": "true",
+                        "timeoutSeconds": "60",
+                    }
                     resp = self.kube.request("GET", path, query=query, timeout=(10.0, 90.0), stream=True)
                     try:
                         for line in watch_lines(resp):
@@ -340,8 +353,11 @@ class Agent:
     def _evict(self, pod: JSON) -> None:
         """Ask the eviction API to delete ``pod``; a "not now" is left for the caller's next round."""
         md = pod["metadata"]
-        body = {"apiVersion": self.eviction_version, "kind": "Eviction",
-                "metadata": {"name": md["name"], "namespace": md["namespace"]}}  # fmt: skip
+        body = {
+            "apiVersion": self.eviction_version,
+            "kind": "Eviction",
+            "metadata": {"name": md["name"], "namespace": md["namespace"]},
+        }
         try:
             self.kube.post(f"/api/v1/namespaces/{md['namespace']}/pods/{md['name']}/eviction", body)
         except ApiError as exc:

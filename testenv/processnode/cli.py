@@ -28,9 +28,15 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         labels[key] = value
     settings = NodeSettings(
-        prefix=args.name_prefix, cpu=args.cpu, memory=args.memory, pods=args.pods, gpus=args.gpus,
-        instance_type=args.instance_type, taint=args.taint, labels=labels,
-    )  # fmt: skip
+        prefix=args.name_prefix,
+        cpu=args.cpu,
+        memory=args.memory,
+        pods=args.pods,
+        gpus=args.gpus,
+        instance_type=args.instance_type,
+        taint=args.taint,
+        labels=labels,
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -43,9 +49,17 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a user error: one line
         print(f"processnode: cannot load kubeconfig {args.kubeconfig}: {exc}", file=sys.stderr)
         return 2
-    agent = Agent(kube, Path(args.state_dir).resolve(), args.nodes, settings, args.shutdown_grace_period,
-                  delete_nodes=not args.keep_nodes, client_ca=args.client_ca_file, host_ports=args.host_service,
-                  host_services=args.host_services_dir and args.host_services_dir.resolve())  # fmt: skip
+    agent = Agent(
+        kube,
+        Path(args.state_dir).resolve(),
+        args.nodes,
+        settings,
+        args.shutdown_grace_period,
+        delete_nodes=not args.keep_nodes,
+        client_ca=args.client_ca_file,
+        host_ports=args.host_service,
+        host_services=args.host_services_dir and args.host_services_dir.resolve(),
+    )
     try:
         agent.start()
         while not stop.wait(1.0):
@@ -102,14 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         "--client-ca-file", type=Path, default=None, help="serve logs only to clients with a certificate from this CA"
     )
     run.add_argument(
-        "--host-service", type=int, action="append", default=[], metavar="PORT",
+        "--host-service",
+        type=int,
+        action="append",
+        default=[],
+        metavar="PORT",
         help="a host port (127.0.0.1) that pods may reach besides the apiserver's; repeatable",
-    )  # fmt: skip
+    )
     run.add_argument(
-        "--host-services-dir", type=Path, default=None,
-        help="pods may also reach the host ports registered here, one file per port "
-        "(default: STATE_DIR/host-services)",
-    )  # fmt: skip
+        "--host-services-dir",
+        type=Path,
+        default=None,
+        help="pods may also reach the host ports registered here, one file per port (default: STATE_DIR/host-services)",
+    )
     run.set_defaults(func=_run)
 
     pre = sub.add_parser("preempt", help="make the node running a pod die (drain, shutdown, kill)")

@@ -22,8 +22,12 @@ from typing import Any
 # runtime gives every container, plus GPUs (CUDA needs /dev/nvidia*).
 DEV_KEEP = ("null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "mqueue")
 DEV_KEEP_PATTERNS = ("nvidia*",)
-DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
-             "stderr": "/proc/self/fd/2"}  # fmt: skip
+DEV_LINKS = {
+    "fd": "/proc/self/fd",
+    "stdin": "/proc/self/fd/0",
+    "stdout": "/proc/self/fd/1",
+    "stderr": "/proc/self/fd/2",
+}
 # mount(2) and unshare(2) flags.
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE, MS_STRICTATIME = 4096, 16384, 1 << 18, 1 << 24
@@ -68,9 +72,11 @@ def launch_argv(spec: LaunchSpec) -> list[str]:
     ``-I`` keeps the container's own ``PYTHON*`` variables from changing the launcher.
     """
     root = str(Path(__file__).resolve().parents[2])  # the directory holding testenv/
-    boot = (f"import sys; sys.path.insert(0, {root!r}); "
-            "from testenv.processnode.container import container_init; "
-            "sys.exit(container_init(sys.argv[1]))")  # fmt: skip
+    boot = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from testenv.processnode.container import container_init; "
+        "sys.exit(container_init(sys.argv[1]))"
+    )
     return [sys.executable, "-I", "-c", boot, json.dumps(asdict(spec))]
 
 
@@ -102,8 +108,10 @@ def container_init(spec_json: str) -> int:
     command: list[str] = spec["command"]
     pid_namespace = spec.get("pid_namespace")
     try:
-        for path, kind, what in ((spec.get("net_namespace"), CLONE_NEWNET, "network"),
-                                 (spec.get("uts_namespace"), CLONE_NEWUTS, "UTS")):  # fmt: skip
+        for path, kind, what in (
+            (spec.get("net_namespace"), CLONE_NEWNET, "network"),
+            (spec.get("uts_namespace"), CLONE_NEWUTS, "UTS"),
+        ):
             if path:
                 _join_namespace(path, kind, what)
         if pid_namespace:
@@ -216,9 +224,14 @@ def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] 
     check = _check
 
     def mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        check(libc.mount(*(None if v is None else v.encode() for v in (src, dst, fstype)), flags,
-                         None if data is None else data.encode()),
-              f"mount {src or fstype} at {dst}" if src or fstype else f"change mount {dst}")  # fmt: skip
+        check(
+            libc.mount(
+                *(None if v is None else v.encode() for v in (src, dst, fstype)),
+                flags,
+                None if data is None else data.encode(),
+            ),
+            f"mount {src or fstype} at {dst}" if src or fstype else f"change mount {dst}",
+        )
 
     def bind(fd: int, dst: str, read_only: bool) -> None:
         _mount_point(dst, fd)
@@ -233,8 +246,11 @@ def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] 
     binds = [(_open_path(src), dst, ro) for src, dst, ro in mounts]
     if termination is not None:
         binds.append((_open_path(termination[0]), termination[1], False))
-    dev = [(name, _open_path(f"/dev/{name}")) for name in sorted(os.listdir("/dev"))
-           if name in DEV_KEEP or any(fnmatch.fnmatch(name, p) for p in DEV_KEEP_PATTERNS)]  # fmt: skip
+    dev = [
+        (name, _open_path(f"/dev/{name}"))
+        for name in sorted(os.listdir("/dev"))
+        if name in DEV_KEEP or any(fnmatch.fnmatch(name, p) for p in DEV_KEEP_PATTERNS)
+    ]
     # A private /dev first (the host's stays as it is), then the binds, parents first.
     mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k")
     for name, fd in dev:

@@ -119,15 +119,30 @@ class ProcessNodes:
         child_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{child_env.get('PATH', os.defpath)}"
         root = str(Path(__file__).resolve().parents[2])  # the directory holding testenv/
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
-        argv = [sys.executable, "-m", "testenv.processnode", "run", "--kubeconfig", str(kubeconfig),
-                "--nodes", str(count), "--state-dir", str(state), *(extra_args or [])]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "testenv.processnode",
+            "run",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--nodes",
+            str(count),
+            "--state-dir",
+            str(state),
+            *(extra_args or []),
+        ]
         if host_services is not None:
             argv += ["--host-services-dir", str(Path(host_services).resolve())]
         with (state / "agent.log").open("ab") as out:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=child_env, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,
+            )
         nodes = cls(state, proc, kubeconfig)
         try:
             nodes.wait_ready(kubeconfig, count, timeout)
@@ -173,8 +188,9 @@ class ProcessNodes:
         except (OSError, ValueError, KeyError):
             raise RuntimeError(f"no process node agent running with state dir {self.state_dir}") from None
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://{LOOPBACK}:{port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"http://{LOOPBACK}:{port}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return dict(json.loads(resp.read()))

@@ -196,13 +196,19 @@ class ClusterHosts:
             own = [hosts.hostname]
             if hosts.subdomain:
                 base = f"{hosts.hostname}.{hosts.subdomain}"
-                own = [f"{base}.{hosts.namespace}.svc.{CLUSTER_DOMAIN}", f"{base}.{hosts.namespace}.svc", base,
-                       hosts.hostname]  # fmt: skip
+                own = [
+                    f"{base}.{hosts.namespace}.svc.{CLUSTER_DOMAIN}",
+                    f"{base}.{hosts.namespace}.svc",
+                    base,
+                    hosts.hostname,
+                ]
             lines = [HEADER, LOCALHOST, f"{hosts.ip}\t{' '.join(own)}\n"]
         seen: set[str] = set()
         # A name held by two pods (an old attempt still terminating): the live, newest one first.
-        ordered = sorted(((u, p) for u, p in self._peers.items() if u != uid),
-                         key=lambda item: (item[1].deleting, _desc(item[1].created)))  # fmt: skip
+        ordered = sorted(
+            ((u, p) for u, p in self._peers.items() if u != uid),
+            key=lambda item: (item[1].deleting, _desc(item[1].created)),
+        )
         for _, peer in ordered:
             names = [n for n in peer.names(hosts.namespace) if n not in seen]
             if names:

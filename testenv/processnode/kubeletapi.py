@@ -104,10 +104,27 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     if not (cert.exists() and key.exists()):
         directory.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "365", "-subj", "/CN=processnode",
-             "-addext", f"subjectAltName=IP:{LOOPBACK}", "-keyout", str(key), "-out", str(cert)],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "365",
+                "-subj",
+                "/CN=processnode",
+                "-addext",
+                f"subjectAltName=IP:{LOOPBACK}",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+        )
         key.chmod(0o600)
     return cert, key
 

@@ -147,15 +147,27 @@ class ProcessNode:
             ("PIDPressure", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
         )
         conds = [
-            {"type": t, "status": "False", "reason": r, "message": m,
-             "lastHeartbeatTime": now, "lastTransitionTime": self._created}
+            {
+                "type": t,
+                "status": "False",
+                "reason": r,
+                "message": m,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": self._created,
+            }
             for t, r, m in healthy
-        ]  # fmt: skip
+        ]
         ready, reason, message = self._ready
         conds.append(
-            {"type": "Ready", "status": "True" if ready else "False", "reason": reason, "message": message,
-             "lastHeartbeatTime": now, "lastTransitionTime": self._ready_since}
-        )  # fmt: skip
+            {
+                "type": "Ready",
+                "status": "True" if ready else "False",
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": self._ready_since,
+            }
+        )
         return conds
 
     def heartbeat(self) -> None:

@@ -427,10 +427,17 @@ class PodRunner:
         log_path = self.dir / f"{c.name}.log"
         read_status, status_fd = os.pipe()
         network = self.network
-        spec = LaunchSpec([*command, *args], c.spec.get("workingDir") or "/", mounts, termination, root,
-                          pid_namespace=pid_namespace, status_fd=status_fd,
-                          net_namespace=network.net_namespace if network else None,
-                          uts_namespace=network.uts_namespace if network else None)  # fmt: skip
+        spec = LaunchSpec(
+            [*command, *args],
+            c.spec.get("workingDir") or "/",
+            mounts,
+            termination,
+            root,
+            pid_namespace=pid_namespace,
+            status_fd=status_fd,
+            net_namespace=network.net_namespace if network else None,
+            uts_namespace=network.uts_namespace if network else None,
+        )
         try:
             with log_path.open("ab") as out:
                 if c.started_at is not None:  # it ran before
@@ -497,8 +504,14 @@ class PodRunner:
                 (self.dir / NETWORK_PIDFILE).write_text(f"{pid} {process_start_time(pid)}")
         if os.geteuid() == 0:
             spec = self.pod["spec"]
-            hosts = HostsFile(self.dir / HOSTS_FILE, self.namespace, self.pod_ip, self.hostname,
-                              spec.get("subdomain") or "", self.network is None)  # fmt: skip
+            hosts = HostsFile(
+                self.dir / HOSTS_FILE,
+                self.namespace,
+                self.pod_ip,
+                self.hostname,
+                spec.get("subdomain") or "",
+                self.network is None,
+            )
             self.agent.hosts.attach(self.uid, hosts)
             self._hosts_attached = True
 
@@ -524,8 +537,12 @@ class PodRunner:
             return NEW_PID_NAMESPACE
         if self._sandbox is None or self._sandbox.poll() is not None:
             read_status, status_fd = os.pipe()
-            spec = LaunchSpec([sys.executable, "-I", "-c", PAUSE_PROGRAM], namespace=False, status_fd=status_fd,
-                              pid_namespace=NEW_PID_NAMESPACE)  # fmt: skip
+            spec = LaunchSpec(
+                [sys.executable, "-I", "-c", PAUSE_PROGRAM],
+                namespace=False,
+                status_fd=status_fd,
+                pid_namespace=NEW_PID_NAMESPACE,
+            )
             try:
                 proc = self.agent.spawner.spawn(
                     launch_argv(spec),
@@ -815,8 +832,12 @@ class PodRunner:
         previous = self._transitions.get(kind)
         if previous is None or previous[0] != status:
             self._transitions[kind] = (status, utc_now())
-        cond: JSON = {"type": kind, "status": status, "lastProbeTime": None,
-                      "lastTransitionTime": self._transitions[kind][1]}  # fmt: skip
+        cond: JSON = {
+            "type": kind,
+            "status": status,
+            "lastProbeTime": None,
+            "lastTransitionTime": self._transitions[kind][1],
+        }
         if reason:
             cond["reason"] = reason
         if message:
@@ -892,8 +913,13 @@ class PodRunner:
             "apiVersion": "v1",
             "kind": "Event",
             "metadata": {"name": f"{self.name}.{secrets.token_hex(8)}", "namespace": self.namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": self.name, "namespace": self.namespace,
-                               "uid": self.uid},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self.uid,
+            },
             "reason": reason,
             "message": message,
             "type": "Warning",
@@ -901,7 +927,7 @@ class PodRunner:
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,
-        }  # fmt: skip
+        }
         try:
             self.agent.kube.post(f"/api/v1/namespaces/{self.namespace}/events", event)
         except ApiError as exc:

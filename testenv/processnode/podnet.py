@@ -348,9 +348,11 @@ class PodNetwork:
             read_status, status_fd = os.pipe()
             spec = SandboxSpec(self.hostname, os.getpid(), status_fd, self.host_ports, self.host_services)
             root = str(Path(__file__).resolve().parents[2])
-            boot = (f"import sys; sys.path.insert(0, {root!r}); "
-                    "from testenv.processnode.podnet import sandbox_main; "
-                    "sys.exit(sandbox_main(sys.argv[1]))")  # fmt: skip
+            boot = (
+                f"import sys; sys.path.insert(0, {root!r}); "
+                "from testenv.processnode.podnet import sandbox_main; "
+                "sys.exit(sandbox_main(sys.argv[1]))"
+            )
             try:
                 self.sandbox = spawn(
                     [sys.executable, "-I", "-c", boot, json.dumps(asdict(spec))],
@@ -368,16 +370,31 @@ class PodNetwork:
             if answer != "ok":
                 raise OSError(0, f"pod sandbox: {answer or 'exited'}")
             veth, pid = veth_name(self.ip), self.sandbox.pid
-            _run(["ip", "link", "add", veth, "mtu", str(MTU), "type", "veth",
-                  "peer", "name", "eth0", "mtu", str(MTU), "netns", str(pid)])  # fmt: skip
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    veth,
+                    "mtu",
+                    str(MTU),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "mtu",
+                    str(MTU),
+                    "netns",
+                    str(pid),
+                ]
+            )
             self.veth = veth
             _mark_link(veth, _me())
             _run(["ip", "link", "set", veth, "master", BRIDGE, "up"])
-            inside = (f"addr add {self.ip}/{PREFIX_LEN} dev eth0\nlink set eth0 up\n"
-                      f"route add default via {GATEWAY}\n")  # fmt: skip
+            inside = f"addr add {self.ip}/{PREFIX_LEN} dev eth0\nlink set eth0 up\nroute add default via {GATEWAY}\n"
             _run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"], stdin=inside)
-            _run(["nsenter", f"--net=/proc/{pid}/ns/net", "sysctl", "-qw",
-                  "net.ipv4.conf.eth0.route_localnet=1"])  # fmt: skip
+            _run(["nsenter", f"--net=/proc/{pid}/ns/net", "sysctl", "-qw", "net.ipv4.conf.eth0.route_localnet=1"])
         except BaseException:
             self.destroy()
             raise
@@ -482,8 +499,12 @@ class Mirror:
     def due(self, now: float) -> bool:
         """Whether to re-read the host's listeners now (see :data:`SETTLED_SECONDS`)."""
         allowed = frozenset(self.allowed())
-        return (allowed != self._allowed or self._stale.is_set() or now - self._refreshed >= SETTLED_SECONDS
-                or any(port not in self.listeners for port in allowed))  # fmt: skip
+        return (
+            allowed != self._allowed
+            or self._stale.is_set()
+            or now - self._refreshed >= SETTLED_SECONDS
+            or any(port not in self.listeners for port in allowed)
+        )
 
     def refresh(self) -> None:
         allowed = frozenset(self.allowed())

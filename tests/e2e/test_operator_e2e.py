@@ -54,8 +54,13 @@ class Env:
     prom: Any = None
 
     def tool(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(self.kube.bin_dir / name), "--kubeconfig", str(self.kube.kubeconfig), *args],
-                              capture_output=True, text=True, check=check, timeout=300)
+        return subprocess.run(
+            [str(self.kube.bin_dir / name), "--kubeconfig", str(self.kube.kubeconfig), *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=300,
+        )
 
     def status(self, job: str) -> dict[str, Any]:
         body = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, job)
@@ -63,8 +68,12 @@ class Env:
 
     def wait_status(self, job: str, what: str, pred: Any, timeout: float = 240) -> dict[str, Any]:
         try:
-            return wait_for(lambda: (lambda s: s if pred(s) else None)(self.status(job)), f"{job}: {what}",
-                            timeout=timeout, interval=0.5)
+            return wait_for(
+                lambda: (lambda s: s if pred(s) else None)(self.status(job)),
+                f"{job}: {what}",
+                timeout=timeout,
+                interval=0.5,
+            )
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\nstatus: {self.status(job)}\n{self.describe(job)}") from None
 
@@ -72,6 +81,7 @@ class Env:
         def running() -> bool:
             p = self.core.read_namespaced_pod(pod, self.ns)
             return bool(p.status.phase == "Running" and p.metadata.deletion_timestamp is None)
+
         try:
             wait_for(running, f"pod {pod} Running", timeout=timeout, interval=0.3)
         except TimeoutError as exc:
@@ -89,8 +99,10 @@ class Env:
             for c in p.status.container_statuses or []:
                 t = c.state.terminated if c.state else None
                 if t is not None and t.exit_code:
-                    lines.append(f"pod {p.metadata.name} container {c.name} exited {t.exit_code} ({t.reason}): "
-                                 f"{(t.message or '').strip()[-500:]}")
+                    lines.append(
+                        f"pod {p.metadata.name} container {c.name} exited {t.exit_code} ({t.reason}): "
+                        f"{(t.message or '').strip()[-500:]}"
+                    )
         return "\n".join(lines)
 
     def describe(self, job: str) -> str:
@@ -103,8 +115,14 @@ def adopt_crd(env: Env) -> None:
     crd = "crd/trainingjobs.spotguard.dev"
     if env.tool("kubectl", "get", crd, check=False).returncode == 0:
         env.tool("kubectl", "label", "--overwrite", crd, "app.kubernetes.io/managed-by=Helm")
-        env.tool("kubectl", "annotate", "--overwrite", crd, f"meta.helm.sh/release-name={RELEASE}",
-                 f"meta.helm.sh/release-namespace={OPERATOR_NS}")
+        env.tool(
+            "kubectl",
+            "annotate",
+            "--overwrite",
+            crd,
+            f"meta.helm.sh/release-name={RELEASE}",
+            f"meta.helm.sh/release-namespace={OPERATOR_NS}",
+        )
 
 
 def example() -> dict[str, Any]:
@@ -113,8 +131,9 @@ def example() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def env(
+    kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Env]:
     from kubernetes import client
 
     # Process nodes run containers with their working directory at "/", and this
@@ -137,40 +156,76 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
     s3 = s3_store.client()
     if bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
         s3.create_bucket(Bucket=bucket)
-    core.create_namespaced_secret(ns, {"metadata": {"name": "spotguard-s3"}, "stringData": {
-        "AWS_ACCESS_KEY_ID": s3_store.access_key, "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
-        "AWS_ENDPOINT_URL": s3_store.endpoint_url}})
+    core.create_namespaced_secret(
+        ns,
+        {
+            "metadata": {"name": "spotguard-s3"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": s3_store.access_key,
+                "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
+                "AWS_ENDPOINT_URL": s3_store.endpoint_url,
+            },
+        },
+    )
 
     values = log_dir / "values.yaml"
-    values.write_text(yaml.safe_dump({
-        "metrics": {"address": "0.0.0.0", "port": metrics_port},
-        "liveness": {"address": "0.0.0.0", "port": liveness_port},
-        "operator": {"watchNamespaces": [ns], "resyncSeconds": 2, "checkpointPollSeconds": 1},
-    }))
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "metrics": {"address": "0.0.0.0", "port": metrics_port},
+                "liveness": {"address": "0.0.0.0", "port": liveness_port},
+                "operator": {"watchNamespaces": [ns], "resyncSeconds": 2, "checkpointPollSeconds": 1},
+            }
+        )
+    )
     # The dev values keep the operator away from training pods in `default`; here they run in `ns`.
     dev = yaml.safe_load(DEV_VALUES.read_text())
     dev["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["namespaces"] = [ns]
     (log_dir / "dev-values.yaml").write_text(yaml.safe_dump(dev))
     adopt_crd(e)
     try:
-        e.tool("helm", "upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
-               "-f", str(log_dir / "dev-values.yaml"), "-f", str(values))
+        e.tool(
+            "helm",
+            "upgrade",
+            "--install",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            OPERATOR_NS,
+            "--create-namespace",
+            "-f",
+            str(log_dir / "dev-values.yaml"),
+            "-f",
+            str(values),
+        )
         # The operator runs as a pod on a process node, with its ServiceAccount and the chart's RBAC.
         # Pods of process nodes have their own network: the operator is reached at its pod IP.
-        wait_for(lambda: http_get(f"http://{operator_ip(core)}:{liveness_port}/healthz"),
-                 "the operator pod to be live", timeout=180, interval=0.5)
+        wait_for(
+            lambda: http_get(f"http://{operator_ip(core)}:{liveness_port}/healthz"),
+            "the operator pod to be live",
+            timeout=180,
+            interval=0.5,
+        )
         # A real Prometheus scrapes the operator and the training pods' sidecars (found through
         # the apiserver at their pod IPs and declared ports, as PodMonitors do) and evaluates the alerts.
-        e.prom = prometheus_module({}, pods={"spotguard-operator": (kube.kubeconfig, OPERATOR_NS, "metrics"),
-                                             "spotguard-sidecar": (kube.kubeconfig, ns, "sg-metrics")},
-                                   rule_files=[CHART / "files" / "prometheus-rules.yaml"])
+        e.prom = prometheus_module(
+            {},
+            pods={
+                "spotguard-operator": (kube.kubeconfig, OPERATOR_NS, "metrics"),
+                "spotguard-sidecar": (kube.kubeconfig, ns, "sg-metrics"),
+            },
+            rule_files=[CHART / "files" / "prometheus-rules.yaml"],
+        )
         yield e
     finally:
         # TrainingJobs first, while the operator still runs: it owns their finalizer.
         custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
         try:
-            wait_for(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
-                     "the TrainingJobs to be deleted", timeout=60)
+            wait_for(
+                lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
+                "the TrainingJobs to be deleted",
+                timeout=60,
+            )
         except TimeoutError as exc:
             print(exc)
         pods = core.list_namespaced_pod(OPERATOR_NS).items
@@ -184,8 +239,11 @@ def env(kube: Any, s3_store: Any, process_nodes: Any, prometheus_module: Any,
 
 def operator_ip(core: Any) -> str:
     """The running operator pod's IP (pods of process nodes have their own network)."""
-    pods = [p for p in core.list_namespaced_pod(OPERATOR_NS).items
-            if p.status.pod_ip and p.metadata.deletion_timestamp is None]
+    pods = [
+        p
+        for p in core.list_namespaced_pod(OPERATOR_NS).items
+        if p.status.pod_ip and p.metadata.deletion_timestamp is None
+    ]
     assert pods, "no operator pod with an IP yet"
     return str(pods[0].status.pod_ip)
 
@@ -194,8 +252,9 @@ def verified_step(e: Env, uri: str) -> int:
     from spotguard.checkpoint import latest_verified
     from spotguard.storage import open_storage
 
-    storage = open_storage(uri, endpoint_url=e.s3.endpoint_url, access_key=e.s3.access_key,
-                           secret_key=e.s3.secret_key, region=e.s3.region)
+    storage = open_storage(
+        uri, endpoint_url=e.s3.endpoint_url, access_key=e.s3.access_key, secret_key=e.s3.secret_key, region=e.s3.region
+    )
     info, _ = latest_verified(storage, checksums=False)
     return info.step if info is not None else -1
 
@@ -215,8 +274,9 @@ def preempted_after(log: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def assert_final_bitwise(env: Env, uri: str, args: list[str], every: int, steps: int, tmp_path: Path,
-                         storage: Any = None) -> None:  # fmt: skip
+def assert_final_bitwise(
+    env: Env, uri: str, args: list[str], every: int, steps: int, tmp_path: Path, storage: Any = None
+) -> None:
     """The job's final checkpoint in storage (the S3 store unless given) equals an uninterrupted run here, bitwise."""
     from safetensors.torch import load_file
 
@@ -224,15 +284,27 @@ def assert_final_bitwise(env: Env, uri: str, args: list[str], every: int, steps:
     from spotguard.storage import open_storage
 
     if storage is None:
-        storage = open_storage(uri, endpoint_url=env.s3.endpoint_url, access_key=env.s3.access_key,
-                               secret_key=env.s3.secret_key, region=env.s3.region)
+        storage = open_storage(
+            uri,
+            endpoint_url=env.s3.endpoint_url,
+            access_key=env.s3.access_key,
+            secret_key=env.s3.secret_key,
+            region=env.s3.region,
+        )
     final = restore_latest(storage, tmp_path / "final")
     assert final is not None and final.step == steps - 1
     ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
-    subprocess.run([sys.executable, "-m", "spotguard.demo.train", *ref_args],
-                   env={"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-                        "SPOTGUARD_SAVE_EVERY_STEPS": str(every)},
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "spotguard.demo.train", *ref_args],
+        env={
+            "PATH": str(Path(sys.executable).parent),
+            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+            "SPOTGUARD_SAVE_EVERY_STEPS": str(every),
+        },
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     ref = list_local_committed(tmp_path / "ref")[-1]
     got = tmp_path / "final" / ref.name
     for name in ("model.safetensors", "optimizer.safetensors"):
@@ -270,8 +342,9 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(applied))
 
     verified_at_kill = -1
-    modes = trials.variants(full=[("drain", 0.2), ("shutdown", 0.45), ("kill", 0.7)],
-                            quick=[("shutdown", 0.45), ("kill", 0.7)])
+    modes = trials.variants(
+        full=[("drain", 0.2), ("shutdown", 0.45), ("kill", 0.7)], quick=[("shutdown", 0.45), ("kill", 0.7)]
+    )
     last = len(modes) + 1  # the attempt that runs to the end
     for attempt, (mode, fraction) in enumerate(modes, start=1):
         pod = f"{job}-a{attempt}"
@@ -279,14 +352,19 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
         # Preempt by the trainer's own progress (verification may lag behind training on a
         # loaded machine), once something is verified.
         target = int(steps * fraction)
-        wait_for(lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t, f"{pod} at step {target}",
-                 timeout=240, interval=0.2)
+        wait_for(
+            lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t,
+            f"{pod} at step {target}",
+            timeout=240,
+            interval=0.2,
+        )
         wait_for(lambda: verified_step(env, uri) >= 0, "a verified checkpoint", timeout=240, interval=0.5)
         if mode == "kill":
             # Die right after a fresh checkpoint: what is lost is what came after it.
             base = verified_step(env, uri)
-            wait_for(lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint",
-                     timeout=120, interval=0.05)
+            wait_for(
+                lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint", timeout=120, interval=0.05
+            )
             verified_at_kill = verified_step(env, uri)
         result = env.nodes.preempt(pod, env.ns, mode)
         print(f"preempted {pod} by {mode}: {result}")
@@ -334,15 +412,18 @@ def test_example_survives_drain_shutdown_and_loss_bitwise(env: Env, tmp_path: Pa
         result = env.prom.query(expr)
         return float(result[0]["value"][1]) if result else None
 
-    wait_for(lambda: prom_value(f"spotguard_job_preemptions_total{{{sel}}}") == len(modes),
-             f"Prometheus to see {len(modes)} preemptions", timeout=30, interval=0.5)
+    wait_for(
+        lambda: prom_value(f"spotguard_job_preemptions_total{{{sel}}}") == len(modes),
+        f"Prometheus to see {len(modes)} preemptions",
+        timeout=30,
+        interval=0.5,
+    )
     assert prom_value('spotguard_jobs{phase="Succeeded"}') == 1.0
     assert prom_value('count(spotguard_build_info{component="operator"})') == 1.0
     # A sidecar may exit between two scrapes, so the newest step seen can trail the last one.
     seen = prom_value(f"max_over_time(spotguard_checkpoint_last_verified_step{{{sel}}}[30m])")
     assert seen is not None and every <= seen <= steps - 1, seen
-    assert (prom_value(f'max_over_time(spotguard_checkpoint_uploads_total{{{sel},result="verified"}}[30m])')
-            or 0) >= 1
+    assert (prom_value(f'max_over_time(spotguard_checkpoint_uploads_total{{{sel},result="verified"}}[30m])') or 0) >= 1
     rules = [r for g in env.prom.rules() for r in g["rules"]]
     assert rules and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
 
@@ -373,11 +454,19 @@ def test_a_job_on_gcs_moves_to_on_demand_after_a_drain_and_a_node_kill_and_back_
         spec["template"]["spec"]["containers"][0]["args"] = args
         spec["template"]["spec"]["nodeSelector"] = {"test-pool": f"spot-{tag}"}
         # The test server takes no credentials (on GKE: Workload Identity, or a Secret with a service account key).
-        spec["checkpoint"] = {"storage": f"gs://{gcs_store.bucket}/e2e-{tag}", "endpoint": gcs_store.endpoint_url,
-                              "everySteps": every}  # fmt: skip
+        spec["checkpoint"] = {
+            "storage": f"gs://{gcs_store.bucket}/e2e-{tag}",
+            "endpoint": gcs_store.endpoint_url,
+            "everySteps": every,
+        }
         spec["preemption"].update({"preemptionBackoff": {"initialSeconds": 0}})
-        spec["fallback"] = {"nodeSelector": {"test-pool": f"od-{tag}"}, "afterPreemptions": 2,
-                            "preemptionWindowSeconds": 600, "afterUnschedulableSeconds": 0, "cooldownSeconds": 12}
+        spec["fallback"] = {
+            "nodeSelector": {"test-pool": f"od-{tag}"},
+            "afterPreemptions": 2,
+            "preemptionWindowSeconds": 600,
+            "afterUnschedulableSeconds": 0,
+            "cooldownSeconds": 12,
+        }
         applied = tmp_path / "trainingjob.yaml"
         applied.write_text(yaml.safe_dump(doc))
         env.tool("kubectl", "apply", "-n", env.ns, "-f", str(applied))
@@ -397,12 +486,17 @@ def test_a_job_on_gcs_moves_to_on_demand_after_a_drain_and_a_node_kill_and_back_
             pod = f"{job}-a{attempt}"
             env.wait_pod_running(pod)
             assert node_of(pod) in spot_nodes, (pod, node_of(pod), pools)
-            wait_for(lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t, f"{pod} at step {target}",
-                     timeout=240, interval=0.2)
+            wait_for(
+                lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t,
+                f"{pod} at step {target}",
+                timeout=240,
+                interval=0.2,
+            )
             if mode == "kill":
                 base = verified()
-                wait_for(lambda b=base: verified() > b, "the next verified checkpoint in gs://", timeout=120,
-                         interval=0.05)
+                wait_for(
+                    lambda b=base: verified() > b, "the next verified checkpoint in gs://", timeout=120, interval=0.05
+                )
                 spot_nodes.remove(node_of(pod))
             print(f"{mode} {pod}: {env.nodes.preempt(pod, env.ns, mode)}")
         env.wait_pod_running(f"{job}-a3")
@@ -416,8 +510,9 @@ def test_a_job_on_gcs_moves_to_on_demand_after_a_drain_and_a_node_kill_and_back_
         assert st["phase"] == "Succeeded", (st, env.ends(job))
         assert st["preemptions"] == 2 and st["failures"] == 0 and st["attempt"] == 4, (st, env.ends(job))
         assert st["placement"]["pool"] == "primary", st
-        reasons = [e.reason for e in env.core.list_namespaced_event(
-            env.ns, field_selector=f"involvedObject.name={job}").items]  # fmt: skip
+        reasons = [
+            e.reason for e in env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
+        ]
         assert {"FallbackPlacement", "ReturningToPrimary", "PrimaryPlacement"} <= set(reasons), reasons
         a3, a4 = env.trainer_log(f"{job}-a3"), env.trainer_log(f"{job}-a4")
         # The node loss lost at most what came after the newest verified checkpoint.
@@ -425,8 +520,12 @@ def test_a_job_on_gcs_moves_to_on_demand_after_a_drain_and_a_node_kill_and_back_
         # No step was lost on the way back: attempt 4 resumed where attempt 3 stopped.
         assert preempted_after(a3) is not None and resumed_from(a4) == preempted_after(a3), (a3[-300:], a4[:300])
         # The operator read the job's gs:// checkpoints (its probe, with the spec's endpoint).
-        env.wait_status(job, "the final checkpoint recorded", lambda s: (s.get("lastVerifiedCheckpoint") or {})
-                        .get("step") == steps - 1, timeout=60)  # fmt: skip
+        env.wait_status(
+            job,
+            "the final checkpoint recorded",
+            lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("step") == steps - 1,
+            timeout=60,
+        )
         assert_final_bitwise(env, uri, args, every, steps, tmp_path, storage=storage)
     finally:
         for node in pools:
@@ -499,12 +598,29 @@ def test_k8s_notice_yields_a_verified_checkpoint_before_sigterm(env: Env) -> Non
     assert verified_step(env, uri) == -1
     noticed_at = last_step(env.trainer_log(pod))
     # What Kubernetes 1.26+ writes before it evicts or shuts down (1.20 never does: write it as it would).
-    env.core.patch_namespaced_pod_status(pod, env.ns, {"status": {"conditions": [{
-        "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-        "message": "Pod was terminated in response to imminent node shutdown.",
-        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]}})
-    wait_for(lambda: verified_step(env, uri) >= noticed_at, "a checkpoint verified after the notice",
-             timeout=180, interval=0.5)
+    env.core.patch_namespaced_pod_status(
+        pod,
+        env.ns,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "DisruptionTarget",
+                        "status": "True",
+                        "reason": "TerminationByKubelet",
+                        "message": "Pod was terminated in response to imminent node shutdown.",
+                        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    }
+                ]
+            }
+        },
+    )
+    wait_for(
+        lambda: verified_step(env, uri) >= noticed_at,
+        "a checkpoint verified after the notice",
+        timeout=180,
+        interval=0.5,
+    )
     # Before any SIGTERM: the pod was never deleted and still runs.
     p = env.core.read_namespaced_pod(pod, env.ns)
     assert p.metadata.deletion_timestamp is None and p.status.phase == "Running"
@@ -521,22 +637,35 @@ def test_missing_credentials_secret_is_reported_then_recovers(env: Env) -> None:
     path = env.log_dir / "no-secret.yaml"
     path.write_text(yaml.safe_dump(doc))
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(path))
-    st = env.wait_status(job, "PodBlocked", lambda s: any(
-        c["type"] == "PodBlocked" and c["status"] == "True" for c in s.get("conditions") or []), timeout=180)
+    st = env.wait_status(
+        job,
+        "PodBlocked",
+        lambda s: any(c["type"] == "PodBlocked" and c["status"] == "True" for c in s.get("conditions") or []),
+        timeout=180,
+    )
     blocked = next(c for c in st["conditions"] if c["type"] == "PodBlocked")
     assert blocked["reason"] == "CreateContainerConfigError", blocked
     assert 'secret "created-later" not found' in blocked["message"], blocked
     assert st["phase"] == "Pending" and st["failures"] == 0 and st["preemptions"] == 0
     # The status is patched first, then the Event is posted: wait for it.
-    wait_for(lambda: any(e.reason == "CreateContainerConfigError" and e.type == "Warning" for e in
-                         env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items),
-             "the CreateContainerConfigError Event", timeout=30, interval=0.5)
+    wait_for(
+        lambda: any(
+            e.reason == "CreateContainerConfigError" and e.type == "Warning"
+            for e in env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
+        ),
+        "the CreateContainerConfigError Event",
+        timeout=30,
+        interval=0.5,
+    )
     # Create the Secret: kubelet retries, the pod starts, the condition clears.
     secret = env.core.read_namespaced_secret("spotguard-s3", env.ns)
     env.core.create_namespaced_secret(env.ns, {"metadata": {"name": "created-later"}, "data": secret.data})
     env.wait_pod_running(f"{job}-a1")
-    st = env.wait_status(job, "unblocked", lambda s: any(
-        c["type"] == "PodBlocked" and c["status"] == "False" for c in s.get("conditions") or []))
+    st = env.wait_status(
+        job,
+        "unblocked",
+        lambda s: any(c["type"] == "PodBlocked" and c["status"] == "False" for c in s.get("conditions") or []),
+    )
     assert st["attempt"] == 1
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
 
@@ -561,8 +690,11 @@ def leader(e: Env) -> str | None:
 
 
 def operator_pods(e: Env) -> list[Any]:
-    return [p for p in e.core.list_namespaced_pod(OPERATOR_NS).items
-            if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
+    return [
+        p
+        for p in e.core.list_namespaced_pod(OPERATOR_NS).items
+        if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
+    ]
 
 
 def runs(seq: list[str]) -> list[str]:
@@ -600,8 +732,10 @@ def check_one_actor_at_a_time(e: Env, job: str, frozen: str, successor: str, att
     for w in creates:
         by_attempt.setdefault(w.name.rsplit("-", 1)[0], set()).add(str(w.identity))
     assert all(len(ids) == 1 for ids in by_attempt.values()), by_attempt
-    print(f"audit: {len(acts)} writes for the job by {turns} in turn; the Lease changed hands at {takeover};"
-          f" nothing from {frozen} after it")
+    print(
+        f"audit: {len(acts)} writes for the job by {turns} in turn; the Lease changed hands at {takeover};"
+        f" nothing from {frozen} after it"
+    )
 
 
 @pytest.mark.trials
@@ -626,8 +760,9 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     for left in env.custom.list_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL)["items"]:
         env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, left["metadata"]["name"])
     # Two operator replicas: the one that holds the Lease acts, the other stands by.
-    env.tool("helm", "upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
-             "--set", "replicaCount=2")
+    env.tool(
+        "helm", "upgrade", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--reuse-values", "--set", "replicaCount=2"
+    )
 
     def two_replicas_one_leader() -> str | None:
         # The single replica of before (it elects nothing) must be gone, not just terminating.
@@ -636,14 +771,28 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         pods = {p.metadata.name for p in operator_pods(env)}
         holder = leader(env)
         standby = [p for p in pods if holder and p != pod_of(holder)]
-        return holder if len(pods) == 2 and holder and pod_of(holder) in pods and any(
-            "standing by" in env.nodes.log_path(OPERATOR_NS, p, "operator").read_text(errors="replace")
-            for p in standby if env.nodes.log_path(OPERATOR_NS, p, "operator").exists()) else None
+        return (
+            holder
+            if len(pods) == 2
+            and holder
+            and pod_of(holder) in pods
+            and any(
+                "standing by" in env.nodes.log_path(OPERATOR_NS, p, "operator").read_text(errors="replace")
+                for p in standby
+                if env.nodes.log_path(OPERATOR_NS, p, "operator").exists()
+            )
+            else None
+        )
+
     wait_for(two_replicas_one_leader, "two operator replicas, one leading, one standing by", timeout=180, interval=1)
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(DDP_EXAMPLE))
 
-    wait_for(lambda: env.core.list_namespaced_service(env.ns, field_selector=f"metadata.name={job}").items,
-             "the headless Service", timeout=120, interval=0.5)
+    wait_for(
+        lambda: env.core.list_namespaced_service(env.ns, field_selector=f"metadata.name={job}").items,
+        "the headless Service",
+        timeout=120,
+        interval=0.5,
+    )
     svc = env.core.read_namespaced_service(job, env.ns)
     assert svc.spec.cluster_ip == "None" and svc.spec.publish_not_ready_addresses
 
@@ -654,13 +803,16 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     made_at: dict[int, Any] = {}  # attempt -> when its first pod was created (the apiserver's clock)
 
     def note_makers(attempt: int) -> None:
-        for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job},"
-                                              f"spotguard.dev/attempt={attempt}").items:
+        for p in env.core.list_namespaced_pod(
+            env.ns, label_selector=f"spotguard.dev/job={job},spotguard.dev/attempt={attempt}"
+        ).items:
             makers.setdefault(attempt, set()).add(p.metadata.annotations[ANNOTATION_OPERATOR_INSTANCE])
             made_at[attempt] = min(made_at.get(attempt, p.metadata.creation_timestamp), p.metadata.creation_timestamp)
 
-    modes = trials.variants(full=[("drain", 1, 0.2), ("shutdown", 0, 0.45), ("kill", 1, 0.7)],
-                            quick=[("shutdown", 0, 0.45), ("kill", 1, 0.7)])
+    modes = trials.variants(
+        full=[("drain", 1, 0.2), ("shutdown", 0, 0.45), ("kill", 1, 0.7)],
+        quick=[("shutdown", 0, 0.45), ("kill", 1, 0.7)],
+    )
     last = len(modes) + 1  # the attempt that runs to the end
     shutdown_attempt = next(a for a, (m, _, _) in enumerate(modes, start=1) if m == "shutdown")
     for attempt, (mode, rank, fraction) in enumerate(modes, start=1):
@@ -672,16 +824,27 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         # can lag far behind training on a loaded machine, and an attempt must still be
         # training when its node goes.
         rank0 = pods[0]
-        wait_for(lambda p=rank0: resumed_from(env.trainer_log(p)) is not None
-                 or "starting from scratch" in env.trainer_log(p), f"{rank0} to start", timeout=300, interval=0.2)
+        wait_for(
+            lambda p=rank0: (
+                resumed_from(env.trainer_log(p)) is not None or "starting from scratch" in env.trainer_log(p)
+            ),
+            f"{rank0} to start",
+            timeout=300,
+            interval=0.2,
+        )
         start = resumed_from(env.trainer_log(rank0)) or 0
         target = max(int(steps * fraction), start + every)
-        wait_for(lambda t=target, p=rank0: last_step(env.trainer_log(p)) >= t, f"rank 0 training past step {target}",
-                 timeout=300, interval=0.2)
+        wait_for(
+            lambda t=target, p=rank0: last_step(env.trainer_log(p)) >= t,
+            f"rank 0 training past step {target}",
+            timeout=300,
+            interval=0.2,
+        )
         if mode == "kill":
             base = verified_step(env, uri)
-            wait_for(lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint",
-                     timeout=120, interval=0.05)
+            wait_for(
+                lambda b=base: verified_step(env, uri) > b, "the next verified checkpoint", timeout=120, interval=0.05
+            )
             verified_at_kill = verified_step(env, uri)
         result = env.nodes.preempt(pods[rank], env.ns, mode)
         print(f"preempted {pods[rank]} by {mode}: {result}")
@@ -694,18 +857,28 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
             env.nodes.signal_container(OPERATOR_NS, frozen_pod, "operator", signal.SIGSTOP)
             t0 = time.monotonic()
             print(f"froze the leader {frozen}")
-            successor = wait_for(lambda f=frozen: (lambda h: h if h and h != f else None)(leader(env)),
-                                 "the standby to take the Lease", timeout=120, interval=0.1)
+            successor = wait_for(
+                lambda f=frozen: (lambda h: h if h and h != f else None)(leader(env)),
+                "the standby to take the Lease",
+                timeout=120,
+                interval=0.1,
+            )
             takeover_s = time.monotonic() - t0
             # Continue the frozen one at once, while the new leader goes on with the teardown.
             env.nodes.signal_container(OPERATOR_NS, frozen_pod, "operator", signal.SIGCONT)
             following = f"spotguard.dev/job={job},spotguard.dev/attempt={attempt + 1}"
-            wait_for(lambda sel=following: env.core.list_namespaced_pod(env.ns, label_selector=sel).items,
-                     "the next attempt's pods", timeout=300, interval=0.1)
+            wait_for(
+                lambda sel=following: env.core.list_namespaced_pod(env.ns, label_selector=sel).items,
+                "the next attempt's pods",
+                timeout=300,
+                interval=0.1,
+            )
             next_step_s = time.monotonic() - t0
-            print(f"failover: the standby {successor} held the Lease {takeover_s:.1f} s after the SIGSTOP of the"
-                  f" leader; the next attempt's pods were created {next_step_s:.1f} s after it (lease 15 s,"
-                  " renew deadline 10 s, retry 2 s; the gang's old pods stop meanwhile)")
+            print(
+                f"failover: the standby {successor} held the Lease {takeover_s:.1f} s after the SIGSTOP of the"
+                f" leader; the next attempt's pods were created {next_step_s:.1f} s after it (lease 15 s,"
+                " renew deadline 10 s, retry 2 s; the gang's old pods stop meanwhile)"
+            )
             assert pod_of(successor) != frozen_pod
 
             def exited_lost(pod: str = frozen_pod) -> bool:
@@ -713,27 +886,32 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
                 last = (p.status.container_statuses or [None])[0]
                 term = last.last_state.terminated if last and last.last_state else None
                 return bool(term and term.exit_code == LOST_EXIT_CODE)
+
             # It exits by itself (the Deployment's pod restarts it as a standby with a new identity).
             wait_for(exited_lost, f"the continued replica {frozen_pod} to exit", timeout=60, interval=0.2)
             log = env.nodes.log_path(OPERATOR_NS, frozen_pod, "operator").read_text(errors="replace")
             assert "lost the lease" in log, log[-3000:]
-        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a,
-                        timeout=300)
+        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a, timeout=300)
         for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items:
             assert seen.setdefault(p.metadata.name, p.metadata.uid) == p.metadata.uid, f"{p.metadata.name} twice"
         # The next attempt started only once every pod of this one had stopped.
-        new = [p for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items
-               if p.metadata.labels.get("spotguard.dev/attempt") == str(attempt + 1)]
-        old = [p for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items
-               if p.metadata.labels.get("spotguard.dev/attempt") == str(attempt)]
+        new = [
+            p
+            for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items
+            if p.metadata.labels.get("spotguard.dev/attempt") == str(attempt + 1)
+        ]
+        old = [
+            p
+            for p in env.core.list_namespaced_pod(env.ns, label_selector=f"spotguard.dev/job={job}").items
+            if p.metadata.labels.get("spotguard.dev/attempt") == str(attempt)
+        ]
         for p in old:
             assert p.status.phase in ("Succeeded", "Failed"), (p.metadata.name, p.status.phase)
         assert len(new) <= 2
 
     st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=600)
     assert st["phase"] == "Succeeded", f"{st}\n{env.ends(job)}"
-    assert st["preemptions"] == len(modes) and st["failures"] == 0 and st["attempt"] == last, \
-        f"{st}\n{env.ends(job)}"
+    assert st["preemptions"] == len(modes) and st["failures"] == 0 and st["attempt"] == last, f"{st}\n{env.ends(job)}"
     events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
     # One event per preemption; the operator that takes over in a failover may report a pod
     # end its predecessor already reported (the same message again: the status counts it once).
@@ -759,11 +937,27 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     # An uninterrupted run of the same 4 ranks on this machine.
     ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
     ref = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "--module", "spotguard.demo.train_ddp", *ref_args],
-        env={"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-             "SPOTGUARD_SAVE_EVERY_STEPS": str(every), "OMP_NUM_THREADS": "1"},
-        capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "--module",
+            "spotguard.demo.train_ddp",
+            *ref_args,
+        ],
+        env={
+            "PATH": str(Path(sys.executable).parent),
+            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+            "SPOTGUARD_SAVE_EVERY_STEPS": str(every),
+            "OMP_NUM_THREADS": "1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert final_digest(ref.stdout) == got, (final_digest(ref.stdout), got)
 
@@ -799,17 +993,24 @@ def test_hf_trainer_job_survives_drain_and_shutdown_bitwise(env: Env, tmp_path: 
     for attempt, (mode, fraction) in enumerate([("drain", 0.3), ("shutdown", 0.6)], start=1):
         pod = f"{job}-a{attempt}"
         env.wait_pod_running(pod)
-        wait_for(lambda p=pod: resumed_from(env.trainer_log(p)) is not None
-                 or "starting from scratch" in env.trainer_log(p), f"{pod} to start", timeout=300, interval=0.2)
+        wait_for(
+            lambda p=pod: resumed_from(env.trainer_log(p)) is not None or "starting from scratch" in env.trainer_log(p),
+            f"{pod} to start",
+            timeout=300,
+            interval=0.2,
+        )
         start = resumed_from(env.trainer_log(pod)) or 0
         # Aim between two of the Trainer's own saves: the preemption's checkpoint is mostly an extra one.
         target = max(int(steps * fraction), start + every) + every // 2
-        wait_for(lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t, f"{pod} training past step {target}",
-                 timeout=300, interval=0.2)
+        wait_for(
+            lambda t=target, p=pod: last_step(env.trainer_log(p)) >= t,
+            f"{pod} training past step {target}",
+            timeout=300,
+            interval=0.2,
+        )
         result = env.nodes.preempt(pod, env.ns, mode)
         print(f"preempted {pod} by {mode}: {result}")
-        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a,
-                        timeout=300)
+        env.wait_status(job, f"attempt {attempt + 1}", lambda s, a=attempt: (s.get("attempt") or 0) > a, timeout=300)
 
     st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=600)
     assert st["phase"] == "Succeeded", st
@@ -824,10 +1025,18 @@ def test_hf_trainer_job_survives_drain_and_shutdown_bitwise(env: Env, tmp_path: 
 
     ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
     ref_args[ref_args.index("--output-dir") + 1] = str(tmp_path / "hf-output")
-    ref = subprocess.run([sys.executable, "-m", "spotguard.demo.train_hf", *ref_args],
-                         env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path),
-                              "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"), "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    ref = subprocess.run(
+        [sys.executable, "-m", "spotguard.demo.train_hf", *ref_args],
+        env={
+            "PATH": str(Path(sys.executable).parent),
+            "HOME": str(tmp_path),
+            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+            "OMP_NUM_THREADS": "1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert final_digest(ref.stdout) == got, (final_digest(ref.stdout), got)
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)

@@ -32,8 +32,9 @@ class FakeProvider:
         self.requests: list[tuple[str, str]] = []
         self.url = ""
 
-    def handle(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str],
-               body: bytes) -> tuple[int, bytes]:
+    def handle(
+        self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str], body: bytes
+    ) -> tuple[int, bytes]:
         raise NotImplementedError
 
     def count(self, method: str, path: str) -> int:
@@ -53,8 +54,9 @@ class FakeAws(FakeProvider):
         with self.lock:
             self.tokens.clear()
 
-    def handle(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str],
-               body: bytes) -> tuple[int, bytes]:
+    def handle(
+        self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str], body: bytes
+    ) -> tuple[int, bytes]:
         with self.lock:
             if path == "/latest/api/token":
                 if method != "PUT":
@@ -82,8 +84,9 @@ class FakeGce(FakeProvider):
         super().__init__()
         self.preempted = False
 
-    def handle(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str],
-               body: bytes) -> tuple[int, bytes]:
+    def handle(
+        self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str], body: bytes
+    ) -> tuple[int, bytes]:
         if headers.get("metadata-flavor") != "Google":
             return 403, b"Missing Metadata-Flavor:Google header."
         if method == "GET" and path == "/computeMetadata/v1/instance/preempted":
@@ -104,8 +107,9 @@ class FakeAzure(FakeProvider):
             self.events.append(event)
             self.incarnation += 1
 
-    def handle(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str],
-               body: bytes) -> tuple[int, bytes]:
+    def handle(
+        self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str], body: bytes
+    ) -> tuple[int, bytes]:
         if headers.get("metadata") != "true":
             return 400, b'{"error": "Bad request. Required metadata header not specified"}'
         if path != "/metadata/scheduledevents":
@@ -198,10 +202,19 @@ def _gce(fake: Any) -> None:
 
 
 def _azure(fake: Any) -> None:
-    fake.add_event({"EventId": "602d9444-d2cd-49c7-8624-8643e7171297", "EventType": "Preempt",
-                    "ResourceType": "VirtualMachine", "Resources": ["spot-vm-1"], "EventStatus": "Scheduled",
-                    "NotBefore": (datetime.now(UTC) + timedelta(seconds=30)).strftime("%a, %d %b %Y %H:%M:%S GMT"),
-                    "Description": "", "EventSource": "Platform", "DurationInSeconds": -1})
+    fake.add_event(
+        {
+            "EventId": "602d9444-d2cd-49c7-8624-8643e7171297",
+            "EventType": "Preempt",
+            "ResourceType": "VirtualMachine",
+            "Resources": ["spot-vm-1"],
+            "EventStatus": "Scheduled",
+            "NotBefore": (datetime.now(UTC) + timedelta(seconds=30)).strftime("%a, %d %b %Y %H:%M:%S GMT"),
+            "Description": "",
+            "EventSource": "Platform",
+            "DurationInSeconds": -1,
+        }
+    )
 
 
 PROVIDERS: dict[str, tuple[Callable[[], FakeProvider], str, str, Callable[[Any], None], str]] = {

@@ -94,8 +94,9 @@ class ReferenceRuns:
         """The final weights of the packaged demo trainer (``spotguard.demo.train``) run without interruption."""
         from sidecar_helpers import uninterrupted_final
 
-        return self.get(("demo", steps, save_every, *extra),
-                        lambda d: uninterrupted_final(d, steps, save_every, *extra))  # fmt: skip
+        return self.get(
+            ("demo", steps, save_every, *extra), lambda d: uninterrupted_final(d, steps, save_every, *extra)
+        )
 
     def _new_dir(self, key: Hashable) -> Path:
         parts = key if isinstance(key, tuple) else (key,)

@@ -62,8 +62,15 @@ class Proc:
         self.last_step: int | None = None
         self._cond = threading.Condition()
         self.popen = subprocess.Popen(
-            argv, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            argv,
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -97,8 +104,10 @@ class Proc:
                 self._cond.wait(min(left, 0.5))
 
     def wait_for_step(self, step: int, timeout: float = 120) -> int:
-        line = self.wait_for_line(lambda ln: bool(STEP_RE.match(ln)) and int(STEP_RE.match(ln).group(1)) >= step,  # type: ignore[union-attr]
-                                  timeout)
+        line = self.wait_for_line(
+            lambda ln: bool(STEP_RE.match(ln)) and int(STEP_RE.match(ln).group(1)) >= step,  # type: ignore[union-attr]
+            timeout,
+        )
         m = STEP_RE.match(line)
         assert m is not None
         return int(m.group(1))
@@ -150,8 +159,19 @@ def reaping() -> Iterator[list[Proc]]:
 
 
 def train_argv(steps: int, output: Path | None = None, step_delay: float = 0.0, save_every: int = 25) -> list[str]:
-    argv = [PY, "-m", "spotguard.demo.train", "--steps", str(steps), "--save-every", str(save_every),
-            "--step-delay", str(step_delay), "--log-every", "1"]
+    argv = [
+        PY,
+        "-m",
+        "spotguard.demo.train",
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--step-delay",
+        str(step_delay),
+        "--log-every",
+        "1",
+    ]
     if output is not None:
         argv += ["--output", str(output)]
     return argv
@@ -166,8 +186,11 @@ def uninterrupted_final(root: Path, steps: int, save_every: int, *extra: str) ->
     root.mkdir(parents=True, exist_ok=True)
     out = root / "final.safetensors"
     with reaping() as procs:
-        proc = Proc([*train_argv(steps, out, save_every=save_every), *extra],
-                    base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}), root / "train.log")
+        proc = Proc(
+            [*train_argv(steps, out, save_every=save_every), *extra],
+            base_env({"SPOTGUARD_CHECKPOINT_DIR": str(root / "ckpt")}),
+            root / "train.log",
+        )
         procs.append(proc)
         assert proc.wait() == 0, proc.tail()
     return out.read_bytes()
@@ -221,8 +244,13 @@ def s3_storage(s3_store: Any, uri: str) -> Any:
     """Open ``uri`` in the test process with the test store's endpoint and credentials."""
     from spotguard.storage import open_storage
 
-    return open_storage(uri, endpoint_url=s3_store.endpoint_url, access_key=s3_store.access_key,
-                        secret_key=s3_store.secret_key, region=s3_store.region)
+    return open_storage(
+        uri,
+        endpoint_url=s3_store.endpoint_url,
+        access_key=s3_store.access_key,
+        secret_key=s3_store.secret_key,
+        region=s3_store.region,
+    )
 
 
 class StoreProxy:
@@ -262,8 +290,10 @@ class StoreProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if proxy.failing():
-                    payload = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
-                               b"<Message>injected by the test</Message></Error>")
+                    payload = (
+                        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+                        b"<Message>injected by the test</Message></Error>"
+                    )
                     proxy.log(self.command, self.path, 500)
                     self.send_response(500)
                     self.send_header("Content-Type", "application/xml")

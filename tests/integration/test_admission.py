@@ -54,9 +54,29 @@ VIA = f"admission-test-{RUN}"
 def self_signed(directory: Path, name: str) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (the configurations trust it as its own CA)."""
     cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", str(key),
-                    "-out", str(cert), "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -84,18 +104,44 @@ class Replicas:
 
 
 def replica(kube: Any, ns: str, pod: str, port: int, tls: tuple[Path, Path], log_dir: Path) -> OperatorProcess:
-    args = ["-n", ns, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
-            "--no-read-checkpoints", "--leader-elect", "--leader-elect-resource-namespace", ns,
-            "--leader-elect-resource-name", LEASE, "--leader-elect-lease-duration", "4",
-            "--leader-elect-renew-deadline", "2.5", "--leader-elect-retry-period", "0.5",
-            "--webhook", "--webhook-address", "127.0.0.1", "--webhook-port", str(port),
-            "--webhook-cert", str(tls[0]), "--webhook-key", str(tls[1])]  # fmt: skip
+    args = [
+        "-n",
+        ns,
+        "--image",
+        IMAGE,
+        "--native-sidecar",
+        "off",
+        "--resync-seconds",
+        "2",
+        "--no-read-checkpoints",
+        "--leader-elect",
+        "--leader-elect-resource-namespace",
+        ns,
+        "--leader-elect-resource-name",
+        LEASE,
+        "--leader-elect-lease-duration",
+        "4",
+        "--leader-elect-renew-deadline",
+        "2.5",
+        "--leader-elect-retry-period",
+        "0.5",
+        "--webhook",
+        "--webhook-address",
+        "127.0.0.1",
+        "--webhook-port",
+        str(port),
+        "--webhook-cert",
+        str(tls[0]),
+        "--webhook-key",
+        str(tls[1]),
+    ]
     return OperatorProcess(args, env={**kube.env(), "POD_NAME": pod}, log_path=log_dir / f"{pod}.log")
 
 
 @pytest.fixture(scope="module")
-def replicas(kube: Any, apis: tuple[Any, Any], crd: None, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[Replicas]:  # fmt: skip
+def replicas(
+    kube: Any, apis: tuple[Any, Any], crd: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Replicas]:
     from kubernetes import client
 
     core, _ = apis
@@ -143,27 +189,57 @@ def register(admission: Any, r: Replicas, bundle: bytes) -> list[str]:
     for pod, port in r.ports.items():
         name = f"{VIA}-{pod}"
         names.append(name)
-        admission.create_mutating_webhook_configuration({"metadata": {"name": name}, "webhooks": [{
-            "name": f"{pod}.{VIA}.spotguard.dev", **common,
-            "objectSelector": {"matchLabels": {"spotguard.dev/inject": "true", VIA: pod}},
-            "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
-            "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate-pods", "caBundle": ca}}]})  # fmt: skip
-    admission.create_validating_webhook_configuration({"metadata": {"name": names[-1]}, "webhooks": [{
-        "name": f"updates.{VIA}.spotguard.dev", **common,
-        "namespaceSelector": {"matchLabels": {VIA: "yes"}},
-        "rules": [{"operations": ["UPDATE"], "apiGroups": [GROUP], "apiVersions": ["*"], "resources": [PLURAL]}],
-        "clientConfig": {"url": f"https://127.0.0.1:{r.ports['op-b']}/validate-trainingjobs", "caBundle": ca}}]})
-    return names  # fmt: skip
+        admission.create_mutating_webhook_configuration(
+            {
+                "metadata": {"name": name},
+                "webhooks": [
+                    {
+                        "name": f"{pod}.{VIA}.spotguard.dev",
+                        **common,
+                        "objectSelector": {"matchLabels": {"spotguard.dev/inject": "true", VIA: pod}},
+                        "rules": [
+                            {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}
+                        ],
+                        "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate-pods", "caBundle": ca},
+                    }
+                ],
+            }
+        )
+    admission.create_validating_webhook_configuration(
+        {
+            "metadata": {"name": names[-1]},
+            "webhooks": [
+                {
+                    "name": f"updates.{VIA}.spotguard.dev",
+                    **common,
+                    "namespaceSelector": {"matchLabels": {VIA: "yes"}},
+                    "rules": [
+                        {"operations": ["UPDATE"], "apiGroups": [GROUP], "apiVersions": ["*"], "resources": [PLURAL]}
+                    ],
+                    "clientConfig": {
+                        "url": f"https://127.0.0.1:{r.ports['op-b']}/validate-trainingjobs",
+                        "caBundle": ca,
+                    },
+                }
+            ],
+        }
+    )
+    return names
 
 
 def labelled_pod(via: str) -> dict[str, Any]:
     return {
-        "metadata": {"generateName": f"{via}-", "labels": {"spotguard.dev/inject": "true", VIA: via,
-                                                          "job-name": "llm"},
-                     "annotations": {"spotguard.dev/storage": "s3://bucket/runs"}},
-        "spec": {"restartPolicy": "Never", "nodeSelector": NO_NODE,
-                 "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "train.py"]}]},
-    }  # fmt: skip
+        "metadata": {
+            "generateName": f"{via}-",
+            "labels": {"spotguard.dev/inject": "true", VIA: via, "job-name": "llm"},
+            "annotations": {"spotguard.dev/storage": "s3://bucket/runs"},
+        },
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": NO_NODE,
+            "containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "train.py"]}],
+        },
+    }
 
 
 def injected_by(core: Any, ns: str, via: str) -> Any:
@@ -196,9 +272,11 @@ def test_readiness_of_the_standby_and_the_leader(replicas: Replicas) -> None:
     assert healthz[0] == 200 and '"standby": true' in healthz[1]
     assert readyz[0] == 503 and "the admission server is not serving yet" in readyz[1], readyz
     # Once the port was free, the standby serves and is ready; the leader is ready too.
-    standby = wait_for(lambda: (lambda a: a if a[0] == 200 else None)(probe(replicas.standby.liveness_port,
-                                                                            "/readyz")),
-                       "the standby to be ready", timeout=15)  # fmt: skip
+    standby = wait_for(
+        lambda: (lambda a: a if a[0] == 200 else None)(probe(replicas.standby.liveness_port, "/readyz")),
+        "the standby to be ready",
+        timeout=15,
+    )
     assert '"role": "standby"' in standby[1] and '"waiting": []' in standby[1]
     leader = probe(replicas.leader.liveness_port, "/readyz")
     assert leader[0] == 200 and '"role": "running"' in leader[1], leader
@@ -206,7 +284,8 @@ def test_readiness_of_the_standby_and_the_leader(replicas: Replicas) -> None:
 
 
 def test_updates_that_would_restart_a_running_job_from_nothing_are_refused(
-        kube: Any, apis: tuple[Any, Any], replicas: Replicas, tmp_path: Path) -> None:
+    kube: Any, apis: tuple[Any, Any], replicas: Replicas, tmp_path: Path
+) -> None:
     from kubernetes.client.exceptions import ApiException
 
     core, custom = apis
@@ -216,11 +295,24 @@ def test_updates_that_would_restart_a_running_job_from_nothing_are_refused(
     wait_status(apis, ns, "llm", "attempt 1", lambda s: (s.get("attempt") or 0) >= 1)
 
     # As a user sees it (kubectl), then through the API.
-    out = kubectl(kube, "patch", "trainingjob", "llm", "-n", ns, "--type", "merge",
-                  "-p", '{"spec": {"checkpoint": {"storage": "s3://bucket-b/runs"}}}', check=False)  # fmt: skip
+    out = kubectl(
+        kube,
+        "patch",
+        "trainingjob",
+        "llm",
+        "-n",
+        ns,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec": {"checkpoint": {"storage": "s3://bucket-b/runs"}}}',
+        check=False,
+    )
     assert out.returncode != 0
-    assert "changing spec.checkpoint.storage from s3://bucket-a/runs to s3://bucket-b/runs would restart training" \
-        " from nothing" in out.stderr, out.stderr  # fmt: skip
+    assert (
+        "changing spec.checkpoint.storage from s3://bucket-a/runs to s3://bucket-b/runs would restart training"
+        " from nothing" in out.stderr
+    ), out.stderr
     assert f"{ALLOW_RESTART_ANNOTATION}=true" in out.stderr
     with pytest.raises(ApiException) as err:
         custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "llm", {"spec": {"nodes": 2}})
@@ -228,12 +320,21 @@ def test_updates_that_would_restart_a_running_job_from_nothing_are_refused(
     assert get_job(apis, ns, "llm")["spec"]["checkpoint"]["storage"] == "s3://bucket-a/runs"
 
     # A status update passes (the subresource is the operator's; an admin may write it too).
-    custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, PLURAL, "llm",
-                                                 {"status": {"observedGeneration": 1}})  # fmt: skip
+    custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, ns, PLURAL, "llm", {"status": {"observedGeneration": 1}}
+    )
     # With the annotation in the same update, the change is made on purpose.
-    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "llm", {
-        "metadata": {"annotations": {ALLOW_RESTART_ANNOTATION: "true"}},
-        "spec": {"checkpoint": {"storage": "s3://bucket-b/runs"}}})  # fmt: skip
+    custom.patch_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        ns,
+        PLURAL,
+        "llm",
+        {
+            "metadata": {"annotations": {ALLOW_RESTART_ANNOTATION: "true"}},
+            "spec": {"checkpoint": {"storage": "s3://bucket-b/runs"}},
+        },
+    )
     assert get_job(apis, ns, "llm")["spec"]["checkpoint"]["storage"] == "s3://bucket-b/runs"
     assert (get_job(apis, ns, "llm")["status"].get("attempt") or 0) >= 1  # it had started: the check applied
 
@@ -246,8 +347,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(replicas: Replicas) -
     def served() -> bytes:
         context = ssl.create_default_context()
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-                context.wrap_socket(raw) as tls:  # fmt: skip
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, context.wrap_socket(raw) as tls:
             der = tls.getpeercert(binary_form=True)
         assert der is not None
         return der

@@ -141,8 +141,9 @@ def test_latest_verified_does_not_trust_the_pointer(
 
 
 @pytest.mark.parametrize("kind", ["file", "s3", "gs"])
-def test_an_upload_interrupted_before_its_manifest_is_skipped(request: pytest.FixtureRequest, tmp_path: Path,
-                                                              kind: str) -> None:  # fmt: skip
+def test_an_upload_interrupted_before_its_manifest_is_skipped(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
     storage: Storage = open_test_storage(kind, request, tmp_path)
     local = tmp_path / "local"
     upload_checkpoint(commit_local(local, 1), storage)

@@ -230,8 +230,7 @@ def test_restore_prefers_local_and_skips_a_broken_newest(ckdir: Path) -> None:
     assert ck.has_saved(1) and not ck.should_save(1)
 
 
-def test_restore_downloads_from_storage_when_no_local_checkpoint(tmp_path: Path, s3_store: Any,
-                                                                 s3_uri: str) -> None:  # fmt: skip
+def test_restore_downloads_from_storage_when_no_local_checkpoint(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     storage = open_storage(s3_uri, **s3_options(s3_store))
     upload_checkpoint(commit_local(tmp_path / "elsewhere", 12), storage)
     ck = Checkpointer(tmp_path / "fresh", storage_uri=s3_uri, storage_options=s3_options(s3_store))
@@ -249,8 +248,13 @@ def test_nothing_to_restore(tmp_path: Path) -> None:
 def test_upload_mode_uploads_each_checkpoint(tmp_path: Path, s3_store: Any, s3_uri: str) -> None:
     from spotguard.checkpoint import RetentionPolicy
 
-    ck = Checkpointer(tmp_path / "ck", storage_uri=s3_uri, storage_options=s3_options(s3_store), upload=True,
-                      retention=RetentionPolicy(keep_last=2))  # fmt: skip
+    ck = Checkpointer(
+        tmp_path / "ck",
+        storage_uri=s3_uri,
+        storage_options=s3_options(s3_store),
+        upload=True,
+        retention=RetentionPolicy(keep_last=2),
+    )
     for step in (1, 2, 3):
         ck.save(step, step_tensors(step))
     ck.close()
@@ -363,8 +367,9 @@ def test_an_uploading_trainer_prunes_only_what_it_verified(tmp_path: Path, s3_st
 
 
 @pytest.mark.parametrize("durable", [True, False])
-def test_non_durable_save_skips_only_the_data_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     durable: bool) -> None:
+def test_non_durable_save_skips_only_the_data_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
     """An emergency save that an uploader ships does not wait for the disk; the
     manifest and directories are still fsynced, and the checkpoint verifies."""
     import stat

@@ -171,8 +171,7 @@ def test_stored_damage_is_named_and_skipped(
 
 
 @pytest.mark.parametrize("kind", ["file", "s3", "gs"])
-def test_sha256_checkpoints_verify_and_detect_damage(request: pytest.FixtureRequest, tmp_path: Path,
-                                                     kind: str) -> None:  # fmt: skip
+def test_sha256_checkpoints_verify_and_detect_damage(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> None:
     storage: Storage = open_test_storage(kind, request, tmp_path)
     ckpt = commit_local(tmp_path / "local", 1, algorithm="sha256")
     assert read_local_manifest(ckpt).checksum_algorithm == "sha256"

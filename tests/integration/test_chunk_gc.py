@@ -424,8 +424,10 @@ def _worker(argv: list[str]) -> int:
     def collect(grace: float) -> None:
         began = time.monotonic()
         report = collect_garbage(storage, policy, orphan_grace=grace)
-        say(f"gc {len(report.deleted)} checkpoints {len(report.chunks_deleted)} chunks "
-            f"in {time.monotonic() - began:.2f}s")  # fmt: skip
+        say(
+            f"gc {len(report.deleted)} checkpoints {len(report.chunks_deleted)} chunks "
+            f"in {time.monotonic() - began:.2f}s"
+        )
 
     if mode == "gc":
         while True:
@@ -453,8 +455,14 @@ class Worker:
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
         self._stderr = open(log, "w")  # noqa: SIM115 - closed in kill()
         self.mode, self.log = args[0], log
-        self.proc = subprocess.Popen([sys.executable, __file__, *args], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line came (time.monotonic)
         self._done = False
@@ -563,10 +571,16 @@ def check_store(storage: Storage, scratch: Path, ledger: Ledger) -> tuple[int | 
 
 #: Where a worker was when it was killed, by its mode and the first word of its last line.
 STAGES = {
-    ("cycle", "ready"): "gc:plan", ("cycle", "uploaded"): "gc:plan", ("cycle", "gc"): "upload",
-    ("cycle", "begin"): "upload", ("upload", "ready"): "upload", ("upload", "begin"): "upload",
-    ("upload", "uploaded"): "idle", ("gc", "ready"): "gc:plan", ("gc", "gc"): "gc:plan",
-}  # fmt: skip
+    ("cycle", "ready"): "gc:plan",
+    ("cycle", "uploaded"): "gc:plan",
+    ("cycle", "gc"): "upload",
+    ("cycle", "begin"): "upload",
+    ("upload", "ready"): "upload",
+    ("upload", "begin"): "upload",
+    ("upload", "uploaded"): "idle",
+    ("gc", "ready"): "gc:plan",
+    ("gc", "gc"): "gc:plan",
+}
 
 
 def stage(mode: str, last: str) -> str:
@@ -584,14 +598,18 @@ def print_table(seed: int, outcomes: list[Outcome]) -> None:
     )
     for o in outcomes:
         newest = "-" if o.newest is None else str(o.newest)
-        print(f"{o.trial:>5}  {o.mode:<10} {o.delay:>9.3f}s  {' + '.join(o.stages):<24} {newest:>7} "
-              f"{o.checkpoints:>5} {o.chunks:>6}")  # fmt: skip
+        print(
+            f"{o.trial:>5}  {o.mode:<10} {o.delay:>9.3f}s  {' + '.join(o.stages):<24} {newest:>7} "
+            f"{o.checkpoints:>5} {o.chunks:>6}"
+        )
     kinds: dict[str, int] = {}
     for o in outcomes:
         for where in o.stages:
             kinds[where] = kinds.get(where, 0) + 1
-    print(f"{len(outcomes)} trials, all safe; workers killed while: "
-          + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())))  # fmt: skip
+    print(
+        f"{len(outcomes)} trials, all safe; workers killed while: "
+        + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+    )
 
 
 def wait_for_chunks_collected(worker: Worker, timeout: float = 120) -> None:
@@ -701,9 +719,14 @@ def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path, monkeypatch: p
             raise
         outcomes.append(Outcome(trial, mode, delay, stages, newest, checkpoints, chunks))
     print_table(seed, outcomes)
-    print(f"in {time.monotonic() - began_trials:.1f}s; " + "; ".join(
-        f"{m}: cycle {c:.2f}s, {swept[m]} chunks deleted by completed collections, {ledgers[m].collected} "
-        "seen gone between trials" for m, c in cycles.items()))  # fmt: skip
+    print(
+        f"in {time.monotonic() - began_trials:.1f}s; "
+        + "; ".join(
+            f"{m}: cycle {c:.2f}s, {swept[m]} chunks deleted by completed collections, {ledgers[m].collected} "
+            "seen gone between trials"
+            for m, c in cycles.items()
+        )
+    )
     assert len(outcomes) == CYCLE_TRIALS + CONCURRENT_TRIALS
 
     # Every root ends with a verified checkpoint, and the trials did collect chunks.
@@ -794,8 +817,10 @@ def test_kills_aimed_at_each_collection_stage(s3_store: Any, s3_uri: str, tmp_pa
                 with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
                     newest, checkpoints, chunks = check_store(storage, Path(scratch), Ledger())
                 assert newest == number
-                rows.append(f"{aimed.name:<40} {len(gone)}/{len(unique)} of its own chunks gone, "
-                            f"{checkpoints} checkpoints, {chunks} chunks: all verify")  # fmt: skip
+                rows.append(
+                    f"{aimed.name:<40} {len(gone)}/{len(unique)} of its own chunks gone, "
+                    f"{checkpoints} checkpoints, {chunks} chunks: all verify"
+                )
                 # A collection run to its end leaves exactly what the kept checkpoints use.
                 proxy.clear()
                 collect_garbage(storage, RetentionPolicy(keep_last=2), orphan_grace=0)

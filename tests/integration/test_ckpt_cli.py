@@ -26,8 +26,11 @@ def name(step: int) -> str:
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "spotguard.cli", *args],
-        env=env or subprocess_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env or subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
@@ -214,9 +217,13 @@ def test_s3_user_errors_are_one_line(s3_store: Any, tmp_path: Path) -> None:
     missing = cli("ckpt", "ls", "s3://no-such-bucket-here/x", env=env)
     one_line_error(missing, "bucket 'no-such-bucket-here' does not exist")
     bare = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-    bare |= {"AWS_ENDPOINT_URL_S3": s3_store.endpoint_url, "AWS_DEFAULT_REGION": s3_store.region,
-             "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
-             "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    bare |= {
+        "AWS_ENDPOINT_URL_S3": s3_store.endpoint_url,
+        "AWS_DEFAULT_REGION": s3_store.region,
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     one_line_error(cli("ckpt", "ls", f"s3://{s3_store.bucket}/x", env=bare), "no AWS credentials found")
     wrong = env | {"AWS_SECRET_ACCESS_KEY": "not-the-secret"}
     proc = cli("ckpt", "ls", f"s3://{s3_store.bucket}/x", env=wrong)

@@ -79,8 +79,13 @@ class Outcome:
 
 #: Where a worker was, from the first word of its last line (see ckpt_helpers/crash_worker.py).
 WRITE_STAGES = {"ready": "starting", "begin": "inside a save", "committed": "between saves"}
-UPLOAD_STAGES = {"ready": "starting", "begin": "local commit", "committed": "inside an upload",
-                 "uploaded": "retention or next commit", "gc": "after retention"}
+UPLOAD_STAGES = {
+    "ready": "starting",
+    "begin": "local commit",
+    "committed": "inside an upload",
+    "uploaded": "retention or next commit",
+    "gc": "after retention",
+}
 
 
 def stage_of(mode: str, last_event: str) -> str:
@@ -92,8 +97,9 @@ def run_and_kill(args: list[str], env: dict[str, str], delay: float, until: str 
     """Start the worker, wait until it is ready, let it work ``delay`` seconds (or, with
     ``until``, until it prints a line starting so), SIGKILL it. Returns its last event and
     how long it worked."""
-    proc = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline().strip()
@@ -160,12 +166,15 @@ def check_storage(storage: Storage, scratch: Path) -> tuple[int | None, int]:
 
 def print_table(outcomes: list[Outcome]) -> None:
     print()
-    print(f"{'trial':>5}  {'mode':<12} {'kill after':>10}  {'last event':<16} {'stage':<24} {'newest verified':>15}"
-          "  skipped")
+    print(
+        f"{'trial':>5}  {'mode':<12} {'kill after':>10}  {'last event':<16} {'stage':<24} {'newest verified':>15}"
+        "  skipped"
+    )
     for o in outcomes:
         newest = "-" if o.newest is None else str(o.newest)
-        print(f"{o.trial:>5}  {o.mode:<12} {o.delay:>9.3f}s  {o.last_event:<16} {o.stage:<24} {newest:>15}"
-              f"  {o.skipped}")
+        print(
+            f"{o.trial:>5}  {o.mode:<12} {o.delay:>9.3f}s  {o.last_event:<16} {o.stage:<24} {newest:>15}  {o.skipped}"
+        )
     kinds: dict[str, int] = {}
     for o in outcomes:
         kinds[f"{o.mode}: {o.stage}"] = kinds.get(f"{o.mode}: {o.stage}", 0) + 1
@@ -204,8 +213,9 @@ def test_crash_safety(tmp_path: Path, s3_store: Any, s3_uri: str, gcs_store: Any
                 newest, skipped = check_local(directory), 0
             else:
                 uri, storage, env = stores[mode]
-                last, worked = run_and_kill(["upload", uri, str(tmp_path / f"local-{mode}"), str(start)], env,
-                                            delay, until)  # fmt: skip
+                last, worked = run_and_kill(
+                    ["upload", uri, str(tmp_path / f"local-{mode}"), str(start)], env, delay, until
+                )
                 with tempfile.TemporaryDirectory(dir=tmp_path) as scratch:
                     newest, skipped = check_storage(storage, Path(scratch))
             if until is not None:
@@ -285,8 +295,13 @@ def test_kills_aimed_at_each_upload_stage(tmp_path: Path, s3_store: Any, s3_uri:
         env = subprocess_env(s3_store, AWS_ENDPOINT_URL_S3=proxy.url, AWS_ENDPOINT_URL=proxy.url)
 
         def upload_one(step: int) -> subprocess.Popen[str]:
-            return subprocess.Popen([sys.executable, __file__, "upload-one", s3_uri, str(local), str(step)],
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            return subprocess.Popen(
+                [sys.executable, __file__, "upload-one", s3_uri, str(local), str(step)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
 
         # Two complete checkpoints first (in this process), so that retention has something to delete.
         from spotguard.checkpoint import upload_checkpoint
@@ -329,8 +344,10 @@ def test_kills_aimed_at_each_upload_stage(tmp_path: Path, s3_store: Any, s3_uri:
             gone = deleted_keys(log)
             assert all(int(k.split("ckpt-")[1][:12]) < newest for k in gone if "ckpt-" in k), gone
             pointer = read_latest_pointer(storage)
-            rows.append(f"{stage.name:<38} held {held.record.method:<4} {held.record.target[-48:]:<48} "
-                        f"newest verified {newest}, pointer {pointer}, skipped {skipped}")  # fmt: skip
+            rows.append(
+                f"{stage.name:<38} held {held.record.method:<4} {held.record.target[-48:]:<48} "
+                f"newest verified {newest}, pointer {pointer}, skipped {skipped}"
+            )
     print("\n" + "\n".join(rows))
 
 
@@ -349,8 +366,13 @@ def test_kills_aimed_inside_a_local_save(tmp_path: Path, where: str) -> None:
     directory = tmp_path / "ckpts"
     for step in (1, 2):
         commit_local(directory, step, NUMEL)
-    proc = subprocess.Popen([sys.executable, __file__, "save-held", str(directory), "3", where],
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "save-held", str(directory), "3", where],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
@@ -414,7 +436,8 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize("where", ["mid-part", "mid-commit"])
 def test_uploader_killed_mid_part_or_mid_commit_never_moves_the_pointer(
-        tmp_path: Path, s3_store: Any, s3_uri: str, where: str) -> None:
+    tmp_path: Path, s3_store: Any, s3_uri: str, where: str
+) -> None:
     """Step 10 of a two-part distributed checkpoint is complete; of step 20, part 0 is
     stored. Part 1's uploader is then SIGKILLed while the store holds one of its
     multipart upload's parts (``mid-part``: its data is half there), or while it
@@ -441,8 +464,13 @@ def test_uploader_killed_mid_part_or_mid_commit_never_moves_the_pointer(
             held = proxy.hold(method="PUT", path=rf"/{name}/dcp/__2_0\.distcp\?.*\bpartNumber=2(&|$)")
         else:
             held = proxy.hold(method="PUT", path=rf"/{name}/{MANIFEST_NAME}$")
-        proc = subprocess.Popen([sys.executable, __file__, "upload-part", s3_uri, str(part)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "upload-part", s3_uri, str(part)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         before = kill_when_held(proc, held, proxy, where)
     ok = {(r.method, r.key.split("/", 1)[-1], r.query.split("=")[0]) for r in before if r.status == 200}
     part_manifest = f"{name}/{part_manifest_path(1)}"

@@ -11,8 +11,9 @@ from sidecar_helpers import base_env, spotguard_argv
 
 
 def _demo(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(spotguard_argv("demo", *args), env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=600, check=False)
+    return subprocess.run(
+        spotguard_argv("demo", *args), env=env, cwd=cwd, capture_output=True, text=True, timeout=600, check=False
+    )
 
 
 def test_demo_is_bitwise_identical(tmp_path: Path) -> None:
@@ -28,8 +29,22 @@ def test_demo_is_bitwise_identical(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_demo_on_s3(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
-    result = _demo(["--storage", s3_uri, "--steps", "100", "--preemptions", "1", "--seed", "7",
-                    "--workdir", str(tmp_path / "demo")], base_env(s3_store.env()), tmp_path)
+    result = _demo(
+        [
+            "--storage",
+            s3_uri,
+            "--steps",
+            "100",
+            "--preemptions",
+            "1",
+            "--seed",
+            "7",
+            "--workdir",
+            str(tmp_path / "demo"),
+        ],
+        base_env(s3_store.env()),
+        tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines[-1] == "bitwise identical: yes"

@@ -29,9 +29,20 @@ print(json.dumps({"enabled": torch.are_deterministic_algorithms_enabled(),
 @pytest.mark.integration
 def test_deterministic_sets_torch_and_the_compiler_without_importing_it() -> None:
     require_module("torch")
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        check=True,
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # The same end state as torch.use_deterministic_algorithms(True), which would have imported the compiler.
-    assert got == {"enabled": True, "warn_only": False, "inductor_imported": False, "inductor": True,
-                   "cublas": ":4096:8"}, got  # fmt: skip
+    assert got == {
+        "enabled": True,
+        "warn_only": False,
+        "inductor_imported": False,
+        "inductor": True,
+        "cublas": ":4096:8",
+    }, got

@@ -64,8 +64,9 @@ def _worker(argv: list[str]) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model: Any = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                     torch.nn.Linear(16, 4))  # fmt: skip
+    model: Any = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4)
+    )
     if args.mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -80,16 +81,25 @@ def _worker(argv: list[str]) -> int:
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)
 
-    ckpt = spotguard.Checkpointer(args.dir, save_every_steps=args.save_every, async_save=not args.sync,
-                                  handle_signals=True, storage_uri=args.storage, upload=bool(args.storage))  # fmt: skip
+    ckpt = spotguard.Checkpointer(
+        args.dir,
+        save_every_steps=args.save_every,
+        async_save=not args.sync,
+        handle_signals=True,
+        storage_uri=args.storage,
+        upload=bool(args.storage),
+    )
     restored = ckpt.restore(model, optimizer, scheduler)
     start = restored.step + 1 if restored is not None else 0
     info: dict[str, Any] = {
-        "rank": rank, "world": world, "start": start, "stopped": None,
+        "rank": rank,
+        "world": world,
+        "start": start,
+        "stopped": None,
         "exact": None if restored is None else restored.exact,
         "resharded_from": None if restored is None else restored.resharded_from,
         "stalls": [],
-    }  # fmt: skip
+    }
     for step in range(start, args.steps):
         x = torch.randn(6, 8) + float(np.random.rand()) + random.random()
         loss = model(x).pow(2).mean()
@@ -114,14 +124,17 @@ def _worker(argv: list[str]) -> int:
             info["stopped"] = step
             break
     ckpt.close()
+
     def local(v: Any) -> Any:
         return (v.to_local() if hasattr(v, "to_local") else v).clone() if isinstance(v, torch.Tensor) else v
 
     osd = optimizer.state_dict()
     final = {
         "model": {k: local(v) for k, v in model.state_dict().items()},
-        "optimizer": {"state": {i: {k: local(v) for k, v in s.items()} for i, s in osd["state"].items()},
-                      "param_groups": osd["param_groups"]},
+        "optimizer": {
+            "state": {i: {k: local(v) for k, v in s.items()} for i, s in osd["state"].items()},
+            "param_groups": osd["param_groups"],
+        },
         "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state()),
         "lr": scheduler.get_last_lr(),
     }
@@ -145,24 +158,48 @@ def collect(out: Path, nproc: int) -> list[dict[str, Any]]:
 
 
 def torchrun(nproc: int, ckdir: Path, out: Path, *extra: str, timeout: float = 300) -> list[dict[str, Any]]:
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", __file__, "--dir", str(ckdir),
-           "--out", str(out), *extra]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        __file__,
+        "--dir",
+        str(ckdir),
+        "--out",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return collect(out, nproc)
 
 
-def two_nodes(base: Path, out: Path, s3_store: Any, s3_uri: str, *extra: str,
-              timeout: float = 300) -> list[dict[str, Any]]:  # fmt: skip
+def two_nodes(
+    base: Path, out: Path, s3_store: Any, s3_uri: str, *extra: str, timeout: float = 300
+) -> list[dict[str, Any]]:
     """One rank on each of two "nodes" (two torchrun agents, each with its own checkpoint directory)."""
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-               f"--master-port={port}", __file__, "--dir", str(base / f"node{node}"), "--out", str(out),
-               "--storage", s3_uri, *extra]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=worker_env(s3_store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
+        cmd = [
+            str(TORCHRUN),
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            __file__,
+            "--dir",
+            str(base / f"node{node}"),
+            "--out",
+            str(out),
+            "--storage",
+            s3_uri,
+            *extra,
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=worker_env(s3_store), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     for proc in procs:
         output, _ = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, output[-6000:]
@@ -275,8 +312,9 @@ def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
     assert_same_final(ref / "out", out, 2)
 
 
-def test_two_nodes_write_their_parts_and_resume_through_storage(reference: Path, tmp_path: Path, s3_store: Any,
-                                                                s3_uri: str) -> None:  # fmt: skip
+def test_two_nodes_write_their_parts_and_resume_through_storage(
+    reference: Path, tmp_path: Path, s3_store: Any, s3_uri: str
+) -> None:
     from ckpt_helpers import s3_options
 
     from spotguard.checkpoint.verify_stored import verify_checkpoint
@@ -307,15 +345,30 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(reference: Path,
 @pytest.mark.trials
 # Rank 0 coordinates the save (it writes the metadata); rank 1's death too in make soak.
 @pytest.mark.parametrize("victim", trials.variants(full=[0, 1], quick=[0]))
-def test_a_rank_killed_during_a_save_never_leaves_a_checkpoint_that_does_not_load(reference: Path, tmp_path: Path,
-                                                                                   victim: int) -> None:  # fmt: skip
+def test_a_rank_killed_during_a_save_never_leaves_a_checkpoint_that_does_not_load(
+    reference: Path, tmp_path: Path, victim: int
+) -> None:
     from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint
 
     ck, out = tmp_path / "ck", tmp_path / "out"
     delay = trials.rng(f"dist-kill-{victim}").uniform(0.0, 0.08)
     print(f"SIGKILL to rank {victim} {delay:.3f}s into the save of step 8")
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", __file__, "--dir", str(ck), "--out", str(out),
-           "--kill-at", "8", "--kill-rank", str(victim), "--kill-delay", f"{delay:.4f}"]  # fmt: skip
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        "--dir",
+        str(ck),
+        "--out",
+        str(out),
+        "--kill-at",
+        "8",
+        "--kill-rank",
+        str(victim),
+        "--kill-delay",
+        f"{delay:.4f}",
+    ]
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)  # a loaded machine
     assert proc.returncode != 0
     committed = list_local_committed(ck)

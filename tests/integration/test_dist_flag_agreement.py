@@ -30,8 +30,9 @@ def train(rank: int, port: int, directory: Path) -> dict[str, Any]:
     import spotguard
 
     # Ranks that disagree would wait in a collective: a short timeout turns that into a failure.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -98,4 +99,3 @@ def test_a_flag_one_rank_sees_at_step_k_stops_every_rank_at_step_k_plus_1(tmp_pa
     assert [p.name for p in committed] == [f"ckpt-{s:012d}" for s in (SAVE_EVERY, FLAG_AT + 1)]
     last = read_local_manifest(committed[-1])
     assert last.reason == "sigterm" and last.sharding is not None and last.sharding.ranks == (0, 1)
-

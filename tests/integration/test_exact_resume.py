@@ -27,8 +27,11 @@ STEPS = 200
 def run(out: Path, env: dict[str, str], *extra: str) -> str:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *extra],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -83,8 +86,9 @@ def test_resume_from_local_checkpoints_is_bit_exact(reference: Path, tmp_path: P
 
 
 @pytest.mark.trials
-def test_resume_through_s3_on_fresh_machines_is_bit_exact(reference: Path, tmp_path: Path, s3_store: Any,
-                                                          s3_uri: str) -> None:  # fmt: skip
+def test_resume_through_s3_on_fresh_machines_is_bit_exact(
+    reference: Path, tmp_path: Path, s3_store: Any, s3_uri: str
+) -> None:
     """Each segment starts with an empty local directory (a new node) and
     restores from S3, where the previous segment uploaded its checkpoints."""
     seed, stops = interruption_steps()

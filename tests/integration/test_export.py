@@ -132,13 +132,32 @@ def test_trainer_checkpoints_export_as_the_model_in_training(
     newest verified one is taken instead."""
     torch.manual_seed(0)
     record = Record()
-    callback = SpotguardCallback(directory=str(tmp_path / "ck"), storage_uri=s3_uri,
-                                 storage_options=s3_options(s3_store), upload=True, handle_signals=False)  # fmt: skip
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, save_steps=2, logging_steps=1,
-                             per_device_train_batch_size=4, learning_rate=3e-3, report_to="none", use_cpu=True,
-                             disable_tqdm=True, seed=0)  # fmt: skip
-    trainer = Trainer(model=train_hf.build_model(0), args=args, train_dataset=train_hf.TokenDataset(0),
-                      processing_class=tiny_tokenizer(), callbacks=[callback, record])  # fmt: skip
+    callback = SpotguardCallback(
+        directory=str(tmp_path / "ck"),
+        storage_uri=s3_uri,
+        storage_options=s3_options(s3_store),
+        upload=True,
+        handle_signals=False,
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        save_steps=2,
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=3e-3,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=train_hf.build_model(0),
+        args=args,
+        train_dataset=train_hf.TokenDataset(0),
+        processing_class=tiny_tokenizer(),
+        callbacks=[callback, record],
+    )
     try:
         trainer.train()
     finally:
@@ -179,9 +198,13 @@ def test_trainer_checkpoints_export_as_the_model_in_training(
     data[len(data) // 2] ^= 0x01
     storage.write_bytes(key, bytes(data))
     refused = tmp_path / "refused"
-    proc = subprocess.run([sys.executable, "-m", "spotguard.cli", "ckpt", "export", f"{s3_uri}/ckpt-6",
-                           str(refused), "--format", "hf"], env=subprocess_env(s3_store), capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", "ckpt", "export", f"{s3_uri}/ckpt-6", str(refused), "--format", "hf"],
+        env=subprocess_env(s3_store),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"{name(6)} does not verify" in proc.stderr and "model.safetensors" in proc.stderr, proc.stderr
@@ -218,8 +241,13 @@ def test_plain_state_exports_with_its_config(tmp_path: Path, capsys: pytest.Capt
     out = capsys.readouterr().out
     assert "removed the key prefix 'module.'" in out
     assert "left out lm_head.weight: tied to transformer.wte.weight" in out
-    assert {p.name for p in dest.iterdir()} == {"config.json", "generation_config.json", "model.safetensors",
-                                                "tokenizer.json", "tokenizer_config.json"}  # fmt: skip
+    assert {p.name for p in dest.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     with safe_open(str(dest / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys()) and f.metadata()["format"] == "pt"
     model = load(dest)

@@ -122,11 +122,7 @@ class LossMonitor:
         """Checkpoints that vanished locally while neither they nor a newer one were
         complete in storage (by the proxy's log of stored manifests), or whose
         stand-in does not verify now."""
-        stored = {
-            r.key.split("/")[-2]: r.when
-            for r in proxy.requests("PUT", r"/manifest\.json$")
-            if r.status == 200
-        }
+        stored = {r.key.split("/")[-2]: r.when for r in proxy.requests("PUT", r"/manifest\.json$") if r.status == 200}
         verifies: dict[str, bool] = {}
         lost = []
         for name, when in sorted(self.gone.items()):
@@ -142,9 +138,23 @@ class LossMonitor:
 
 
 def run_argv(workdir: Path, uri: str, port: int, *train: str, grace: float = 8.0) -> list[str]:
-    return spotguard_argv("run", "--workdir", str(workdir), "--storage", uri, "--max-restarts", "3",
-                          "--backoff", "0.1", "--metrics-port", str(port), "--grace-seconds", str(grace),
-                          "--", *train)  # fmt: skip
+    return spotguard_argv(
+        "run",
+        "--workdir",
+        str(workdir),
+        "--storage",
+        uri,
+        "--max-restarts",
+        "3",
+        "--backoff",
+        "0.1",
+        "--metrics-port",
+        str(port),
+        "--grace-seconds",
+        str(grace),
+        "--",
+        *train,
+    )
 
 
 #: Requests of each writing method answered 503 SlowDown in a load-shedding
@@ -155,8 +165,9 @@ SHED = 6
 def run_env(store: Any, proxy: FaultProxy) -> dict[str, str]:
     """The store's credentials, its endpoint replaced by the proxy; two attempts per
     request, so that a fault reaches spotguard's own retries (and metrics) quickly."""
-    return base_env({**store.env(), "AWS_ENDPOINT_URL_S3": proxy.url, "AWS_ENDPOINT_URL": proxy.url,
-                     "AWS_MAX_ATTEMPTS": "2"})  # fmt: skip
+    return base_env(
+        {**store.env(), "AWS_ENDPOINT_URL_S3": proxy.url, "AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "2"}
+    )
 
 
 def manifests_stored(proxy: FaultProxy) -> int:
@@ -186,8 +197,14 @@ def shed_load_then_reset(proxy: FaultProxy, port: int) -> None:
 
 
 def direct(store: Any, uri: str, **options: Any) -> Any:
-    return open_storage(uri, endpoint_url=store.endpoint_url, access_key=store.access_key,
-                        secret_key=store.secret_key, region=store.region, **options)  # fmt: skip
+    return open_storage(
+        uri,
+        endpoint_url=store.endpoint_url,
+        access_key=store.access_key,
+        secret_key=store.secret_key,
+        region=store.region,
+        **options,
+    )
 
 
 def assert_ends_safe(proc: Proc, monitor: LossMonitor, proxy: FaultProxy, storage: Any) -> None:
@@ -264,8 +281,11 @@ def test_run_rides_out_slowdown_resets_and_a_store_restart(own_store: Restartabl
         own_store.stop()
         wait_until(lambda: failures(port) > failed_before, 90, "a failure counted while the store is down")
         newest_before = max(monitor.seen, key=step_of)
-        wait_until(lambda: step_of(max(monitor.seen, key=step_of)) > step_of(newest_before), 60,
-                   "a checkpoint written while the store is down")  # fmt: skip
+        wait_until(
+            lambda: step_of(max(monitor.seen, key=step_of)) > step_of(newest_before),
+            60,
+            "a checkpoint written while the store is down",
+        )
         counted = failures(port)
         # A store that cannot be reached is an error, never "no checkpoint" or "broken".
         unreachable = direct(store, uri, max_attempts=1)
@@ -351,9 +371,21 @@ def test_sidecar_rides_out_503_slowdown_and_resets(
     env = {**run_env(s3_store, proxy), "SPOTGUARD_CHECKPOINT_DIR": str(ckpt_dir), "SPOTGUARD_STORAGE_URI": s3_uri}
     storage = direct(s3_store, s3_uri)
     with reaping() as procs, LossMonitor(ckpt_dir) as monitor:
-        sidecar = Proc(spotguard_argv("sidecar", "--mode", "classic", "--metrics-port", str(port),
-                                      "--metrics-addr", "127.0.0.1", "--termination-log",
-                                      str(tmp_path / "termination-log")), env, tmp_path / "sidecar.log")  # fmt: skip
+        sidecar = Proc(
+            spotguard_argv(
+                "sidecar",
+                "--mode",
+                "classic",
+                "--metrics-port",
+                str(port),
+                "--metrics-addr",
+                "127.0.0.1",
+                "--termination-log",
+                str(tmp_path / "termination-log"),
+            ),
+            env,
+            tmp_path / "sidecar.log",
+        )
         training = Proc(trainer(5000, 0.04, 10, stop), env, tmp_path / "trainer.log")
         procs += [sidecar, training]
         wait_until(lambda: manifests_stored(proxy) >= 1, 120, "a first checkpoint in storage")

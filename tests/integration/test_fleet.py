@@ -90,8 +90,7 @@ GRACE = 30
 def fleet(
     kube: Any, apis: tuple[Any, Any], crd: None, process_nodes: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Env]:
-    with operator_namespace(kube, apis, process_nodes, "fleet", tmp_path_factory.mktemp("fleet"),
-                            poll_seconds=5) as e:  # fmt: skip
+    with operator_namespace(kube, apis, process_nodes, "fleet", tmp_path_factory.mktemp("fleet"), poll_seconds=5) as e:
         yield e
 
 
@@ -122,8 +121,12 @@ def start_reference(argv: list[str]) -> Callable[[Path], Pending[tuple[Path, str
     its result: that directory and the run's output."""
 
     def begin(d: Path) -> Pending[tuple[Path, str]]:
-        env = {"PATH": str(Path(sys.executable).parent), "SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt"),
-               "SPOTGUARD_SAVE_EVERY_STEPS": str(EVERY), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = {
+            "PATH": str(Path(sys.executable).parent),
+            "SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt"),
+            "SPOTGUARD_SAVE_EVERY_STEPS": str(EVERY),
+            "OMP_NUM_THREADS": "1",
+        }
         proc = Proc(argv, env, d / "train.log")
 
         def finish() -> tuple[Path, str]:
@@ -142,11 +145,25 @@ def references(reference_runs: ReferenceRuns) -> References:
 
     py = sys.executable
     started = time.monotonic()
-    solo = reference_runs.start(("fleet-demo", STEPS, EVERY),
-                                start_reference([py, "-m", "spotguard.demo.train", *REF_ARGS]))  # fmt: skip
-    gang = reference_runs.start(("fleet-demo-ddp", 2, STEPS, EVERY), start_reference(
-        [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--module", "spotguard.demo.train_ddp", *REF_ARGS]))  # fmt: skip
+    solo = reference_runs.start(
+        ("fleet-demo", STEPS, EVERY), start_reference([py, "-m", "spotguard.demo.train", *REF_ARGS])
+    )
+    gang = reference_runs.start(
+        ("fleet-demo-ddp", 2, STEPS, EVERY),
+        start_reference(
+            [
+                py,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--module",
+                "spotguard.demo.train_ddp",
+                *REF_ARGS,
+            ]
+        ),
+    )
     solo_ckpt, _ = solo.result()
     _, gang_out = gang.result()
     digest = final_digest(gang_out)
@@ -331,8 +348,10 @@ def victims(e: Env, jobs: dict[str, Job]) -> list[Victim]:
 
 def describe_job(e: Env, job: Job) -> str:
     pods = e.core.list_namespaced_pod(e.ns, label_selector=f"spotguard.dev/job={job.name}").items
-    lines = [f"{p.metadata.name} {p.status.phase} node={p.spec.node_name} "
-             f"deleting={bool(p.metadata.deletion_timestamp)}" for p in pods]  # fmt: skip
+    lines = [
+        f"{p.metadata.name} {p.status.phase} node={p.spec.node_name} deleting={bool(p.metadata.deletion_timestamp)}"
+        for p in pods
+    ]
     evs = e.core.list_namespaced_event(e.ns, field_selector=f"involvedObject.name={job.name}").items
     lines += [f"event {ev.type} {ev.reason}: {ev.message}" for ev in evs]
     last = job.lead_pod(int(job.status.get("attempt") or 1))
@@ -373,26 +392,35 @@ def test_fleet_survives_random_preemptions_bitwise(
     gangs = max(1 if network == "podnet" else 2, n_jobs // 5)
     gang_at = set(rng.sample(range(n_jobs), gangs))
     # mixed: one gang and one single-node job on the host's network, the rest on the pod network.
-    host_at = (set(range(n_jobs)) if network == "hostnet" else set() if network == "podnet"
-               else {min(gang_at), min(set(range(n_jobs)) - gang_at)})  # fmt: skip
+    host_at = (
+        set(range(n_jobs))
+        if network == "hostnet"
+        else set()
+        if network == "podnet"
+        else {min(gang_at), min(set(range(n_jobs)) - gang_at)}
+    )
     jobs = {
         j.name: j
         for j in (
-            Job(f"{'h' if i in host_at else 'p'}{'gang' if i in gang_at else 'solo'}-{i:02d}",
-                2 if i in gang_at else 1, i in host_at)
+            Job(
+                f"{'h' if i in host_at else 'p'}{'gang' if i in gang_at else 'solo'}-{i:02d}",
+                2 if i in gang_at else 1,
+                i in host_at,
+            )
             for i in range(n_jobs)
         )
     }
-    print(f"\nfleet: {n_jobs} jobs ({gangs} gangs of 2, {len(host_at)} on the host's network), {PREEMPTIONS} "
-          f"node deaths, seed {seed} ({trials.SEED_ENV}={seed} repeats the choices)")  # fmt: skip
+    print(
+        f"\nfleet: {n_jobs} jobs ({gangs} gangs of 2, {len(host_at)} on the host's network), {PREEMPTIONS} "
+        f"node deaths, seed {seed} ({trials.SEED_ENV}={seed} repeats the choices)"
+    )
     storage = f"file://{tmp_path}/store"
     watch = FleetWatch(e.core, e.ns)
     watch.start()
     try:
         for job in jobs.values():
             (tmp_path / "store" / e.ns / job.name).mkdir(parents=True)
-            e.custom.create_namespaced_custom_object(GROUP, VERSION, e.ns, PLURAL,
-                                                     job_body(job, storage))  # fmt: skip
+            e.custom.create_namespaced_custom_object(GROUP, VERSION, e.ns, PLURAL, job_body(job, storage))
 
         # Nodes die while the jobs train: each death in a thread of its own (a drain or a shutdown
         # waits for the node's pods to stop), a few seconds apart, never two at once on one node.
@@ -437,8 +465,10 @@ def test_fleet_survives_random_preemptions_bitwise(
             mode = min(MODES, key=lambda m: (had.count(m), MODES.index(m)))
             modes[node] = mode
             at = time.monotonic() - started
-            print(f"{at:.0f}s: {mode} {node} (chosen for {pod}, {'training' if victim.training else 'starting'}), "
-                  f"running there: {', '.join(victim.on_node)}")  # fmt: skip
+            print(
+                f"{at:.0f}s: {mode} {node} (chosen for {pod}, {'training' if victim.training else 'starting'}), "
+                f"running there: {', '.join(victim.on_node)}"
+            )
             dying[node] = threading.Thread(target=die, args=(mode, pod, node, at), daemon=True)
             dying[node].start()
             time.sleep(rng.uniform(2, 4))
@@ -473,8 +503,10 @@ def test_fleet_survives_random_preemptions_bitwise(
         s = job.status
         attempts = int(s.get("attempt") or 0)
         preemptions += int(s.get("preemptions") or 0)
-        print(f"{job.name}: {s.get('phase')} attempts {attempts} preemptions {s.get('preemptions')} "
-              f"failures {s.get('failures')} wall {job.wall:.0f}s")  # fmt: skip
+        print(
+            f"{job.name}: {s.get('phase')} attempts {attempts} preemptions {s.get('preemptions')} "
+            f"failures {s.get('failures')} wall {job.wall:.0f}s"
+        )
         bad = [] if s.get("phase") == "Succeeded" and s.get("failures") == 0 else [f"ended {s}"]
         bad += attempt_problems(job.name, job.nodes, attempts, lives)
         if job.nodes == 1:
@@ -525,13 +557,16 @@ def test_fleet_survives_random_preemptions_bitwise(
         ]
         if not jobs[mine.job].host_network or not holders or any(facts[h].nodes & mine.nodes for h in holders):
             line = next(x for x in log.splitlines() if "cannot serve metrics" in x)
-            problems.append(f"{pod} on {mine.nodes}: {line}; port {mine.metrics_port} also held by "
-                            f"{[(h, facts[h].nodes) for h in holders]}")  # fmt: skip
+            problems.append(
+                f"{pod} on {mine.nodes}: {line}; port {mine.metrics_port} also held by "
+                f"{[(h, facts[h].nodes) for h in holders]}"
+            )
     print(f"metrics ports taken by a pod on another node of this machine: {collisions}")
 
     took = time.monotonic() - started
-    print(f"fleet ({network}): {len(deaths)} node deaths, {preemptions} job preemptions, "
-          f"{len(lives)} pods, {took:.0f}s")  # fmt: skip
+    print(
+        f"fleet ({network}): {len(deaths)} node deaths, {preemptions} job preemptions, {len(lives)} pods, {took:.0f}s"
+    )
     assert not problems, "\n".join(problems)
     assert preemptions >= len(deaths), (preemptions, deaths)
     assert {d["mode"] for d in deaths} == set(MODES[: len(deaths)]), deaths

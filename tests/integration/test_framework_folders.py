@@ -135,9 +135,22 @@ def two_nodes(base: Path, s3_store: Any, s3_uri: str, *extra: str) -> list[dict[
     procs = []
     env = worker_env(s3_store) | {"SPOTGUARD_STORAGE_URI": s3_uri}
     for node in (0, 1):
-        cmd = [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
-               f"--master-port={port}", __file__, "--dir", str(base / f"node{node}" / "spotguard"),
-               "--frame", str(base / f"node{node}" / "frame"), "--out", str(out), *extra]  # fmt: skip
+        cmd = [
+            str(TORCHRUN),
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            __file__,
+            "--dir",
+            str(base / f"node{node}" / "spotguard"),
+            "--frame",
+            str(base / f"node{node}" / "frame"),
+            "--out",
+            str(out),
+            *extra,
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for proc in procs:
         output, _ = proc.communicate(timeout=120)
@@ -169,8 +182,14 @@ def test_two_nodes_commit_their_folders_as_one_checkpoint_and_resume_it(
     infos = two_nodes(tmp_path, s3_store, s3_uri, "--steps", "1")
     for info in infos:
         assert info["resumed"] is not None and info["resumed"].endswith("ckpt-000000000002")
-        assert info["files"] == ["manifest.json", "model.safetensors", "parts/00000.json", "parts/00001.json",
-                                 "rng_state_0.pth", "rng_state_1.pth"]  # fmt: skip
+        assert info["files"] == [
+            "manifest.json",
+            "model.safetensors",
+            "parts/00000.json",
+            "parts/00001.json",
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+        ]
 
 
 def test_two_nodes_with_different_contents_at_one_path_commit_nothing(

@@ -52,8 +52,7 @@ while true; do sleep 1 & wait $!; done
 def env_module(
     kube: Any, apis: tuple[Any, Any], crd: None, process_nodes: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Env]:
-    with operator_namespace(kube, apis, process_nodes, "gang", tmp_path_factory.mktemp("gang"),
-                            poll_seconds=5) as e:  # fmt: skip
+    with operator_namespace(kube, apis, process_nodes, "gang", tmp_path_factory.mktemp("gang"), poll_seconds=5) as e:
         yield e
 
 

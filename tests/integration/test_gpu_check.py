@@ -26,8 +26,15 @@ pytestmark = pytest.mark.integration
 
 def gpu_check(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.timeout(600)
@@ -40,12 +47,14 @@ def test_gpu_check_passes_on_cpu_and_prints_every_check() -> None:
     lines = out.splitlines()
     for name in CHECKS:
         assert any(ln.startswith(f"PASS {name} ") for ln in lines), (name, out[-4000:])
-    for figure in ("ddp: final digest equals the uninterrupted run's: yes",
-                   "ddp: supervisor exit status after SIGTERM: 143",
-                   "SIGTERM -> verified line",
-                   "fsdp-stall: spotguard / dcp.async_save",
-                   "fsdp-exact: parameters and optimizer moments bitwise equal after restore: yes",
-                   "pinned: host copy of"):
+    for figure in (
+        "ddp: final digest equals the uninterrupted run's: yes",
+        "ddp: supervisor exit status after SIGTERM: 143",
+        "SIGTERM -> verified line",
+        "fsdp-stall: spotguard / dcp.async_save",
+        "fsdp-exact: parameters and optimizer moments bitwise equal after restore: yes",
+        "pinned: host copy of",
+    ):
         assert figure in out, (figure, out[-4000:])
     summary = json.loads(lines[-1])
     assert summary["ok"] is True and summary["failed"] == []

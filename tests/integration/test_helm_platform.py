@@ -20,8 +20,13 @@ FULLNAME = f"{RELEASE}-spotguard"
 
 
 def tool(kube: Any, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(kube.bin_dir / name), "--kubeconfig", str(kube.kubeconfig), *args],
-                          capture_output=True, text=True, check=check, timeout=180)  # fmt: skip
+    return subprocess.run(
+        [str(kube.bin_dir / name), "--kubeconfig", str(kube.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=180,
+    )
 
 
 def get(kube: Any, *what: str) -> dict[str, Any]:
@@ -40,11 +45,20 @@ def test_the_webhook_certificate_survives_upgrades_and_users_get_access_through_
 ) -> None:
     # The CRD from the fixture (not the chart: another release may own it), and no node for the
     # operator: only the chart's objects matter.
-    base = ["--namespace", NAMESPACE, "--set", "crds.enabled=false", "--set", "webhook.enabled=true",
-            "--set-string", "nodeSelector.spotguard\\.dev/no-such-node=true"]  # fmt: skip
+    base = [
+        "--namespace",
+        NAMESPACE,
+        "--set",
+        "crds.enabled=false",
+        "--set",
+        "webhook.enabled=true",
+        "--set-string",
+        "nodeSelector.spotguard\\.dev/no-such-node=true",
+    ]
     result = tool(kube, "helm", "upgrade", "--install", RELEASE, str(CHART), "--create-namespace", *base, check=False)
     assert result.returncode == 0, result.stderr
     try:
+
         def snapshot() -> tuple[dict[str, str], str, str]:
             secret = get(kube, "secret", f"{FULLNAME}-webhook-tls", "-n", NAMESPACE)["data"]
             hook = get(kube, "mutatingwebhookconfiguration", FULLNAME)["webhooks"][0]["clientConfig"]["caBundle"]
@@ -56,8 +70,9 @@ def test_the_webhook_certificate_survives_upgrades_and_users_get_access_through_
         # An upgrade that changes something else, twice: the certificate, the CA the apiserver trusts
         # and the operator's pod template stay (no restart, no diff for GitOps tools).
         for label in ("a", "b"):
-            result = tool(kube, "helm", "upgrade", RELEASE, str(CHART), *base, "--set", f"podLabels.round={label}",
-                          check=False)  # fmt: skip
+            result = tool(
+                kube, "helm", "upgrade", RELEASE, str(CHART), *base, "--set", f"podLabels.round={label}", check=False
+            )
             assert result.returncode == 0, result.stderr
             assert snapshot() == first
 
@@ -67,14 +82,19 @@ def test_the_webhook_certificate_survives_upgrades_and_users_get_access_through_
         tool(kube, "kubectl", "create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", TEAM)
         tj = "trainingjobs.spotguard.dev"
         try:
-            wait_for(lambda: can_i(kube, "alice", "create", tj) and can_i(kube, "bob", "list", tj),
-                     "the built-in roles to aggregate TrainingJob access", timeout=60, interval=0.5)  # fmt: skip
+            wait_for(
+                lambda: can_i(kube, "alice", "create", tj) and can_i(kube, "bob", "list", tj),
+                "the built-in roles to aggregate TrainingJob access",
+                timeout=60,
+                interval=0.5,
+            )
         except Exception:
             edit = get(kube, "clusterrole", "edit")
             probe = tool(kube, "kubectl", "auth", "can-i", "create", tj, "--as=alice", "-n", TEAM, check=False)
             ours = [r for r in edit.get("rules") or [] if "spotguard.dev" in r.get("apiGroups", [])]
-            raise AssertionError(f"edit's rules for spotguard.dev: {ours}; "
-                                 f"can-i: {probe.stdout!r} {probe.stderr!r}") from None
+            raise AssertionError(
+                f"edit's rules for spotguard.dev: {ours}; can-i: {probe.stdout!r} {probe.stderr!r}"
+            ) from None
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert can_i(kube, "alice", verb, tj), verb
         for verb in ("get", "list", "watch"):

@@ -57,8 +57,17 @@ pytestmark = pytest.mark.integration
 
 
 def train_args(output_dir: Path, delay: str = STEP_DELAY, *extra: str) -> list[str]:
-    return ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--step-delay", delay,
-            "--output-dir", str(output_dir), *extra]  # fmt: skip
+    return [
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--step-delay",
+        delay,
+        "--output-dir",
+        str(output_dir),
+        *extra,
+    ]
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
@@ -66,8 +75,19 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 def run_argv(workdir: Path, storage: str, command: list[str]) -> list[str]:
-    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts", "1",
-                          "--backoff", "0.1", "--", *command)  # fmt: skip
+    return spotguard_argv(
+        "run",
+        "--workdir",
+        str(workdir),
+        "--storage",
+        storage,
+        "--max-restarts",
+        "1",
+        "--backoff",
+        "0.1",
+        "--",
+        *command,
+    )
 
 
 def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -127,12 +147,17 @@ class References:
         self.runs = runs
         uri = f"s3://{s3_store.bucket}/t-{uuid.uuid4().hex[:10]}"
         self.pending = {
-            "one": runs.start(REFERENCE_KEYS["one"], start_reference(
-                lambda d: [PY, str(EXAMPLE), *train_args(d / "out", "0", "--save-total-limit", "1")],
-                {**s3_store.env(), "SPOTGUARD_STORAGE_URI": uri})),
-            "two": runs.start(REFERENCE_KEYS["two"], start_reference(
-                lambda d: torchrun(2, *train_args(d / "out", "0")), {})),
-        }  # fmt: skip
+            "one": runs.start(
+                REFERENCE_KEYS["one"],
+                start_reference(
+                    lambda d: [PY, str(EXAMPLE), *train_args(d / "out", "0", "--save-total-limit", "1")],
+                    {**s3_store.env(), "SPOTGUARD_STORAGE_URI": uri},
+                ),
+            ),
+            "two": runs.start(
+                REFERENCE_KEYS["two"], start_reference(lambda d: torchrun(2, *train_args(d / "out", "0")), {})
+            ),
+        }
         self.one = runs.path(REFERENCE_KEYS["one"])
         self.two = runs.path(REFERENCE_KEYS["two"])
 
@@ -224,9 +249,11 @@ def test_preempted_trainer_resumes_bit_identical_and_walks_back_past_a_planted_p
         assert "training_args.bin" not in {f.path for f in read_manifest(storage, newest).files}
         plant_code_pickle(storage, newest, "optimizer.pt", marker)
 
-        final = Proc(run_argv(tmp_path / "machine2", s3_uri,
-                              [PY, str(EXAMPLE), *train_args(tmp_path / "out2", "0")]), env,
-                     tmp_path / "final.log")  # fmt: skip
+        final = Proc(
+            run_argv(tmp_path / "machine2", s3_uri, [PY, str(EXAMPLE), *train_args(tmp_path / "out2", "0")]),
+            env,
+            tmp_path / "final.log",
+        )
         procs.append(final)
         assert start_of(final) == int(previous.rsplit("-", 1)[1]), (seed, previous, final.tail())
         assert final.wait(300) == 0, final.tail()

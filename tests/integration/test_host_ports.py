@@ -41,8 +41,15 @@ SMALL = (24000, 24000 + 2 * JOBS - 1)
 def hostnet_job(name: str, storage: str) -> dict[str, Any]:
     """A hostNetwork job of one node and two processes (torchrun's master port is declared too)."""
     trainer = {"name": "trainer", "image": "trainer:1", "command": ["torchrun", "train.py"]}
-    return job_body(name, storage, trainer, node_selector=NO_NODE, pod_spec={"hostNetwork": True},
-                    nprocPerNode=2, preemption=fast_preemption(3, 2, 5))  # fmt: skip
+    return job_body(
+        name,
+        storage,
+        trainer,
+        node_selector=NO_NODE,
+        pod_spec={"hostNetwork": True},
+        nprocPerNode=2,
+        preemption=fast_preemption(3, 2, 5),
+    )
 
 
 def create_all(apis: tuple[Any, Any], ns: str, names: list[str], storage: str) -> None:
@@ -74,14 +81,32 @@ def set_pod_end(apis: tuple[Any, Any], ns: str, pod: str, code: int) -> None:
     core, _ = apis
 
     def term(name: str, exit_code: int) -> dict[str, Any]:
-        return {"name": name, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-                "state": {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                                         "startedAt": "2030-01-01T00:00:00Z",
-                                         "finishedAt": "2030-01-01T00:01:00Z"}}}  # fmt: skip
+        return {
+            "name": name,
+            "ready": False,
+            "restartCount": 0,
+            "image": "x",
+            "imageID": "",
+            "state": {
+                "terminated": {
+                    "exitCode": exit_code,
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": "2030-01-01T00:00:00Z",
+                    "finishedAt": "2030-01-01T00:01:00Z",
+                }
+            },
+        }
 
-    core.patch_namespaced_pod_status(pod, ns, {"status": {
-        "phase": "Succeeded" if code == 0 else "Failed",
-        "containerStatuses": [term("trainer", code), term("spotguard-sidecar", 0)]}})  # fmt: skip
+    core.patch_namespaced_pod_status(
+        pod,
+        ns,
+        {
+            "status": {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "containerStatuses": [term("trainer", code), term("spotguard-sidecar", 0)],
+            }
+        },
+    )
 
 
 def all_ports(apis: tuple[Any, Any], ns: str, names: list[str]) -> dict[str, tuple[int, int]]:
@@ -115,8 +140,9 @@ def test_ports_are_distinct_stable_freed_and_wait_when_the_range_is_full(
     apis: tuple[Any, Any], kube: Any, ns: str, tmp_path: Path
 ) -> None:
     storage = f"file://{tmp_path}/store"
-    op = operator_process(kube, ns, tmp_path / "operator.log",
-                          extra_args=["--host-port-range", f"{SMALL[0]}-{SMALL[1]}"]).start()  # fmt: skip
+    op = operator_process(
+        kube, ns, tmp_path / "operator.log", extra_args=["--host-port-range", f"{SMALL[0]}-{SMALL[1]}"]
+    ).start()
     try:
         names = [f"j{i:02d}" for i in range(JOBS)]
         create_all(apis, ns, names, storage)
@@ -126,9 +152,14 @@ def test_ports_are_distinct_stable_freed_and_wait_when_the_range_is_full(
         _, custom = apis
         with pytest.raises(ApiException) as refused:
             custom.patch_namespaced_custom_object_status(
-                "spotguard.dev", "v1alpha1", ns, "trainingjobs", "j00",
+                "spotguard.dev",
+                "v1alpha1",
+                ns,
+                "trainingjobs",
+                "j00",
                 {"metadata": {"resourceVersion": "1"}, "status": {"hostPorts": None}},
-                _content_type="application/merge-patch+json")  # fmt: skip
+                _content_type="application/merge-patch+json",
+            )
         assert refused.value.status == 409
 
         # A second attempt reuses the job's pair.
@@ -139,13 +170,23 @@ def test_ports_are_distinct_stable_freed_and_wait_when_the_range_is_full(
         op.stop()
         op.start()
         create_job(apis, ns, hostnet_job("late", storage))
-        st = wait_status(apis, ns, "late", "HostPortsAllocated False",
-                         lambda s: cond(s, "HostPortsAllocated").get("status") == "False")
+        st = wait_status(
+            apis,
+            ns,
+            "late",
+            "HostPortsAllocated False",
+            lambda s: cond(s, "HostPortsAllocated").get("status") == "False",
+        )
         c = cond(st, "HostPortsAllocated")
         assert c["reason"] == "HostPortRangeExhausted" and "operator.hostPortRange" in c["message"], c
         assert st.get("phase") == "Pending" and not st.get("attempt") and not st.get("hostPorts"), st
-        wait_event(apis, ns, "late", "HostPortRangeExhausted",
-                   lambda t, r, m: t == "Warning" and r == "HostPortRangeExhausted" and f"{SMALL[0]}-" in m)
+        wait_event(
+            apis,
+            ns,
+            "late",
+            "HostPortRangeExhausted",
+            lambda t, r, m: t == "Warning" and r == "HostPortRangeExhausted" and f"{SMALL[0]}-" in m,
+        )
         assert pod_ports(apis, ns, "late-a1") is None
         assert {n: held(status(apis, ns, n)) for n in names} == ports  # nobody lost its pair
 
@@ -154,14 +195,20 @@ def test_ports_are_distinct_stable_freed_and_wait_when_the_range_is_full(
         st = wait_status(apis, ns, "j01", "Succeeded", lambda s: s.get("phase") == "Succeeded")
         assert "hostPorts" not in st
         assert wait_pod_ports(apis, ns, "late-a1") == ports["j01"]
-        st = wait_status(apis, ns, "late", "HostPortsAllocated True",
-                         lambda s: cond(s, "HostPortsAllocated").get("status") == "True")
+        st = wait_status(
+            apis, ns, "late", "HostPortsAllocated True", lambda s: cond(s, "HostPortsAllocated").get("status") == "True"
+        )
         assert held(st) == ports["j01"]
 
         # So does a job that is deleted.
         create_job(apis, ns, hostnet_job("later", storage))
-        wait_status(apis, ns, "later", "HostPortsAllocated False",
-                    lambda s: cond(s, "HostPortsAllocated").get("status") == "False")
+        wait_status(
+            apis,
+            ns,
+            "later",
+            "HostPortsAllocated False",
+            lambda s: cond(s, "HostPortsAllocated").get("status") == "False",
+        )
         custom.delete_namespaced_custom_object("spotguard.dev", "v1alpha1", ns, "trainingjobs", "j02")
         assert wait_pod_ports(apis, ns, "later-a1") == ports["j02"]
         delete_jobs(apis, ns, pods=False)

@@ -101,15 +101,22 @@ def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s
 
     # The CLI: ls shows what each checkpoint added; restore --plain exports a self-contained copy.
     env = base_env(s3_store.env())
-    listing = subprocess.run(spotguard_argv("ckpt", "ls", "--json", s3_uri), env=env, capture_output=True,
-                             text=True, check=True, timeout=120)  # fmt: skip
+    listing = subprocess.run(
+        spotguard_argv("ckpt", "ls", "--json", s3_uri), env=env, capture_output=True, text=True, check=True, timeout=120
+    )
     rows = {r["step"]: r for r in json.loads(listing.stdout)["checkpoints"]}
     assert rows[10]["format_version"] == rows[20]["format_version"] == 3
     assert rows[10]["new_bytes"] == total and rows[20]["new_bytes"] == second.new_bytes
     assert all(r["verified"] for r in rows.values())
     export = tmp_path / "export"
-    subprocess.run(spotguard_argv("ckpt", "restore", "--plain", f"{s3_uri}/{checkpoint_name(20)}", str(export)),
-                   env=env, capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        spotguard_argv("ckpt", "restore", "--plain", f"{s3_uri}/{checkpoint_name(20)}", str(export)),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     exported = export / checkpoint_name(20)
     assert (exported / MANIFEST_NAME).read_bytes() == (Path(plain.uri) / MANIFEST_NAME).read_bytes()
     assert (exported / "model.safetensors").read_bytes() == (
@@ -120,9 +127,14 @@ def test_only_new_chunks_are_uploaded_and_verified_by_store_checksum(s3_store, s
     only_10 = set(read_manifest(storage, checkpoint_name(10)).chunk_refs()) - set(result.manifest.chunk_refs())
     assert only_10
     # (Nothing else writes: the shortest lease and grace.)
-    gc = subprocess.run(spotguard_argv("ckpt", "gc", "--keep-last", "1", "--orphan-grace", "0.001", s3_uri),
-                        env={**env, "SPOTGUARD_GC_LEASE_SECONDS": "0.001"}, capture_output=True, text=True, check=True,
-                        timeout=120)  # fmt: skip
+    gc = subprocess.run(
+        spotguard_argv("ckpt", "gc", "--keep-last", "1", "--orphan-grace", "0.001", s3_uri),
+        env={**env, "SPOTGUARD_GC_LEASE_SECONDS": "0.001"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert f"deleted {checkpoint_name(10)}  (retention)" in gc.stdout, gc.stdout
     assert f"deleted {len(only_10)} unused chunk(s)" in gc.stdout, gc.stdout
     remaining = {key.rsplit("/", 1)[1] for key in chunk_objects(storage)}
@@ -179,10 +191,26 @@ def test_a_damaged_shared_chunk_fails_every_checkpoint_using_it(s3_store, s3_uri
 
 
 def run_argv(workdir: Path, storage: str, out: Path, steps: int) -> list[str]:
-    train = [PY, "-m", "spotguard.demo.train", "--steps", str(steps), "--save-every", "10", "--log-every", "1",
-             "--frozen-mib", "24", "--step-delay", "0.1", "--output", str(out)]  # fmt: skip
-    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts", "3",
-                          "--backoff", "0.1", "--", *train)  # fmt: skip
+    train = [
+        PY,
+        "-m",
+        "spotguard.demo.train",
+        "--steps",
+        str(steps),
+        "--save-every",
+        "10",
+        "--log-every",
+        "1",
+        "--frozen-mib",
+        "24",
+        "--step-delay",
+        "0.1",
+        "--output",
+        str(out),
+    ]
+    return spotguard_argv(
+        "run", "--workdir", str(workdir), "--storage", storage, "--max-restarts", "3", "--backoff", "0.1", "--", *train
+    )
 
 
 @pytest.mark.integration
@@ -311,8 +339,9 @@ def test_a_damaged_stored_chunk_is_sent_again_from_local_bytes_and_heals_every_c
     local = tmp_path / "ckpt"
 
     def shipper() -> CheckpointShipper:
-        return CheckpointShipper(local, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10,
-                                 incremental=True)
+        return CheckpointShipper(
+            local, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10, incremental=True
+        )
 
     def damage(step: int) -> str:
         refs = read_manifest(storage, checkpoint_name(step)).chunk_refs()

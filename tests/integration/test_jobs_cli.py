@@ -35,10 +35,12 @@ NS_PREFIX = "jobs"
 
 REPO = Path(__file__).resolve().parent.parent.parent
 NO_NODE = {"spotguard.dev/test-no-node": "true"}
-TRAINER = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-           "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
-
-
+TRAINER = {
+    "name": "trainer",
+    "image": "trainer:1",
+    "command": ["python", "-m", "train"],
+    "resources": {"limits": {"nvidia.com/gpu": 1}},
+}
 
 
 def cli_env(kube: Any, **extra: str) -> dict[str, str]:
@@ -51,8 +53,9 @@ def cli_env(kube: Any, **extra: str) -> dict[str, str]:
 
 
 def jobs(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spotguard.cli", "jobs", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", "jobs", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -91,16 +94,25 @@ def cells(line: str) -> list[str]:
 # --- tests ------------------------------------------------------------------------------
 
 
-def test_ls_table_json_and_not_found(kube: Any, apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                     tmp_path: Path) -> None:
+def test_ls_table_json_and_not_found(
+    kube: Any, apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     start_job(apis, ns, no_node_job("listed", f"file://{tmp_path}/store"))
     env = cli_env(kube)
 
     table = jobs(env, "ls", "-n", ns)
     assert table.returncode == 0, table.stderr
     head, *rows = table.stdout.strip().splitlines()
-    assert [c.strip() for c in cells(head)] == ["NAME", "PHASE", "ATTEMPT", "PREEMPTIONS", "FAILURES",
-                                                "VERIFIED STEP", "PLACEMENT", "AGE"]  # fmt: skip
+    assert [c.strip() for c in cells(head)] == [
+        "NAME",
+        "PHASE",
+        "ATTEMPT",
+        "PREEMPTIONS",
+        "FAILURES",
+        "VERIFIED STEP",
+        "PLACEMENT",
+        "AGE",
+    ]
     row = next(r.split() for r in rows if r.split()[0] == "listed")
     assert row[:7] == ["listed", "Pending", "1", "0", "0", "-", "-"]
 
@@ -130,13 +142,18 @@ def test_ls_table_json_and_not_found(kube: Any, apis: tuple[Any, Any], ns: str, 
     assert usage.returncode == 2 and "invalid choice: 'xml'" in usage.stderr
 
 
-def test_preempt_evicts_the_pod_and_the_operator_starts_attempt_2(kube: Any, apis: tuple[Any, Any], ns: str,
-                                                                  operator: OperatorProcess, tmp_path: Path) -> None:
+def test_preempt_evicts_the_pod_and_the_operator_starts_attempt_2(
+    kube: Any, apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     start_job(apis, ns, no_node_job("drill", f"file://{tmp_path}/store"))
     env = cli_env(kube)
-    proc = subprocess.Popen([sys.executable, "-m", "spotguard.cli", "jobs", "preempt", "drill", "-n", ns,
-                             "--progress", "--timeout", "60"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotguard.cli", "jobs", "preempt", "drill", "-n", ns, "--progress", "--timeout", "60"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # The next attempt's pod appears; make it run as kubelet would report it.
         st = wait_status(apis, ns, "drill", "attempt 2", lambda s: s.get("attempt") == 2)
@@ -186,9 +203,16 @@ def create_pdb(kube: Any, ns: str, job: str, tmp_path: Path) -> None:
     """A PodDisruptionBudget that allows no disruption of the job's pods (policy/v1, else v1beta1 before 1.21)."""
     for version in ("policy/v1", "policy/v1beta1"):
         manifest = tmp_path / "pdb.json"
-        manifest.write_text(json.dumps({
-            "apiVersion": version, "kind": "PodDisruptionBudget", "metadata": {"name": f"{job}-pdb", "namespace": ns},
-            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"spotguard.dev/job": job}}}}))  # fmt: skip
+        manifest.write_text(
+            json.dumps(
+                {
+                    "apiVersion": version,
+                    "kind": "PodDisruptionBudget",
+                    "metadata": {"name": f"{job}-pdb", "namespace": ns},
+                    "spec": {"minAvailable": 1, "selector": {"matchLabels": {"spotguard.dev/job": job}}},
+                }
+            )
+        )
         if kubectl(kube, "apply", "-f", str(manifest), check=False).returncode == 0:
             return
     raise AssertionError("could not create a PodDisruptionBudget")
@@ -205,8 +229,9 @@ def test_a_disruption_budget_refuses_the_eviction_and_a_timeout_is_an_error(
     env = cli_env(kube)
 
     refused = jobs(env, "preempt", "guarded", "-n", ns)
-    one_line_error(refused, "the eviction of pod guarded-a1 was refused", "PodDisruptionBudget",
-                   f"kubectl get pdb -n {ns}")  # fmt: skip
+    one_line_error(
+        refused, "the eviction of pod guarded-a1 was refused", "PodDisruptionBudget", f"kubectl get pdb -n {ns}"
+    )
     pod = core.read_namespaced_pod("guarded-a1", ns)
     assert pod.metadata.deletion_timestamp is None
     assert status(apis, ns, "guarded")["preemptions"] == 0
@@ -219,25 +244,43 @@ def test_a_disruption_budget_refuses_the_eviction_and_a_timeout_is_an_error(
     wait_status(apis, ns, "guarded", "attempt 2", lambda s: s.get("attempt") == 2 and s.get("preemptions") == 1)
 
 
-def test_checkpoints_in_s3_with_the_users_credentials(kube: Any, apis: tuple[Any, Any], ns: str,
-                                                      operator: OperatorProcess, s3_store: Any, s3_uri: str,
-                                                      tmp_path: Path) -> None:
+def test_checkpoints_in_s3_with_the_users_credentials(
+    kube: Any, apis: tuple[Any, Any], ns: str, operator: OperatorProcess, s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
     from spotguard.checkpoint import read_manifest, snapshot_state, upload_checkpoint, write_checkpoint
     from spotguard.storage import open_storage
 
     # The spec names the store's endpoint; the user's environment has only the keys.
-    create_job(apis, ns, no_node_job("stored", s3_uri, checkpoint={
-        "storage": s3_uri, "endpoint": s3_store.endpoint_url, "credentialsSecret": {"name": "stored-s3"}}))
-    storage = open_storage(f"{s3_uri}/{ns}/stored", endpoint_url=s3_store.endpoint_url,
-                           access_key=s3_store.access_key, secret_key=s3_store.secret_key)  # fmt: skip
+    create_job(
+        apis,
+        ns,
+        no_node_job(
+            "stored",
+            s3_uri,
+            checkpoint={
+                "storage": s3_uri,
+                "endpoint": s3_store.endpoint_url,
+                "credentialsSecret": {"name": "stored-s3"},
+            },
+        ),
+    )
+    storage = open_storage(
+        f"{s3_uri}/{ns}/stored",
+        endpoint_url=s3_store.endpoint_url,
+        access_key=s3_store.access_key,
+        secret_key=s3_store.secret_key,
+    )
     for step in (10, 20, 30):
         upload_checkpoint(write_checkpoint(tmp_path / f"local-{step}", step, snapshot_state({"step": step})), storage)
     damaged = f"ckpt-000000000020/{read_manifest(storage, 'ckpt-000000000020').files[0].path}"
     data = storage.read_bytes(damaged)
     storage.write_bytes(damaged, data[:-1] + bytes([data[-1] ^ 0xFF]))
 
-    keys = {"AWS_ACCESS_KEY_ID": s3_store.access_key, "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
-            "AWS_DEFAULT_REGION": s3_store.region}  # fmt: skip
+    keys = {
+        "AWS_ACCESS_KEY_ID": s3_store.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
+        "AWS_DEFAULT_REGION": s3_store.region,
+    }
     env = cli_env(kube, **keys)
     table = jobs(env, "checkpoints", "stored", "-n", ns)
     assert table.returncode == 0, table.stderr
@@ -249,16 +292,34 @@ def test_checkpoints_in_s3_with_the_users_credentials(kube: Any, apis: tuple[Any
     listed = json.loads(jobs(env, "checkpoints", "stored", "-n", ns, "-o", "json").stdout)
     assert listed["uri"] == f"{s3_uri}/{ns}/stored"
     assert [(c["step"], c["verified"], c["latest"]) for c in listed["checkpoints"]] == [
-        (10, True, False), (20, False, False), (30, True, True)]
+        (10, True, False),
+        (20, False, False),
+        (30, True, True),
+    ]
     assert listed["checkpoints"][1]["problems"]
 
     # Without credentials: what to do, in one line.
-    bare = cli_env(kube, AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-                   AWS_EC2_METADATA_DISABLED="true")  # fmt: skip
-    one_line_error(jobs(bare, "checkpoints", "stored", "-n", ns), "no AWS credentials found",
-                   "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY", f"reading {s3_uri}/{ns}/stored",
-                   f"Secret stored-s3 of namespace {ns}")  # fmt: skip
+    bare = cli_env(
+        kube,
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    one_line_error(
+        jobs(bare, "checkpoints", "stored", "-n", ns),
+        "no AWS credentials found",
+        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+        f"reading {s3_uri}/{ns}/stored",
+        f"Secret stored-s3 of namespace {ns}",
+    )
     # --endpoint-url overrides the spec's endpoint (here: one where nothing listens).
-    wrong = jobs(cli_env(kube, AWS_MAX_ATTEMPTS="1", **keys), "checkpoints", "stored", "-n", ns,
-                 "--endpoint-url", "http://127.0.0.1:9")  # fmt: skip
+    wrong = jobs(
+        cli_env(kube, AWS_MAX_ATTEMPTS="1", **keys),
+        "checkpoints",
+        "stored",
+        "-n",
+        ns,
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+    )
     one_line_error(wrong, "cannot reach the S3 endpoint (http://127.0.0.1:9")

@@ -48,8 +48,19 @@ pytestmark = pytest.mark.integration
 
 
 def command(*extra: str) -> list[str]:
-    return [PY, str(EXAMPLE), "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-            "--save-every", str(SAVE_EVERY), *extra]  # fmt: skip
+    return [
+        PY,
+        str(EXAMPLE),
+        "--samples",
+        str(SAMPLES),
+        "--batch-size",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--save-every",
+        str(SAVE_EVERY),
+        *extra,
+    ]
 
 
 def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -100,12 +111,22 @@ class Job:
 
     def start(self, *extra: str) -> Proc:
         self.runs += 1
-        argv = spotguard_argv("run", "--workdir", str(self.tmp_path / "work"), "--storage", self.uri,
-                              "--max-restarts", "0", "--", *command("--data", self.data, *extra))  # fmt: skip
+        argv = spotguard_argv(
+            "run",
+            "--workdir",
+            str(self.tmp_path / "work"),
+            "--storage",
+            self.uri,
+            "--max-restarts",
+            "0",
+            "--",
+            *command("--data", self.data, *extra),
+        )
         proc = Proc(argv, self.env, self.tmp_path / f"run{self.runs}.log")
         self.procs.append(proc)
-        line = proc.wait_for_line(lambda ln: "starting from scratch" in ln and "spotguard INFO" not in ln
-                                  or bool(RESUMED_RE.search(ln)))  # fmt: skip
+        line = proc.wait_for_line(
+            lambda ln: "starting from scratch" in ln and "spotguard INFO" not in ln or bool(RESUMED_RE.search(ln))
+        )
         m = RESUMED_RE.search(line)
         assert (int(m.group(1)) if m else None) == self.stopped, proc.tail()
         return proc
@@ -150,8 +171,12 @@ def test_preempted_at_an_epoch_end_mid_epoch_and_after_an_epochs_last_batch_ends
         at_epoch_end = job.preempt_at("epoch 1", "--pause-for-preemption-after-epoch", "1")
         assert at_epoch_end == PER_EPOCH
         manifest = read_manifest(job.storage, f"ckpt-{at_epoch_end:012d}")
-        assert {f.path for f in manifest.files} == {"state.json", "model.safetensors", "optimizer.safetensors",
-                                                    "rng.safetensors"}  # fmt: skip
+        assert {f.path for f in manifest.files} == {
+            "state.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "rng.safetensors",
+        }
         assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(manifest.metrics or {}), manifest.metrics
 
         mid = PER_EPOCH + rng.randint(1, PER_EPOCH - 2)

@@ -23,8 +23,16 @@ from testenv.faultproxy import FaultProxy, reset, status
 pytestmark = pytest.mark.integration
 
 #: The storage methods a reader calls (each one request, or one listing, against S3).
-READS = ("read_if_changed", "read_with_etag", "read_bytes", "list_dirs", "list_objects", "stat", "iter_chunks",
-         "stored_checksum")  # fmt: skip
+READS = (
+    "read_if_changed",
+    "read_with_etag",
+    "read_bytes",
+    "list_dirs",
+    "list_objects",
+    "stat",
+    "iter_chunks",
+    "stored_checksum",
+)
 
 
 class Clock:

@@ -48,31 +48,80 @@ JOB_WRITES = {"pods", "events", "services", "serviceaccounts", "rolebindings", "
 
 def replica(kube: Any, ns: str, pod: str, log_dir: Path) -> OperatorProcess:
     """An operator replica as the chart runs one: ``--leader-elect``, its pod's name in ``POD_NAME``."""
-    args = ["-n", ns, "--image", IMAGE, "--native-sidecar", "off", "--resync-seconds", "2",
-            "--checkpoint-poll-seconds", "1", "--leader-elect", "--leader-elect-resource-namespace", ns,
-            "--leader-elect-resource-name", LEASE, "--leader-elect-lease-duration", str(LEASE_SECONDS),
-            "--leader-elect-renew-deadline", str(RENEW_SECONDS), "--leader-elect-retry-period", str(RETRY_SECONDS)]
+    args = [
+        "-n",
+        ns,
+        "--image",
+        IMAGE,
+        "--native-sidecar",
+        "off",
+        "--resync-seconds",
+        "2",
+        "--checkpoint-poll-seconds",
+        "1",
+        "--leader-elect",
+        "--leader-elect-resource-namespace",
+        ns,
+        "--leader-elect-resource-name",
+        LEASE,
+        "--leader-elect-lease-duration",
+        str(LEASE_SECONDS),
+        "--leader-elect-renew-deadline",
+        str(RENEW_SECONDS),
+        "--leader-elect-retry-period",
+        str(RETRY_SECONDS),
+    ]
     return OperatorProcess(args, env={**kube.env(), "POD_NAME": pod}, log_path=log_dir / f"{pod}.log")
 
 
 def no_node_job(name: str, storage: str) -> dict[str, Any]:
-    trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-               "resources": {"limits": {"nvidia.com/gpu": 1}}}  # fmt: skip
-    preemption = {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 5, "backoff": {"initialSeconds": 0},
-                  "preemptionBackoff": {"initialSeconds": 0}}  # fmt: skip
+    trainer = {
+        "name": "trainer",
+        "image": "trainer:1",
+        "command": ["python", "-m", "train"],
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+    }
+    preemption = {
+        "maxPreemptions": 3,
+        "backoffLimit": 1,
+        "gracePeriodSeconds": 5,
+        "backoff": {"initialSeconds": 0},
+        "preemptionBackoff": {"initialSeconds": 0},
+    }
     return job_body(name, storage, trainer, node_selector=NO_NODE, every_steps=10, preemption=preemption)
 
 
 def shutdown_pod(core: Any, ns: str, pod: str) -> None:
     """What kubelet's graceful node shutdown leaves (1.26+)."""
-    ended = {"exitCode": 0, "reason": "Completed", "startedAt": "2030-01-01T00:00:00Z",
-             "finishedAt": "2030-01-01T00:01:00Z"}  # fmt: skip
-    core.patch_namespaced_pod_status(pod, ns, {"status": {
-        "phase": "Failed", "reason": "Terminated",
-        "message": "Pod was terminated in response to imminent node shutdown.",
-        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
-        "containerStatuses": [{"name": n, "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-                               "state": {"terminated": ended}} for n in ("trainer", "spotguard-sidecar")]}})
+    ended = {
+        "exitCode": 0,
+        "reason": "Completed",
+        "startedAt": "2030-01-01T00:00:00Z",
+        "finishedAt": "2030-01-01T00:01:00Z",
+    }
+    core.patch_namespaced_pod_status(
+        pod,
+        ns,
+        {
+            "status": {
+                "phase": "Failed",
+                "reason": "Terminated",
+                "message": "Pod was terminated in response to imminent node shutdown.",
+                "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
+                "containerStatuses": [
+                    {
+                        "name": n,
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "x",
+                        "imageID": "",
+                        "state": {"terminated": ended},
+                    }
+                    for n in ("trainer", "spotguard-sidecar")
+                ],
+            }
+        },
+    )
 
 
 def holder(core: Any, ns: str) -> str | None:
@@ -88,7 +137,8 @@ def ns(apis: tuple[Any, Any], crd: None) -> Iterator[str]:
 
 
 def test_a_frozen_leader_is_replaced_fenced_and_exits_and_a_stopped_one_hands_over(
-        kube: Any, apis: tuple[Any, Any], ns: str, tmp_path: Path) -> None:
+    kube: Any, apis: tuple[Any, Any], ns: str, tmp_path: Path
+) -> None:
     core, _ = apis
     a, b, c = (replica(kube, ns, pod, tmp_path) for pod in ("op-a", "op-b", "op-c"))
     try:
@@ -96,6 +146,7 @@ def test_a_frozen_leader_is_replaced_fenced_and_exits_and_a_stopped_one_hands_ov
         first = wait_for(lambda: holder(core, ns), "a leader", timeout=30)
         assert pod_of(first) == "op-a"
         b.start()  # a standby answers its liveness endpoint too
+
         # It answers as soon as it listens; it names the leader once its first look at the Lease is done.
         def naming_the_leader() -> str | None:
             body = http_get(f"http://127.0.0.1:{b.liveness_port}/healthz")
@@ -113,14 +164,20 @@ def test_a_frozen_leader_is_replaced_fenced_and_exits_and_a_stopped_one_hands_ov
         os.killpg(a.proc.pid, signal.SIGSTOP)
         frozen = time.monotonic()
         shutdown_pod(core, ns, "ha-a1")
-        second = wait_for(lambda: (lambda h: h if h and h != first else None)(holder(core, ns)),
-                          "the standby to take the Lease", timeout=30, interval=0.05)
+        second = wait_for(
+            lambda: (lambda h: h if h and h != first else None)(holder(core, ns)),
+            "the standby to take the Lease",
+            timeout=30,
+            interval=0.05,
+        )
         takeover = time.monotonic() - frozen
         assert pod_of(second) == "op-b"
         pod = wait_for(lambda: core.read_namespaced_pod("ha-a2", ns), "pod ha-a2", timeout=30, interval=0.05)
         next_step = time.monotonic() - frozen
-        print(f"takeover: Lease to the standby {takeover:.2f} s, next attempt's pod {next_step:.2f} s after SIGSTOP"
-              f" (lease {LEASE_SECONDS} s, renew deadline {RENEW_SECONDS} s, retry {RETRY_SECONDS} s)")
+        print(
+            f"takeover: Lease to the standby {takeover:.2f} s, next attempt's pod {next_step:.2f} s after SIGSTOP"
+            f" (lease {LEASE_SECONDS} s, renew deadline {RENEW_SECONDS} s, retry {RETRY_SECONDS} s)"
+        )
         # The standby waited out the lease from the last renewal it saw (at most a retry period before
         # the freeze), and took over within about two retry periods after it expired.
         assert LEASE_SECONDS - 1.2 * RETRY_SECONDS - 0.2 <= takeover <= LEASE_SECONDS + 3 * RETRY_SECONDS + 3
@@ -160,13 +217,19 @@ def test_a_frozen_leader_is_replaced_fenced_and_exits_and_a_stopped_one_hands_ov
         sigterm = time.monotonic()
         b.stop()
         exited = time.monotonic()
-        third = wait_for(lambda: (lambda h: h if h and pod_of(h) == "op-c" else None)(holder(core, ns)),
-                         "the next standby to take the released Lease", timeout=30, interval=0.05)
+        third = wait_for(
+            lambda: (lambda h: h if h and pod_of(h) == "op-c" else None)(holder(core, ns)),
+            "the next standby to take the released Lease",
+            timeout=30,
+            interval=0.05,
+        )
         handover = time.monotonic()
-        print(f"handover after a stop: the standby led {handover - sigterm:.2f} s after SIGTERM"
-              f" ({exited - sigterm:.2f} s for the leader to stop)")
+        print(
+            f"handover after a stop: the standby led {handover - sigterm:.2f} s after SIGTERM"
+            f" ({exited - sigterm:.2f} s for the leader to stop)"
+        )
         # It kept renewing until it released: without the release this would take a whole lease duration.
-        assert handover - exited < LEASE_SECONDS - 1, (handover - exited)
+        assert handover - exited < LEASE_SECONDS - 1, handover - exited
         assert "released the Lease" in b.log_path.read_text()
         wait_status(apis, ns, "ha", "a look by the new leader", lambda s: s.get("attempt") == 2)
         assert job["metadata"]["uid"] == core.read_namespaced_pod("ha-a2", ns).metadata.owner_references[0].uid

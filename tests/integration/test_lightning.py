@@ -50,8 +50,19 @@ def steps_per_epoch(nproc: int) -> int:
 
 
 def command(nproc: int, loader: str, *extra: str) -> list[str]:
-    args = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-            "--save-every", str(SAVE_EVERY), "--loader", loader, *extra]  # fmt: skip
+    args = [
+        "--samples",
+        str(SAMPLES),
+        "--batch-size",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--loader",
+        loader,
+        *extra,
+    ]
     if nproc == 1:
         return [PY, str(EXAMPLE), *args]
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(EXAMPLE), *args]
@@ -92,8 +103,9 @@ def digest_of(proc: Proc) -> str:
 
 def start_of(proc: Proc) -> int | None:
     """The step the run resumed from; None for a fresh start."""
-    line = proc.wait_for_line(lambda ln: "starting from scratch" in ln and "spotguard INFO" not in ln
-                              or bool(RESUMED_RE.search(ln)))  # fmt: skip
+    line = proc.wait_for_line(
+        lambda ln: "starting from scratch" in ln and "spotguard INFO" not in ln or bool(RESUMED_RE.search(ln))
+    )
     m = RESUMED_RE.search(line)
     return int(m.group(1)) if m else None
 
@@ -120,9 +132,17 @@ class Job:
 
     def start(self, *extra: str) -> Proc:
         self.runs += 1
-        argv = spotguard_argv("run", "--workdir", str(self.tmp_path / "work"), "--storage", self.uri,
-                              "--max-restarts", "0", "--",
-                              *command(self.nproc, self.loader, "--step-delay", STEP_DELAY, *extra))  # fmt: skip
+        argv = spotguard_argv(
+            "run",
+            "--workdir",
+            str(self.tmp_path / "work"),
+            "--storage",
+            self.uri,
+            "--max-restarts",
+            "0",
+            "--",
+            *command(self.nproc, self.loader, "--step-delay", STEP_DELAY, *extra),
+        )
         proc = Proc(argv, self.env, self.tmp_path / f"run{self.runs}.log")
         self.procs.append(proc)
         assert start_of(proc) == self.stopped, proc.tail()

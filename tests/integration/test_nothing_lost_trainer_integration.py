@@ -165,8 +165,9 @@ def test_an_in_process_emergency_upload_is_retried_until_the_store_answers(
     storage = s3_storage(s3_store, s3_uri)  # the test's own view, not through the proxy
     with store_proxy(s3_store) as proxy:
         options = {**s3_options(s3_store), "endpoint_url": proxy.url, "max_attempts": 1}
-        ck = Checkpointer(tmp_path / "ckpts", storage_uri=s3_uri, storage_options=options, upload=True,
-                          async_save=False)  # fmt: skip
+        ck = Checkpointer(
+            tmp_path / "ckpts", storage_uri=s3_uri, storage_options=options, upload=True, async_save=False
+        )
         ck.save(1, step_tensors(1))
         assert latest_verified(storage)[0].step == 1  # type: ignore[union-attr]
         proxy.fail_for(1.5)
@@ -213,8 +214,19 @@ def test_run_hands_the_command_no_storage_credentials_and_it_still_resumes(
 
     storage = s3_storage(s3_store, s3_uri)
     upload_checkpoint(commit_local(tmp_path / "elsewhere", 1), storage)
-    argv = spotguard_argv("run", "--workdir", str(tmp_path / "work"), "--storage", s3_uri, "--max-restarts", "0",
-                          "--", sys.executable, "-c", CHILD)  # fmt: skip
+    argv = spotguard_argv(
+        "run",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--storage",
+        s3_uri,
+        "--max-restarts",
+        "0",
+        "--",
+        sys.executable,
+        "-c",
+        CHILD,
+    )
     with reaping() as procs:
         proc = Proc(argv, base_env(s3_store.env()), tmp_path / "run.log")
         procs.append(proc)
@@ -228,18 +240,25 @@ def test_run_hands_the_command_no_storage_credentials_and_it_still_resumes(
 
 
 @pytest.mark.parametrize("passed", [False, True])
-def test_run_passes_the_storage_credentials_only_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            passed: bool) -> None:  # fmt: skip
+def test_run_passes_the_storage_credentials_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passed: bool
+) -> None:
     from spotguard.sidecar.metrics import SidecarMetrics
     from spotguard.sidecar.supervisor import RunConfig, Supervisor
     from spotguard.storage import open_storage
 
-    for key, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t",
-                       "SPOTGUARD_STORAGE_URI": "s3://elsewhere/x", "AWS_ENDPOINT_URL_S3": "http://e"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_SESSION_TOKEN": "t",
+        "SPOTGUARD_STORAGE_URI": "s3://elsewhere/x",
+        "AWS_ENDPOINT_URL_S3": "http://e",
+    }.items():
         monkeypatch.setenv(key, value)
     uri = f"file://{tmp_path}/store"
-    config = RunConfig(command=["true"], workdir=tmp_path, storage_uri=uri, checkpoint_dir=tmp_path / "ckpts",
-                       pass_credentials=passed)  # fmt: skip
+    config = RunConfig(
+        command=["true"], workdir=tmp_path, storage_uri=uri, checkpoint_dir=tmp_path / "ckpts", pass_credentials=passed
+    )
     env = Supervisor(config, open_storage(uri), SidecarMetrics()).child_env()
     secrets = {k: env.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")}
     if passed:

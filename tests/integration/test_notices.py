@@ -33,18 +33,44 @@ from spotguard.checkpoint import latest_verified
 # --- A notice from each provider gets a checkpoint verified before any SIGTERM ---------------
 
 
-def _notice_run(tmp_path: Path, s3_store: Any, s3_uri: str, sidecar_args: list[str], extra_env: dict[str, str],
-                trigger: Callable[[], None], source: str, settled: Callable[[], bool] = lambda: True) -> None:
+def _notice_run(
+    tmp_path: Path,
+    s3_store: Any,
+    s3_uri: str,
+    sidecar_args: list[str],
+    extra_env: dict[str, str],
+    trigger: Callable[[], None],
+    source: str,
+    settled: Callable[[], bool] = lambda: True,
+) -> None:
     """Trainer + sidecar; fire the notice; a checkpoint must verify while both still run."""
     port = free_port()
     storage = s3_storage(s3_store, s3_uri)
-    env = base_env({**s3_store.env(), **extra_env, "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-                    "SPOTGUARD_STORAGE_URI": s3_uri})
+    env = base_env(
+        {
+            **s3_store.env(),
+            **extra_env,
+            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+            "SPOTGUARD_STORAGE_URI": s3_uri,
+        }
+    )
     with reaping() as procs:
         # No routine checkpoints: only the notice can cause one.
         trainer = Proc(train_argv(100_000, None, 0.02, save_every=1_000_000), env, tmp_path / "trainer.log")
-        sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", str(port), "--metrics-addr", "127.0.0.1",
-                                      "--notice-interval", "0.2", *sidecar_args), env, tmp_path / "sidecar.log")
+        sidecar = Proc(
+            spotguard_argv(
+                "sidecar",
+                "--metrics-port",
+                str(port),
+                "--metrics-addr",
+                "127.0.0.1",
+                "--notice-interval",
+                "0.2",
+                *sidecar_args,
+            ),
+            env,
+            tmp_path / "sidecar.log",
+        )
         procs += [trainer, sidecar]
         trainer.wait_for_step(3)
         wait_until(lambda: scrape(port), 60, "the metrics endpoint")
@@ -54,8 +80,11 @@ def _notice_run(tmp_path: Path, s3_store: Any, s3_uri: str, sidecar_args: list[s
         trigger()
         info = wait_until(lambda: latest_verified(storage)[0], 120, "a checkpoint verified after the notice")
         assert info.step >= noticed_at
-        wait_until(lambda: metric(scrape(port), "spotguard_checkpoint_emergency_duration_seconds_count",
-                                  source=source) == 1, 60, "the notice's checkpoint in the metrics")
+        wait_until(
+            lambda: metric(scrape(port), "spotguard_checkpoint_emergency_duration_seconds_count", source=source) == 1,
+            60,
+            "the notice's checkpoint in the metrics",
+        )
         wait_until(settled, 30, "the provider to be acknowledged")
         samples = scrape(port)
         assert metric(samples, "spotguard_preemption_notices_total", source=source) == 1
@@ -83,36 +112,72 @@ def test_cloud_notice_checkpoints_before_sigterm(name: str, s3_store: Any, s3_ur
         settled: Callable[[], bool] = lambda: True  # noqa: E731
         if name == "azure":
             settled = lambda: fake.approved == ["602d9444-d2cd-49c7-8624-8643e7171297"]  # noqa: E731
-        _notice_run(tmp_path, s3_store, s3_uri, ["--notices", notices, flag, fake.url], {},
-                    lambda: trigger(fake), source, settled)
+        _notice_run(
+            tmp_path,
+            s3_store,
+            s3_uri,
+            ["--notices", notices, flag, fake.url],
+            {},
+            lambda: trigger(fake),
+            source,
+            settled,
+        )
         if name == "azure":
             # Approved only after the checkpoint was verified: exactly once.
             assert fake.count("POST", "/metadata/scheduledevents") == 1
 
 
 @pytest.mark.integration
-def test_kubernetes_disruption_target_checkpoints_before_sigterm(kube: Any, s3_store: Any, s3_uri: str,
-                                                                 tmp_path: Path) -> None:
+def test_kubernetes_disruption_target_checkpoints_before_sigterm(
+    kube: Any, s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
     from kubernetes import client
 
     core = client.CoreV1Api(kube.api_client())
     name = f"notice-{uuid.uuid4().hex[:8]}"
-    core.create_namespaced_pod("default", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-        "spec": {"terminationGracePeriodSeconds": 60,
-                 # Never scheduled: only its status matters here.
-                 "nodeSelector": {"spotguard.dev/no-such-node": "true"},
-                 "containers": [{"name": "trainer", "image": "trainer:latest", "command": ["true"]}]},
-    })
+    core.create_namespaced_pod(
+        "default",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "terminationGracePeriodSeconds": 60,
+                # Never scheduled: only its status matters here.
+                "nodeSelector": {"spotguard.dev/no-such-node": "true"},
+                "containers": [{"name": "trainer", "image": "trainer:latest", "command": ["true"]}],
+            },
+        },
+    )
 
     def disrupt() -> None:
-        core.patch_namespaced_pod_status(name, "default", {"status": {"conditions": [{
-            "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-            "message": "Pod was terminated in response to imminent node shutdown.",
-            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}]}})
+        core.patch_namespaced_pod_status(
+            name,
+            "default",
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "DisruptionTarget",
+                            "status": "True",
+                            "reason": "TerminationByKubelet",
+                            "message": "Pod was terminated in response to imminent node shutdown.",
+                            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                        }
+                    ]
+                }
+            },
+        )
 
     try:
-        _notice_run(tmp_path, s3_store, s3_uri, ["--notices", "k8s"],
-                    {"POD_NAME": name, "POD_NAMESPACE": "default", **kube.env()}, disrupt, "k8s")
+        _notice_run(
+            tmp_path,
+            s3_store,
+            s3_uri,
+            ["--notices", "k8s"],
+            {"POD_NAME": name, "POD_NAMESPACE": "default", **kube.env()},
+            disrupt,
+            "k8s",
+        )
     finally:
         core.delete_namespaced_pod(name, "default", grace_period_seconds=0)

@@ -81,14 +81,29 @@ def test_azure_preempt_event_and_acknowledgement() -> None:
     with serve(FakeAzure()) as azure:
         source = AzureScheduledEvents(azure.url)
         assert source.poll() is None
-        azure.add_event({"EventId": "reboot-1", "EventType": "Reboot", "ResourceType": "VirtualMachine",
-                         "Resources": ["vm1"], "EventStatus": "Scheduled",
-                         "NotBefore": "Fri, 02 Jan 2026 03:04:05 GMT"})
+        azure.add_event(
+            {
+                "EventId": "reboot-1",
+                "EventType": "Reboot",
+                "ResourceType": "VirtualMachine",
+                "Resources": ["vm1"],
+                "EventStatus": "Scheduled",
+                "NotBefore": "Fri, 02 Jan 2026 03:04:05 GMT",
+            }
+        )
         assert source.poll() is None  # not a preemption
-        azure.add_event({"EventId": "pre-1", "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                         "Resources": ["vm1"], "EventStatus": "Scheduled",
-                         "NotBefore": "Fri, 02 Jan 2026 03:04:05 GMT", "EventSource": "Platform",
-                         "DurationInSeconds": -1})
+        azure.add_event(
+            {
+                "EventId": "pre-1",
+                "EventType": "Preempt",
+                "ResourceType": "VirtualMachine",
+                "Resources": ["vm1"],
+                "EventStatus": "Scheduled",
+                "NotBefore": "Fri, 02 Jan 2026 03:04:05 GMT",
+                "EventSource": "Platform",
+                "DurationInSeconds": -1,
+            }
+        )
         notice = source.poll()
         assert notice is not None
         assert (notice.source, notice.event_id, notice.preempt) == ("azure", "pre-1", True)

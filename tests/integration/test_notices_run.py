@@ -40,10 +40,25 @@ def test_run_notices_checkpoint_before_sigterm(name: str, s3_store: Any, s3_uri:
         # No routine checkpoints: only the notice can cause one. The
         # notice sources come from the environment here, the endpoint from a flag.
         env = base_env({**s3_store.env(), "SPOTGUARD_NOTICES": notices})
-        run = Proc(spotguard_argv("run", "--workdir", str(tmp_path / "work"), "--storage", s3_uri,
-                                  "--metrics-port", str(port), "--notice-interval", "0.2", flag, fake.url,
-                                  "--", *train_argv(100_000, None, 0.02, save_every=1_000_000)),
-                   env, tmp_path / "run.log")
+        run = Proc(
+            spotguard_argv(
+                "run",
+                "--workdir",
+                str(tmp_path / "work"),
+                "--storage",
+                s3_uri,
+                "--metrics-port",
+                str(port),
+                "--notice-interval",
+                "0.2",
+                flag,
+                fake.url,
+                "--",
+                *train_argv(100_000, None, 0.02, save_every=1_000_000),
+            ),
+            env,
+            tmp_path / "run.log",
+        )
         procs.append(run)
         run.wait_for_step(3)
         wait_until(lambda: scrape(port), 60, "the metrics endpoint")
@@ -53,8 +68,11 @@ def test_run_notices_checkpoint_before_sigterm(name: str, s3_store: Any, s3_uri:
         trigger(fake)
         info = wait_until(lambda: latest_verified(storage)[0], 120, "a checkpoint verified after the notice")
         assert info.step >= noticed_at
-        wait_until(lambda: metric(scrape(port), "spotguard_checkpoint_emergency_duration_seconds_count",
-                                  source=source) == 1, 60, "the notice's checkpoint in the metrics")
+        wait_until(
+            lambda: metric(scrape(port), "spotguard_checkpoint_emergency_duration_seconds_count", source=source) == 1,
+            60,
+            "the notice's checkpoint in the metrics",
+        )
         settled: Callable[[], bool] = lambda: True  # noqa: E731
         if name == "azure":
             settled = lambda: fake.approved == ["602d9444-d2cd-49c7-8624-8643e7171297"]  # noqa: E731

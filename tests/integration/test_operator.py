@@ -52,10 +52,7 @@ pytestmark = pytest.mark.integration
 NS_PREFIX = "op"
 
 
-
 # --- fixtures -------------------------------------------------------------------
-
-
 
 
 # --- helpers --------------------------------------------------------------------
@@ -64,8 +61,9 @@ NS_PREFIX = "op"
 # --- tests ----------------------------------------------------------------------
 
 
-def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                           tmp_path: Path, kube: Any) -> None:
+def test_pod_layout_preemption_and_success(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path, kube: Any
+) -> None:
     core, _ = apis
     job = create_job(apis, ns, no_node_job("life", f"file://{tmp_path}/store"))
     pod = wait_pod(apis, ns, "life-a1")
@@ -112,8 +110,9 @@ def test_pod_layout_preemption_and_success(apis: tuple[Any, Any], ns: str, opera
     assert (metric_value(text, "spotguard_jobs", {"phase": "Succeeded"}) or 0) >= 1
 
 
-def test_failure_consumes_backoff_limit(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                        tmp_path: Path) -> None:
+def test_failure_consumes_backoff_limit(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     create_job(apis, ns, no_node_job("crash", f"file://{tmp_path}/store"))
     wait_pod(apis, ns, "crash-a1")
     fail_pod(apis, ns, "crash-a1", code=1)
@@ -130,8 +129,9 @@ def test_failure_consumes_backoff_limit(apis: tuple[Any, Any], ns: str, operator
     assert metric_value(operator.metrics(), "spotguard_job_failures_total", crash) == 2.0
 
 
-def test_invalid_spec_refused_or_marked(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                        tmp_path: Path) -> None:
+def test_invalid_spec_refused_or_marked(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     from kubernetes.client.exceptions import ApiException
 
     with pytest.raises(ApiException) as err:
@@ -170,18 +170,39 @@ def test_pod_deleted_out_of_band(apis: tuple[Any, Any], ns: str, operator: Opera
     wait_pod(apis, ns, "gone-a2")
 
 
-def test_vanished_node_is_a_preemption_at_once(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                               tmp_path: Path) -> None:
+def test_vanished_node_is_a_preemption_at_once(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     core, _ = apis
     node = f"h4-spot-{uuid.uuid4().hex[:6]}"
     label = {"spotguard.dev/test-node-for": node}
-    core.create_node({"metadata": {"name": node, "labels": label},
-                      "status": {"capacity": {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"},
-                                 "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"}}})
+    core.create_node(
+        {
+            "metadata": {"name": node, "labels": label},
+            "status": {
+                "capacity": {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"},
+                "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "10", "nvidia.com/gpu": "1"},
+            },
+        }
+    )
     try:
-        core.patch_node_status(node, {"status": {"conditions": [
-            {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "ready",
-             "lastHeartbeatTime": "2030-01-01T00:00:00Z", "lastTransitionTime": "2030-01-01T00:00:00Z"}]}})
+        core.patch_node_status(
+            node,
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "reason": "KubeletReady",
+                            "message": "ready",
+                            "lastHeartbeatTime": "2030-01-01T00:00:00Z",
+                            "lastTransitionTime": "2030-01-01T00:00:00Z",
+                        }
+                    ]
+                }
+            },
+        )
         body = no_node_job("lost", f"file://{tmp_path}")
         body["spec"]["template"]["spec"]["nodeSelector"] = label
         create_job(apis, ns, body)
@@ -212,8 +233,9 @@ def test_suspend_and_resume(apis: tuple[Any, Any], ns: str, operator: OperatorPr
     assert st["attempt"] == 2 and st["preemptions"] == 0
 
 
-def test_a_suspend_stops_a_pod_whose_creation_the_status_lost(apis: tuple[Any, Any], ns: str,
-                                                            operator: OperatorProcess, tmp_path: Path) -> None:
+def test_a_suspend_stops_a_pod_whose_creation_the_status_lost(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     core, custom = apis
     body = no_node_job("stray", f"file://{tmp_path}")
     body["spec"]["suspend"] = True
@@ -230,8 +252,9 @@ def test_a_suspend_stops_a_pod_whose_creation_the_status_lost(apis: tuple[Any, A
     assert st["preemptions"] == 0 and st["failures"] == 0
 
 
-def test_verified_checkpoint_reported_and_kept_after_delete(apis: tuple[Any, Any], ns: str,
-                                                            operator: OperatorProcess, tmp_path: Path) -> None:
+def test_verified_checkpoint_reported_and_kept_after_delete(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
     from spotguard.storage import open_storage
 
@@ -241,21 +264,34 @@ def test_verified_checkpoint_reported_and_kept_after_delete(apis: tuple[Any, Any
     remote = tmp_path / "store" / ns / "keep"
     local = write_checkpoint(tmp_path / "local", 30, snapshot_state({"step": 30}))
     upload_checkpoint(local, open_storage(f"file://{remote}"))
-    st = wait_status(apis, ns, "keep", "lastVerifiedCheckpoint",
-                     lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("step") == 30)
+    st = wait_status(
+        apis, ns, "keep", "lastVerifiedCheckpoint", lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("step") == 30
+    )
     assert st["lastVerifiedCheckpoint"]["uri"].endswith("/keep/ckpt-000000000030")
-    wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_last_verified_step",
-                                  {"namespace": ns, "trainingjob": "keep"}) == 30.0, "the last verified step metric")
+    wait_for(
+        lambda: (
+            metric_value(
+                operator.metrics(), "spotguard_job_last_verified_step", {"namespace": ns, "trainingjob": "keep"}
+            )
+            == 30.0
+        ),
+        "the last verified step metric",
+    )
 
     custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "keep")
     wait_for(lambda: pod_names(apis, ns, "keep") == [], "the job's pods to be deleted")
-    wait_for(lambda: metric_value(operator.metrics(), "spotguard_job_attempt", {"namespace": ns, "trainingjob": "keep"})
-             is None, "the job's series to be removed")
+    wait_for(
+        lambda: (
+            metric_value(operator.metrics(), "spotguard_job_attempt", {"namespace": ns, "trainingjob": "keep"}) is None
+        ),
+        "the job's series to be removed",
+    )
     assert (remote / "ckpt-000000000030" / "manifest.json").is_file()  # checkpoints are never deleted
 
 
-def test_operator_restart_mid_preemption_creates_no_duplicate(apis: tuple[Any, Any], kube: Any, crd: None,
-                                                               tmp_path: Path) -> None:
+def test_operator_restart_mid_preemption_creates_no_duplicate(
+    apis: tuple[Any, Any], kube: Any, crd: None, tmp_path: Path
+) -> None:
     core, _ = apis
     ns2 = new_namespace(core, "oprestart")
     op = start_operator(kube, ns2, tmp_path / f"operator-{ns2}.log")
@@ -296,13 +332,13 @@ def pod_token(core: Any, ns: str, account: str, pod: Any | None, audience: str =
     """A token as kubelet's projected serviceAccountToken volume gets it: TokenRequest bound to the pod."""
     spec: dict[str, Any] = {"audiences": [audience], "expirationSeconds": 600}
     if pod is not None:
-        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name,
-                                  "uid": pod.metadata.uid}  # fmt: skip
+        spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": pod.metadata.name, "uid": pod.metadata.uid}
     return str(core.create_namespaced_service_account_token(account, ns, {"spec": spec}).status.token)
 
 
-def relay(op: OperatorProcess, token: str | None, path: str = notice_relay.POD_PATH,
-          body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
+def relay(
+    op: OperatorProcess, token: str | None, path: str = notice_relay.POD_PATH, body: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any]]:
     """Ask the operator's notice relay as a sidecar would (its HTTP client): (status, JSON answer)."""
     import json
 
@@ -310,15 +346,25 @@ def relay(op: OperatorProcess, token: str | None, path: str = notice_relay.POD_P
 
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
     data = json.dumps(body).encode() if body is not None else None
-    resp = http_request(f"http://127.0.0.1:{op.liveness_port}{path}", method="POST" if data else "GET",
-                        headers=headers, data=data, timeout=10)  # fmt: skip
+    resp = http_request(
+        f"http://127.0.0.1:{op.liveness_port}{path}",
+        method="POST" if data else "GET",
+        headers=headers,
+        data=data,
+        timeout=10,
+    )
     return resp.status, json.loads(resp.body)
 
 
 def plain_pod(core: Any, ns: str, name: str, labels: dict[str, str]) -> Any:
     """A pod no node takes (only its identity matters)."""
-    return core.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels}, "spec": {
-        "nodeSelector": NO_NODE, "containers": [{"name": "c", "image": "busybox", "command": ["true"]}]}})
+    return core.create_namespaced_pod(
+        ns,
+        {
+            "metadata": {"name": name, "labels": labels},
+            "spec": {"nodeSelector": NO_NODE, "containers": [{"name": "c", "image": "busybox", "command": ["true"]}]},
+        },
+    )
 
 
 def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
@@ -336,8 +382,11 @@ def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
     # The template's own account, with the k8s source (refused by earlier releases).
     core.create_namespaced_service_account(ns, {"metadata": {"name": "trainer-sa"}})
     wait_for(lambda: core.read_namespaced_service_account("trainer-sa", ns).secrets, "trainer-sa's token", timeout=60)
-    body = no_node_job("notice", f"file://{tmp_path}/store", preemption={
-        "maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]})
+    body = no_node_job(
+        "notice",
+        f"file://{tmp_path}/store",
+        preemption={"maxPreemptions": 3, "gracePeriodSeconds": 5, "notices": ["k8s", "aws"]},
+    )
     body["spec"]["template"]["spec"]["serviceAccountName"] = "trainer-sa"
     create_job(apis, ns, body)
     create_job(apis, ns, no_node_job("other", f"file://{tmp_path}/store", preemption={"notices": ["k8s"]}))
@@ -352,9 +401,11 @@ def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
     other_token = pod_token(core, ns, "default", other)
     status, view = relay(operator, token)
     assert status == 200, view
-    assert view == {"metadata": {"uid": pod.metadata.uid, "deletionTimestamp": None},
-                    "spec": {"terminationGracePeriodSeconds": 5, "nodeName": None},
-                    "status": {"conditions": view["status"]["conditions"]}}  # fmt: skip
+    assert view == {
+        "metadata": {"uid": pod.metadata.uid, "deletionTimestamp": None},
+        "spec": {"terminationGracePeriodSeconds": 5, "nodeName": None},
+        "status": {"conditions": view["status"]["conditions"]},
+    }
     assert all(c["type"] != "DisruptionTarget" for c in view["status"]["conditions"])
     # Each token answers for its own pod only.
     status, seen = relay(operator, other_token)
@@ -363,12 +414,29 @@ def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
     # The sidecar's source, polling the relay with the token file as mounted.
     token_file = tmp_path / "token"
     token_file.write_text(token)
-    source = KubernetesDisruptionNotices(None, None, relay_url=f"http://127.0.0.1:{operator.liveness_port}"
-                                         f"{notice_relay.POD_PATH}", token_file=str(token_file))  # fmt: skip
+    source = KubernetesDisruptionNotices(
+        None,
+        None,
+        relay_url=f"http://127.0.0.1:{operator.liveness_port}{notice_relay.POD_PATH}",
+        token_file=str(token_file),
+    )
     assert source.poll() is None and source.last_error is None
-    core.patch_namespaced_pod_status("notice-a1", ns, {"status": {"conditions": [{
-        "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
-        "message": "Pod was terminated in response to imminent node shutdown."}]}})
+    core.patch_namespaced_pod_status(
+        "notice-a1",
+        ns,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "DisruptionTarget",
+                        "status": "True",
+                        "reason": "TerminationByKubelet",
+                        "message": "Pod was terminated in response to imminent node shutdown.",
+                    }
+                ]
+            }
+        },
+    )
     notice = wait_for(source.poll, "the DisruptionTarget through the relay", timeout=20)
     assert notice.key == f"k8s:{pod.metadata.uid}:TerminationByKubelet" and notice.preempt
     assert notice.deadline is not None and notice.deadline > 0
@@ -381,8 +449,10 @@ def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
     assert relay(operator, None)[0] == 401
     assert relay(operator, "not-a-token")[0] == 401
     assert relay(operator, pod_token(core, ns, "trainer-sa", pod, audience="https://kubernetes.default.svc"))[0] == 401
-    assert relay(operator, pod_token(core, ns, "trainer-sa", None)) == (403, {
-        "error": "the token is not bound to a pod: use a projected serviceAccountToken volume of the pod"})
+    assert relay(operator, pod_token(core, ns, "trainer-sa", None)) == (
+        403,
+        {"error": "the token is not bound to a pod: use a projected serviceAccountToken volume of the pod"},
+    )
     stranger = plain_pod(core, ns, "stranger", {"app": "web"})
     status, answer = relay(operator, pod_token(core, ns, "default", stranger))
     assert status == 403 and "not spotguard's" in answer["error"]
@@ -399,13 +469,22 @@ def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
     wait_for(lambda: relay(operator, stray_token)[0] in (401, 404), "the gone pod's token to be refused", timeout=15)
 
     # Events: one of the fixed reasons, on the caller's own pod, through the sidecar's client.
-    env = {"SPOTGUARD_NOTICE_URL": f"http://127.0.0.1:{operator.liveness_port}{notice_relay.POD_PATH}",
-           "SPOTGUARD_NOTICE_TOKEN_FILE": str(token_file)}  # fmt: skip
+    env = {
+        "SPOTGUARD_NOTICE_URL": f"http://127.0.0.1:{operator.liveness_port}{notice_relay.POD_PATH}",
+        "SPOTGUARD_NOTICE_TOKEN_FILE": str(token_file),
+    }
     assert post_pod_event(REASON_METRICS_PORT_UNAVAILABLE, "cannot serve metrics on :9400", env) is True
-    posted = wait_for(lambda: [e for e in core.list_namespaced_event(ns, field_selector="involvedObject.name=notice-a1")
-                               .items if e.reason == REASON_METRICS_PORT_UNAVAILABLE], "the relayed Event")
+    posted = wait_for(
+        lambda: [
+            e
+            for e in core.list_namespaced_event(ns, field_selector="involvedObject.name=notice-a1").items
+            if e.reason == REASON_METRICS_PORT_UNAVAILABLE
+        ],
+        "the relayed Event",
+    )
     assert [(e.type, e.message, e.involved_object.uid) for e in posted] == [
-        ("Warning", "cannot serve metrics on :9400", pod.metadata.uid)]
+        ("Warning", "cannot serve metrics on :9400", pod.metadata.uid)
+    ]
     assert relay(operator, token, notice_relay.EVENT_PATH, {"reason": REASON_METRICS_PORT_UNAVAILABLE})[0] == 429
     assert relay(operator, other_token, notice_relay.EVENT_PATH, {"reason": "Killing", "message": "x"})[0] == 400
     assert token not in operator.log_tail(400) and other_token not in operator.log_tail(400)
@@ -413,8 +492,9 @@ def test_k8s_notices_a_pod_learns_only_its_own_disruption_through_the_operator(
         core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
 
 
-def test_unknown_notice_source_is_refused_by_the_schema(apis: tuple[Any, Any], ns: str, crd: None,
-                                                        tmp_path: Path) -> None:
+def test_unknown_notice_source_is_refused_by_the_schema(
+    apis: tuple[Any, Any], ns: str, crd: None, tmp_path: Path
+) -> None:
     from kubernetes.client.exceptions import ApiException
 
     with pytest.raises(ApiException) as err:
@@ -424,22 +504,44 @@ def test_unknown_notice_source_is_refused_by_the_schema(apis: tuple[Any, Any], n
 
 def waiting(container: str, reason: str, message: str) -> dict[str, Any]:
     """A container kubelet cannot start, as kubelet reports it."""
-    return {"name": container, "ready": False, "restartCount": 0, "image": "spotguard:test", "imageID": "",
-            "state": {"waiting": {"reason": reason, "message": message}}}
+    return {
+        "name": container,
+        "ready": False,
+        "restartCount": 0,
+        "image": "spotguard:test",
+        "imageID": "",
+        "state": {"waiting": {"reason": reason, "message": message}},
+    }
 
 
-def test_pod_that_cannot_start_is_reported_on_the_job(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                      tmp_path: Path) -> None:
+def test_pod_that_cannot_start_is_reported_on_the_job(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     core, _ = apis
-    create_job(apis, ns, no_node_job("nosecret", "s3://bucket/jobs",
-                                  checkpoint={"storage": "s3://bucket/jobs", "credentialsSecret": {"name": "absent"}}))
+    create_job(
+        apis,
+        ns,
+        no_node_job(
+            "nosecret",
+            "s3://bucket/jobs",
+            checkpoint={"storage": "s3://bucket/jobs", "credentialsSecret": {"name": "absent"}},
+        ),
+    )
     wait_pod(apis, ns, "nosecret-a1")
     wait_status(apis, ns, "nosecret", "attempt 1", lambda s: s.get("attempt") == 1)
     # As kubelet reports a missing Secret (CreateContainerConfigError), on the restore init container.
-    patch_pod_status(apis, ns, "nosecret-a1", {"phase": "Pending", "initContainerStatuses": [
-        waiting("spotguard-restore", "CreateContainerConfigError", 'secret "absent" not found')]})
-    st = wait_status(apis, ns, "nosecret", "PodBlocked",
-                     lambda s: cond(s, "PodBlocked").get("status") == "True")
+    patch_pod_status(
+        apis,
+        ns,
+        "nosecret-a1",
+        {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                waiting("spotguard-restore", "CreateContainerConfigError", 'secret "absent" not found')
+            ],
+        },
+    )
+    st = wait_status(apis, ns, "nosecret", "PodBlocked", lambda s: cond(s, "PodBlocked").get("status") == "True")
     blocked = cond(st, "PodBlocked")
     assert blocked["reason"] == "CreateContainerConfigError"
     assert 'secret "absent" not found' in blocked["message"] and "create it" in blocked["message"]
@@ -449,15 +551,38 @@ def test_pod_that_cannot_start_is_reported_on_the_job(apis: tuple[Any, Any], ns:
     assert warning == [("Warning", blocked["message"])]
 
     # A bad image next (reason changes: a new Event), then the pod runs (the condition clears).
-    patch_pod_status(apis, ns, "nosecret-a1", {
-        "initContainerStatuses": [terminated("spotguard-restore", 0)],
-        "containerStatuses": [waiting("trainer", "ImagePullBackOff", 'Back-off pulling image "trainer:1"')]})
-    wait_status(apis, ns, "nosecret", "ImagePullBackOff",
-                lambda s: cond(s, "PodBlocked").get("reason") == "ImagePullBackOff")
+    patch_pod_status(
+        apis,
+        ns,
+        "nosecret-a1",
+        {
+            "initContainerStatuses": [terminated("spotguard-restore", 0)],
+            "containerStatuses": [waiting("trainer", "ImagePullBackOff", 'Back-off pulling image "trainer:1"')],
+        },
+    )
+    wait_status(
+        apis, ns, "nosecret", "ImagePullBackOff", lambda s: cond(s, "PodBlocked").get("reason") == "ImagePullBackOff"
+    )
     wait_events(apis, ns, "nosecret", {"ImagePullBackOff"})
-    core.patch_namespaced_pod_status("nosecret-a1", ns, {"status": {"phase": "Running", "containerStatuses": [
-        {"name": "trainer", "ready": True, "restartCount": 0, "image": "trainer:1", "imageID": "",
-         "state": {"running": {"startedAt": "2030-01-01T00:00:00Z"}}}]}})
+    core.patch_namespaced_pod_status(
+        "nosecret-a1",
+        ns,
+        {
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": "trainer",
+                        "ready": True,
+                        "restartCount": 0,
+                        "image": "trainer:1",
+                        "imageID": "",
+                        "state": {"running": {"startedAt": "2030-01-01T00:00:00Z"}},
+                    }
+                ],
+            }
+        },
+    )
     st = wait_status(apis, ns, "nosecret", "unblocked", lambda s: cond(s, "PodBlocked").get("status") == "False")
     assert st["phase"] == "Running" and cond(st, "PodBlocked")["reason"] == "Unblocked"
 
@@ -470,8 +595,9 @@ def upload_verified(tmp_path: Path, remote: Path, step: int) -> None:
     upload_checkpoint(local, open_storage(f"file://{remote}"))
 
 
-def test_no_read_checkpoints_reads_no_secret_and_no_store(apis: tuple[Any, Any], kube: Any, crd: None,
-                                                          tmp_path: Path) -> None:
+def test_no_read_checkpoints_reads_no_secret_and_no_store(
+    apis: tuple[Any, Any], kube: Any, crd: None, tmp_path: Path
+) -> None:
     core, _ = apis
     ns2 = new_namespace(core, "noread")
     # A verified checkpoint the operator would report if it read storage.
@@ -496,8 +622,9 @@ def test_no_read_checkpoints_reads_no_secret_and_no_store(apis: tuple[Any, Any],
         core.delete_namespace(ns2)
 
 
-def test_final_checkpoint_is_recorded_after_success(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                    tmp_path: Path) -> None:
+def test_final_checkpoint_is_recorded_after_success(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     create_job(apis, ns, no_node_job("final", f"file://{tmp_path}/store"))
     wait_pod(apis, ns, "final-a1")
     run_pod(apis, ns, "final-a1")
@@ -505,15 +632,18 @@ def test_final_checkpoint_is_recorded_after_success(apis: tuple[Any, Any], ns: s
     # The sidecar ships the last checkpoint just before the pod ends.
     upload_verified(tmp_path, tmp_path / "store" / ns / "final", 99)
     succeed_pod(apis, ns, "final-a1")
-    st = wait_status(apis, ns, "final", "Succeeded with step 99",
-                     lambda s: s.get("phase") == "Succeeded"
-                     and (s.get("lastVerifiedCheckpoint") or {}).get("step") == 99)
+    st = wait_status(
+        apis,
+        ns,
+        "final",
+        "Succeeded with step 99",
+        lambda s: s.get("phase") == "Succeeded" and (s.get("lastVerifiedCheckpoint") or {}).get("step") == 99,
+    )
     assert st["lastVerifiedCheckpoint"]["uri"].endswith("/final/ckpt-000000000099")
     assert (metric_value(operator.metrics(), "spotguard_operator_storage_reads_total", {"result": "ok"}) or 0) >= 1
 
 
-def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, Any], crd: None,
-                                                             tmp_path: Path) -> None:
+def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, Any], crd: None, tmp_path: Path) -> None:
     from spotguard.operator import kubeapi as rc
     from spotguard.operator.metrics import OperatorMetrics
     from spotguard.operator.probe import CheckpointProbe
@@ -531,8 +661,13 @@ def test_probe_reuses_one_client_per_job_settles_and_forgets(apis: tuple[Any, An
     probe = CheckpointProbe(ctx, workers=1, open_storage=counting_open)
     try:
         create_job(apis, ns2, no_node_job("p", f"file://{tmp_path}/store"))
-        create_job(apis, ns2, no_node_job("q", "s3://bucket/x", checkpoint={
-            "storage": "s3://bucket/x", "credentialsSecret": {"name": "absent"}}))
+        create_job(
+            apis,
+            ns2,
+            no_node_job(
+                "q", "s3://bucket/x", checkpoint={"storage": "s3://bucket/x", "credentialsSecret": {"name": "absent"}}
+            ),
+        )
         remote = tmp_path / "store" / ns2 / "p"
         assert probe.probe_once(ns2, "p") == "unchanged"  # nothing verified yet
         upload_verified(tmp_path, remote, 10)
@@ -592,20 +727,31 @@ class SilentStore:
             c.close()
 
 
-def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: Any, crd: None,
-                                                  tmp_path: Path) -> None:
+def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: Any, crd: None, tmp_path: Path) -> None:
     core, _ = apis
     ns2 = new_namespace(core, "hung")
     store = SilentStore()
-    core.create_namespaced_secret(ns2, {"metadata": {"name": "s3"}, "stringData": {
-        "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}})
+    core.create_namespaced_secret(
+        ns2, {"metadata": {"name": "s3"}, "stringData": {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}}
+    )
     op = start_operator(kube, ns2, tmp_path / "operator.log", extra_args=["--probe-workers", "2"])
     # More jobs than a default thread pool has threads (min(32, cores + 4)), each probe hanging on the store.
     jobs = [f"h{i}" for i in range(36)]
     try:
         for name in jobs:
-            create_job(apis, ns2, no_node_job(name, "s3://bucket/jobs", checkpoint={
-                "storage": "s3://bucket/jobs", "endpoint": store.url, "credentialsSecret": {"name": "s3"}}))
+            create_job(
+                apis,
+                ns2,
+                no_node_job(
+                    name,
+                    "s3://bucket/jobs",
+                    checkpoint={
+                        "storage": "s3://bucket/jobs",
+                        "endpoint": store.url,
+                        "credentialsSecret": {"name": "s3"},
+                    },
+                ),
+            )
         wait_for(lambda: len(store.conns) >= 2, "the probes to reach the hung store", timeout=60)
         for name in jobs[:3]:
             wait_pod(apis, ns2, f"{name}-a1")
@@ -622,24 +768,36 @@ def test_pod_end_is_handled_while_the_store_hangs(apis: tuple[Any, Any], kube: A
         core.delete_namespace(ns2)
 
 
-def test_probe_shares_one_s3_client_between_jobs_with_the_same_credentials(apis: tuple[Any, Any], crd: None,
-                                                                           s3_store: Any, tmp_path: Path) -> None:
+def test_probe_shares_one_s3_client_between_jobs_with_the_same_credentials(
+    apis: tuple[Any, Any], crd: None, s3_store: Any, tmp_path: Path
+) -> None:
     from spotguard.operator import kubeapi as rc
     from spotguard.operator.metrics import OperatorMetrics
     from spotguard.operator.probe import CheckpointProbe
 
     core, custom = apis
     ns2 = new_namespace(core, "probe-s3")  # no operator watches it: only this probe reads
-    core.create_namespaced_secret(ns2, {"metadata": {"name": "s3"}, "stringData": {
-        "AWS_ACCESS_KEY_ID": s3_store.access_key, "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
-        "AWS_ENDPOINT_URL": s3_store.endpoint_url}})
+    core.create_namespaced_secret(
+        ns2,
+        {
+            "metadata": {"name": "s3"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": s3_store.access_key,
+                "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
+                "AWS_ENDPOINT_URL": s3_store.endpoint_url,
+            },
+        },
+    )
     ctx = rc.Context(core=core, custom=custom, config=OperatorConfig(image=IMAGE), metrics=OperatorMetrics())
     probe = CheckpointProbe(ctx, workers=1)
     storage = f"s3://{s3_store.bucket}/probe-{ns2}"
     try:
         for name in ("a", "b", "c"):
-            create_job(apis, ns2, no_node_job(name, storage, checkpoint={"storage": storage,
-                                                                       "credentialsSecret": {"name": "s3"}}))
+            create_job(
+                apis,
+                ns2,
+                no_node_job(name, storage, checkpoint={"storage": storage, "credentialsSecret": {"name": "s3"}}),
+            )
         for _ in range(2):
             for name in ("a", "b", "c"):
                 assert probe.probe_once(ns2, name) == "unchanged", probe.errors

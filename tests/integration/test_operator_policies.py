@@ -50,8 +50,6 @@ def wait_metric(operator: OperatorProcess, name: str, labels: dict[str, str], va
 NS_PREFIX = "pol"
 
 
-
-
 @pytest.fixture
 def pools(apis: tuple[Any, Any]) -> Iterator[tuple[dict[str, str], dict[str, str], list[str]]]:
     """A spot node and an on-demand node (node objects the scheduler uses), labelled apart from any other test's."""
@@ -78,17 +76,36 @@ def node_of(apis: tuple[Any, Any], ns: str, pod: str, nodes: list[str]) -> str:
 def evict(apis: tuple[Any, Any], ns: str, pod: str) -> None:
     """A drain: the pod is deleted and ends (kubelet would SIGTERM it; the trainer saves and exits 0)."""
     core, _ = apis
-    patch_pod_status(apis, ns, pod, {
-        "phase": "Failed", "reason": "Evicted", "message": "drained",
-        "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
-                        "message": "Eviction API: evicting"}],
-        "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})  # fmt: skip
+    patch_pod_status(
+        apis,
+        ns,
+        pod,
+        {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": "drained",
+            "conditions": [
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "EvictionByEvictionAPI",
+                    "message": "Eviction API: evicting",
+                }
+            ],
+            "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)],
+        },
+    )
 
 
-def test_failure_rules_ignore_an_exit_code_and_fail_the_job_on_oom(apis: tuple[Any, Any], ns: str,
-                                                                   operator: OperatorProcess, tmp_path: Path) -> None:
-    rules = {"rules": [{"action": "FailJob", "onReasons": ["OOMKilled"]},
-                       {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "values": [134]}}]}
+def test_failure_rules_ignore_an_exit_code_and_fail_the_job_on_oom(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
+    rules = {
+        "rules": [
+            {"action": "FailJob", "onReasons": ["OOMKilled"]},
+            {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "values": [134]}},
+        ]
+    }
     create_job(apis, ns, no_node_job("rules", f"file://{tmp_path}", failurePolicy=rules))
     for attempt in (1, 2):  # backoffLimit 1: the second counted failure would fail the job
         wait_status(apis, ns, "rules", f"attempt {attempt}", lambda s, a=attempt: s.get("attempt") == a)
@@ -100,16 +117,24 @@ def test_failure_rules_ignore_an_exit_code_and_fail_the_job_on_oom(apis: tuple[A
     ignored = [m for _, r, m in events(apis, ns, "rules") if r == "PodFailed"]
     assert ignored and all("not counted, spec.failurePolicy.rules[1]" in m for m in ignored), ignored
     wait_metric(operator, "spotguard_job_ignored_failures_total", {"namespace": ns, "trainingjob": "rules"}, 2)
-    patch_pod_status(apis, ns, "rules-a3", {"phase": "Failed", "containerStatuses": [
-        terminated("trainer", 137, "OOMKilled"), terminated("spotguard-sidecar", 0)]})  # fmt: skip
+    patch_pod_status(
+        apis,
+        ns,
+        "rules-a3",
+        {
+            "phase": "Failed",
+            "containerStatuses": [terminated("trainer", 137, "OOMKilled"), terminated("spotguard-sidecar", 0)],
+        },
+    )
     st = wait_status(apis, ns, "rules", "Failed", lambda s: s.get("phase") == "Failed")
     failed = cond(st, "Failed")
     assert failed["reason"] == "FailedByRule" and "rules[0]" in failed["message"], failed
     assert st["failures"] == 0 and st["attempt"] == 3
 
 
-def test_active_deadline_stops_the_pod_and_fails_the_job(apis: tuple[Any, Any], ns: str,
-                                                         operator: OperatorProcess, tmp_path: Path) -> None:
+def test_active_deadline_stops_the_pod_and_fails_the_job(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     create_job(apis, ns, no_node_job("deadline", f"file://{tmp_path}", activeDeadlineSeconds=4))
     wait_status(apis, ns, "deadline", "attempt 1", lambda s: s.get("attempt") == 1)
     run_pod(apis, ns, "deadline-a1")
@@ -120,9 +145,9 @@ def test_active_deadline_stops_the_pod_and_fails_the_job(apis: tuple[Any, Any], 
     assert st["attempt"] == 1
 
 
-def test_ttl_deletes_the_finished_job_object_and_keeps_its_checkpoints(apis: tuple[Any, Any], ns: str,
-                                                                       operator: OperatorProcess,
-                                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_ttl_deletes_the_finished_job_object_and_keeps_its_checkpoints(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     _, custom = apis
     kept = tmp_path / ns / "ttl" / "ckpt-00000010" / "manifest.json"
     kept.parent.mkdir(parents=True)
@@ -140,14 +165,21 @@ def test_ttl_deletes_the_finished_job_object_and_keeps_its_checkpoints(apis: tup
     assert kept.exists(), "the job's checkpoints must stay"
 
 
-def test_a_node_that_ended_the_job_twice_is_avoided(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                    tmp_path: Path,
-                                                    pools: tuple[dict[str, str], dict[str, str], list[str]]) -> None:
+def test_a_node_that_ended_the_job_twice_is_avoided(
+    apis: tuple[Any, Any],
+    ns: str,
+    operator: OperatorProcess,
+    tmp_path: Path,
+    pools: tuple[dict[str, str], dict[str, str], list[str]],
+) -> None:
     core, _ = apis
     spot, _, names = pools
-    body = no_node_job("avoid", f"file://{tmp_path}", avoidNodes={"afterEnds": 2, "forSeconds": 600},
-                       preemption={"maxPreemptions": 5, "backoffLimit": 5, "gracePeriodSeconds": 5,
-                                   "backoff": {"initialSeconds": 0}})  # fmt: skip
+    body = no_node_job(
+        "avoid",
+        f"file://{tmp_path}",
+        avoidNodes={"afterEnds": 2, "forSeconds": 600},
+        preemption={"maxPreemptions": 5, "backoffLimit": 5, "gracePeriodSeconds": 5, "backoff": {"initialSeconds": 0}},
+    )
     body["spec"]["template"]["spec"]["nodeSelector"] = spot
     create_job(apis, ns, body)
     for attempt in (1, 2):
@@ -162,18 +194,31 @@ def test_a_node_that_ended_the_job_twice_is_avoided(apis: tuple[Any, Any], ns: s
     terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
     assert [(f.key, f.operator, f.values) for f in terms[0].match_fields] == [("metadata.name", "NotIn", [names[0]])]
     # The only spot node is avoided: the scheduler says so, and the job says the pod cannot be placed.
-    wait_for(lambda: any(c.type == "PodScheduled" and c.status == "False"
-                         for c in core.read_namespaced_pod("avoid-a3", ns).status.conditions or []),
-             "the pod to be unschedulable", timeout=30)  # fmt: skip
+    wait_for(
+        lambda: any(
+            c.type == "PodScheduled" and c.status == "False"
+            for c in core.read_namespaced_pod("avoid-a3", ns).status.conditions or []
+        ),
+        "the pod to be unschedulable",
+        timeout=30,
+    )
 
 
 def test_repeated_preemptions_move_the_job_to_on_demand_and_the_cooldown_brings_it_back(
-    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path,
+    apis: tuple[Any, Any],
+    ns: str,
+    operator: OperatorProcess,
+    tmp_path: Path,
     pools: tuple[dict[str, str], dict[str, str], list[str]],
-) -> None:  # fmt: skip
+) -> None:
     spot, on_demand, names = pools
-    fallback = {"nodeSelector": on_demand, "afterPreemptions": 2, "preemptionWindowSeconds": 600,
-                "afterUnschedulableSeconds": 0, "cooldownSeconds": 6}  # fmt: skip
+    fallback = {
+        "nodeSelector": on_demand,
+        "afterPreemptions": 2,
+        "preemptionWindowSeconds": 600,
+        "afterUnschedulableSeconds": 0,
+        "cooldownSeconds": 6,
+    }
     body = no_node_job("fb", f"file://{tmp_path}", fallback=fallback)
     body["spec"]["template"]["spec"]["nodeSelector"] = spot
     create_job(apis, ns, body)
@@ -193,8 +238,14 @@ def test_repeated_preemptions_move_the_job_to_on_demand_and_the_cooldown_brings_
     # The cool-down is over: the operator stops attempt 3 (after its checkpoint) and attempt 4 runs on spot.
     started = time.monotonic()
     core, _ = apis
-    wait_for(lambda: core.read_namespaced_pod("fb-a3", ns).metadata.deletion_timestamp is not None
-             or "fb-a3" not in pod_names(apis, ns, "fb"), "attempt 3 to be stopped", timeout=60)  # fmt: skip
+    wait_for(
+        lambda: (
+            core.read_namespaced_pod("fb-a3", ns).metadata.deletion_timestamp is not None
+            or "fb-a3" not in pod_names(apis, ns, "fb")
+        ),
+        "attempt 3 to be stopped",
+        timeout=60,
+    )
     assert time.monotonic() - started < 30
     evict(apis, ns, "fb-a3")  # kubelet's SIGTERM: the trainer saved and exited
     st = wait_status(apis, ns, "fb", "attempt 4", lambda s: s.get("attempt") == 4, timeout=60)
@@ -206,10 +257,13 @@ def test_repeated_preemptions_move_the_job_to_on_demand_and_the_cooldown_brings_
     assert get_job(apis, ns, "fb")["status"]["attempt"] == 4
 
 
-def test_a_job_unschedulable_on_spot_moves_to_on_demand(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                        tmp_path: Path,
-                                                        pools: tuple[dict[str, str], dict[str, str], list[str]],
-                                                        ) -> None:  # fmt: skip
+def test_a_job_unschedulable_on_spot_moves_to_on_demand(
+    apis: tuple[Any, Any],
+    ns: str,
+    operator: OperatorProcess,
+    tmp_path: Path,
+    pools: tuple[dict[str, str], dict[str, str], list[str]],
+) -> None:
     _, on_demand, names = pools
     fallback = {"nodeSelector": on_demand, "afterUnschedulableSeconds": 2, "cooldownSeconds": 3600}
     body = no_node_job("nospot", f"file://{tmp_path}", fallback=fallback)

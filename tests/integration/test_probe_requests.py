@@ -40,8 +40,12 @@ class Clock:
 def make_probe(s3_store: Any, storage: str, names: list[str], clock: Clock, **kwargs: Any) -> CheckpointProbe:
     ctx = rc.Context(core=None, custom=None, config=OperatorConfig(image="spotguard:test"), metrics=OperatorMetrics())
     for name in names:
-        job = job_body(name, storage, TRAINER, checkpoint={"storage": storage, "endpoint": s3_store.endpoint_url,
-                                                          "region": s3_store.region})  # fmt: skip
+        job = job_body(
+            name,
+            storage,
+            TRAINER,
+            checkpoint={"storage": storage, "endpoint": s3_store.endpoint_url, "region": s3_store.region},
+        )
         job["status"] = {"phase": "Running"}
         ctx.jobs[(NS, name)] = job
     return CheckpointProbe(ctx, workers=1, clock=clock, **kwargs)
@@ -63,8 +67,9 @@ def upload(s3_store: Any, uri: str, local: Path, step: int) -> None:
     upload_checkpoint(commit_local(local / f"s{step}", step), open_storage(uri, **s3_options(s3_store)))
 
 
-def test_a_poll_that_finds_nothing_new_costs_one_request(store_env: Any, s3_uri: str, tmp_path: Path,
-                                                         caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_a_poll_that_finds_nothing_new_costs_one_request(
+    store_env: Any, s3_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     clock = Clock()
     probe = make_probe(store_env, s3_uri, ["a", "b"], clock)
     try:

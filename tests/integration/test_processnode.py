@@ -155,13 +155,15 @@ def test_gpu_pod_is_scheduled_and_its_containers_share_an_emptydir(
             container(
                 "writer",
                 ["python", "-c", "import os, sys; open(os.environ['DIR'] + '/from-writer', 'w').write('hello\\n')"],
-                env=env, volumeMounts=mount, resources={"limits": {"nvidia.com/gpu": "1"}},
+                env=env,
+                volumeMounts=mount,
+                resources={"limits": {"nvidia.com/gpu": "1"}},
             ),
             container("reader", ["sh", "-c", reader], env=env, volumeMounts=mount),
         ],
         initContainers=[container("init", ["sh", "-c", 'echo ready > "$DIR/from-init"'], env=env, volumeMounts=mount)],
         volumes=[{"name": "shared", "emptyDir": {}}],
-    )  # fmt: skip
+    )
     create_pod(core, ns, pod)
 
     done = wait_phase(core, ns, "gpu", ("Succeeded", "Failed"))
@@ -251,12 +253,20 @@ def test_secrets_configmaps_and_downward_api_reach_the_process(
     ]
     pod = pod_manifest(
         "config",
-        [container("main", ["python", "-c", script], args=[str(creds)], env=env,
-                   envFrom=[{"configMapRef": {"name": "settings"}}],
-                   volumeMounts=[{"name": "creds", "mountPath": str(creds)}])],
-        volumes=[{"name": "creds",
-                  "secret": {"secretName": "creds", "items": [{"key": "file.txt", "path": "renamed.txt"}]}}],
-    )  # fmt: skip
+        [
+            container(
+                "main",
+                ["python", "-c", script],
+                args=[str(creds)],
+                env=env,
+                envFrom=[{"configMapRef": {"name": "settings"}}],
+                volumeMounts=[{"name": "creds", "mountPath": str(creds)}],
+            )
+        ],
+        volumes=[
+            {"name": "creds", "secret": {"secretName": "creds", "items": [{"key": "file.txt", "path": "renamed.txt"}]}}
+        ],
+    )
     create_pod(core, ns, pod)
 
     done = wait_phase(core, ns, "config", ("Succeeded", "Failed"))
@@ -297,13 +307,15 @@ def pod_events(core: Any, namespace: str, name: str, reason: str) -> list[Any]:
 @pytest.mark.parametrize(
     ("ref", "message"),
     [
-        ({"env": [{"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "late", "key": "PASSWORD"}}}]},
-         'secret "late" not found'),
+        (
+            {"env": [{"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "late", "key": "PASSWORD"}}}]},
+            'secret "late" not found',
+        ),
         ({"envFrom": [{"secretRef": {"name": "late"}}]}, 'secret "late" not found'),
         ({"envFrom": [{"configMapRef": {"name": "late"}}]}, 'configmap "late" not found'),
     ],
     ids=["secretKeyRef", "envFrom-secret", "envFrom-configmap"],
-)  # fmt: skip
+)
 def test_missing_secret_or_configmap_for_env_is_a_config_error_until_created(
     core: Any, ns: str, kube: Any, process_nodes: ProcessNodes, ref: dict[str, Any], message: str
 ) -> None:
@@ -370,11 +382,17 @@ def test_on_failure_restarts_the_container_and_keeps_its_emptydir(core: Any, ns:
     count = 'n=$(cat "$DIR/runs" 2>/dev/null || echo 0); echo $((n+1)) > "$DIR/runs"; [ "$n" -ge 1 ]'
     pod = pod_manifest(
         "flaky",
-        [container("main", ["sh", "-c", count], env=[{"name": "DIR", "value": str(work)}],
-                   volumeMounts=[{"name": "work", "mountPath": str(work)}])],
+        [
+            container(
+                "main",
+                ["sh", "-c", count],
+                env=[{"name": "DIR", "value": str(work)}],
+                volumeMounts=[{"name": "work", "mountPath": str(work)}],
+            )
+        ],
         restartPolicy="OnFailure",
         volumes=[{"name": "work", "emptyDir": {}}],
-    )  # fmt: skip
+    )
     create_pod(core, ns, pod)
 
     done = wait_phase(core, ns, "flaky", ("Succeeded", "Failed"))
@@ -515,12 +533,16 @@ def test_kubectl_logs_through_the_apiserver(
         "talker",
         [
             container("main", ["sh", "-c", TALKER], env=[{"name": "GO", "value": str(go)}]),
-            container("restarter", ["sh", "-c", RESTARTER], env=[{"name": "DIR", "value": "/state"}],
-                      volumeMounts=[{"name": "state", "mountPath": "/state"}]),
+            container(
+                "restarter",
+                ["sh", "-c", RESTARTER],
+                env=[{"name": "DIR", "value": "/state"}],
+                volumeMounts=[{"name": "state", "mountPath": "/state"}],
+            ),
         ],
         restartPolicy="OnFailure",
         volumes=[{"name": "state", "emptyDir": {}}],
-    )  # fmt: skip
+    )
     create_pod(core, ns, pod)
 
     def logs(*args: str) -> str:
@@ -540,10 +562,22 @@ def test_kubectl_logs_through_the_apiserver(
     assert logs("-c", "restarter", "--previous") == "run 1\n"
 
     follow = subprocess.Popen(
-        [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), "logs", "-f", "-n", ns, "talker",
-         "-c", "main"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            str(kube.bin_dir / "kubectl"),
+            "--kubeconfig",
+            str(kube.kubeconfig),
+            "logs",
+            "-f",
+            "-n",
+            ns,
+            "talker",
+            "-c",
+            "main",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert follow.stdout is not None
         assert follow.stdout.readline() == "line 1\n"  # streaming while the container runs
@@ -585,8 +619,23 @@ def test_kubelet_endpoint_serves_only_the_apiserver(core: Any, kube: Any, proces
 # --- termination messages and mounts ------------------------------------------------------------
 
 # The runtime's /dev, and what the process node may add to it (GPUs on a GPU machine).
-DEV_ALLOWED = {"null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "mqueue", "shm",
-               "fd", "stdin", "stdout", "stderr", "termination-log"}  # fmt: skip
+DEV_ALLOWED = {
+    "null",
+    "zero",
+    "full",
+    "random",
+    "urandom",
+    "tty",
+    "ptmx",
+    "pts",
+    "mqueue",
+    "shm",
+    "fd",
+    "stdin",
+    "stdout",
+    "stderr",
+    "termination-log",
+}
 
 # Waits until "other" (same pod) has written its own termination log, then checks that
 # this container's log is still empty (private to it) and that /dev is private and works.
@@ -638,18 +687,22 @@ def test_termination_messages_like_kubelet(core: Any, ns: str, process_nodes: Pr
         "messages",
         [
             container("report", ["python", "-c", DEV_PROBE, str(shared)], volumeMounts=mount),
-            container("other", ["sh", "-c", f'{guard} printf other > {tlog} && touch "$0/other-wrote"',
-                                str(shared)], volumeMounts=mount),
+            container(
+                "other",
+                ["sh", "-c", f'{guard} printf other > {tlog} && touch "$0/other-wrote"', str(shared)],
+                volumeMounts=mount,
+            ),
             container("custom", ["sh", "-c", f"printf 'custom path' > {custom}"], terminationMessagePath=str(custom)),
             container("big", ["python", "-c", "open('/dev/termination-log', 'r+').write('a' * 100 + 'b' * 4096)"]),
             container("fallback", ["sh", "-c", f"{hundred_lines}; exit 3"], **fallback),
             container("fallback-ok", ["sh", "-c", "echo fine"], **fallback),
-            container("file-wins", ["sh", "-c", f"echo noise; {guard} printf 'from file' > {tlog}; exit 4"],
-                      **fallback),
+            container(
+                "file-wins", ["sh", "-c", f"echo noise; {guard} printf 'from file' > {tlog}; exit 4"], **fallback
+            ),
             container("plain-error", ["sh", "-c", "echo not a message; exit 5"]),
         ],
         volumes=[{"name": "shared", "emptyDir": {}}],
-    )  # fmt: skip
+    )
     create_pod(core, ns, pod)
 
     done = wait_phase(core, ns, "messages", ("Succeeded", "Failed"))
@@ -671,8 +724,11 @@ def test_termination_messages_like_kubelet(core: Any, ns: str, process_nodes: Pr
     assert terminated(done, "fallback").exit_code == 3
     # Nothing of it on the host: no /dev/termination-log, no mounts, no message files left over.
     assert host_log.exists() == host_log_existed
-    leaked = {m for m in mount_points(process_nodes.proc.pid) - mounts_before
-              if m.startswith(("/dev", "/tmp", "/run", str(process_nodes.state_dir)))}  # fmt: skip
+    leaked = {
+        m
+        for m in mount_points(process_nodes.proc.pid) - mounts_before
+        if m.startswith(("/dev", "/tmp", "/run", str(process_nodes.state_dir)))
+    }
     assert not leaked
     assert not list(process_nodes.log_path(ns, "messages", "report").parent.glob("*termination*"))
 
@@ -692,12 +748,18 @@ def test_termination_message_of_each_run_on_restarts(core: Any, ns: str, tmp_pat
     )
     pod = pod_manifest(
         "reruns",
-        [container("main", ["sh", "-c", script], env=[{"name": "DIR", "value": str(work)}],
-                   volumeMounts=[{"name": "work", "mountPath": str(work)}],
-                   terminationMessagePolicy="FallbackToLogsOnError")],
+        [
+            container(
+                "main",
+                ["sh", "-c", script],
+                env=[{"name": "DIR", "value": str(work)}],
+                volumeMounts=[{"name": "work", "mountPath": str(work)}],
+                terminationMessagePolicy="FallbackToLogsOnError",
+            )
+        ],
         restartPolicy="OnFailure",
         volumes=[{"name": "work", "emptyDir": {}}],
-    )  # fmt: skip
+    )
     create_pod(core, ns, pod)
 
     done = wait_phase(core, ns, "reruns", ("Succeeded", "Failed"))
@@ -729,11 +791,15 @@ def test_emptydir_at_tmp_hides_no_other_volume_source(core: Any, ns: str, proces
     )
     pod = pod_manifest(
         "hidden",
-        [container("main", ["python", "-c", script, marker],
-                   volumeMounts=[{"name": "scratch", "mountPath": "/tmp"},
-                                 {"name": "creds", "mountPath": "/tmp/creds"}])],
+        [
+            container(
+                "main",
+                ["python", "-c", script, marker],
+                volumeMounts=[{"name": "scratch", "mountPath": "/tmp"}, {"name": "creds", "mountPath": "/tmp/creds"}],
+            )
+        ],
         volumes=[{"name": "scratch", "emptyDir": {}}, {"name": "creds", "secret": {"secretName": "creds"}}],
-    )  # fmt: skip
+    )
     create_pod(core, ns, pod)
 
     done = wait_phase(core, ns, "hidden", ("Succeeded", "Failed"))
@@ -838,10 +904,24 @@ def test_spot_death(core: Any, ns: str, process_nodes: ProcessNodes, tmp_path: P
 
     if mode == "drain":  # through the CLI, as a person or script would
         out = subprocess.run(
-            [sys.executable, "-m", "testenv.processnode", "preempt", "--state-dir", str(process_nodes.state_dir),
-             "--pod", "victim", "--namespace", ns, "--mode", "drain"],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "testenv.processnode",
+                "preempt",
+                "--state-dir",
+                str(process_nodes.state_dir),
+                "--pod",
+                "victim",
+                "--namespace",
+                ns,
+                "--mode",
+                "drain",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
     else:
@@ -891,9 +971,23 @@ def _ready(node: Any) -> bool:
 
 def test_preempt_cli_reports_an_unknown_pod_in_one_line(process_nodes: ProcessNodes) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "testenv.processnode", "preempt", "--state-dir", str(process_nodes.state_dir),
-         "--pod", "no-such-pod", "--namespace", "default", "--mode", "kill"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "testenv.processnode",
+            "preempt",
+            "--state-dir",
+            str(process_nodes.state_dir),
+            "--pod",
+            "no-such-pod",
+            "--namespace",
+            "default",
+            "--mode",
+            "kill",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert out.stderr.strip() == "processnode: pod default/no-such-pod not found"

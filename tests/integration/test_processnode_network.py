@@ -46,7 +46,9 @@ print(json.dumps({"hostname": socket.gethostname(), "eth0": addr[3].split("/")[0
                   "pod_ip": os.environ.get("POD_IP"), "hosts": open("/etc/hosts").read()}), flush=True)
 """
 
-SERVER = REPORT + f"""
+SERVER = (
+    REPORT
+    + f"""
 s = socket.socket()
 s.bind(("0.0.0.0", {PORT}))
 s.listen()
@@ -55,8 +57,11 @@ for _ in range(int(os.environ["CONNECTIONS"])):
     c.sendall(("from-" + socket.gethostname()).encode())
     c.close()
 """
+)
 
-CLIENT = REPORT + f"""
+CLIENT = (
+    REPORT
+    + f"""
 import time
 s = socket.socket()
 s.bind(("0.0.0.0", {PORT}))  # the same port as the server, on another node: no collision
@@ -74,6 +79,7 @@ for name in os.environ["TARGETS"].split():
                 raise SystemExit(3)
             time.sleep(0.2)
 """
+)
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
@@ -170,10 +176,14 @@ def test_pods_on_two_nodes_bind_one_port_and_find_each_other_by_cluster_dns_name
 ) -> None:
     first, second = process_nodes.node_names()[:2]
     fqdn = f"w-0.w.{ns}.svc.cluster.local"
-    create_pod(core, ns, python_pod("server", SERVER, {"CONNECTIONS": "3"}, hostname="w-0", subdomain="w",
-                                    nodeName=first))  # fmt: skip
-    create_pod(core, ns, python_pod("client", CLIENT, {"TARGETS": f"{fqdn} w-0.w"}, hostname="w-1", subdomain="w",
-                                    nodeName=second))  # fmt: skip
+    create_pod(
+        core, ns, python_pod("server", SERVER, {"CONNECTIONS": "3"}, hostname="w-0", subdomain="w", nodeName=first)
+    )
+    create_pod(
+        core,
+        ns,
+        python_pod("client", CLIENT, {"TARGETS": f"{fqdn} w-0.w"}, hostname="w-1", subdomain="w", nodeName=second),
+    )
 
     # The host reaches a pod at its IP.
     server_ip = process_nodes.pod_ip(ns, "server")
@@ -206,8 +216,13 @@ def test_pods_reach_a_service_by_its_name_at_a_ready_endpoint(core: Any, ns: str
     """No kube-proxy and no cluster DNS: a Service's name leads to a ready endpoint's pod IP (its port is its
     target port), as the notice relay's URL needs."""
     first, second = process_nodes.node_names()[:2]
-    core.create_namespaced_service(ns, {"metadata": {"name": "web"}, "spec": {
-        "selector": {"app": "web"}, "ports": [{"port": PORT, "targetPort": PORT}]}})
+    core.create_namespaced_service(
+        ns,
+        {
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": PORT, "targetPort": PORT}]},
+        },
+    )
     server = python_pod("server", SERVER, {"CONNECTIONS": "2"}, nodeName=first)
     server["metadata"]["labels"] = {"app": "web"}
     create_pod(core, ns, server)
@@ -226,14 +241,20 @@ def test_a_services_name_needs_a_ready_endpoint() -> None:
 
     def endpoint_slice(*endpoints: dict[str, Any], service: str | None = "op") -> dict[str, Any]:
         labels = {"kubernetes.io/service-name": service} if service else {}
-        return {"metadata": {"name": "op-x1", "namespace": "sys", "uid": "u", "labels": labels},
-                "addressType": "IPv4", "endpoints": list(endpoints)}  # fmt: skip
+        return {
+            "metadata": {"name": "op-x1", "namespace": "sys", "uid": "u", "labels": labels},
+            "addressType": "IPv4",
+            "endpoints": list(endpoints),
+        }
 
     assert service_of(endpoint_slice()) is None
     assert service_of(endpoint_slice({"addresses": ["127.64.1.9"], "conditions": {"ready": False}})) is None
     assert service_of(endpoint_slice({"addresses": ["127.64.1.9"]}, service=None)) is None
-    ready = endpoint_slice({"addresses": ["127.64.1.9"], "conditions": {"ready": True}}, {"addresses": ["127.64.1.3"]},
-                           {"addresses": ["127.64.1.1"], "conditions": {"ready": False}})  # fmt: skip
+    ready = endpoint_slice(
+        {"addresses": ["127.64.1.9"], "conditions": {"ready": True}},
+        {"addresses": ["127.64.1.3"]},
+        {"addresses": ["127.64.1.1"], "conditions": {"ready": False}},
+    )
     assert service_of(ready) == ServiceAddress("sys", "op", "127.64.1.3")
     assert ServiceAddress("sys", "op", "127.64.1.3").names("ml") == ["op.sys.svc.cluster.local", "op.sys.svc"]
 
@@ -248,7 +269,9 @@ def _fetch(ip: str, port: int) -> bytes | None:
 
 def test_host_network_pod_shares_the_hosts_network(core: Any, ns: str, process_nodes: ProcessNodes) -> None:
     port = free_port()
-    script = REPORT + f"""
+    script = (
+        REPORT
+        + f"""
 s = socket.socket()
 s.bind(("127.0.0.1", {port}))
 s.listen()
@@ -256,6 +279,7 @@ c, _ = s.accept()
 c.sendall(b"host network")
 c.close()
 """
+    )
     create_pod(core, ns, python_pod("hostnet", script, hostNetwork=True))
     got = wait_for(lambda: _fetch("127.0.0.1", port), "the hostNetwork pod at the host's 127.0.0.1")
     assert got == b"host network"
@@ -349,8 +373,10 @@ def _sandbox_netns(nodes: ProcessNodes, namespace: str, pod: str) -> int:
 
 
 def _network_gone(ip: str, inode: int) -> bool:
-    return not Path("/sys/class/net", veth_name(ip)).exists() and ip not in IpPool().held() and not (
-        _processes_in_netns(inode)
+    return (
+        not Path("/sys/class/net", veth_name(ip)).exists()
+        and ip not in IpPool().held()
+        and not (_processes_in_netns(inode))
     )
 
 
@@ -462,12 +488,16 @@ def test_agent_leaves_the_hosts_network_settings_as_it_found_them(
 ) -> None:
     """route_localnet goes on the pod bridge only, never on the host's all/default, while pods run and after."""
     before = _route_localnet()
-    agent = ProcessNodes.start(kube.kubeconfig, tmp_path / "agent", count=1,
-                               extra_args=["--taint", "--name-prefix", "sysctl"])  # fmt: skip
+    agent = ProcessNodes.start(
+        kube.kubeconfig, tmp_path / "agent", count=1, extra_args=["--taint", "--name-prefix", "sysctl"]
+    )
     try:
         (node,) = agent.node_names()
-        create_pod(core, ns, python_pod("sleeper", "import time; time.sleep(600)", nodeName=node,
-                                        tolerations=[{"operator": "Exists"}]))  # fmt: skip
+        create_pod(
+            core,
+            ns,
+            python_pod("sleeper", "import time; time.sleep(600)", nodeName=node, tolerations=[{"operator": "Exists"}]),
+        )
         wait_phase(core, ns, "sleeper", ("Running",))
         ip = agent.pod_ip(ns, "sleeper")
         wait_for(lambda: _fetch_refused(ip), f"the pod at {ip} from the host")  # pod networking works

@@ -41,16 +41,32 @@ NO_NODE = {"spotguard.dev/test-no-node": "true"}
 
 
 def tool(kube: Any, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(kube.bin_dir / name), "--kubeconfig", str(kube.kubeconfig), *args],
-                          capture_output=True, text=True, check=check, timeout=180)  # fmt: skip
+    return subprocess.run(
+        [str(kube.bin_dir / name), "--kubeconfig", str(kube.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=180,
+    )
 
 
 def install(kube: Any, *sets: str) -> None:
     """Install (or upgrade to) the chart with exactly these values (no CRD: the ``crd`` fixture made it)."""
-    args = ["upgrade", "--install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
-            "--reset-values", "--set", "crds.enabled=false",
-            # No process node may run this operator: it would act on other tests' objects.
-            "--set-string", "nodeSelector.spotguard\\.dev/no-such-node=true"]  # fmt: skip
+    args = [
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NAMESPACE,
+        "--create-namespace",
+        "--reset-values",
+        "--set",
+        "crds.enabled=false",
+        # No process node may run this operator: it would act on other tests' objects.
+        "--set-string",
+        "nodeSelector.spotguard\\.dev/no-such-node=true",
+    ]
     for s in sets:
         args += ["--set", s]
     result = tool(kube, "helm", *args, check=False)
@@ -64,9 +80,22 @@ def can_i(kube: Any, verb: str, what: str, namespace: str | None, user: str = OP
 
 def bind(kube: Any, namespace: str, kind: str, role: str, user: str = OPERATOR) -> subprocess.CompletedProcess[str]:
     """Create (server-side dry run, so every check runs and nothing stays) a RoleBinding as ``user``."""
-    return tool(kube, "kubectl", "create", "rolebinding", "probe", f"--{kind}={role}", "-n", namespace,
-                f"--serviceaccount={namespace}:someone", "--dry-run=server", f"--as={user}", "-o", "name",
-                check=False)  # fmt: skip
+    return tool(
+        kube,
+        "kubectl",
+        "create",
+        "rolebinding",
+        "probe",
+        f"--{kind}={role}",
+        "-n",
+        namespace,
+        f"--serviceaccount={namespace}:someone",
+        "--dry-run=server",
+        f"--as={user}",
+        "-o",
+        "name",
+        check=False,
+    )
 
 
 def forbidden(result: subprocess.CompletedProcess[str]) -> bool:
@@ -103,7 +132,7 @@ def granted(kube: Any, namespace: str | None) -> dict[str, set[str]]:
     for line in out.splitlines()[1:]:
         if not line.strip() or line[0].isspace():  # non-resource URLs
             continue
-        rules.setdefault(line.split()[0], set()).update(line[line.rindex("[") + 1:line.rindex("]")].split())
+        rules.setdefault(line.split()[0], set()).update(line[line.rindex("[") + 1 : line.rindex("]")].split())
     assert "pods" in rules or "tokenreviews.authentication.k8s.io" in rules, out  # the table was read
     return rules
 
@@ -121,8 +150,9 @@ def assert_makes_no_account_role_or_binding(kube: Any, namespaces: tuple[str | N
         assert not can_i(kube, "create", "serviceaccounts", ns), ns
 
 
-def test_default_install_makes_no_account_role_or_binding(kube: Any, release: None,
-                                                          namespaces: tuple[str, str]) -> None:
+def test_default_install_makes_no_account_role_or_binding(
+    kube: Any, release: None, namespaces: tuple[str, str]
+) -> None:
     install(kube)
     ns = namespaces[0]
     assert_makes_no_account_role_or_binding(kube, (ns, namespaces[1], None))
@@ -134,16 +164,39 @@ def test_default_install_makes_no_account_role_or_binding(kube: Any, release: No
     # What the apiserver does with real requests (dry run: every check, nothing stored).
     for other in ("cluster-admin", "admin", "edit", "view"):
         assert forbidden(bind(kube, ns, "clusterrole", other)), other
-    role = tool(kube, "kubectl", "create", "role", "probe", "--verb=get", "--resource=secrets", "-n", ns,
-                "--dry-run=server", f"--as={OPERATOR}", check=False)  # fmt: skip
+    role = tool(
+        kube,
+        "kubectl",
+        "create",
+        "role",
+        "probe",
+        "--verb=get",
+        "--resource=secrets",
+        "-n",
+        ns,
+        "--dry-run=server",
+        f"--as={OPERATOR}",
+        check=False,
+    )
     assert forbidden(role), role.stdout + role.stderr
-    account = tool(kube, "kubectl", "create", "serviceaccount", "probe", "-n", ns, "--dry-run=server",
-                   f"--as={OPERATOR}", check=False)  # fmt: skip
+    account = tool(
+        kube,
+        "kubectl",
+        "create",
+        "serviceaccount",
+        "probe",
+        "-n",
+        ns,
+        "--dry-run=server",
+        f"--as={OPERATOR}",
+        check=False,
+    )
     assert forbidden(account), account.stdout + account.stderr
 
 
-def test_default_install_cannot_bind_its_own_cluster_role(kube: Any, release: None,
-                                                          namespaces: tuple[str, str]) -> None:
+def test_default_install_cannot_bind_its_own_cluster_role(
+    kube: Any, release: None, namespaces: tuple[str, str]
+) -> None:
     """The gap RBAC cannot close (an account that creates RoleBindings may bind any role whose rules it holds,
     its own included): closed by the operator's having no right to create RoleBindings at all."""
     install(kube)
@@ -199,7 +252,8 @@ def test_replicas_may_touch_only_their_own_lease(kube: Any, release: None, names
 def service_account_kubeconfig(kube: Any, core: Any, path: Path) -> Path:
     """A kubeconfig of the operator's ServiceAccount (a token from the TokenRequest API)."""
     token = core.create_namespaced_service_account_token(
-        FULLNAME, NAMESPACE, {"spec": {"expirationSeconds": 3600}}).status.token
+        FULLNAME, NAMESPACE, {"spec": {"expirationSeconds": 3600}}
+    ).status.token
     cfg = json.loads(Path(kube.kubeconfig).read_text())
     cfg["users"] = [{"name": "operator", "user": {"token": token}}]
     for ctx in cfg["contexts"]:
@@ -211,20 +265,29 @@ def service_account_kubeconfig(kube: Any, core: Any, path: Path) -> Path:
 
 def no_node_job(name: str, storage: str, **pod: Any) -> dict[str, Any]:
     trainer = {"name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"]}
-    return job_body(name, storage, trainer, node_selector=NO_NODE, pod_spec=pod or None, every_steps=10,
-                    preemption=fast_preemption(3, 1, 5, notices=["k8s"]))  # fmt: skip
+    return job_body(
+        name,
+        storage,
+        trainer,
+        node_selector=NO_NODE,
+        pod_spec=pod or None,
+        every_steps=10,
+        preemption=fast_preemption(3, 1, 5, notices=["k8s"]),
+    )
 
 
 def relay_get(port: int, token: str) -> tuple[int, dict[str, Any]]:
     from spotguard.sidecar.notices import http_request
 
-    resp = http_request(f"http://127.0.0.1:{port}{notice_relay.POD_PATH}", headers={"Authorization": f"Bearer {token}"},
-                        timeout=10)  # fmt: skip
+    resp = http_request(
+        f"http://127.0.0.1:{port}{notice_relay.POD_PATH}", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    )
     return resp.status, json.loads(resp.body)
 
 
 def test_operator_with_the_charts_rbac_relays_a_notice_pods_disruption(
-        kube: Any, apis: tuple[Any, Any], release: None, namespaces: tuple[str, str], tmp_path: Path) -> None:
+    kube: Any, apis: tuple[Any, Any], release: None, namespaces: tuple[str, str], tmp_path: Path
+) -> None:
     """The operator, as the chart's ServiceAccount: the pod of a job with the k8s source runs as its template's
     account (with no rights), its sidecar alone gets a token for the relay, and the relay answers it."""
     from kubernetes import client
@@ -237,12 +300,25 @@ def test_operator_with_the_charts_rbac_relays_a_notice_pods_disruption(
     # A job an older operator served: the account and RoleBinding it made, owned by the job. They stay as
     # they are (the operator may not touch them) and go with the job.
     legacy = create_job(apis, ns, no_node_job("legacy", store))
-    owner = [{"apiVersion": "spotguard.dev/v1alpha1", "kind": "TrainingJob", "name": "legacy",
-              "uid": legacy["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]  # fmt: skip
+    owner = [
+        {
+            "apiVersion": "spotguard.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "name": "legacy",
+            "uid": legacy["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     old = {"name": "legacy-spotguard-pod-notices", "namespace": ns, "ownerReferences": owner}
-    rbac.create_namespaced_role_binding(ns, {"metadata": old, "roleRef": {
-        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
-        "subjects": [{"kind": "ServiceAccount", "name": "legacy-spotguard-notices", "namespace": ns}]})
+    rbac.create_namespaced_role_binding(
+        ns,
+        {
+            "metadata": old,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+            "subjects": [{"kind": "ServiceAccount", "name": "legacy-spotguard-notices", "namespace": ns}],
+        },
+    )
     old_version = rbac.read_namespaced_role_binding(old["name"], ns).metadata.resource_version
     core.create_namespaced_service_account(ns, {"metadata": {"name": "trainer-sa"}})
     wait_for(lambda: core.read_namespaced_service_account("trainer-sa", ns).secrets, "trainer-sa's token", timeout=60)
@@ -279,24 +355,61 @@ def test_operator_with_the_charts_rbac_relays_a_notice_pods_disruption(
         assert legacy_pod.spec.service_account_name == "default"
 
         # The relay, with the chart's rights only (TokenReview, pod get), answers the pod's bound token.
-        token = core.create_namespaced_service_account_token("trainer-sa", ns, {"spec": {
-            "audiences": [notice_relay.AUDIENCE], "expirationSeconds": 600,
-            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "notice-a1", "uid": pod.metadata.uid}}})
+        token = core.create_namespaced_service_account_token(
+            "trainer-sa",
+            ns,
+            {
+                "spec": {
+                    "audiences": [notice_relay.AUDIENCE],
+                    "expirationSeconds": 600,
+                    "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "notice-a1", "uid": pod.metadata.uid},
+                }
+            },
+        )
         status, view = relay_get(op.liveness_port, token.status.token)
         assert status == 200 and view["metadata"]["uid"] == pod.metadata.uid, view
         # What Kubernetes 1.26+ writes before it evicts or shuts down (1.20 never does: written as it would).
-        core.patch_namespaced_pod_status("notice-a1", ns, {"status": {"conditions": [
-            {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}]}})
-        wait_for(lambda: any(c["type"] == "DisruptionTarget"
-                             for c in relay_get(op.liveness_port, token.status.token)[1]["status"]["conditions"]),
-                 "the DisruptionTarget through the relay", timeout=15)  # fmt: skip
+        core.patch_namespaced_pod_status(
+            "notice-a1",
+            ns,
+            {
+                "status": {
+                    "conditions": [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}]
+                }
+            },
+        )
+        wait_for(
+            lambda: any(
+                c["type"] == "DisruptionTarget"
+                for c in relay_get(op.liveness_port, token.status.token)[1]["status"]["conditions"]
+            ),
+            "the DisruptionTarget through the relay",
+            timeout=15,
+        )
         # A pod of a namespace the operator does not serve: refused before anything is read.
-        stranger = core.create_namespaced_pod(other, {"metadata": {"name": "stranger", "labels": {
-            "spotguard.dev/job": "x"}}, "spec": {"nodeSelector": NO_NODE, "containers": [
-                {"name": "c", "image": "busybox"}]}})
-        foreign = core.create_namespaced_service_account_token("default", other, {"spec": {
-            "audiences": [notice_relay.AUDIENCE], "expirationSeconds": 600,
-            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "stranger", "uid": stranger.metadata.uid}}})
+        stranger = core.create_namespaced_pod(
+            other,
+            {
+                "metadata": {"name": "stranger", "labels": {"spotguard.dev/job": "x"}},
+                "spec": {"nodeSelector": NO_NODE, "containers": [{"name": "c", "image": "busybox"}]},
+            },
+        )
+        foreign = core.create_namespaced_service_account_token(
+            "default",
+            other,
+            {
+                "spec": {
+                    "audiences": [notice_relay.AUDIENCE],
+                    "expirationSeconds": 600,
+                    "boundObjectRef": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": "stranger",
+                        "uid": stranger.metadata.uid,
+                    },
+                }
+            },
+        )
         assert relay_get(op.liveness_port, foreign.status.token)[0] == 403
         core.delete_namespaced_pod("stranger", other, grace_period_seconds=0)
         delete_jobs(apis, ns, pods=False)

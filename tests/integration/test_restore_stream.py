@@ -74,8 +74,9 @@ def upload_steps(storage: Storage, tmp_path: Path, steps: tuple[int, ...], incre
 
 
 @pytest.mark.parametrize("kind", ["s3", "s3-incremental", "file"])
-def test_streamed_restore_is_bitwise_equal_to_the_saved_state(request: pytest.FixtureRequest, tmp_path: Path,
-                                                              kind: str) -> None:  # fmt: skip
+def test_streamed_restore_is_bitwise_equal_to_the_saved_state(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
     options = {"read_chunk_size": MiB, "max_concurrency": 4} if kind.startswith("s3") else {}
     storage: Storage = open_test_storage(kind.split("-")[0], request, tmp_path, **options)
     assert restore_latest_state(storage) is None
@@ -97,8 +98,9 @@ def test_streamed_restore_is_bitwise_equal_to_the_saved_state(request: pytest.Fi
 
 
 @pytest.mark.parametrize("kind", ["s3", "s3-incremental"])
-def test_a_damaged_byte_mid_tensor_falls_back_to_the_older_checkpoint(s3_store: Any, request: pytest.FixtureRequest,
-                                                                      tmp_path: Path, kind: str) -> None:  # fmt: skip
+def test_a_damaged_byte_mid_tensor_falls_back_to_the_older_checkpoint(
+    s3_store: Any, request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
     storage: Storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
     incremental = kind == "s3-incremental"
     upload_steps(storage, tmp_path, (1, 2), incremental=incremental)

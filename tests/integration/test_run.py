@@ -42,8 +42,19 @@ def reference(reference_runs: ReferenceRuns) -> bytes:
 
 
 def run_argv(workdir: Path, storage: str, *train: str, max_restarts: int = 3) -> list[str]:
-    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts",
-                          str(max_restarts), "--backoff", "0.1", "--", *train)
+    return spotguard_argv(
+        "run",
+        "--workdir",
+        str(workdir),
+        "--storage",
+        storage,
+        "--max-restarts",
+        str(max_restarts),
+        "--backoff",
+        "0.1",
+        "--",
+        *train,
+    )
 
 
 def resumed_step(proc: Proc) -> int | None:
@@ -74,8 +85,9 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
 
 
 @pytest.mark.integration
-def test_survives_three_sigterms_on_google_cloud_storage_bitwise(gcs_store, gs_uri: str, tmp_path: Path,
-                                                                 reference: bytes) -> None:  # fmt: skip
+def test_survives_three_sigterms_on_google_cloud_storage_bitwise(
+    gcs_store, gs_uri: str, tmp_path: Path, reference: bytes
+) -> None:
     """``--storage gs://``: each SIGTERM leaves a verified checkpoint there, and the end is bit-exact."""
     from spotguard.storage import open_storage
 
@@ -113,8 +125,11 @@ def test_survives_kill_9_of_itself_and_its_child(s3_store, s3_uri: str, tmp_path
         first = Proc(argv, env, tmp_path / "run1.log")
         procs.append(first)
         # Some checkpoints are verified in storage, training goes on.
-        wait_until(lambda: (latest_verified(storage)[0] or None) and latest_verified(storage)[0].step >= 30,
-                   120, "a verified checkpoint at step >= 30")
+        wait_until(
+            lambda: (latest_verified(storage)[0] or None) and latest_verified(storage)[0].step >= 30,
+            120,
+            "a verified checkpoint at step >= 30",
+        )
         first.wait_for_step(first.last_step + 3 if first.last_step else 35)
         run_id = json.loads((workdir / "child.json").read_text())["run_id"]
         child = json.loads((workdir / "checkpoints" / ".control" / "trainer.pid").read_text())["pid"]
@@ -157,11 +172,12 @@ def test_restarts_a_crashed_command_and_it_resumes(tmp_path: Path, reference: by
     half = " ".join(train_argv(STEPS // 2, None, 0.0, SAVE_EVERY))
     full = " ".join(train_argv(STEPS, out, 0.0, SAVE_EVERY))
     # First attempt trains half the steps, then "crashes" (exit 3); the restart resumes.
-    script = f'if [ -e {marker} ]; then exec {full}; else touch {marker}; {half}; exit 3; fi'
+    script = f"if [ -e {marker} ]; then exec {full}; else touch {marker}; {half}; exit 3; fi"
     storage = (tmp_path / "store").as_uri()
     with reaping() as procs:
-        proc = Proc(run_argv(tmp_path / "work", storage, "sh", "-c", script, max_restarts=2), base_env(),
-                    tmp_path / "run.log")
+        proc = Proc(
+            run_argv(tmp_path / "work", storage, "sh", "-c", script, max_restarts=2), base_env(), tmp_path / "run.log"
+        )
         procs.append(proc)
         assert proc.wait() == 0, proc.tail()
     text = proc.text()
@@ -174,7 +190,11 @@ def test_gives_up_when_the_restart_budget_is_spent(tmp_path: Path) -> None:
     storage = (tmp_path / "store").as_uri()
     result = subprocess.run(
         run_argv(tmp_path / "work", storage, PY, "-c", "import sys; sys.exit(7)", max_restarts=2),
-        env=base_env(), capture_output=True, text=True, timeout=120, check=False,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 7, result.stderr
     assert result.stderr.count("started attempt") == 3
@@ -202,12 +222,14 @@ def test_a_second_supervisor_on_the_same_workdir_is_refused(tmp_path: Path) -> N
     workdir = tmp_path / "work"
     storage = (tmp_path / "store").as_uri()
     with reaping() as procs:
-        first = Proc(run_argv(workdir, storage, *train_argv(10_000, None, 0.05, SAVE_EVERY)), base_env(),
-                     tmp_path / "first.log")
+        first = Proc(
+            run_argv(workdir, storage, *train_argv(10_000, None, 0.05, SAVE_EVERY)), base_env(), tmp_path / "first.log"
+        )
         procs.append(first)
         first.wait_for_step(1)
-        result = subprocess.run(run_argv(workdir, storage, "true"), env=base_env(), capture_output=True,
-                                text=True, timeout=60, check=False)
+        result = subprocess.run(
+            run_argv(workdir, storage, "true"), env=base_env(), capture_output=True, text=True, timeout=60, check=False
+        )
         assert result.returncode == 2
         assert "another spotguard run is using" in result.stderr
         first.signal(signal.SIGINT)
@@ -219,23 +241,26 @@ def test_applies_the_sidecars_retention_policy(s3_store, s3_uri: str, tmp_path: 
     from spotguard.checkpoint import RetentionCandidate, RetentionPolicy, list_checkpoint_names, plan_retention
 
     storage = s3_storage(s3_store, s3_uri)
-    env = base_env({**s3_store.env(), "SPOTGUARD_KEEP_LAST": "1", "SPOTGUARD_KEEP_BEST": "2",
-                    "SPOTGUARD_BEST_METRIC": "loss"})
+    env = base_env(
+        {**s3_store.env(), "SPOTGUARD_KEEP_LAST": "1", "SPOTGUARD_KEEP_BEST": "2", "SPOTGUARD_BEST_METRIC": "loss"}
+    )
     with reaping() as procs:
-        proc = Proc(run_argv(tmp_path / "work", s3_uri, *train_argv(STEPS, None, 0.0, SAVE_EVERY)), env,
-                    tmp_path / "run.log")
+        proc = Proc(
+            run_argv(tmp_path / "work", s3_uri, *train_argv(STEPS, None, 0.0, SAVE_EVERY)), env, tmp_path / "run.log"
+        )
         procs.append(proc)
         assert proc.wait() == 0, proc.tail()
     # Checkpoints after steps 10, 20, ..., 110 carry their step's loss; the
     # final one (119) none. What the policy keeps, from the losses printed.
     # (The trainer's line and its newline are two writes: a log line may come between.)
-    losses = {int(m.group(1)): float(m.group(2))
-              for m in re.finditer(r"step (\d+) loss (-?\d+\.\d{6})", proc.text())}
-    candidates = [RetentionCandidate(f"ckpt-{s:012d}", s, {"loss": losses[s]}) for s in range(SAVE_EVERY, STEPS,
-                                                                                          SAVE_EVERY)]
+    losses = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+) loss (-?\d+\.\d{6})", proc.text())}
+    candidates = [
+        RetentionCandidate(f"ckpt-{s:012d}", s, {"loss": losses[s]}) for s in range(SAVE_EVERY, STEPS, SAVE_EVERY)
+    ]
     candidates.append(RetentionCandidate(f"ckpt-{STEPS - 1:012d}", STEPS - 1, {}))
-    plan = plan_retention(candidates, RetentionPolicy(keep_last=1, keep_best=2, metric="loss"),
-                          f"ckpt-{STEPS - 1:012d}")
+    plan = plan_retention(
+        candidates, RetentionPolicy(keep_last=1, keep_best=2, metric="loss"), f"ckpt-{STEPS - 1:012d}"
+    )
     assert len(plan.keep) == 3
     assert list_checkpoint_names(storage) == sorted(plan.keep)
     # Locally, only the newest is left (the older ones are safe in storage or superseded).

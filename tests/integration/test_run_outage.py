@@ -51,8 +51,19 @@ def test_storage_outage_keeps_and_resumes_the_newest_local_checkpoint(
     storage = s3_storage(s3_store, s3_uri)  # the test's own view, not through the proxy
     with store_proxy(s3_store) as proxy, reaping() as procs:
         env = base_env(proxy.env(s3_store.env()))
-        argv = spotguard_argv("run", "--workdir", str(workdir), "--storage", s3_uri, "--grace-seconds", "10",
-                              "--backoff", "0.1", "--", *train_argv(STEPS, out, 0.05, SAVE_EVERY))
+        argv = spotguard_argv(
+            "run",
+            "--workdir",
+            str(workdir),
+            "--storage",
+            s3_uri,
+            "--grace-seconds",
+            "10",
+            "--backoff",
+            "0.1",
+            "--",
+            *train_argv(STEPS, out, 0.05, SAVE_EVERY),
+        )
         first = Proc(argv, env, tmp_path / "run1.log")
         procs.append(first)
         # The run itself has verified a checkpoint (and moved the pointer).
@@ -62,8 +73,11 @@ def test_storage_outage_keeps_and_resumes_the_newest_local_checkpoint(
 
         # Storage goes away; training goes on and commits locally.
         proxy.down()
-        wait_until(lambda: local_steps(ckdir) and local_steps(ckdir)[-1] >= verified.step + 2 * SAVE_EVERY, 120,
-                   "two checkpoints committed during the outage")
+        wait_until(
+            lambda: local_steps(ckdir) and local_steps(ckdir)[-1] >= verified.step + 2 * SAVE_EVERY,
+            120,
+            "two checkpoints committed during the outage",
+        )
         first.signal(signal.SIGTERM)
         # The emergency checkpoint cannot be verified: that is what the status says.
         assert first.wait() == 3, first.tail()
@@ -81,7 +95,10 @@ def test_storage_outage_keeps_and_resumes_the_newest_local_checkpoint(
 
         # Storage is back: the checkpoint is shipped, training finishes.
         proxy.up()
-        wait_until(lambda: (latest_verified(storage)[0] or verified).step >= newest_local, 120,
-                   f"ckpt {newest_local} verified in storage")
+        wait_until(
+            lambda: (latest_verified(storage)[0] or verified).step >= newest_local,
+            120,
+            f"ckpt {newest_local} verified in storage",
+        )
         assert second.wait(300) == 0, second.tail()
     assert out.read_bytes() == reference

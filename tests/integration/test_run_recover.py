@@ -27,13 +27,18 @@ def local_steps(ckdir: Path) -> list[int]:
 
 
 def supervisor(tmp_path: Path, s3_uri: str, storage: Any) -> Supervisor:
-    config = RunConfig(command=["true"], workdir=tmp_path / "work", storage_uri=s3_uri,
-                       checkpoint_dir=tmp_path / "work" / "checkpoints")
+    config = RunConfig(
+        command=["true"],
+        workdir=tmp_path / "work",
+        storage_uri=s3_uri,
+        checkpoint_dir=tmp_path / "work" / "checkpoints",
+    )
     return Supervisor(config, storage, SidecarMetrics())
 
 
-def test_recover_keeps_what_storage_could_not_take_and_ships_it_later(s3_store: Any, s3_uri: str,
-                                                                        tmp_path: Path) -> None:
+def test_recover_keeps_what_storage_could_not_take_and_ships_it_later(
+    s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
     good = open_storage(s3_uri, **s3_options(s3_store))
     refusing = open_storage(s3_uri, **{**s3_options(s3_store), "secret_key": "revoked"})
     ckdir = tmp_path / "work" / "checkpoints"
@@ -92,8 +97,9 @@ def test_recover_restores_from_storage_only_what_is_newer(s3_store: Any, s3_uri:
     assert sup.agent.shipper.last_shipped is not None and sup.agent.shipper.last_shipped.step == 6
 
 
-def test_recover_fetches_again_a_damaged_local_copy_of_a_stored_checkpoint(s3_store: Any, s3_uri: str,
-                                                                          tmp_path: Path) -> None:
+def test_recover_fetches_again_a_damaged_local_copy_of_a_stored_checkpoint(
+    s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
     """A restored copy is not fsynced: after a machine crash it may be torn. The
     newest local copy is checked even when storage holds it, and fetched again."""
     good = open_storage(s3_uri, **s3_options(s3_store))

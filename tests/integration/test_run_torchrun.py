@@ -60,8 +60,19 @@ def train_args(steps: int = STEPS, save_every: int = SAVE_EVERY, delay: str = ST
 
 
 def run_argv(workdir: Path, storage: str, command: list[str], max_restarts: int = 3) -> list[str]:
-    return spotguard_argv("run", "--workdir", str(workdir), "--storage", storage, "--max-restarts",
-                          str(max_restarts), "--backoff", "0.1", "--", *command)
+    return spotguard_argv(
+        "run",
+        "--workdir",
+        str(workdir),
+        "--storage",
+        storage,
+        "--max-restarts",
+        str(max_restarts),
+        "--backoff",
+        "0.1",
+        "--",
+        *command,
+    )
 
 
 def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -163,7 +174,7 @@ def check_store(storage: Any, world_size: int) -> int | None:
     for name in list_checkpoint_names(storage):
         # Listed before the verification: an uploader may write the global
         # manifest in between (nothing deletes from storage in these tests).
-        keys = {o.key[len(name) + 1:] for o in storage.list_objects(f"{name}/")}
+        keys = {o.key[len(name) + 1 :] for o in storage.list_objects(f"{name}/")}
         verdict = verify_checkpoint(storage, name)
         if not verdict.ok:
             assert "manifest.json" not in keys, f"{name} has a global manifest but does not verify: {verdict.reason}"
@@ -190,8 +201,11 @@ class References:
     def get(self, script: Path, nproc: int, steps: int = STEPS, save_every: int = SAVE_EVERY) -> str:
         def run(d: Path) -> str:
             with reaping() as procs:
-                proc = Proc(torchrun(nproc, script, *train_args(steps, save_every, "0")),
-                            env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt")}), d / "train.log")
+                proc = Proc(
+                    torchrun(nproc, script, *train_args(steps, save_every, "0")),
+                    env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt")}),
+                    d / "train.log",
+                )
                 procs.append(proc)
                 assert proc.wait(300) == 0, proc.tail()
                 return digest_of(proc)
@@ -210,19 +224,25 @@ def measured(name: str) -> Iterator[list[float]]:
     seconds: list[float] = []
     yield seconds
     if seconds:
-        print(f"\n{name}: SIGTERM -> globally verified seconds: "
-              + " ".join(f"{s:.2f}" for s in seconds), flush=True)
+        print(f"\n{name}: SIGTERM -> globally verified seconds: " + " ".join(f"{s:.2f}" for s in seconds), flush=True)
 
 
 @pytest.mark.trials
-@pytest.mark.parametrize(("script", "nproc", "machine_dies"), trials.variants(
-    full=[pytest.param(EXAMPLE, 2, True, id="ddp-2"), pytest.param(EXAMPLE, 4, False, id="ddp-4"),
-          pytest.param(SHARDED, 2, False, id="fsdp2-2")],
-    # Four ranks resume in make test too: test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact.
-    quick=[pytest.param(EXAMPLE, 2, True, id="ddp-2"), pytest.param(SHARDED, 2, False, id="fsdp2-2")]))
-def test_preempted_torchrun_resumes_bit_identical(s3_store: Any, s3_uri: str, tmp_path: Path,
-                                                  references: References, script: Path, nproc: int,
-                                                  machine_dies: bool) -> None:
+@pytest.mark.parametrize(
+    ("script", "nproc", "machine_dies"),
+    trials.variants(
+        full=[
+            pytest.param(EXAMPLE, 2, True, id="ddp-2"),
+            pytest.param(EXAMPLE, 4, False, id="ddp-4"),
+            pytest.param(SHARDED, 2, False, id="fsdp2-2"),
+        ],
+        # Four ranks resume in make test too: test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact.
+        quick=[pytest.param(EXAMPLE, 2, True, id="ddp-2"), pytest.param(SHARDED, 2, False, id="fsdp2-2")],
+    ),
+)
+def test_preempted_torchrun_resumes_bit_identical(
+    s3_store: Any, s3_uri: str, tmp_path: Path, references: References, script: Path, nproc: int, machine_dies: bool
+) -> None:
     """SIGTERM at random steps, PREEMPTIONS times (1, 3 in ``make soak``); with ``machine_dies`` then also a
     SIGKILL of the supervisor and torchrun at once (their workers, in sessions
     of their own, live on until the next start kills them by run id)."""
@@ -284,15 +304,17 @@ def test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact(s3_store: Any, 
     storage = s3_storage(s3_store, s3_uri)
     env = env_for(s3_store.env())
     with reaping() as procs:
-        first = Proc(run_argv(tmp_path / "work", s3_uri, torchrun(2, EXAMPLE, *train_args(30))), env,
-                     tmp_path / "two.log")
+        first = Proc(
+            run_argv(tmp_path / "work", s3_uri, torchrun(2, EXAMPLE, *train_args(30))), env, tmp_path / "two.log"
+        )
         procs.append(first)
         first.wait_for_step(trials.rng("torchrun-reshard").randint(5, 15))
         first.signal(signal.SIGTERM)
         assert first.wait(120) == 128 + signal.SIGTERM, first.tail()
         stopped = stopped_step(first)
-        second = Proc(run_argv(tmp_path / "work", s3_uri, torchrun(4, EXAMPLE, *train_args(30))), env,
-                      tmp_path / "four.log")
+        second = Proc(
+            run_argv(tmp_path / "work", s3_uri, torchrun(4, EXAMPLE, *train_args(30))), env, tmp_path / "four.log"
+        )
         procs.append(second)
         assert resumed(second) == (stopped, False, "2")
         assert second.wait(180) == 0, second.tail()
@@ -306,7 +328,8 @@ def test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact(s3_store: Any, 
 @pytest.mark.trials
 @pytest.mark.timeout(300 + 60 * CRASH_TRIALS)  # about 10 s per trial on 2 idle cores; more on a loaded machine
 def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
-        s3_store: Any, s3_uri: str, tmp_path: Path, references: References) -> None:
+    s3_store: Any, s3_uri: str, tmp_path: Path, references: References
+) -> None:
     """Save every step; in each trial one worker is SIGKILLed inside a step.
 
     The step's period is measured in each trial (from one step line to the
@@ -330,7 +353,7 @@ def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
     workdir = tmp_path / "work"
     command = torchrun(2, EXAMPLE, *train_args(steps, 1, "0.01"))
     argv = run_argv(workdir, s3_uri, command, max_restarts=CRASH_TRIALS + 5)
-    argv[argv.index("--backoff") + 1:argv.index("--backoff") + 2] = ["0.1", "--backoff-max", "0.5"]
+    argv[argv.index("--backoff") + 1 : argv.index("--backoff") + 2] = ["0.1", "--backoff-max", "0.5"]
     with reaping() as procs:
         proc = Proc(argv, env_for(s3_store.env()), tmp_path / "run.log")
         procs.append(proc)
@@ -362,12 +385,15 @@ def test_crash_trials_a_rank_killed_mid_save_or_upload_restarts_the_group(
         assert proc.wait(300) == 0, proc.tail()
         assert digest_of(proc) == reference, f"seed {seed}"
     assert check_store(storage, 2) == steps - 1
-    print(f"\ntorchrun crash trials: seed {seed}, {CRASH_TRIALS} kills at "
-          + " ".join(f"{f:.2f}x{p:.2f}s" for f, p in zip(instants, periods, strict=True)))
+    print(
+        f"\ntorchrun crash trials: seed {seed}, {CRASH_TRIALS} kills at "
+        + " ".join(f"{f:.2f}x{p:.2f}s" for f, p in zip(instants, periods, strict=True))
+    )
 
 
-def test_two_nodes_race_to_commit_the_global_manifest(s3_store: Any, s3_uri: str, tmp_path: Path,
-                                                      references: References) -> None:
+def test_two_nodes_race_to_commit_the_global_manifest(
+    s3_store: Any, s3_uri: str, tmp_path: Path, references: References
+) -> None:
     """Two supervisors ("nodes", one rank each) share one storage root; SIGTERM reaches one.
 
     Both ranks save the same step; each supervisor uploads its part; one
@@ -379,9 +405,23 @@ def test_two_nodes_race_to_commit_the_global_manifest(s3_store: Any, s3_uri: str
     env = env_for(s3_store.env())
 
     def node_argv(node: int, port: int) -> list[str]:
-        command = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   str(EXAMPLE), *train_args()]
+        command = [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(EXAMPLE),
+            *train_args(),
+        ]
         return run_argv(tmp_path / f"node{node}", s3_uri, command)
 
     with reaping() as procs:

@@ -146,11 +146,16 @@ def test_racing_global_commits_write_one_manifest_and_move_the_pointer_once(
         stores = [open_storage(s3_uri, **s3_options(s3_store)) for _ in (0, 1)]
         # Both parts stored (data verified, part manifest) without committing...
         for i in (0, 1):
-            stores[i].upload_files([(p, f"{checkpoint_name(step)}/{p.relative_to(locals_[i]).as_posix()}")
-                                    for p in sorted(locals_[i].rglob("*")) if p.is_file()
-                                    and p.name != MANIFEST_NAME])  # fmt: skip
-            stores[i].write_bytes(f"{checkpoint_name(step)}/{part_manifest_path(i)}",
-                                  (locals_[i] / MANIFEST_NAME).read_bytes())  # fmt: skip
+            stores[i].upload_files(
+                [
+                    (p, f"{checkpoint_name(step)}/{p.relative_to(locals_[i]).as_posix()}")
+                    for p in sorted(locals_[i].rglob("*"))
+                    if p.is_file() and p.name != MANIFEST_NAME
+                ]
+            )
+            stores[i].write_bytes(
+                f"{checkpoint_name(step)}/{part_manifest_path(i)}", (locals_[i] / MANIFEST_NAME).read_bytes()
+            )
         # ...then both uploaders find every part present at the same instant.
         outcomes = together(lambda i: commit_then_point(stores[i], step))  # noqa: B023
         statuses = [o[0] for o in outcomes]
@@ -178,7 +183,8 @@ def test_racing_part_uploads_commit_once(tmp_path: Path, s3_store: Any, s3_uri: 
                 assert commit_global(stores[i], checkpoint_name(step)).status == "exists"
         assert verify_checkpoint(stores[0], checkpoint_name(step)).ok
         assert stores[0].read_bytes(f"{checkpoint_name(step)}/{MANIFEST_NAME}") == stores[1].read_bytes(
-            f"{checkpoint_name(step)}/{MANIFEST_NAME}")  # fmt: skip
+            f"{checkpoint_name(step)}/{MANIFEST_NAME}"
+        )
 
 
 def test_a_missing_part_is_named_and_resume_walks_back(tmp_path: Path, stores: tuple[Storage, Storage]) -> None:
@@ -246,8 +252,9 @@ def test_a_global_manifest_that_is_not_its_parts_fails(tmp_path: Path, stores: t
     name = checkpoint_name(35)
     good = parse_manifest(a.read_bytes(f"{name}/{MANIFEST_NAME}"))
     a.write_bytes(f"{name}/extra.json", b"x")
-    forged = new_manifest(35, [*good.files, FileEntry("extra.json", 1, checksum_bytes(b"x", "crc32c"))], "crc32c",
-                          sharding=good.sharding)  # fmt: skip
+    forged = new_manifest(
+        35, [*good.files, FileEntry("extra.json", 1, checksum_bytes(b"x", "crc32c"))], "crc32c", sharding=good.sharding
+    )
     a.write_bytes(f"{name}/{MANIFEST_NAME}", forged.to_json())
     result = verify_checkpoint(a, name)
     assert not result.ok
@@ -319,8 +326,13 @@ def shipper_for(directory: Path, storage: Storage, keep_local: int = 1) -> tuple
 
 
 def failures(metrics: SidecarMetrics) -> float:
-    return sum(s.value for m in metrics.registry.collect() if m.name == "spotguard_checkpoint_failures"
-               for s in m.samples if s.name.endswith("_total"))  # fmt: skip
+    return sum(
+        s.value
+        for m in metrics.registry.collect()
+        if m.name == "spotguard_checkpoint_failures"
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
 
 
 def test_shipper_awaits_the_other_parts_then_ships(tmp_path: Path, stores: tuple[Storage, Storage]) -> None:
@@ -397,10 +409,25 @@ def test_a_finished_trainers_last_part_waits_for_a_slower_node_past_the_grace_pe
     (node0 / ".control" / EXIT_FILE).write_text(json.dumps({"pid": None, "preempted": False, "last_step": 20}))
     grace = 2.0
     with reaping() as procs:
-        sidecar = Proc(spotguard_argv("sidecar", "--checkpoint-dir", str(node0), "--storage", s3_uri,
-                                      "--grace-seconds", str(grace), "--safety-margin", "0.5", "--metrics-port", "0",
-                                      "--termination-log", str(tmp_path / "termination-log")),
-                       base_env(subprocess_env(s3_store)), tmp_path / "sidecar.log")
+        sidecar = Proc(
+            spotguard_argv(
+                "sidecar",
+                "--checkpoint-dir",
+                str(node0),
+                "--storage",
+                s3_uri,
+                "--grace-seconds",
+                str(grace),
+                "--safety-margin",
+                "0.5",
+                "--metrics-port",
+                "0",
+                "--termination-log",
+                str(tmp_path / "termination-log"),
+            ),
+            base_env(subprocess_env(s3_store)),
+            tmp_path / "sidecar.log",
+        )
         procs.append(sidecar)
         sidecar.wait_for_line(lambda ln: "stage=await" in ln and checkpoint_name(20) in ln)
         time.sleep(grace + 3)
@@ -413,8 +440,9 @@ def test_a_finished_trainers_last_part_waits_for_a_slower_node_past_the_grace_pe
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spotguard.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", *args], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_cli_ls_verify_gc_name_ranks_and_parts(
@@ -451,8 +479,16 @@ def test_cli_ls_verify_gc_name_ranks_and_parts(
     assert waiting.returncode == 1
     assert "ckpt-000000000030/manifest.json: missing; parts present: 1 of 2 (part 0); missing part 1" in waiting.stdout
 
-    gc = cli({**env, "SPOTGUARD_GC_LEASE_SECONDS": "0.001"}, "ckpt", "gc", s3_uri, "--keep-last", "1",
-             "--orphan-grace", "0.001")  # nothing else writes: the shortest lease and grace
+    gc = cli(
+        {**env, "SPOTGUARD_GC_LEASE_SECONDS": "0.001"},
+        "ckpt",
+        "gc",
+        s3_uri,
+        "--keep-last",
+        "1",
+        "--orphan-grace",
+        "0.001",
+    )  # nothing else writes: the shortest lease and grace
     assert gc.returncode == 0, gc.stderr
     assert f"keep    {checkpoint_name(30)}  (distributed checkpoint waiting for its other parts)" in gc.stdout
     assert list_checkpoint_names(a) == [checkpoint_name(10), checkpoint_name(20), checkpoint_name(30)]
@@ -468,9 +504,14 @@ def write_dcp_part(root: Path, step: int, index: int, scale: float) -> Path:
     files: dict[str, bytes] = {f"ranks/{index:05d}/state.json": json.dumps({"rank": index}).encode()}
     if index == 0:
         out = root / f"dcp-{step}"
-        state = {"model": {"fc.weight": torch.full((3, 2), scale), "fc.bias": torch.arange(2.0) * scale,
-                           "steps": torch.tensor([step])},
-                 "optimizer": {"state": {"fc.weight": {"exp_avg": torch.ones(3, 2)}}}}  # fmt: skip
+        state = {
+            "model": {
+                "fc.weight": torch.full((3, 2), scale),
+                "fc.bias": torch.arange(2.0) * scale,
+                "steps": torch.tensor([step]),
+            },
+            "optimizer": {"state": {"fc.weight": {"exp_avg": torch.ones(3, 2)}}},
+        }
         dcp.save(state, checkpoint_id=str(out), no_dist=True)
         files.update({f"dcp/{p.name}": p.read_bytes() for p in out.iterdir()})
     entries = []
@@ -519,6 +560,7 @@ def test_a_preemption_in_a_backlog_gets_the_shipper_back_before_the_next_checkpo
     for step in (10, 20, 30):
         write_part(node0, step, 0, layout={0: (0,)}, world_size=1)
     shipper, _ = shipper_for(node0, a)
+
     def stop_after_first() -> bool:
         # The signal arrives once the first checkpoint is shipped (one arriving
         # during its upload stops that upload: test_sigterm_first.py).

@@ -55,13 +55,19 @@ class PodStates:
         rv: str | None = None  # resumed from here: no update is missed between streams
         while not self._stop.is_set():
             try:
-                for ev in watch.Watch().stream(self.core.list_namespaced_pod, self.ns, resource_version=rv,
-                                               field_selector=f"metadata.name={self.pod}", timeout_seconds=2):
+                for ev in watch.Watch().stream(
+                    self.core.list_namespaced_pod,
+                    self.ns,
+                    resource_version=rv,
+                    field_selector=f"metadata.name={self.pod}",
+                    timeout_seconds=2,
+                ):
                     p = ev["object"]
                     rv = p.metadata.resource_version
-                    states = {c.name: next(k for k in ("running", "terminated", "waiting")
-                                           if getattr(c.state, k) is not None)
-                              for c in (p.status.container_statuses or [])}  # fmt: skip
+                    states = {
+                        c.name: next(k for k in ("running", "terminated", "waiting") if getattr(c.state, k) is not None)
+                        for c in (p.status.container_statuses or [])
+                    }
                     self.seen.append((p.status.phase, bool(p.metadata.deletion_timestamp), states))
             except Exception:  # a dropped or expired watch: start again
                 rv = None
@@ -99,8 +105,13 @@ def kill_container(e: Env, pod: str, container: str) -> None:
 def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_path: Path) -> None:
     e = env
     (tmp_path / "store" / e.ns / "lone").mkdir(parents=True)
-    body = job_body("lone", f"file://{tmp_path}/store", shell_trainer(TRAINER), sidecar={"metricsPort": 0},
-                    preemption=fast_preemption(3, 2, 5))
+    body = job_body(
+        "lone",
+        f"file://{tmp_path}/store",
+        shell_trainer(TRAINER),
+        sidecar={"metricsPort": 0},
+        preemption=fast_preemption(3, 2, 5),
+    )
     e.create_job(body)
     e.wait_status("lone", "attempt 1 running", lambda s: s.get("attempt") == 1 and s.get("phase") == "Running")
     wait_for(lambda: sidecar_runs(e, "lone-a1"), "lone-a1's sidecar to run", timeout=60)
@@ -111,8 +122,9 @@ def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_pa
         time.sleep(0.5)  # the watch is open
         kill_container(e, "lone-a1", SIDECAR)
         t0 = time.monotonic()
-        st = e.wait_status("lone", "SidecarHealthy False",
-                           lambda s: cond(s, "SidecarHealthy").get("status") == "False", timeout=20)
+        st = e.wait_status(
+            "lone", "SidecarHealthy False", lambda s: cond(s, "SidecarHealthy").get("status") == "False", timeout=20
+        )
         noticed = time.monotonic() - t0
         c = cond(st, "SidecarHealthy")
         assert c["reason"] == "SidecarExited"
@@ -122,8 +134,11 @@ def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_pa
         ev = e.wait_event("lone", "SidecarExited", lambda t, r, m: r == "SidecarExited", timeout=20)
         assert ev == ("Warning", "SidecarExited", c["message"])
         # The pod of attempt 1 is stopped.
-        wait_for(lambda: not e.core.list_namespaced_pod(e.ns, field_selector="metadata.name=lone-a1").items,
-                 "lone-a1 to be gone", timeout=30)
+        wait_for(
+            lambda: not e.core.list_namespaced_pod(e.ns, field_selector="metadata.name=lone-a1").items,
+            "lone-a1 to be gone",
+            timeout=30,
+        )
     finally:
         states.stop()
     print(f"noticed after {noticed:.1f}s; lone-a1 went through {states.seen}")
@@ -131,9 +146,12 @@ def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_pa
     assert ("Running", False, {"trainer": "running", SIDECAR: "terminated"}) in states.seen, states.seen
 
     # Attempt 2 runs, with a sidecar that runs: the condition is True again.
-    st = e.wait_status("lone", "attempt 2 with a healthy sidecar",
-                       lambda s: s.get("attempt") == 2 and cond(s, "SidecarHealthy").get("status") == "True",
-                       timeout=60)
+    st = e.wait_status(
+        "lone",
+        "attempt 2 with a healthy sidecar",
+        lambda s: s.get("attempt") == 2 and cond(s, "SidecarHealthy").get("status") == "True",
+        timeout=60,
+    )
     assert st["phase"] == "Running" and cond(st, "SidecarHealthy")["reason"] == "SidecarRunning"
     assert sidecar_runs(e, "lone-a2")
     assert e.operator is not None

@@ -35,9 +35,19 @@ pytestmark = pytest.mark.integration
 def _pod(tmp_path: Path, env: dict[str, str], grace: int = 25) -> tuple[Proc, Proc]:
     # No routine checkpoints: only the emergency one is new.
     trainer = Proc(train_argv(100_000, None, 0.02, 1_000_000), env, tmp_path / "trainer.log")
-    sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", str(grace),
-                                  "--termination-log", str(tmp_path / "termination-log")),
-                   env, tmp_path / "sidecar.log")
+    sidecar = Proc(
+        spotguard_argv(
+            "sidecar",
+            "--metrics-port",
+            "0",
+            "--grace-seconds",
+            str(grace),
+            "--termination-log",
+            str(tmp_path / "termination-log"),
+        ),
+        env,
+        tmp_path / "sidecar.log",
+    )
     return trainer, sidecar
 
 
@@ -53,8 +63,13 @@ def _preempt(trainer: Proc, sidecar: Proc) -> int:
 def test_emergency_upload_rides_out_a_store_answering_500(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
     storage = s3_storage(s3_store, s3_uri)
     with store_proxy(s3_store) as proxy, reaping() as procs:
-        env = base_env({**proxy.env(s3_store.env()), "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-                        "SPOTGUARD_STORAGE_URI": s3_uri})
+        env = base_env(
+            {
+                **proxy.env(s3_store.env()),
+                "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+                "SPOTGUARD_STORAGE_URI": s3_uri,
+            }
+        )
         trainer, sidecar = _pod(tmp_path, env, grace=40)
         procs += [trainer, sidecar]
         trainer.wait_for_step(5)
@@ -83,15 +98,20 @@ def _data_gets(requests: list[tuple[float, str, str, int]], name: str) -> dict[s
     return counts
 
 
-def test_no_retention_and_no_rereading_between_sigterm_and_the_report(s3_store: Any, s3_uri: str,
-                                                                     tmp_path: Path) -> None:
+def test_no_retention_and_no_rereading_between_sigterm_and_the_report(
+    s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
     storage = s3_storage(s3_store, s3_uri)
     # An earlier attempt left three checkpoints in storage (no retention then).
     first = tmp_path / "first"
     result = subprocess.run(
-        spotguard_argv("run", "--workdir", str(first), "--storage", s3_uri, "--",
-                       *train_argv(25, None, 0.0, 10)),
-        env=base_env(s3_store.env()), capture_output=True, text=True, timeout=300, check=False)
+        spotguard_argv("run", "--workdir", str(first), "--storage", s3_uri, "--", *train_argv(25, None, 0.0, 10)),
+        env=base_env(s3_store.env()),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     before = list_checkpoint_names(storage)
     assert before == [f"ckpt-{s:012d}" for s in (10, 20, 24)]
@@ -100,13 +120,24 @@ def test_no_retention_and_no_rereading_between_sigterm_and_the_report(s3_store: 
     ckdir = pod / "ckpt"
     with store_proxy(s3_store) as proxy, reaping() as procs:
         # The init container stages the newest verified checkpoint.
-        restore = subprocess.run(spotguard_argv("restore", "--storage", s3_uri, "--dest", str(ckdir)),
-                                 env=base_env(s3_store.env()), capture_output=True, text=True, timeout=300,
-                                 check=False)
+        restore = subprocess.run(
+            spotguard_argv("restore", "--storage", s3_uri, "--dest", str(ckdir)),
+            env=base_env(s3_store.env()),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert restore.returncode == 0, restore.stderr
         # This pod's policy would keep only the newest checkpoint.
-        env = base_env({**proxy.env(s3_store.env()), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
-                        "SPOTGUARD_STORAGE_URI": s3_uri, "SPOTGUARD_KEEP_LAST": "1"})
+        env = base_env(
+            {
+                **proxy.env(s3_store.env()),
+                "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
+                "SPOTGUARD_STORAGE_URI": s3_uri,
+                "SPOTGUARD_KEEP_LAST": "1",
+            }
+        )
         t_start = time.time()
         trainer, sidecar = _pod(pod, env)
         procs += [trainer, sidecar]
@@ -123,15 +154,18 @@ def test_no_retention_and_no_rereading_between_sigterm_and_the_report(s3_store: 
     requests = proxy.since(t_start)
     # (Only the uploads' own intents go: gc/uploads/, see spotguard.checkpoint.intents.)
     deletes = [r for r in requests if r[1] == "DELETE" or (r[1] == "POST" and "delete" in r[2])]
-    assert not [r for r in deletes if any("gc/uploads/" not in k for k in r[2].split(" keys=", 1)[-1].split(","))
-                or " keys=" not in r[2]], requests
+    assert not [
+        r
+        for r in deletes
+        if any("gc/uploads/" not in k for k in r[2].split(" keys=", 1)[-1].split(",")) or " keys=" not in r[2]
+    ], requests
     # The restored checkpoint is not read back (the restore verified it) ...
     assert _data_gets(requests, "ckpt-000000000024") == {}
     # ... and the emergency checkpoint's data is read at most once, by its own verification.
     gets = _data_gets(proxy.since(t_term), emergency)
     assert all(n == 1 for n in gets.values()), gets
     text = sidecar.text()
-    after_term = text[text.index("preemption source="):]
+    after_term = text[text.index("preemption source=") :]
     assert "stage=retention" not in after_term
     stages = [ln.split("stage=", 1)[1].split()[0] for ln in after_term.splitlines() if "stage=" in ln]
     # In this order, with nothing else in between.

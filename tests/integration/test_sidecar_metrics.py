@@ -31,12 +31,33 @@ def _save(ckdir: Path, step: int, size: int) -> int:
 def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> None:
     ckdir = tmp_path / "ckpt"
     port = free_port()
-    env = base_env({**s3_store.env(), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir), "SPOTGUARD_STORAGE_URI": s3_uri,
-                    "POD_NAMESPACE": "team-a", "SPOTGUARD_JOB": "mnist"})
+    env = base_env(
+        {
+            **s3_store.env(),
+            "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
+            "SPOTGUARD_STORAGE_URI": s3_uri,
+            "POD_NAMESPACE": "team-a",
+            "SPOTGUARD_JOB": "mnist",
+        }
+    )
     with reaping() as procs:
-        sidecar = Proc(spotguard_argv("sidecar", "--mode", "native", "--metrics-port", str(port),
-                                      "--metrics-addr", "127.0.0.1", "--grace-seconds", "30", "--safety-margin", "5"),
-                       env, tmp_path / "sidecar.log")
+        sidecar = Proc(
+            spotguard_argv(
+                "sidecar",
+                "--mode",
+                "native",
+                "--metrics-port",
+                str(port),
+                "--metrics-addr",
+                "127.0.0.1",
+                "--grace-seconds",
+                "30",
+                "--safety-margin",
+                "5",
+            ),
+            env,
+            tmp_path / "sidecar.log",
+        )
         procs.append(sidecar)
         labels = {"namespace": "team-a", "trainingjob": "mnist"}
         wait_until(lambda: scrape(port), 60, "the metrics endpoint")
@@ -48,8 +69,11 @@ def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> Non
         expected_bytes = 0
         for step, size in ((10, 4096), (20, 65536), (30, 1 << 20)):
             expected_bytes += _save(ckdir, step, size)
-            wait_until(lambda s=step: metric(scrape(port), "spotguard_checkpoint_last_verified_step", **labels) == s,
-                       60, f"step {step} verified")
+            wait_until(
+                lambda s=step: metric(scrape(port), "spotguard_checkpoint_last_verified_step", **labels) == s,
+                60,
+                f"step {step} verified",
+            )
         finished = time.time()
         m = scrape(port)
 
@@ -81,16 +105,33 @@ def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.integration
-def test_deadline_at_risk_is_exported_and_triggers_proactive_checkpoints(
-    s3_store, s3_uri: str, tmp_path: Path
-) -> None:
+def test_deadline_at_risk_is_exported_and_triggers_proactive_checkpoints(s3_store, s3_uri: str, tmp_path: Path) -> None:
     ckdir = tmp_path / "ckpt"
     port = free_port()
-    env = base_env({**s3_store.env(), "SPOTGUARD_CHECKPOINT_DIR": str(ckdir), "SPOTGUARD_STORAGE_URI": s3_uri,
-                    "SPOTGUARD_SAVE_EVERY_SECONDS": "600"})
+    env = base_env(
+        {
+            **s3_store.env(),
+            "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
+            "SPOTGUARD_STORAGE_URI": s3_uri,
+            "SPOTGUARD_SAVE_EVERY_SECONDS": "600",
+        }
+    )
     # A grace period no emergency checkpoint can fit (the fixed overhead alone is 2 s).
-    argv = spotguard_argv("sidecar", "--mode", "native", "--metrics-port", str(port), "--metrics-addr",
-                          "127.0.0.1", "--grace-seconds", "1", "--safety-margin", "0.5", "--proactive-interval", "1")
+    argv = spotguard_argv(
+        "sidecar",
+        "--mode",
+        "native",
+        "--metrics-port",
+        str(port),
+        "--metrics-addr",
+        "127.0.0.1",
+        "--grace-seconds",
+        "1",
+        "--safety-margin",
+        "0.5",
+        "--proactive-interval",
+        "1",
+    )
     with reaping() as procs:
         sidecar = Proc(argv, env, tmp_path / "sidecar.log")
         procs.append(sidecar)

@@ -18,8 +18,13 @@ STEPS = 30
 def _pair(tmp_path: Path, mode: str) -> tuple[Proc, Proc, str]:
     uri = (tmp_path / "store").as_uri()
     env = base_env({"SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "SPOTGUARD_STORAGE_URI": uri})
-    sidecar = Proc(spotguard_argv("sidecar", "--mode", mode, "--metrics-port", "0", "--termination-log",
-                                  str(tmp_path / "termination-log")), env, tmp_path / "sidecar.log")
+    sidecar = Proc(
+        spotguard_argv(
+            "sidecar", "--mode", mode, "--metrics-port", "0", "--termination-log", str(tmp_path / "termination-log")
+        ),
+        env,
+        tmp_path / "sidecar.log",
+    )
     trainer = Proc(train_argv(STEPS, None, 0.0, save_every=10), env, tmp_path / "trainer.log")
     return trainer, sidecar, uri
 
@@ -43,8 +48,11 @@ def test_native_sidecar_runs_until_stopped_and_reports_a_finished_trainer(tmp_pa
         procs += [trainer, sidecar]
         assert trainer.wait() == 0, trainer.tail()
         storage = open_storage(uri)
-        wait_until(lambda: (latest_verified(storage)[0] or None) and latest_verified(storage)[0].step == STEPS - 1,
-                   60, "the final checkpoint verified")
+        wait_until(
+            lambda: (latest_verified(storage)[0] or None) and latest_verified(storage)[0].step == STEPS - 1,
+            60,
+            "the final checkpoint verified",
+        )
         time.sleep(1.0)  # give a wrongly self-exiting sidecar the chance to show it
         assert sidecar.popen.poll() is None, "a native sidecar waits for kubelet to stop it"
         sidecar.signal(signal.SIGTERM)  # what kubelet does once the trainer has exited

@@ -28,8 +28,9 @@ TRIALS = trials.count(full=20, quick=5)
 
 @pytest.mark.trials
 @pytest.mark.integration
-def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: Path,
-                                              reference_runs: ReferenceRuns) -> None:
+def test_sigterm_trials_end_bitwise_identical(
+    s3_store, s3_uri: str, tmp_path: Path, reference_runs: ReferenceRuns
+) -> None:
     rng = trials.rng("sidecar-sigterm")
     # SIGTERM at stratified steps: trial i of n lands in the i-th n-th of the run.
     targets = [1 + int(f * (STEPS - 9)) for f in trials.stratified(TRIALS, rng)]
@@ -49,12 +50,30 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
             pod = tmp_path / f"trial-{trial:02d}"
             pod.mkdir()
             uri = f"{s3_uri}/trial-{trial:02d}"
-            env = base_env({**s3_env, "SPOTGUARD_CHECKPOINT_DIR": str(pod / "ckpt"), "SPOTGUARD_STORAGE_URI": uri,
-                            "SPOTGUARD_JOB": f"trial-{trial}"})
-            trainer = Proc(train_argv(STEPS, pod / "never.safetensors", STEP_DELAY, SAVE_EVERY), env,
-                           pod / "trainer.log")
-            sidecar = Proc(spotguard_argv("sidecar", "--metrics-port", "0", "--grace-seconds", "30",
-                                          "--termination-log", str(pod / "termination-log")), env, pod / "sidecar.log")
+            env = base_env(
+                {
+                    **s3_env,
+                    "SPOTGUARD_CHECKPOINT_DIR": str(pod / "ckpt"),
+                    "SPOTGUARD_STORAGE_URI": uri,
+                    "SPOTGUARD_JOB": f"trial-{trial}",
+                }
+            )
+            trainer = Proc(
+                train_argv(STEPS, pod / "never.safetensors", STEP_DELAY, SAVE_EVERY), env, pod / "trainer.log"
+            )
+            sidecar = Proc(
+                spotguard_argv(
+                    "sidecar",
+                    "--metrics-port",
+                    "0",
+                    "--grace-seconds",
+                    "30",
+                    "--termination-log",
+                    str(pod / "termination-log"),
+                ),
+                env,
+                pod / "sidecar.log",
+            )
             procs += [trainer, sidecar]
             target = targets[trial]
             trainer.wait_for_step(target)
@@ -82,8 +101,11 @@ def test_sigterm_trials_end_bitwise_identical(s3_store, s3_uri: str, tmp_path: P
             while pending_resumes:
                 check_resume(*pending_resumes.pop())
             new_pod = pod / "next-pod"
-            resume = Proc(train_argv(STEPS, new_pod / "final.safetensors", 0.0, SAVE_EVERY),
-                          {**env, "SPOTGUARD_CHECKPOINT_DIR": str(new_pod / "ckpt")}, pod / "resume.log")
+            resume = Proc(
+                train_argv(STEPS, new_pod / "final.safetensors", 0.0, SAVE_EVERY),
+                {**env, "SPOTGUARD_CHECKPOINT_DIR": str(new_pod / "ckpt")},
+                pod / "resume.log",
+            )
             procs.append(resume)
             pending_resumes.append((trial, resume, new_pod / "final.safetensors"))
             resumed = resume.wait_for_line(lambda ln: ln.startswith(("resumed from step", "starting from")))

@@ -49,9 +49,16 @@ def small_parts(s3_store: Any, s3_uri: str) -> Any:
     in flight at once, and a stop then saves nothing)."""
     from spotguard.storage import open_storage
 
-    return open_storage(s3_uri, endpoint_url=s3_store.endpoint_url, access_key=s3_store.access_key,
-                        secret_key=s3_store.secret_key, region=s3_store.region, multipart_threshold=5 * MiB,
-                        multipart_chunksize=5 * MiB, max_concurrency=2)  # fmt: skip
+    return open_storage(
+        s3_uri,
+        endpoint_url=s3_store.endpoint_url,
+        access_key=s3_store.access_key,
+        secret_key=s3_store.secret_key,
+        region=s3_store.region,
+        multipart_threshold=5 * MiB,
+        multipart_chunksize=5 * MiB,
+        max_concurrency=2,
+    )
 
 
 def drain(name: str, timeout: float = 60.0) -> None:
@@ -73,8 +80,15 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
     def verified(shipped: Shipped) -> None:
         events.append((f"verified {shipped.name}", time.monotonic()))
 
-    shipper = CheckpointShipper(local, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10,
-                                on_verified=verified, incremental=incremental)  # fmt: skip
+    shipper = CheckpointShipper(
+        local,
+        storage,
+        SidecarMetrics(),
+        ThroughputTracker(30.0, 5.0),
+        keep_local=10,
+        on_verified=verified,
+        incremental=incremental,
+    )
     # The routine upload's own duration, measured here: one of the same size, uninterrupted.
     commit(local, 5, ROUTINE_MB)
     t0 = time.monotonic()
@@ -129,8 +143,7 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
     assert read_latest_pointer(storage) == 20  # the pointer never goes back
 
 
-def test_a_chunk_sweep_stops_at_its_next_object_and_deletes_nothing(s3_store: Any, s3_uri: str,
-                                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_a_chunk_sweep_stops_at_its_next_object_and_deletes_nothing(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
     storage = s3_storage(s3_store, s3_uri)
     path = commit(tmp_path / "ckpt", 10, 16)
     upload_checkpoint(path, storage, incremental=True)

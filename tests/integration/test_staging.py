@@ -54,8 +54,9 @@ def staging_volume(apis: tuple[Any, Any], ns: str, pod: str) -> Any:
     return found, volume
 
 
-def test_pods_get_the_staging_the_spec_places(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                              tmp_path: Path) -> None:
+def test_pods_get_the_staging_the_spec_places(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     store = f"file://{tmp_path}/store"
     create_job(apis, ns, staged("limited", store, {"emptyDir": {"sizeLimit": "300Gi"}}))
     create_job(apis, ns, staged("claimed", store, {"ephemeral": {"storageClassName": "local-nvme", "size": "400Gi"}}))
@@ -71,18 +72,21 @@ def test_pods_get_the_staging_the_spec_places(apis: tuple[Any, Any], ns: str, op
         assert claim.resources.requests == {"storage": "400Gi"}
     else:
         # A server without generic ephemeral volumes drops the volume's source: the job says the pod was refused.
-        wait_event(apis, ns, "claimed", "PodCreateFailed",
-                   lambda t, r, m: r == "PodCreateFailed" and "spec.volumes" in m)  # fmt: skip
+        wait_event(
+            apis, ns, "claimed", "PodCreateFailed", lambda t, r, m: r == "PodCreateFailed" and "spec.volumes" in m
+        )
 
     pod, volume = staging_volume(apis, ns, "nvme-a1")
     assert (volume.host_path.path, volume.host_path.type) == ("/mnt/nvme/spotguard", "DirectoryOrCreate")
-    mounts = [m for c in [*pod.spec.init_containers, *pod.spec.containers] for m in c.volume_mounts
-              if m.name == "spotguard"]  # fmt: skip
+    mounts = [
+        m for c in [*pod.spec.init_containers, *pod.spec.containers] for m in c.volume_mounts if m.name == "spotguard"
+    ]
     assert len(mounts) == 3 and {m.sub_path_expr for m in mounts} == {"$(POD_NAMESPACE)/$(POD_NAME)"}
 
 
-def test_bad_staging_is_refused_naming_the_field(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                 tmp_path: Path) -> None:
+def test_bad_staging_is_refused_naming_the_field(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     store = f"file://{tmp_path}/store"
     # What the schema says, the apiserver refuses.
     with pytest.raises(ApiException) as err:
@@ -98,20 +102,31 @@ def test_bad_staging_is_refused_naming_the_field(apis: tuple[Any, Any], ns: str,
     assert pod_names(apis, ns, "both") == []
 
 
-def test_a_full_staging_volume_is_shown_on_the_job(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                   tmp_path: Path) -> None:
+def test_a_full_staging_volume_is_shown_on_the_job(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     create_job(apis, ns, staged("full", f"file://{tmp_path}/store", {"emptyDir": {"sizeLimit": "1Gi"}}))
     wait_pod(apis, ns, "full-a1")
     run_pod(apis, ns, "full-a1")
     wait_status(apis, ns, "full", "Running", lambda s: s.get("phase") == "Running")
     # What the sidecar leaves when the trainer's last save found the volume full.
-    report = {"preempted": True, "reason": "sigterm", "step": 10, "trainerStep": 14,
-              "stagingFull": {"step": 14, "free_bytes": 0, "error": "checkpoint of step 14 not written: the"
-                              " checkpoint volume at /var/lib/spotguard/checkpoints is full"}}  # fmt: skip
+    report = {
+        "preempted": True,
+        "reason": "sigterm",
+        "step": 10,
+        "trainerStep": 14,
+        "stagingFull": {
+            "step": 14,
+            "free_bytes": 0,
+            "error": "checkpoint of step 14 not written: the"
+            " checkpoint volume at /var/lib/spotguard/checkpoints is full",
+        },
+    }
     sidecar = terminated("spotguard-sidecar", 0)
     sidecar["state"]["terminated"]["message"] = json.dumps(report)
-    patch_pod_status(apis, ns, "full-a1", {"phase": "Succeeded",
-                                           "containerStatuses": [terminated("trainer", 0), sidecar]})  # fmt: skip
+    patch_pod_status(
+        apis, ns, "full-a1", {"phase": "Succeeded", "containerStatuses": [terminated("trainer", 0), sidecar]}
+    )
     st = wait_status(apis, ns, "full", "StagingFull", lambda s: cond(s, "StagingFull").get("status") == "True")
     assert cond(st, "StagingFull")["reason"] == "StagingFull"
     assert "checkpoint of step 14 not written" in cond(st, "StagingFull")["message"]
@@ -119,8 +134,9 @@ def test_a_full_staging_volume_is_shown_on_the_job(apis: tuple[Any, Any], ns: st
     wait_event(apis, ns, "full", "StagingFull", lambda t, r, m: t == "Warning" and r == "StagingFull" and "14" in m)
 
 
-def test_a_size_left_out_follows_the_newest_checkpoint(apis: tuple[Any, Any], ns: str, operator: OperatorProcess,
-                                                       tmp_path: Path) -> None:
+def test_a_size_left_out_follows_the_newest_checkpoint(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path
+) -> None:
     from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
     from spotguard.storage import open_storage
 
@@ -129,11 +145,20 @@ def test_a_size_left_out_follows_the_newest_checkpoint(apis: tuple[Any, Any], ns
     assert volume.empty_dir.size_limit is None  # no checkpoint yet: no limit
     local = write_checkpoint(tmp_path / "local", 30, snapshot_state({"step": 30, "blob": b"x" * 4096}))
     upload_checkpoint(local, open_storage(f"file://{tmp_path}/store/{ns}/derived"))
-    st = wait_status(apis, ns, "derived", "the checkpoint's size",
-                     lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("bytes"))  # fmt: skip
+    st = wait_status(
+        apis, ns, "derived", "the checkpoint's size", lambda s: (s.get("lastVerifiedCheckpoint") or {}).get("bytes")
+    )
     assert st["lastVerifiedCheckpoint"]["step"] == 30 and st["lastVerifiedCheckpoint"]["bytes"] > 4096
     run_pod(apis, ns, "derived-a1")
-    patch_pod_status(apis, ns, "derived-a1", {"phase": "Failed", "reason": "Terminated", "containerStatuses": [
-        terminated("trainer", 0), terminated("spotguard-sidecar", 0)]})  # fmt: skip
+    patch_pod_status(
+        apis,
+        ns,
+        "derived-a1",
+        {
+            "phase": "Failed",
+            "reason": "Terminated",
+            "containerStatuses": [terminated("trainer", 0), terminated("spotguard-sidecar", 0)],
+        },
+    )
     _, volume = staging_volume(apis, ns, "derived-a2")
     assert volume.empty_dir.size_limit == "1Gi"  # 3 x a few KiB, rounded up to whole GiB

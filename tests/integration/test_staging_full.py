@@ -26,8 +26,13 @@ def test_a_save_on_a_full_volume_keeps_the_older_checkpoint(tmp_path: Path) -> N
     require_module("numpy")  # the child's tensors (the [torch] extra)
     mount = tmp_path / "staging"
     mount.mkdir()
-    done = subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, str(CHILD), str(mount)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    done = subprocess.run(
+        [unshare, "-m", "--propagation", "private", sys.executable, str(CHILD), str(mount)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["first"].endswith("ckpt-000000000001")
@@ -49,4 +54,3 @@ def test_a_save_on_a_full_volume_keeps_the_older_checkpoint(tmp_path: Path) -> N
     assert os.listdir(mount) == []
     assert not any(" spotguard-staging-test " in f" {line} " for line in Path("/proc/mounts").read_text().splitlines())
     shutil.rmtree(mount)
-

@@ -33,16 +33,24 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     if request.param == "gs":
         # Small resumable chunks and read ranges, so resumable uploads and ranged reads really happen.
         return open_storage(
-            request.getfixturevalue("gs_uri"), **request.getfixturevalue("gcs_store").options(),
-            resumable_threshold=5 * MiB, chunk_size=1 * MiB, read_chunk_size=1 * MiB, max_concurrency=4,
-        )  # fmt: skip
+            request.getfixturevalue("gs_uri"),
+            **request.getfixturevalue("gcs_store").options(),
+            resumable_threshold=5 * MiB,
+            chunk_size=1 * MiB,
+            read_chunk_size=1 * MiB,
+            max_concurrency=4,
+        )
     s3_store = request.getfixturevalue("s3_store")
     s3_uri = request.getfixturevalue("s3_uri")
     # Small parts and read ranges, so multipart and ranged reads really happen.
     return open_storage(
-        s3_uri, **s3_options(s3_store), multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB,
-        read_chunk_size=1 * MiB, max_concurrency=4,
-    )  # fmt: skip
+        s3_uri,
+        **s3_options(s3_store),
+        multipart_threshold=5 * MiB,
+        multipart_chunksize=5 * MiB,
+        read_chunk_size=1 * MiB,
+        max_concurrency=4,
+    )
 
 
 def test_open_storage_picks_backend(tmp_path: Path) -> None:
@@ -127,8 +135,10 @@ def test_upload_download_multipart_and_ranged_reads(storage: Storage, tmp_path: 
     storage.upload_files([(src / n, f"up/{n}") for n in ("big.bin", "small.bin", "empty.bin")], seen.append)
     assert sum(seen) == len(big) + len(small)
     assert {o.key: o.size for o in storage.list_objects("up/")} == {
-        "up/big.bin": len(big), "up/small.bin": len(small), "up/empty.bin": 0,
-    }  # fmt: skip
+        "up/big.bin": len(big),
+        "up/small.bin": len(small),
+        "up/empty.bin": 0,
+    }
     assert b"".join(storage.iter_chunks("up/big.bin")) == big
     assert b"".join(storage.iter_chunks("up/empty.bin")) == b""
     dst = tmp_path / "dst"
@@ -199,8 +209,9 @@ def test_s3_wrong_credentials_are_one_clear_error(s3_store: Any, s3_uri: str) ->
     assert "wrong-secret" not in str(err.value)
 
 
-def test_s3_no_credentials_is_one_clear_error(s3_store: Any, s3_uri: str, monkeypatch: pytest.MonkeyPatch,
-                                              tmp_path: Path) -> None:  # fmt: skip
+def test_s3_no_credentials_is_one_clear_error(
+    s3_store: Any, s3_uri: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     for var in list(os.environ):
         if var.startswith("AWS_"):
             monkeypatch.delenv(var)
@@ -212,8 +223,9 @@ def test_s3_no_credentials_is_one_clear_error(s3_store: Any, s3_uri: str, monkey
         storage.check()
 
 
-def test_s3_reads_settings_from_the_standard_environment(s3_store: Any, s3_uri: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_s3_reads_settings_from_the_standard_environment(
+    s3_store: Any, s3_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for key, value in s3_store.env().items():
         monkeypatch.setenv(key, value)
     storage = open_storage(s3_uri)
@@ -296,7 +308,11 @@ def test_s3_stored_checksums_are_the_whole_object_crc32c(s3_store: Any, s3_uri: 
         stored = storage.stored_checksum(key)
         assert stored is not None, key
         assert (stored.algorithm, stored.value, stored.size, stored.source) == (
-            "crc32c", checksum_file(path, "crc32c")[0], path.stat().st_size, source)
+            "crc32c",
+            checksum_file(path, "crc32c")[0],
+            path.stat().st_size,
+            source,
+        )
     storage.write_bytes("a/plain.bin", b"no checksum sent")
     assert storage.stored_checksum("a/plain.bin") is None
     with pytest.raises(NotFoundError):
@@ -308,8 +324,9 @@ def test_s3_stored_checksums_are_the_whole_object_crc32c(s3_store: Any, s3_uri: 
     done = []
     for number, part in enumerate(parts, 1):
         crc = base64.b64encode(int(checksum_bytes(part, "crc32c"), 16).to_bytes(4, "big")).decode()
-        resp = client.upload_part(Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=number, Body=part,
-                                  ChecksumCRC32C=crc)  # fmt: skip
+        resp = client.upload_part(
+            Bucket=bucket, Key=key, UploadId=up["UploadId"], PartNumber=number, Body=part, ChecksumCRC32C=crc
+        )
         done.append({"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc})
     client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up["UploadId"], MultipartUpload={"Parts": done})
     assert storage.stored_checksum("a/composite.bin") is None

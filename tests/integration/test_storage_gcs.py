@@ -78,8 +78,13 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 #: Small resumable pieces and read ranges, so a few MiB take those paths; fast retries.
-SMALL = {"resumable_threshold": 1 * MiB, "chunk_size": 256 << 10, "read_chunk_size": 1 * MiB,
-         "max_concurrency": 4, "retry_initial_delay": 0.05}  # fmt: skip
+SMALL = {
+    "resumable_threshold": 1 * MiB,
+    "chunk_size": 256 << 10,
+    "read_chunk_size": 1 * MiB,
+    "max_concurrency": 4,
+    "retry_initial_delay": 0.05,
+}
 
 
 def gs(gcs_store: Any, uri: str, **options: Any) -> GcsStorage:
@@ -106,19 +111,26 @@ def object_path(storage: GcsStorage, key: str) -> str:
 def data_gets(proxy: FaultProxy, storage: GcsStorage, name: str) -> list[str]:
     """Media GETs of a checkpoint's data files (bytes read back), by target."""
     prefix = object_path(storage, name) + "%2F"
-    return [r.target for r in proxy.requests("GET", r"alt=media")
-            if prefix in r.target and f"{prefix}{MANIFEST_NAME}?" not in r.target]  # fmt: skip
+    return [
+        r.target
+        for r in proxy.requests("GET", r"alt=media")
+        if prefix in r.target and f"{prefix}{MANIFEST_NAME}?" not in r.target
+    ]
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spotguard.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", *args], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
 
 
 def cli_env(**extra: str) -> dict[str, str]:
     """This environment without spotguard or Google settings (the run marker kept), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SPOTGUARD_", "GOOGLE_", "STORAGE_EMULATOR")) or k == "SPOTGUARD_TESTENV_RUN"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SPOTGUARD_", "GOOGLE_", "STORAGE_EMULATOR")) or k == "SPOTGUARD_TESTENV_RUN"
+    }
     env["PYTHONPATH"] = str(REPO)
     return {**env, **extra}
 
@@ -126,8 +138,9 @@ def cli_env(**extra: str) -> dict[str, str]:
 # -- the store's own checksums, resumable uploads, ranged reads ------------------------------
 
 
-def test_stored_checksums_are_the_crc32c_of_the_bytes_by_every_upload_path(gcs_store: Any, gs_uri: str,
-                                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_stored_checksums_are_the_crc32c_of_the_bytes_by_every_upload_path(
+    gcs_store: Any, gs_uri: str, tmp_path: Path
+) -> None:
     storage = gs(gcs_store, gs_uri)
     assert isinstance(storage, StoreChecksums)
     files = {
@@ -147,16 +160,21 @@ def test_stored_checksums_are_the_crc32c_of_the_bytes_by_every_upload_path(gcs_s
     for name, data in files.items():
         stored = storage.stored_checksum(f"up/{name}")
         assert stored is not None, name
-        assert (stored.algorithm, stored.value, stored.size, stored.source) == ("crc32c", crc(data), len(data),
-                                                                                "full-object"), name  # fmt: skip
+        assert (stored.algorithm, stored.value, stored.size, stored.source) == (
+            "crc32c",
+            crc(data),
+            len(data),
+            "full-object",
+        ), name
     with pytest.raises(NotFoundError):
         storage.stored_checksum("up/missing.bin")
     # Read back whole and in concurrent ranges of one generation.
     large = files["large.bin"]
     assert b"".join(storage.iter_chunks("up/large.bin")) == large
     got: list[int] = []
-    storage.download_files([("up/large.bin", tmp_path / "dl" / "large.bin"),
-                            ("up/exact.bin", tmp_path / "dl" / "exact.bin")], got.append)  # fmt: skip
+    storage.download_files(
+        [("up/large.bin", tmp_path / "dl" / "large.bin"), ("up/exact.bin", tmp_path / "dl" / "exact.bin")], got.append
+    )
     assert (tmp_path / "dl" / "large.bin").read_bytes() == large
     assert (tmp_path / "dl" / "exact.bin").read_bytes() == files["exact.bin"]
     assert sum(got) == len(large) + len(files["exact.bin"])
@@ -165,8 +183,9 @@ def test_stored_checksums_are_the_crc32c_of_the_bytes_by_every_upload_path(gcs_s
     assert storage.list_pending_uploads("") == []
 
 
-def test_large_files_go_up_as_resumable_uploads_and_many_files_at_once(gcs_store: Any, gs_uri: str, proxy: FaultProxy,
-                                                                      tmp_path: Path) -> None:  # fmt: skip
+def test_large_files_go_up_as_resumable_uploads_and_many_files_at_once(
+    gcs_store: Any, gs_uri: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
     storage = gs(gcs_store, gs_uri, endpoint_url=proxy.url)
     big = os.urandom(2 * MiB + 1)
     (tmp_path / "big.bin").write_bytes(big)
@@ -212,8 +231,9 @@ def test_generations_are_the_entity_tags(gcs_store: Any, gs_uri: str, proxy: Fau
 # -- retries and errors ----------------------------------------------------------------------
 
 
-def test_throttling_server_errors_and_resets_are_retried(gcs_store: Any, gs_uri: str, proxy: FaultProxy,
-                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_throttling_server_errors_and_resets_are_retried(
+    gcs_store: Any, gs_uri: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
     storage = gs(gcs_store, gs_uri, endpoint_url=proxy.url)
     proxy.add(status(503, "backendError"), method="POST", path=r"uploadType=multipart", times=2)
     proxy.add(status(429, "rateLimitExceeded"), method="GET", path=r"alt=media", times=2)
@@ -242,36 +262,48 @@ def test_a_missing_bucket_is_one_clear_error(gcs_store: Any) -> None:
         list(storage.list_objects(""))
 
 
-def test_credentials_missing_or_unusable_are_one_clear_error_without_secrets(gcs_store: Any, gs_uri: str,
-                                                                            tmp_path: Path) -> None:  # fmt: skip
+def test_credentials_missing_or_unusable_are_one_clear_error_without_secrets(
+    gcs_store: Any, gs_uri: str, tmp_path: Path
+) -> None:
     key = tmp_path / "key.json"
-    key.write_text(json.dumps({
-        "type": "service_account", "client_email": "trainer@project.iam.gserviceaccount.com",
-        "private_key": "-----BEGIN PRIVATE KEY-----\nNOTAKEYSECRET0123\n-----END PRIVATE KEY-----\n",
-        "token_uri": "http://127.0.0.1:9/token",
-    }))  # fmt: skip
+    key.write_text(
+        json.dumps(
+            {
+                "type": "service_account",
+                "client_email": "trainer@project.iam.gserviceaccount.com",
+                "private_key": "-----BEGIN PRIVATE KEY-----\nNOTAKEYSECRET0123\n-----END PRIVATE KEY-----\n",
+                "token_uri": "http://127.0.0.1:9/token",
+            }
+        )
+    )
     with pytest.raises(CredentialsError) as err:
         open_storage(gs_uri, credentials_file=str(key)).check()
     assert str(key) in str(err.value) and "NOTAKEYSECRET" not in str(err.value)
 
     # The CLI without any credentials (and no metadata server to ask): one line saying what to do.
-    no_gce = {"NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
-              "CLOUDSDK_CONFIG": str(tmp_path / "gcloud")}  # fmt: skip
+    no_gce = {
+        "NO_GCE_CHECK": "true",
+        "GCE_METADATA_HOST": "127.0.0.1:9",
+        "GCE_METADATA_IP": "127.0.0.1:9",
+        "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+    }
     bare = cli("ckpt", "ls", gs_uri, env=cli_env(**no_gce))
     assert bare.returncode != 0
     assert "no Google Cloud credentials found" in bare.stderr and "Workload Identity" in bare.stderr, bare.stderr
     assert "Traceback" not in bare.stderr
     keyed = cli("ckpt", "ls", gs_uri, env=cli_env(**no_gce, GOOGLE_APPLICATION_CREDENTIALS=str(key)))
-    assert keyed.returncode != 0 and f"GOOGLE_APPLICATION_CREDENTIALS={key} cannot be used" in keyed.stderr, \
-        keyed.stderr  # fmt: skip
+    assert keyed.returncode != 0 and f"GOOGLE_APPLICATION_CREDENTIALS={key} cannot be used" in keyed.stderr, (
+        keyed.stderr
+    )
     assert "NOTAKEYSECRET" not in keyed.stderr + keyed.stdout
 
 
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-def test_verify_by_the_crc32c_the_store_computed_reads_nothing_back(gcs_store: Any, gs_uri: str, proxy: FaultProxy,
-                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_verify_by_the_crc32c_the_store_computed_reads_nothing_back(
+    gcs_store: Any, gs_uri: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
     storage = gs(gcs_store, gs_uri, endpoint_url=proxy.url)
     upload_checkpoint(commit_local(tmp_path / "local", 7, numel=300_000), storage)
     assert len(proxy.requests("POST", r"uploadType=resumable")) == 2  # model and optimizer, over 1 MiB
@@ -307,8 +339,9 @@ def test_a_byte_flipped_on_the_way_is_caught_by_the_crc32c_the_store_computed(
     assert stored is not None and stored.value != crc((second / "model.safetensors").read_bytes())
     result = verify_checkpoint(direct, checkpoint_name(2))
     assert not result.ok and result.method == "store-checksum"
-    assert any(p.startswith("model.safetensors: crc32c checksum mismatch (the store computed") for p in
-               result.problems), result.problems  # fmt: skip
+    assert any(
+        p.startswith("model.safetensors: crc32c checksum mismatch (the store computed") for p in result.problems
+    ), result.problems
     info, skipped = latest_verified(direct)
     assert info is not None and info.step == 1 and [s.step for s in skipped] == [2]
     restored = restore_latest(direct, tmp_path / "restore")
@@ -351,10 +384,14 @@ def fine_tune(step: int, adapter: int) -> dict[str, Any]:
     """A frozen base (the same at every step) and a small adapter of version ``adapter``."""
     base = np.random.default_rng(0)
     trained = np.random.default_rng(100 + adapter)
-    return {"model": {"base.a": base.standard_normal(FROZEN_NUMEL, dtype=np.float32),
-                      "base.b": base.standard_normal(FROZEN_NUMEL, dtype=np.float32),
-                      "adapter": trained.standard_normal(4096, dtype=np.float32)},
-            "step": step}  # fmt: skip
+    return {
+        "model": {
+            "base.a": base.standard_normal(FROZEN_NUMEL, dtype=np.float32),
+            "base.b": base.standard_normal(FROZEN_NUMEL, dtype=np.float32),
+            "adapter": trained.standard_normal(4096, dtype=np.float32),
+        },
+        "step": step,
+    }
 
 
 def test_incremental_chunks_upload_verify_walk_back_and_collect(gcs_store: Any, gs_uri: str, tmp_path: Path) -> None:
@@ -362,8 +399,9 @@ def test_incremental_chunks_upload_verify_walk_back_and_collect(gcs_store: Any, 
     local = tmp_path / "local"
 
     def ship(step: int, adapter: int, known: bool | KnownChunks) -> Any:
-        return upload_checkpoint(write_checkpoint(local, step, snapshot_state(fine_tune(step, adapter))), storage,
-                                 incremental=known)  # fmt: skip
+        return upload_checkpoint(
+            write_checkpoint(local, step, snapshot_state(fine_tune(step, adapter))), storage, incremental=known
+        )
 
     first = ship(10, 0, True)
     second = ship(20, 1, KnownChunks.of(read_manifest(storage, checkpoint_name(10))))

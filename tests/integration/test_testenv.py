@@ -65,12 +65,16 @@ def test_apiserver_serves_custom_resources(kube: cluster.ControlPlane) -> None:
             "group": group,
             "scope": "Namespaced",
             "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
-            "versions": [{
-                "name": "v1", "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-            }],
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                }
+            ],
         },
-    }  # fmt: skip
+    }
     ext.create_custom_resource_definition(crd)
     custom = client.CustomObjectsApi(api)
     body = {"apiVersion": f"{group}/v1", "kind": "Widget", "metadata": {"name": "w1"}, "spec": {"size": 3}}
@@ -116,10 +120,26 @@ def test_no_service_outlives_a_session(mode: str, tmp_path: Path) -> None:
     env.update(INNER_OUT=str(out), INNER_MODE="hang" if mode == "interrupt" else "fail")
     env.pop("SPOTGUARD_TEST_KUBECONFIG", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-         "--rootdir", str(ROOT), "-o", "addopts=", str(test_file)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.conftest",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(ROOT),
+            "-o",
+            "addopts=",
+            str(test_file),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         if mode == "interrupt":
             deadline = time.monotonic() + 240

@@ -102,8 +102,10 @@ def webhook(kube: Any, core: Any, tmp_path_factory: pytest.TempPathFactory) -> I
     admission = client.AdmissionregistrationV1Api(kube.api_client())
     try:
         # The operator registers the configurations once its server listens.
-        wait_for(lambda: admission.read_mutating_webhook_configuration(config_name).webhooks,
-                 "the webhook configuration with its webhooks")
+        wait_for(
+            lambda: admission.read_mutating_webhook_configuration(config_name).webhooks,
+            "the webhook configuration with its webhooks",
+        )
         yield ns
     finally:
         op.stop()

@@ -35,17 +35,25 @@ from spotguard.operator.podbuilder import ANNOTATION_INJECTED, OperatorConfig
 CFG = OperatorConfig(image="sg:test")
 
 
-def job(*, storage: str = "s3://bkt-a/runs", attempt: int | None = 1, phase: str = "Running",
-        annotations: dict[str, str] | None = None, gpus: int | None = None, **spec: Any) -> dict[str, Any]:
+def job(
+    *,
+    storage: str = "s3://bkt-a/runs",
+    attempt: int | None = 1,
+    phase: str = "Running",
+    annotations: dict[str, str] | None = None,
+    gpus: int | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
     trainer: dict[str, Any] = {"name": "trainer", "image": "t:1"}
     if gpus is not None:
         trainer["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
     body: dict[str, Any] = {
-        "apiVersion": "spotguard.dev/v1alpha1", "kind": "TrainingJob",
+        "apiVersion": "spotguard.dev/v1alpha1",
+        "kind": "TrainingJob",
         "metadata": {"name": "llm", "namespace": "team", "annotations": annotations or {}},
         "spec": {"template": {"spec": {"containers": [trainer]}}, "checkpoint": {"storage": storage}, **spec},
         "status": {"phase": phase} if attempt is None else {"phase": phase, "attempt": attempt},
-    }  # fmt: skip
+    }
     return body
 
 
@@ -62,10 +70,12 @@ def test_changing_the_storage_of_a_running_job_is_refused_saying_what_it_would_d
     old = job()
     message = restart_refusal(old, edited(old, storage="s3://bkt-b/runs"))
     assert message is not None
-    assert ("changing spec.checkpoint.storage from s3://bkt-a/runs to s3://bkt-b/runs would restart training"
-            " from nothing") in message  # fmt: skip
-    assert ("s3://bkt-b/runs/team/llm has none of this job's checkpoints; they are in"
-            " s3://bkt-a/runs/team/llm") in message  # fmt: skip
+    assert (
+        "changing spec.checkpoint.storage from s3://bkt-a/runs to s3://bkt-b/runs would restart training from nothing"
+    ) in message
+    assert (
+        "s3://bkt-b/runs/team/llm has none of this job's checkpoints; they are in s3://bkt-a/runs/team/llm"
+    ) in message
     assert f"{ALLOW_RESTART_ANNOTATION}=true" in message and "delete the job and create a new one" in message
     assert "copy everything under s3://bkt-a/runs/team/llm/ to s3://bkt-b/runs/team/llm/" in message
     assert "spotguard ckpt ls s3://bkt-b/runs/team/llm" in message
@@ -94,8 +104,10 @@ def test_a_world_size_change_says_it_reshards_with_the_sizes() -> None:
     new["spec"]["nodes"] = 3
     message = restart_refusal(old, new)
     assert message is not None
-    assert "changing spec.nodes from 2 to 3 would resume at another world size (12 training processes instead of" \
-        " 8)" in message  # fmt: skip
+    assert (
+        "changing spec.nodes from 2 to 3 would resume at another world size (12 training processes instead of"
+        " 8)" in message
+    )
     assert "resharded, not resumed exactly" in message
     assert "copy everything" not in message  # nothing to copy: the checkpoints stay where they are
 
@@ -108,8 +120,9 @@ def test_the_same_world_size_laid_out_otherwise_passes() -> None:
     assert restart_refusal(old, new) is None
     new["spec"].update(nodes=1, nprocPerNode=4)
     message = restart_refusal(old, new)
-    assert message is not None and "spec.nodes from 2 to 1" in message and "(4 training processes instead of 8)" \
-        in message  # fmt: skip
+    assert (
+        message is not None and "spec.nodes from 2 to 1" in message and "(4 training processes instead of 8)" in message
+    )
 
 
 def test_processes_per_node_that_follow_the_gpu_limit_count_too() -> None:
@@ -241,10 +254,13 @@ def test_the_patch_for_a_pod_without_annotations_adds_the_whole_map() -> None:
     ops = json_patch(pod, {"metadata": {"annotations": {ANNOTATION_INJECTED: "s3://x"}}})
     assert ops == [{"op": "add", "path": "/metadata/annotations/spotguard.dev~1injected", "value": "s3://x"}]
     assert jsonpatch.apply_patch(pod, ops)["metadata"]["annotations"] == {
-        "spotguard.dev/storage": "s3://bkt/r", ANNOTATION_INJECTED: "s3://x"}
+        "spotguard.dev/storage": "s3://bkt/r",
+        ANNOTATION_INJECTED: "s3://x",
+    }
     # Without metadata at all.
     assert json_patch({"spec": {}}, {"metadata": {"annotations": {"a": "b"}}}) == [
-        {"op": "add", "path": "/metadata", "value": {"annotations": {"a": "b"}}}]
+        {"op": "add", "path": "/metadata", "value": {"annotations": {"a": "b"}}}
+    ]
 
 
 def test_pointer_segments_are_escaped() -> None:
@@ -255,8 +271,9 @@ def test_pointer_segments_are_escaped() -> None:
 def test_the_request_namespace_is_used_when_the_pod_has_none() -> None:
     pod = labelled_pod({"spotguard.dev/storage": "s3://bkt/r"})
     assert request_namespace({"namespace": "team-a", "object": pod}) == "team-a"
-    assert patched(pod, admit(pod, "team-a"))["metadata"]["annotations"][ANNOTATION_INJECTED] == \
-        "s3://bkt/r/team-a/train"  # fmt: skip
+    assert (
+        patched(pod, admit(pod, "team-a"))["metadata"]["annotations"][ANNOTATION_INJECTED] == "s3://bkt/r/team-a/train"
+    )
     own = labelled_pod({"spotguard.dev/storage": "s3://bkt/r"}, namespace="own")
     assert request_namespace({"namespace": "", "object": own}) == "own"
 
@@ -278,8 +295,11 @@ def test_pods_not_asking_for_injection_pass_unchanged() -> None:
 
 def test_reviews_are_answered_on_their_paths_in_their_version() -> None:
     pod = labelled_pod({"spotguard.dev/storage": "s3://bkt/r"})
-    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-              "request": {"uid": "u", "operation": "CREATE", "namespace": "t", "object": pod}}  # fmt: skip
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": "u", "operation": "CREATE", "namespace": "t", "object": pod},
+    }
     for path in (MUTATE_PATH, LEGACY_MUTATE_PATH):
         status, body = review_response(path, review, CFG)
         assert status == 200 and body["apiVersion"] == "admission.k8s.io/v1" and body["kind"] == "AdmissionReview"
@@ -297,8 +317,10 @@ def test_managed_configurations_point_at_the_server_and_trust_its_certificate() 
     mutating, validating = webhook_configurations("sg", "https://127.0.0.1:9443", b"PEM")
     (m,) = mutating["webhooks"]
     (v,) = validating["webhooks"]
-    assert m["clientConfig"] == {"url": "https://127.0.0.1:9443/mutate-pods", "caBundle": base64.b64encode(b"PEM")
-                                 .decode()}  # fmt: skip
+    assert m["clientConfig"] == {
+        "url": "https://127.0.0.1:9443/mutate-pods",
+        "caBundle": base64.b64encode(b"PEM").decode(),
+    }
     assert v["clientConfig"]["url"] == "https://127.0.0.1:9443/validate-trainingjobs"
     assert v["rules"][0]["resources"] == ["trainingjobs"] and v["rules"][0]["operations"] == ["UPDATE"]
     assert v["failurePolicy"] == "Ignore" and m["failurePolicy"] == "Fail"
@@ -306,13 +328,15 @@ def test_managed_configurations_point_at_the_server_and_trust_its_certificate() 
 
 
 def test_managing_the_configurations_needs_the_address_the_apiserver_calls(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from spotguard.cli import build_parser
 
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_text("-")
     key.write_text("-")
-    args = build_parser().parse_args(["operator", "--webhook", "--webhook-cert", str(cert), "--webhook-key", str(key),
-                                      "--webhook-manage", "sg"])  # fmt: skip
+    args = build_parser().parse_args(
+        ["operator", "--webhook", "--webhook-cert", str(cert), "--webhook-key", str(key), "--webhook-manage", "sg"]
+    )
     assert args.func(args) == 2
     assert "--webhook-manage needs --webhook-host" in capsys.readouterr().err

@@ -35,12 +35,13 @@ def test_two_runs_of_the_issue_give_different_medians_but_one_verdict() -> None:
         ([3.0], True, 2.0, True),
     ],
 )
-def test_verdict_on_the_worse_quartile(values: list[float], higher_is_better: bool, threshold: float,
-                                       met: bool) -> None:  # fmt: skip
+def test_verdict_on_the_worse_quartile(
+    values: list[float], higher_is_better: bool, threshold: float, met: bool
+) -> None:
     s = Spread.of(values, higher_is_better=higher_is_better)
     section = Section("t", "t")
     assert goal(section, "g", s, threshold) is met
-    (text, verdict, detail), = section.goals
+    ((text, verdict, detail),) = section.goals
     assert (text, verdict) == ("g", met)
     assert ("lower quartile" if higher_is_better else "upper quartile") in detail
 

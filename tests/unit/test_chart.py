@@ -76,7 +76,8 @@ def test_lint_strict() -> None:
 def test_default_render() -> None:
     docs = render()
     assert sorted(d["kind"] for d in docs) == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "CustomResourceDefinition"])
+        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "CustomResourceDefinition"]
+    )
     crd = one(docs, "CustomResourceDefinition")
     source = yaml.safe_load(CRD.read_text())
     assert crd["spec"] == source["spec"]  # the chart installs exactly the source of truth
@@ -112,8 +113,7 @@ def test_default_render() -> None:
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics", "notices"]
     binding = one(docs, "ClusterRoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
-                                    "namespace": "spotguard-system"}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard", "namespace": "spotguard-system"}]
 
 
 def test_rbac_is_exactly_what_the_operator_uses() -> None:
@@ -123,8 +123,9 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
     assert rules(render("operator.readCheckpoints=false")) == without_secrets
 
 
-@pytest.mark.parametrize("sets", [(), ("operator.watchNamespaces={ml,research}",),
-                                  ("operator.readCheckpoints=false",), ("replicaCount=3",)])  # fmt: skip
+@pytest.mark.parametrize(
+    "sets", [(), ("operator.watchNamespaces={ml,research}",), ("operator.readCheckpoints=false",), ("replicaCount=3",)]
+)
 def test_operator_may_make_no_account_role_or_binding(sets: tuple[str, ...]) -> None:
     """RBAC lets an account that may create RoleBindings bind any role whose rules it holds (its own
     included): the operator may not create one at all, nor ServiceAccounts, Roles, or bind anything."""
@@ -140,11 +141,14 @@ def test_operator_may_make_no_account_role_or_binding(sets: tuple[str, ...]) -> 
         assert b["roleRef"]["name"].startswith("rel-spotguard"), b["metadata"]
 
 
-@pytest.mark.parametrize(("sets", "url"), [
-    ((), NOTICE_URL),
-    (("fullnameOverride=sg", "liveness.port=18081"), "http://sg.spotguard-system.svc:18081/notices/v1/pod"),
-    (("metrics.enabled=false",), NOTICE_URL),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sets", "url"),
+    [
+        ((), NOTICE_URL),
+        (("fullnameOverride=sg", "liveness.port=18081"), "http://sg.spotguard-system.svc:18081/notices/v1/pod"),
+        (("metrics.enabled=false",), NOTICE_URL),
+    ],
+)
 def test_the_notice_relay_is_reached_through_the_charts_service(sets: tuple[str, ...], url: str) -> None:
     from spotguard.cli import build_parser
     from spotguard.operator.cli import notice_url_problem
@@ -198,8 +202,7 @@ def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
     assert sorted(bindings) == ["ml", "research"]
     for b in bindings.values():
         assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rel-spotguard"}
-        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
-                                  "namespace": "spotguard-system"}]
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard", "namespace": "spotguard-system"}]
     assert one(docs, "ClusterRoleBinding")["roleRef"]["name"] == "rel-spotguard"
     # All namespaces: no Role at all.
     assert by_kind(render(), "Role") == [] and by_kind(render(), "RoleBinding") == []
@@ -234,9 +237,15 @@ def test_every_verb_the_operator_uses_is_granted() -> None:
         assert call in source, f"{call} no longer used: update this table"
         assert verb in granted[(group, resource)], call
     # No Role, RoleBinding or ServiceAccount is ever made or changed.
-    for call in ("create_namespaced_role(", "patch_namespaced_role(", "patch_namespaced_role_binding",
-                 "replace_namespaced_role", "create_namespaced_role_binding", "create_namespaced_service_account",
-                 "RbacAuthorizationV1Api"):
+    for call in (
+        "create_namespaced_role(",
+        "patch_namespaced_role(",
+        "patch_namespaced_role_binding",
+        "replace_namespaced_role",
+        "create_namespaced_role_binding",
+        "create_namespaced_service_account",
+        "RbacAuthorizationV1Api",
+    ):
         assert call not in source, call
 
 
@@ -259,27 +268,36 @@ def test_webhook() -> None:
     assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == ["CREATE"]
     assert hook["sideEffects"] == "None"
     service = hook["clientConfig"]["service"]
-    assert service == {"name": "rel-spotguard", "namespace": "spotguard-system", "path": "/mutate-pods",
-                       "port": 443}
+    assert service == {"name": "rel-spotguard", "namespace": "spotguard-system", "path": "/mutate-pods", "port": 443}
     assert b"BEGIN CERTIFICATE" in base64.b64decode(hook["clientConfig"]["caBundle"])
     # TrainingJob updates that would throw progress away: the same Service and CA; Ignore keeps editing
     # possible while the operator is down.
     (check,) = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
-    assert check["rules"] == [{"operations": ["UPDATE"], "apiGroups": ["spotguard.dev"], "apiVersions": ["*"],
-                               "resources": ["trainingjobs"], "scope": "Namespaced"}]  # fmt: skip
+    assert check["rules"] == [
+        {
+            "operations": ["UPDATE"],
+            "apiGroups": ["spotguard.dev"],
+            "apiVersions": ["*"],
+            "resources": ["trainingjobs"],
+            "scope": "Namespaced",
+        }
+    ]
     assert check["clientConfig"]["service"] == {**service, "path": "/validate-trainingjobs"}
     assert check["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
     assert check["failurePolicy"] == "Ignore" and check["sideEffects"] == "None"
     assert check["admissionReviewVersions"] == ["v1"] and "namespaceSelector" not in check
     strict = render("webhook.enabled=true", "webhook.validation.failurePolicy=Fail")
     assert one(strict, "ValidatingWebhookConfiguration")["webhooks"][0]["failurePolicy"] == "Fail"
-    assert by_kind(render("webhook.enabled=true", "webhook.validation.enabled=false"),
-                   "ValidatingWebhookConfiguration") == []  # fmt: skip
+    assert (
+        by_kind(render("webhook.enabled=true", "webhook.validation.enabled=false"), "ValidatingWebhookConfiguration")
+        == []
+    )
     assert by_kind(render(), "ValidatingWebhookConfiguration") == []
     secret = one(docs, "Secret")
     crt = base64.b64decode(secret["data"]["tls.crt"]).decode()
-    text = subprocess.run(["openssl", "x509", "-noout", "-text"], input=crt, capture_output=True, text=True,
-                          check=True).stdout
+    text = subprocess.run(
+        ["openssl", "x509", "-noout", "-text"], input=crt, capture_output=True, text=True, check=True
+    ).stdout
     assert "DNS:rel-spotguard.spotguard-system.svc" in text
     cmd = operator_command(docs)
     assert "--webhook" in cmd and "--webhook-cert=/tls/tls.crt" in cmd and "--webhook-key=/tls/tls.key" in cmd
@@ -294,8 +312,12 @@ LEASE = "rel-spotguard-leader"
 #: What leader election needs: create a Lease (RBAC cannot limit create to a name), read and renew only its own.
 LEADER_RULES = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "update"],
-     "resourceNames": [LEASE]},
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "update"],
+        "resourceNames": [LEASE],
+    },
 ]
 
 
@@ -308,8 +330,11 @@ def test_several_replicas_elect_a_leader_with_a_lease() -> None:
     cmd = operator_command(docs)
     assert "--leader-elect" in cmd and f"--leader-elect-resource-name={LEASE}" in cmd
     assert "--leader-elect-resource-namespace=spotguard-system" in cmd
-    assert {"--leader-elect-lease-duration=15", "--leader-elect-renew-deadline=10",
-            "--leader-elect-retry-period=2"} <= set(cmd)
+    assert {
+        "--leader-elect-lease-duration=15",
+        "--leader-elect-renew-deadline=10",
+        "--leader-elect-retry-period=2",
+    } <= set(cmd)
     assert not any(a.startswith("--peering") for a in cmd)
     # No kopf peering any more: no CRD of kopf's, no peering object, no rule for it.
     assert {c["metadata"]["name"] for c in by_kind(docs, "CustomResourceDefinition")} == {"trainingjobs.spotguard.dev"}
@@ -317,15 +342,20 @@ def test_several_replicas_elect_a_leader_with_a_lease() -> None:
     assert rules(docs) == EXPECTED_RULES
     # The Lease's Role, in the release's namespace only, bound to the operator's account.
     (role,) = by_kind(docs, "Role")
-    assert role["metadata"] == {**role["metadata"], "name": "rel-spotguard-leader-election",
-                                "namespace": "spotguard-system"}
+    assert role["metadata"] == {
+        **role["metadata"],
+        "name": "rel-spotguard-leader-election",
+        "namespace": "spotguard-system",
+    }
     assert role["rules"] == LEADER_RULES
     (binding,) = by_kind(docs, "RoleBinding")
     assert binding["metadata"]["namespace"] == "spotguard-system"
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": "rel-spotguard-leader-election"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard",
-                                    "namespace": "spotguard-system"}]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "rel-spotguard-leader-election",
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard", "namespace": "spotguard-system"}]
     # Also when only some namespaces are watched: the Lease stays in the operator's own.
     docs = render("replicaCount=3", "operator.watchNamespaces={ml}")
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
@@ -334,12 +364,23 @@ def test_several_replicas_elect_a_leader_with_a_lease() -> None:
 
 
 def test_leader_election_durations_reach_the_operator_and_are_checked() -> None:
-    cmd = operator_command(render("replicaCount=2", "leaderElection.leaseDurationSeconds=30",
-                                  "leaderElection.renewDeadlineSeconds=20", "leaderElection.retryPeriodSeconds=4"))
-    assert {"--leader-elect-lease-duration=30", "--leader-elect-renew-deadline=20",
-            "--leader-elect-retry-period=4"} <= set(cmd)
-    for sets, why in ((("leaderElection.renewDeadlineSeconds=15",), "longer than leaderElection.renewDeadline"),
-                      (("leaderElection.retryPeriodSeconds=9",), "1.2 x leaderElection.retryPeriodSeconds")):
+    cmd = operator_command(
+        render(
+            "replicaCount=2",
+            "leaderElection.leaseDurationSeconds=30",
+            "leaderElection.renewDeadlineSeconds=20",
+            "leaderElection.retryPeriodSeconds=4",
+        )
+    )
+    assert {
+        "--leader-elect-lease-duration=30",
+        "--leader-elect-renew-deadline=20",
+        "--leader-elect-retry-period=4",
+    } <= set(cmd)
+    for sets, why in (
+        (("leaderElection.renewDeadlineSeconds=15",), "longer than leaderElection.renewDeadline"),
+        (("leaderElection.retryPeriodSeconds=9",), "1.2 x leaderElection.retryPeriodSeconds"),
+    ):
         args = ["template", "rel", str(CHART), "--set", "replicaCount=2"]
         for s in sets:
             args += ["--set", s]
@@ -362,8 +403,9 @@ def test_leader_election_is_granted_what_it_calls() -> None:
 
 
 def test_service_monitor() -> None:
-    mon = one(render("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"),
-              "ServiceMonitor")
+    mon = one(
+        render("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom"), "ServiceMonitor"
+    )
     # honorLabels: the series carry the TrainingJob's own namespace/job labels.
     assert mon["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "honorLabels": True, "interval": "30s"}]
     assert mon["metadata"]["labels"]["release"] == "prom"
@@ -376,10 +418,20 @@ def test_scheduling_values_reach_the_pod() -> None:
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
 
 
-@pytest.mark.parametrize("bad", ["replicaCount=0", "operator.nativeSidecar=maybe", "webhook.failurePolicy=Sometimes",
-                                 "metrics.port=70000", "unknownKey=1", "image.pullPolicy=Sometimes",
-                                 "leaderElection.leaseDurationSeconds=0", "leaderElection.retryPeriodSeconds=-1",
-                                 "leaderElection.renewDeadline=5"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "replicaCount=0",
+        "operator.nativeSidecar=maybe",
+        "webhook.failurePolicy=Sometimes",
+        "metrics.port=70000",
+        "unknownKey=1",
+        "image.pullPolicy=Sometimes",
+        "leaderElection.leaseDurationSeconds=0",
+        "leaderElection.retryPeriodSeconds=-1",
+        "leaderElection.renewDeadline=5",
+    ],
+)
 def test_schema_refuses_bad_values(bad: str) -> None:
     result = helm("template", "rel", str(CHART), "--set", bad, check=False)
     assert result.returncode != 0

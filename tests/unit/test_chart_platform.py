@@ -18,11 +18,21 @@ def test_user_roles_aggregate_into_view_edit_and_admin_and_never_write_status() 
     view, edit = roles["rel-spotguard-trainingjobs-view"], roles["rel-spotguard-trainingjobs-edit"]
     agg = "rbac.authorization.k8s.io/aggregate-to-"
     assert {k for k, v in view["metadata"]["labels"].items() if k.startswith(agg) and v == "true"} == {
-        agg + "view", agg + "edit", agg + "admin"}
+        agg + "view",
+        agg + "edit",
+        agg + "admin",
+    }
     assert {k for k, v in edit["metadata"]["labels"].items() if k.startswith(agg) and v == "true"} == {
-        agg + "edit", agg + "admin"}
-    assert view["rules"] == [{"apiGroups": ["spotguard.dev"], "resources": ["trainingjobs", "trainingjobs/status"],
-                              "verbs": ["get", "list", "watch"]}]  # fmt: skip
+        agg + "edit",
+        agg + "admin",
+    }
+    assert view["rules"] == [
+        {
+            "apiGroups": ["spotguard.dev"],
+            "resources": ["trainingjobs", "trainingjobs/status"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     (rule,) = edit["rules"]
     assert rule["resources"] == ["trainingjobs"] and "get" not in rule["verbs"]
     assert {"create", "update", "patch", "delete"} <= set(rule["verbs"])

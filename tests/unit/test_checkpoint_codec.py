@@ -68,9 +68,19 @@ def test_plain_values_roundtrip() -> None:
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-     torch.int8, torch.uint8, torch.bool],
-)  # fmt: skip
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    ],
+)
 def test_tensors_roundtrip_bit_exact(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 5, generator=g) * 100
@@ -254,7 +264,7 @@ def test_verify_files_accepts_good_files(algorithm: str) -> None:
         (lambda s: s.pop("model.safetensors"), "model.safetensors: missing"),
         (lambda s: s.update({"model.safetensors": b"tensor bytes here!"}), "longer than recorded"),
     ],
-)  # fmt: skip
+)
 def test_verify_files_names_file_and_reason(mutate: Any, problem: str) -> None:
     stored = dict(GOOD)
     mutate(stored)

@@ -44,18 +44,24 @@ def covers(chunks: list[tuple[int, int]], size: int) -> bool:
         # one big region: cut at MAX_CHUNK from its start
         ([(0, 40 * MiB)], 40 * MiB, [(0, 16 * MiB), (16 * MiB, 16 * MiB), (32 * MiB, 8 * MiB)]),
         # small header, big tensor, small tail: the big tensor starts its own chunk
-        ([(0, 100), (100, 100 + 20 * MiB)], 100 + 20 * MiB + 50,
-         [(0, 100), (100, 16 * MiB), (100 + 16 * MiB, 4 * MiB), (100 + 20 * MiB, 50)]),
+        (
+            [(0, 100), (100, 100 + 20 * MiB)],
+            100 + 20 * MiB + 50,
+            [(0, 100), (100, 16 * MiB), (100 + 16 * MiB, 4 * MiB), (100 + 20 * MiB, 50)],
+        ),
         # many small regions are grouped up to MIN_CHUNK
-        ([(i * 300_000, (i + 1) * 300_000) for i in range(7)], 2_100_000,
-         [(0, 900_000), (900_000, 900_000), (1_800_000, 300_000)]),
+        (
+            [(i * 300_000, (i + 1) * 300_000) for i in range(7)],
+            2_100_000,
+            [(0, 900_000), (900_000, 900_000), (1_800_000, 300_000)],
+        ),
         # overlapping regions: fixed offsets
         ([(0, 10), (5, 20)], 20, [(0, 20)]),
         # the bytes between declared regions are regions too
         ([(10, 2 * MiB)], 3 * MiB, [(0, 10), (10, 2 * MiB - 10), (2 * MiB, MiB)]),
         ([], 0, []),
     ],
-)  # fmt: skip
+)
 def test_group_regions(regions: list[tuple[int, int]], size: int, want: list[tuple[int, int]]) -> None:
     got = group_regions(regions, size)
     assert got == want
@@ -155,10 +161,19 @@ def chunked_doc(**overrides: Any) -> dict[str, Any]:
     data = b"a" * 100 + b"b" * 50
     a, b = hash_chunk(b"a" * 100), hash_chunk(b"b" * 50)
     doc: dict[str, Any] = {
-        "format_version": 3, "step": 1, "created": "2026-01-01T00:00:00Z", "checksum_algorithm": "crc32c",
-        "files": [{"path": "m.safetensors", "size": 150, "checksum": checksum_bytes(data, "crc32c"),
-                   "chunks": [[a.hash, a.size, a.checksum], [b.hash, b.size, b.checksum]]}],
-    }  # fmt: skip
+        "format_version": 3,
+        "step": 1,
+        "created": "2026-01-01T00:00:00Z",
+        "checksum_algorithm": "crc32c",
+        "files": [
+            {
+                "path": "m.safetensors",
+                "size": 150,
+                "checksum": checksum_bytes(data, "crc32c"),
+                "chunks": [[a.hash, a.size, a.checksum], [b.hash, b.size, b.checksum]],
+            }
+        ],
+    }
     doc.update(overrides)
     return doc
 
@@ -178,10 +193,12 @@ def test_chunked_manifest_parses() -> None:
         (lambda d: d["files"][0]["chunks"].reverse(), "do not combine to the file's checksum"),
         (lambda d: d["files"][0].pop("chunks"), "'chunks' must be a list"),
         (lambda d: d.__setitem__("format_version", 1), "'chunks' needs format_version 3"),
-        (lambda d: d.__setitem__("sharding", {"world_size": 1, "parts": 1, "part": None, "ranks": [0]}),
-         "not stored incrementally"),
+        (
+            lambda d: d.__setitem__("sharding", {"world_size": 1, "parts": 1, "part": None, "ranks": [0]}),
+            "not stored incrementally",
+        ),
     ],
-)  # fmt: skip
+)
 def test_chunked_manifest_rejects(edit: Any, message: str) -> None:
     doc = chunked_doc()
     edit(doc)

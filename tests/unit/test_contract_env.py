@@ -187,9 +187,27 @@ def test_the_sidecar_docs_option_table_agrees_with_the_registry() -> None:
             assert float(text) == var.default, (name, documented)
     documented_names = {name for _, name, _ in rows}
     # Each variable the sidecar's own options read is in the table.
-    sidecar_vars = {env.GRACE_SECONDS, env.SAFETY_MARGIN_SECONDS, env.FINISH_SECONDS, env.SIDECAR_MODE,
-                    env.METRICS_PORT, env.METRICS_ADDR, env.NOTICES, env.NOTICE_INTERVAL, env.NOTICE_STOPS_TRAINING,
-                    env.PROACTIVE_INTERVAL, env.KEEP_LAST, env.KEEP_BEST, env.BEST_METRIC, env.BEST_MODE,
-                    env.KEEP_EVERY, env.KEEP_LOCAL, env.INCREMENTAL, env.TERMINATION_LOG, env.STORAGE_URI,
-                    env.CHECKPOINT_DIR, env.CONTROL_DIR}  # fmt: skip
+    sidecar_vars = {
+        env.GRACE_SECONDS,
+        env.SAFETY_MARGIN_SECONDS,
+        env.FINISH_SECONDS,
+        env.SIDECAR_MODE,
+        env.METRICS_PORT,
+        env.METRICS_ADDR,
+        env.NOTICES,
+        env.NOTICE_INTERVAL,
+        env.NOTICE_STOPS_TRAINING,
+        env.PROACTIVE_INTERVAL,
+        env.KEEP_LAST,
+        env.KEEP_BEST,
+        env.BEST_METRIC,
+        env.BEST_MODE,
+        env.KEEP_EVERY,
+        env.KEEP_LOCAL,
+        env.INCREMENTAL,
+        env.TERMINATION_LOG,
+        env.STORAGE_URI,
+        env.CHECKPOINT_DIR,
+        env.CONTROL_DIR,
+    }
     assert {v.name for v in sidecar_vars} <= documented_names

@@ -82,8 +82,7 @@ def test_assess(
 
 
 def test_tracker_window_follows_recent_samples() -> None:
-    tracker = ThroughputTracker(grace_seconds=10.0, safety_margin_seconds=0.0, window=2,
-                                overhead_seconds=0.0)
+    tracker = ThroughputTracker(grace_seconds=10.0, safety_margin_seconds=0.0, window=2, overhead_seconds=0.0)
     assert tracker.assessment().expected_seconds is None
     tracker.record_upload(10 * MB, 100.0)  # one very slow upload ...
     assert tracker.assessment().at_risk

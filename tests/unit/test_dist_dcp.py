@@ -37,8 +37,9 @@ def test_a_real_checkpoint_loads(tmp_path: Path) -> None:
     loaded = load_full_state(tmp_path / "dcp")
     assert torch.equal(loaded["model"]["0.weight"], state["model"]["0.weight"])
     assert torch.equal(loaded["model"]["0.bias"], state["model"]["0.bias"])
-    assert torch.equal(loaded["optimizer"]["state"]["0.weight"]["exp_avg"],
-                       state["optimizer"]["state"]["0.weight"]["exp_avg"])  # fmt: skip
+    assert torch.equal(
+        loaded["optimizer"]["state"]["0.weight"]["exp_avg"], state["optimizer"]["state"]["0.weight"]["exp_avg"]
+    )
     assert float(loaded["optimizer"]["state"]["0.weight"]["step"]) == 5.0
     metadata = SafeFileSystemReader(tmp_path / "dcp").read_metadata()
     assert isinstance(metadata, Metadata)

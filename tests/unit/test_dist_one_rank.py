@@ -125,8 +125,9 @@ def test_a_state_that_cannot_be_saved_raises_and_still_ends_a_preemption(group: 
     ckpt.close()
 
 
-def test_torch_state_uses_sharded_state_dicts_while_a_distributed_checkpointer_lives(group: None,
-                                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_torch_state_uses_sharded_state_dicts_while_a_distributed_checkpointer_lives(
+    group: None, tmp_path: Path
+) -> None:
     model, opt, _ = make()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     assert next(iter(spotguard.torch_state(ddp)["model"])).startswith("module.")

@@ -79,13 +79,18 @@ def test_key_mismatch_counts_a_tied_pair_as_present_when_either_is_there() -> No
     assert key_mismatch(GPT2 - {"transformer.wte.weight"}, GPT2, tied) == ([], [])
     assert key_mismatch(GPT2 - {"lm_head.weight"}, GPT2, {}) == (["lm_head.weight"], [])
     assert key_mismatch({*GPT2, "extra"} - {"transformer.h.0.attn.c_attn.weight"}, GPT2, tied) == (
-        ["transformer.h.0.attn.c_attn.weight"], ["extra"])  # fmt: skip
+        ["transformer.h.0.attn.c_attn.weight"],
+        ["extra"],
+    )
 
 
 def gpt2_like() -> tuple[dict[str, torch.Tensor], ModelKeys]:
     wte = torch.arange(12.0).reshape(4, 3)
-    state = {"module.transformer.wte.weight": wte, "module.lm_head.weight": wte,  # tied: one tensor
-             "module.transformer.h.0.attn.c_attn.weight": torch.ones(3, 9)}  # fmt: skip
+    state = {
+        "module.transformer.wte.weight": wte,
+        "module.lm_head.weight": wte,  # tied: one tensor
+        "module.transformer.h.0.attn.c_attn.weight": torch.ones(3, 9),
+    }
     model = ModelKeys("GPT2LMHeadModel", frozenset(GPT2), {"lm_head.weight": "transformer.wte.weight"})
     return state, model
 
@@ -132,10 +137,14 @@ def test_plan_shards_and_index() -> None:
     index = shard_index(shards, dict(sizes))
     assert index == {
         "metadata": {"total_size": 27},
-        "weight_map": {"a": "model-00001-of-00003.safetensors", "b": "model-00001-of-00003.safetensors",
-                       "c": "model-00002-of-00003.safetensors", "d": "model-00003-of-00003.safetensors",
-                       "e": "model-00003-of-00003.safetensors"},
-    }  # fmt: skip
+        "weight_map": {
+            "a": "model-00001-of-00003.safetensors",
+            "b": "model-00001-of-00003.safetensors",
+            "c": "model-00002-of-00003.safetensors",
+            "d": "model-00003-of-00003.safetensors",
+            "e": "model-00003-of-00003.safetensors",
+        },
+    }
     assert index_weight_files(index) == shard_file_names(3)
     assert all(is_weight_file(f) for f in [*shard_file_names(3), "model.safetensors.index.json"])
     with pytest.raises(ExportError, match="not a model shard file"):
@@ -163,21 +172,58 @@ def test_default_shard_size_is_the_hubs() -> None:
 
 
 def test_folder_export_files_leave_out_training_state_and_pickles() -> None:
-    paths = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "optimizer.pt",
-             "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_3.pth", "trainer_state.json",
-             "training_args.bin", "global_step10/mp_rank_00_model_states.pt", "latest", "pytorch_model.bin",
-             "parts/00000.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]  # fmt: skip
+    paths = [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "optimizer.pt",
+        "scheduler.pt",
+        "scaler.pt",
+        "rng_state.pth",
+        "rng_state_3.pth",
+        "trainer_state.json",
+        "training_args.bin",
+        "global_step10/mp_rank_00_model_states.pt",
+        "latest",
+        "pytorch_model.bin",
+        "parts/00000.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     keep, left = folder_export_files(paths)
-    assert keep == ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-                    "model.safetensors", "model.safetensors.index.json", "tokenizer.json"]  # fmt: skip
-    assert left == ["global_step10/mp_rank_00_model_states.pt", "latest", "optimizer.pt", "pytorch_model.bin",
-                    "rng_state.pth", "rng_state_3.pth", "scaler.pt", "scheduler.pt", "trainer_state.json",
-                    "training_args.bin"]  # fmt: skip
+    assert keep == [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
+    assert left == [
+        "global_step10/mp_rank_00_model_states.pt",
+        "latest",
+        "optimizer.pt",
+        "pytorch_model.bin",
+        "rng_state.pth",
+        "rng_state_3.pth",
+        "scaler.pt",
+        "scheduler.pt",
+        "trainer_state.json",
+        "training_args.bin",
+    ]
 
 
 def test_best_first() -> None:
-    cands = [("c1", 1, {"loss": 0.5}), ("c2", 2, {"loss": 0.2}), ("c3", 3, {"loss": 0.2}), ("c4", 4, {}),
-             ("c5", 5, {"loss": math.nan}), ("c6", 6, {"loss": None}), ("c7", 7, {"loss": 0.9})]  # fmt: skip
+    cands = [
+        ("c1", 1, {"loss": 0.5}),
+        ("c2", 2, {"loss": 0.2}),
+        ("c3", 3, {"loss": 0.2}),
+        ("c4", 4, {}),
+        ("c5", 5, {"loss": math.nan}),
+        ("c6", 6, {"loss": None}),
+        ("c7", 7, {"loss": 0.9}),
+    ]
     assert best_first(cands, "loss", "min") == ["c3", "c2", "c1", "c7"]  # a tie goes to the newer one
     assert best_first(cands, "loss", "max") == ["c7", "c1", "c3", "c2"]
     assert best_first(cands, "acc", "max") == []

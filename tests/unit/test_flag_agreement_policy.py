@@ -47,10 +47,22 @@ class RankEnd:
 
 
 def settings(every_steps: int | None = None, every_seconds: float | None = None) -> Settings:
-    return Settings(directory=Path("ck"), storage_uri=None, storage_options={}, save_every_steps=every_steps,
-                    save_every_seconds=every_seconds, checksum="sha256", control_dir=Path("ck/.control"),
-                    keep_local=2, retention=None, upload=False, local_pruner="keep", job=None, attempt=None,
-                    async_save=True)  # fmt: skip
+    return Settings(
+        directory=Path("ck"),
+        storage_uri=None,
+        storage_options={},
+        save_every_steps=every_steps,
+        save_every_seconds=every_seconds,
+        checksum="sha256",
+        control_dir=Path("ck/.control"),
+        keep_local=2,
+        retention=None,
+        upload=False,
+        local_pruner="keep",
+        job=None,
+        attempt=None,
+        async_save=True,
+    )
 
 
 class Ranks:

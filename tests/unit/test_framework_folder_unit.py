@@ -64,7 +64,9 @@ def test_node_files_refuses_one_path_with_two_contents() -> None:
 
 def test_metrics_of_keeps_finite_numbers_only() -> None:
     assert metrics_of({"loss": 0.5, "epoch": 2, "name": "x", "nan": float("nan"), "flag": True}) == {
-        "loss": 0.5, "epoch": 2.0}  # fmt: skip
+        "loss": 0.5,
+        "epoch": 2.0,
+    }
     assert metrics_of(None) is None and metrics_of({"s": "x"}) is None
 
 
@@ -89,9 +91,14 @@ def test_numpy_rng_state_passes_the_pickle_scan_and_code_does_not() -> None:
 
 
 def test_commit_folder_then_resume_folder_round_trip(tmp_path: Path) -> None:
-    src = write_folder(tmp_path / "framework" / "checkpoint-7",
-                       {"model.safetensors": b"weights", "sub/optimizer.pt": b"\x80\x02}q\x00.",
-                        "training_args.bin": b"\x80\x02}q\x00."})  # fmt: skip
+    src = write_folder(
+        tmp_path / "framework" / "checkpoint-7",
+        {
+            "model.safetensors": b"weights",
+            "sub/optimizer.pt": b"\x80\x02}q\x00.",
+            "training_args.bin": b"\x80\x02}q\x00.",
+        },
+    )
     ck = Checkpointer(tmp_path / "spotguard", handle_signals=False)
     path = ck.commit_folder(
         7, src, epoch=1, metrics={"loss": 1.5, "note": "x"}, exclude=("training_args.bin",), blocking=True

@@ -30,8 +30,11 @@ def raw_spec(host_network: bool = True, **extra: Any) -> dict[str, Any]:
 
 
 def job(name: str, status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
-    return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"}, "spec": raw_spec(**spec),
-            "status": status or {}}
+    return {
+        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}"},
+        "spec": raw_spec(**spec),
+        "status": status or {},
+    }
 
 
 # --- the pure part -----------------------------------------------------------------
@@ -191,7 +194,9 @@ def test_exhausted_job_waits_with_a_condition_and_one_event() -> None:
     assert [(e.type, e.reason) for e in events] == [("Normal", hp.R_ALLOCATED)]
     # A job that never waited gets no condition.
     assert hp.note_allocated({"phase": "Pending"}, hp.HostPorts(20000, 20001, True), NOW, 1) == (
-        {"phase": "Pending"}, ())
+        {"phase": "Pending"},
+        (),
+    )
 
 
 # --- the claim protocol, against a fake apiserver -----------------------------------
@@ -242,8 +247,9 @@ class FakeCustom:
         with self.lock:
             return {"items": copy.deepcopy([o for (n, _), o in self.objs.items() if n == ns])}
 
-    def patch_namespaced_custom_object_status(self, group: str, version: str, ns: str, plural: str, name: str,
-                                              body: dict[str, Any], **_: Any) -> Any:
+    def patch_namespaced_custom_object_status(
+        self, group: str, version: str, ns: str, plural: str, name: str, body: dict[str, Any], **_: Any
+    ) -> Any:
         self._pause()
         with self.lock:
             obj = self.objs[(ns, name)]
@@ -264,8 +270,9 @@ class FakeCustom:
 
 
 def ctx_on(custom: FakeCustom, first: int, last: int) -> rc.Context:
-    return rc.Context(core=None, custom=custom, config=OperatorConfig(), metrics=OperatorMetrics(),
-                      host_port_range=(first, last))
+    return rc.Context(
+        core=None, custom=custom, config=OperatorConfig(), metrics=OperatorMetrics(), host_port_range=(first, last)
+    )
 
 
 def test_allocation_is_stable_and_freed() -> None:

@@ -41,8 +41,15 @@ def fresh_checkpointer() -> Iterator[None]:
 
 def tiny_args(out: Path, **kw: Any) -> TrainingArguments:
     # 96 samples, 4 per step: 24 steps per epoch.
-    base: dict[str, Any] = {"output_dir": str(out), "max_steps": 30, "per_device_train_batch_size": 4,
-                            "report_to": "none", "use_cpu": True, "disable_tqdm": True, "logging_steps": 1}  # fmt: skip
+    base: dict[str, Any] = {
+        "output_dir": str(out),
+        "max_steps": 30,
+        "per_device_train_batch_size": 4,
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "logging_steps": 1,
+    }
     return TrainingArguments(**{**base, **kw})
 
 
@@ -63,9 +70,12 @@ class Saves(TrainerCallback):
 
 def test_enable_jit_checkpoint_is_refused_with_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="enable_jit_checkpoint=False"):
-        Trainer(model=train_hf.build_model(0), args=tiny_args(tmp_path / "out", enable_jit_checkpoint=True),
-                train_dataset=train_hf.TokenDataset(0),
-                callbacks=[SpotguardCallback(directory=str(tmp_path / "ck"), handle_signals=False)])  # fmt: skip
+        Trainer(
+            model=train_hf.build_model(0),
+            args=tiny_args(tmp_path / "out", enable_jit_checkpoint=True),
+            train_dataset=train_hf.TokenDataset(0),
+            callbacks=[SpotguardCallback(directory=str(tmp_path / "ck"), handle_signals=False)],
+        )
 
 
 def test_preemption_mid_epoch_saves_once_commits_and_stops(tmp_path: Path) -> None:
@@ -78,8 +88,12 @@ def test_preemption_mid_epoch_saves_once_commits_and_stops(tmp_path: Path) -> No
     (out / "checkpoint-99" / "optimizer.pt").write_bytes(b"stale")
     spotguard = SpotguardCallback(directory=str(tmp_path / "ck"), handle_signals=False)
     saves = Saves(spotguard, at=6)
-    trainer = Trainer(model=train_hf.build_model(0), args=tiny_args(out, save_strategy="epoch"),
-                      train_dataset=train_hf.TokenDataset(0), callbacks=[spotguard, saves])  # fmt: skip
+    trainer = Trainer(
+        model=train_hf.build_model(0),
+        args=tiny_args(out, save_strategy="epoch"),
+        train_dataset=train_hf.TokenDataset(0),
+        callbacks=[spotguard, saves],
+    )
     trainer.train()
     # Asked after spotguard's own check of step 6: the next step saves and stops.
     assert saves.saved == [7] and trainer.state.global_step == 7 and spotguard.preempted
@@ -99,8 +113,12 @@ def test_every_trainer_save_is_committed_and_resume_path_returns_the_newest(tmp_
 
     out, ck = tmp_path / "out", tmp_path / "ck"
     spotguard = SpotguardCallback(directory=str(ck), handle_signals=False, keep_local=10)
-    trainer = Trainer(model=train_hf.build_model(0), args=tiny_args(out, max_steps=12, save_steps=5),
-                      train_dataset=train_hf.TokenDataset(0), callbacks=[spotguard])  # fmt: skip
+    trainer = Trainer(
+        model=train_hf.build_model(0),
+        args=tiny_args(out, max_steps=12, save_steps=5),
+        train_dataset=train_hf.TokenDataset(0),
+        callbacks=[spotguard],
+    )
     assert spotguard_resume_path() is None
     trainer.train()
     assert [p.name for p in list_local_committed(ck)] == [f"ckpt-{s:012d}" for s in (5, 10, 12)]
@@ -115,10 +133,17 @@ def test_stale_folders_are_the_later_steps_only(tmp_path: Path) -> None:
     assert stale_folders(tmp_path / "missing", 0) == []
 
 
-@pytest.mark.parametrize(("ckpt", "ok"), [
-    ("spotguard", True), ("out", True), ("out/ckpts", True), ("out/checkpoint-10", False),
-    ("out/checkpoint-10/sub", False), ("out/sub/checkpoint-10", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ckpt", "ok"),
+    [
+        ("spotguard", True),
+        ("out", True),
+        ("out/ckpts", True),
+        ("out/checkpoint-10", False),
+        ("out/checkpoint-10/sub", False),
+        ("out/sub/checkpoint-10", True),
+    ],
+)
 def test_checkpoint_directory_must_be_out_of_reach_of_the_rotation(tmp_path: Path, ckpt: str, ok: bool) -> None:
     if ok:
         check_directory(tmp_path / "out", tmp_path / ckpt)
@@ -128,8 +153,12 @@ def test_checkpoint_directory_must_be_out_of_reach_of_the_rotation(tmp_path: Pat
 
 
 def test_last_metrics_takes_the_newest_numeric_log_entry() -> None:
-    state = SimpleNamespace(log_history=[{"loss": 2.0, "step": 1}, {"loss": 1.5, "learning_rate": 1e-3, "epoch": 0.5,
-                                                                    "step": 2, "note": "x", "flag": True}])  # fmt: skip
+    state = SimpleNamespace(
+        log_history=[
+            {"loss": 2.0, "step": 1},
+            {"loss": 1.5, "learning_rate": 1e-3, "epoch": 0.5, "step": 2, "note": "x", "flag": True},
+        ]
+    )
     assert last_metrics(state) == {"loss": 1.5, "learning_rate": 1e-3}  # type: ignore[arg-type]
     assert last_metrics(SimpleNamespace(log_history=[])) is None  # type: ignore[arg-type]
 
@@ -170,8 +199,9 @@ def test_fresh_start_moves_earlier_folders_aside_and_keeps_them(
     marks = {step: plant(out, step) for step in (5, 40)}
     spotguard = SpotguardCallback(directory=str(ck), handle_signals=False, keep_local=10)
     args = tiny_args(out, max_steps=10, save_steps=5, save_total_limit=1)
-    trainer = Trainer(model=train_hf.build_model(0), args=args, train_dataset=train_hf.TokenDataset(0),
-                      callbacks=[spotguard])  # fmt: skip
+    trainer = Trainer(
+        model=train_hf.build_model(0), args=args, train_dataset=train_hf.TokenDataset(0), callbacks=[spotguard]
+    )
     with caplog.at_level(logging.INFO, logger=LOGGER):
         trainer.train()
 

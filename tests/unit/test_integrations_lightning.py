@@ -77,8 +77,11 @@ def test_the_default_state_counts_what_the_iteration_yielded() -> None:
 
 def test_a_state_of_other_data_or_another_setup_is_refused() -> None:
     state = ResumableSampler(range(10), seed=1).state_dict()
-    for other in (ResumableSampler(range(11), seed=1), ResumableSampler(range(10), seed=2),
-                  ResumableSampler(range(10), seed=1, num_replicas=2, rank=0)):  # fmt: skip
+    for other in (
+        ResumableSampler(range(11), seed=1),
+        ResumableSampler(range(10), seed=2),
+        ResumableSampler(range(10), seed=1, num_replicas=2, rank=0),
+    ):
         with pytest.raises(ValueError, match="sampler state has"):
             other.load_state_dict(state)
 
@@ -86,8 +89,9 @@ def test_a_state_of_other_data_or_another_setup_is_refused() -> None:
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_ranks_shard_each_epoch_like_distributed_sampler(drop_last: bool) -> None:
     size, world = 11, 3
-    shards = [ResumableSampler(range(size), seed=5, num_replicas=world, rank=r, drop_last=drop_last)
-              for r in range(world)]  # fmt: skip
+    shards = [
+        ResumableSampler(range(size), seed=5, num_replicas=world, rank=r, drop_last=drop_last) for r in range(world)
+    ]
     lists = [epoch(s, 1) for s in shards]
     assert len({len(x) for x in lists}) == 1 and all(len(x) == len(s) for x, s in zip(lists, shards, strict=True))
     covered = [i for x in lists for i in x]

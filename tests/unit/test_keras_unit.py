@@ -61,18 +61,32 @@ def test_resume_point_refuses_what_it_cannot_place(position: str, epoch: int, do
 
 def test_variable_keys_are_paths_with_repeats_numbered() -> None:
     assert variable_keys(["a/kernel", "a/bias", "a/kernel", "b", "a/kernel"]) == [
-        "a/kernel", "a/bias", "a/kernel#2", "b", "a/kernel#3"
-    ]  # fmt: skip
+        "a/kernel",
+        "a/bias",
+        "a/kernel#2",
+        "b",
+        "a/kernel#3",
+    ]
     assert variable_keys([]) == []
 
 
 def test_checkpoint_metrics_names_mid_epoch_values_running_and_keeps_numbers_only() -> None:
-    logs = {"loss": 0.5, "accuracy": np.float32(0.75), "val_loss": torch.tensor(0.25), "lr": float("nan"),
-            "note": "x", "flag": True, "inf": math.inf}  # fmt: skip
+    logs = {
+        "loss": 0.5,
+        "accuracy": np.float32(0.75),
+        "val_loss": torch.tensor(0.25),
+        "lr": float("nan"),
+        "note": "x",
+        "flag": True,
+        "inf": math.inf,
+    }
     assert checkpoint_metrics(logs, EPOCH_END) == {"loss": 0.5, "accuracy": 0.75, "val_loss": 0.25}
     assert checkpoint_metrics(logs, FINAL) == {"loss": 0.5, "accuracy": 0.75, "val_loss": 0.25}
-    assert checkpoint_metrics(logs, MID_EPOCH) == {"running_loss": 0.5, "running_accuracy": 0.75,
-                                                   "running_val_loss": 0.25}  # fmt: skip
+    assert checkpoint_metrics(logs, MID_EPOCH) == {
+        "running_loss": 0.5,
+        "running_accuracy": 0.75,
+        "running_val_loss": 0.25,
+    }
     assert checkpoint_metrics(None, MID_EPOCH) == {}
 
 
@@ -101,20 +115,26 @@ def _draws(gens: dict[str, object]) -> list[object]:
     """A few numbers from every RNG a fit on torch draws from."""
     tg, npg, rs, pr, sg = (gens[k] for k in ("torch", "numpy", "randomstate", "python", "keras"))
     return [
-        random.random(), float(np.random.rand()), float(torch.rand(())),
+        random.random(),
+        float(np.random.rand()),
+        float(torch.rand(())),
         keras.random.uniform((3,)).tolist(),  # Keras's global seed generator
-        float(torch.rand((), generator=tg)), float(npg.random()), float(rs.rand()),  # type: ignore[attr-defined]
+        float(torch.rand((), generator=tg)),
+        float(npg.random()),
+        float(rs.rand()),  # type: ignore[attr-defined]
         pr.random(),  # type: ignore[attr-defined]
         keras.random.uniform((3,), seed=sg).tolist(),
-    ]  # fmt: skip
+    ]
 
 
 def test_rngs_taken_and_put_back_draw_the_same_numbers_again() -> None:
     gens: dict[str, object] = {
-        "torch": torch.Generator().manual_seed(1), "numpy": np.random.default_rng(2),
-        "randomstate": np.random.RandomState(3), "python": random.Random(4),
+        "torch": torch.Generator().manual_seed(1),
+        "numpy": np.random.default_rng(2),
+        "randomstate": np.random.RandomState(3),
+        "python": random.Random(4),
         "keras": keras.random.SeedGenerator(5),
-    }  # fmt: skip
+    }
     keras.random.uniform((1,))  # Keras's global seed generator exists
     state = capture_rngs(gens)
     first = _draws(gens)

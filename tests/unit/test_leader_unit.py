@@ -211,8 +211,16 @@ def lost(reason: str) -> None:
 
 def elector(leases: Leases, identity: str, clock: Clock, timing: Timing = T) -> LeaderElector:
     # The wall clock moves with the monotonic one here (each renewal writes a new renewTime).
-    return LeaderElector(leases, "ops", "lead", identity, timing, clock=clock,
-                         wall=lambda: WALL + timedelta(seconds=clock.now), on_lost=lost)
+    return LeaderElector(
+        leases,
+        "ops",
+        "lead",
+        identity,
+        timing,
+        clock=clock,
+        wall=lambda: WALL + timedelta(seconds=clock.now),
+        on_lost=lost,
+    )
 
 
 def test_the_first_candidate_creates_the_lease_the_second_stands_by() -> None:

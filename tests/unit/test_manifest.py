@@ -264,8 +264,9 @@ def test_store_checksums_replace_reading_back_except_for_possible_pickles() -> N
         reads.append(path)
         return [FILES[path]]
 
-    checks = verify_files_by_store(manifest, {p: len(d) for p, d in FILES.items()},
-                                   lambda p: _stored(FILES[p]), read_chunks)  # fmt: skip
+    checks = verify_files_by_store(
+        manifest, {p: len(d) for p, d in FILES.items()}, lambda p: _stored(FILES[p]), read_chunks
+    )
     assert checks.problems == []
     assert reads == ["legacy.pt"]  # a possible pickle is always inspected byte by byte
     assert (checks.store_checked, checks.read_back, checks.method) == (2, 1, "mixed")
@@ -275,8 +276,9 @@ def test_store_checksums_replace_reading_back_except_for_possible_pickles() -> N
 def test_a_store_checksum_that_differs_from_the_manifest_is_a_problem() -> None:
     files = {"model.safetensors": b"m" * 100}
     manifest = _manifest(files)
-    checks = verify_files_by_store(manifest, {"model.safetensors": 100}, lambda p: _stored(b"x" * 100),
-                                   lambda p: pytest.fail("read back"))  # fmt: skip
+    checks = verify_files_by_store(
+        manifest, {"model.safetensors": 100}, lambda p: _stored(b"x" * 100), lambda p: pytest.fail("read back")
+    )
     assert checks.method == "store-checksum"
     assert len(checks.problems) == 1 and "crc32c checksum mismatch (the store computed" in checks.problems[0]
 
@@ -284,16 +286,18 @@ def test_a_store_checksum_that_differs_from_the_manifest_is_a_problem() -> None:
 def test_without_a_store_checksum_the_bytes_are_read_back() -> None:
     files = {"model.safetensors": b"m" * 100, "state.json": b"{}"}
     manifest = _manifest(files)
-    checks = verify_files_by_store(manifest, {p: len(d) for p, d in files.items()}, lambda p: None,
-                                   lambda p: [files[p]])  # fmt: skip
+    checks = verify_files_by_store(
+        manifest, {p: len(d) for p, d in files.items()}, lambda p: None, lambda p: [files[p]]
+    )
     assert checks.problems == [] and checks.method == "read-back" and checks.read_bytes == 102
 
 
 def test_a_sha256_manifest_is_read_back_even_with_a_store_crc32c() -> None:
     files = {"model.safetensors": b"m" * 100}
     manifest = _manifest(files, "sha256")
-    checks = verify_files_by_store(manifest, {"model.safetensors": 100}, lambda p: _stored(files[p]),
-                                   lambda p: [files[p]])  # fmt: skip
+    checks = verify_files_by_store(
+        manifest, {"model.safetensors": 100}, lambda p: _stored(files[p]), lambda p: [files[p]]
+    )
     assert checks.problems == [] and checks.method == "read-back"
 
 

@@ -32,8 +32,10 @@ dcp = require_module("torch.distributed.checkpoint")
 @pytest.fixture(scope="module")
 def dcp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("dcp")
-    state = {"model": {"w": torch.ones(3, 2), "b": torch.zeros(2, dtype=torch.bfloat16)},
-             "optimizer": {"state": {"w": {"exp_avg": torch.full((3, 2), 0.5)}}}}  # fmt: skip
+    state = {
+        "model": {"w": torch.ones(3, 2), "b": torch.zeros(2, dtype=torch.bfloat16)},
+        "optimizer": {"state": {"w": {"exp_avg": torch.full((3, 2), 0.5)}}},
+    }
     dcp.save(state, checkpoint_id=str(d), no_dist=True)
     return d
 
@@ -102,6 +104,7 @@ def test_a_dcp_directory_verifies(dcp_dir: Path) -> None:
     with open(dcp_dir / ".metadata", "rb") as f:
         evil = pickle.dumps([pickle.load(f), _RunsCode()], protocol=4)
     entries = [FileEntry("dcp/.metadata", len(evil), checksum_bytes(evil, "crc32c"))]
-    problems, _ = verify_files(new_manifest(1, entries, "crc32c"), {"dcp/.metadata": len(evil)},
-                               lambda _p: iter([evil]))  # fmt: skip
+    problems, _ = verify_files(
+        new_manifest(1, entries, "crc32c"), {"dcp/.metadata": len(evil)}, lambda _p: iter([evil])
+    )
     assert len(problems) == 1 and "system" in problems[0] and "refused" in problems[0]

@@ -38,14 +38,20 @@ def part(
     sharding_id: str | None = None,
     **kw: Any,
 ) -> tuple[bytes, Manifest]:
-    names = files if files is not None else [f"dcp/__{r}_0.distcp" for r in ranks] + [
-        f"ranks/{r:05d}/state.json" for r in ranks
-    ]
+    names = (
+        files
+        if files is not None
+        else [f"dcp/__{r}_0.distcp" for r in ranks] + [f"ranks/{r:05d}/state.json" for r in ranks]
+    )
     digest = CRC if algorithm == "crc32c" else "ab" * 32
     m = new_manifest(
-        step, [FileEntry(n, 7, digest) for n in names], algorithm, created=created,
-        sharding=Sharding(world_size, parts, index, ranks, sharding_id), **kw,
-    )  # fmt: skip
+        step,
+        [FileEntry(n, 7, digest) for n in names],
+        algorithm,
+        created=created,
+        sharding=Sharding(world_size, parts, index, ranks, sharding_id),
+        **kw,
+    )
     return m.to_json(), m
 
 
@@ -89,11 +95,16 @@ def test_part_manifest_path() -> None:
 
 
 def sharded_doc(sharding: Any, version: int = 2, files: list[str] | None = None) -> bytes:
-    return json.dumps({
-        "format_version": version, "step": 1, "created": "2026-01-01T00:00:00Z", "checksum_algorithm": "crc32c",
-        "sharding": sharding,
-        "files": [{"path": p, "size": 1, "checksum": CRC} for p in (files or ["a"])],
-    }).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "format_version": version,
+            "step": 1,
+            "created": "2026-01-01T00:00:00Z",
+            "checksum_algorithm": "crc32c",
+            "sharding": sharding,
+            "files": [{"path": p, "size": 1, "checksum": CRC} for p in (files or ["a"])],
+        }
+    ).encode()
 
 
 @pytest.mark.parametrize(
@@ -112,12 +123,24 @@ def sharded_doc(sharding: Any, version: int = 2, files: list[str] | None = None)
         ({"world_size": 2, "parts": 1, "part": 0, "ranks": [0]}, 2, None, "only part must cover ranks 0..1"),
         ({"world_size": 2, "parts": 2, "part": None, "ranks": [0]}, 2, None, "global manifest must cover"),
         ({"world_size": 2, "parts": 2, "part": 0, "ranks": [0]}, 2, ["parts/00000.json"], "inside parts/"),
-        ({"world_size": 2, "parts": 2, "part": None, "ranks": [0, 1]}, 2, ["parts/00000.json"],
-         "does not list parts/00001.json"),
-        ({"world_size": 2, "parts": 1, "part": None, "ranks": [0, 1]}, 2, ["parts/00000.json", "parts/00001.json"],
-         "has 1 part"),
-        ({"world_size": 2, "parts": 1, "part": None, "ranks": [0, 1]}, 2, ["parts/00000.json", "parts/x"],
-         "is not a part manifest"),
+        (
+            {"world_size": 2, "parts": 2, "part": None, "ranks": [0, 1]},
+            2,
+            ["parts/00000.json"],
+            "does not list parts/00001.json",
+        ),
+        (
+            {"world_size": 2, "parts": 1, "part": None, "ranks": [0, 1]},
+            2,
+            ["parts/00000.json", "parts/00001.json"],
+            "has 1 part",
+        ),
+        (
+            {"world_size": 2, "parts": 1, "part": None, "ranks": [0, 1]},
+            2,
+            ["parts/00000.json", "parts/x"],
+            "is not a part manifest",
+        ),
     ],
 )
 def test_malformed_sharding_is_named(sharding: Any, version: int, files: list[str] | None, problem: str) -> None:
@@ -132,16 +155,26 @@ def test_version_2_without_sharding_is_read() -> None:
 
 
 def test_build_global_manifest() -> None:
-    p0 = part(0, (0, 1), epoch=3, metrics={"loss": 0.25, "nan": float("nan")}, job="ns/j", attempt=1,
-              reason="interval", request_id="r", timing={"save_seconds": 1.0})  # fmt: skip
+    p0 = part(
+        0,
+        (0, 1),
+        epoch=3,
+        metrics={"loss": 0.25, "nan": float("nan")},
+        job="ns/j",
+        attempt=1,
+        reason="interval",
+        request_id="r",
+        timing={"save_seconds": 1.0},
+    )
     p1 = part(1, (2, 3), created="2026-01-02T03:04:06.000000Z", metrics={"loss": 9.0})
     g = build_global_manifest([p1, p0])
     assert g.sharding == Sharding(4, 2, None, (0, 1, 2, 3))
     assert g.is_global and g.locally_complete and not g.is_part
     assert g.format_version == 2
     assert [f.path for f in g.files] == [f.path for f in p0[1].files] + [f.path for f in p1[1].files] + [
-        "parts/00000.json", "parts/00001.json",
-    ]  # fmt: skip
+        "parts/00000.json",
+        "parts/00001.json",
+    ]
     assert g.files[-2] == FileEntry("parts/00000.json", len(p0[0]), checksum_bytes(p0[0], "crc32c"))
     assert g.files[-1] == FileEntry("parts/00001.json", len(p1[0]), checksum_bytes(p1[0], "crc32c"))
     # Scalars from part 0, created the latest of the parts.
@@ -186,8 +219,10 @@ def test_sha256_parts() -> None:
         ([part(0, (0, 1)), part(1, (2, 3), algorithm="sha256")], "part 1: checksum algorithm sha256"),
         ([part(0, (0, 1)), part(1, (1, 2, 3))], "part 1: rank 1 is also in part 0"),
         ([part(0, (0,)), part(1, (2, 3))], r"ranks \[1\] of world_size 4 are in no part"),
-        ([part(0, (0, 1), files=["dcp/.metadata"]), part(1, (2, 3), files=["a", "dcp/.metadata"])],
-         "part 1: file 'dcp/.metadata' is also in part 0"),
+        (
+            [part(0, (0, 1), files=["dcp/.metadata"]), part(1, (2, 3), files=["a", "dcp/.metadata"])],
+            "part 1: file 'dcp/.metadata' is also in part 0",
+        ),
     ],
 )
 def test_inconsistent_parts_are_refused_naming_the_part(parts: list[tuple[bytes, Manifest]], problem: str) -> None:

@@ -14,18 +14,19 @@ import pytest
 @pytest.mark.parametrize(
     "preempt, pruner, shipping, durable",
     [
-        (False, "uploader", True, True),    # routine saves are always fsynced
+        (False, "uploader", True, True),  # routine saves are always fsynced
         (False, "self", True, True),
-        (True, "uploader", True, False),    # a live uploader ships it at once: its upload makes it durable
+        (True, "uploader", True, False),  # a live uploader ships it at once: its upload makes it durable
         (True, "self", True, False),
-        (True, "uploader", False, True),    # no sign of a live uploader: the local copy is all there is
+        (True, "uploader", False, True),  # no sign of a live uploader: the local copy is all there is
         (True, "self", False, True),
-        (True, "local-only", True, True),   # nothing ships it
+        (True, "local-only", True, True),  # nothing ships it
         (True, "local-only", False, True),
     ],
 )
-def test_an_emergency_save_skips_fsync_only_for_a_live_uploader(preempt: bool, pruner: str, shipping: bool,
-                                                               durable: bool) -> None:
+def test_an_emergency_save_skips_fsync_only_for_a_live_uploader(
+    preempt: bool, pruner: str, shipping: bool, durable: bool
+) -> None:
     from spotguard.trainer.shipping import emergency_save_is_durable
 
     assert emergency_save_is_durable(preempt, pruner, shipping) is durable
@@ -45,8 +46,9 @@ def test_a_heartbeat_counts_only_while_fresh_and_shipping() -> None:
     assert not heartbeat_says_shipping(failing, 1000.5)  # alive, but its uploads fail
 
 
-@pytest.mark.parametrize("doc", ["[]", "{}", '{"time": "now", "shipping": true}', '{"time": 1.0, "shipping": 1}',
-                                 "not json"])
+@pytest.mark.parametrize(
+    "doc", ["[]", "{}", '{"time": "now", "shipping": true}', '{"time": 1.0, "shipping": 1}', "not json"]
+)
 def test_a_malformed_heartbeat_is_refused(doc: str) -> None:
     from spotguard.contract.control import parse_heartbeat
 
@@ -78,11 +80,20 @@ def test_run_strips_the_storage_credentials_from_the_commands_environment() -> N
     from spotguard.sidecar.supervisor import STORAGE_CREDENTIAL_ENV, without_storage_credentials
 
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} <= set(STORAGE_CREDENTIAL_ENV)
-    env = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_SESSION_TOKEN": "t",
-           "SPOTGUARD_STORAGE_URI": "s3://b/p", "AWS_ENDPOINT_URL_S3": "http://e", "AWS_DEFAULT_REGION": "r",
-           "PATH": "/bin"}  # fmt: skip
-    assert without_storage_credentials(env) == {"AWS_ENDPOINT_URL_S3": "http://e", "AWS_DEFAULT_REGION": "r",
-                                                "PATH": "/bin"}  # fmt: skip
+    env = {
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_SESSION_TOKEN": "t",
+        "SPOTGUARD_STORAGE_URI": "s3://b/p",
+        "AWS_ENDPOINT_URL_S3": "http://e",
+        "AWS_DEFAULT_REGION": "r",
+        "PATH": "/bin",
+    }
+    assert without_storage_credentials(env) == {
+        "AWS_ENDPOINT_URL_S3": "http://e",
+        "AWS_DEFAULT_REGION": "r",
+        "PATH": "/bin",
+    }
     assert env["AWS_SECRET_ACCESS_KEY"] == "s"  # the caller's mapping is left alone
 
 

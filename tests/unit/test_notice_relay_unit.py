@@ -73,8 +73,11 @@ def test_bearer_token() -> None:
 
 def test_token_review_asks_for_the_relays_audience_only() -> None:
     body = token_review("t0k3n")
-    assert body == {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                    "spec": {"token": "t0k3n", "audiences": [notice_relay.AUDIENCE]}}  # fmt: skip
+    assert body == {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenReview",
+        "spec": {"token": "t0k3n", "audiences": [notice_relay.AUDIENCE]},
+    }
 
 
 def test_caller_is_the_pod_the_token_is_bound_to() -> None:
@@ -84,25 +87,28 @@ def test_caller_is_the_pod_the_token_is_bound_to() -> None:
     assert caller_of(other) == Caller("team-b", "demo-a1", "uid-pod")
 
 
-@pytest.mark.parametrize(("status", "code"), [
-    ({"authenticated": False, "user": {}, "error": "invalid bearer token"}, 401),
-    ({"user": {}, "error": "token audiences [...] is invalid"}, 401),
-    # Authenticated, but not for our audience (an apiserver with no audiences of its own accepts any).
-    ({**review(), "audiences": []}, 401),
-    ({**review(), "audiences": ["https://kubernetes.default.svc"]}, 401),
-    ({k: v for k, v in review().items() if k != "audiences"}, 401),
-    # A user, not a ServiceAccount.
-    (review(username="admin"), 403),
-    (review(username="system:serviceaccount:team-a"), 403),
-    # A ServiceAccount token bound to no pod (a Secret's, or a TokenRequest without boundObjectRef).
-    (review(extra={}), 403),
-    ({**review(), "user": {k: v for k, v in review()["user"].items() if k != "extra"}}, 403),
-    (review(extra={EXTRA_POD_NAME: ["demo-a1"]}), 403),
-    (review(extra={EXTRA_POD_NAME: ["a", "b"], EXTRA_POD_UID: ["uid-pod"]}), 403),
-    (review(extra={EXTRA_POD_NAME: "demo-a1", EXTRA_POD_UID: "uid-pod"}), 403),
-    # A bound Secret-based token (kind Secret) carries no pod extras either.
-    (review(extra={"authentication.kubernetes.io/secret-name": ["s"]}), 403),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        ({"authenticated": False, "user": {}, "error": "invalid bearer token"}, 401),
+        ({"user": {}, "error": "token audiences [...] is invalid"}, 401),
+        # Authenticated, but not for our audience (an apiserver with no audiences of its own accepts any).
+        ({**review(), "audiences": []}, 401),
+        ({**review(), "audiences": ["https://kubernetes.default.svc"]}, 401),
+        ({k: v for k, v in review().items() if k != "audiences"}, 401),
+        # A user, not a ServiceAccount.
+        (review(username="admin"), 403),
+        (review(username="system:serviceaccount:team-a"), 403),
+        # A ServiceAccount token bound to no pod (a Secret's, or a TokenRequest without boundObjectRef).
+        (review(extra={}), 403),
+        ({**review(), "user": {k: v for k, v in review()["user"].items() if k != "extra"}}, 403),
+        (review(extra={EXTRA_POD_NAME: ["demo-a1"]}), 403),
+        (review(extra={EXTRA_POD_NAME: ["a", "b"], EXTRA_POD_UID: ["uid-pod"]}), 403),
+        (review(extra={EXTRA_POD_NAME: "demo-a1", EXTRA_POD_UID: "uid-pod"}), 403),
+        # A bound Secret-based token (kind Secret) carries no pod extras either.
+        (review(extra={"authentication.kubernetes.io/secret-name": ["s"]}), 403),
+    ],
+)
 def test_caller_refusals(status: dict[str, Any], code: int) -> None:
     got, message = refusal(caller_of, status)
     assert got == code, message
@@ -112,23 +118,40 @@ def test_namespaces_not_served_are_refused() -> None:
     check_served(CALLER, ())
     check_served(CALLER, frozenset({"team-a", "team-b"}))
     assert refusal(check_served, CALLER, frozenset({"team-b"})) == (
-        403, "namespace team-a is not served by this operator")
+        403,
+        "namespace team-a is not served by this operator",
+    )
 
 
 # --- what they may see ----------------------------------------------------------------------
 
 
-def pod(labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None,
-        uid: str = "uid-pod", **status: Any) -> dict[str, Any]:  # fmt: skip
+def pod(
+    labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None, uid: str = "uid-pod", **status: Any
+) -> dict[str, Any]:
     return {
-        "metadata": {"name": "demo-a1", "namespace": "team-a", "uid": uid, "labels": labels or {},
-                     "annotations": annotations or {}, "resourceVersion": "7",
-                     "managedFields": [{"manager": "kubelet"}]},
-        "spec": {"nodeName": "node-1", "terminationGracePeriodSeconds": 45, "serviceAccountName": "default",
-                 "containers": [{"name": "trainer", "env": [{"name": "SECRET", "value": "x"}]}]},
-        "status": {"phase": "Running", "podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": "True"}],
-                   **status},
-    }  # fmt: skip
+        "metadata": {
+            "name": "demo-a1",
+            "namespace": "team-a",
+            "uid": uid,
+            "labels": labels or {},
+            "annotations": annotations or {},
+            "resourceVersion": "7",
+            "managedFields": [{"manager": "kubelet"}],
+        },
+        "spec": {
+            "nodeName": "node-1",
+            "terminationGracePeriodSeconds": 45,
+            "serviceAccountName": "default",
+            "containers": [{"name": "trainer", "env": [{"name": "SECRET", "value": "x"}]}],
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.9",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            **status,
+        },
+    }
 
 
 def test_check_pod() -> None:
@@ -139,18 +162,26 @@ def test_check_pod() -> None:
     assert refusal(check_pod, CALLER, None)[0] == 404
     # A token of an earlier pod with the same name never reads the new one.
     assert refusal(check_pod, CALLER, pod({"spotguard.dev/job": "demo"}, uid="uid-new"))[0] == 403
-    for other in (pod(), pod({"app": "web"}), pod({"spotguard.dev/job": ""}),
-                  pod({"spotguard.dev/inject": "true"}), pod({"spotguard.dev/inject": "false"},
-                                                              {"spotguard.dev/injected": "s3://b"})):  # fmt: skip
+    for other in (
+        pod(),
+        pod({"app": "web"}),
+        pod({"spotguard.dev/job": ""}),
+        pod({"spotguard.dev/inject": "true"}),
+        pod({"spotguard.dev/inject": "false"}, {"spotguard.dev/injected": "s3://b"}),
+    ):
         status, message = refusal(check_pod, CALLER, other)
         assert status == 403 and "not spotguard's" in message
 
 
 def test_pod_view_is_minimal_and_enough_for_the_notice() -> None:
     deleting = "2026-01-02T03:04:05Z"
-    full = pod({"spotguard.dev/job": "demo"}, conditions=[
-        {"type": "Ready", "status": "True"},
-        {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet", "message": "shutdown"}])
+    full = pod(
+        {"spotguard.dev/job": "demo"},
+        conditions=[
+            {"type": "Ready", "status": "True"},
+            {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet", "message": "shutdown"},
+        ],
+    )
     full["metadata"]["deletionTimestamp"] = deleting
     view = pod_view(full)
     assert view == {
@@ -178,11 +209,16 @@ def test_event_request() -> None:
     assert event_request(json.dumps({"reason": reason}).encode()) == (reason, "")
     long = event_request(json.dumps({"reason": reason, "message": "x" * 3000}).encode())
     assert len(long[1]) == MAX_MESSAGE and long[1].endswith("...")
-    for body, code in ((b"", 400), (b"not json", 400), (b"[1]", 400), (b"\xff", 400),
-                       (json.dumps({"reason": "Killing", "message": "m"}).encode(), 400),
-                       (json.dumps({"message": "m"}).encode(), 400),
-                       (json.dumps({"reason": reason, "message": 3}).encode(), 400),
-                       (b"{" + b" " * MAX_BODY + b"}", 413)):  # fmt: skip
+    for body, code in (
+        (b"", 400),
+        (b"not json", 400),
+        (b"[1]", 400),
+        (b"\xff", 400),
+        (json.dumps({"reason": "Killing", "message": "m"}).encode(), 400),
+        (json.dumps({"message": "m"}).encode(), 400),
+        (json.dumps({"reason": reason, "message": 3}).encode(), 400),
+        (b"{" + b" " * MAX_BODY + b"}", 413),
+    ):
         assert refusal(event_request, body)[0] == code, body
 
 
@@ -190,8 +226,13 @@ def test_relayed_event_is_on_the_callers_own_pod() -> None:
     when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     event = relayed_event(CALLER, "node-1", "MetricsPortUnavailable", "port taken", when, "op-1")
     assert event["metadata"] == {"generateName": "demo-a1.", "namespace": "team-a"}
-    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "demo-a1", "namespace": "team-a",
-                                       "uid": "uid-pod"}  # fmt: skip
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": "demo-a1",
+        "namespace": "team-a",
+        "uid": "uid-pod",
+    }
     assert (event["type"], event["reason"], event["message"]) == ("Warning", "MetricsPortUnavailable", "port taken")
     assert event["source"] == {"component": "spotguard-sidecar", "host": "node-1"}
     assert event["reportingInstance"] == "op-1" and event["firstTimestamp"] == "2026-01-02T03:04:05Z"
@@ -236,12 +277,18 @@ def test_k8s_pods_keep_their_account_and_only_the_sidecar_gets_the_token(native:
     built = build(["k8s", "aws"], native=native, serviceAccountName="trainer-sa")
     assert built["spec"]["serviceAccountName"] == "trainer-sa"  # the template's own, accepted now
     (volume,) = [v for v in built["spec"]["volumes"] if v["name"] == "spotguard-notice-token"]
-    assert volume["projected"] == {"sources": [{"serviceAccountToken": {
-        "audience": "spotguard.dev/notices", "expirationSeconds": 600, "path": "token"}}]}
+    assert volume["projected"] == {
+        "sources": [
+            {"serviceAccountToken": {"audience": "spotguard.dev/notices", "expirationSeconds": 600, "path": "token"}}
+        ]
+    }
     by_name = containers(built)
     sidecar = by_name["spotguard-sidecar"]
-    assert {"name": "spotguard-notice-token", "mountPath": "/var/run/secrets/spotguard.dev/notices",
-            "readOnly": True} in sidecar["volumeMounts"]  # fmt: skip
+    assert {
+        "name": "spotguard-notice-token",
+        "mountPath": "/var/run/secrets/spotguard.dev/notices",
+        "readOnly": True,
+    } in sidecar["volumeMounts"]
     env = env_of(sidecar)
     assert env["SPOTGUARD_NOTICE_URL"] == URL and env["SPOTGUARD_NOTICES"] == "k8s,aws"
     assert env["SPOTGUARD_NOTICE_TOKEN_FILE"] == "/var/run/secrets/spotguard.dev/notices/token"
@@ -293,8 +340,13 @@ def test_operator_notice_url_setting() -> None:
 
 
 def test_sidecar_settings_use_the_relay_when_given(tmp_path: Any) -> None:
-    settings = NoticeSettings.from_env({"SPOTGUARD_NOTICES": "k8s", "SPOTGUARD_NOTICE_URL": URL,
-                                        "SPOTGUARD_NOTICE_TOKEN_FILE": str(tmp_path / "token")})  # fmt: skip
+    settings = NoticeSettings.from_env(
+        {
+            "SPOTGUARD_NOTICES": "k8s",
+            "SPOTGUARD_NOTICE_URL": URL,
+            "SPOTGUARD_NOTICE_TOKEN_FILE": str(tmp_path / "token"),
+        }
+    )
     assert (settings.relay_url, settings.relay_token_file) == (URL, str(tmp_path / "token"))
     (source,) = build_sources(settings)  # no POD_NAME needed: the relay knows the pod from the token
     assert isinstance(source, KubernetesDisruptionNotices) and source.relay_url == URL

@@ -72,14 +72,16 @@ def _pod(conditions: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
         (_pod([]), None),
         (_pod([{"type": "Ready", "status": "True"}]), None),
         (_pod([{"type": "DisruptionTarget", "status": "False"}]), None),
-        (_pod([{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]),
-         1000.0 + 45),
-        (_pod([{"type": "DisruptionTarget", "status": "True"}],
-              deletion_timestamp=datetime.fromtimestamp(T0, UTC)), T0),
-        (_pod([{"type": "DisruptionTarget", "status": "True"}],
-              deletionTimestamp="2026-01-02T03:04:05Z"), T0),
-        ({"metadata": {}, "spec": {}, "status": {"conditions": [
-            {"type": "DisruptionTarget", "status": "True"}]}}, 1000.0 + 30),
+        (_pod([{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]), 1000.0 + 45),
+        (
+            _pod([{"type": "DisruptionTarget", "status": "True"}], deletion_timestamp=datetime.fromtimestamp(T0, UTC)),
+            T0,
+        ),
+        (_pod([{"type": "DisruptionTarget", "status": "True"}], deletionTimestamp="2026-01-02T03:04:05Z"), T0),
+        (
+            {"metadata": {}, "spec": {}, "status": {"conditions": [{"type": "DisruptionTarget", "status": "True"}]}},
+            1000.0 + 30,
+        ),
     ],
 )
 def test_disruption_notice(pod: dict[str, Any], want_deadline: float | None) -> None:

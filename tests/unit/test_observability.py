@@ -95,9 +95,11 @@ def test_no_series_carries_prometheus_own_job_label() -> None:
 def test_build_info_names_the_version_and_the_component() -> None:
     from spotguard import __version__
 
-    for registry, component in ((SidecarMetrics(namespace="ns", job="j").registry, "sidecar"),
-                                (SidecarMetrics(component="run").registry, "run"),
-                                (OperatorMetrics().registry, "operator")):  # fmt: skip
+    for registry, component in (
+        (SidecarMetrics(namespace="ns", job="j").registry, "sidecar"),
+        (SidecarMetrics(component="run").registry, "run"),
+        (OperatorMetrics().registry, "operator"),
+    ):
         info = [s for f in registry.collect() if f.name == "spotguard_build_info" for s in f.samples]
         assert len(info) == 1 and info[0].value == 1.0, info
         assert info[0].labels["version"] == __version__ and info[0].labels["component"] == component
@@ -134,10 +136,22 @@ def test_dashboard_is_grafana_json() -> None:
 def test_chart_wraps_the_tested_rules_unchanged() -> None:
     helm = require_tool("helm", path=cluster.bin_dir() / "helm")
     out = subprocess.run(
-        [helm, "template", "t", str(ROOT / "charts" / "spotguard"), "--set", "prometheusRule.enabled=true",
-         "--set", "grafanaDashboard.enabled=true", "--set", "metrics.podMonitor.enabled=true"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            helm,
+            "template",
+            "t",
+            str(ROOT / "charts" / "spotguard"),
+            "--set",
+            "prometheusRule.enabled=true",
+            "--set",
+            "grafanaDashboard.enabled=true",
+            "--set",
+            "metrics.podMonitor.enabled=true",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     by_kind = {d["kind"]: d for d in docs if d["kind"] in ("PrometheusRule", "PodMonitor", "ConfigMap")}
     assert by_kind["PrometheusRule"]["spec"] == yaml.safe_load(RULES.read_text())
@@ -149,10 +163,20 @@ def test_chart_wraps_the_tested_rules_unchanged() -> None:
 def test_chart_points_the_runbook_links_where_the_user_hosts_them() -> None:
     helm = require_tool("helm", path=cluster.bin_dir() / "helm")
     out = subprocess.run(
-        [helm, "template", "t", str(ROOT / "charts" / "spotguard"), "--set", "prometheusRule.enabled=true",
-         "--set", "prometheusRule.runbookBaseUrl=https://wiki.example/sre/spotguard/"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            helm,
+            "template",
+            "t",
+            str(ROOT / "charts" / "spotguard"),
+            "--set",
+            "prometheusRule.enabled=true",
+            "--set",
+            "prometheusRule.runbookBaseUrl=https://wiki.example/sre/spotguard/",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rule = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "PrometheusRule")
     urls = [r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]]
     assert urls and all(u.startswith("https://wiki.example/sre/spotguard#spotguard") for u in urls), urls

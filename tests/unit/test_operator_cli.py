@@ -11,8 +11,13 @@ from pathlib import Path
 
 
 def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spotguard.cli", "operator", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", "operator", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 def closed_port() -> int:
@@ -30,13 +35,23 @@ def test_no_configuration(tmp_path: Path) -> None:
 
 def test_unreachable_apiserver(tmp_path: Path) -> None:
     cfg = tmp_path / "kubeconfig"
-    cfg.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{closed_port()}",
-                                               "insecure-skip-tls-verify": True}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }))
+    cfg.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {"server": f"https://127.0.0.1:{closed_port()}", "insecure-skip-tls-verify": True},
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
     result = run("--metrics-port", "0", env={"KUBECONFIG": str(cfg), "KUBERNETES_SERVICE_HOST": ""})
     assert result.returncode == 2
     assert result.stderr.startswith("spotguard operator: cannot reach the Kubernetes API")
@@ -51,7 +66,9 @@ def test_webhook_needs_certificates() -> None:
 
 def test_help_is_fast_to_import() -> None:
     # The CLI module must not import kopf, kubernetes or prometheus at import time.
-    code = ("import sys, spotguard.operator.cli; "
-            "print(sorted(m for m in ('kopf', 'kubernetes', 'prometheus_client') if m in sys.modules))")
+    code = (
+        "import sys, spotguard.operator.cli; "
+        "print(sorted(m for m in ('kopf', 'kubernetes', 'prometheus_client') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

@@ -26,14 +26,17 @@ def spec(**pre: Any) -> TrainingJobSpec:
     raw: dict[str, Any] = {
         "template": {"spec": {"containers": [{"name": "trainer", "image": "t"}]}},
         "checkpoint": {"storage": "s3://bkt/p"},
-        "preemption": {"maxPreemptions": 3, "backoffLimit": 1,
-                       "backoff": {"initialSeconds": 10, "maxSeconds": 60, "factor": 2}, **pre},
+        "preemption": {
+            "maxPreemptions": 3,
+            "backoffLimit": 1,
+            "backoff": {"initialSeconds": 10, "maxSeconds": 60, "factor": 2},
+            **pre,
+        },
     }
     return parse(raw)
 
 
-def step(status: dict[str, Any] | None, end: PodEnd | None, now: datetime = T0, sp: Any = None,
-         **obs: Any) -> Decision:
+def step(status: dict[str, Any] | None, end: PodEnd | None, now: datetime = T0, sp: Any = None, **obs: Any) -> Decision:
     return decide("job", status, sp if sp is not None else spec(), Observation(pod_end=end, **obs), now, 1)
 
 
@@ -80,8 +83,14 @@ def test_preemption_restarts_at_once_and_counts() -> None:
     assert d.accounted == DRAINED
     assert d.status["preemptions"] == 1 and d.status["failures"] == 0
     assert d.create_attempt == 2 and d.status["attempt"] == 2 and d.status["phase"] == "Pending"
-    assert d.status["lastPodEnd"] == {"attempt": 1, "kind": "preempted", "reason": "PodDeleted",
-                                      "message": DRAINED.message, "time": "2030-01-01T00:00:00Z", "step": 40}
+    assert d.status["lastPodEnd"] == {
+        "attempt": 1,
+        "kind": "preempted",
+        "reason": "PodDeleted",
+        "message": DRAINED.message,
+        "time": "2030-01-01T00:00:00Z",
+        "step": 40,
+    }
     assert cond(d, "Preempted") == ("True", "PodDeleted")
     assert [e.reason for e in d.events] == ["Preempted", "PodCreated"]
     assert d.events[0].type == "Warning" and "at step 40" in d.events[0].message
@@ -221,8 +230,11 @@ def test_transition_time_moves_only_on_flips() -> None:
     s = step(None, None).status
     r1 = step(s, RUNNING, T0 + timedelta(seconds=1)).status
     r2 = step(r1, RUNNING, T0 + timedelta(seconds=99)).status
-    assert (condition(r1, "Running") or {})["lastTransitionTime"] == (condition(r2, "Running") or {})[
-        "lastTransitionTime"] == "2030-01-01T00:00:01Z"
+    assert (
+        (condition(r1, "Running") or {})["lastTransitionTime"]
+        == (condition(r2, "Running") or {})["lastTransitionTime"]
+        == "2030-01-01T00:00:01Z"
+    )
 
 
 def test_create_errors() -> None:
@@ -238,15 +250,28 @@ def test_status_patch_removes_keys() -> None:
     assert status_patch(None, {"a": 1}) == {"a": 1}
 
 
-NO_SECRET = PodEnd("running", "CreateContainerConfigError", 'container spotguard-restore: secret "s3" not found',
-                   start_problem="blocked")
-NO_IMAGE = PodEnd("running", "ImagePullBackOff", "container trainer (image trainer:nope): Back-off pulling image",
-                  start_problem="blocked")
+NO_SECRET = PodEnd(
+    "running",
+    "CreateContainerConfigError",
+    'container spotguard-restore: secret "s3" not found',
+    start_problem="blocked",
+)
+NO_IMAGE = PodEnd(
+    "running",
+    "ImagePullBackOff",
+    "container trainer (image trainer:nope): Back-off pulling image",
+    start_problem="blocked",
+)
 
 
 def unschedulable(since: datetime) -> PodEnd:
-    return PodEnd("running", "Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
-                  start_problem="unschedulable", since=since.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return PodEnd(
+        "running",
+        "Unschedulable",
+        "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+        start_problem="unschedulable",
+        since=since.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
 
 
 def test_pod_that_cannot_start_says_why_and_what_to_do() -> None:
@@ -255,8 +280,9 @@ def test_pod_that_cannot_start_says_why_and_what_to_do() -> None:
     assert d.status["phase"] == "Pending" and d.create_attempt is None and d.delete_pod is None
     assert cond(d, "PodBlocked") == ("True", "CreateContainerConfigError")
     message = (condition(d.status, "PodBlocked") or {})["message"]
-    assert message.startswith('pod job-a1 cannot start (CreateContainerConfigError): container spotguard-restore: '
-                              'secret "s3" not found')
+    assert message.startswith(
+        'pod job-a1 cannot start (CreateContainerConfigError): container spotguard-restore: secret "s3" not found'
+    )
     assert ". A Secret or ConfigMap" in message and "create it in the job's namespace" in message
     assert [(e.type, e.reason, e.message) for e in d.events] == [("Warning", "CreateContainerConfigError", message)]
     # Seen again: no second Event, no status change.

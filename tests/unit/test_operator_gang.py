@@ -19,27 +19,39 @@ T0 = datetime(2030, 1, 1, tzinfo=UTC)
 RUN = PodEnd("running", "Running")
 PENDING = PodEnd("running", "Pending")
 TERMINATING = PodEnd("running", "Terminating", "the pod is shutting down")
-UNSCHED = PodEnd("running", "Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
-                 start_problem="unschedulable", since="2030-01-01T00:00:00Z")
+UNSCHED = PodEnd(
+    "running",
+    "Unschedulable",
+    "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+    start_problem="unschedulable",
+    since="2030-01-01T00:00:00Z",
+)
 DONE = PodEnd("succeeded", "Completed", "training finished", step=100, ended_at="2030-01-01T00:05:00Z")
 CRASH = PodEnd("failed", "Error", "container trainer exited with code 1", step=40, ended_at="2030-01-01T00:01:00Z")
 PEER_CRASH = PodEnd("failed", "Error", "container trainer exited with code 1", ended_at="2030-01-01T00:01:01Z")
-SHUTDOWN = PodEnd("preempted", "NodeShutdown", "Pod was terminated in response to imminent node shutdown.",
-                  step=40, lost_steps=0, ended_at="2030-01-01T00:01:05Z")
+SHUTDOWN = PodEnd(
+    "preempted",
+    "NodeShutdown",
+    "Pod was terminated in response to imminent node shutdown.",
+    step=40,
+    lost_steps=0,
+    ended_at="2030-01-01T00:01:05Z",
+)
 LOST = PodEnd("preempted", "NodeLost", "node spot-3 is gone", stop_pod="force")
-SIGTERMED = PodEnd("preempted", "sigterm", "the trainer stopped early after a checkpoint", step=40,
-                   ended_at="2030-01-01T00:01:02Z")
+SIGTERMED = PodEnd(
+    "preempted", "sigterm", "the trainer stopped early after a checkpoint", step=40, ended_at="2030-01-01T00:01:02Z"
+)
 DELETED = PodEnd("preempted", "PodDeleted", "the pod was deleted before it finished")
 
 
 def spec(nodes: int = 2, **extra: Any) -> TrainingJobSpec:
     raw: dict[str, Any] = {
         "nodes": nodes,
-        "template": {"spec": {"containers": [{"name": "trainer", "image": "t",
-                                              "resources": {"limits": {"nvidia.com/gpu": 2}}}]}},
+        "template": {
+            "spec": {"containers": [{"name": "trainer", "image": "t", "resources": {"limits": {"nvidia.com/gpu": 2}}}]}
+        },
         "checkpoint": {"storage": "s3://bkt/p"},
-        "preemption": {"maxPreemptions": 3, "backoffLimit": 1,
-                       "backoff": {"initialSeconds": 0}},
+        "preemption": {"maxPreemptions": 3, "backoffLimit": 1, "backoff": {"initialSeconds": 0}},
         **extra,
     }
     return parse(raw)
@@ -50,8 +62,12 @@ def m(rank: int, end: PodEnd, attempt: int = 1, **kw: Any) -> Member:
     return Member(rank, f"job-a{attempt}-{rank}", end, node=kw.pop("node", f"spot-{rank}"), settled=settled, **kw)
 
 
-def step(status: dict[str, Any] | None, members: tuple[Member, ...] = (), sp: TrainingJobSpec | None = None,
-         now: datetime = T0) -> Decision:
+def step(
+    status: dict[str, Any] | None,
+    members: tuple[Member, ...] = (),
+    sp: TrainingJobSpec | None = None,
+    now: datetime = T0,
+) -> Decision:
     return decide("job", status, sp or spec(), Observation(members=members), now, 1)
 
 
@@ -270,20 +286,24 @@ def test_create_error_of_a_gang_fails_the_job() -> None:
 def test_spec_defaults_and_gpu_nproc() -> None:
     s = spec(nodes=1)
     assert (s.nodes, s.nproc_per_node, s.master_port) == (1, 2, 29500)  # nprocPerNode: the GPU limit
-    plain = parse({"template": {"spec": {"containers": [{"name": "t", "image": "t"}]}},
-                   "checkpoint": {"storage": "s3://bkt/p"}})
+    plain = parse(
+        {"template": {"spec": {"containers": [{"name": "t", "image": "t"}]}}, "checkpoint": {"storage": "s3://bkt/p"}}
+    )
     assert (plain.nodes, plain.nproc_per_node, plain.distributed) == (1, 1, False)
 
 
-@pytest.mark.parametrize(("field", "value", "where"), [
-    ("nodes", 0, "spec.nodes"),
-    ("nodes", 5000, "spec.nodes"),
-    ("nodes", "two", "spec.nodes"),
-    ("nprocPerNode", 0, "spec.nprocPerNode"),
-    ("masterPort", 0, "spec.masterPort"),
-    ("masterPort", 70000, "spec.masterPort"),
-    ("masterPort", 9400, "spec.masterPort"),  # the sidecar's metrics port
-])
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    [
+        ("nodes", 0, "spec.nodes"),
+        ("nodes", 5000, "spec.nodes"),
+        ("nodes", "two", "spec.nodes"),
+        ("nprocPerNode", 0, "spec.nprocPerNode"),
+        ("masterPort", 0, "spec.masterPort"),
+        ("masterPort", 70000, "spec.masterPort"),
+        ("masterPort", 9400, "spec.masterPort"),  # the sidecar's metrics port
+    ],
+)
 def test_spec_refuses_nonsense_naming_the_field(field: str, value: Any, where: str) -> None:
     with pytest.raises(SpecError) as err:
         spec(**{field: value})
@@ -332,8 +352,14 @@ def test_gang_pods_service_and_torchrun_env() -> None:
 
 
 def test_one_node_pods_stay_as_before() -> None:
-    pods = build_pods("job", "ns", "uid", spec(nodes=1, template={"spec": {"containers": [
-        {"name": "t", "image": "t"}]}}), 2, OperatorConfig())
+    pods = build_pods(
+        "job",
+        "ns",
+        "uid",
+        spec(nodes=1, template={"spec": {"containers": [{"name": "t", "image": "t"}]}}),
+        2,
+        OperatorConfig(),
+    )
     assert [p["metadata"]["name"] for p in pods] == ["job-a2"]
     ps = pods[0]["spec"]
     assert "hostname" not in ps and "subdomain" not in ps
@@ -355,8 +381,14 @@ def test_host_network_ports_are_per_job_and_declared() -> None:
         assert "ports" not in pods[1]["spec"]["containers"][0]  # only rank 0 serves the rendezvous
         assert all(p["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet" for p in pods)
     # ports written in the spec win
-    own = build_pods("c", "ns", "uid-c", spec(nodes=2, template=tmpl, masterPort=29501,
-                                             sidecar={"metricsPort": 9555}), 1, OperatorConfig())
+    own = build_pods(
+        "c",
+        "ns",
+        "uid-c",
+        spec(nodes=2, template=tmpl, masterPort=29501, sidecar={"metricsPort": 9555}),
+        1,
+        OperatorConfig(),
+    )
     assert {e["name"]: e.get("value") for e in own[0]["spec"]["containers"][0]["env"]}["MASTER_PORT"] == "29501"
 
 

@@ -15,27 +15,33 @@ from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 RUN = PodEnd("running", "Running")
-CRASH_137 = PodEnd("failed", "Error", "container trainer exited with code 137", container="trainer", exit_code=137,
-                   node="spot-1")  # fmt: skip
-CRASH_1 = PodEnd("failed", "Error", "container trainer exited with code 1", container="trainer", exit_code=1,
-                 node="spot-1")  # fmt: skip
+CRASH_137 = PodEnd(
+    "failed", "Error", "container trainer exited with code 137", container="trainer", exit_code=137, node="spot-1"
+)
+CRASH_1 = PodEnd(
+    "failed", "Error", "container trainer exited with code 1", container="trainer", exit_code=1, node="spot-1"
+)
 OOM = PodEnd("failed", "OOMKilled", "container trainer was killed (OOMKilled)", container="trainer", exit_code=137)
 DRAIN = PodEnd("preempted", "PodDeleted", "the pod was deleted (drain or eviction)", node="spot-1")
 
 
 def spec(**extra: Any) -> TrainingJobSpec:
     raw: dict[str, Any] = {
-        "template": {"spec": {"nodeSelector": {"pool": "spot"},
-                              "containers": [{"name": "trainer", "image": "t"}]}},
+        "template": {"spec": {"nodeSelector": {"pool": "spot"}, "containers": [{"name": "trainer", "image": "t"}]}},
         "checkpoint": {"storage": "s3://bkt/p"},
         "preemption": {"maxPreemptions": 10, "backoffLimit": 1, "backoff": {"initialSeconds": 0}},
         **extra,
-    }  # fmt: skip
+    }
     return parse(raw)
 
 
-def step(status: dict[str, Any] | None, end: PodEnd | None, sp: TrainingJobSpec, now: datetime = T0,
-         members: tuple[Member, ...] = ()) -> Decision:  # fmt: skip
+def step(
+    status: dict[str, Any] | None,
+    end: PodEnd | None,
+    sp: TrainingJobSpec,
+    now: datetime = T0,
+    members: tuple[Member, ...] = (),
+) -> Decision:
     return decide("job", status, sp, Observation(pod_end=end, members=members), now, 1)
 
 
@@ -48,10 +54,12 @@ def started(sp: TrainingJobSpec, now: datetime = T0) -> dict[str, Any]:
 # --- failure rules ---------------------------------------------------------------------
 
 
-RULES = {"rules": [
-    {"action": "FailJob", "onReasons": ["OOMKilled"]},
-    {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [137, 143]}},
-]}  # fmt: skip
+RULES = {
+    "rules": [
+        {"action": "FailJob", "onReasons": ["OOMKilled"]},
+        {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [137, 143]}},
+    ]
+}
 
 
 def test_an_ignored_exit_code_restarts_without_counting_against_the_backoff_limit() -> None:
@@ -103,10 +111,12 @@ def test_rule_matching(rule: dict[str, Any], end: PodEnd, matches: bool) -> None
     [
         ({"rules": [{"action": "Retry", "onReasons": ["OOMKilled"]}]}, "spec.failurePolicy.rules[0].action"),
         ({"rules": [{"action": "Ignore"}]}, "spec.failurePolicy.rules[0]"),
-        ({"rules": [{"action": "Ignore", "onExitCodes": {"values": []}}]},
-         "spec.failurePolicy.rules[0].onExitCodes.values"),
+        (
+            {"rules": [{"action": "Ignore", "onExitCodes": {"values": []}}]},
+            "spec.failurePolicy.rules[0].onExitCodes.values",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_rules_are_refused_naming_the_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as err:
         spec(failurePolicy=raw)
@@ -114,8 +124,15 @@ def test_bad_rules_are_refused_naming_the_field(raw: dict[str, Any], field: str)
 
 
 def test_the_blamed_container_and_its_exit_code_are_classified() -> None:
-    pod = {"spec": {"nodeName": "spot-7"}, "status": {"phase": "Failed", "containerStatuses": [
-        {"name": "trainer", "state": {"terminated": {"exitCode": 134, "finishedAt": "2030-01-01T00:00:00Z"}}}]}}
+    pod = {
+        "spec": {"nodeName": "spot-7"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": {"exitCode": 134, "finishedAt": "2030-01-01T00:00:00Z"}}}
+            ],
+        },
+    }
     end = classify_pod_end(pod)
     assert (end.kind, end.container, end.exit_code, end.node) == ("failed", "trainer", 134, "spot-7")
 
@@ -144,8 +161,12 @@ def test_the_deadline_stops_every_pod_of_a_gang() -> None:
 
 def test_time_suspended_is_not_counted() -> None:
     sp = spec(activeDeadlineSeconds=3600)
-    st = {**started(sp), "lastPodEnd": {"attempt": 1, "kind": "suspended"}, "phase": "Suspended",
-          "conditions": [{"type": "Suspended", "status": "True"}]}  # fmt: skip
+    st = {
+        **started(sp),
+        "lastPodEnd": {"attempt": 1, "kind": "suspended"},
+        "phase": "Suspended",
+        "conditions": [{"type": "Suspended", "status": "True"}],
+    }
     d = step(st, None, sp, T0 + timedelta(seconds=5000))
     assert d.create_attempt == 2 and d.status["startTime"] == "2030-01-01T01:23:20Z"
 
@@ -179,21 +200,34 @@ def test_avoiding_keeps_the_templates_own_node_affinity_terms() -> None:
     sp = spec(avoidNodes={"afterEnds": 1})
     status = {"avoidedNodes": [{"node": "a", "ends": 1, "until": "2030-01-02T00:00:00Z"}]}
     term = {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
-    pod = {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [term, dict(term)]}}}}  # fmt: skip
+    pod = {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term, dict(term)]}
+            }
+        }
+    }
     out = policy.placed(pod, sp, status, T0)
     terms = out["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert len(terms) == 2 and all(t["matchExpressions"] == term["matchExpressions"] for t in terms)
     assert all(t["matchFields"][0]["values"] == ["a"] for t in terms)
-    assert "matchFields" not in pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"][0]  # fmt: skip
+    assert (
+        "matchFields"
+        not in pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    )
 
 
 # --- fallback ------------------------------------------------------------------------------
 
 
-FALLBACK = {"nodeSelector": {"pool": "on-demand"}, "tolerations": [], "afterPreemptions": 2,
-            "preemptionWindowSeconds": 600, "afterUnschedulableSeconds": 120, "cooldownSeconds": 900}  # fmt: skip
+FALLBACK = {
+    "nodeSelector": {"pool": "on-demand"},
+    "tolerations": [],
+    "afterPreemptions": 2,
+    "preemptionWindowSeconds": 600,
+    "afterUnschedulableSeconds": 120,
+    "cooldownSeconds": 900,
+}
 
 
 def test_repeated_preemptions_move_the_job_to_its_fallback_and_the_cooldown_brings_it_back() -> None:
@@ -234,8 +268,13 @@ def test_preemptions_outside_the_window_do_not_move_the_job() -> None:
 def test_a_pod_unschedulable_on_the_primary_placement_moves_to_the_fallback_without_counting() -> None:
     sp = spec(fallback=FALLBACK)
     st = step(None, None, sp).status
-    unsched = PodEnd("running", "Unschedulable", "0/2 nodes are available", start_problem="unschedulable",
-                     since="2030-01-01T00:00:00Z")  # fmt: skip
+    unsched = PodEnd(
+        "running",
+        "Unschedulable",
+        "0/2 nodes are available",
+        start_problem="unschedulable",
+        since="2030-01-01T00:00:00Z",
+    )
     d = step(st, unsched, sp, T0 + timedelta(seconds=100))
     assert d.create_attempt is None and d.requeue_after == pytest.approx(20)
     d = step(st, unsched, sp, T0 + timedelta(seconds=121))
@@ -247,13 +286,19 @@ def test_a_pod_unschedulable_on_the_primary_placement_moves_to_the_fallback_with
 def test_a_gang_unschedulable_on_the_primary_placement_moves_once_all_its_pods_are_gone() -> None:
     sp = spec(fallback=FALLBACK, nodes=2)
     st = step(None, None, sp).status
-    unsched = PodEnd("running", "Unschedulable", "0/2 nodes are available", start_problem="unschedulable",
-                     since="2030-01-01T00:00:00Z")  # fmt: skip
+    unsched = PodEnd(
+        "running",
+        "Unschedulable",
+        "0/2 nodes are available",
+        start_problem="unschedulable",
+        since="2030-01-01T00:00:00Z",
+    )
     members = (Member(0, "job-a1-0", RUN, node="n0"), Member(1, "job-a1-1", unsched))
     d = step(st, None, sp, T0 + timedelta(seconds=130), members)
     assert d.status["teardown"]["kind"] == "moved"
-    gone = tuple(Member(r, f"job-a1-{r}", PodEnd("preempted", "PodDeleted"), present=False, settled=True)
-                 for r in range(2))  # fmt: skip
+    gone = tuple(
+        Member(r, f"job-a1-{r}", PodEnd("preempted", "PodDeleted"), present=False, settled=True) for r in range(2)
+    )
     d = step(d.status, None, sp, T0 + timedelta(seconds=140), gone)
     assert d.create_attempt == 2 and d.status["preemptions"] == 0 and policy.pool(d.status) == "fallback"
 

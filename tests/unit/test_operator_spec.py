@@ -12,8 +12,9 @@ from spotguard.operator.spec import Backoff, SpecError, parse
 
 def base() -> dict[str, Any]:
     return {
-        "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:1",
-                                              "command": ["python", "train.py"]}]}},
+        "template": {
+            "spec": {"containers": [{"name": "trainer", "image": "trainer:1", "command": ["python", "train.py"]}]}
+        },
         "checkpoint": {"storage": "s3://bucket/jobs", "credentialsSecret": {"name": "s3-creds"}},
     }
 
@@ -50,13 +51,22 @@ def test_defaults() -> None:
 
 def test_full_spec() -> None:
     spec = base()
-    spec["checkpoint"].update({
-        "endpoint": "http://127.0.0.1:9000", "region": "eu-west-1", "everySteps": 50, "everySeconds": 300,
-        "checksum": "sha256",
-        "retention": {"keepLast": 2, "keepBest": 1, "bestMetric": "val_loss", "bestMode": "min", "keepEvery": 1000},
-    })
-    spec["preemption"] = {"maxPreemptions": 3, "backoffLimit": 1, "gracePeriodSeconds": 30,
-                          "backoff": {"initialSeconds": 1, "maxSeconds": 4, "factor": 2}}
+    spec["checkpoint"].update(
+        {
+            "endpoint": "http://127.0.0.1:9000",
+            "region": "eu-west-1",
+            "everySteps": 50,
+            "everySeconds": 300,
+            "checksum": "sha256",
+            "retention": {"keepLast": 2, "keepBest": 1, "bestMetric": "val_loss", "bestMode": "min", "keepEvery": 1000},
+        }
+    )
+    spec["preemption"] = {
+        "maxPreemptions": 3,
+        "backoffLimit": 1,
+        "gracePeriodSeconds": 30,
+        "backoff": {"initialSeconds": 1, "maxSeconds": 4, "factor": 2},
+    }
     spec["sidecar"] = {"image": "sg:dev", "metricsPort": 9500}
     spec["suspend"] = True
     p = parse(spec)
@@ -81,27 +91,41 @@ BAD: list[tuple[str, dict[str, Any] | None, str]] = [
     ("relative file storage", with_("checkpoint.storage", "file://relative/x"), "spec.checkpoint.storage"),
     ("bad bucket", with_("checkpoint.storage", "s3://B/x"), "spec.checkpoint.storage"),
     ("no containers", with_("template.spec.containers", []), "spec.template.spec.containers"),
-    ("container without name", with_("template.spec.containers.0", {"image": "x"}),
-     "spec.template.spec.containers[0].name"),
-    ("reserved container name", with_("template.spec.containers.0", {"name": "spotguard-sidecar"}),
-     "spec.template.spec.containers[0].name"),
-    ("bad container name", with_("template.spec.containers.0", {"name": "Trainer_1"}),
-     "spec.template.spec.containers[0].name"),
-    ("reserved volume", with_("template.spec.volumes", [{"name": "spotguard", "emptyDir": {}}]),
-     "spec.template.spec.volumes[0].name"),
+    (
+        "container without name",
+        with_("template.spec.containers.0", {"image": "x"}),
+        "spec.template.spec.containers[0].name",
+    ),
+    (
+        "reserved container name",
+        with_("template.spec.containers.0", {"name": "spotguard-sidecar"}),
+        "spec.template.spec.containers[0].name",
+    ),
+    (
+        "bad container name",
+        with_("template.spec.containers.0", {"name": "Trainer_1"}),
+        "spec.template.spec.containers[0].name",
+    ),
+    (
+        "reserved volume",
+        with_("template.spec.volumes", [{"name": "spotguard", "emptyDir": {}}]),
+        "spec.template.spec.volumes[0].name",
+    ),
     ("restartPolicy OnFailure", with_("template.spec.restartPolicy", "OnFailure"), "spec.template.spec.restartPolicy"),
     ("everySteps 0", with_("checkpoint.everySteps", 0), "spec.checkpoint.everySteps"),
     ("everySteps string", with_("checkpoint.everySteps", "10"), "spec.checkpoint.everySteps"),
     ("checksum md5", with_("checkpoint.checksum", "md5"), "spec.checkpoint.checksum"),
     ("endpoint without scheme", with_("checkpoint.endpoint", "minio:9000"), "spec.checkpoint.endpoint"),
     ("secret without name", with_("checkpoint.credentialsSecret", {}), "spec.checkpoint.credentialsSecret.name"),
-    ("keepBest without metric", with_("checkpoint.retention", {"keepBest": 2}),
-     "spec.checkpoint.retention.bestMetric"),
+    ("keepBest without metric", with_("checkpoint.retention", {"keepBest": 2}), "spec.checkpoint.retention.bestMetric"),
     ("bestMode median", with_("checkpoint.retention", {"bestMode": "median"}), "spec.checkpoint.retention.bestMode"),
     ("negative maxPreemptions", with_("preemption.maxPreemptions", -1), "spec.preemption.maxPreemptions"),
     ("grace 0", with_("preemption.gracePeriodSeconds", 0), "spec.preemption.gracePeriodSeconds"),
-    ("backoff max < initial", with_("preemption.backoff", {"initialSeconds": 10, "maxSeconds": 1}),
-     "spec.preemption.backoff.maxSeconds"),
+    (
+        "backoff max < initial",
+        with_("preemption.backoff", {"initialSeconds": 10, "maxSeconds": 1}),
+        "spec.preemption.backoff.maxSeconds",
+    ),
     ("suspend string", with_("suspend", "yes"), "spec.suspend"),
     ("metrics port too big", with_("sidecar.metricsPort", 70000), "spec.sidecar.metricsPort"),
     ("labels not strings", with_("template.metadata", {"labels": {"a": 1}}), "spec.template.metadata.labels.a"),
@@ -124,10 +148,17 @@ def test_parse_does_not_alias_the_input() -> None:
     assert copy.deepcopy(p) == p
 
 
-@pytest.mark.parametrize(("backoff", "n", "delay"), [
-    (Backoff(10, 300, 2), 0, 0.0), (Backoff(10, 300, 2), 1, 10.0), (Backoff(10, 300, 2), 2, 20.0),
-    (Backoff(10, 300, 2), 6, 300.0), (Backoff(0, 60, 2), 5, 0.0), (Backoff(5, 5, 1), 9, 5.0),
-])
+@pytest.mark.parametrize(
+    ("backoff", "n", "delay"),
+    [
+        (Backoff(10, 300, 2), 0, 0.0),
+        (Backoff(10, 300, 2), 1, 10.0),
+        (Backoff(10, 300, 2), 2, 20.0),
+        (Backoff(10, 300, 2), 6, 300.0),
+        (Backoff(0, 60, 2), 5, 0.0),
+        (Backoff(5, 5, 1), 9, 5.0),
+    ],
+)
 def test_backoff(backoff: Backoff, n: int, delay: float) -> None:
     assert backoff.delay(n) == delay
 
@@ -139,13 +170,16 @@ def test_notices_parse_in_order() -> None:
     assert not parse(with_("preemption.notices", ["gce", "azure"])).preemption.watches_own_pod
 
 
-@pytest.mark.parametrize(("notices", "field", "words"), [
-    (["aws", "ibm"], "spec.preemption.notices[1]", "must be one of aws, gce, azure, k8s, not 'ibm'"),
-    (["AWS"], "spec.preemption.notices[0]", "not 'AWS'"),
-    (["aws", "aws"], "spec.preemption.notices[1]", "'aws' is listed twice"),
-    ("aws,gce", "spec.preemption.notices", "must be a list"),
-    ([3], "spec.preemption.notices[0]", "not 3"),
-])
+@pytest.mark.parametrize(
+    ("notices", "field", "words"),
+    [
+        (["aws", "ibm"], "spec.preemption.notices[1]", "must be one of aws, gce, azure, k8s, not 'ibm'"),
+        (["AWS"], "spec.preemption.notices[0]", "not 'AWS'"),
+        (["aws", "aws"], "spec.preemption.notices[1]", "'aws' is listed twice"),
+        ("aws,gce", "spec.preemption.notices", "must be a list"),
+        ([3], "spec.preemption.notices[0]", "not 3"),
+    ],
+)
 def test_unknown_notices_are_refused_naming_the_field(notices: Any, field: str, words: str) -> None:
     with pytest.raises(SpecError) as err:
         parse(with_("preemption.notices", notices))

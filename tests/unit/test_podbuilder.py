@@ -16,8 +16,15 @@ from spotguard.operator.podbuilder import (
 )
 from spotguard.operator.spec import parse
 
-AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-    {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]}]}}}
+AFFINITY = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]}
+            ]
+        }
+    }
+}
 TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
@@ -31,16 +38,24 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
                 "tolerations": TOLERATIONS,
                 "affinity": AFFINITY,
                 "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
-                "containers": [{
-                    "name": "trainer", "image": "trainer:1", "command": ["python", "-m", "train"],
-                    "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}},
-                    "env": [{"name": "SPOTGUARD_SAVE_EVERY_STEPS", "value": "7"}, {"name": "LR", "value": "0.1"}],
-                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                }],
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": "trainer:1",
+                        "command": ["python", "-m", "train"],
+                        "resources": {"limits": {"nvidia.com/gpu": 1, "memory": "8Gi"}},
+                        "env": [{"name": "SPOTGUARD_SAVE_EVERY_STEPS", "value": "7"}, {"name": "LR", "value": "0.1"}],
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                    }
+                ],
             },
         },
-        "checkpoint": {"storage": "s3://bucket/root", "credentialsSecret": {"name": "s3"}, "everySteps": 50,
-                       "checksum": "sha256"},
+        "checkpoint": {
+            "storage": "s3://bucket/root",
+            "credentialsSecret": {"name": "s3"},
+            "everySteps": 50,
+            "checksum": "sha256",
+        },
         "preemption": {"gracePeriodSeconds": 45},
     }
     spec.update(overrides)
@@ -60,12 +75,23 @@ def test_identity_labels_owner() -> None:
     pod = build()
     meta = pod["metadata"]
     assert meta["name"] == "demo-a3" and meta["namespace"] == "team-a"
-    assert meta["labels"] == {"team": "ml", "spotguard.dev/job": "demo", "spotguard.dev/attempt": "3",
-                              "app.kubernetes.io/managed-by": "spotguard"}
+    assert meta["labels"] == {
+        "team": "ml",
+        "spotguard.dev/job": "demo",
+        "spotguard.dev/attempt": "3",
+        "app.kubernetes.io/managed-by": "spotguard",
+    }
     assert meta["annotations"] == {"note": "x"}
-    assert meta["ownerReferences"] == [{"apiVersion": "spotguard.dev/v1alpha1", "kind": "TrainingJob",
-                                        "name": "demo", "uid": "uid-123", "controller": True,
-                                        "blockOwnerDeletion": True}]
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "spotguard.dev/v1alpha1",
+            "kind": "TrainingJob",
+            "name": "demo",
+            "uid": "uid-123",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["terminationGracePeriodSeconds"] == 45
 
@@ -102,8 +128,14 @@ def test_native_layout() -> None:
 def test_restore_command_and_images() -> None:
     spec = build()["spec"]
     restore = spec["initContainers"][0]
-    assert restore["command"] == ["spotguard", "restore", "--storage", "$(SPOTGUARD_STORAGE_URI)",
-                                  "--dest", "/var/lib/spotguard/checkpoints"]
+    assert restore["command"] == [
+        "spotguard",
+        "restore",
+        "--storage",
+        "$(SPOTGUARD_STORAGE_URI)",
+        "--dest",
+        "/var/lib/spotguard/checkpoints",
+    ]
     assert restore["image"] == "spotguard:test"
     assert spec["containers"][1]["command"] == ["spotguard", "sidecar"]
     assert build(sidecar={"image": "custom:1"})["spec"]["containers"][1]["image"] == "custom:1"
@@ -127,8 +159,9 @@ def test_contract_env() -> None:
     sidecar = env_of(spec["containers"][1])
     assert sidecar["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ACCESS_KEY_ID"}}
     assert sidecar["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "s3", "key": "AWS_SECRET_ACCESS_KEY"}}
-    assert sidecar["AWS_ENDPOINT_URL_S3"] == {"secretKeyRef": {"name": "s3", "key": "AWS_ENDPOINT_URL",
-                                                               "optional": True}}
+    assert sidecar["AWS_ENDPOINT_URL_S3"] == {
+        "secretKeyRef": {"name": "s3", "key": "AWS_ENDPOINT_URL", "optional": True}
+    }
     names = [e["name"] for e in spec["containers"][0]["env"]]
     assert len(names) == len(set(names))
     # The sidecar gets the operator's interval, the trainer's override is the trainer's business.
@@ -179,16 +212,31 @@ def test_template_not_mutated() -> None:
 @pytest.mark.parametrize("native", [False, True])
 def test_inject_is_idempotent(native: bool) -> None:
     parsed = parse(job_spec())
-    inj = Injection(job="demo", namespace="ns", storage_uri="s3://b/ns/demo", checkpoint=parsed.checkpoint,
-                    grace_period_seconds=30, native_sidecar=native)
+    inj = Injection(
+        job="demo",
+        namespace="ns",
+        storage_uri="s3://b/ns/demo",
+        checkpoint=parsed.checkpoint,
+        grace_period_seconds=30,
+        native_sidecar=native,
+    )
     once = inject(parsed.template.spec, inj)
     assert inject(once, inj) == once
 
 
-@pytest.mark.parametrize(("major", "minor", "native"), [
-    ("1", "20", False), ("1", "28", False), ("1", "29", True), ("1", "30+", True), ("1", "29-gke.1", True),
-    ("2", "0", True), ("", "", False), ("1", "x", False),
-])
+@pytest.mark.parametrize(
+    ("major", "minor", "native"),
+    [
+        ("1", "20", False),
+        ("1", "28", False),
+        ("1", "29", True),
+        ("1", "30+", True),
+        ("1", "29-gke.1", True),
+        ("2", "0", True),
+        ("", "", False),
+        ("1", "x", False),
+    ],
+)
 def test_native_sidecar_detection(major: str, minor: str, native: bool) -> None:
     assert server_supports_native_sidecars(major, minor) is native
 
@@ -236,8 +284,9 @@ def test_explicit_endpoint_reaches_the_trainer_without_credentials() -> None:
 
 
 def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
-    return next(c for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]
-                if c["name"] == "spotguard-sidecar")
+    return next(
+        c for c in pod["spec"]["initContainers"] + pod["spec"]["containers"] if c["name"] == "spotguard-sidecar"
+    )
 
 
 def test_notices_reach_the_sidecar_only() -> None:

@@ -12,8 +12,7 @@ from spotguard.operator.spec import SpecError, parse
 
 
 def pod(checkpoint: dict[str, Any], native: bool = False) -> dict[str, Any]:
-    spec = parse({"template": {"spec": {"containers": [{"name": "trainer", "image": "t"}]}},
-                  "checkpoint": checkpoint})  # fmt: skip
+    spec = parse({"template": {"spec": {"containers": [{"name": "trainer", "image": "t"}]}}, "checkpoint": checkpoint})
     return build_pod("job", "ns", "uid", spec, 1, OperatorConfig(image="sg:1", native_sidecar=native))["spec"]
 
 
@@ -29,15 +28,19 @@ def env(c: dict[str, Any]) -> dict[str, Any]:
 def test_a_key_secret_is_mounted_into_spotguards_containers_only(native: bool) -> None:
     spec = pod({"storage": "gs://bkt/runs", "credentialsSecret": {"name": "gcp", "keyFileKey": "sa.json"}}, native)
     volume = next(v for v in spec["volumes"] if v["name"] == "spotguard-gcs-key")
-    assert volume["secret"] == {"secretName": "gcp", "items": [{"key": "sa.json", "path": "key.json"}],
-                                "defaultMode": 0o440}  # fmt: skip
+    assert volume["secret"] == {
+        "secretName": "gcp",
+        "items": [{"key": "sa.json", "path": "key.json"}],
+        "defaultMode": 0o440,
+    }
     by_name = containers(spec)
     for name in ("spotguard-restore", "spotguard-sidecar"):
         c = by_name[name]
         assert env(c)["GOOGLE_APPLICATION_CREDENTIALS"] == GCS_KEY_FILE
         assert env(c)["SPOTGUARD_STORAGE_URI"] == "gs://bkt/runs/ns/job"
         assert {"name": "spotguard-gcs-key", "mountPath": "/var/run/spotguard/gcs", "readOnly": True} in c[
-            "volumeMounts"]  # fmt: skip
+            "volumeMounts"
+        ]
         assert not any(k.startswith("AWS_") for k in env(c))
     trainer = by_name["trainer"]
     assert "GOOGLE_APPLICATION_CREDENTIALS" not in env(trainer)
@@ -68,9 +71,17 @@ def test_gs_storage_is_accepted(storage: str) -> None:
 
 def test_the_key_volume_name_is_reserved() -> None:
     with pytest.raises(SpecError, match="reserved"):
-        parse({"template": {"spec": {"containers": [{"name": "t", "image": "t"}],
-                                     "volumes": [{"name": "spotguard-gcs-key", "emptyDir": {}}]}},
-               "checkpoint": {"storage": "gs://bkt"}})  # fmt: skip
+        parse(
+            {
+                "template": {
+                    "spec": {
+                        "containers": [{"name": "t", "image": "t"}],
+                        "volumes": [{"name": "spotguard-gcs-key", "emptyDir": {}}],
+                    }
+                },
+                "checkpoint": {"storage": "gs://bkt"},
+            }
+        )
 
 
 def test_a_service_account_key_never_shows_in_a_probe_error() -> None:

@@ -143,13 +143,18 @@ def test_policy_validation(kwargs: dict[str, Any], problem: str) -> None:
     [
         ({}, RetentionPolicy()),
         (
-            {"SPOTGUARD_KEEP_LAST": "3", "SPOTGUARD_KEEP_BEST": "2", "SPOTGUARD_BEST_METRIC": "val_loss",
-             "SPOTGUARD_BEST_MODE": "MAX", "SPOTGUARD_KEEP_EVERY": "1000"},
+            {
+                "SPOTGUARD_KEEP_LAST": "3",
+                "SPOTGUARD_KEEP_BEST": "2",
+                "SPOTGUARD_BEST_METRIC": "val_loss",
+                "SPOTGUARD_BEST_MODE": "MAX",
+                "SPOTGUARD_KEEP_EVERY": "1000",
+            },
             RetentionPolicy(keep_last=3, keep_best=2, metric="val_loss", mode="max", keep_every=1000),
         ),
         ({"SPOTGUARD_KEEP_LAST": " "}, RetentionPolicy()),
     ],
-)  # fmt: skip
+)
 def test_policy_from_env(env: dict[str, str], expected: RetentionPolicy) -> None:
     assert RetentionPolicy.from_env(env) == expected
 

@@ -24,8 +24,12 @@ def blob(dtype: str, shape: tuple[int, ...], itemsize: int) -> TensorBlob:
 
 
 def test_the_writers_header_parses_to_tiling_spans() -> None:
-    blobs = {"a": blob("F32", (3, 5), 4), "b": blob("BF16", (7,), 2), "c": blob("BOOL", (0,), 1),
-             "d": blob("I64", (), 8)}  # fmt: skip
+    blobs = {
+        "a": blob("F32", (3, 5), 4),
+        "b": blob("BF16", (7,), 2),
+        "c": blob("BOOL", (0,), 1),
+        "d": blob("I64", (), 8),
+    }
     head, order = safetensors_header(blobs)
     size = len(head) + sum(b.nbytes for b in blobs.values())
     end = safetensors_header_end(head[:8], size)
@@ -49,8 +53,14 @@ def header(doc: dict[str, object]) -> bytes:
         ({"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, 8, "do not hold"),
         ({"x": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, 8, "unknown dtype"),
         ({"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, 8, "bad shape"),
-        ({"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
-          "y": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, 6, "overlapping or a gap"),
+        (
+            {
+                "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                "y": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]},
+            },
+            6,
+            "overlapping or a gap",
+        ),
         ({"x": {"dtype": "U8", "shape": [4], "data_offsets": [1, 5]}}, 5, "overlapping or a gap"),
         ({"x": {"dtype": "U8"}}, 4, "needs dtype"),
     ],

@@ -23,10 +23,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def test_building_the_parser_imports_nothing_heavy() -> None:
-    code = ("import sys, argparse; from spotguard.sidecar import cli; p = argparse.ArgumentParser(); "
-            "cli.register(p.add_subparsers()); "
-            "print(','.join(m for m in ('torch', 'boto3', 'kubernetes', 'kopf', 'prometheus_client') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, argparse; from spotguard.sidecar import cli; p = argparse.ArgumentParser(); "
+        "cli.register(p.add_subparsers()); "
+        "print(','.join(m for m in ('torch', 'boto3', 'kubernetes', 'kopf', 'prometheus_client') "
+        "if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
@@ -66,8 +68,15 @@ def test_bad_number_in_the_environment_only_affects_its_command(
     assert "--grace-seconds: invalid float value: 'soon'" in capsys.readouterr().err
 
 
-RETENTION_ENV = ("SPOTGUARD_KEEP_LAST", "SPOTGUARD_KEEP_BEST", "SPOTGUARD_BEST_METRIC", "SPOTGUARD_BEST_MODE",
-                 "SPOTGUARD_KEEP_EVERY", "SPOTGUARD_KEEP_LOCAL", "SPOTGUARD_NOTICES")
+RETENTION_ENV = (
+    "SPOTGUARD_KEEP_LAST",
+    "SPOTGUARD_KEEP_BEST",
+    "SPOTGUARD_BEST_METRIC",
+    "SPOTGUARD_BEST_MODE",
+    "SPOTGUARD_KEEP_EVERY",
+    "SPOTGUARD_KEEP_LOCAL",
+    "SPOTGUARD_NOTICES",
+)
 
 
 @pytest.mark.parametrize("command", [["sidecar", "--storage", "file:///x"], ["run", "--", "true"]])
@@ -83,10 +92,12 @@ def test_run_and_sidecar_share_the_retention_policy(command: list[str], monkeypa
     args = parser().parse_args(command)
     assert cli.retention_from_args(args) == RetentionPolicy(keep_last=1, keep_best=2, metric="loss")
     # Options override the environment.
-    args = parser().parse_args([command[0], "--keep-last", "3", "--keep-every", "100", "--best-mode", "max",
-                                *command[1:]])
-    assert cli.retention_from_args(args) == RetentionPolicy(keep_last=3, keep_best=2, metric="loss", mode="max",
-                                                            keep_every=100)
+    args = parser().parse_args(
+        [command[0], "--keep-last", "3", "--keep-every", "100", "--best-mode", "max", *command[1:]]
+    )
+    assert cli.retention_from_args(args) == RetentionPolicy(
+        keep_last=3, keep_best=2, metric="loss", mode="max", keep_every=100
+    )
     assert args.keep_local == 1
 
 
@@ -94,8 +105,19 @@ def test_run_turns_on_notices(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in RETENTION_ENV:
         monkeypatch.delenv(key, raising=False)
     assert parser().parse_args(["run", "--", "true"]).notices == ""
-    args = parser().parse_args(["run", "--notices", "aws,gce", "--aws-imds-endpoint", "http://127.0.0.1:1",
-                                "--notice-interval", "0.5", "--", "true"])
+    args = parser().parse_args(
+        [
+            "run",
+            "--notices",
+            "aws,gce",
+            "--aws-imds-endpoint",
+            "http://127.0.0.1:1",
+            "--notice-interval",
+            "0.5",
+            "--",
+            "true",
+        ]
+    )
     assert (args.notices, args.aws_imds_endpoint, args.notice_interval) == ("aws,gce", "http://127.0.0.1:1", 0.5)
     monkeypatch.setenv("SPOTGUARD_NOTICES", "azure")
     assert parser().parse_args(["run", "--", "true"]).notices == "azure"
@@ -153,14 +175,24 @@ def test_a_bad_incremental_variable_stops_the_command_before_anything_runs(comma
     # A subprocess: the sidecar installs its signal handlers first thing.
     log = tmp_path / "termination-log"
     argv = {
-        "sidecar": ["sidecar", "--storage", (tmp_path / "store").as_uri(), "--checkpoint-dir", str(tmp_path / "ck"),
-                    "--termination-log", str(log), "--metrics-port", "0"],
+        "sidecar": [
+            "sidecar",
+            "--storage",
+            (tmp_path / "store").as_uri(),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--termination-log",
+            str(log),
+            "--metrics-port",
+            "0",
+        ],
         "run": ["run", "--workdir", str(tmp_path / "work"), "--", sys.executable, "-c", "raise SystemExit(9)"],
-    }[command]  # fmt: skip
+    }[command]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
     env["SPOTGUARD_INCREMENTAL"] = "sometimes"
-    out = subprocess.run([sys.executable, "-m", "spotguard.cli", *argv], capture_output=True, text=True, env=env,
-                         timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", *argv], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.returncode == 2, out.stderr
     assert "SPOTGUARD_INCREMENTAL must be 1/true/yes/on or 0/false/no/off, not 'sometimes'" in out.stderr
     if command == "sidecar":
@@ -176,7 +208,12 @@ def test_run_passes_incremental_to_the_agent(tmp_path: Path) -> None:
 
     storage = open_storage((tmp_path / "store").as_uri())
     for incremental in (False, True):
-        config = RunConfig(command=["true"], workdir=tmp_path, storage_uri=(tmp_path / "store").as_uri(),
-                           checkpoint_dir=tmp_path / "ck", incremental=incremental)
+        config = RunConfig(
+            command=["true"],
+            workdir=tmp_path,
+            storage_uri=(tmp_path / "store").as_uri(),
+            checkpoint_dir=tmp_path / "ck",
+            incremental=incremental,
+        )
         agent = Supervisor(config, storage, SidecarMetrics(namespace="", job="")).agent
         assert agent.config.incremental is incremental and agent.shipper.incremental is incremental

@@ -45,8 +45,9 @@ def test_signal_trainer_asks_last_whether_the_pid_is_still_announced(announced: 
 
     previous = signal.signal(signal.SIGUSR1, handler)
     try:
-        sent = signal_trainer(os.getpid(), {"K": "v"}, check=lambda _pid, _markers: True,
-                              still_announced=still_announced)
+        sent = signal_trainer(
+            os.getpid(), {"K": "v"}, check=lambda _pid, _markers: True, still_announced=still_announced
+        )
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert sent is want
@@ -77,8 +78,7 @@ def test_trainer_and_uploader_share_one_protocol_module() -> None:
     ("request_id", "committed", "complete", "want"),
     [
         ("r1", "ckpt-000000000007", True, {"id": "r1", "step": 7, "name": "ckpt-000000000007"}),
-        ("r1", "ckpt-000000000005", False,
-         {"id": "r1", "step": 5, "name": "ckpt-000000000005", "complete": False}),
+        ("r1", "ckpt-000000000005", False, {"id": "r1", "step": 5, "name": "ckpt-000000000005", "complete": False}),
         ("r1", None, True, {"id": "r1", "step": None, "name": None, "complete": False}),
     ],
 )
@@ -107,8 +107,9 @@ def _exit(preempted: bool | None) -> object:
         (None, "sigterm", None, True),  # an exit file that does not say: the manifest
     ],
 )
-def test_trainer_said_preempted(exit_preempted: object, newest_reason: str | None, stop_reason: str | None,
-                                want: bool | None) -> None:
+def test_trainer_said_preempted(
+    exit_preempted: object, newest_reason: str | None, stop_reason: str | None, want: bool | None
+) -> None:
     from spotguard.contract.control import trainer_said_preempted
 
     exit_doc = None if exit_preempted == "absent" else _exit(exit_preempted)  # type: ignore[arg-type]
@@ -133,10 +134,19 @@ def test_trainer_said_preempted(exit_preempted: object, newest_reason: str | Non
         (None, True, False, "notice:gce", (True, "notice:gce")),
     ],
 )
-def test_decide_run_end(signal_source: str | None, gone_before: bool, trainer_preempted: bool | None,
-                        stop_reason: str | None, want: tuple[bool, str]) -> None:
+def test_decide_run_end(
+    signal_source: str | None,
+    gone_before: bool,
+    trainer_preempted: bool | None,
+    stop_reason: str | None,
+    want: tuple[bool, str],
+) -> None:
     from spotguard.contract.control import RunEnd, decide_run_end
 
-    got = decide_run_end(signal_source=signal_source, trainer_gone_before_signal=gone_before,
-                         trainer_preempted=trainer_preempted, stop_reason=stop_reason)
+    got = decide_run_end(
+        signal_source=signal_source,
+        trainer_gone_before_signal=gone_before,
+        trainer_preempted=trainer_preempted,
+        stop_reason=stop_reason,
+    )
     assert got == RunEnd(*want)

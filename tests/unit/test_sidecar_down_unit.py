@@ -21,10 +21,15 @@ T0 = datetime(2030, 1, 1, tzinfo=UTC)
 KILLED_LOG = "sidecar: shipping step 40\nKilled"
 
 
-def term(name: str, code: int, message: str | None = None, finished: str = "2030-01-01T00:00:10Z",
-         reason: str | None = None) -> dict[str, Any]:
-    t: dict[str, Any] = {"exitCode": code, "reason": reason or ("Completed" if code == 0 else "Error"),
-                         "startedAt": "2030-01-01T00:00:00Z", "finishedAt": finished}
+def term(
+    name: str, code: int, message: str | None = None, finished: str = "2030-01-01T00:00:10Z", reason: str | None = None
+) -> dict[str, Any]:
+    t: dict[str, Any] = {
+        "exitCode": code,
+        "reason": reason or ("Completed" if code == 0 else "Error"),
+        "startedAt": "2030-01-01T00:00:00Z",
+        "finishedAt": finished,
+    }
     if message is not None:
         t["message"] = message
     return {"name": name, "restartCount": 0, "state": {"terminated": t}}
@@ -34,8 +39,9 @@ def running(name: str) -> dict[str, Any]:
     return {"name": name, "restartCount": 0, "state": {"running": {"startedAt": "2030-01-01T00:00:00Z"}}}
 
 
-def native_sidecar(state: dict[str, Any], code: int = 1, restarts: int = 0,
-                   message: str | None = None) -> dict[str, Any]:
+def native_sidecar(
+    state: dict[str, Any], code: int = 1, restarts: int = 0, message: str | None = None
+) -> dict[str, Any]:
     """A native sidecar's status: ``state`` now, its last crash in ``lastState``."""
     last: dict[str, Any] = {"exitCode": code, "reason": "Error", "finishedAt": "2030-01-01T00:00:10Z"}
     if message is not None:
@@ -43,8 +49,9 @@ def native_sidecar(state: dict[str, Any], code: int = 1, restarts: int = 0,
     return {"name": SIDECAR, "restartCount": restarts, "state": state, "lastState": {"terminated": last}}
 
 
-def pod(phase: str, containers: list[dict[str, Any]], init: list[dict[str, Any]] | None = None,
-        deleting: bool = False) -> dict[str, Any]:
+def pod(
+    phase: str, containers: list[dict[str, Any]], init: list[dict[str, Any]] | None = None, deleting: bool = False
+) -> dict[str, Any]:
     status: dict[str, Any] = {"phase": phase, "containerStatuses": containers}
     if init is not None:
         status["initContainerStatuses"] = init
@@ -82,7 +89,9 @@ def test_a_sidecar_that_exited_0_is_not_down(report: str | None) -> None:
     end = classify_pod_end(classic_down(0, report))
     assert (end.kind, end.reason) == ("running", "Running")
     assert (classify_pod_end(classic_down(1, report)).kind, classify_pod_end(classic_down(1, report)).reason) == (
-        "failed", "SidecarExited")
+        "failed",
+        "SidecarExited",
+    )
 
 
 def test_a_sidecar_that_reported_a_preemption_waits_for_its_trainer() -> None:
@@ -99,36 +108,79 @@ def test_a_running_sidecar_is_said_to_run() -> None:
     assert not classify_pod_end(waiting).sidecar_running
 
 
-@pytest.mark.parametrize(("case", "pod_obj", "kind", "reason"), [
-    ("trainer crashed, then the sidecar exited: the trainer's failure, as before",
-     pod("Running", [term("trainer", 1, finished="2030-01-01T00:00:05Z"), term(SIDECAR, 137)]), "failed", "Error"),
-    ("both ended, pod Failed: the existing blame rules",
-     pod("Failed", [term("trainer", 143, finished="2030-01-01T00:00:20Z"), term(SIDECAR, 137)]),
-     "failed", "SidecarFailed"),
-    ("trainer finished, sidecar done, phase not updated yet", pod("Running", [term("trainer", 0), term(SIDECAR, 0)]),
-     "running", "Running"),
-    ("trainer finished, sidecar still shipping", pod("Running", [term("trainer", 0), running(SIDECAR)]),
-     "running", "Running"),
-    ("the pod is being deleted", pod("Running", [running("trainer"), term(SIDECAR, 143)], deleting=True),
-     "running", "Terminating"),
-])
-def test_when_the_trainer_ended_too_the_existing_rules_apply(case: str, pod_obj: dict[str, Any], kind: str,
-                                                             reason: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "pod_obj", "kind", "reason"),
+    [
+        (
+            "trainer crashed, then the sidecar exited: the trainer's failure, as before",
+            pod("Running", [term("trainer", 1, finished="2030-01-01T00:00:05Z"), term(SIDECAR, 137)]),
+            "failed",
+            "Error",
+        ),
+        (
+            "both ended, pod Failed: the existing blame rules",
+            pod("Failed", [term("trainer", 143, finished="2030-01-01T00:00:20Z"), term(SIDECAR, 137)]),
+            "failed",
+            "SidecarFailed",
+        ),
+        (
+            "trainer finished, sidecar done, phase not updated yet",
+            pod("Running", [term("trainer", 0), term(SIDECAR, 0)]),
+            "running",
+            "Running",
+        ),
+        (
+            "trainer finished, sidecar still shipping",
+            pod("Running", [term("trainer", 0), running(SIDECAR)]),
+            "running",
+            "Running",
+        ),
+        (
+            "the pod is being deleted",
+            pod("Running", [running("trainer"), term(SIDECAR, 143)], deleting=True),
+            "running",
+            "Terminating",
+        ),
+    ],
+)
+def test_when_the_trainer_ended_too_the_existing_rules_apply(
+    case: str, pod_obj: dict[str, Any], kind: str, reason: str
+) -> None:
     end = classify_pod_end(pod_obj)
     assert (end.kind, end.reason) == (kind, reason), end
 
 
-@pytest.mark.parametrize(("case", "sidecar", "kind", "reason"), [
-    ("just exited: kubelet restarts it", native_sidecar({"terminated": {"exitCode": 1, "reason": "Error"}}),
-     "running", "Running"),
-    ("restarted and running again", native_sidecar({"running": {"startedAt": "2030-01-01T00:00:11Z"}}, restarts=1),
-     "running", "Running"),
-    ("crash-looping", native_sidecar({"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
-                                     code=2, restarts=3, message="error: s3 unreachable\n"),
-     "failed", "SidecarExited"),
-])
-def test_a_native_sidecar_is_left_to_kubelet_unless_it_crash_loops(case: str, sidecar: dict[str, Any], kind: str,
-                                                                   reason: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "sidecar", "kind", "reason"),
+    [
+        (
+            "just exited: kubelet restarts it",
+            native_sidecar({"terminated": {"exitCode": 1, "reason": "Error"}}),
+            "running",
+            "Running",
+        ),
+        (
+            "restarted and running again",
+            native_sidecar({"running": {"startedAt": "2030-01-01T00:00:11Z"}}, restarts=1),
+            "running",
+            "Running",
+        ),
+        (
+            "crash-looping",
+            native_sidecar(
+                {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+                code=2,
+                restarts=3,
+                message="error: s3 unreachable\n",
+            ),
+            "failed",
+            "SidecarExited",
+        ),
+    ],
+)
+def test_a_native_sidecar_is_left_to_kubelet_unless_it_crash_loops(
+    case: str, sidecar: dict[str, Any], kind: str, reason: str
+) -> None:
     p = pod("Running", [running("trainer")], init=[term(RESTORE, 0), sidecar])
     end = classify_pod_end(p)
     assert (end.kind, end.reason) == (kind, reason), end
@@ -138,8 +190,11 @@ def test_a_native_sidecar_is_left_to_kubelet_unless_it_crash_loops(case: str, si
 
 
 def test_a_restarted_native_sidecar_runs() -> None:
-    p = pod("Running", [running("trainer")],
-            init=[term(RESTORE, 0), native_sidecar({"running": {"startedAt": "x"}}, restarts=1)])
+    p = pod(
+        "Running",
+        [running("trainer")],
+        init=[term(RESTORE, 0), native_sidecar({"running": {"startedAt": "x"}}, restarts=1)],
+    )
     assert classify_pod_end(p).sidecar_running
 
 
@@ -150,8 +205,12 @@ def spec(backoff: int = 0, limit: int = 3, nodes: int | None = None) -> Training
     raw: dict[str, Any] = {
         "template": {"spec": {"containers": [{"name": "trainer", "image": "t"}]}},
         "checkpoint": {"storage": "s3://bkt/p"},
-        "preemption": {"maxPreemptions": 3, "backoffLimit": limit, "gracePeriodSeconds": 45,
-                       "backoff": {"initialSeconds": backoff}},
+        "preemption": {
+            "maxPreemptions": 3,
+            "backoffLimit": limit,
+            "gracePeriodSeconds": 45,
+            "backoff": {"initialSeconds": backoff},
+        },
     }
     if nodes:
         raw["nodes"] = nodes
@@ -243,9 +302,19 @@ def test_a_sidecar_of_a_gang_member_stops_the_gang() -> None:
     d = decide("job", d.status, sp, Observation(members=members(up, down)), T0, 1)
     assert sorted(d.delete_pods) == [("job-a1-0", False), ("job-a1-1", False)]
     gone = PodEnd("preempted", "PodDeleted", "the pod was deleted (drain or eviction)")
-    d = decide("job", d.status, sp, Observation(members=(
-        Member(0, "job-a1-0", gone, present=False, settled=True),
-        Member(1, "job-a1-1", gone, present=False, settled=True))), T0 + timedelta(seconds=5), 1)
+    d = decide(
+        "job",
+        d.status,
+        sp,
+        Observation(
+            members=(
+                Member(0, "job-a1-0", gone, present=False, settled=True),
+                Member(1, "job-a1-1", gone, present=False, settled=True),
+            )
+        ),
+        T0 + timedelta(seconds=5),
+        1,
+    )
     assert d.status["failures"] == 1 and d.create_attempt == 2
 
 

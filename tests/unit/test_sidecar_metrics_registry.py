@@ -11,8 +11,11 @@ from spotguard.sidecar.metrics import SidecarMetrics
 
 def samples(m: SidecarMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(m.registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 LABELS = (("namespace", "ns"), ("trainingjob", "j"))

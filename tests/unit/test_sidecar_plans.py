@@ -54,8 +54,14 @@ def test_step_of() -> None:
 
 @pytest.mark.parametrize(
     ("restart", "initial", "maximum", "want"),
-    [(0, 1.0, 60.0, 0.0), (1, 1.0, 60.0, 1.0), (2, 1.0, 60.0, 2.0), (4, 1.0, 60.0, 8.0), (10, 1.0, 60.0, 60.0),
-     (3, 0.5, 1.0, 1.0)],
+    [
+        (0, 1.0, 60.0, 0.0),
+        (1, 1.0, 60.0, 1.0),
+        (2, 1.0, 60.0, 2.0),
+        (4, 1.0, 60.0, 8.0),
+        (10, 1.0, 60.0, 60.0),
+        (3, 0.5, 1.0, 1.0),
+    ],
 )
 def test_backoff_delay(restart: int, initial: float, maximum: float, want: float) -> None:
     assert backoff_delay(restart, initial, maximum) == want
@@ -80,8 +86,10 @@ def test_preemption_points_never_more_than_fit() -> None:
         ([Segment(resumed_from=None, last_step=35), Segment(resumed_from=30, last_step=99)], [5]),
         # Nothing verified before the first preemption: everything trained is lost.
         ([Segment(resumed_from=None, last_step=3), Segment(resumed_from=None, last_step=99)], [4]),
-        ([Segment(last_step=10), Segment(resumed_from=10, last_step=20), Segment(resumed_from=19, last_step=30)],
-         [0, 1]),
+        (
+            [Segment(last_step=10), Segment(resumed_from=10, last_step=20), Segment(resumed_from=19, last_step=30)],
+            [0, 1],
+        ),
     ],
 )
 def test_lost_steps(segments: list[Segment], want: list[int]) -> None:
@@ -111,8 +119,15 @@ def test_retry_delay(failures: int, want: float) -> None:
 
 @pytest.mark.parametrize(
     ("reason", "want"),
-    [(None, "interval"), ("interval", "interval"), ("sigterm", "sigterm"), ("notice:aws", "notice"),
-     ("notice:k8s", "notice"), ("proactive", "proactive"), ("something new", "other")],
+    [
+        (None, "interval"),
+        ("interval", "interval"),
+        ("sigterm", "sigterm"),
+        ("notice:aws", "notice"),
+        ("notice:k8s", "notice"),
+        ("proactive", "proactive"),
+        ("something new", "other"),
+    ],
 )
 def test_save_reason_label(reason: str | None, want: str) -> None:
     from spotguard.sidecar.shipper import save_reason_label
@@ -122,8 +137,15 @@ def test_save_reason_label(reason: str | None, want: str) -> None:
 
 @pytest.mark.parametrize(
     ("times", "want"),
-    [([], None), ([5.0], None), ([5.0, 5.0], None), ([0.0, 60.0], 60.0), ([0.0, 60.0, 120.0, 300.0], 60.0),
-     ([300.0, 0.0, 100.0], 150.0), ([0.0, 10.0, 30.0, 60.0, 100.0], 25.0)],
+    [
+        ([], None),
+        ([5.0], None),
+        ([5.0, 5.0], None),
+        ([0.0, 60.0], 60.0),
+        ([0.0, 60.0, 120.0, 300.0], 60.0),
+        ([300.0, 0.0, 100.0], 150.0),
+        ([0.0, 10.0, 30.0, 60.0, 100.0], 25.0),
+    ],
 )
 def test_observed_interval(times: list[float], want: float | None) -> None:
     from spotguard.sidecar.shipper import observed_interval

@@ -10,8 +10,15 @@ from spotguard.checkpoint.upload import files_to_send
 from spotguard.sidecar.shipper import with_stored_chunks
 from spotguard.storage.base import StoredChecksum
 
-MANIFEST = new_manifest(10, [FileEntry("a.safetensors", 100, "0000000a"), FileEntry("b.safetensors", 200, "0000000b"),
-                             FileEntry("c.json", 3, "0000000c")], "crc32c")  # fmt: skip
+MANIFEST = new_manifest(
+    10,
+    [
+        FileEntry("a.safetensors", 100, "0000000a"),
+        FileEntry("b.safetensors", 200, "0000000b"),
+        FileEntry("c.json", 3, "0000000c"),
+    ],
+    "crc32c",
+)
 
 
 def held(value: str, size: int, algorithm: str = "crc32c") -> StoredChecksum:

@@ -42,10 +42,18 @@ def raw(staging: Any = None) -> dict[str, Any]:
 # -- the spec ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("200Gi", 200 * GiB), ("1.5T", 1_500_000_000_000), ("500M", 500_000_000), ("0.5Ki", 512), (4096, 4096),
-    ("1e3", 1000), ("+2Mi", 2 * 2**20),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("200Gi", 200 * GiB),
+        ("1.5T", 1_500_000_000_000),
+        ("500M", 500_000_000),
+        ("0.5Ki", 512),
+        (4096, 4096),
+        ("1e3", 1000),
+        ("+2Mi", 2 * 2**20),
+    ],
+)
 def test_quantities_are_read_like_kubernetes(value: Any, expected: int) -> None:
     assert quantity_bytes(value, "f") == expected
 
@@ -70,20 +78,26 @@ def test_each_kind_parses() -> None:
     assert bare is not None and (bare.kind, bare.size, bare.medium) == ("emptyDir", None, "")
 
 
-@pytest.mark.parametrize(("staging", "field", "words"), [
-    ({}, "spec.checkpoint.staging", "exactly one"),
-    ({"emptyDir": {}, "hostPath": {"path": "/mnt"}}, "spec.checkpoint.staging", "not emptyDir and hostPath"),
-    ({"nfs": {}}, "spec.checkpoint.staging.nfs", "not a staging kind"),
-    ("emptyDir", "spec.checkpoint.staging", "must be an object"),
-    ({"emptyDir": {"medium": "HugePages"}}, "spec.checkpoint.staging.emptyDir.medium", "Memory"),
-    ({"ephemeral": {"size": "10Xi"}}, "spec.checkpoint.staging.ephemeral.size", "quantity"),
-    ({"ephemeral": {"storageClassName": "Local NVMe"}}, "spec.checkpoint.staging.ephemeral.storageClassName",
-     "StorageClass"),
-    ({"hostPath": {}}, "spec.checkpoint.staging.hostPath.path", "required"),
-    ({"hostPath": {"path": "mnt/nvme"}}, "spec.checkpoint.staging.hostPath.path", "absolute"),
-    ({"hostPath": {"path": "/"}}, "spec.checkpoint.staging.hostPath.path", "other than /"),
-    ({"hostPath": {"path": "/mnt/../etc"}}, "spec.checkpoint.staging.hostPath.path", "absolute"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("staging", "field", "words"),
+    [
+        ({}, "spec.checkpoint.staging", "exactly one"),
+        ({"emptyDir": {}, "hostPath": {"path": "/mnt"}}, "spec.checkpoint.staging", "not emptyDir and hostPath"),
+        ({"nfs": {}}, "spec.checkpoint.staging.nfs", "not a staging kind"),
+        ("emptyDir", "spec.checkpoint.staging", "must be an object"),
+        ({"emptyDir": {"medium": "HugePages"}}, "spec.checkpoint.staging.emptyDir.medium", "Memory"),
+        ({"ephemeral": {"size": "10Xi"}}, "spec.checkpoint.staging.ephemeral.size", "quantity"),
+        (
+            {"ephemeral": {"storageClassName": "Local NVMe"}},
+            "spec.checkpoint.staging.ephemeral.storageClassName",
+            "StorageClass",
+        ),
+        ({"hostPath": {}}, "spec.checkpoint.staging.hostPath.path", "required"),
+        ({"hostPath": {"path": "mnt/nvme"}}, "spec.checkpoint.staging.hostPath.path", "absolute"),
+        ({"hostPath": {"path": "/"}}, "spec.checkpoint.staging.hostPath.path", "other than /"),
+        ({"hostPath": {"path": "/mnt/../etc"}}, "spec.checkpoint.staging.hostPath.path", "absolute"),
+    ],
+)
 def test_bad_staging_is_refused_naming_the_field(staging: Any, field: str, words: str) -> None:
     with pytest.raises(SpecError) as err:
         parse(raw(staging))
@@ -132,8 +146,7 @@ def test_empty_dir_carries_its_limit_and_medium() -> None:
 
 
 def test_a_size_left_out_is_three_checkpoints_rounded_up() -> None:
-    assert staging_of(pod_of({"emptyDir": {}}, checkpoint_bytes=int(14.2 * GiB)))["emptyDir"] == {
-        "sizeLimit": "43Gi"}
+    assert staging_of(pod_of({"emptyDir": {}}, checkpoint_bytes=int(14.2 * GiB)))["emptyDir"] == {"sizeLimit": "43Gi"}
     # No verified checkpoint yet: an emptyDir stays unlimited.
     assert staging_of(pod_of({"emptyDir": {}}))["emptyDir"] == {}
     claim = staging_of(pod_of({"ephemeral": {}}, checkpoint_bytes=28 * GiB))["ephemeral"]["volumeClaimTemplate"]
@@ -144,22 +157,27 @@ def test_a_size_left_out_is_three_checkpoints_rounded_up() -> None:
 
 
 def test_ephemeral_is_a_read_write_once_claim_per_pod() -> None:
-    claim = staging_of(pod_of({"ephemeral": {"storageClassName": "local-nvme", "size": "400Gi"}},
-                              checkpoint_bytes=GiB))["ephemeral"]["volumeClaimTemplate"]  # fmt: skip
-    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "storageClassName": "local-nvme",
-                             "resources": {"requests": {"storage": "400Gi"}}}  # fmt: skip
+    claim = staging_of(
+        pod_of({"ephemeral": {"storageClassName": "local-nvme", "size": "400Gi"}}, checkpoint_bytes=GiB)
+    )["ephemeral"]["volumeClaimTemplate"]
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": "local-nvme",
+        "resources": {"requests": {"storage": "400Gi"}},
+    }
     assert claim["metadata"]["labels"]["spotguard.dev/job"] == "demo"
 
 
 @pytest.mark.parametrize("native", [False, True])
 def test_host_path_gives_each_pod_its_own_directory(native: bool) -> None:
     pod_spec = pod_of({"hostPath": {"path": "/mnt/nvme/sg"}}, checkpoint_bytes=GiB, native=native)
-    assert staging_of(pod_spec) == {"name": SHARED_VOLUME,
-                                    "hostPath": {"path": "/mnt/nvme/sg", "type": "DirectoryOrCreate"}}
+    assert staging_of(pod_spec) == {
+        "name": SHARED_VOLUME,
+        "hostPath": {"path": "/mnt/nvme/sg", "type": "DirectoryOrCreate"},
+    }
     mounts = shared_mounts(pod_spec)
     assert len(mounts) == 3  # restore, trainer, sidecar
-    assert all(m == {"name": SHARED_VOLUME, "mountPath": MOUNT_PATH, "subPathExpr": HOST_PATH_SUBDIR}
-               for m in mounts)  # fmt: skip
+    assert all(m == {"name": SHARED_VOLUME, "mountPath": MOUNT_PATH, "subPathExpr": HOST_PATH_SUBDIR} for m in mounts)
     # The subdirectory's variables come from every container's own environment.
     containers = [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
     for c in containers:
@@ -188,8 +206,12 @@ def test_the_size_comes_from_the_status() -> None:
 # -- a full volume, as the operator sees it ------------------------------------------
 
 
-FULL = {"step": 70, "free_bytes": 4096, "time": 1.0,
-        "error": "checkpoint of step 70 not written: the checkpoint volume at /x is full"}  # fmt: skip
+FULL = {
+    "step": 70,
+    "free_bytes": 4096,
+    "time": 1.0,
+    "error": "checkpoint of step 70 not written: the checkpoint volume at /x is full",
+}
 
 
 def ended(report: dict[str, Any]) -> dict[str, Any]:
@@ -197,10 +219,14 @@ def ended(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "metadata": {"name": "job-a1", "namespace": "ns"},
         "spec": {"nodeName": "n1", "containers": [{"name": "trainer"}]},
-        "status": {"phase": "Succeeded", "containerStatuses": [
-            {"name": "trainer", "state": {"terminated": {**term, "message": ""}}},
-            {"name": SIDECAR_CONTAINER, "state": {"terminated": term}}]},
-    }  # fmt: skip
+        "status": {
+            "phase": "Succeeded",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"terminated": {**term, "message": ""}}},
+                {"name": SIDECAR_CONTAINER, "state": {"terminated": term}},
+            ],
+        },
+    }
 
 
 def test_classify_reads_the_sidecars_staging_report() -> None:

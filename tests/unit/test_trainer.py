@@ -103,19 +103,35 @@ def test_torch_state_and_restored_state() -> None:
 
     sampler = Sampler()
     sampler.pos = 17
-    state = torch_state(model, opt, sched, gen=gen, nprng=nprng, pyrng=pyrng, legacy=legacy, sampler=sampler,
-                        epoch=3, counters={"seen": 12})  # fmt: skip
+    state = torch_state(
+        model,
+        opt,
+        sched,
+        gen=gen,
+        nprng=nprng,
+        pyrng=pyrng,
+        legacy=legacy,
+        sampler=sampler,
+        epoch=3,
+        counters={"seen": 12},
+    )
     assert set(state) == {"model", "optimizer", "scheduler", "rng", "extra"}
     expected = (torch.rand(2, generator=gen), nprng.random(), pyrng.random(), legacy.rand())
 
     model2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.5, momentum=0.9)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2)
-    gen2, nprng2, pyrng2, legacy2, sampler2 = torch.Generator(), np.random.default_rng(), random.Random(), \
-        np.random.RandomState(), Sampler()  # fmt: skip
+    gen2, nprng2, pyrng2, legacy2, sampler2 = (
+        torch.Generator(),
+        np.random.default_rng(),
+        random.Random(),
+        np.random.RandomState(),
+        Sampler(),
+    )
     restored = RestoredState(state, step=5, name="ckpt-000000000005", path="/x", epoch=3)
-    extra = restored.load_into(model2, opt2, sched2, gen=gen2, nprng=nprng2, pyrng=pyrng2, legacy=legacy2,
-                               sampler=sampler2)  # fmt: skip
+    extra = restored.load_into(
+        model2, opt2, sched2, gen=gen2, nprng=nprng2, pyrng=pyrng2, legacy=legacy2, sampler=sampler2
+    )
     assert extra["epoch"] == 3 and extra["counters"] == {"seen": 12}
     assert sampler2.pos == 17
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
@@ -147,8 +163,7 @@ def test_load_into_names_what_is_missing() -> None:
         (False, None, False, "local-only"),  # nothing ever ships: newer supersedes older
     ],
 )
-def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_control_dir: bool,
-                                  want: str) -> None:
+def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_control_dir: bool, want: str) -> None:
     from spotguard.trainer.config import local_pruner
 
     assert local_pruner(upload, storage_uri, shares_control_dir) == want
@@ -157,12 +172,12 @@ def test_only_the_uploader_prunes(upload: bool, storage_uri: str | None, shares_
 @pytest.mark.parametrize(
     "preempt, pruner, shipping, durable",
     [
-        (False, "uploader", True, True),   # routine saves are always fsynced
+        (False, "uploader", True, True),  # routine saves are always fsynced
         (False, "self", True, True),
         (False, "local-only", False, True),
-        (True, "uploader", True, False),   # a preemption's save is made durable by its verified upload
+        (True, "uploader", True, False),  # a preemption's save is made durable by its verified upload
         (True, "self", True, False),
-        (True, "uploader", False, True),   # no live uploader said it ships: the local copy is all there is
+        (True, "uploader", False, True),  # no live uploader said it ships: the local copy is all there is
         (True, "self", False, True),
         (True, "local-only", False, True),  # nothing ships it
     ],

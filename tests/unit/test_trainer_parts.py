@@ -28,8 +28,9 @@ UNNAMED = CheckpointRequest("r3", "", None, False)
         ([UNNAMED], False, None, "requested", "r3"),
     ],
 )
-def test_what_a_save_answers(requests: list[CheckpointRequest], preempt: bool, deadline: float | None,
-                             reason: str, request_id: str | None) -> None:  # fmt: skip
+def test_what_a_save_answers(
+    requests: list[CheckpointRequest], preempt: bool, deadline: float | None, reason: str, request_id: str | None
+) -> None:
     due = Due.of(requests)
     assert (due.preempt, due.deadline, due.reason, due.request_id) == (preempt, deadline, reason, request_id)
 
@@ -42,11 +43,21 @@ def test_a_preemption_another_rank_saw_is_named_sigterm() -> None:
 
 def settings(**changes: object) -> Settings:
     fields: dict[str, object] = {
-        "directory": Path("ck"), "storage_uri": None, "storage_options": {}, "save_every_steps": None,
-        "save_every_seconds": None, "checksum": "sha256", "control_dir": Path("ck/.spotguard"), "keep_local": 2,
-        "retention": None, "upload": False, "local_pruner": "local-only", "job": None, "attempt": None,
+        "directory": Path("ck"),
+        "storage_uri": None,
+        "storage_options": {},
+        "save_every_steps": None,
+        "save_every_seconds": None,
+        "checksum": "sha256",
+        "control_dir": Path("ck/.spotguard"),
+        "keep_local": 2,
+        "retention": None,
+        "upload": False,
+        "local_pruner": "local-only",
+        "job": None,
+        "attempt": None,
         "async_save": True,
-    }  # fmt: skip
+    }
     fields.update(changes)
     return Settings(**fields)  # type: ignore[arg-type]
 
@@ -90,8 +101,14 @@ def test_when_a_save_waits_for_its_write(blocking: bool | None, preempt: bool, a
 
 
 def test_the_environment_sets_only_what_it_names() -> None:
-    env = EnvConfig.read({"SPOTGUARD_CHECKPOINT_DIR": "/ck", "SPOTGUARD_SAVE_EVERY_STEPS": "0",
-                          "SPOTGUARD_ATTEMPT": "0", "SPOTGUARD_KEEP_LAST": "3"})  # fmt: skip
+    env = EnvConfig.read(
+        {
+            "SPOTGUARD_CHECKPOINT_DIR": "/ck",
+            "SPOTGUARD_SAVE_EVERY_STEPS": "0",
+            "SPOTGUARD_ATTEMPT": "0",
+            "SPOTGUARD_KEEP_LAST": "3",
+        }
+    )
     assert env.directory == "/ck"
     kwargs = env.kwargs()
     assert kwargs["save_every_steps"] is None  # 0: no step interval

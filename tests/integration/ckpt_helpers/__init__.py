@@ -77,13 +77,15 @@ def open_test_storage(kind: str, request: Any, tmp_path: Path, **options: Any) -
     return open_storage(s3_uri, **s3_options(s3_store), **options)
 
 
-def commit_local(directory: Path, step: int, numel: int = 4096, *, algorithm: str = "crc32c",
-                 metrics: dict[str, float] | None = None) -> Path:  # fmt: skip
+def commit_local(
+    directory: Path, step: int, numel: int = 4096, *, algorithm: str = "crc32c", metrics: dict[str, float] | None = None
+) -> Path:
     """Write step_tensors(step) as a committed local checkpoint."""
     from spotguard.checkpoint import snapshot_state, write_checkpoint
 
-    return write_checkpoint(directory, step, snapshot_state(step_tensors(step, numel)), algorithm=algorithm,
-                            metrics=metrics)  # fmt: skip
+    return write_checkpoint(
+        directory, step, snapshot_state(step_tensors(step, numel)), algorithm=algorithm, metrics=metrics
+    )
 
 
 #: The layout of the sharded test checkpoints: part (node) -> global ranks.
@@ -104,9 +106,17 @@ def part_files(step: int, index: int, ranks: tuple[int, ...], big: int = 0) -> d
     return files
 
 
-def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int, ...]] | None = None,
-               world_size: int = PART_WORLD, algorithm: str = "crc32c", save_id: str | None = None,
-               big: int = 0) -> Path:
+def write_part(
+    root: Path,
+    step: int,
+    index: int,
+    *,
+    layout: dict[int, tuple[int, ...]] | None = None,
+    world_size: int = PART_WORLD,
+    algorithm: str = "crc32c",
+    save_id: str | None = None,
+    big: int = 0,
+) -> Path:
     """A committed local part directory ``root/ckpt-<step>`` of a distributed
     checkpoint (files, then the part manifest)."""
     from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
@@ -121,7 +131,13 @@ def write_part(root: Path, step: int, index: int, *, layout: dict[int, tuple[int
         (ckpt / path).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / path).write_bytes(data)
         entries.append(FileEntry(path, len(data), checksum_bytes(data, algorithm)))
-    manifest = new_manifest(step, entries, algorithm, metrics={"loss": 1.0 / (step + 1)}, epoch=step // 10,
-                            sharding=Sharding(world_size, len(layout), index, ranks, save_id))
+    manifest = new_manifest(
+        step,
+        entries,
+        algorithm,
+        metrics={"loss": 1.0 / (step + 1)},
+        epoch=step // 10,
+        sharding=Sharding(world_size, len(layout), index, ranks, save_id),
+    )
     (ckpt / MANIFEST_NAME).write_bytes(manifest.to_json())
     return ckpt
