@@ -410,14 +410,18 @@ class CheckpointAgent:
         """Ship until the newest committed checkpoint is verified, or ``deadline``.
 
         For a trainer that has exited: its last checkpoint must not be left
-        behind because the store hiccupped once. No housekeeping: the
-        caller runs it once it knows the run finished (not on the way out of
-        a preemption).
+        behind because the store hiccupped once. The newest goes first, and
+        alone: a backlog of older routine checkpoints (a slow store) would
+        otherwise use up the time (a gang member stopped because another node
+        went has its grace period for its part of the final checkpoint), and
+        once the newest is verified the older ones could only make storage
+        look older. No housekeeping: the caller runs it once it knows the run
+        finished (not on the way out of a preemption).
         """
         attempt = 0
         signalled = False
         while True:
-            self.shipper.ship(newest_only=attempt > 0, housekeeping=False)
+            self.shipper.ship(newest_only=True, housekeeping=False)
             if self._verified_at_least(self._newest_committed_step()):
                 return True
             if not signalled and self.interrupt is not None and self.interrupt.is_set():

@@ -269,3 +269,33 @@ def test_run_passes_the_storage_credentials_only_when_asked(
         assert "SPOTGUARD_STORAGE_URI" not in env
     assert env["AWS_ENDPOINT_URL_S3"] == "http://e"  # where the store is: not a secret
     assert env["SPOTGUARD_CHECKPOINT_DIR"] == str(tmp_path / "ckpts")
+
+
+# -- a trainer gone with a backlog -------------------------------------------------------
+
+
+def test_a_gone_trainers_newest_checkpoint_ships_first_and_alone(tmp_path: Path) -> None:
+    """A slow store leaves routine checkpoints queued; when the trainer exits (a gang member stopped because
+    another node went), its newest checkpoint is what the time left is for: shipped first, the older ones
+    never (they could only make storage look older)."""
+    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.service import AgentConfig, CheckpointAgent
+    from spotguard.storage import open_storage
+
+    ckdir, ctl = tmp_path / "ckpts", tmp_path / "ctl"
+    storage = open_storage(f"file://{tmp_path / 'store'}")
+    agent = CheckpointAgent(AgentConfig(checkpoint_dir=ckdir, control_dir=ctl), storage, SidecarMetrics())
+    for step in (20, 40, 60, 77):  # a backlog: nothing shipped yet; 77 is the trainer's last save
+        commit_local(ckdir, step)
+    uploaded: list[str] = []
+    real = storage.upload_files
+
+    def noting(files: Any, *args: Any, **kwargs: Any) -> Any:
+        files = list(files)
+        uploaded.extend(sorted({key.split("/", 1)[0] for _, key in files}))
+        return real(files, *args, **kwargs)
+
+    storage.upload_files = noting  # type: ignore[method-assign]
+    assert agent.flush(time.time() + 60)
+    assert latest_verified(storage)[0].step == 77  # type: ignore[union-attr]
+    assert uploaded == [checkpoint_name(77)], uploaded
