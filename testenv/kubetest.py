@@ -587,7 +587,7 @@ class PodWatch:
                     continue
                 self.errors.append(repr(exc))
                 time.sleep(0.2)
-            except Exception as exc:  # a dropped connection: resume from rv
+            except Exception as exc:  # noqa: BLE001 - a dropped connection (urllib3, socket errors): resume from rv
                 self.errors.append(repr(exc))
                 time.sleep(0.2)
 

@@ -377,7 +377,7 @@ def load_safetensors(path: Path, as_torch: bool) -> dict[str, Any]:
         return dict(load_numpy(str(path)))
     except ImportError as exc:
         raise StateError(f"{path.name}: loading needs {exc.name} (pip install 'spotguard[torch]')") from None
-    except Exception as exc:  # safetensors raises its own error types
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types; each means a bad file
         raise StateError(f"{path.name}: not a valid safetensors file ({exc})") from None
 
 

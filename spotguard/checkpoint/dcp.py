@@ -68,7 +68,7 @@ def parse_metadata(data: bytes) -> Any:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeMetadataError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - unpickling untrusted bytes may raise anything; each means unreadable
         raise UnsafeMetadataError(f"DCP metadata is not readable ({type(exc).__name__}: {exc})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeMetadataError(f"DCP metadata holds a {type(metadata).__name__}, not Metadata")

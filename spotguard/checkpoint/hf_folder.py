@@ -279,7 +279,7 @@ def describe_model(config_file: Path) -> ModelKeys | None:
         raise ExportError("exporting tensors needs torch and transformers: pip install 'spotguard[hf]'") from None
     try:
         config = AutoConfig.from_pretrained(str(config_file), trust_remote_code=False)
-    except Exception as exc:  # transformers raises many kinds for a bad config
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for a bad config
         raise ExportError(f"{config_file}: not a transformers model config ({exc})") from None
     architectures = getattr(config, "architectures", None) or []
     cls = getattr(transformers, str(architectures[0]), None) if architectures else None

@@ -376,7 +376,7 @@ def load_legacy_pickle(path: Path) -> Any:
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds for a refused or damaged file
         raise StateError(f"{path.name}: refused by torch.load(weights_only=True): {exc}") from None
 
 

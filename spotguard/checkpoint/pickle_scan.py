@@ -125,7 +125,7 @@ def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
     memo: dict[int, str | None] = {}
     try:
         ops = list(pickletools.genops(io.BytesIO(data) if isinstance(data, bytes) else data))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a malformed pickle may raise anything; each means refused
         raise UnsafePickleError(f"malformed pickle ({exc})") from None
     for op, arg, _pos in ops:
         name = op.name

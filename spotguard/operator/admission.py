@@ -448,7 +448,7 @@ class AdmissionServer:
             return False
         try:
             asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout)
-        except Exception:  # a closed loop, or one that does not answer
+        except Exception:  # noqa: BLE001 - a closed loop, or one that does not answer: not serving
             return False
         return self._listening
 
@@ -499,7 +499,7 @@ class AdmissionServer:
             try:
                 self.config = await asyncio.to_thread(self.config_source)
                 return
-            except Exception as exc:  # the apiserver may be briefly away
+            except Exception as exc:  # noqa: BLE001 - the apiserver may be briefly away (any client error); retried
                 if api_reason(exc) != reported:
                     reported = api_reason(exc)
                     log.warning("admission: cannot tell the sidecar mode yet (%s); trying again", reported)
@@ -547,7 +547,7 @@ class AdmissionServer:
             try:
                 await asyncio.to_thread(self.manage)
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any client or API error while registering is retried
                 log.warning("admission: cannot register the webhook configurations: %s; trying again", api_reason(exc))
             await self._pause(delay)
             delay = min(30.0, delay * 2)

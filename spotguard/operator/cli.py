@@ -323,7 +323,7 @@ def preflight() -> str | None:
         return f"no Kubernetes configuration (in-cluster ServiceAccount or KUBECONFIG): {exc}"
     try:
         groups = ApisApi(core.api_client).get_api_versions(_request_timeout=30)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client, network or API error means the cluster is unreachable
         return f"cannot reach the Kubernetes API: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     served = {v.group_version for g in groups.groups or [] for v in g.versions or []}
     if f"{GROUP}/{VERSION}" not in served:

@@ -314,7 +314,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
                 before = runtime.ctx.phases.get(key)
                 try:
                     delay = await asyncio.to_thread(rc.reconcile, runtime.ctx, ns, name)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - a failed reconcile must not end the job's loop; retried
                     logger.warning("reconcile failed, retrying: %s", api_reason(exc))
                     delay = 5.0
                 after = runtime.ctx.phases.get(key)

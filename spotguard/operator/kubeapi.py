@@ -293,7 +293,7 @@ def post_event(ctx: Context, job: Mapping[str, Any], event: Event, now: datetime
     ctx.fence()
     try:
         ctx.core.create_namespaced_event(meta.get("namespace"), body)
-    except Exception as exc:  # an Event is a report; losing one must not stop the job
+    except Exception as exc:  # noqa: BLE001 - an Event is a report; losing one must not stop the job
         log.warning("could not post event %s on %s: %s", event.reason, meta.get("name"), api_reason(exc))
 
 

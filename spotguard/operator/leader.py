@@ -373,7 +373,7 @@ class LeaderElector:
             try:
                 self.try_acquire_or_renew()
                 self.reached = True
-            except Exception as exc:  # the apiserver may be briefly away; a candidate just tries again
+            except Exception as exc:  # noqa: BLE001 - the apiserver may be briefly away; a candidate just tries again
                 self.reached = False
                 log.warning("could not read or write the Lease %s: %s", self.where, api_reason(exc))
             if self.leading:
@@ -400,7 +400,7 @@ class LeaderElector:
             left = self.timing.renew_deadline - (self.clock() - last)
             try:
                 step = self.try_acquire_or_renew(timeout=max(0.5, left))
-            except Exception as exc:  # tried again until the renew deadline
+            except Exception as exc:  # noqa: BLE001 - any client or API error is retried until the renew deadline
                 log.warning("could not renew the Lease %s: %s", self.where, api_reason(exc))
                 continue
             if self._stop.is_set():
@@ -443,7 +443,7 @@ class LeaderElector:
                 return
             if self._write("renew", released(record, self.wall()), version, self.timing.retry_period):
                 log.info("released the Lease %s", self.where)
-        except Exception as exc:  # the standby then takes over after the lease duration instead
+        except Exception as exc:  # noqa: BLE001 - best effort: the standby takes over after the lease duration
             log.warning("could not release the Lease %s: %s", self.where, api_reason(exc))
 
 

@@ -364,7 +364,7 @@ class NoticeRelay:
                 status = json.loads(resp.data).get("status") or {}
             except Refused:
                 raise
-            except Exception as exc:  # the review itself failed: not the caller's fault
+            except Exception as exc:  # noqa: BLE001 - the review itself failed: a 503, not the caller's fault
                 raise self._unavailable("TokenReview", exc) from None
             try:
                 caller = caller_of(status)
@@ -401,7 +401,7 @@ class NoticeRelay:
             pod = json.loads(resp.data)
         except Refused:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client or API error but a 404 is a 503 for the caller
             if api_status(exc) != 404:
                 raise self._unavailable(f"reading pod {caller.namespace}/{caller.pod}", exc) from None
             pod = None
@@ -420,7 +420,7 @@ class NoticeRelay:
                 self.core.create_namespaced_event(caller.namespace, event, _request_timeout=API_TIMEOUT_SECONDS)
         except Refused:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client or API error is a 503 for the caller
             raise self._unavailable(f"posting an Event on pod {caller.namespace}/{caller.pod}", exc) from None
         log.info("notice relay: posted %s on pod %s/%s for its sidecar", reason, caller.namespace, caller.pod)
         return 202, {"posted": reason}

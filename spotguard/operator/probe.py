@@ -137,7 +137,7 @@ class DaemonPool(Executor):
                 continue
             try:
                 future.set_result(fn(*args))
-            except BaseException as exc:  # handed to whoever awaits the future
+            except BaseException as exc:  # noqa: BLE001 - whatever the call raised goes to whoever awaits the future
                 future.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -369,7 +369,7 @@ class CheckpointProbe:
             handle = self._storage((namespace, name), uri, options)
             # A finished job's last look reads everything (a pointer that lags is not trusted there).
             info, _skipped = handle.watch.poll(full=finished)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any storage error becomes a ProbeError, credentials scrubbed
             raise ProbeError(scrub(f"{type(exc).__name__}: {exc}", options)) from None
         if info is None:
             return None, finished
@@ -384,7 +384,7 @@ class CheckpointProbe:
         started = time.monotonic()
         try:
             result = self.read(namespace, name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failed read is counted and reported; probing goes on
             self.ctx.metrics.storage_reads.labels("error").inc()
             self._forget_credentials(namespace, name)
             problem = probe_problem(exc)

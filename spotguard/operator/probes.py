@@ -79,7 +79,7 @@ def loop_answers(loop: asyncio.AbstractEventLoop | None, timeout: float = LOOP_T
         return False
     try:
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout)
-    except Exception:  # closed meanwhile, or hung
+    except Exception:  # noqa: BLE001 - closed meanwhile, or hung: either way the loop does not answer
         return False
     return True
 

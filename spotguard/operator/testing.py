@@ -57,7 +57,7 @@ def wait_for(check: Callable[[], T | None], what: str, timeout: float = 60.0, in
                 return value
         except ProcessExited:
             raise
-        except Exception as exc:  # keep polling; report the last error on timeout
+        except Exception as exc:  # noqa: BLE001 - keep polling whatever fails; the last error is reported
             last = exc
         if time.monotonic() > deadline:
             suffix = f" (last error: {last!r})" if last else ""

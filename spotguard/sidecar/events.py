@@ -179,7 +179,7 @@ def _pod_uid(api: Any, pod: str, namespace: str, timeout: float) -> str | None:
     # pods, which the job's ServiceAccount may not have: then go without.
     try:
         obj = api.read_namespaced_pod(pod, namespace, _request_timeout=timeout)
-    except Exception as exc:  # noqa: BLE001 - optional
+    except Exception as exc:  # noqa: BLE001 - the uid is optional: the event goes out without it
         log.debug("could not read pod %s/%s for its uid: %s", namespace, pod, _short(exc))
         return None
     uid = getattr(getattr(obj, "metadata", None), "uid", None)

@@ -528,7 +528,7 @@ class CheckpointShipper:
         try:
             verdict = verify_checkpoint(self.storage, name)
             ok, problems = bool(verdict.ok), list(verdict.problems)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any failure to verify means not verified; reported
             ok, problems = False, [_one_line(exc)]
         verify_seconds = time.monotonic() - t1
         if not ok:
@@ -638,7 +638,7 @@ class CheckpointShipper:
         deleted: list[str] = []
         try:
             deleted = apply_retention(self.storage, self.retention, newest_verified=last.name, should_stop=should_stop)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - retention is best effort: a failure is counted and logged
             self.metrics.failure("retention")
             log.error("retention failed: %s", _one_line(exc))
         if deleted:

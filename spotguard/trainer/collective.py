@@ -116,7 +116,7 @@ class CollectiveSave:
         if not busy:
             try:
                 sharded, snapshot = self._snapshot(state)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - every rank must reach start_save; raised after it
                 error = exc
         begun = self._d.start_save(busy, error is not None)
         if begun.any_busy or begun.any_failed:
@@ -189,7 +189,7 @@ class CollectiveSave:
             writer.add_snapshot(job.snapshot, prefix=_distributed.rank_prefix(d.rank))
         except DeadlineExceeded as exc:
             error, deadline_exceeded = str(exc), True
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must reach dcp.save; the error fails the save
             error = f"rank {d.rank}: {exc}"
         # Every rank takes part in dcp.save, whatever happened above: a rank
         # that skipped a collective would leave the others waiting.
@@ -207,7 +207,7 @@ class CollectiveSave:
                     writer.add_written(f"{DCP_DIR}/{name}")
         except DeadlineExceeded as exc:
             error, deadline_exceeded = error or str(exc), True
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather; the error fails the save
             error = error or f"rank {d.rank}: {exc}"
         finally:
             job.snapshot = None
@@ -217,7 +217,7 @@ class CollectiveSave:
             reports: list[RankReport] = d.gather(
                 RankReport(d.info.node, d.leader, entries, error, deadline_exceeded), persist=True
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed gather fails this save, not the writer thread
             log.error("checkpoint of step %d failed: %s", job.step, exc)
             record.last_error = exc
             self._channel.answer(job.due.requests, None)
@@ -251,7 +251,7 @@ class CollectiveSave:
                         check_deadline=False,
                     )
                     committed_here = True
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - every rank must reach the commit gather
                     error = f"node {d.info.node}: commit failed: {exc}"
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -286,7 +286,7 @@ class CollectiveSave:
         try:
             reports: list[CommitReport] = self._d.gather(CommitReport(committed_here, error), persist=True)
             return reports
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed gather, whatever the cause, is one failed report
             return [CommitReport(False, f"rank {self._d.rank}: {exc}")]
 
     # -- a framework's folder ---------------------------------------------------------------
@@ -336,7 +336,7 @@ class CollectiveSave:
                 names = _folder.folder_files(source, exclude)
                 for rel in names:
                     _folder.link_or_copy(source / rel, writer.tmp / rel)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - every rank must reach the gather; the error fails the save
                 error = exc
         # Every rank may go on once its node's files are linked (the framework may rotate them away).
         linked = d.gather(error is None, persist=False)
@@ -363,13 +363,13 @@ class CollectiveSave:
                 listed = _folder.entries_json(writer.entries)
             except DeadlineExceeded as exc:
                 error, deadline_exceeded = f"node {d.info.node}: {exc}", True
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the gather; the error fails the save
                 error = f"node {d.info.node}: {exc}"
         try:
             reports: list[RankReport] = d.gather(
                 RankReport(d.info.node, d.leader, listed, error, deadline_exceeded), persist=True
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed gather fails this save, not the writer thread
             log.error("checkpoint of step %d failed: %s", job.step, exc)
             record.last_error = exc
             if writer is not None:
@@ -403,7 +403,7 @@ class CollectiveSave:
                         check_deadline=False,
                     )
                     committed_here = True
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - every rank must reach the commit gather
                     error = f"node {d.info.node}: commit failed: {exc}"
             if not committed_here:
                 writer.abort()

@@ -262,7 +262,7 @@ class LocalPersist:
             record.last_error = exc
             newest = next(reversed(list_local_committed(self._settings.directory)), None)
             log.error("%s; the newest committed checkpoint is %s", exc, newest.name if newest else "none")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed write fails this save, not the writer thread
             record.last_error = self._failed(job.step, exc)
         finally:
             job.snapshot = None  # free host memory before anything slow
@@ -373,7 +373,7 @@ class LocalPersist:
             log.error("checkpoint of step %d not committed before its deadline", job.step)
             self._channel.answer(job.due.requests, None, deadline_exceeded=True)
             return None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed write fails this save, not the writer thread
             writer.abort()
             record.last_error = self._failed(job.step, exc, source)
             self._channel.answer(job.due.requests, None)

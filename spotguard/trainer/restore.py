@@ -71,7 +71,7 @@ def load_local(path: Path) -> RestoredState | None:
             return None
         try:
             loaded: RestoredState = _distributed.load_sharded_whole(path, m)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a checkpoint this process cannot load is skipped, whatever the cause
             log.warning("skipping local checkpoint %s: %s", path, exc)
             return None
         return loaded
@@ -142,7 +142,7 @@ class Restorer:
         try:
             storage = self._open_storage()
             names = list_checkpoint_names(storage)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - storage unusable: the local checkpoint (if any) is used
             log.warning("could not look for a checkpoint in storage: %s", exc)
             return None
         for name in reversed(names):
@@ -154,7 +154,7 @@ class Restorer:
             except CheckpointCorruptError as exc:
                 log.warning("not resuming from %s: %s", storage.uri_for(name), "; ".join(exc.problems))
                 continue
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed fetch: the local checkpoint (if any) is used
                 log.warning("could not fetch %s: %s", storage.uri_for(name), exc)
                 return None
             path = Path(info.uri)
@@ -243,7 +243,7 @@ class Restorer:
                     for n in reversed(list_checkpoint_names(self._open_storage()))
                     if (parse_checkpoint_name(n) or -1) > agreed
                 ]
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - storage unusable: the agreed local checkpoint is used
                 log.warning("could not look for a newer checkpoint in storage: %s", exc)
         candidates = d.broadcast(candidates)
         for remote in candidates:
@@ -254,7 +254,7 @@ class Restorer:
                     ok = verdict.ok
                     if not ok:
                         log.warning("not resuming from %s: %s", remote, verdict.reason)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - every rank must still reach the broadcast
                     ok = False
                     log.warning("could not verify %s in storage: %s", remote, exc)
             if not d.broadcast(ok):
@@ -266,7 +266,7 @@ class Restorer:
                     if why is not None:
                         ok = False
                         log.warning("not resuming from %s: %s", directory / remote, why)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather
                     ok = False
                     log.error("could not restore %s from storage: %s", remote, exc)
             if all(d.gather(ok, persist=False)):

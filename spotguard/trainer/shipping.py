@@ -151,7 +151,7 @@ class Shipping:
                 self.stopped.add(path.name)
                 log.warning("upload of %s stopped: a preemption came first; what it stored is kept", path.name)
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any storage error is retried until the deadline, or reported
                 self._shipping = False
                 self._record.last_error = exc
                 attempt += 1
@@ -166,7 +166,7 @@ class Shipping:
             return
         try:
             apply_retention(self._open_storage(), retention, newest_verified=path.name, should_stop=self._preempting)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - retention is best effort: a failure is recorded and logged
             self._record.last_error = exc
             log.error("retention after the upload of %s failed: %s", path.name, exc)
 

@@ -72,7 +72,7 @@ class ControlHandler(http.server.BaseHTTPRequestHandler):
     def _preempt_quietly(agent: Agent, args: tuple[Any, ...]) -> None:
         try:
             agent.preempt(*args)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a background preempt has no caller to tell; it is logged
             log.exception("preempt %s failed", args)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base class signature

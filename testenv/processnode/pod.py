@@ -199,7 +199,7 @@ class PodRunner:
                 if self._handle_stop(stop.request):
                     return
             self._idle()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a runner failure is logged with the pod's name; teardown follows
             log.exception("pod %s: runner failed", self.key)
         finally:
             self._kill_all()
