@@ -284,12 +284,7 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """True when a checkpoint is due after ``step``: a request is pending,
         ``step`` is a positive multiple of ``save_every_steps``, or
-        ``save_every_seconds`` passed since the last save.
-
-        Under torch.distributed with more than one rank, requests, signals
-        and the time interval are agreed on without blocking the step: what
-        any rank sees at ``should_save(k)`` makes every rank's
-        ``should_save(k + 1)`` true (see :meth:`SavePolicy.agree`)."""
+        ``save_every_seconds`` passed since the last save."""
         self._channel.poll()
         if self._dist is not None:
             return self._policy.agree(step, self._channel.pending, self._dist)
@@ -465,31 +460,15 @@ class Checkpointer:
         if self._closed:
             return
         self.wait()
-        self._settle_flags()
         self._channel.announce_exit(self._policy.last_step)
         if self._dist is not None:
             _distributed._active -= 1
         self._channel.release_signals()
         self._closed = True
 
-    def _settle_flags(self) -> None:
-        """Wait for the flag exchange the last ``should_save`` posted, so that
-        no collective is pending when the process group is destroyed (its
-        answer would apply to a step that never comes)."""
-        if self._dist is not None:
-            if not self._dist.dist.is_initialized():
-                self._dist.forget_exchange()  # the group is gone: no wait can finish
-                return
-            try:
-                self._dist.collect()
-            except Exception as exc:  # noqa: BLE001 - a gone rank fails it in any way; nothing left to agree with
-                log.warning("the last flag exchange between the ranks did not finish: %s", exc)
-
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
             self.wait()
-        if not self._closed:
-            self._settle_flags()
         self._channel.announce_exit(self._policy.last_step)
 
     def __enter__(self) -> Checkpointer:

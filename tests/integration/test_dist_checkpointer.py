@@ -250,8 +250,8 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
     ck, out = tmp_path / "ck", tmp_path / "out"
     flags = ["--sync"] if sync else []
     infos = torchrun(2, ck, out, "--sigterm-at", "6", "--sigterm-rank", "1", *flags)
-    assert [i["stopped"] for i in infos] == [7, 7]  # seen at step 6, agreed during step 7
-    doc = part_manifest(ck / "ckpt-000000000007")
+    assert [i["stopped"] for i in infos] == [6, 6]
+    doc = part_manifest(ck / "ckpt-000000000006")
     assert doc["format_version"] == 2
     assert doc["sharding"].pop("save_id") != part_manifest(ck / "ckpt-000000000004")["sharding"]["save_id"]
     assert doc["sharding"] == {"world_size": 2, "parts": 1, "part": 0, "ranks": [0, 1]}
@@ -260,7 +260,7 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
     assert any(p.startswith("dcp/__1_") for p in paths)
     assert (ck / "ckpt-000000000004" / "manifest.json").is_file()  # the interval save before
     infos = torchrun(2, ck, out, *flags)
-    assert [i["start"] for i in infos] == [8, 8]
+    assert [i["start"] for i in infos] == [7, 7]
     assert all(i["exact"] is True and i["resharded_from"] is None for i in infos)
     assert_same_final(reference, out, 2)
 
@@ -268,12 +268,12 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
 def test_request_seen_by_local_rank_0_only_stops_every_rank(reference: Path, tmp_path: Path) -> None:
     ck, out = tmp_path / "ck", tmp_path / "out"
     infos = torchrun(2, ck, out, "--request-at", "5")
-    assert [i["stopped"] for i in infos] == [6, 6]  # seen at step 5, agreed during step 6
+    assert [i["stopped"] for i in infos] == [5, 5]
     ack = json.loads((ck / ".control" / "checkpoint-ack.json").read_text())
-    assert ack == {"id": "req-1", "step": 6, "name": "ckpt-000000000006"}
-    assert part_manifest(ck / "ckpt-000000000006")["reason"] == "test"
+    assert ack == {"id": "req-1", "step": 5, "name": "ckpt-000000000005"}
+    assert part_manifest(ck / "ckpt-000000000005")["reason"] == "test"
     infos = torchrun(2, ck, out)
-    assert [i["start"] for i in infos] == [7, 7]
+    assert [i["start"] for i in infos] == [6, 6]
     assert_same_final(reference, out, 2)
 
 
@@ -306,9 +306,9 @@ def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
     torchrun(2, ref / "ck", ref / "out", "--mode", "fsdp")
     ck, out = tmp_path / "ck", tmp_path / "out"
     infos = torchrun(2, ck, out, "--mode", "fsdp", "--sigterm-at", "6", "--sigterm-rank", "0")
-    assert [i["stopped"] for i in infos] == [7, 7]
+    assert [i["stopped"] for i in infos] == [6, 6]
     infos = torchrun(2, ck, out, "--mode", "fsdp")
-    assert [i["start"] for i in infos] == [8, 8]
+    assert [i["start"] for i in infos] == [7, 7]
     assert_same_final(ref / "out", out, 2)
 
 
@@ -322,22 +322,22 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(
 
     out = tmp_path / "out"
     infos = two_nodes(tmp_path, out, s3_store, s3_uri, "--sigterm-at", "6", "--sigterm-rank", "1")
-    assert [i["stopped"] for i in infos] == [7, 7]
+    assert [i["stopped"] for i in infos] == [6, 6]
     save_ids = set()
     for node in (0, 1):
-        doc = part_manifest(tmp_path / f"node{node}" / "ckpt-000000000007")
+        doc = part_manifest(tmp_path / f"node{node}" / "ckpt-000000000006")
         save_ids.add(doc["sharding"].pop("save_id"))
         assert doc["sharding"] == {"world_size": 2, "parts": 2, "part": node, "ranks": [node]}
         paths = {f["path"] for f in doc["files"]}
         assert ("dcp/.metadata" in paths) == (node == 0)
         assert all(p.startswith((f"dcp/__{node}_", f"ranks/{node:05d}/", "dcp/.metadata")) for p in paths), paths
     assert len(save_ids) == 1  # one collective save: both nodes' parts carry its id
-    verdict = verify_checkpoint(open_storage(s3_uri, **s3_options(s3_store)), "ckpt-000000000007")
+    verdict = verify_checkpoint(open_storage(s3_uri, **s3_options(s3_store)), "ckpt-000000000006")
     assert verdict.ok, verdict.reason
     assert verdict.manifest is not None and verdict.manifest.is_global
     # The same nodes come back: their local parts alone cannot be loaded, the global checkpoint is fetched.
     infos = two_nodes(tmp_path, out, s3_store, s3_uri)
-    assert [i["start"] for i in infos] == [8, 8]
+    assert [i["start"] for i in infos] == [7, 7]
     assert all(i["exact"] is True for i in infos)
     assert_same_final(reference, out, 2)
 
