@@ -17,6 +17,7 @@ from __future__ import annotations
 from spotguard.checkpoint.chunked import KnownChunks
 from spotguard.checkpoint.codec import StateError, snapshot_state
 from spotguard.checkpoint.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
+from spotguard.checkpoint.global_manifest import build_global_manifest
 from spotguard.checkpoint.latest import LatestWatch, latest_verified
 from spotguard.checkpoint.local import (
     DeadlineExceeded,
@@ -38,7 +39,6 @@ from spotguard.checkpoint.manifest import (
     Manifest,
     ManifestError,
     Sharding,
-    build_global_manifest,
     checkpoint_name,
     parse_checkpoint_name,
     parse_manifest,

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from spotguard.checkpoint.global_manifest import build_global_manifest
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
     PARTS_DIR,
     Manifest,
     ManifestError,
-    build_global_manifest,
     parse_manifest,
     parse_part_manifest_path,
     part_manifest_path,

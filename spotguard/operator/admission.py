@@ -48,7 +48,8 @@ from aiohttp import web
 from spotguard.operator.apierrors import api_reason, api_status
 from spotguard.operator.jobstatus import TERMINAL_PHASES
 from spotguard.operator.podbuilder import LABEL_INJECT, OperatorConfig
-from spotguard.operator.spec import GROUP, PLURAL, PodTemplate, SpecError, gpu_limit
+from spotguard.operator.spec import GROUP, PLURAL, PodTemplate, gpu_limit
+from spotguard.operator.specfields import SpecError
 from spotguard.operator.webhook import apply_to_patch
 
 log = logging.getLogger("spotguard.operator")

@@ -66,7 +66,8 @@ from spotguard.operator.jobstatus import (
     sidecar_up,
 )
 from spotguard.operator.policy import FALLBACK
-from spotguard.operator.spec import SpecError, TrainingJobSpec
+from spotguard.operator.spec import TrainingJobSpec
+from spotguard.operator.specfields import SpecError
 from spotguard.operator.times import format_time, parse_time
 
 

@@ -42,9 +42,9 @@ from spotguard.operator.spec import (
     SHARED_VOLUME,
     SIDECAR_CONTAINER,
     CheckpointSpec,
-    StagingSpec,
     TrainingJobSpec,
 )
+from spotguard.operator.staging import StagingSpec
 from spotguard.version import __version__
 
 LABEL_JOB = "spotguard.dev/job"

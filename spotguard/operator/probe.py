@@ -48,7 +48,8 @@ from typing import Any, Literal
 
 from spotguard.checkpoint.latest import FULL_READ_SECONDS
 from spotguard.operator.jobstatus import TERMINAL_PHASES
-from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
+from spotguard.operator.spec import TrainingJobSpec, parse
+from spotguard.operator.specfields import SpecError
 from spotguard.operator.times import format_time, parse_time
 
 log = logging.getLogger("spotguard.operator")

@@ -58,7 +58,8 @@ from spotguard.operator.kubeapi import (
     post_event,
 )
 from spotguard.operator.podbuilder import LABEL_ATTEMPT, LABEL_JOB, build_pods, build_service, last_checkpoint_bytes
-from spotguard.operator.spec import SpecError, TrainingJobSpec, check_name, parse
+from spotguard.operator.spec import TrainingJobSpec, check_name, parse
+from spotguard.operator.specfields import SpecError
 from spotguard.operator.times import parse_time
 
 log = logging.getLogger("spotguard.operator")

@@ -8,12 +8,23 @@ parses pod annotations with it), plus the rules a schema cannot express.
 from __future__ import annotations
 
 import copy
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from typing import Any
+
+from spotguard.operator.specfields import (
+    DNS_SUBDOMAIN_RE,
+    SpecError,
+    read_bool,
+    read_enum,
+    read_int,
+    read_num,
+    read_obj,
+    read_str,
+    read_str_map,
+)
+from spotguard.operator.staging import StagingSpec, parse_staging
 
 GROUP = "spotguard.dev"
 VERSION = "v1alpha1"
@@ -44,43 +55,8 @@ NOTICE_SOURCES = ("aws", "gce", "azure", "k8s")
 
 _STORAGE_RE = re.compile(r"^((s3|gs)://[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9](/.*)?|file:///.*)$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
 _ENDPOINT_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
-#: A Kubernetes quantity (``resource.Quantity``): a decimal number and an optional suffix.
-_QUANTITY_RE = re.compile(
-    r"^(?P<num>\+?([0-9]+(\.[0-9]*)?|\.[0-9]+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-)
-_QUANTITY_FACTORS: Mapping[str, Decimal] = {
-    "": Decimal(1),
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
-}
-#: The kinds of ``spec.checkpoint.staging``, as the pod volume sources they become.
-STAGING_KINDS = ("emptyDir", "ephemeral", "hostPath")
-EMPTY_DIR_MEDIA = ("", "Memory")
-
-
-class SpecError(ValueError):
-    """A spec (or pod annotation) the operator refuses; ``field`` names where."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,26 +81,6 @@ class Retention:
     best_metric: str | None = None
     best_mode: str = "min"
     keep_every: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class StagingSpec:
-    """``spec.checkpoint.staging``: the volume the checkpoints are written to before they are uploaded.
-
-    ``kind`` is the pod volume source it becomes (one of :data:`STAGING_KINDS`).
-    ``size`` is the quantity the user gave (``emptyDir.sizeLimit`` or
-    ``ephemeral.size``); None lets the pod builder derive one from the size of
-    the job's last verified checkpoint (see ``podbuilder.staging_size``).
-    """
-
-    kind: str
-    size: str | None = None
-    #: emptyDir: "" (the node's disk) or "Memory" (a tmpfs, counted against the pod's memory).
-    medium: str = ""
-    #: ephemeral: the StorageClass of the per-pod claim (None: the cluster's default class).
-    storage_class: str | None = None
-    #: hostPath: the node's directory (local NVMe); each pod gets its own subdirectory in it.
-    path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,78 +262,6 @@ class TrainingJobSpec:
         return bool(self.template.spec.get("hostNetwork"))
 
 
-# --- small typed readers: each names the field it reads ----------------------
-
-
-def _obj(raw: Any, path: str, *, required: bool = False) -> Mapping[str, Any]:
-    if raw is None:
-        if required:
-            raise SpecError(path, "is required")
-        return {}
-    if not isinstance(raw, Mapping):
-        raise SpecError(path, f"must be an object, not {type(raw).__name__}")
-    return raw
-
-
-def _str(raw: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
-    value = raw.get(key)
-    if value is None or value == "":
-        if required:
-            raise SpecError(f"{path}.{key}", "is required")
-        return None
-    if not isinstance(value, str):
-        raise SpecError(f"{path}.{key}", f"must be a string, not {type(value).__name__}")
-    return value
-
-
-def _int(raw: Mapping[str, Any], key: str, path: str, default: int | None, *, minimum: int = 0) -> int | None:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{path}.{key}", f"must be an integer, not {value!r}")
-    if value < minimum:
-        raise SpecError(f"{path}.{key}", f"must be >= {minimum}, not {value}")
-    return value
-
-
-def _num(raw: Mapping[str, Any], key: str, path: str, default: float | None, *, minimum: float = 0.0) -> float | None:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SpecError(f"{path}.{key}", f"must be a number, not {value!r}")
-    if value < minimum:
-        raise SpecError(f"{path}.{key}", f"must be >= {minimum:g}, not {value}")
-    return float(value)
-
-
-def _bool(raw: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
-    value = raw.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise SpecError(f"{path}.{key}", f"must be true or false, not {value!r}")
-    return value
-
-
-def _enum(raw: Mapping[str, Any], key: str, path: str, choices: tuple[str, ...], default: str) -> str:
-    value = _str(raw, key, path) or default
-    if value not in choices:
-        raise SpecError(f"{path}.{key}", f"must be one of {', '.join(choices)}, not {value!r}")
-    return value
-
-
-def _str_map(raw: Any, path: str) -> dict[str, str]:
-    obj = _obj(raw, path)
-    out: dict[str, str] = {}
-    for k, v in obj.items():
-        if not isinstance(v, str):
-            raise SpecError(f"{path}.{k}", "must be a string")
-        out[str(k)] = v
-    return out
-
-
 # --- parsers ------------------------------------------------------------------
 
 
@@ -397,10 +281,10 @@ def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
         return None
     if isinstance(raw, str):
         raw = {"name": raw}
-    obj = _obj(raw, path)
-    name = _str(obj, "name", path, required=True)
+    obj = read_obj(raw, path)
+    name = read_str(obj, "name", path, required=True)
     assert name is not None
-    if not _DNS_SUBDOMAIN_RE.match(name):
+    if not DNS_SUBDOMAIN_RE.match(name):
         raise SpecError(f"{path}.name", f"must be a Secret name, not {name!r}")
     keys: dict[str, str] = {}
     for key, attr in (
@@ -409,7 +293,7 @@ def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
         ("endpointKey", "endpoint_key"),
         ("keyFileKey", "key_file_key"),
     ):
-        value = _str(obj, key, path)
+        value = read_str(obj, key, path)
         if value is not None:
             if not _SECRET_KEY_RE.match(value):
                 raise SpecError(f"{path}.{key}", f"must be a Secret data key, not {value!r}")
@@ -419,114 +303,49 @@ def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
 
 def parse_retention(raw: Any, path: str) -> Retention:
     """Parse ``checkpoint.retention``."""
-    obj = _obj(raw, path)
-    keep_best = _int(obj, "keepBest", path, 0) or 0
-    metric = _str(obj, "bestMetric", path)
+    obj = read_obj(raw, path)
+    keep_best = read_int(obj, "keepBest", path, 0) or 0
+    metric = read_str(obj, "bestMetric", path)
     if keep_best > 0 and not metric:
         raise SpecError(f"{path}.bestMetric", "is required when keepBest > 0")
     return Retention(
-        keep_last=_int(obj, "keepLast", path, 3, minimum=1) or 1,
+        keep_last=read_int(obj, "keepLast", path, 3, minimum=1) or 1,
         keep_best=keep_best,
         best_metric=metric,
-        best_mode=_enum(obj, "bestMode", path, BEST_MODES, "min"),
-        keep_every=_int(obj, "keepEvery", path, 0) or 0,
+        best_mode=read_enum(obj, "bestMode", path, BEST_MODES, "min"),
+        keep_every=read_int(obj, "keepEvery", path, 0) or 0,
     )
-
-
-def quantity_bytes(value: Any, path: str) -> int:
-    """The bytes a Kubernetes quantity (``"200Gi"``, ``"1.5T"``, ``1000000``) stands for, rounded up.
-
-    Refuses (naming ``path``) anything the apiserver would not take as a
-    quantity, and zero or negative sizes: a staging volume of no bytes cannot
-    hold a checkpoint.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise SpecError(path, f"must be a Kubernetes quantity such as 200Gi, not {value!r}")
-    match = _QUANTITY_RE.match(str(value).strip()) if isinstance(value, str) else _QUANTITY_RE.match(str(value))
-    if match is None:
-        raise SpecError(path, f"must be a Kubernetes quantity such as 200Gi or 500G, not {value!r}")
-    suffix = match.group("suffix") or ""
-    try:
-        number = Decimal(match.group("num"))
-        factor = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _QUANTITY_FACTORS[suffix]
-    except (InvalidOperation, ValueError, KeyError):
-        raise SpecError(path, f"must be a Kubernetes quantity such as 200Gi, not {value!r}") from None
-    size = math.ceil(number * factor)
-    if size <= 0:
-        raise SpecError(path, f"must be a positive size, not {value!r}")
-    return size
-
-
-def _quantity(raw: Mapping[str, Any], key: str, path: str) -> str | None:
-    value = raw.get(key)
-    if value is None or value == "":
-        return None
-    quantity_bytes(value, f"{path}.{key}")
-    return str(value)
-
-
-def parse_staging(raw: Any, path: str = "spec.checkpoint.staging") -> StagingSpec | None:
-    """Parse ``checkpoint.staging``: exactly one of ``emptyDir``, ``ephemeral``, ``hostPath`` (None when absent)."""
-    if raw is None:
-        return None
-    obj = _obj(raw, path)
-    unknown = sorted(str(k) for k in obj if k not in STAGING_KINDS)
-    if unknown:
-        raise SpecError(f"{path}.{unknown[0]}", f"is not a staging kind: use one of {', '.join(STAGING_KINDS)}")
-    given = [k for k in STAGING_KINDS if obj.get(k) is not None]
-    if len(given) != 1:
-        what = "none" if not given else " and ".join(given)
-        raise SpecError(path, f"must set exactly one of {', '.join(STAGING_KINDS)}, not {what}")
-    kind = given[0]
-    kpath = f"{path}.{kind}"
-    body = _obj(obj.get(kind), kpath)
-    if kind == "emptyDir":
-        medium = body.get("medium") or ""
-        if medium not in EMPTY_DIR_MEDIA:
-            raise SpecError(f"{kpath}.medium", f'must be "" (the node\'s disk) or "Memory", not {medium!r}')
-        return StagingSpec(kind, size=_quantity(body, "sizeLimit", kpath), medium=medium)
-    if kind == "ephemeral":
-        storage_class = _str(body, "storageClassName", kpath)
-        if storage_class is not None and not _DNS_SUBDOMAIN_RE.match(storage_class):
-            raise SpecError(f"{kpath}.storageClassName", f"must be a StorageClass name, not {storage_class!r}")
-        return StagingSpec(kind, size=_quantity(body, "size", kpath), storage_class=storage_class)
-    host = _str(body, "path", kpath, required=True)
-    assert host is not None
-    parts = host.split("/")
-    if not host.startswith("/") or host.rstrip("/") == "" or ".." in parts:
-        raise SpecError(f"{kpath}.path", f"must be an absolute directory on the node other than /, not {host!r}")
-    return StagingSpec(kind, path=host.rstrip("/"))
 
 
 def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
     """Parse ``spec.checkpoint``."""
-    obj = _obj(raw, path, required=True)
-    storage = parse_storage(_str(obj, "storage", path, required=True) or "", f"{path}.storage")
-    endpoint = _str(obj, "endpoint", path)
+    obj = read_obj(raw, path, required=True)
+    storage = parse_storage(read_str(obj, "storage", path, required=True) or "", f"{path}.storage")
+    endpoint = read_str(obj, "endpoint", path)
     if endpoint is not None and not _ENDPOINT_RE.match(endpoint):
         raise SpecError(f"{path}.endpoint", f"must be an http(s):// URL, not {endpoint!r}")
-    every_steps = _int(obj, "everySteps", path, None, minimum=1)
-    every_seconds = _num(obj, "everySeconds", path, None, minimum=1.0)
+    every_steps = read_int(obj, "everySteps", path, None, minimum=1)
+    every_seconds = read_num(obj, "everySeconds", path, None, minimum=1.0)
     return CheckpointSpec(
         storage=storage,
         credentials_secret=parse_credentials(obj.get("credentialsSecret"), f"{path}.credentialsSecret"),
         endpoint=endpoint,
-        region=_str(obj, "region", path),
+        region=read_str(obj, "region", path),
         every_steps=every_steps,
         every_seconds=every_seconds,
-        checksum=_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
+        checksum=read_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
         retention=parse_retention(obj.get("retention"), f"{path}.retention"),
-        expose_credentials_to_trainer=_bool(obj, "exposeCredentialsToTrainer", path, False),
-        incremental=_bool(obj, "incremental", path, False),
+        expose_credentials_to_trainer=read_bool(obj, "exposeCredentialsToTrainer", path, False),
+        incremental=read_bool(obj, "incremental", path, False),
         staging=parse_staging(obj.get("staging"), f"{path}.staging"),
     )
 
 
 def _parse_backoff(raw: Any, path: str, default: Backoff) -> Backoff:
-    obj = _obj(raw, path)
-    initial = _num(obj, "initialSeconds", path, default.initial_seconds)
-    maximum = _num(obj, "maxSeconds", path, default.max_seconds)
-    factor = _num(obj, "factor", path, default.factor, minimum=1.0)
+    obj = read_obj(raw, path)
+    initial = read_num(obj, "initialSeconds", path, default.initial_seconds)
+    maximum = read_num(obj, "maxSeconds", path, default.max_seconds)
+    factor = read_num(obj, "factor", path, default.factor, minimum=1.0)
     assert initial is not None and maximum is not None and factor is not None
     if maximum < initial:
         raise SpecError(f"{path}.maxSeconds", f"must be >= initialSeconds ({initial:g})")
@@ -551,12 +370,12 @@ def parse_notices(raw: Any, path: str) -> tuple[str, ...]:
 
 def parse_preemption(raw: Any, path: str = "spec.preemption") -> PreemptionSpec:
     """Parse ``spec.preemption``."""
-    obj = _obj(raw, path)
+    obj = read_obj(raw, path)
     defaults = PreemptionSpec()
-    grace = _int(obj, "gracePeriodSeconds", path, defaults.grace_period_seconds, minimum=1)
+    grace = read_int(obj, "gracePeriodSeconds", path, defaults.grace_period_seconds, minimum=1)
     return PreemptionSpec(
-        max_preemptions=_int(obj, "maxPreemptions", path, defaults.max_preemptions) or 0,
-        backoff_limit=_int(obj, "backoffLimit", path, defaults.backoff_limit) or 0,
+        max_preemptions=read_int(obj, "maxPreemptions", path, defaults.max_preemptions) or 0,
+        backoff_limit=read_int(obj, "backoffLimit", path, defaults.backoff_limit) or 0,
         backoff=_parse_backoff(obj.get("backoff"), f"{path}.backoff", defaults.backoff),
         preemption_backoff=_parse_backoff(
             obj.get("preemptionBackoff"), f"{path}.preemptionBackoff", defaults.preemption_backoff
@@ -568,22 +387,22 @@ def parse_preemption(raw: Any, path: str = "spec.preemption") -> PreemptionSpec:
 
 def parse_sidecar(raw: Any, path: str = "spec.sidecar") -> SidecarSpec:
     """Parse ``spec.sidecar``."""
-    obj = _obj(raw, path)
-    port = _int(obj, "metricsPort", path, 9400, minimum=0)
+    obj = read_obj(raw, path)
+    port = read_int(obj, "metricsPort", path, 9400, minimum=0)
     assert port is not None
     if port > 65535:
         raise SpecError(f"{path}.metricsPort", f"must be <= 65535, not {port}")
     resources = obj.get("resources")
     if resources is not None:
-        resources = copy.deepcopy(dict(_obj(resources, f"{path}.resources")))
-    return SidecarSpec(image=_str(obj, "image", path), metrics_port=port, resources=resources)
+        resources = copy.deepcopy(dict(read_obj(resources, f"{path}.resources")))
+    return SidecarSpec(image=read_str(obj, "image", path), metrics_port=port, resources=resources)
 
 
 def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
     """Parse ``spec.template``: a pod template whose containers are the trainer."""
-    obj = _obj(raw, path, required=True)
-    meta = _obj(obj.get("metadata"), f"{path}.metadata")
-    pod_spec = _obj(obj.get("spec"), f"{path}.spec", required=True)
+    obj = read_obj(raw, path, required=True)
+    meta = read_obj(obj.get("metadata"), f"{path}.metadata")
+    pod_spec = read_obj(obj.get("spec"), f"{path}.spec", required=True)
     spath = f"{path}.spec"
     containers = pod_spec.get("containers")
     if not isinstance(containers, list) or not containers:
@@ -593,7 +412,7 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
         cpath = f"{spath}.containers[{i}]"
         if not isinstance(c, Mapping):
             raise SpecError(cpath, "must be an object")
-        name = _str(c, "name", cpath, required=True)
+        name = read_str(c, "name", cpath, required=True)
         assert name is not None
         if not _DNS_LABEL_RE.match(name):
             raise SpecError(f"{cpath}.name", f"must be a DNS label, not {name!r}")
@@ -613,8 +432,8 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
             f"must be Never or unset (spotguard restarts attempts itself), not {policy!r}",
         )
     return PodTemplate(
-        labels=_str_map(meta.get("labels"), f"{path}.metadata.labels"),
-        annotations=_str_map(meta.get("annotations"), f"{path}.metadata.annotations"),
+        labels=read_str_map(meta.get("labels"), f"{path}.metadata.labels"),
+        annotations=read_str_map(meta.get("annotations"), f"{path}.metadata.annotations"),
         spec=copy.deepcopy(dict(pod_spec)),
     )
 
@@ -645,7 +464,7 @@ def _int_list(raw: Any, path: str) -> tuple[int, ...]:
 
 def parse_failure_policy(raw: Any, path: str = "spec.failurePolicy") -> tuple[FailureRule, ...]:
     """Parse ``spec.failurePolicy``: ``{rules: [{action, onExitCodes?, onReasons?}]}``."""
-    obj = _obj(raw, path)
+    obj = read_obj(raw, path)
     rules_raw = obj.get("rules")
     if rules_raw is None:
         return ()
@@ -654,18 +473,18 @@ def parse_failure_policy(raw: Any, path: str = "spec.failurePolicy") -> tuple[Fa
     rules: list[FailureRule] = []
     for i, r in enumerate(rules_raw):
         rpath = f"{path}.rules[{i}]"
-        rule = _obj(r, rpath, required=True)
-        action = _str(rule, "action", rpath, required=True)
+        rule = read_obj(r, rpath, required=True)
+        action = read_str(rule, "action", rpath, required=True)
         if action not in RULE_ACTIONS:
             raise SpecError(f"{rpath}.action", f"must be one of {', '.join(RULE_ACTIONS)}, not {action!r}")
         codes: tuple[int, ...] = ()
         operator, container = "In", None
         if rule.get("onExitCodes") is not None:
             epath = f"{rpath}.onExitCodes"
-            exit_obj = _obj(rule.get("onExitCodes"), epath)
-            operator = _enum(exit_obj, "operator", epath, EXIT_CODE_OPERATORS, "In")
+            exit_obj = read_obj(rule.get("onExitCodes"), epath)
+            operator = read_enum(exit_obj, "operator", epath, EXIT_CODE_OPERATORS, "In")
             codes = _int_list(exit_obj.get("values"), f"{epath}.values")
-            container = _str(exit_obj, "containerName", epath)
+            container = read_str(exit_obj, "containerName", epath)
         reasons: tuple[str, ...] = ()
         if rule.get("onReasons") is not None:
             rs = rule.get("onReasons")
@@ -682,7 +501,7 @@ def parse_placement(raw: Mapping[str, Any], path: str) -> Placement:
     """The placement fields of ``spec.fallback`` (each replaces the template's own when given)."""
     selector = None
     if raw.get("nodeSelector") is not None:
-        selector = _str_map(raw.get("nodeSelector"), f"{path}.nodeSelector")
+        selector = read_str_map(raw.get("nodeSelector"), f"{path}.nodeSelector")
     tolerations = raw.get("tolerations")
     if tolerations is not None:
         if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
@@ -690,7 +509,7 @@ def parse_placement(raw: Mapping[str, Any], path: str) -> Placement:
         tolerations = tuple(copy.deepcopy(dict(t)) for t in tolerations)
     affinity = raw.get("affinity")
     if affinity is not None:
-        affinity = copy.deepcopy(dict(_obj(affinity, f"{path}.affinity")))
+        affinity = copy.deepcopy(dict(read_obj(affinity, f"{path}.affinity")))
     if selector is None and tolerations is None and affinity is None:
         raise SpecError(path, "needs nodeSelector, tolerations or affinity: where the fallback pods go")
     return Placement(selector, tolerations, affinity)
@@ -700,12 +519,12 @@ def parse_fallback(raw: Any, path: str = "spec.fallback") -> FallbackSpec | None
     """Parse ``spec.fallback`` (None when absent). ``afterUnschedulableSeconds: 0`` turns that trigger off."""
     if raw is None:
         return None
-    obj = _obj(raw, path)
+    obj = read_obj(raw, path)
     d = FallbackSpec(Placement())
-    unschedulable = _num(obj, "afterUnschedulableSeconds", path, d.after_unschedulable_seconds)
-    after = _int(obj, "afterPreemptions", path, d.after_preemptions, minimum=1)
-    window = _num(obj, "preemptionWindowSeconds", path, d.window_seconds, minimum=1.0)
-    cooldown = _num(obj, "cooldownSeconds", path, d.cooldown_seconds, minimum=1.0)
+    unschedulable = read_num(obj, "afterUnschedulableSeconds", path, d.after_unschedulable_seconds)
+    after = read_int(obj, "afterPreemptions", path, d.after_preemptions, minimum=1)
+    window = read_num(obj, "preemptionWindowSeconds", path, d.window_seconds, minimum=1.0)
+    cooldown = read_num(obj, "cooldownSeconds", path, d.cooldown_seconds, minimum=1.0)
     assert after is not None and window is not None and cooldown is not None
     return FallbackSpec(
         placement=parse_placement(obj, path),
@@ -720,27 +539,27 @@ def parse_avoid_nodes(raw: Any, path: str = "spec.avoidNodes") -> AvoidNodesSpec
     """Parse ``spec.avoidNodes`` (None when absent: no node is avoided)."""
     if raw is None:
         return None
-    obj = _obj(raw, path)
+    obj = read_obj(raw, path)
     defaults = AvoidNodesSpec()
     return AvoidNodesSpec(
-        after_ends=_int(obj, "afterEnds", path, defaults.after_ends, minimum=1) or defaults.after_ends,
-        for_seconds=_num(obj, "forSeconds", path, defaults.for_seconds, minimum=1.0) or defaults.for_seconds,
+        after_ends=read_int(obj, "afterEnds", path, defaults.after_ends, minimum=1) or defaults.after_ends,
+        for_seconds=read_num(obj, "forSeconds", path, defaults.for_seconds, minimum=1.0) or defaults.for_seconds,
     )
 
 
 def parse(spec: Any) -> TrainingJobSpec:
     """Parse and validate a ``TrainingJob.spec``; raises ``SpecError`` naming the field."""
-    obj = _obj(spec, "spec", required=True)
+    obj = read_obj(spec, "spec", required=True)
     template = parse_template(obj.get("template"))
-    nodes = _int(obj, "nodes", "spec", 1, minimum=1)
+    nodes = read_int(obj, "nodes", "spec", 1, minimum=1)
     assert nodes is not None
     if nodes > MAX_NODES:
         raise SpecError("spec.nodes", f"must be at most {MAX_NODES}, not {nodes}")
-    nproc = _int(obj, "nprocPerNode", "spec", gpu_limit(template) or 1, minimum=1)
+    nproc = read_int(obj, "nprocPerNode", "spec", gpu_limit(template) or 1, minimum=1)
     assert nproc is not None
     if nproc > 1024:
         raise SpecError("spec.nprocPerNode", f"must be at most 1024, not {nproc}")
-    master_port = _int(obj, "masterPort", "spec", DEFAULT_MASTER_PORT, minimum=1)
+    master_port = read_int(obj, "masterPort", "spec", DEFAULT_MASTER_PORT, minimum=1)
     assert master_port is not None
     if master_port > 65535:
         raise SpecError("spec.masterPort", f"must be <= 65535, not {master_port}")
@@ -750,14 +569,14 @@ def parse(spec: Any) -> TrainingJobSpec:
     sidecar_raw = obj.get("sidecar")
     checkpoint = parse_checkpoint(obj.get("checkpoint"))
     preemption = parse_preemption(obj.get("preemption"))
-    deadline = _int(obj, "activeDeadlineSeconds", "spec", None, minimum=1)
-    ttl = _int(obj, "ttlSecondsAfterFinished", "spec", None, minimum=0)
+    deadline = read_int(obj, "activeDeadlineSeconds", "spec", None, minimum=1)
+    ttl = read_int(obj, "ttlSecondsAfterFinished", "spec", None, minimum=0)
     return TrainingJobSpec(
         template=template,
         checkpoint=checkpoint,
         preemption=preemption,
         sidecar=sidecar,
-        suspend=_bool(obj, "suspend", "spec", False),
+        suspend=read_bool(obj, "suspend", "spec", False),
         nodes=nodes,
         nproc_per_node=nproc,
         master_port=master_port,

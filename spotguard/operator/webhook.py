@@ -42,7 +42,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotguard.operator.podbuilder import ANNOTATION_INJECTED, Injection, OperatorConfig, inject
-from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER, SpecError, parse_checkpoint
+from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER, parse_checkpoint
+from spotguard.operator.specfields import SpecError
 
 PREFIX = "spotguard.dev/"
 

@@ -282,15 +282,9 @@ def _sidecar(args: argparse.Namespace) -> int:
     latch.install()
 
     from spotguard.contract.control import control_dir_from_env
+    from spotguard.sidecar.mainloop import SidecarOptions, run_sidecar, write_termination_text
     from spotguard.sidecar.metrics import SidecarMetrics
-    from spotguard.sidecar.service import (
-        AgentConfig,
-        CheckpointAgent,
-        SidecarOptions,
-        default_markers,
-        run_sidecar,
-        write_termination_text,
-    )
+    from spotguard.sidecar.service import AgentConfig, CheckpointAgent, default_markers
     from spotguard.sidecar.supervisor import configure_logging
     from spotguard.storage import StorageError, open_storage
 

@@ -7,12 +7,12 @@ from Kubernetes turns into a checkpoint request with a deadline. SIGTERM
 wait for it within the deadline, upload and verify it, exit.
 
 The same :class:`CheckpointAgent` does these duties in-process for
-``spotguard run``.
+``spotguard run``; the sidecar container's own loop around it, and its
+termination report, are :mod:`~spotguard.sidecar.mainloop`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -36,16 +36,14 @@ from spotguard.contract.control import (
     decide_run_end,
     find_trainer_processes,
     is_trainer_process,
-    read_staging_full,
     signal_trainer,
     trainer_said_preempted,
     write_heartbeat,
 )
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
-from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
-from spotguard.sidecar.metrics import SIDECAR_PORT_HINT, SidecarMetrics
-from spotguard.sidecar.notices import Notice, NoticeSource, NoticeWatcher
+from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.notices import Notice, NoticeSource
 from spotguard.sidecar.shipper import (
     CheckpointShipper,
     Shipped,
@@ -59,12 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Exit statuses of the sidecar.
-EXIT_OK = 0
-EXIT_EMERGENCY_FAILED = 1
-
-# How long a classic sidecar whose trainer finished waits for an Event still being posted.
-EVENT_JOIN_SECONDS = 10.0
 # After the trainer's exit, how often a part waiting for other nodes' parts is tried again.
 FLUSH_AWAIT_POLL_SECONDS = 5.0
 # How often the uploader's heartbeat is refreshed at most (well within HEARTBEAT_FRESH_SECONDS).
@@ -564,153 +556,6 @@ class SignalLatch:
             self.event.set()
             if self.on_signal is not None:
                 self.on_signal(self.source)
-
-
-@dataclass
-class SidecarOptions:
-    """What ``spotguard sidecar`` was asked to do beyond the agent's duties."""
-
-    exit_with_trainer: bool = True
-    metrics_port: int | None = None
-    metrics_addr: str = "0.0.0.0"
-    notice_interval_seconds: float = 2.0
-    # Kubernetes shows this file's content as the container's termination
-    # message; the operator reads the report from there.
-    termination_log: Path | None = None
-    # Post Kubernetes Events on the own pod (when POD_NAME/POD_NAMESPACE and
-    # an apiserver configuration are there; best effort).
-    post_events: bool = True
-
-
-def termination_report(
-    preempted: bool, reason: str, verified_step: int | None, trainer_step: int | None, metrics_error: str | None = None
-) -> dict[str, Any]:
-    """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep", "metricsError"}``.
-
-    ``step`` is the newest checkpoint verified in storage, ``trainerStep``
-    the last step the trainer reached (so the operator can count lost steps),
-    ``metricsError`` why metrics could not be served (only when they could not).
-    """
-    report: dict[str, Any] = {"preempted": preempted, "reason": reason}
-    if verified_step is not None:
-        report["step"] = verified_step
-    if trainer_step is not None:
-        report["trainerStep"] = trainer_step
-    if metrics_error:
-        report["metricsError"] = metrics_error
-    return report
-
-
-def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
-    """Write the report where Kubernetes picks it up; never fails the exit."""
-    write_termination_text(path, json.dumps(report))
-
-
-def write_termination_text(path: Path | None, text: str) -> None:
-    """Write ``text`` as the container's termination message; never fails the exit.
-
-    A sidecar that cannot start leaves its error here (not a JSON report), so
-    the pod's failure says what went wrong.
-    """
-    if path is None:
-        return
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        log.warning("could not write the termination report to %s: %s", path, exc)
-
-
-def run_sidecar(
-    agent: CheckpointAgent,
-    options: SidecarOptions,
-    sources: list[NoticeSource],
-    latch: SignalLatch | None = None,
-) -> int:
-    """The sidecar's main loop. Returns the exit status."""
-    latch = latch or SignalLatch()
-    if threading.current_thread() is threading.main_thread():
-        latch.install()  # usually done already, before the slow part of startup
-    metrics_error: str | None = None
-    event: threading.Thread | None = None
-    if options.metrics_port is not None:
-        # Metrics are secondary: a port taken by another pod on a hostNetwork
-        # node is a warning (log, Event, report), and shipping goes on.
-        _port, metrics_error = agent.metrics.serve_or_warn(
-            options.metrics_port, options.metrics_addr, SIDECAR_PORT_HINT
-        )
-        if metrics_error is not None and options.post_events:
-            event = post_pod_event_async(REASON_METRICS_PORT_UNAVAILABLE, metrics_error)
-    watcher = NoticeWatcher(
-        sources,
-        agent.enqueue_notice,
-        options.notice_interval_seconds,
-        on_error=lambda _name: agent.metrics.failure("notice"),
-    )
-    watcher.start()
-    agent.shipper.adopt_existing()
-    log.info(
-        "sidecar watching %s (grace %.0fs, notices: %s)",
-        agent.config.checkpoint_dir,
-        agent.config.grace_seconds,
-        ",".join(s.name for s in sources) or "none",
-    )
-    agent.interrupt = latch.event
-    try:
-        while not latch.event.is_set():
-            agent.step()
-            state = agent.trainer_state()
-            if latch.event.is_set():
-                # SIGTERM came during this round (an upload can take a
-                # while): it is a preemption even if the trainer, signalled at
-                # the same time, has exited by now. Seen as "the trainer
-                # finished", the report would say so and no emergency would run.
-                break
-            if options.exit_with_trainer and state == "gone":
-                # The trainer finished (or died): ship what it left and leave,
-                # so a classic (non-native) sidecar does not keep the pod alive.
-                flushed = agent.flush(agent.config.finish_deadline(time.time()))
-                if flushed:
-                    log.info("trainer exited; everything committed is shipped")
-                end = agent.run_end(None, trainer_gone_before_signal=True)
-                _report(agent, options, end, metrics_error)
-                if flushed and not end.preempted and not latch.event.is_set():
-                    agent.shipper.housekeeping(latch.event.is_set)
-                if event is not None:
-                    # A trainer that finished within seconds must not take the
-                    # Event with it (bounded by the request timeouts; never on
-                    # the way out of a preemption, where the grace period counts).
-                    event.join(EVENT_JOIN_SECONDS)
-                return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
-            latch.event.wait(agent.config.poll_seconds)
-        assert latch.source is not None
-        agent.metrics.notice(latch.source)
-        trainer_before = agent.trainer_state()
-        ok = agent.emergency(latch.source, latch.received_at)
-        agent.settle_pending()
-        _report(
-            agent,
-            options,
-            agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"),
-            metrics_error,
-        )
-        # Retention waits for the next routine round (the next pod's sidecar):
-        # the grace period is for the checkpoint only.
-        return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
-    finally:
-        watcher.stop()
-
-
-def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> None:
-    t0 = time.monotonic()
-    last = agent.shipper.last_shipped
-    report = termination_report(
-        end.preempted, end.reason, last.step if last else None, agent.trainer_last_step(), metrics_error
-    )
-    full = read_staging_full(agent.config.control_dir)
-    if full is not None:  # the trainer's last save found the checkpoint volume full: the operator says so
-        report["stagingFull"] = full
-    write_termination_report(options.termination_log, report)
-    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason, step=report.get("step"))
 
 
 def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:

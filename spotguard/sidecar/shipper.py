@@ -11,7 +11,7 @@ emergency path never does. This shipper is the only one that deletes local
 checkpoints, and only those older than one it verified in storage.
 
 A preemption comes first. A routine round's ``should_stop`` is watched
-while an upload is in flight (every :data:`STOP_POLL_SECONDS`): once it says
+while an upload is in flight (every :data:`~spotguard.sidecar.stoppable.STOP_POLL_SECONDS`): once it says
 yes the upload is told to stop at its next request
 (:class:`~spotguard.checkpoint.upload.UploadCancelled`), the round returns
 at once and the emergency upload may start while the stopped one's last
@@ -48,6 +48,7 @@ from spotguard.contract.control import save_reason_label
 from spotguard.contract.retry import retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
+from spotguard.sidecar.stoppable import upload_stoppable
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy
@@ -57,8 +58,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two sweeps of unused chunks when retention deleted nothing.
 SWEEP_INTERVAL = 900.0
-#: How often a routine upload in flight asks whether a preemption came.
-STOP_POLL_SECONDS = 0.02
 
 
 @dataclass(frozen=True)
@@ -268,7 +267,7 @@ class CheckpointShipper:
         never raised: the next call tries again. A round stops at its first
         failure (the store is likely down for the rest too). ``should_stop``
         is asked before each checkpoint and, while one is uploaded, every
-        :data:`STOP_POLL_SECONDS`: a preemption in the middle of a backlog (a
+        :data:`~spotguard.sidecar.stoppable.STOP_POLL_SECONDS`: a preemption in the middle of a backlog (a
         slow store) or of a large upload gets the shipper back at once, for
         the emergency path to ship only the newest; the stopped upload's
         checkpoint is neither failed nor backed off.
@@ -411,64 +410,15 @@ class CheckpointShipper:
         return self._verify_and_point(name, nbytes, upload_seconds)
 
     def _upload(self, path: Path, should_stop: Callable[[], bool] | None) -> Any:
-        """Upload ``path`` (the pointer moves only after verification).
-
-        With ``should_stop`` the upload runs in a thread of its own and this
-        one watches ``should_stop``: once it says yes, the upload is told to
-        stop at its next request and :class:`UploadCancelled` is raised here
-        at once (the stopped upload's requests on the wire drain meanwhile;
-        the chunks it stored are recorded in :attr:`stopped` when it ends).
-        An earlier stopped upload of the same checkpoint is resumed: its
-        chunks count as known, its complete files are not sent again.
-        """
-        from spotguard.checkpoint import upload_checkpoint
-        from spotguard.checkpoint.upload import UploadCancelled
-
+        """Upload ``path`` with :func:`upload_stoppable` (the pointer moves only after verification),
+        resuming an earlier stopped upload of the same checkpoint; a stop is recorded in :attr:`stopped`."""
         name = path.name
         with self._stopped_lock:
             earlier = self.stopped.get(name)
-        incremental: bool | KnownChunks = False
-        if self.incremental:
-            incremental = with_stored_chunks(self._known_chunks(), earlier, time.monotonic())
-        resume = earlier is not None
-        if should_stop is None:
-            return upload_checkpoint(path, self.storage, update_pointer=False, incremental=incremental, resume=resume)
-        stop = threading.Event()
-        done = threading.Event()
-        outcome: list[Any] = []
-
-        def work() -> None:
-            try:
-                outcome.append(
-                    upload_checkpoint(
-                        path,
-                        self.storage,
-                        update_pointer=False,
-                        incremental=incremental,
-                        should_stop=stop.is_set,
-                        resume=resume,
-                    )
-                )
-            except UploadCancelled as exc:
-                self._note_stopped(name, exc.stored_chunks)
-                outcome.append(exc)
-            except BaseException as exc:  # noqa: BLE001 - handed to the shipping thread
-                outcome.append(exc)
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=work, name=f"spotguard-upload-{name}", daemon=True)
-        thread.start()
-        while not done.wait(STOP_POLL_SECONDS):
-            if should_stop():
-                stop.set()
-                if not done.is_set():
-                    self._note_stopped(name, {})
-                    raise UploadCancelled(name)
-                break
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
+        known = self._known_chunks() if self.incremental else None
+        return upload_stoppable(
+            path, self.storage, known, earlier, should_stop, lambda chunks: self._note_stopped(name, chunks)
+        )
 
     def _note_stopped(self, name: str, chunks: dict[str, int]) -> None:
         with self._stopped_lock:
@@ -686,20 +636,6 @@ class CheckpointShipper:
                 continue
             self.metrics.deleted_local.labels(**self.metrics.labels).inc()
             log.info("pruned local %s (a newer checkpoint is verified in storage)", name)
-
-
-def with_stored_chunks(known: KnownChunks, stopped: tuple[float, dict[str, int]] | None, now: float) -> KnownChunks:
-    """Pure: ``known`` plus the chunks a stopped upload of the same checkpoint
-    stored (``stopped``: when it stopped, by ``time.monotonic``, and its
-    chunks), while that is younger than half the orphan grace (a chunk sweep
-    keeps unreferenced chunks younger than the grace). Reused chunks are
-    checked to exist before a manifest names them, and the upload's intent
-    names them, so a collector keeps them meanwhile."""
-    from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
-
-    if stopped is None or not stopped[1] or now - stopped[0] >= DEFAULT_ORPHAN_GRACE / 2:
-        return known
-    return KnownChunks({**stopped[1], **known.chunks}, known.source, known.since)
 
 
 def _part_index(manifest_bytes: bytes) -> int | None:

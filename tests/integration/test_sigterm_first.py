@@ -26,7 +26,8 @@ from spotguard.checkpoint.local import write_checkpoint
 from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
-from spotguard.sidecar.shipper import CheckpointShipper, Shipped, with_stored_chunks
+from spotguard.sidecar.shipper import CheckpointShipper, Shipped
+from spotguard.sidecar.stoppable import with_stored_chunks
 
 pytestmark = pytest.mark.integration
 

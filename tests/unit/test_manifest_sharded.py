@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from spotguard.checkpoint.global_manifest import build_global_manifest
 from spotguard.checkpoint.manifest import (
     FORMAT_VERSION,
     FORMAT_VERSION_SHARDED,
@@ -14,7 +15,6 @@ from spotguard.checkpoint.manifest import (
     Manifest,
     ManifestError,
     Sharding,
-    build_global_manifest,
     new_manifest,
     parse_manifest,
     parse_part_manifest_path,

@@ -31,7 +31,8 @@ from spotguard.operator.notices import (
     token_review,
 )
 from spotguard.operator.podbuilder import OperatorConfig, build_pod
-from spotguard.operator.spec import SpecError, parse
+from spotguard.operator.spec import parse
+from spotguard.operator.specfields import SpecError
 from spotguard.sidecar.notices import (
     KubernetesDisruptionNotices,
     NoticeSettings,

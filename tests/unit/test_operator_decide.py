@@ -11,7 +11,8 @@ from spotguard.operator.accounting import on_create_error
 from spotguard.operator.classify import PodEnd
 from spotguard.operator.decide import decide
 from spotguard.operator.jobstatus import Decision, Observation, condition, status_patch
-from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
+from spotguard.operator.spec import TrainingJobSpec, parse
+from spotguard.operator.specfields import SpecError
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 RUNNING = PodEnd("running", "Running")

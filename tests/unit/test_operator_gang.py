@@ -13,7 +13,8 @@ from spotguard.operator.decide import decide
 from spotguard.operator.gang import gang_trigger
 from spotguard.operator.jobstatus import Decision, Member, Observation, condition
 from spotguard.operator.podbuilder import OperatorConfig, build_pods, build_service, host_ports
-from spotguard.operator.spec import SpecError, TrainingJobSpec, check_name, parse
+from spotguard.operator.spec import TrainingJobSpec, check_name, parse
+from spotguard.operator.specfields import SpecError
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 RUN = PodEnd("running", "Running")

@@ -11,7 +11,8 @@ from spotguard.operator import policy
 from spotguard.operator.classify import PodEnd, classify_pod_end
 from spotguard.operator.decide import decide
 from spotguard.operator.jobstatus import Decision, Member, Observation, condition
-from spotguard.operator.spec import SpecError, TrainingJobSpec, parse
+from spotguard.operator.spec import TrainingJobSpec, parse
+from spotguard.operator.specfields import SpecError
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 RUN = PodEnd("running", "Running")

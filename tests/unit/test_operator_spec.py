@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from spotguard.operator.spec import Backoff, SpecError, parse
+from spotguard.operator.spec import Backoff, parse
+from spotguard.operator.specfields import SpecError
 
 
 def base() -> dict[str, Any]:

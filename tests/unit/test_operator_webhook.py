@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from spotguard.operator.podbuilder import OperatorConfig
-from spotguard.operator.spec import SpecError
+from spotguard.operator.specfields import SpecError
 from spotguard.operator.webhook import injection_for_pod, job_name_of, mutated_pod
 
 CFG = OperatorConfig(image="sg:test")

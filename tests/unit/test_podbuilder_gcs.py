@@ -8,7 +8,8 @@ import pytest
 
 from spotguard.operator.podbuilder import GCS_KEY_FILE, OperatorConfig, build_pod
 from spotguard.operator.probe import scrub
-from spotguard.operator.spec import SpecError, parse
+from spotguard.operator.spec import parse
+from spotguard.operator.specfields import SpecError
 
 
 def pod(checkpoint: dict[str, Any], native: bool = False) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def test_lost_steps(segments: list[Segment], want: list[int]) -> None:
     ],
 )
 def test_termination_report(args: tuple[bool, str, int | None, int | None], want: dict[str, object]) -> None:
-    from spotguard.sidecar.service import termination_report
+    from spotguard.sidecar.mainloop import termination_report
 
     assert termination_report(*args) == want
 

@@ -7,7 +7,7 @@ from spotguard.checkpoint.chunked import KnownChunks
 from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
 from spotguard.checkpoint.manifest import FileEntry, new_manifest
 from spotguard.checkpoint.upload import files_to_send
-from spotguard.sidecar.shipper import with_stored_chunks
+from spotguard.sidecar.stoppable import with_stored_chunks
 from spotguard.storage.base import StoredChecksum
 
 MANIFEST = new_manifest(

@@ -23,7 +23,9 @@ from spotguard.operator.podbuilder import (
     inject,
     last_checkpoint_bytes,
 )
-from spotguard.operator.spec import SHARED_VOLUME, SIDECAR_CONTAINER, SpecError, parse, quantity_bytes
+from spotguard.operator.spec import SHARED_VOLUME, SIDECAR_CONTAINER, parse
+from spotguard.operator.specfields import SpecError
+from spotguard.operator.staging import quantity_bytes
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[2]

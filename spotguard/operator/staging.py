@@ -1,0 +1,132 @@
+"""The staging spec: where a pod writes its checkpoints before the sidecar uploads them.
+
+``spec.checkpoint.staging`` picks the pod volume behind the shared checkpoint
+directory: an ``emptyDir`` (the node's disk, or memory), an ``ephemeral``
+volume (a per-pod claim of a StorageClass), or a ``hostPath`` (a node's local
+NVMe). This module parses and validates it, including the Kubernetes
+quantities of its sizes (:func:`quantity_bytes`); :mod:`~spotguard.operator.spec`
+holds it in ``CheckpointSpec.staging``, and :mod:`~spotguard.operator.podbuilder`
+turns it into the pod's volume.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from spotguard.operator.specfields import DNS_SUBDOMAIN_RE, SpecError, read_obj, read_str
+
+#: A Kubernetes quantity (``resource.Quantity``): a decimal number and an optional suffix.
+_QUANTITY_RE = re.compile(
+    r"^(?P<num>\+?([0-9]+(\.[0-9]*)?|\.[0-9]+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+)
+_QUANTITY_FACTORS: Mapping[str, Decimal] = {
+    "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
+#: The kinds of ``spec.checkpoint.staging``, as the pod volume sources they become.
+STAGING_KINDS = ("emptyDir", "ephemeral", "hostPath")
+EMPTY_DIR_MEDIA = ("", "Memory")
+
+
+@dataclass(frozen=True, slots=True)
+class StagingSpec:
+    """``spec.checkpoint.staging``: the volume the checkpoints are written to before they are uploaded.
+
+    ``kind`` is the pod volume source it becomes (one of :data:`STAGING_KINDS`).
+    ``size`` is the quantity the user gave (``emptyDir.sizeLimit`` or
+    ``ephemeral.size``); None lets the pod builder derive one from the size of
+    the job's last verified checkpoint (see ``podbuilder.staging_size``).
+    """
+
+    kind: str
+    size: str | None = None
+    #: emptyDir: "" (the node's disk) or "Memory" (a tmpfs, counted against the pod's memory).
+    medium: str = ""
+    #: ephemeral: the StorageClass of the per-pod claim (None: the cluster's default class).
+    storage_class: str | None = None
+    #: hostPath: the node's directory (local NVMe); each pod gets its own subdirectory in it.
+    path: str | None = None
+
+
+def quantity_bytes(value: Any, path: str) -> int:
+    """The bytes a Kubernetes quantity (``"200Gi"``, ``"1.5T"``, ``1000000``) stands for, rounded up.
+
+    Refuses (naming ``path``) anything the apiserver would not take as a
+    quantity, and zero or negative sizes: a staging volume of no bytes cannot
+    hold a checkpoint.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise SpecError(path, f"must be a Kubernetes quantity such as 200Gi, not {value!r}")
+    match = _QUANTITY_RE.match(str(value).strip()) if isinstance(value, str) else _QUANTITY_RE.match(str(value))
+    if match is None:
+        raise SpecError(path, f"must be a Kubernetes quantity such as 200Gi or 500G, not {value!r}")
+    suffix = match.group("suffix") or ""
+    try:
+        number = Decimal(match.group("num"))
+        factor = Decimal(10) ** int(suffix[1:]) if suffix[:1] in ("e", "E") else _QUANTITY_FACTORS[suffix]
+    except (InvalidOperation, ValueError, KeyError):
+        raise SpecError(path, f"must be a Kubernetes quantity such as 200Gi, not {value!r}") from None
+    size = math.ceil(number * factor)
+    if size <= 0:
+        raise SpecError(path, f"must be a positive size, not {value!r}")
+    return size
+
+
+def _quantity(raw: Mapping[str, Any], key: str, path: str) -> str | None:
+    value = raw.get(key)
+    if value is None or value == "":
+        return None
+    quantity_bytes(value, f"{path}.{key}")
+    return str(value)
+
+
+def parse_staging(raw: Any, path: str = "spec.checkpoint.staging") -> StagingSpec | None:
+    """Parse ``checkpoint.staging``: exactly one of ``emptyDir``, ``ephemeral``, ``hostPath`` (None when absent)."""
+    if raw is None:
+        return None
+    obj = read_obj(raw, path)
+    unknown = sorted(str(k) for k in obj if k not in STAGING_KINDS)
+    if unknown:
+        raise SpecError(f"{path}.{unknown[0]}", f"is not a staging kind: use one of {', '.join(STAGING_KINDS)}")
+    given = [k for k in STAGING_KINDS if obj.get(k) is not None]
+    if len(given) != 1:
+        what = "none" if not given else " and ".join(given)
+        raise SpecError(path, f"must set exactly one of {', '.join(STAGING_KINDS)}, not {what}")
+    kind = given[0]
+    kpath = f"{path}.{kind}"
+    body = read_obj(obj.get(kind), kpath)
+    if kind == "emptyDir":
+        medium = body.get("medium") or ""
+        if medium not in EMPTY_DIR_MEDIA:
+            raise SpecError(f"{kpath}.medium", f'must be "" (the node\'s disk) or "Memory", not {medium!r}')
+        return StagingSpec(kind, size=_quantity(body, "sizeLimit", kpath), medium=medium)
+    if kind == "ephemeral":
+        storage_class = read_str(body, "storageClassName", kpath)
+        if storage_class is not None and not DNS_SUBDOMAIN_RE.match(storage_class):
+            raise SpecError(f"{kpath}.storageClassName", f"must be a StorageClass name, not {storage_class!r}")
+        return StagingSpec(kind, size=_quantity(body, "size", kpath), storage_class=storage_class)
+    host = read_str(body, "path", kpath, required=True)
+    assert host is not None
+    parts = host.split("/")
+    if not host.startswith("/") or host.rstrip("/") == "" or ".." in parts:
+        raise SpecError(f"{kpath}.path", f"must be an absolute directory on the node other than /, not {host!r}")
+    return StagingSpec(kind, path=host.rstrip("/"))

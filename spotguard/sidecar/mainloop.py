@@ -1,0 +1,184 @@
+"""The sidecar container's life: its options, its main loop, and its last word.
+
+:func:`run_sidecar` is what ``spotguard sidecar`` runs once it is set up: it
+serves metrics, starts the notice watcher, does the routine duties of the
+:class:`~spotguard.sidecar.service.CheckpointAgent` until the trainer exits
+or SIGTERM comes (the :class:`~spotguard.sidecar.service.SignalLatch`), runs
+the emergency path in the second case, and ends by writing the termination
+report, the JSON the operator reads from the container's termination message.
+``spotguard run`` does the same duties in-process (``supervisor``) without
+this loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotguard.contract.control import RunEnd, read_staging_full
+from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
+from spotguard.sidecar.metrics import SIDECAR_PORT_HINT
+from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
+from spotguard.sidecar.service import CheckpointAgent, SignalLatch
+from spotguard.sidecar.shipper import log_stage
+
+log = logging.getLogger(__name__)
+
+# Exit statuses of the sidecar.
+EXIT_OK = 0
+EXIT_EMERGENCY_FAILED = 1
+
+# How long a classic sidecar whose trainer finished waits for an Event still being posted.
+EVENT_JOIN_SECONDS = 10.0
+
+
+@dataclass
+class SidecarOptions:
+    """What ``spotguard sidecar`` was asked to do beyond the agent's duties."""
+
+    exit_with_trainer: bool = True
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    notice_interval_seconds: float = 2.0
+    # Kubernetes shows this file's content as the container's termination
+    # message; the operator reads the report from there.
+    termination_log: Path | None = None
+    # Post Kubernetes Events on the own pod (when POD_NAME/POD_NAMESPACE and
+    # an apiserver configuration are there; best effort).
+    post_events: bool = True
+
+
+def termination_report(
+    preempted: bool, reason: str, verified_step: int | None, trainer_step: int | None, metrics_error: str | None = None
+) -> dict[str, Any]:
+    """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep", "metricsError"}``.
+
+    ``step`` is the newest checkpoint verified in storage, ``trainerStep``
+    the last step the trainer reached (so the operator can count lost steps),
+    ``metricsError`` why metrics could not be served (only when they could not).
+    """
+    report: dict[str, Any] = {"preempted": preempted, "reason": reason}
+    if verified_step is not None:
+        report["step"] = verified_step
+    if trainer_step is not None:
+        report["trainerStep"] = trainer_step
+    if metrics_error:
+        report["metricsError"] = metrics_error
+    return report
+
+
+def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
+    """Write the report where Kubernetes picks it up; never fails the exit."""
+    write_termination_text(path, json.dumps(report))
+
+
+def write_termination_text(path: Path | None, text: str) -> None:
+    """Write ``text`` as the container's termination message; never fails the exit.
+
+    A sidecar that cannot start leaves its error here (not a JSON report), so
+    the pod's failure says what went wrong.
+    """
+    if path is None:
+        return
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        log.warning("could not write the termination report to %s: %s", path, exc)
+
+
+def run_sidecar(
+    agent: CheckpointAgent,
+    options: SidecarOptions,
+    sources: list[NoticeSource],
+    latch: SignalLatch | None = None,
+) -> int:
+    """The sidecar's main loop. Returns the exit status."""
+    latch = latch or SignalLatch()
+    if threading.current_thread() is threading.main_thread():
+        latch.install()  # usually done already, before the slow part of startup
+    metrics_error: str | None = None
+    event: threading.Thread | None = None
+    if options.metrics_port is not None:
+        # Metrics are secondary: a port taken by another pod on a hostNetwork
+        # node is a warning (log, Event, report), and shipping goes on.
+        _port, metrics_error = agent.metrics.serve_or_warn(
+            options.metrics_port, options.metrics_addr, SIDECAR_PORT_HINT
+        )
+        if metrics_error is not None and options.post_events:
+            event = post_pod_event_async(REASON_METRICS_PORT_UNAVAILABLE, metrics_error)
+    watcher = NoticeWatcher(
+        sources,
+        agent.enqueue_notice,
+        options.notice_interval_seconds,
+        on_error=lambda _name: agent.metrics.failure("notice"),
+    )
+    watcher.start()
+    agent.shipper.adopt_existing()
+    log.info(
+        "sidecar watching %s (grace %.0fs, notices: %s)",
+        agent.config.checkpoint_dir,
+        agent.config.grace_seconds,
+        ",".join(s.name for s in sources) or "none",
+    )
+    agent.interrupt = latch.event
+    try:
+        while not latch.event.is_set():
+            agent.step()
+            state = agent.trainer_state()
+            if latch.event.is_set():
+                # SIGTERM came during this round (an upload can take a
+                # while): it is a preemption even if the trainer, signalled at
+                # the same time, has exited by now. Seen as "the trainer
+                # finished", the report would say so and no emergency would run.
+                break
+            if options.exit_with_trainer and state == "gone":
+                # The trainer finished (or died): ship what it left and leave,
+                # so a classic (non-native) sidecar does not keep the pod alive.
+                flushed = agent.flush(agent.config.finish_deadline(time.time()))
+                if flushed:
+                    log.info("trainer exited; everything committed is shipped")
+                end = agent.run_end(None, trainer_gone_before_signal=True)
+                _report(agent, options, end, metrics_error)
+                if flushed and not end.preempted and not latch.event.is_set():
+                    agent.shipper.housekeeping(latch.event.is_set)
+                if event is not None:
+                    # A trainer that finished within seconds must not take the
+                    # Event with it (bounded by the request timeouts; never on
+                    # the way out of a preemption, where the grace period counts).
+                    event.join(EVENT_JOIN_SECONDS)
+                return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
+            latch.event.wait(agent.config.poll_seconds)
+        assert latch.source is not None
+        agent.metrics.notice(latch.source)
+        trainer_before = agent.trainer_state()
+        ok = agent.emergency(latch.source, latch.received_at)
+        agent.settle_pending()
+        _report(
+            agent,
+            options,
+            agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"),
+            metrics_error,
+        )
+        # Retention waits for the next routine round (the next pod's sidecar):
+        # the grace period is for the checkpoint only.
+        return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
+    finally:
+        watcher.stop()
+
+
+def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> None:
+    t0 = time.monotonic()
+    last = agent.shipper.last_shipped
+    report = termination_report(
+        end.preempted, end.reason, last.step if last else None, agent.trainer_last_step(), metrics_error
+    )
+    full = read_staging_full(agent.config.control_dir)
+    if full is not None:  # the trainer's last save found the checkpoint volume full: the operator says so
+        report["stagingFull"] = full
+    write_termination_report(options.termination_log, report)
+    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason, step=report.get("step"))
