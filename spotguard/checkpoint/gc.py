@@ -370,19 +370,20 @@ def sweep_chunks(
 
     ``now`` (unix seconds) is for tests; ``dry_run`` deletes nothing and
     returns what the sweep would delete, without the second stat.
-    ``should_stop`` is asked for each listed object, before each manifest
-    read and before each deletion: a preemption stops the sweep at its next
-    object (``aborted`` then says so), deleting nothing more.
+    ``should_stop`` is asked once the chunks are listed, before each manifest
+    read, each tombstone and each deletion: a preemption stops the sweep at its next object
+    (``aborted`` then says so, ``kept`` counts every listed chunk), deleting
+    nothing more.
     """
     now = time.time() if now is None else now
+    listed: dict[str, ObjectInfo] = {}
+    for info in storage.list_objects(f"{CHUNKS_DIR}/"):
+        digest = parse_chunk_key(info.key)
+        if digest is not None:
+            listed[digest] = info
     try:
-        listed: dict[str, ObjectInfo] = {}
-        for info in storage.list_objects(f"{CHUNKS_DIR}/"):
-            if should_stop is not None and should_stop():
-                raise Stopped()
-            digest = parse_chunk_key(info.key)
-            if digest is not None:
-                listed[digest] = info
+        if should_stop is not None and should_stop():
+            raise Stopped()
         marks = _mark(storage, grace, now, should_stop)
         if marks.aborted is None:
             # Uploads in progress, and checkpoints whose manifests appeared since
@@ -391,7 +392,7 @@ def sweep_chunks(
             _mark_manifests(storage, marks, should_stop)
     except Stopped:
         log.info("chunk sweep of %s stopped before deleting anything: a preemption came first", storage.uri)
-        return ChunkSweep(aborted=SWEEP_STOPPED)
+        return ChunkSweep(kept=len(listed), aborted=SWEEP_STOPPED)
     if marks.aborted is not None:
         log.warning("chunk sweep of %s aborted, nothing deleted: %s; upgrade spotguard", storage.uri, marks.aborted)
         return ChunkSweep(kept=len(listed), aborted=marks.aborted)
