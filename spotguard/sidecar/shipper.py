@@ -370,10 +370,11 @@ class CheckpointShipper:
             result = self._upload(path, should_stop)
         except UploadCancelled:
             log.warning(
-                "stage=upload name=%s stopped after %.3fs: a preemption came first; what it stored is "
+                # Its own stage: ``stage=upload`` lines report a finished upload and its bytes.
+                "stage=upload_stopped seconds=%.3f name=%s: a preemption came first; what it stored is "
                 "kept for a later upload of it",
-                name,
                 time.monotonic() - t0,
+                name,
             )
             return None
         except Exception as exc:  # noqa: BLE001 - storage errors are retried later

@@ -10,6 +10,7 @@ chunk sweep in progress stops at its next object and deletes nothing.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -72,8 +73,9 @@ def drain(name: str, timeout: float = 60.0) -> None:
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["whole", "chunks"])
 def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
-    s3_store: Any, s3_uri: str, tmp_path: Path, incremental: bool
+    s3_store: Any, s3_uri: str, tmp_path: Path, incremental: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="spotguard")
     storage = small_parts(s3_store, s3_uri)
     local = tmp_path / "ckpt"
     events: list[tuple[str, float]] = []
@@ -124,6 +126,10 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
     assert t_verified - t_signal < routine_seconds / 2, (t_verified - t_signal, routine_seconds)
     assert read_latest_pointer(storage) == 20
     assert verify_checkpoint(storage, checkpoint_name(20)).ok
+    # The stop is a stage of its own: every ``stage=upload`` line reports a finished upload and its bytes.
+    stages = [r.getMessage() for r in caplog.records if "stage=upload" in r.getMessage()]
+    assert any("stage=upload_stopped seconds=" in m and routine.name in m for m in stages), stages
+    assert all(" bytes=" in m for m in stages if m.startswith("stage=upload ")), stages
 
     # The stopped upload wrote no manifest (nothing names an unverified checkpoint)...
     drain(routine.name)
