@@ -237,7 +237,7 @@ def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_
     storage = s3_storage(s3_store, s3_uri)
     info, _ = latest_verified(storage)
     assert info is not None and info.step == stopped, (info, stopped)
-    uploads = [line for line in (tmp_path / "run1.log").read_text().splitlines() if "stage=upload" in line]
+    uploads = [line for line in (tmp_path / "run1.log").read_text().splitlines() if "stage=upload " in line]
     sent = [int(line.split(" bytes=")[1].split()[0]) for line in uploads]
     size = info.size
     assert len(sent) >= 3 and sent[0] >= size, uploads

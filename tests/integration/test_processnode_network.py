@@ -78,6 +78,8 @@ for name in os.environ["TARGETS"].split():
                 print(name, "failed", exc, flush=True)
                 raise SystemExit(3)
             time.sleep(0.2)
+# The hosts file as it was when the names resolved (at the start, a Service may have no ready endpoint yet).
+print(json.dumps({{"hosts": open("/etc/hosts").read()}}), flush=True)
 """
 )
 
@@ -195,7 +197,7 @@ def test_pods_on_two_nodes_bind_one_port_and_find_each_other_by_cluster_dns_name
     client_lines = output(process_nodes, ns, "client")
     assert client.status.phase == "Succeeded", client_lines
     assert server.status.phase == "Succeeded", output(process_nodes, ns, "server")
-    assert client_lines[1:] == [f"{fqdn} from-w-0", "w-0.w from-w-0"]
+    assert client_lines[1:-1] == [f"{fqdn} from-w-0", "w-0.w from-w-0"]
 
     seen = {name: report(process_nodes, ns, name) for name in ("server", "client")}
     ips = {name: pod.status.pod_ip for name, pod in (("server", server), ("client", client))}
@@ -206,7 +208,7 @@ def test_pods_on_two_nodes_bind_one_port_and_find_each_other_by_cluster_dns_name
         assert seen[name]["pod_ip"] == ips[name]  # the downward API's status.podIP
         assert ips[name].startswith("127.64.")
     # The client's hosts file: its own names, and the server's by the headless Service's names.
-    hosts = seen["client"]["hosts"]
+    hosts = json.loads(client_lines[-1])["hosts"]
     assert f"{ips['client']}\tw-1.w.{ns}.svc.cluster.local w-1.w.{ns}.svc w-1.w w-1" in hosts
     assert f"{ips['server']}\t{fqdn} w-0.w.{ns}.svc w-0.w" in hosts.splitlines()
     assert "127.0.0.1\tlocalhost" in hosts
@@ -230,9 +232,9 @@ def test_pods_reach_a_service_by_its_name_at_a_ready_endpoint(core: Any, ns: str
     client = wait_phase(core, ns, "client", ("Succeeded", "Failed"))
     lines = output(process_nodes, ns, "client")
     assert client.status.phase == "Succeeded", lines
-    assert lines[1:] == [f"web.{ns}.svc from-server", "web from-server"]
+    assert lines[1:-1] == [f"web.{ns}.svc from-server", "web from-server"]
     server_ip = process_nodes.pod_ip(ns, "server")
-    hosts = report(process_nodes, ns, "client")["hosts"].splitlines()
+    hosts = json.loads(lines[-1])["hosts"].splitlines()
     assert f"{server_ip}\tweb.{ns}.svc.cluster.local web.{ns}.svc web" in hosts, hosts
 
 

@@ -100,11 +100,10 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
 
     routine = commit(local, 10, ROUTINE_MB)
     sigterm = threading.Event()
-    returned: list[float] = []
+    returned: list[list[Shipped]] = []
 
     def routine_round() -> None:
-        shipper.ship(housekeeping=False, should_stop=sigterm.is_set)
-        returned.append(time.monotonic())
+        returned.append(shipper.ship(housekeeping=False, should_stop=sigterm.is_set))
 
     thread = threading.Thread(target=routine_round)
     thread.start()
@@ -114,16 +113,13 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
     sigterm.set()
     events.append(("sigterm", t_signal))
     shipped = shipper.ship(newest_only=True, housekeeping=False)  # the emergency path
-    t_verified = time.monotonic()
-    thread.join(routine_seconds * 4)
-    assert not thread.is_alive() and returned
+    thread.join(60)
+    assert not thread.is_alive() and returned == [[]], returned  # the routine round shipped nothing
 
     assert [s.name for s in shipped] == [checkpoint_name(20)]
-    # The routine round gave way at once, and its checkpoint was not verified first (nor at all).
+    # The routine round gave way: its checkpoint was not verified first (nor at all). How soon it gives
+    # way is a figure of ``make bench`` (preempt-upload), not a timed assertion here.
     assert [e for e, _ in events] == [f"verified {checkpoint_name(5)}", "sigterm", f"verified {checkpoint_name(20)}"]
-    assert returned[0] - t_signal < routine_seconds / 4, (returned[0] - t_signal, routine_seconds)
-    # Waiting for the rest of the routine upload would take three quarters of its duration.
-    assert t_verified - t_signal < routine_seconds / 2, (t_verified - t_signal, routine_seconds)
     assert read_latest_pointer(storage) == 20
     assert verify_checkpoint(storage, checkpoint_name(20)).ok
     # The stop is a stage of its own: every ``stage=upload`` line reports a finished upload and its bytes.
