@@ -53,7 +53,7 @@ from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.retention import RetentionPolicy
 from spotguard.contract.control import CONTROL_SUBDIR
 from spotguard.storage.checksum import DEFAULT_ALGORITHM
-from spotguard.trainer import distributed as _distributed
+from spotguard.trainer import statedicts
 from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.collective import CollectiveSave
 from spotguard.trainer.config import EnvConfig, Settings
@@ -187,7 +187,7 @@ class Checkpointer:
         self._dist: DistContext | None = None
         if wants_distributed(distributed):
             self._dist = DistContext()
-            _distributed._active += 1
+            statedicts.enter()
         # Only local rank 0 of a node reads requests and writes the control files.
         owner = self._dist is None or self._dist.leader
         self._channel = TrainerChannel(s, owner=owner)
@@ -462,7 +462,7 @@ class Checkpointer:
         self.wait()
         self._channel.announce_exit(self._policy.last_step)
         if self._dist is not None:
-            _distributed._active -= 1
+            statedicts.leave()
         self._channel.release_signals()
         self._closed = True
 

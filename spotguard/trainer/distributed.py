@@ -40,6 +40,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from spotguard.trainer.state import RestoredState
+from spotguard.trainer.statedicts import active, get_state_dicts, set_state_dicts
+
+__all__ = ["active", "get_state_dicts", "set_state_dicts"]  # re-exported: their home is statedicts
+
 log = logging.getLogger(__name__)
 
 #: Top-level keys of a state whose tensors go through DCP.
@@ -50,8 +55,6 @@ RANKS_DIR = "ranks"
 DCP_DIR = "dcp"
 DCP_METADATA = ".metadata"
 _MARK = "__spotguard_dcp__"
-
-_active = 0  # distributed Checkpointers alive in this process
 
 
 def rank_prefix(rank: int) -> str:
@@ -118,13 +121,6 @@ def wants_distributed(distributed: bool | None) -> bool:
     return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def active() -> bool:
-    """Whether :func:`~spotguard.torch_state` should capture sharded state
-    dicts: a distributed Checkpointer exists in this process (one built with
-    ``distributed=False``, e.g. by rank 0 alone, gets plain state dicts)."""
-    return _active > 0
-
-
 # -- the state tree: tensors for DCP, everything else for the codec -------------
 
 
@@ -188,37 +184,6 @@ def fill_tensors(skeleton: Any, tensors: Mapping[str, Any] | None, base: tuple[s
     if isinstance(skeleton, tuple):
         return tuple(fill_tensors(v, tensors, base) for v in skeleton)
     return skeleton
-
-
-# -- state dicts of live objects -------------------------------------------------
-
-
-def get_state_dicts(model: Any, optimizer: Any) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` through torch's distributed
-    state-dict API (FQN keys, wrappers' prefixes stripped, DTensor shards)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    out: dict[str, Any] = {}
-    if model is not None and optimizer is not None:
-        out["model"], out["optimizer"] = get_state_dict(model, optimizer)
-    elif model is not None:
-        out["model"] = get_model_state_dict(model)
-    elif optimizer is not None:
-        raise ValueError("a distributed optimizer state needs its model (torch_state(model, optimizer, ...))")
-    return out
-
-
-def set_state_dicts(model: Any, optimizer: Any, state: Mapping[str, Any], *, strict: bool = True) -> None:
-    """Load model/optimizer state dicts made by :func:`get_state_dicts`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
-    options = StateDictOptions(strict=strict)
-    if model is not None and optimizer is not None:
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
-        )
-    elif model is not None:
-        set_model_state_dict(model, state["model"], options=options)
 
 
 # -- the process groups ------------------------------------------------------------
@@ -354,7 +319,6 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
     from spotguard.checkpoint.codec import StateError
     from spotguard.checkpoint.dcp import SafeFileSystemReader
     from spotguard.checkpoint.local import load_checkpoint_state, load_rank_state, read_local_manifest
-    from spotguard.trainer.state import RestoredState
 
     path = Path(path)
     manifest = read_local_manifest(path)
@@ -415,7 +379,6 @@ def load_sharded_whole(path: Any, manifest: Any) -> Any:
     from spotguard.checkpoint.codec import StateError
     from spotguard.checkpoint.dcp import load_full_state
     from spotguard.checkpoint.local import load_rank_state
-    from spotguard.trainer.state import RestoredState
 
     path = Path(path)
     rank_state = load_rank_state(path, manifest, rank_prefix(0))

@@ -11,6 +11,8 @@ import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from spotguard.trainer import statedicts
+
 _KIND = "kind"
 _VALUE = "value"
 
@@ -115,12 +117,10 @@ def torch_state(model: Any = None, optimizer: Any = None, scheduler: Any = None,
     group of more than one rank is initialized) model and optimizer state
     come from ``torch.distributed.checkpoint.state_dict.get_state_dict``.
     """
-    from spotguard.trainer import distributed
-
     state: dict[str, Any] = {}
-    if distributed.active():
+    if statedicts.active():
         # Sharded state dicts (FQN keys, DTensor shards) that DCP can reshard.
-        state.update(distributed.get_state_dicts(model, optimizer))
+        state.update(statedicts.get_state_dicts(model, optimizer))
     else:
         if model is not None:
             state["model"] = model.state_dict()
@@ -214,12 +214,10 @@ class RestoredState(Mapping[str, Any]):
         Returns :attr:`extra`.
         """
         if self.sharded and (model is not None or optimizer is not None):
-            from spotguard.trainer.distributed import set_state_dicts
-
             for key, obj in (("model", model), ("optimizer", optimizer)):
                 if obj is not None and key not in self.state:
                     raise KeyError(f"checkpoint {self.name} holds no {key} state")
-            set_state_dicts(model, optimizer, self.state, strict=strict)
+            statedicts.set_state_dicts(model, optimizer, self.state, strict=strict)
             model = optimizer = None
         if model is not None:
             if "model" not in self.state:
