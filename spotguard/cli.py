@@ -18,7 +18,8 @@ from spotguard.version import __version__
 
 _COMMAND_MODULES = (
     "spotguard.checkpoint.cli",  # ckpt ls|verify|restore|gc|average, restore
-    "spotguard.sidecar.cli",  # sidecar, run
+    "spotguard.sidecar.cli",  # sidecar
+    "spotguard.run.cli",  # run
     "spotguard.demo.cli",  # demo
     "spotguard.operator.cli",  # operator
     "spotguard.jobs.cli",  # jobs ls|describe|checkpoints|preempt

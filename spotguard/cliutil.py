@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 #: argparse's own exit status for a usage error.
@@ -24,3 +25,12 @@ def usage(parser: argparse.ArgumentParser) -> int:
 def error(message: str) -> None:
     """One line on stderr, as argparse writes its own errors."""
     print(f"spotguard: error: {message}", file=sys.stderr)
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """One structured line per event on stderr."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s spotguard %(levelname)s %(message)s",
+    )

@@ -243,8 +243,8 @@ def test_run_hands_the_command_no_storage_credentials_and_it_still_resumes(
 def test_run_passes_the_storage_credentials_only_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, passed: bool
 ) -> None:
+    from spotguard.run.supervisor import RunConfig, Supervisor
     from spotguard.sidecar.metrics import SidecarMetrics
-    from spotguard.sidecar.supervisor import RunConfig, Supervisor
     from spotguard.storage import open_storage
 
     for key, value in {

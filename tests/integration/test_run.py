@@ -27,7 +27,7 @@ from sidecar_helpers import (
 
 from spotguard.checkpoint import latest_verified
 from spotguard.contract.env import RUN_ID
-from spotguard.sidecar.supervisor import processes_with_env
+from spotguard.run.supervisor import processes_with_env
 
 RUN_ID_ENV = RUN_ID.name
 

@@ -14,8 +14,8 @@ from ckpt_helpers import s3_options, step_tensors
 
 from spotguard.checkpoint import latest_verified, list_local_committed, upload_checkpoint, verify_local_checkpoint
 from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.run.supervisor import RunConfig, SetupError, Supervisor
 from spotguard.sidecar.metrics import SidecarMetrics
-from spotguard.sidecar.supervisor import RunConfig, SetupError, Supervisor
 from spotguard.storage import open_storage
 from spotguard.trainer import Checkpointer
 

@@ -77,7 +77,7 @@ def test_a_refused_checkpoint_gets_a_name_no_listing_takes_for_a_checkpoint() ->
 
 
 def test_run_strips_the_storage_credentials_from_the_commands_environment() -> None:
-    from spotguard.sidecar.supervisor import STORAGE_CREDENTIAL_ENV, without_storage_credentials
+    from spotguard.run.supervisor import STORAGE_CREDENTIAL_ENV, without_storage_credentials
 
     assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} <= set(STORAGE_CREDENTIAL_ENV)
     env = {
@@ -98,7 +98,7 @@ def test_run_strips_the_storage_credentials_from_the_commands_environment() -> N
 
 
 def test_run_passes_the_credentials_only_when_asked() -> None:
-    from spotguard.sidecar import cli
+    from spotguard.run import cli
 
     p = argparse.ArgumentParser(prog="spotguard")
     cli.register(p.add_subparsers(dest="command"))

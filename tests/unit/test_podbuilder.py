@@ -302,7 +302,7 @@ def test_notices_reach_the_sidecar_only() -> None:
 def test_incremental_reaches_the_sidecar_only(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from spotguard.sidecar import cli
+    from spotguard.sidecar import args, cli
 
     ck = {**job_spec()["checkpoint"], "incremental": True}
     pod = build(native=native, checkpoint=ck)
@@ -318,4 +318,4 @@ def test_incremental_reaches_the_sidecar_only(native: bool, monkeypatch: pytest.
     monkeypatch.setenv("SPOTGUARD_INCREMENTAL", value)
     p = argparse.ArgumentParser()
     cli.register(p.add_subparsers())
-    assert cli.incremental_from_args(p.parse_args(["sidecar"])) is True
+    assert args.incremental_from_args(p.parse_args(["sidecar"])) is True

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from spotguard.demo import cli as demo_cli
+from spotguard.run import cli as run_cli
+from spotguard.sidecar import args as shared_args
 from spotguard.sidecar import cli
 
 
@@ -18,14 +20,15 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spotguard")
     sub = p.add_subparsers(dest="command")
     cli.register(sub)
+    run_cli.register(sub)
     demo_cli.register(sub)
     return p
 
 
 def test_building_the_parser_imports_nothing_heavy() -> None:
     code = (
-        "import sys, argparse; from spotguard.sidecar import cli; p = argparse.ArgumentParser(); "
-        "cli.register(p.add_subparsers()); "
+        "import sys, argparse; from spotguard.sidecar import cli; from spotguard.run import cli as run_cli; "
+        "p = argparse.ArgumentParser(); sub = p.add_subparsers(); cli.register(sub); run_cli.register(sub); "
         "print(','.join(m for m in ('torch', 'boto3', 'kubernetes', 'kopf', 'prometheus_client') "
         "if m in sys.modules))"
     )
@@ -85,17 +88,17 @@ def test_run_and_sidecar_share_the_retention_policy(command: list[str], monkeypa
 
     for key in RETENTION_ENV:
         monkeypatch.delenv(key, raising=False)
-    assert cli.retention_from_args(parser().parse_args(command)) is None  # no rule: keep everything
+    assert shared_args.retention_from_args(parser().parse_args(command)) is None  # no rule: keep everything
     monkeypatch.setenv("SPOTGUARD_KEEP_LAST", "1")
     monkeypatch.setenv("SPOTGUARD_KEEP_BEST", "2")
     monkeypatch.setenv("SPOTGUARD_BEST_METRIC", "loss")
     args = parser().parse_args(command)
-    assert cli.retention_from_args(args) == RetentionPolicy(keep_last=1, keep_best=2, metric="loss")
+    assert shared_args.retention_from_args(args) == RetentionPolicy(keep_last=1, keep_best=2, metric="loss")
     # Options override the environment.
     args = parser().parse_args(
         [command[0], "--keep-last", "3", "--keep-every", "100", "--best-mode", "max", *command[1:]]
     )
-    assert cli.retention_from_args(args) == RetentionPolicy(
+    assert shared_args.retention_from_args(args) == RetentionPolicy(
         keep_last=3, keep_best=2, metric="loss", mode="max", keep_every=100
     )
     assert args.keep_local == 1
@@ -127,7 +130,7 @@ def test_a_retention_rule_without_its_metric_is_a_user_error(monkeypatch: pytest
     for key in RETENTION_ENV:
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="keep_best needs a metric name"):
-        cli.retention_from_args(parser().parse_args(["run", "--keep-best", "2", "--", "true"]))
+        shared_args.retention_from_args(parser().parse_args(["run", "--keep-best", "2", "--", "true"]))
 
 
 @pytest.mark.parametrize("command", [["sidecar", "--storage", "file:///x"], ["run", "--", "true"]])
@@ -158,7 +161,7 @@ def test_incremental_from_option_or_environment(
     else:
         monkeypatch.setenv("SPOTGUARD_INCREMENTAL", env)
     args = parser().parse_args([command[0], *flags, *command[1:]])
-    assert cli.incremental_from_args(args) is incremental
+    assert shared_args.incremental_from_args(args) is incremental
 
 
 @pytest.mark.parametrize("command", [["sidecar", "--storage", "file:///x"], ["run", "--", "true"]])
@@ -167,7 +170,7 @@ def test_a_bad_incremental_variable_is_an_error_naming_it(command: list[str], mo
     p = parser()
     assert p.parse_args(["demo"]).steps == 300  # other commands do not care
     with pytest.raises(ValueError, match=r"SPOTGUARD_INCREMENTAL must be 1/true/yes/on or 0/false/no/off, not 'maybe'"):
-        cli.incremental_from_args(p.parse_args(command))
+        shared_args.incremental_from_args(p.parse_args(command))
 
 
 @pytest.mark.parametrize("command", ["sidecar", "run"])
@@ -202,8 +205,8 @@ def test_a_bad_incremental_variable_stops_the_command_before_anything_runs(comma
 
 
 def test_run_passes_incremental_to_the_agent(tmp_path: Path) -> None:
+    from spotguard.run.supervisor import RunConfig, Supervisor
     from spotguard.sidecar.metrics import SidecarMetrics
-    from spotguard.sidecar.supervisor import RunConfig, Supervisor
     from spotguard.storage import open_storage
 
     storage = open_storage((tmp_path / "store").as_uri())

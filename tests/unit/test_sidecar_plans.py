@@ -7,8 +7,8 @@ import random
 import pytest
 
 from spotguard.demo.runner import Segment, lost_steps, preemption_points
+from spotguard.run.supervisor import backoff_delay
 from spotguard.sidecar.shipper import plan_local_prune, plan_shipping, step_of
-from spotguard.sidecar.supervisor import backoff_delay
 
 
 def ck(*steps: int) -> list[str]:

@@ -35,7 +35,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -555,12 +554,3 @@ class Supervisor:
     def _last_name(self) -> str:
         last = self.agent.shipper.last_shipped
         return last.name if last else "none"
-
-
-def configure_logging(verbose: bool = False) -> None:
-    """One structured line per event on stderr."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s spotguard %(levelname)s %(message)s",
-    )

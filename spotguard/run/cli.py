@@ -1,0 +1,136 @@
+"""``spotguard run``: supervise a training command on a machine without Kubernetes.
+
+Argument parsing only; heavy imports (boto3, torch) happen in the handler so
+``spotguard --help`` stays fast. The supervisor itself is :mod:`spotguard.run.supervisor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from spotguard.cliutil import configure_logging, error
+from spotguard.contract import env
+from spotguard.contract.env import cli_default
+from spotguard.sidecar.args import (
+    add_incremental_arg,
+    add_notice_args,
+    add_retention_args,
+    incremental_from_args,
+    notice_sources,
+    notice_stops_training_from_args,
+    retention_from_args,
+    save_every_seconds,
+)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``run`` to the top-level parser."""
+    p = subparsers.add_parser(
+        "run",
+        help="supervise a training command without Kubernetes (restore, ship, preempt, restart)",
+        description="Run CMD with the Checkpointer's environment: restore the newest verified "
+        "checkpoint first, upload and verify checkpoints as they are written, treat "
+        "SIGTERM/SIGINT as a preemption (emergency checkpoint, upload, verify, exit), restart "
+        "after a crash. Run the same command again after a preemption to resume.",
+        usage="spotguard run [options] -- CMD [ARG ...]",
+    )
+    p.add_argument(
+        "--storage",
+        default=cli_default(env.STORAGE_URI),
+        help="checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH (default file://WORKDIR/store)",
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=Path(".spotguard"), help="local state: checkpoints, lock (default ./.spotguard)"
+    )
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="local checkpoint directory (default WORKDIR/checkpoints)"
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts after the command fails (default 3)")
+    p.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=cli_default(env.GRACE_SECONDS),
+        help="time allowed for the emergency checkpoint after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=1.0,
+        help="seconds before the first restart, doubling with each failure that made no progress (default 1)",
+    )
+    p.add_argument("--backoff-max", type=float, default=60.0, help="longest wait before a restart (default 60)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1")
+    p.add_argument("--job", default=cli_default(env.JOB) or "", help="job name for metrics/logs")
+    p.add_argument(
+        "--pass-credentials",
+        action="store_true",
+        help="hand the command the storage credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_SESSION_TOKEN, ...) and SPOTGUARD_STORAGE_URI; by default it gets neither, as "
+        "spotguard run restores and uploads for it",
+    )
+    add_notice_args(p)
+    add_retention_args(p)
+    add_incremental_arg(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from spotguard.run.supervisor import EXIT_USAGE, RunConfig, SetupError, Supervisor, workdir_lock
+    from spotguard.sidecar.metrics import RUN_PORT_HINT, SidecarMetrics
+    from spotguard.storage import StorageError, open_storage
+
+    configure_logging(args.verbose)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        error("no command: spotguard run [options] -- CMD [ARG ...]")
+        return EXIT_USAGE
+    workdir = args.workdir.resolve()
+    ckdir = (args.checkpoint_dir or workdir / "checkpoints").resolve()
+    storage_uri = args.storage or (workdir / "store").as_uri()
+    try:
+        retention = retention_from_args(args)
+        incremental = incremental_from_args(args)
+        notice_stops_training = notice_stops_training_from_args(args)
+        sources = notice_sources(args)
+    except ValueError as exc:
+        error(str(exc))
+        return EXIT_USAGE
+    config = RunConfig(
+        command=command,
+        workdir=workdir,
+        storage_uri=storage_uri,
+        checkpoint_dir=ckdir,
+        max_restarts=args.max_restarts,
+        grace_seconds=args.grace_seconds,
+        backoff_seconds=args.backoff,
+        backoff_max_seconds=args.backoff_max,
+        metrics_port=args.metrics_port or None,
+        metrics_addr=args.metrics_addr,
+        job=args.job,
+        save_every_seconds=save_every_seconds(),
+        keep_local=args.keep_local,
+        retention=retention,
+        notice_sources=sources,
+        notice_interval_seconds=args.notice_interval,
+        notice_stops_training=notice_stops_training,
+        incremental=incremental,
+        pass_credentials=args.pass_credentials,
+    )
+    try:
+        with workdir_lock(workdir):
+            storage = open_storage(storage_uri)
+            metrics = SidecarMetrics(namespace="", job=args.job, component="run")
+            if config.metrics_port:
+                # A busy port is a warning: the run goes on without metrics.
+                metrics.serve_or_warn(config.metrics_port, config.metrics_addr, RUN_PORT_HINT)
+            return Supervisor(config, storage, metrics).run()
+    except (SetupError, StorageError) as exc:
+        error(str(exc))
+        return EXIT_USAGE
