@@ -61,6 +61,14 @@ def parse_checkpoint_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_step(name: str) -> int:
+    """The step of checkpoint ``name`` (``ckpt-000000000042`` → 42); ValueError when it is not one."""
+    step = parse_checkpoint_name(name)
+    if step is None:
+        raise ValueError(f"not a checkpoint name: {name!r}")
+    return step
+
+
 def part_manifest_path(part: int) -> str:
     """``parts/<part:05d>.json``: where part ``part``'s manifest is stored below its checkpoint."""
     if not isinstance(part, int) or isinstance(part, bool) or not 0 <= part <= 99999:

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotguard.checkpoint.chunked import KnownChunks, chunks_named
-from spotguard.checkpoint.manifest import parse_checkpoint_name
+from spotguard.checkpoint.manifest import checkpoint_step, parse_checkpoint_name
+from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
 from spotguard.checkpoint.retention import plan_local_prune
 from spotguard.contract.control import save_reason_label
 from spotguard.contract.retry import retry_delay
@@ -72,9 +73,7 @@ class Shipped:
     verified_at: float
 
 
-def step_of(name: str) -> int:
-    """``ckpt-000000000042`` → 42."""
-    return int(name.rsplit("-", 1)[1])
+step_of = checkpoint_step  # ``ckpt-000000000042`` → 42 (the manifest module owns checkpoint names)
 
 
 def plan_shipping(committed: list[str], shipped: set[str], newest_only: bool) -> list[str]:
@@ -367,7 +366,7 @@ class CheckpointShipper:
         name = path.name
         t0 = time.monotonic()
         try:
-            result = self._upload(path, should_stop)
+            published = publish(name, self.storage, lambda: self._upload(path, should_stop))
         except UploadCancelled:
             log.warning(
                 # Its own stage: ``stage=upload`` lines report a finished upload and its bytes.
@@ -387,7 +386,9 @@ class CheckpointShipper:
             self.metrics.observe_upload_failed("upload")
             log.error("upload of %s failed after %.3fs: %s", name, time.monotonic() - t0, _one_line(exc))
             return None
-        upload_seconds = time.monotonic() - t0
+        result = published.upload
+        assert result is not None
+        upload_seconds = published.upload_seconds
         nbytes = int(getattr(result, "bytes", 0))
         self.metrics.observe_upload(upload_seconds, nbytes, int(getattr(result, "reused_bytes", 0)))
         if self.incremental:
@@ -404,11 +405,11 @@ class CheckpointShipper:
             log_stage("upload", upload_seconds, name=name, bytes=nbytes)
         with self._stopped_lock:
             self.stopped.pop(name, None)
-        if not getattr(result, "committed", True):
+        if published.state == AWAITING:
             # A part, uploaded and verified; the other parts are not all there yet.
-            self._await(name, result.parts_present, result.parts_total, nbytes, upload_seconds)
+            self._await(name, published.parts_present, published.parts_total or 0, nbytes, upload_seconds)
             return None
-        return self._verify_and_point(name, nbytes, upload_seconds)
+        return self._settle(published, nbytes, upload_seconds)
 
     def _upload(self, path: Path, should_stop: Callable[[], bool] | None) -> Any:
         """Upload ``path`` with :func:`upload_stoppable` (the pointer moves only after verification),
@@ -444,8 +445,6 @@ class CheckpointShipper:
 
     def _retry_commit(self, name: str) -> Shipped | None:
         """One more try at the global commit of an awaiting part."""
-        from spotguard.checkpoint import commit_global
-
         newest = self.last_shipped
         if newest is not None and newest.step >= step_of(name):
             # Superseded by a newer verified checkpoint: it would never be resumed from.
@@ -454,35 +453,28 @@ class CheckpointShipper:
             log.info("no longer waiting for the parts of %s: %s is verified", name, newest.name)
             return None
         try:
-            commit = commit_global(self.storage, name)
+            published = publish_commit(self.storage, name)
         except Exception as exc:  # noqa: BLE001 - storage errors: the next round tries again
             log.warning("global commit of %s: %s", name, _one_line(exc))
             return None
-        if not commit.committed:
-            total = commit.total if commit.total is not None else "?"
-            self.awaiting[name] = f"parts {len(commit.present)}/{total} in storage" + (
-                f" ({commit.problem})" if commit.problem else ""
+        if published.state == AWAITING:
+            total = published.parts_total if published.parts_total is not None else "?"
+            self.awaiting[name] = f"parts {published.parts_present}/{total} in storage" + (
+                f" ({published.problems[0]})" if published.problems else ""
             )
             return None
-        log.info("stage=commit name=%s status=%s parts=%d", name, commit.status, commit.total or 0)
+        log.info("stage=commit name=%s status=%s parts=%d", name, published.commit_status, published.parts_total or 0)
         _, nbytes, upload_seconds = self._awaiting_since.get(name, (0.0, 0, 0.0))
-        shipped = self._verify_and_point(name, nbytes, upload_seconds)
+        shipped = self._settle(published, nbytes, upload_seconds)
         if shipped is not None or name in self.failed:
             self.awaiting.pop(name, None)
             self._awaiting_since.pop(name, None)
         return shipped
 
-    def _verify_and_point(self, name: str, nbytes: int, upload_seconds: float) -> Shipped | None:
-        from spotguard.checkpoint import update_latest_pointer, verify_checkpoint
-
-        t1 = time.monotonic()
-        try:
-            verdict = verify_checkpoint(self.storage, name)
-            ok, problems = bool(verdict.ok), list(verdict.problems)
-        except Exception as exc:  # noqa: BLE001 - any failure to verify means not verified; reported
-            ok, problems = False, [_one_line(exc)]
-        verify_seconds = time.monotonic() - t1
-        if not ok:
+    def _settle(self, published: Published, nbytes: int, upload_seconds: float) -> Shipped | None:
+        """Record a verification's outcome (the pipeline verified, and moved the pointer when it passed)."""
+        name, verify_seconds, problems = published.name, published.verify_seconds, published.problems
+        if not published.verified:
             self.failed[name] = "verify: " + "; ".join(problems)
             damaged = chunks_named(problems)
             if damaged:
@@ -500,11 +492,12 @@ class CheckpointShipper:
             log.error("verification of %s failed after %.3fs: %s", name, verify_seconds, "; ".join(problems))
             return None
         log_stage("verify", verify_seconds, name=name)
-        if verdict.manifest is not None and verdict.manifest.chunked:
+        verdict = published.verdict
+        if verdict is not None and verdict.manifest is not None and verdict.manifest.chunked:
             self._known = KnownChunks.of(verdict.manifest)
             self._suspect -= self._known.chunks.keys()
         now = time.time()
-        shipped = Shipped(name, step_of(name), nbytes, upload_seconds, verify_seconds, now)
+        shipped = Shipped(name, published.step, nbytes, upload_seconds, verify_seconds, now)
         self.shipped[name] = shipped
         self.failed.pop(name, None)
         self._failures.pop(name, None)
@@ -512,13 +505,11 @@ class CheckpointShipper:
         self.metrics.observe_verified(verify_seconds, shipped.step, now)
         self.tracker.record_upload(nbytes, upload_seconds + verify_seconds)
         self.metrics.set_deadline(self.tracker.assessment(), self.tracker.grace_seconds)
-        t2 = time.monotonic()
-        try:
-            moved = update_latest_pointer(self.storage, shipped.step)
-            log_stage("pointer", time.monotonic() - t2, name=name, moved=moved)
-        except Exception as exc:  # noqa: BLE001 - the pointer is advisory; verified stays verified
+        if published.pointer_error is None:
+            log_stage("pointer", published.pointer_seconds, name=name, moved=published.pointer_moved)
+        else:
             self.metrics.failure("pointer")
-            log.warning("could not move the latest pointer to %s: %s", name, _one_line(exc))
+            log.warning("could not move the latest pointer to %s: %s", name, _one_line(published.pointer_error))
         if self.on_verified is not None:
             self.on_verified(shipped)
         return shipped

@@ -1,9 +1,11 @@
 """What follows a commit in the trainer's own process: upload, retention, local pruning.
 
 In a pod the sidecar (or ``spotguard run``) ships checkpoints; with
-``upload=True`` the Checkpointer does it itself, after each commit: upload,
-verify, move the ``latest`` pointer, apply retention in storage (a
-preemption's upload is retried with backoff until its deadline instead).
+``upload=True`` the Checkpointer does it itself, after each commit, through
+the same publish pipeline as the sidecar
+(:mod:`spotguard.checkpoint.publish`: upload, global commit, verify, move
+the ``latest`` pointer), then applies retention in storage (a preemption's
+upload is retried with backoff until its deadline instead).
 Local checkpoints are deleted only by whoever uploads them
 (:func:`~spotguard.trainer.config.local_pruner`). Whether a save fsyncs its
 data files depends on the same question: a preemption's save that a live
@@ -32,10 +34,10 @@ from spotguard.checkpoint import (
     prune_local,
     read_local_manifest,
     remove_checkpoint_dir,
-    update_latest_pointer,
     upload_checkpoint,
-    verify_checkpoint,
 )
+from spotguard.checkpoint.manifest import checkpoint_step
+from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
 from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
 from spotguard.checkpoint.upload import UploadCancelled
 from spotguard.contract.control import uploader_shipping
@@ -98,6 +100,8 @@ class Shipping:
         self.verified: set[str] = set()
         #: Checkpoints whose routine upload a preemption stopped (resumed when uploaded again).
         self.stopped: set[str] = set()
+        #: Parts of distributed checkpoints stored here and waiting for the other parts' global commit.
+        self.awaiting: set[str] = set()
         # With upload=True: whether this process's last upload was verified.
         self._shipping = False
 
@@ -135,10 +139,13 @@ class Shipping:
             log.warning("could not prune local checkpoints: %s", exc)
 
     def upload(self, path: Path, *, until: float | None = None) -> None:
-        """Upload, verify, move the pointer, then apply retention in storage.
+        """Publish (upload, verify, move the pointer), then apply retention in storage.
         With ``until`` (a preemption's save): a failure is retried with
-        backoff until then, and retention waits for a routine upload.
-        Without (a routine upload): a pending preemption stops it."""
+        backoff until then, a part waits (with the same backoff) for the
+        other parts' global commit, and retention waits for a routine upload.
+        Without (a routine upload): a pending preemption stops it; a part left
+        waiting is committed by a later upload's first step."""
+        self._retry_awaiting()
         attempt = 0
         should_stop = self._preempting if until is None else None
         while True:
@@ -161,6 +168,8 @@ class Shipping:
                     return
                 log.warning("upload of %s failed (attempt %d): %s; retrying in %.2fs", path.name, attempt, exc, pause)
                 time.sleep(pause)
+        if not verified and until is not None:
+            verified = self._await_commit(path.name, until)
         retention = self._settings.retention
         if not verified or until is not None or retention is None or retention.keeps_everything:
             return
@@ -171,17 +180,23 @@ class Shipping:
             log.error("retention after the upload of %s failed: %s", path.name, exc)
 
     def _upload_once(self, path: Path, should_stop: Callable[[], bool] | None = None) -> bool:
-        """Upload, verify and move the pointer; True once the checkpoint is
-        verified in storage (False: one node's part, stored). Raises on failure,
+        """Publish ``path`` once; True once it is verified in storage (False: one
+        node's part, stored, waiting for the others). Raises on failure,
         :class:`UploadCancelled` when ``should_stop`` stopped the upload."""
         storage = self._open_storage()
-        result = upload_checkpoint(
-            path, storage, update_pointer=False, should_stop=should_stop, resume=path.name in self.stopped
+        resume = path.name in self.stopped
+        published = publish(
+            path.name,
+            storage,
+            lambda: upload_checkpoint(path, storage, update_pointer=False, should_stop=should_stop, resume=resume),
         )
         self.stopped.discard(path.name)
-        if not result.committed:
-            # One node's part of a distributed checkpoint: the uploader of
-            # the last part to arrive writes the global manifest.
+        result = published.upload
+        assert result is not None
+        if published.state == AWAITING:
+            # One node's part of a distributed checkpoint: the uploader of the
+            # last part to arrive writes the global manifest (or a later try here).
+            self.awaiting.add(path.name)
             log.info(
                 "uploaded part of %s (%d bytes, %.2fs); %d of %d parts in storage",
                 path.name,
@@ -191,13 +206,55 @@ class Shipping:
                 result.parts_total,
             )
             return False
-        verdict = verify_checkpoint(storage, path.name)
-        if not verdict.ok:
-            raise RuntimeError("verification failed: " + verdict.reason)
-        self.verified.add(path.name)
-        update_latest_pointer(storage, result.step)
+        self._settle(published)
         log.info("uploaded and verified %s (%d bytes, %.2fs)", result.uri, result.bytes, result.seconds)
         return True
+
+    def _settle(self, published: Published) -> None:
+        """A verified checkpoint is known as such; any other outcome raises (the caller's retries)."""
+        if not published.verified:
+            raise RuntimeError("verification failed: " + "; ".join(published.problems))
+        self.verified.add(published.name)
+        self.awaiting.discard(published.name)
+        # An older part still waiting would never be resumed from: a newer checkpoint is verified.
+        self.awaiting -= {n for n in self.awaiting if checkpoint_step(n) < published.step}
+        if published.pointer_error is not None:
+            log.warning("could not move the latest pointer to %s: %s", published.name, published.pointer_error)
+
+    def _commit_once(self, name: str) -> bool:
+        """One try at the global commit of a part waiting for the others; True once verified."""
+        published = publish_commit(self._open_storage(), name)
+        if published.state == AWAITING:
+            return False
+        self._settle(published)
+        log.info("committed and verified %s (its parts were all in storage)", name)
+        return True
+
+    def _retry_awaiting(self) -> None:
+        """One try at the global commit of each part still waiting (a later upload's first step)."""
+        for name in sorted(self.awaiting, key=checkpoint_step):
+            try:
+                self._commit_once(name)
+            except Exception as exc:  # noqa: BLE001 - tried again by the next upload
+                self._record.last_error = exc
+                log.warning("global commit of %s: %s", name, exc)
+
+    def _await_commit(self, name: str, until: float) -> bool:
+        """A preemption's part: try its global commit with backoff until ``until``; True once verified."""
+        attempt = 0
+        while True:
+            attempt += 1
+            pause = emergency_upload_pause(attempt, time.time(), until)
+            if pause is None:
+                log.error("%s was not committed before the deadline: not every part is in storage", name)
+                return False
+            time.sleep(pause)
+            try:
+                if self._commit_once(name):
+                    return True
+            except Exception as exc:  # noqa: BLE001 - retried until the deadline
+                self._record.last_error = exc
+                log.warning("global commit of %s (attempt %d): %s", name, attempt, exc)
 
     def _apply_local_retention(self, newest: Path) -> None:
         retention = self._settings.retention
