@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import MiB, Section, Spread, fmt, goal, median, parse_stage_lines, per_round
 
 if TYPE_CHECKING:
-    from bench.run import Ctx
+    from bench.common import Ctx
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "dist_worker.py"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import Section, fmt, goal, median, per_round
 
 if TYPE_CHECKING:
-    from bench.run import Ctx
+    from bench.common import Ctx
 
 ROOT = Path(__file__).resolve().parent.parent
 FRAMEWORKS = {"hf": "Hugging Face Trainer", "lightning": "Lightning"}

@@ -20,7 +20,7 @@ from testenv import kubetest
 from testenv.kubetest import GROUP, PLURAL, VERSION, wait_for
 
 if TYPE_CHECKING:
-    from bench.run import Ctx
+    from bench.common import Ctx
 
 SIZES = (1, 2, 4)
 GRACE = 5

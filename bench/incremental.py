@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import GiB, MiB, Section, Spread, fmt, goal, interleaved, median, per_round, seaweedfs_store
 
 if TYPE_CHECKING:
-    from bench.run import Ctx
+    from bench.common import Ctx
     from testenv.cluster import S3Store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import MiB, Section, fmt, goal, interleaved, median, per_round, seaweedfs_store
 
 if TYPE_CHECKING:
-    from bench.run import Ctx
+    from bench.common import Ctx
     from testenv.cluster import S3Store
 
 

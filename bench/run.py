@@ -47,6 +47,7 @@ from bench import dist, frameworks, gang, goodput, incremental, preempt_upload, 
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
+    Ctx,
     GiB,
     MiB,
     Section,
@@ -55,7 +56,6 @@ from bench.common import (  # noqa: E402
     fmt,
     goal,
     interleaved,
-    make_training_state,
     measure,
     median,
     parse_stage_lines,
@@ -63,62 +63,6 @@ from bench.common import (  # noqa: E402
     state_nbytes,
 )
 from testenv import cluster  # noqa: E402
-
-
-class Ctx:
-    """What the benchmarks share: scratch space, the S3 store, measured costs."""
-
-    def __init__(
-        self,
-        work: Path,
-        s3: cluster.S3Store | None,
-        state_mb: int,
-        *,
-        rounds: int | None = None,
-        plots: Path = PLOTS,
-        profile: bool = False,
-    ) -> None:
-        self.work = work
-        self.s3 = s3
-        self.state_bytes = state_mb * MiB
-        self.costs: dict[str, float] = {}
-        self._model: Any = None
-        self.ckpt_dir: Path | None = None
-        self.rounds = rounds  # --rounds: overrides every section's default
-        self.plots = plots
-        self.profile = profile
-        self.kube: Any = None
-        if s3 is not None:  # spotguard reads the standard AWS environment
-            os.environ.update(s3.env())
-
-    def rounds_for(self, default: int) -> int:
-        return max(1, self.rounds) if self.rounds is not None else default
-
-    def training_state(self) -> tuple[Any, Any]:
-        if self._model is None:
-            self._model = make_training_state(self.state_bytes)
-        model, opt = self._model
-        return model, opt
-
-    def storage(self, prefix: str) -> Any:
-        from spotguard.storage import open_storage
-
-        assert self.s3 is not None
-        return open_storage(f"s3://{self.s3.bucket}/{prefix}")
-
-    def checkpoint(self) -> Path:
-        """A committed checkpoint of the training state (the stall benchmark's,
-        or one written now when that benchmark did not run)."""
-        if self.ckpt_dir is None:
-            import spotguard
-
-            model, opt = self.training_state()
-            ckdir = self.work / "checkpoints-one"
-            ck = spotguard.Checkpointer(ckdir, async_save=False, keep_local=1)
-            ck.save(0, spotguard.torch_state(model, opt))
-            ck.close()
-            self.ckpt_dir = sorted(ckdir.glob("ckpt-*"))[-1]
-        return self.ckpt_dir
 
 
 class StageClock:

@@ -23,7 +23,7 @@ from testenv.processnode.podnet import IpPool, available
 from testenv.processnode.processes import kill_recorded_processes, process_start_time, signal_group
 
 if TYPE_CHECKING:
-    from testenv.processnode.agent import Agent
+    from testenv.processnode.roles import AgentRole
 
 
 class ControlHandler(http.server.BaseHTTPRequestHandler):
@@ -49,7 +49,7 @@ class ControlHandler(http.server.BaseHTTPRequestHandler):
         if self.path != "/preempt":
             self._reply(404, {"error": f"no such endpoint {self.path}"})
             return
-        agent: Agent = self.server.agent
+        agent: AgentRole = self.server.agent
         try:
             req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             args = (req.get("namespace", "default"), req["pod"], req.get("mode", "drain"), req.get("grace_seconds"))
@@ -69,7 +69,7 @@ class ControlHandler(http.server.BaseHTTPRequestHandler):
             self._reply(500, {"error": f"preempt failed: {exc}"})
 
     @staticmethod
-    def _preempt_quietly(agent: Agent, args: tuple[Any, ...]) -> None:
+    def _preempt_quietly(agent: AgentRole, args: tuple[Any, ...]) -> None:
         try:
             agent.preempt(*args)
         except Exception:  # noqa: BLE001 - a background preempt has no caller to tell; it is logged

@@ -31,8 +31,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 from testenv.processnode.common import LOOPBACK, log
 
 if TYPE_CHECKING:
-    from testenv.processnode.node import ProcessNode
-    from testenv.processnode.pod import Container, PodRunner
+    from testenv.processnode.roles import NodeRole, RunnerRole
 
 FOLLOW_POLL_SECONDS = 0.2
 MAX_TAIL_READ = 16 << 20  # tailLines looks at most this far back in a run's log
@@ -133,8 +132,8 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
 class LogRange:
     """A part of a container's log: ``start`` to ``end`` (None: to the end, and on with ``follow``)."""
 
-    runner: PodRunner
-    container: Container
+    runner: RunnerRole
+    container: Any  # pod.Container
     path: Path
     start: int
     end: int | None
@@ -144,7 +143,7 @@ class LogRange:
 class KubeletServer:
     """One node's kubelet endpoint on 127.0.0.1 (a free port), over TLS."""
 
-    def __init__(self, node: ProcessNode, cert: Path, key: Path, client_ca: Path | None) -> None:
+    def __init__(self, node: NodeRole, cert: Path, key: Path, client_ca: Path | None) -> None:
         self.node = node
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(cert, key)
@@ -167,7 +166,7 @@ class KubeletServer:
         self._server.shutdown()
         self._server.server_close()
 
-    def container(self, namespace: str, pod: str, name: str) -> tuple[PodRunner, Container]:
+    def container(self, namespace: str, pod: str, name: str) -> tuple[RunnerRole, Any]:
         """The runner of a pod on this node and one of its containers."""
         runner = self.node.agent.runner_of(self.node, namespace, pod)
         if runner is None:

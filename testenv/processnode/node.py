@@ -24,7 +24,7 @@ from testenv.processnode.common import (
 from testenv.processnode.kubeletapi import KubeletServer
 
 if TYPE_CHECKING:
-    from testenv.processnode.agent import Agent
+    from testenv.processnode.roles import AgentRole
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _os_image() -> str:
 class ProcessNode:
     """One registered Node: heartbeats (status + Lease), readiness, cordon, retirement."""
 
-    def __init__(self, agent: Agent, name: str) -> None:
+    def __init__(self, agent: AgentRole, name: str) -> None:
         self.agent, self.name = agent, name
         self.uid = ""
         self.dead = False

@@ -40,8 +40,7 @@ from testenv.processnode.podspec import (
 from testenv.processnode.processes import process_start_time, signal_group, start_error
 
 if TYPE_CHECKING:
-    from testenv.processnode.agent import Agent
-    from testenv.processnode.node import ProcessNode
+    from testenv.processnode.roles import AgentRole, NodeRole
 
 
 # Container names are DNS labels: no container's "<name>.pid" can be this one.
@@ -127,7 +126,7 @@ class _Stop(Exception):
 class PodRunner:
     """Runs one pod on one process node, from first sight until its object is gone."""
 
-    def __init__(self, agent: Agent, node: ProcessNode, pod: JSON) -> None:
+    def __init__(self, agent: AgentRole, node: NodeRole, pod: JSON) -> None:
         self.agent, self.node, self.pod = agent, node, pod
         md, spec = pod["metadata"], pod["spec"]
         self.uid: str = md["uid"]
