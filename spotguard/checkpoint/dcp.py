@@ -25,10 +25,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+from spotguard.checkpoint.manifest import DCP_METADATA
 from spotguard.checkpoint.pickle_scan import DCP_METADATA_GLOBALS
 
-METADATA_FILE = ".metadata"
-DCP_DIR = "dcp"
+METADATA_FILE = DCP_METADATA
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 

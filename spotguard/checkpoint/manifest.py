@@ -33,6 +33,9 @@ FORMAT_VERSION_CHUNKED = 3
 CHUNKS_DIR = "chunks"
 MANIFEST_NAME = "manifest.json"
 PARTS_DIR = "parts"
+#: A distributed checkpoint's DCP directory (``torch.distributed.checkpoint``), and DCP's metadata file in it.
+DCP_DIR = "dcp"
+DCP_METADATA = ".metadata"
 POINTER_NAME = "latest"
 NAME_PREFIX = "ckpt-"
 _NAME_RE = re.compile(r"^ckpt-(\d{12})$")

@@ -27,7 +27,7 @@ from spotguard.checkpoint.chunked import fetch_chunks
 from spotguard.checkpoint.codec import STATE_FILE
 from spotguard.checkpoint.fetch import fetch_verified
 from spotguard.checkpoint.hf_folder import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, ExportError, index_weight_files
-from spotguard.checkpoint.manifest import Manifest, ManifestError
+from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA, Manifest, ManifestError
 from spotguard.checkpoint.stored import CheckpointCorruptError, list_checkpoint_names, read_manifest
 from spotguard.checkpoint.verify_stored import verify_checkpoint
 from spotguard.storage.base import NotFoundError, Storage
@@ -35,8 +35,7 @@ from spotguard.storage.base import NotFoundError, Storage
 if TYPE_CHECKING:
     import torch
 
-DCP_DIR = "dcp"
-DCP_METADATA = f"{DCP_DIR}/.metadata"
+DCP_METADATA_PATH = f"{DCP_DIR}/{DCP_METADATA}"
 
 #: How a checkpoint holds the tensors of a state part (:func:`layout_of`).
 LAYOUT_DCP = "dcp"
@@ -169,7 +168,7 @@ def layout_of(manifest: Manifest, part: str) -> str:
     :class:`ExportError` naming what is missing."""
     paths = {f.path for f in manifest.files}
     part_file = f"{part}.safetensors"
-    if manifest.sharding is not None and DCP_METADATA in paths:
+    if manifest.sharding is not None and DCP_METADATA_PATH in paths:
         return LAYOUT_DCP
     if STATE_FILE in paths and part_file in paths:
         return LAYOUT_STATE
@@ -181,7 +180,7 @@ def layout_of(manifest: Manifest, part: str) -> str:
             )
         return LAYOUT_FOLDER
     if manifest.sharding is not None:
-        raise ExportError(f"{manifest.name} is a distributed checkpoint without {DCP_METADATA}")
+        raise ExportError(f"{manifest.name} is a distributed checkpoint without {DCP_METADATA_PATH}")
     if part_file in paths:
         return LAYOUT_STATE
     raise ExportError(

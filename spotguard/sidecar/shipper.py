@@ -41,15 +41,33 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotguard.checkpoint import (
+    MANIFEST_NAME,
+    apply_retention,
+    list_local_committed,
+    read_local_manifest,
+    read_manifest,
+    remove_checkpoint_dir,
+    verify_checkpoint,
+)
 from spotguard.checkpoint.chunked import KnownChunks, chunks_named
-from spotguard.checkpoint.manifest import checkpoint_step, parse_checkpoint_name
+from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
+from spotguard.checkpoint.manifest import (
+    checkpoint_step,
+    parse_checkpoint_name,
+    parse_manifest,
+    part_manifest_path,
+    to_plain,
+)
 from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
 from spotguard.checkpoint.retention import plan_local_prune
+from spotguard.checkpoint.upload import UploadCancelled
 from spotguard.contract.control import save_reason_label
 from spotguard.contract.retry import retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.stoppable import upload_stoppable
+from spotguard.storage import NotFoundError
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy
@@ -173,7 +191,6 @@ class CheckpointShipper:
 
     def committed(self) -> list[Path]:
         """Committed local checkpoints, oldest first."""
-        from spotguard.checkpoint import list_local_committed
 
         if not self.checkpoint_dir.is_dir():
             return []
@@ -210,9 +227,6 @@ class CheckpointShipper:
         stored) and every file with its recorded size. Stops at the first
         storage error: an unreachable store is not asked once per checkpoint.
         """
-        from spotguard.checkpoint import MANIFEST_NAME, verify_checkpoint
-        from spotguard.checkpoint.manifest import part_manifest_path
-        from spotguard.storage import NotFoundError
 
         with self._lock:
             for path in reversed(self.committed()):
@@ -330,7 +344,6 @@ class CheckpointShipper:
 
     def _observe_saves(self, paths: dict[str, Path]) -> None:
         """Record each new checkpoint's save time, as its manifest reports it."""
-        from spotguard.checkpoint import read_local_manifest
 
         for name, path in paths.items():
             if name in self._seen_saves:
@@ -361,7 +374,6 @@ class CheckpointShipper:
             self.metrics.set_interval(interval)
 
     def _ship_one(self, path: Path, should_stop: Callable[[], bool] | None = None) -> Shipped | None:
-        from spotguard.checkpoint.upload import UploadCancelled
 
         name = path.name
         t0 = time.monotonic()
@@ -526,13 +538,10 @@ class CheckpointShipper:
         an upload. Reused chunks are checked to exist before the manifest
         names them in any case.
         """
-        from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
 
         known = self._known
         if known is not None and time.monotonic() - known.since < DEFAULT_ORPHAN_GRACE / 2:
             return known.without(self._suspect)
-        from spotguard.checkpoint import read_manifest
-        from spotguard.storage import NotFoundError
 
         try:
             try:
@@ -549,7 +558,6 @@ class CheckpointShipper:
 
     def _learn_chunks(self, manifest_bytes: bytes) -> None:
         """Know the chunks of a checkpoint found already in storage."""
-        from spotguard.checkpoint.manifest import parse_manifest
 
         try:
             manifest = parse_manifest(manifest_bytes)
@@ -574,7 +582,6 @@ class CheckpointShipper:
         """
         if self.retention is None or last is None:
             return
-        from spotguard.checkpoint import apply_retention
 
         t0 = time.monotonic()
         deleted: list[str] = []
@@ -596,7 +603,6 @@ class CheckpointShipper:
         kept, see ``spotguard.checkpoint.gc.sweep_chunks``). Lists the store's
         chunks, so at most every ``SWEEP_INTERVAL`` and after retention
         deleted something; never on the emergency path."""
-        from spotguard.checkpoint.gc import sweep_chunks
 
         self._last_sweep = time.monotonic()
         t0 = time.monotonic()
@@ -618,7 +624,6 @@ class CheckpointShipper:
     def _prune_local(self) -> None:
         # An awaiting part is never pruned: the other nodes' parts may still come.
         names = [p.name for p in self.committed() if p.name not in self.awaiting]
-        from spotguard.checkpoint import remove_checkpoint_dir
 
         for name in plan_local_prune(names, set(self.shipped), self.keep_local):
             try:
@@ -632,7 +637,6 @@ class CheckpointShipper:
 
 def _part_index(manifest_bytes: bytes) -> int | None:
     """The part index of a part manifest's bytes, None for any other manifest."""
-    from spotguard.checkpoint.manifest import parse_manifest
 
     try:
         sharding = parse_manifest(manifest_bytes).sharding
@@ -644,7 +648,6 @@ def _part_index(manifest_bytes: bytes) -> int | None:
 def _stored_incrementally_as(stored: bytes, local: bytes) -> bool:
     """Whether ``stored`` is the manifest of the local checkpoint whose manifest
     is ``local``, stored incrementally (the same manifest with chunk lists)."""
-    from spotguard.checkpoint.manifest import parse_manifest, to_plain
 
     try:
         manifest = parse_manifest(stored)

@@ -25,12 +25,12 @@ from typing import Any
 
 from spotguard.checkpoint.codec import Snapshot, StateError, snapshot_state
 from spotguard.checkpoint.local import WRITER_TMP_PREFIX, DeadlineExceeded, LocalWriter, list_local_committed
-from spotguard.checkpoint.manifest import FileEntry, Sharding, checkpoint_name
+from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA, FileEntry, Sharding, checkpoint_name
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.config import Settings
-from spotguard.trainer.distributed import DCP_DIR, DCP_METADATA, DistContext
+from spotguard.trainer.distributed import DistContext
 from spotguard.trainer.persist import LocalPersist, PersistJob
 from spotguard.trainer.policy import SavePolicy, SaveRecord
 from spotguard.trainer.shipping import Shipping

@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.statedicts import active, get_state_dicts, set_state_dicts
 
@@ -52,8 +53,6 @@ DCP_KEYS = ("model", "optimizer")
 #: Where each rank's own files go inside a distributed checkpoint.
 RANKS_DIR = "ranks"
 #: The DCP directory inside a distributed checkpoint, and DCP's metadata file.
-DCP_DIR = "dcp"
-DCP_METADATA = ".metadata"
 _MARK = "__spotguard_dcp__"
 
 
