@@ -73,6 +73,8 @@ class UploadResult:
     reused_bytes: int = 0
     new_chunks: int = 0
     reused_chunks: int = 0
+    #: Chunks recognized by comparison with the previous checkpoint's local copy, not hashed.
+    unchanged_chunks: int = 0
 
 
 class UploadCancelled(Exception):
@@ -319,12 +321,15 @@ def _upload_incremental(
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
     pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
     log.info(
-        "uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes)",
+        "uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes); %d unchanged since %s "
+        "(compared, not hashed)",
         storage.uri_for(name),
         chunked.new_chunks,
         chunked.new_bytes,
         chunked.reused_chunks,
         chunked.reused_bytes,
+        chunked.unchanged_chunks,
+        known.source or "-",
     )
     return UploadResult(
         step=manifest.step,
@@ -337,6 +342,7 @@ def _upload_incremental(
         reused_bytes=chunked.reused_bytes,
         new_chunks=chunked.new_chunks,
         reused_chunks=chunked.reused_chunks,
+        unchanged_chunks=chunked.unchanged_chunks,
     )
 
 

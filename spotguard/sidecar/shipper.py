@@ -412,6 +412,7 @@ class CheckpointShipper:
                 new_chunks=result.new_chunks,
                 reused_chunks=result.reused_chunks,
                 reused_bytes=result.reused_bytes,
+                unchanged_chunks=result.unchanged_chunks,
             )
         else:
             log_stage("upload", upload_seconds, name=name, bytes=nbytes)

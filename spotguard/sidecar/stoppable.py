@@ -110,4 +110,4 @@ def with_stored_chunks(known: KnownChunks, stopped: tuple[float, dict[str, int]]
 
     if stopped is None or not stopped[1] or now - stopped[0] >= DEFAULT_ORPHAN_GRACE / 2:
         return known
-    return KnownChunks({**stopped[1], **known.chunks}, known.source, known.since)
+    return known.with_chunks(stopped[1])
