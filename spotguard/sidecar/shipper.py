@@ -46,12 +46,12 @@ from spotguard.checkpoint import (
     apply_retention,
     list_local_committed,
     read_local_manifest,
-    read_manifest,
     remove_checkpoint_dir,
     verify_checkpoint,
 )
 from spotguard.checkpoint.chunked import KnownChunks, chunks_named
-from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
+from spotguard.checkpoint.gc import sweep_chunks
+from spotguard.checkpoint.known import current_known
 from spotguard.checkpoint.manifest import (
     checkpoint_step,
     parse_checkpoint_name,
@@ -528,34 +528,10 @@ class CheckpointShipper:
         return shipped
 
     def _known_chunks(self) -> KnownChunks:
-        """The chunks an incremental upload may reuse without uploading them.
-
-        Those of the newest checkpoint this shipper verified; after a restart,
-        those of the checkpoint the ``latest`` pointer names (two small reads,
-        never a listing of the store). Knowledge older than half the orphan
-        grace is read again (one manifest): a garbage collection keeps the
-        chunks of a checkpoint deleted less than the grace ago (its
-        tombstone), so chunks reused within that time cannot be swept under
-        an upload. Reused chunks are checked to exist before the manifest
-        names them in any case.
-        """
-
-        known = self._known
-        if known is not None and time.monotonic() - known.since < DEFAULT_ORPHAN_GRACE / 2:
-            return known.without(self._suspect)
-
-        try:
-            try:
-                if known is None or known.source is None:
-                    raise NotFoundError("no checkpoint known")
-                fresh = KnownChunks.of(read_manifest(self.storage, known.source))
-            except NotFoundError:
-                fresh = KnownChunks.from_storage(self.storage)
-        except Exception as exc:  # noqa: BLE001 - nothing known: every chunk is uploaded
-            log.info("no known chunks (%s); uploading every chunk", _one_line(exc))
-            fresh = KnownChunks(since=time.monotonic())
-        self._known = fresh
-        return fresh.without(self._suspect)
+        """The chunks an incremental upload may reuse (:func:`~spotguard.checkpoint.known.current_known`),
+        less those a verification found damaged or missing."""
+        self._known = current_known(self.storage, self._known)
+        return self._known.without(self._suspect)
 
     def _learn_chunks(self, manifest_bytes: bytes) -> None:
         """Know the chunks of a checkpoint found already in storage."""

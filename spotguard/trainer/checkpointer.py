@@ -102,7 +102,10 @@ class Checkpointer:
     ``storage_uri`` is the job's remote root, used by :meth:`restore` when no
     local checkpoint exists and, with ``upload=True``, to upload each
     checkpoint after it is committed (in a pod the sidecar uploads instead;
-    a preemption's upload is retried until its deadline).
+    a preemption's upload is retried until its deadline). ``incremental``
+    (with ``upload``): store each checkpoint as content-addressed chunks
+    shared with the job's other checkpoints, and send only the chunks storage
+    does not hold yet, as ``spotguard sidecar --incremental`` does.
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`~spotguard.trainer.config.local_pruner`): with a storage URI and no
@@ -134,6 +137,7 @@ class Checkpointer:
     job = _Kept[str | None]("_settings")
     attempt = _Kept[int | None]("_settings")
     async_save = _Kept[bool]("_settings")
+    incremental = _Kept[bool]("_settings")
     last_committed = _Kept[Path | None]("_record")
     last_error = _Kept[BaseException | None]("_record")
     last_stall_seconds = _Kept[float]("_record")
@@ -158,6 +162,7 @@ class Checkpointer:
         handle_signals: bool = False,
         reuse_host_buffers: bool = True,
         distributed: bool | None = None,
+        incremental: bool = False,
     ) -> None:
         root = Path(directory)
         storage_uri = storage_uri or None
@@ -177,6 +182,7 @@ class Checkpointer:
             job=job,
             attempt=attempt,
             async_save=async_save,
+            incremental=incremental,
         )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)

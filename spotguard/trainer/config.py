@@ -24,6 +24,7 @@ from spotguard.contract.env import (
     CHECKPOINT_DIR,
     CHECKSUM,
     CONTROL_DIR,
+    INCREMENTAL,
     JOB,
     SAVE_EVERY_SECONDS,
     SAVE_EVERY_STEPS,
@@ -72,6 +73,7 @@ class EnvConfig:
     job: str | None
     attempt: int | None
     retention: RetentionPolicy | None
+    incremental: bool = False
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
@@ -94,6 +96,7 @@ class EnvConfig:
             job=job,
             attempt=attempt,
             retention=None if policy.keeps_everything else policy,
+            incremental=from_env(INCREMENTAL, env),
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -107,6 +110,7 @@ class EnvConfig:
             "checksum": self.checksum,
             "job": self.job,
             "attempt": self.attempt,
+            "incremental": self.incremental,
         }
         if self.retention is not None:
             out["retention"] = self.retention
@@ -136,6 +140,8 @@ class Settings:
     job: str | None
     attempt: int | None
     async_save: bool
+    #: With ``upload``: store checkpoints as shared content-addressed chunks (only new chunks are sent).
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:

@@ -36,6 +36,8 @@ from spotguard.checkpoint import (
     remove_checkpoint_dir,
     upload_checkpoint,
 )
+from spotguard.checkpoint.chunked import KnownChunks
+from spotguard.checkpoint.known import current_known
 from spotguard.checkpoint.manifest import checkpoint_step
 from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
 from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
@@ -102,6 +104,8 @@ class Shipping:
         self.stopped: set[str] = set()
         #: Parts of distributed checkpoints stored here and waiting for the other parts' global commit.
         self.awaiting: set[str] = set()
+        # With incremental uploads: the chunks of the newest checkpoint verified here.
+        self._known: KnownChunks | None = None
         # With upload=True: whether this process's last upload was verified.
         self._shipping = False
 
@@ -185,10 +189,15 @@ class Shipping:
         :class:`UploadCancelled` when ``should_stop`` stopped the upload."""
         storage = self._open_storage()
         resume = path.name in self.stopped
+        incremental: bool | KnownChunks = False
+        if self._settings.incremental:
+            self._known = incremental = current_known(storage, self._known)
         published = publish(
             path.name,
             storage,
-            lambda: upload_checkpoint(path, storage, update_pointer=False, should_stop=should_stop, resume=resume),
+            lambda: upload_checkpoint(
+                path, storage, update_pointer=False, should_stop=should_stop, resume=resume, incremental=incremental
+            ),
         )
         self.stopped.discard(path.name)
         result = published.upload
@@ -216,6 +225,9 @@ class Shipping:
             raise RuntimeError("verification failed: " + "; ".join(published.problems))
         self.verified.add(published.name)
         self.awaiting.discard(published.name)
+        manifest = published.verdict.manifest if published.verdict is not None else None
+        if manifest is not None and manifest.chunked:
+            self._known = KnownChunks.of(manifest)  # what the next incremental upload may reuse
         # An older part still waiting would never be resumed from: a newer checkpoint is verified.
         self.awaiting -= {n for n in self.awaiting if checkpoint_step(n) < published.step}
         if published.pointer_error is not None:

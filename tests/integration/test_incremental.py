@@ -374,3 +374,42 @@ def test_a_damaged_stored_chunk_is_sent_again_from_local_bytes_and_heals_every_c
         assert verify_checkpoint(storage, checkpoint_name(step)).ok, step
     restored = restore_checkpoint(storage, checkpoint_name(40), tmp_path / "restored")
     assert verify_local_checkpoint(Path(restored.uri)).ok
+
+
+@pytest.mark.integration
+def test_an_uploading_trainer_stores_incrementally(s3_store, s3_uri: str, tmp_path: Path) -> None:
+    """``Checkpointer(upload=True, incremental=True)``: the in-process upload stores chunks too
+    (the frozen base once), each checkpoint is verified, and a fresh trainer restores the newest
+    byte for byte."""
+    from ckpt_helpers import s3_options
+
+    from spotguard import Checkpointer
+
+    ck = Checkpointer(
+        tmp_path / "ck",
+        storage_uri=s3_uri,
+        storage_options=s3_options(s3_store),
+        upload=True,
+        incremental=True,
+        keep_local=1,
+        async_save=False,
+    )
+    for step in (10, 20, 30):
+        ck.save(step, fine_tune_state(step, step))
+    ck.close()
+    assert ck.last_error is None, ck.last_error
+
+    storage = s3_storage(s3_store, s3_uri)
+    manifests = [read_manifest(storage, checkpoint_name(step)) for step in (10, 20, 30)]
+    assert all(m.format_version == 3 for m in manifests)
+    assert all(verify_checkpoint(storage, m.name).ok for m in manifests)
+    total = manifests[0].total_size
+    # Stored: the first checkpoint whole, then only what changed (the adapter, the small files).
+    assert sum(chunk_objects(storage).values()) < 1.1 * total, (sum(chunk_objects(storage).values()), total)
+
+    fresh = Checkpointer(tmp_path / "fresh", storage_uri=s3_uri, storage_options=s3_options(s3_store))
+    restored = fresh.restore()
+    fresh.close()
+    assert restored is not None and restored.step == 30
+    for name, tensor in fine_tune_state(30, 30)["model"].items():
+        assert torch.equal(restored["model"][name], tensor), name

@@ -211,3 +211,12 @@ def test_the_sidecar_docs_option_table_agrees_with_the_registry() -> None:
         env.CONTROL_DIR,
     }
     assert {v.name for v in sidecar_vars} <= documented_names
+
+
+def test_the_trainers_environment_carries_incremental() -> None:
+    from spotguard.trainer.config import EnvConfig
+
+    assert EnvConfig.read({}).kwargs()["incremental"] is False
+    assert EnvConfig.read({"SPOTGUARD_INCREMENTAL": "1"}).kwargs()["incremental"] is True
+    with pytest.raises(ValueError, match="SPOTGUARD_INCREMENTAL"):
+        EnvConfig.read({"SPOTGUARD_INCREMENTAL": "maybe"})
