@@ -143,11 +143,18 @@ class Unchanged:
     on version counters or on ``requires_grad``; any byte that changed is
     seen. A chunk the previous checkpoint does not have in the same place,
     or whose stored copy is suspect, is hashed as before.
+
+    A file that *is* the previous checkpoint's (the trainer linked it, its
+    tensors unchanged: :meth:`linked`) is not even read: the same inode holds
+    the same bytes, which were chunked, hashed and stored with that
+    checkpoint. Should one of its chunks be missing from storage, its bytes
+    are read and hashed before they are sent again.
     """
 
     def __init__(self, local_dir: Path, known: KnownChunks) -> None:
         self.directory: Path | None = None
         self._at: dict[tuple[str, int, int], ChunkRef] = {}
+        self._same_file: dict[str, bool] = {}
         manifest, source = known.manifest, known.source
         if manifest is None or source is None or source == local_dir.name:
             return
@@ -161,6 +168,21 @@ class Unchanged:
                     self._at[(entry.path, offset, ref.size)] = ref
                 offset += ref.size
         self.directory = directory
+
+    def linked(self, local_dir: Path, path: str, offset: int, length: int) -> ChunkRef | None:
+        """The previous checkpoint's chunk at this place when the file *is* the previous
+        checkpoint's (a hard link: the trainer did not write it again): no byte is read."""
+        ref = self._at.get((path, offset, length))
+        if ref is None or self.directory is None:
+            return None
+        same = self._same_file.get(path)
+        if same is None:
+            try:
+                same = os.path.samefile(local_dir / path, self.directory / path)
+            except OSError:
+                same = False
+            self._same_file[path] = same
+        return ref if same else None
 
     def match(self, path: str, offset: int, data: bytes) -> ChunkRef | None:
         """The previous checkpoint's chunk with exactly these bytes at this place, or None."""
@@ -249,14 +271,21 @@ def upload_chunks(
             totals[f"{kind}_chunks"] += 1
             totals[f"{kind}_bytes"] += nbytes
 
-    def one(rel: str, offset: int, length: int) -> ChunkRef:
+    def read(rel: str, offset: int, length: int) -> bytes:
         fd = os.open(Path(local_dir) / rel, os.O_RDONLY)
         try:
-            data = read_range(fd, offset, length)
+            return read_range(fd, offset, length)
         finally:
             os.close(fd)
-        ref = unchanged.match(rel, offset, data)
+
+    def one(rel: str, offset: int, length: int) -> ChunkRef:
+        data: bytes | None = None
+        ref = unchanged.linked(Path(local_dir), rel, offset, length)
         if ref is None:
+            data = read(rel, offset, length)
+            ref = unchanged.match(rel, offset, data)
+        if ref is None:
+            assert data is not None
             ref = hash_chunk(data)
         else:
             with lock:
@@ -272,6 +301,10 @@ def upload_chunks(
                     storage.uri_for(ref.key),
                     ref.hash[:12],
                 )
+            if data is None:  # a linked file's chunk, not read so far: its bytes must be the chunk's
+                data = read(rel, offset, length)
+                if hash_chunk(data) != ref:
+                    raise ManifestError(f"{rel}: bytes at {offset} are not chunk {ref.hash[:12]} any more")
             storage.write_checked(ref.key, data)
             count("new", ref.size)
             if progress is not None:

@@ -96,10 +96,21 @@ class TensorBlob:
     shape: tuple[int, ...]
     data: memoryview  # contiguous, format "B", little-endian element order
     owner: Any = None  # keeps the host buffer alive
+    #: The bytes are the ones the last committed snapshot held at the same place (see :data:`KEPT_SUFFIX`).
+    unchanged: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+
+#: The file of a part's tensors whose bytes did not change since the last committed checkpoint
+#: (``model.kept.safetensors`` beside ``model.safetensors``): a writer may link it from that checkpoint.
+KEPT_SUFFIX = ".kept.safetensors"
+#: Keys of a host-buffer pool that are not buffers: where each buffer's bytes were (leaf, file, key)
+#: in the last snapshot that used the pool, and the checkpoint that snapshot was committed as.
+POOL_PLACES = "__places__"
+POOL_COMMITTED = "__committed__"
 
 
 @dataclass
@@ -108,6 +119,12 @@ class Snapshot:
 
     doc: dict[str, Any]
     tensors: dict[str, dict[str, TensorBlob]] = field(default_factory=dict)  # file -> key -> blob
+    #: The committed checkpoint the unchanged tensors' bytes are in (their files may be linked from it),
+    #: and what identifies that very copy (its manifest's inode and modification time).
+    previous: str | None = None
+    previous_stamp: tuple[int, int] | None = None
+    #: Where each kept tensor was in ``previous``: file -> key -> (file, key) there.
+    previous_places: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -132,15 +149,22 @@ class _Snapshotter:
         self.pinned = pinned
         self.cuda_used = False
         self._index = 0
+        # Unchanged tensors are told apart only against a snapshot that was committed.
+        before = pinned.pop(POOL_PLACES, None) if pinned is not None else None
+        committed = pinned.pop(POOL_COMMITTED, None) if pinned is not None else None
+        self._before: dict[Any, tuple[str, str, str]] = before if committed is not None and before else {}
+        if self._before and committed is not None:
+            self.snapshot.previous, self.snapshot.previous_stamp = committed
+        self.places: dict[Any, tuple[str, str, str]] = {}
 
-    def part_file(self, path: tuple[Any, ...]) -> str:
+    def part_file(self, path: tuple[Any, ...], kept: bool = False) -> str:
         top = str(path[0]) if path else "state"
         if not _SAFE_NAME.match(top) or top == "state":
             top = "tensors"
-        return f"{top}.safetensors"
+        return f"{top}{KEPT_SUFFIX}" if kept else f"{top}.safetensors"
 
-    def add_blob(self, path: tuple[Any, ...], blob: TensorBlob) -> dict[str, str]:
-        file = self.part_file(path)
+    def add_blob(self, path: tuple[Any, ...], blob: TensorBlob, pool_key: Any = None) -> dict[str, str]:
+        file = self.part_file(path, kept=blob.unchanged)
         blobs = self.snapshot.tensors.setdefault(file, {})
         key = ".".join(str(p) for p in path[1:]) or str(path[0]) if path else "tensor"
         base, n = key, 1
@@ -148,9 +172,14 @@ class _Snapshotter:
             n += 1
             key = f"{base}#{n}"
         blobs[key] = blob
+        if pool_key is not None:
+            self.places[pool_key] = (_path_str(path), file, key)
+            if blob.unchanged:
+                _, was_file, was_key = self._before[pool_key]
+                self.snapshot.previous_places.setdefault(file, {})[key] = (was_file, was_key)
         return {"file": file, "key": key}
 
-    def torch_blob(self, path: tuple[Any, ...], t: Any) -> TensorBlob:
+    def torch_blob(self, path: tuple[Any, ...], t: Any) -> tuple[TensorBlob, Any]:
         torch = self.torch
         dtype_name = str(t.dtype).removeprefix("torch.")
         st = _TORCH_TO_ST.get(dtype_name)
@@ -169,15 +198,34 @@ class _Snapshotter:
         key = (self._index, t.dtype, tuple(t.shape), on_gpu)
         self._index += 1
         host = self.pinned.get(key) if self.pinned is not None else None
+        unchanged = host is not None and self._same_bytes(key, path, host, t)
         if host is None:
             pin = on_gpu and torch.cuda.is_available()
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             if self.pinned is not None:
                 self.pinned[key] = host
-        host.copy_(t, non_blocking=on_gpu)
+        if not unchanged:
+            host.copy_(t, non_blocking=on_gpu)
         self.cuda_used = self.cuda_used or on_gpu
         flat = host.reshape(-1).view(torch.uint8)
-        return TensorBlob(st, tuple(int(s) for s in t.shape), memoryview(flat.numpy()), owner=host)
+        blob = TensorBlob(st, tuple(int(s) for s in t.shape), memoryview(flat.numpy()), owner=host)
+        blob.unchanged = unchanged
+        return blob, (key if self.pinned is not None else None)
+
+    def _same_bytes(self, key: Any, path: tuple[Any, ...], host: Any, t: Any) -> bool:
+        """Whether ``t`` holds, byte for byte, what the host buffer holds from the last committed
+        snapshot, which had it at the same leaf. Compared as bytes (``-0.0`` is not ``0.0``, a NaN
+        equals itself) at memory speed, on ``t``'s device; never by version counters, which
+        writes through ``.data`` bypass."""
+        before = self._before.get(key)
+        if before is None or before[0] != _path_str(path) or not t.is_contiguous():
+            return False
+        torch = self.torch
+        mine = t.reshape(-1).view(torch.uint8)
+        theirs = host.reshape(-1).view(torch.uint8)
+        if mine.device != theirs.device:
+            theirs = theirs.to(mine.device)
+        return bool(torch.equal(mine, theirs))
 
     def numpy_blob(self, path: tuple[Any, ...], a: Any) -> TensorBlob:
         np = self.np
@@ -199,7 +247,8 @@ class _Snapshotter:
         torch, np = self.torch, self.np
         if torch is not None:
             if isinstance(value, torch.Tensor):
-                return {TAG: "tensor", **self.add_blob(path, self.torch_blob(path, value))}
+                blob, pool_key = self.torch_blob(path, value)
+                return {TAG: "tensor", **self.add_blob(path, blob, pool_key)}
             if isinstance(value, torch.Size):
                 return {TAG: "torch_size", "v": [int(s) for s in value]}
             if isinstance(value, torch.dtype):
@@ -255,7 +304,18 @@ def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = 
     if snap.cuda_used:
         snap.torch.cuda.synchronize()
     snap.snapshot.doc = {"format": STATE_FORMAT, "state": doc}
+    if pinned is not None:
+        # What the buffers hold now; it counts only once the caller commits it (:func:`pool_committed`).
+        pinned[POOL_PLACES] = snap.places
     return snap.snapshot
+
+
+def pool_committed(pinned: dict[Any, Any] | None, name: str, stamp: tuple[int, int]) -> None:
+    """The last snapshot taken with ``pinned`` was committed as checkpoint ``name`` (``stamp``: its
+    manifest's inode and modification time): the next snapshot may tell its unchanged tensors apart
+    against it, and its writer link their files from that very copy."""
+    if pinned is not None and POOL_PLACES in pinned:
+        pinned[POOL_COMMITTED] = (name, stamp)
 
 
 # -- safetensors writing --------------------------------------------------------

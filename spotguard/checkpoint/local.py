@@ -23,12 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.codec import (
+    KEPT_SUFFIX,
     STATE_FILE,
     Snapshot,
     StateError,
+    TensorBlob,
     decode_state,
     iter_safetensors,
     load_safetensors,
+    pool_committed,
+    safetensors_header,
 )
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -101,6 +105,8 @@ class LocalWriter:
             self.tmp = Path(tmp)
             self.tmp.mkdir(exist_ok=True)
         self.bytes_written = 0
+        self.bytes_linked = 0  # files linked from the previous checkpoint (not written)
+        self.installed = False  # committed as this writer's own files (not an existing checkpoint kept)
 
     def _check_deadline(self) -> None:
         if self.deadline is not None and time.time() > self.deadline:
@@ -137,10 +143,60 @@ class LocalWriter:
 
     def add_snapshot(self, snapshot: Snapshot, prefix: str = "") -> None:
         """Write a state snapshot: one safetensors file per part, then
-        ``state.json`` (below ``prefix``, e.g. ``ranks/00001/``)."""
+        ``state.json`` (below ``prefix``, e.g. ``ranks/00001/``). A part's file of
+        tensors unchanged since the previous committed checkpoint is linked from
+        it when it is the same file there (:meth:`_link_kept`), not written again."""
         for file, blobs in sorted(snapshot.tensors.items()):
-            self.add_file(prefix + file, iter_safetensors(blobs))
+            if prefix or self._link_kept(file, blobs, snapshot) is None:
+                self.add_file(prefix + file, iter_safetensors(blobs))
         self.add_bytes(prefix + STATE_FILE, json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())
+
+    def _link_kept(self, file: str, blobs: Mapping[str, TensorBlob], snapshot: Snapshot) -> FileEntry | None:
+        """Hard-link ``file`` from the previous committed checkpoint when it is, byte for byte, the same.
+
+        It is when every tensor in it is unchanged since the previous snapshot
+        (compared byte for byte when the snapshot was taken), each was in that
+        checkpoint at the same file and key, and the file there has the same
+        safetensors header (so no other tensor, and the same offsets). Its
+        checksum is then the one that checkpoint's manifest records. Anything
+        else (another algorithm, a missing file, any error) writes the file.
+        """
+        if snapshot.previous is None or not file.endswith(KEPT_SUFFIX) or not blobs:
+            return None
+        places = snapshot.previous_places.get(file, {})
+        if not all(b.unchanged for b in blobs.values()) or any(places.get(k) != (file, k) for k in blobs):
+            return None
+        previous = self.directory / snapshot.previous
+        source = previous / file
+        header, _ = safetensors_header(blobs)
+        size = len(header) + sum(b.nbytes for b in blobs.values())
+        target = self.tmp / file
+        try:
+            if manifest_stamp(previous) != snapshot.previous_stamp:
+                return None  # not the copy the snapshot compared against (replaced since)
+            manifest = read_local_manifest(previous)
+            before = next((f for f in manifest.files if f.path == file), None)
+            if before is None or before.size != size or manifest.checksum_algorithm != self.algorithm:
+                return None
+            with open(source, "rb") as f:
+                if f.read(len(header)) != header or os.fstat(f.fileno()).st_size != size:
+                    return None
+            os.link(source, target)
+            if self.durable:  # the previous copy may be an emergency save's, not fsynced
+                fd = os.open(target, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except (OSError, ManifestError) as exc:
+            log.debug("writing %s instead of linking it from %s: %s", file, snapshot.previous, exc)
+            with contextlib.suppress(OSError):
+                target.unlink()
+            return None
+        entry = FileEntry(path=file, size=size, checksum=before.checksum)
+        self.entries.append(entry)
+        self.bytes_linked += size
+        return entry
 
     def add_written(self, path: str) -> FileEntry:
         """Record a data file another library already wrote into the
@@ -215,12 +271,13 @@ class LocalWriter:
                 if problem is None:
                     log.info("checkpoint %s already exists; keeping it", final)
                     self.abort()
-                    return final
+                    return final  # not this writer's files: ``installed`` stays False
                 move_aside_refused(final, problem)
             else:
                 remove_checkpoint_dir(final)
             os.rename(self.tmp, final)
         fsync_dir(self.directory)
+        self.installed = True
         return final
 
     def abort(self) -> None:
@@ -243,11 +300,14 @@ def write_checkpoint(
     request_id: str | None = None,
     snapshot_seconds: float | None = None,
     durable: bool = True,
+    pool: dict[Any, Any] | None = None,
 ) -> Path:
     """Persist a snapshot as ``<directory>/ckpt-<step>`` atomically (phase two
     of a save). Raises :class:`DeadlineExceeded` (leaving nothing behind) when
     ``deadline`` (unix time) passes first. ``durable=False`` skips the fsync
-    of data files (see :class:`LocalWriter`)."""
+    of data files (see :class:`LocalWriter`). ``pool``: the host buffers the
+    snapshot was taken with; once its files are committed, the next snapshot
+    may compare against them (:func:`~spotguard.checkpoint.codec.pool_committed`)."""
     start = time.perf_counter()
     writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline, durable=durable)
     try:
@@ -256,12 +316,21 @@ def write_checkpoint(
         if snapshot_seconds is not None:
             timing["snapshot_seconds"] = round(snapshot_seconds, 6)
             timing["save_seconds"] = round(snapshot_seconds + timing["persist_seconds"], 6)
-        return writer.commit(
+        path = writer.commit(
             epoch=epoch, metrics=metrics, job=job, attempt=attempt, reason=reason, request_id=request_id, timing=timing
         )
+        if writer.installed:
+            pool_committed(pool, path.name, manifest_stamp(path))
+        return path
     except BaseException:
         writer.abort()
         raise
+
+
+def manifest_stamp(path: Path) -> tuple[int, int]:
+    """What identifies one committed copy of a checkpoint: its manifest's inode and modification time."""
+    st = os.stat(path / MANIFEST_NAME)
+    return st.st_ino, st.st_mtime_ns
 
 
 def list_local_committed(directory: Path) -> list[Path]:

@@ -253,6 +253,7 @@ class LocalPersist:
                 request_id=job.due.request_id,
                 snapshot_seconds=job.snapshot_seconds,
                 durable=self._shipping.durable(job.due.preempt),
+                pool=self._pinned,  # the next save compares against what this one committed
             )
             record.last_committed = path
             record.last_persist_seconds = time.perf_counter() - start

@@ -124,3 +124,28 @@ def test_without_the_previous_local_copy_every_chunk_is_hashed(s3_store: Any, s3
     assert result.unchanged_chunks == 0
     assert result.reused_chunks >= 2  # still deduplicated: by hashing
     restores_byte_for_byte(storage, later, tmp_path)
+
+
+def test_a_file_the_trainer_linked_is_uploaded_without_reading_it(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    """The Checkpointer links an unchanged frozen base's file from the previous checkpoint; the
+    upload of that checkpoint takes every chunk of the linked file from the previous manifest."""
+    from spotguard import Checkpointer
+
+    storage = s3_storage(s3_store, s3_uri)
+    ck = Checkpointer(tmp_path / "ck", keep_local=10, async_save=False)
+    known = None
+    results = {}
+    for step in (1, 2, 3):
+        path = ck.save(step, state(step, step))
+        assert path is not None
+        results[step] = upload_checkpoint(path, storage, incremental=known if known is not None else True)
+        known = KnownChunks.of(read_manifest(storage, path.name))
+    ck.close()
+    kept = ck.directory / checkpoint_name(3) / "model.kept.safetensors"
+    assert kept.stat().st_ino == (ck.directory / checkpoint_name(2) / "model.kept.safetensors").stat().st_ino
+    third = read_manifest(storage, checkpoint_name(3))
+    kept_chunks = len(next(f for f in third.files if f.path == "model.kept.safetensors").chunks or ())
+    assert kept_chunks >= 2 and results[3].unchanged_chunks >= kept_chunks
+    assert results[3].new_bytes < 0.05 * results[3].reused_bytes
+    for step in (2, 3):
+        restores_byte_for_byte(storage, ck.directory / checkpoint_name(step), tmp_path)
