@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spotguard.checkpoint.chunked import fetch_chunks
-from spotguard.checkpoint.codec import STATE_FILE
+from spotguard.checkpoint.codec import KEPT_SUFFIX, STATE_FILE
 from spotguard.checkpoint.fetch import fetch_verified
 from spotguard.checkpoint.hf_folder import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, ExportError, index_weight_files
 from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA, Manifest, ManifestError
@@ -168,9 +168,10 @@ def layout_of(manifest: Manifest, part: str) -> str:
     :class:`ExportError` naming what is missing."""
     paths = {f.path for f in manifest.files}
     part_file = f"{part}.safetensors"
+    has_part = bool(state_part_files(paths, part))
     if manifest.sharding is not None and DCP_METADATA_PATH in paths:
         return LAYOUT_DCP
-    if STATE_FILE in paths and part_file in paths:
+    if STATE_FILE in paths and has_part:
         return LAYOUT_STATE
     if STATE_FILE not in paths and (SAFE_WEIGHTS_NAME in paths or SAFE_WEIGHTS_INDEX_NAME in paths):
         if part != "model":
@@ -181,12 +182,19 @@ def layout_of(manifest: Manifest, part: str) -> str:
         return LAYOUT_FOLDER
     if manifest.sharding is not None:
         raise ExportError(f"{manifest.name} is a distributed checkpoint without {DCP_METADATA_PATH}")
-    if part_file in paths:
+    if has_part:
         return LAYOUT_STATE
     raise ExportError(
         f"{manifest.name} has no {part_file} (choose the state part with --part) and is not a "
         f"Hugging Face model folder (no {SAFE_WEIGHTS_NAME})"
     )
+
+
+def state_part_files(paths: Iterable[str], part: str) -> list[str]:
+    """Pure: the files of a spotguard state that hold part ``part``'s tensors: ``<part>.safetensors``
+    and ``<part>.kept.safetensors`` (those unchanged since the save before), whichever exist."""
+    present = set(paths)
+    return [f for f in (f"{part}.safetensors", f"{part}{KEPT_SUFFIX}") if f in present]
 
 
 def describe_part(layout: str, part: str) -> str:
@@ -241,7 +249,7 @@ def part_tensors(
         if layout == LAYOUT_DCP:
             return _dcp_part_tensors(storage, manifest, scratch, part, bars)
         if layout == LAYOUT_STATE:
-            files = [f"{part}.safetensors"]
+            files = state_part_files((f.path for f in manifest.files), part)
         elif SAFE_WEIGHTS_INDEX_NAME in {f.path for f in manifest.files}:
             fetch_files(storage, manifest, [SAFE_WEIGHTS_INDEX_NAME], scratch, bars)
             try:

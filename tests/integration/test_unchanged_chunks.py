@@ -149,3 +149,9 @@ def test_a_file_the_trainer_linked_is_uploaded_without_reading_it(s3_store: Any,
     assert results[3].new_bytes < 0.05 * results[3].reused_bytes
     for step in (2, 3):
         restores_byte_for_byte(storage, ck.directory / checkpoint_name(step), tmp_path)
+    # Export and averaging read a state part from both its files.
+    from spotguard.checkpoint.stored_tensors import part_tensors
+
+    model = part_tensors(storage, third, tmp_path / "scratch", "model")
+    assert sorted(model) == sorted(state(3, 3)["model"])
+    assert all(torch.equal(model[k], v) for k, v in state(3, 3)["model"].items())
