@@ -155,3 +155,29 @@ def test_a_file_the_trainer_linked_is_uploaded_without_reading_it(s3_store: Any,
     model = part_tensors(storage, third, tmp_path / "scratch", "model")
     assert sorted(model) == sorted(state(3, 3)["model"])
     assert all(torch.equal(model[k], v) for k, v in state(3, 3)["model"].items())
+
+
+def test_tensors_that_moved_to_the_kept_file_are_not_hashed(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    """A part with a large frozen tensor and a trained one: in the second save the frozen tensor
+    moves to the part's kept file (new offsets); its chunks are still matched, by the tensor, and
+    compared instead of hashed."""
+    from spotguard import Checkpointer
+
+    gen = torch.Generator().manual_seed(3)
+    frozen = torch.randn(5 << 20, generator=gen)  # 20 MiB: chunks of it alone
+    storage = s3_storage(s3_store, s3_uri)
+    ck = Checkpointer(tmp_path / "ck", keep_local=10, async_save=False)
+    known = None
+    results = {}
+    for step in (1, 2):
+        path = ck.save(step, {"model": {"base": frozen, "lora": torch.full((64,), float(step))}, "step": step})
+        assert path is not None
+        results[step] = upload_checkpoint(path, storage, incremental=known if known is not None else True)
+        known = KnownChunks.of(read_manifest(storage, path.name))
+    ck.close()
+    second = ck.directory / checkpoint_name(2)
+    assert (second / "model.kept.safetensors").exists()
+    # The frozen tensor's chunks: the same content (reused), found by comparison.
+    assert results[2].unchanged_chunks >= 2, results[2]
+    assert results[2].reused_bytes >= frozen.numel() * 4 - (16 << 20)
+    restores_byte_for_byte(storage, second, tmp_path)

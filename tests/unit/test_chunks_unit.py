@@ -258,3 +258,19 @@ def test_the_chunks_a_verification_names_are_read_from_its_problems_and_leave_th
     known = KnownChunks({a: 1, b: 2, c: 3}, "ckpt-000000000010", 5.0)
     assert known.without({a, b}) == KnownChunks({c: 3}, "ckpt-000000000010", 5.0)
     assert known.without({"d" * 64}) is known
+
+
+def test_pieces_name_the_tensor_bytes_a_range_holds() -> None:
+    from spotguard.checkpoint.chunked import _part_of, _pieces
+    from spotguard.checkpoint.codec import TensorSpan
+
+    spans = [TensorSpan("a", "F32", (4,), 100, 116), TensorSpan("b", "F32", (8,), 116, 148)]
+    assert _pieces(spans, 100, 16) == (("a", 0, 16),)
+    assert _pieces(spans, 104, 20) == (("a", 4, 16), ("b", 0, 8))
+    assert _pieces(spans, 120, 28) == (("b", 4, 32),)
+    assert _pieces(spans, 0, 116) is None  # the header is not a tensor's
+    assert _pieces(spans, 140, 16) is None  # past the last tensor
+    assert _pieces(spans, 100, 0) is None
+    assert _pieces([], 0, 8) is None
+    assert _part_of("model.kept.safetensors") == _part_of("model.safetensors") == "model"
+    assert _part_of("ranks/00001/optimizer.safetensors") == "ranks/00001/optimizer"
