@@ -10,9 +10,11 @@ Two shapes of training state:
 - ``full``: a stack of Linear layers trained with AdamW, parameters and both
   moments ``--trainable-bytes`` in all: every tensor changes at every step.
 
-Checkpoints once at step 1 (the first checkpoint, which stores everything),
-then steps until a preemption asks for a checkpoint, saves it and exits.
-Prints ``ready`` once the first checkpoint is taken.
+Checkpoints at steps 1 and 2 (the first stores everything; in the second a
+frozen base moves to its part's kept file), then steps until a preemption
+asks for a checkpoint, saves it and exits: the preemption's checkpoint is a
+training run's usual one, after others. Prints ``ready`` once the routine
+checkpoints are taken.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 FROZEN_TENSOR = 64 * 1024 * 1024  # bytes per frozen tensor (the last one may be smaller)
 WIDTH = 2048
+#: Routine checkpoints before the preemption (steps 1..ROUTINE).
+ROUTINE = 2
 
 
 def finetune_model(frozen_bytes: int, trainable_bytes: int) -> tuple[Any, Any, Any]:
@@ -97,9 +101,10 @@ def main() -> int:
     while True:
         step += 1
         train_step()
-        if step == 1:
+        if step <= ROUTINE:
             ckpt.save(step, spotguard.torch_state(model, opt))
-            print("ready", flush=True)
+            if step == ROUTINE:
+                print("ready", flush=True)
         elif ckpt.should_save(step):
             ckpt.save(step, spotguard.torch_state(model, opt))
         if ckpt.preempted:
