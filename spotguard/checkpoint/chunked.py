@@ -13,18 +13,35 @@ tensors did not change costs only the bytes that did.
 
 What the uploader knows to be in storage (:class:`KnownChunks`) comes from
 the previous verified checkpoint's manifest, never from listing the store.
-Before the manifest is written, every reused chunk is checked to exist with
-its size (one ``HEAD`` each; a chunk found missing, say removed by a garbage
-collection that raced the upload, is uploaded again from the local file), so
-a manifest in storage still means every byte it names was stored before it.
+Knowledge read from storage (a restart, or a refresh after half the orphan
+grace) is checked before the manifest names a reused chunk: one ``HEAD``
+each, and a chunk found missing is uploaded again from the local file.
+A routine upload does the same with any knowledge, and its verification
+checks every chunk again, so a chunk damaged or removed in the store since
+(an overwrite changes the checksum the store computed) is found within one
+checkpoint interval and sent again from local bytes. The emergency upload
+(against a preemption's deadline) trusts knowledge from a checkpoint this
+uploader verified itself: its chunks are reused without a request each, and
+the verification of the new checkpoint takes them as checked (``trusted``),
+so a fine-tune's emergency checkpoint costs requests in proportion to what
+changed. That is as safe as the requests it saves, but for damage done in
+the store since the last routine verification: each of those chunks had
+its size and the checksum the store computed on receipt checked by that
+verification; no collector deletes it meanwhile (the source's manifest marks
+it until the upload's intent does, see
+:func:`~spotguard.checkpoint.gc.sweep_chunks`); and a ``HEAD`` never read
+the bytes either (bit rot is what ``deep`` verification and restore's
+walk-back are for). The trust lasts :data:`TRUST_SECONDS` from the
+verification that last checked the chunks (a chain of checkpoints that each
+trust the one before does not extend it); then every chunk is checked again.
 
-Verification checks every chunk a checkpoint references: by the CRC32C the
-store computed on receipt (one ``HEAD`` each), or by reading it back and
-checking its size, CRC32C and SHA-256 (``deep``, stores without checksums,
-and chunks of files that may be pickles, whose bytes are inspected). A
-damaged or missing chunk fails every checkpoint that uses it, naming the
-chunk and the files it belongs to; resume walks back to one that does not
-use it.
+Verification checks every chunk a checkpoint references but the trusted
+ones: by the CRC32C the store computed on receipt (one ``HEAD`` each), or
+by reading it back and checking its size, CRC32C and SHA-256 (``deep``,
+stores without checksums, and chunks of files that may be pickles, whose
+bytes are inspected). A damaged or missing chunk fails every checkpoint
+that uses it, naming the chunk and the files it belongs to; resume walks
+back to one that does not use it.
 """
 
 from __future__ import annotations
@@ -36,9 +53,9 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -63,6 +80,7 @@ from spotguard.checkpoint.verify import (
     METHOD_READ_BACK,
     METHOD_SIZES,
     METHOD_STORE,
+    METHOD_TRUSTED,
     check_one_file,
     needs_content,
 )
@@ -73,6 +91,11 @@ log = logging.getLogger(__name__)
 TOMBSTONES_DIR = "gc/tombstones"
 #: Chunks uploaded, hashed or fetched at once.
 DEFAULT_WORKERS = 8
+
+
+#: How long chunks a verification checked stay trusted (half the collector's default orphan
+#: grace): then a full verification checks every chunk a checkpoint names again.
+TRUST_SECONDS = 1800.0
 
 
 @dataclass
@@ -86,12 +109,36 @@ class KnownChunks:
     #: ``source``'s manifest (which chunk is where in its files), when known: an upload compares
     #: its files with that checkpoint's local copy instead of hashing what did not change.
     manifest: Manifest | None = field(default=None, repr=False, compare=False)
+    #: When (``time.monotonic``) this uploader last had every one of these chunks checked in
+    #: storage (size and the checksum the store computed) by its own verifications; None for
+    #: knowledge read from storage or grown by other means. Within :data:`TRUST_SECONDS` of it
+    #: an upload reuses them without a ``HEAD`` each, and the verification of the checkpoint
+    #: that reuses them takes them as checked (:attr:`ChunkedUpload.trusted`).
+    checked_at: float | None = None
 
     @classmethod
     def of(cls, manifest: Manifest) -> KnownChunks:
-        """The chunks of a checkpoint just verified in storage."""
+        """The chunks of ``manifest``'s checkpoint, as read (not trusted)."""
         chunks = {c.hash: c.size for c in manifest.chunk_refs().values()}
         return cls(chunks, manifest.name, time.monotonic(), manifest)
+
+    @classmethod
+    def verified(cls, manifest: Manifest, trusted: int, previous: KnownChunks | None) -> KnownChunks:
+        """The chunks of a checkpoint this uploader just verified, ``trusted`` of them
+        taken as checked from ``previous`` (the knowledge its upload used): checked now
+        when none were, else as long ago as ``previous``'s were."""
+        known = cls.of(manifest)
+        checked = previous.checked_at if trusted and previous is not None else known.since
+        return replace(known, checked_at=checked)
+
+    def untrusted(self) -> KnownChunks:
+        """The same knowledge, checked again before it is reused (a routine upload's)."""
+        return replace(self, checked_at=None)
+
+    def trusted(self, now: float | None = None) -> bool:
+        """Whether these chunks may be reused and taken as checked without asking the store."""
+        now = time.monotonic() if now is None else now
+        return self.checked_at is not None and now - self.checked_at < TRUST_SECONDS
 
     @classmethod
     def from_storage(cls, storage: Storage) -> KnownChunks:
@@ -117,10 +164,10 @@ class KnownChunks:
         if not digests & self.chunks.keys():
             return self
         kept = {d: n for d, n in self.chunks.items() if d not in digests}
-        return KnownChunks(kept, self.source, self.since, self.manifest)
+        return replace(self, chunks=kept)
 
     def with_chunks(self, more: dict[str, int]) -> KnownChunks:
-        """The same knowledge plus ``more`` (chunks known stored by other means)."""
+        """The same knowledge plus ``more`` (chunks known stored by other means, so not verified)."""
         return KnownChunks({**more, **self.chunks}, self.source, self.since, self.manifest)
 
 
@@ -293,6 +340,9 @@ class ChunkedUpload:
     #: Chunks (of the new and the reused) recognized by comparison with the previous
     #: checkpoint's local copy, without hashing (see :class:`Unchanged`).
     unchanged_chunks: int = 0
+    #: The reused chunks taken from knowledge this uploader verified (digest -> size): not
+    #: checked again, here or by the verification that follows (see :func:`verify_chunks`).
+    trusted: dict[str, int] = field(default_factory=dict)
 
 
 class _Claims:
@@ -323,8 +373,9 @@ def upload_chunks(
     version 3 manifest to write after them (the caller writes it).
 
     Each file is split (:func:`~spotguard.checkpoint.chunks.plan_file`),
-    every chunk hashed; a chunk in ``known`` is checked to exist with its size
-    and not uploaded, any other is uploaded with its CRC32C. The chunks'
+    every chunk hashed (or recognized unchanged); a chunk in ``known`` is not
+    uploaded (checked to exist with its size first unless ``known.trusted()``),
+    any other is uploaded with its CRC32C. The chunks'
     CRC32Cs must combine to the file checksum the local manifest recorded (a
     file changed on disk since its checkpoint was committed is refused:
     :class:`ManifestError`). Storage errors propagate.
@@ -333,6 +384,8 @@ def upload_chunks(
     claims = _Claims()
     lock = threading.Lock()
     totals = {"new_chunks": 0, "new_bytes": 0, "reused_chunks": 0, "reused_bytes": 0, "unchanged_chunks": 0}
+    trusted: dict[str, int] = {}
+    trust = known.trusted()
     unchanged = Unchanged(Path(local_dir), known)
 
     def count(kind: str, nbytes: int) -> None:
@@ -360,6 +413,11 @@ def upload_chunks(
             with lock:
                 totals["unchanged_chunks"] += 1
         if claims.first(ref.hash):
+            if known.chunks.get(ref.hash) == ref.size and trust:
+                with lock:
+                    trusted[ref.hash] = ref.size
+                count("reused", ref.size)
+                return ref
             if known.chunks.get(ref.hash) == ref.size:
                 info = storage.stat(ref.key)
                 if info is not None and info.size == ref.size:
@@ -389,7 +447,7 @@ def upload_chunks(
         }
         tables = {path: [f.result() for f in fs] for path, fs in futures.items()}
     chunked = to_chunked(manifest, tables)
-    return ChunkedUpload(chunked, chunked.to_json(), **totals)
+    return ChunkedUpload(chunked, chunked.to_json(), **totals, trusted=trusted)
 
 
 def _users(manifest: Manifest) -> dict[str, list[str]]:
@@ -431,6 +489,8 @@ class ChunkChecks:
     read_bytes: int = 0
     store_checked: int = 0
     read_back: int = 0
+    #: Chunks taken as checked (``trusted``), not asked for.
+    trusted: int = 0
 
     @property
     def method(self) -> str:
@@ -438,7 +498,9 @@ class ChunkChecks:
             return METHOD_MIXED
         if self.read_back:
             return METHOD_READ_BACK
-        return METHOD_STORE if self.store_checked else ""
+        if self.store_checked:
+            return METHOD_STORE
+        return METHOD_TRUSTED if self.trusted else ""
 
 
 def verify_chunks(
@@ -448,12 +510,18 @@ def verify_chunks(
     checksums: bool = True,
     deep: bool = False,
     workers: int = DEFAULT_WORKERS,
+    trusted: Mapping[str, int] | None = None,
 ) -> ChunkChecks:
     """Check that every chunk ``manifest`` references exists in storage with
     its recorded size and checksum, and that no file that may be a pickle
     would run code. Never raises for a broken checkpoint; storage failures
-    other than a missing object propagate."""
+    other than a missing object propagate.
+
+    ``trusted`` (digest -> size: the chunks an upload reused from a checkpoint
+    its uploader verified, :attr:`ChunkedUpload.trusted`) are taken as checked
+    unless ``deep``; the files whose bytes are inspected are read whole still."""
     refs = manifest.chunk_refs()
+    trust = {} if deep or trusted is None else trusted
     users = _users(manifest)
     by_store = checksums and not deep and isinstance(storage, StoreChecksums)
 
@@ -491,7 +559,7 @@ def verify_chunks(
         problem = check_chunk_bytes(ref, data)
         return (where.format(problem) if problem else None), len(data), METHOD_READ_BACK
 
-    ordered = list(refs.values())
+    ordered = [ref for ref in refs.values() if trust.get(ref.hash) != ref.size]
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(ordered) or 1))) as pool:
         results = list(pool.map(check, ordered))
     problems = [p for p, _, _ in results if p]
@@ -500,6 +568,7 @@ def verify_chunks(
         read_bytes=sum(n for _, n, _ in results),
         store_checked=sum(1 for _, _, m in results if m == METHOD_STORE),
         read_back=sum(1 for _, _, m in results if m == METHOD_READ_BACK),
+        trusted=len(refs) - len(ordered),
     )
     if problems or not checksums:
         return checks

@@ -13,7 +13,9 @@ the steps, and what each outcome means, are decided here once:
 2. A checkpoint whose manifest is not in storage yet (other parts are
    missing) is ``awaiting``; :func:`publish_commit` tries the global commit
    again, and continues from step 3 once it is written.
-3. The checkpoint is verified in storage. A failed verification is
+3. The checkpoint is verified in storage (but the chunks its upload reused
+   from a checkpoint this uploader verified: trusted, see
+   :mod:`~spotguard.checkpoint.chunked`). A failed verification is
    ``unverified``; the pointer is not touched.
 4. The pointer moves forward (never back). A failure to move it is reported
    and the checkpoint stays verified: the pointer is advisory, and resume
@@ -23,7 +25,7 @@ the steps, and what each outcome means, are decided here once:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint.manifest import checkpoint_step
@@ -90,7 +92,8 @@ def publish(name: str, storage: Storage, upload: Callable[[], UploadResult]) -> 
             parts_present=result.parts_present,
             parts_total=result.parts_total,
         )
-    return verify_and_point(storage, name, Published(name, UNVERIFIED, result, seconds))
+    so_far = Published(name, UNVERIFIED, result, seconds)
+    return verify_and_point(storage, name, so_far, trusted=result.trusted_chunks)
 
 
 def publish_commit(storage: Storage, name: str) -> Published:
@@ -111,12 +114,16 @@ def publish_commit(storage: Storage, name: str) -> Published:
     return verify_and_point(storage, name, so_far)
 
 
-def verify_and_point(storage: Storage, name: str, so_far: Published) -> Published:
+def verify_and_point(
+    storage: Storage, name: str, so_far: Published, *, trusted: Mapping[str, int] | None = None
+) -> Published:
     """Steps 3 and 4: verify ``name`` in storage and move the pointer to it.
-    Any failure to verify (a storage error too) leaves it :data:`UNVERIFIED`."""
+    Any failure to verify (a storage error too) leaves it :data:`UNVERIFIED`.
+    ``trusted``: the chunks its upload reused from a checkpoint the uploader
+    verified, taken as checked (see :mod:`spotguard.checkpoint.chunked`)."""
     t1 = time.monotonic()
     try:
-        verdict = verify_checkpoint(storage, name)
+        verdict = verify_checkpoint(storage, name, trusted=trusted)
         ok, problems = bool(verdict.ok), list(verdict.problems)
     except Exception as exc:  # noqa: BLE001 - any failure to verify means not verified; the caller reports it
         verdict, ok, problems = None, False, [" ".join(str(exc).split()) or type(exc).__name__]

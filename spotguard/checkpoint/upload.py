@@ -75,6 +75,9 @@ class UploadResult:
     reused_chunks: int = 0
     #: Chunks recognized by comparison with the previous checkpoint's local copy, not hashed.
     unchanged_chunks: int = 0
+    #: Reused chunks taken from a checkpoint the uploader verified (digest -> size): the
+    #: verification of this one may take them as checked (:attr:`ChunkedUpload.trusted`).
+    trusted_chunks: dict[str, int] = field(default_factory=dict)
 
 
 class UploadCancelled(Exception):
@@ -317,7 +320,8 @@ def _upload_incremental(
 ) -> UploadResult:
     name = manifest.name
     chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
-    # The manifest goes last: its presence means every chunk it names is stored.
+    # The manifest goes last: every chunk it names was stored by now, or is one the uploader
+    # knows stored (checked, or from a checkpoint it verified: see the chunked module).
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
     pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
     log.info(
@@ -343,6 +347,7 @@ def _upload_incremental(
         new_chunks=chunked.new_chunks,
         reused_chunks=chunked.reused_chunks,
         unchanged_chunks=chunked.unchanged_chunks,
+        trusted_chunks=chunked.trusted,
     )
 
 

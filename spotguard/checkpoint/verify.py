@@ -30,6 +30,8 @@ METHOD_STORE = "store-checksum"
 METHOD_READ_BACK = "read-back"
 METHOD_MIXED = "mixed"
 METHOD_SIZES = "sizes-only"
+#: Every chunk was reused from a checkpoint its uploader had just verified (``VerifyResult.trusted``).
+METHOD_TRUSTED = "trusted"
 
 
 @dataclass
@@ -47,6 +49,9 @@ class VerifyResult:
     method: str = ""
     store_checked: int = 0
     read_back: int = 0
+    #: Chunks taken as checked: an incremental upload reused them from a checkpoint its
+    #: uploader verified (see :mod:`spotguard.checkpoint.chunked`).
+    trusted: int = 0
     #: For a distributed checkpoint: the part indices found in storage and how
     #: many it has (None for a single-process checkpoint, or when unknown).
     parts_present: list[int] | None = None

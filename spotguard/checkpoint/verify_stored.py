@@ -14,7 +14,7 @@ verifies is :mod:`~spotguard.checkpoint.latest`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from spotguard.checkpoint.chunked import verify_chunks
 from spotguard.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestError, parse_checkpoint_name
@@ -40,6 +40,7 @@ def verify_checkpoint(
     deep: bool = False,
     workers: int = 4,
     quiet: bool = False,
+    trusted: Mapping[str, int] | None = None,
 ) -> VerifyResult:
     """Check that every file in the checkpoint's manifest exists in storage
     with the recorded size and checksum (and that no pickle in it would run
@@ -59,6 +60,10 @@ def verify_checkpoint(
     the part it belongs to. A prefix with part manifests but no global
     manifest is not verified: the reason says which parts are present and
     which are missing.
+
+    ``trusted``: chunks its upload reused from a checkpoint the uploader had
+    verified (:attr:`~spotguard.checkpoint.chunked.ChunkedUpload.trusted`),
+    taken as checked unless ``deep``.
     """
     if parse_checkpoint_name(name) is None:
         return VerifyResult(name, False, [f"{name!r} is not a checkpoint name (ckpt-<12 digits>)"])
@@ -80,7 +85,9 @@ def verify_checkpoint(
             ],
         )
     if manifest.chunked:
-        chunk_checks = verify_chunks(storage, manifest, checksums=checksums, deep=deep, workers=max(workers, 8))
+        chunk_checks = verify_chunks(
+            storage, manifest, checksums=checksums, deep=deep, workers=max(workers, 8), trusted=trusted
+        )
         result = VerifyResult(
             name,
             not chunk_checks.problems,
@@ -90,6 +97,7 @@ def verify_checkpoint(
             method=chunk_checks.method if checksums else METHOD_SIZES,
             store_checked=chunk_checks.store_checked,
             read_back=chunk_checks.read_back,
+            trusted=chunk_checks.trusted,
         )
         _log_verify(storage, name, result, "chunks", quiet)
         return result
@@ -142,7 +150,7 @@ def verify_checkpoint(
 def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str, quiet: bool = False) -> None:
     log.log(
         logging.DEBUG if quiet else logging.INFO,
-        "verify %s: %s by %s (%d %s by store checksum, %d read back, %d bytes read)",
+        "verify %s: %s by %s (%d %s by store checksum, %d read back, %d bytes read%s)",
         storage.uri_for(name),
         "ok" if result.ok else "FAILED",
         result.method,
@@ -150,6 +158,7 @@ def _log_verify(storage: Storage, name: str, result: VerifyResult, unit: str, qu
         unit,
         result.read_back,
         result.checked_bytes,
+        f", {result.trusted} trusted" if result.trusted else "",
     )
 
 

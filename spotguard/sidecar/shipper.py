@@ -310,7 +310,7 @@ class CheckpointShipper:
             for name in names:
                 if should_stop is not None and should_stop():
                     break
-                shipped = self._ship_one(paths[name], should_stop)
+                shipped = self._ship_one(paths[name], should_stop, trust=newest_only)
                 if shipped is None:
                     if should_stop is not None and should_stop():
                         break  # a preemption: the emergency path ships the newest
@@ -373,12 +373,16 @@ class CheckpointShipper:
         if interval is not None:
             self.metrics.set_interval(interval)
 
-    def _ship_one(self, path: Path, should_stop: Callable[[], bool] | None = None) -> Shipped | None:
+    def _ship_one(
+        self, path: Path, should_stop: Callable[[], bool] | None = None, *, trust: bool = False
+    ) -> Shipped | None:
+        """Publish ``path``; ``trust`` (against a deadline): reuse the chunks of the checkpoint
+        verified last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`)."""
 
         name = path.name
         t0 = time.monotonic()
         try:
-            published = publish(name, self.storage, lambda: self._upload(path, should_stop))
+            published = publish(name, self.storage, lambda: self._upload(path, should_stop, trust))
         except UploadCancelled:
             log.warning(
                 # Its own stage: ``stage=upload`` lines report a finished upload and its bytes.
@@ -424,13 +428,15 @@ class CheckpointShipper:
             return None
         return self._settle(published, nbytes, upload_seconds)
 
-    def _upload(self, path: Path, should_stop: Callable[[], bool] | None) -> Any:
+    def _upload(self, path: Path, should_stop: Callable[[], bool] | None, trust: bool) -> Any:
         """Upload ``path`` with :func:`upload_stoppable` (the pointer moves only after verification),
         resuming an earlier stopped upload of the same checkpoint; a stop is recorded in :attr:`stopped`."""
         name = path.name
         with self._stopped_lock:
             earlier = self.stopped.get(name)
         known = self._known_chunks() if self.incremental else None
+        if known is not None and not trust:
+            known = known.untrusted()
         return upload_stoppable(
             path, self.storage, known, earlier, should_stop, lambda chunks: self._note_stopped(name, chunks)
         )
@@ -504,10 +510,11 @@ class CheckpointShipper:
             self.metrics.observe_upload_failed("verify")
             log.error("verification of %s failed after %.3fs: %s", name, verify_seconds, "; ".join(problems))
             return None
-        log_stage("verify", verify_seconds, name=name)
         verdict = published.verdict
+        log_stage("verify", verify_seconds, name=name, trusted_chunks=verdict.trusted if verdict is not None else None)
         if verdict is not None and verdict.manifest is not None and verdict.manifest.chunked:
-            self._known = KnownChunks.of(verdict.manifest)
+            # Trusted by the next upload for a while: see checkpoint.chunked.
+            self._known = KnownChunks.verified(verdict.manifest, verdict.trusted, self._known)
             self._suspect -= self._known.chunks.keys()
         now = time.time()
         shipped = Shipped(name, published.step, nbytes, upload_seconds, verify_seconds, now)

@@ -154,7 +154,7 @@ class Shipping:
         should_stop = self._preempting if until is None else None
         while True:
             try:
-                verified = self._upload_once(path, should_stop)
+                verified = self._upload_once(path, should_stop, trust=until is not None)
                 self._shipping = True
                 break
             except UploadCancelled:
@@ -183,15 +183,18 @@ class Shipping:
             self._record.last_error = exc
             log.error("retention after the upload of %s failed: %s", path.name, exc)
 
-    def _upload_once(self, path: Path, should_stop: Callable[[], bool] | None = None) -> bool:
+    def _upload_once(self, path: Path, should_stop: Callable[[], bool] | None = None, *, trust: bool = False) -> bool:
         """Publish ``path`` once; True once it is verified in storage (False: one
         node's part, stored, waiting for the others). Raises on failure,
-        :class:`UploadCancelled` when ``should_stop`` stopped the upload."""
+        :class:`UploadCancelled` when ``should_stop`` stopped the upload.
+        ``trust`` (a preemption's): reuse the chunks of the checkpoint verified
+        last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`)."""
         storage = self._open_storage()
         resume = path.name in self.stopped
         incremental: bool | KnownChunks = False
         if self._settings.incremental:
-            self._known = incremental = current_known(storage, self._known)
+            self._known = current_known(storage, self._known)
+            incremental = self._known if trust else self._known.untrusted()
         published = publish(
             path.name,
             storage,
@@ -227,7 +230,9 @@ class Shipping:
         self.awaiting.discard(published.name)
         manifest = published.verdict.manifest if published.verdict is not None else None
         if manifest is not None and manifest.chunked:
-            self._known = KnownChunks.of(manifest)  # what the next incremental upload may reuse
+            # What the next incremental upload may reuse, verified here: trusted (see checkpoint.chunked).
+            trusted = published.verdict.trusted if published.verdict is not None else 0
+            self._known = KnownChunks.verified(manifest, trusted, self._known)
         # An older part still waiting would never be resumed from: a newer checkpoint is verified.
         self.awaiting -= {n for n in self.awaiting if checkpoint_step(n) < published.step}
         if published.pointer_error is not None:

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     verify_checkpoint,
 )
+from spotguard.checkpoint.chunked import TRUST_SECONDS
 from spotguard.checkpoint.codec import snapshot_state
 from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
 from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
@@ -158,6 +160,61 @@ def test_a_known_chunk_missing_from_storage_is_uploaded_again(s3_store, s3_uri: 
 
 
 @pytest.mark.integration
+def test_chunks_the_uploader_verified_are_reused_and_taken_as_checked_without_a_request_each(
+    s3_store, s3_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Knowledge from a checkpoint the uploader verified itself: the next upload
+    asks nothing of its chunks, and that checkpoint's verification asks only of
+    the chunks that are new. Stale trust (older than TRUST_SECONDS), knowledge
+    read from storage, and a deep verification ask of every chunk again."""
+    storage = s3_storage(s3_store, s3_uri)
+    asked: list[str] = []
+    for method in ("stat", "stored_checksum"):
+        real = getattr(storage, method)
+
+        def counted(key: str, _real: Any = real) -> Any:
+            if key.startswith(f"{CHUNKS_DIR}/"):
+                asked.append(key)
+            return _real(key)
+
+        monkeypatch.setattr(storage, method, counted)
+
+    upload_checkpoint(commit(tmp_path, 10, 0), storage, incremental=True)
+    first = verify_checkpoint(storage, checkpoint_name(10))
+    assert first.ok and first.trusted == 0 and first.manifest is not None
+    assert len(asked) == first.store_checked == len(first.manifest.chunk_refs())
+    known = KnownChunks.verified(first.manifest, first.trusted, None)
+    assert known.trusted()
+
+    asked.clear()
+    second = upload_checkpoint(commit(tmp_path, 20, 1), storage, incremental=known)
+    assert asked == [], asked  # no HEAD per reused chunk
+    assert second.reused_chunks > 0 and set(second.trusted_chunks) <= set(known.chunks)
+    assert len(second.trusted_chunks) == second.reused_chunks
+    verdict = verify_checkpoint(storage, checkpoint_name(20), trusted=second.trusted_chunks)
+    assert verdict.ok and verdict.trusted == second.reused_chunks
+    assert verdict.manifest is not None
+    new = set(verdict.manifest.chunk_refs()) - set(second.trusted_chunks)
+    assert {key.rsplit("/", 1)[1] for key in asked} == new and verdict.store_checked == len(new)
+    # The trust of a checkpoint verified by trusting another runs from the older check.
+    chained = KnownChunks.verified(verdict.manifest, verdict.trusted, known)
+    assert chained.checked_at == known.checked_at
+    assert not replace(chained, checked_at=time.monotonic() - TRUST_SECONDS - 1).trusted()
+
+    deep = verify_checkpoint(storage, checkpoint_name(20), trusted=second.trusted_chunks, deep=True)
+    assert deep.ok and deep.trusted == 0
+
+    for untrusted in (
+        replace(known, checked_at=time.monotonic() - TRUST_SECONDS - 1),
+        KnownChunks.of(first.manifest),
+        known.with_chunks({}),
+    ):
+        asked.clear()
+        third = upload_checkpoint(commit(tmp_path / "again", 20, 1), storage, incremental=untrusted)
+        assert third.trusted_chunks == {} and len(asked) == third.reused_chunks > 0
+
+
+@pytest.mark.integration
 def test_a_damaged_shared_chunk_fails_every_checkpoint_using_it(s3_store, s3_uri: str, tmp_path: Path) -> None:
     """Checkpoints 20 and 30 share an adapter chunk that 10 does not have;
     damaging it in storage fails both, naming the chunk and its file, and
@@ -246,6 +303,11 @@ def test_spotguard_run_resumes_bitwise_after_walking_back_past_a_damaged_shared_
     # file (hashed once: new offsets); from the third on that file is linked, and its chunks are not hashed.
     unchanged = [int(line.split(" unchanged_chunks=")[1].split()[0]) for line in uploads]
     assert unchanged[0] == 0 and all(n > 0 for n in unchanged[2:]), uploads
+    # Routine verifications check every chunk; the SIGTERM's takes the chunks its upload reused
+    # from the checkpoint verified before it as checked (no request each).
+    verifies = [line for line in (tmp_path / "run1.log").read_text().splitlines() if "stage=verify " in line]
+    trusted = [int(line.split(" trusted_chunks=")[1].split()[0]) for line in verifies]
+    assert len(trusted) == len(uploads) and trusted[-1] > 0 and not any(trusted[:-1]), verifies
 
     # Damage a chunk the newest checkpoint shares with the one before it but
     # not with the oldest: both newest fail, resume walks back further.
