@@ -19,6 +19,16 @@ What GCS gives natively, and how it is used:
 - **Resumable uploads** for large files (in ``chunk_size`` pieces, each
   retried on its own), many files uploaded concurrently, ranged reads in
   parallel for large objects.
+- **Parallel composite uploads** for files of ``composite_threshold`` bytes
+  or more (a model's weights in one file): up to 32 pieces go up at once as
+  temporary objects, one ``compose`` request joins them server-side, and the
+  composed object's CRC32C (GCS computes it over all its bytes) must be the
+  combination of the pieces' (each checked against the local bytes as it went
+  up); then the pieces are deleted. One file moves at the store's aggregate
+  speed rather than one stream's. The pieces live below ``gc/compose/``;
+  an upload that died leaves them there, and they are what
+  :meth:`GcsStorage.list_pending_uploads` lists, so the collector's removal
+  of stale uploads removes them (as it aborts S3's multipart uploads).
 - **Retries** of 408, 429 and 5xx answers and of dropped connections, with
   exponential backoff until ``retry_deadline`` (the client's ``DEFAULT_RETRY``).
   Writes are retried too, conditional ones included, as the GCS retry
@@ -34,16 +44,15 @@ What GCS gives natively, and how it is used:
 
 Unfinished resumable uploads cannot be listed through the API (they are not
 objects, and the service discards a session a week after it started), so
-:meth:`GcsStorage.list_pending_uploads` returns nothing. Parallel composite
-uploads are not used: one large file goes up as one resumable stream, and
-parallelism comes from the many files of a checkpoint (or the chunks of an
-incremental one).
+:meth:`GcsStorage.list_pending_uploads` lists only the pieces of composite
+uploads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import threading
 import uuid
@@ -51,7 +60,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import google_crc32c
 from google.api_core import exceptions as gexc
@@ -90,6 +99,14 @@ from spotguard.storage.gcs_client import (
 MiB = 1 << 20
 #: The most calls one batch request may carry (a GCS limit).
 BATCH_LIMIT = 100
+#: The most objects one ``compose`` request joins (a GCS limit).
+COMPOSE_LIMIT = 32
+#: Where the pieces of a parallel composite upload wait for their ``compose``:
+#: ``gc/compose/<upload id>.<piece>/<target key>``.
+COMPOSE_DIR = "gc/compose"
+
+
+log = logging.getLogger(__name__)
 
 
 # -- pure helpers -------------------------------------------------------------------
@@ -117,6 +134,34 @@ def stored_checksum_from(crc32c: str | None, size: int) -> StoredChecksum | None
     return StoredChecksum("crc32c", value, size, "full-object")
 
 
+def composite_pieces(size: int, threshold: int, min_piece: int) -> list[tuple[int, int]]:
+    """Pure: the ``(offset, length)`` pieces a file of ``size`` bytes goes up in:
+    one (the whole file) below ``threshold``, else at most :data:`COMPOSE_LIMIT`
+    pieces of at least ``min_piece`` bytes (a multiple of 256 KiB), the last one
+    the remainder."""
+    if threshold <= 0 or size < threshold or size <= min_piece:
+        return [(0, size)]
+    piece = upload_chunk_size(max(min_piece, -(-size // COMPOSE_LIMIT)))
+    return [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
+
+
+def piece_key(upload_id: str, index: int, key: str) -> str:
+    """Pure: the key of piece ``index`` of a composite upload of ``key``."""
+    return f"{COMPOSE_DIR}/{upload_id}.{index:02d}/{key}"
+
+
+def parse_piece_key(rel: str) -> tuple[str, str] | None:
+    """Pure: ``(upload id, target key)`` of a composite upload's piece, or None."""
+    head, sep, rest = rel.partition(f"{COMPOSE_DIR}/")
+    if head or not sep:
+        return None
+    piece, sep, key = rest.partition("/")
+    upload_id, dot, index = piece.rpartition(".")
+    if not sep or not key or not dot or not upload_id or not index.isdigit():
+        return None
+    return upload_id, key
+
+
 def generation_of(etag: str | None) -> int | None:
     """Pure: the generation an entity tag of this backend names, or None when it
     is not one (a tag from another store can never match)."""
@@ -142,6 +187,8 @@ class GcsStorage:
     needed for objects), ``max_concurrency`` (transfers in flight),
     ``chunk_size`` (resumable upload pieces, rounded up to 256 KiB),
     ``resumable_threshold`` (smaller files go in one request),
+    ``composite_threshold`` (larger files go up as parallel pieces joined by
+    ``compose``; 0 turns that off) and ``composite_piece`` (their least size),
     ``read_chunk_size`` (ranged reads), ``retry_deadline`` and
     ``retry_initial_delay`` (backoff of the client's retries),
     ``connect_timeout``/``read_timeout`` (per request), ``batch_deletes``
@@ -161,6 +208,8 @@ class GcsStorage:
         max_concurrency: int = 8,
         chunk_size: int = 32 * MiB,
         resumable_threshold: int = 8 * MiB,
+        composite_threshold: int = 128 * MiB,
+        composite_piece: int = 32 * MiB,
         read_chunk_size: int = 16 * MiB,
         retry_deadline: float = 120.0,
         retry_initial_delay: float = 1.0,
@@ -181,6 +230,8 @@ class GcsStorage:
         self._concurrency = max(1, max_concurrency)
         self._chunk_size = upload_chunk_size(chunk_size)
         self._resumable_threshold = max(0, resumable_threshold)
+        self._composite_threshold = max(0, composite_threshold)
+        self._composite_piece = upload_chunk_size(composite_piece)
         self._read_chunk = max(read_chunk_size, CHUNK_QUANTUM)
         self._retry = DEFAULT_RETRY.with_deadline(retry_deadline).with_delay(initial=retry_initial_delay)
         self._retry_deadline = retry_deadline
@@ -532,8 +583,83 @@ class GcsStorage:
         if not items:
             return
         report = locked_progress(progress) if progress else None
-        with ThreadPoolExecutor(max_workers=min(self._concurrency, len(items)), thread_name_prefix="gcs-put") as pool:
-            wait_all([pool.submit(self._upload_file, src, key, report) for src, key in items])
+        composites: list[_Composite] = []
+        with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-put") as pool:
+            futures: list[Future[Any]] = []
+            for src, key in items:
+                pieces = composite_pieces(src.stat().st_size, self._composite_threshold, self._composite_piece)
+                if len(pieces) == 1:
+                    futures.append(pool.submit(self._upload_file, src, key, report))
+                    continue
+                composite = _Composite(key, uuid.uuid4().hex, pieces)
+                composite.futures = [
+                    pool.submit(self._upload_piece, src, offset, length, composite.piece(i), report)
+                    for i, (offset, length) in enumerate(pieces)
+                ]
+                composites.append(composite)
+                futures.extend(composite.futures)
+            try:
+                wait_all(futures)
+                for composite in composites:  # one request each, while nothing else waits
+                    self._compose(composite)
+            except BaseException:
+                self._discard_pieces([c.piece(i) for c in composites for i in range(len(c.pieces))])
+                raise
+
+    def _upload_piece(self, src: Path, offset: int, length: int, key: str, progress: ProgressCallback | None) -> int:
+        """One piece of a composite upload, as a resumable upload checked by its CRC32C;
+        returns the CRC32C the service computed."""
+        reported = _Furthest(progress)
+
+        def once() -> int:
+            blob = self._blob(key, chunk_size=self._chunk_size)
+            with open(src, "rb") as f:
+                blob.upload_from_file(
+                    _ProgressReader(cast("IO[bytes]", _Window(f, offset, length)), reported),
+                    size=None,
+                    checksum="crc32c",
+                    retry=self._retry,
+                    timeout=self._timeout,
+                )
+            crc = crc32c_from_base64(blob.crc32c or "")
+            if crc is None:
+                raise StorageError(f"{self.uri_for(key)}: the service reported no CRC32C for a composite piece")
+            return crc
+
+        with self._errors(self.uri_for(key)):
+            return checked(self.uri_for(key), once)
+
+    def _compose(self, composite: _Composite) -> None:
+        """Join a composite upload's pieces into its key, check the CRC32C the service
+        computed for the whole object against the pieces', delete the pieces."""
+        key = composite.key
+        expected = crc32c_of_parts(
+            (f.result(), length) for f, (_, length) in zip(composite.futures, composite.pieces, strict=True)
+        )
+        with self._errors(self.uri_for(key)):
+            blob = self._blob(key)
+            # Idempotent here (the same pieces give the same object), so retried as any write.
+            blob.compose(
+                [self._blob(composite.piece(i)) for i in range(len(composite.pieces))],
+                retry=self._retry,
+                timeout=self._timeout,
+            )
+        got = crc32c_from_base64(blob.crc32c or "")
+        if got != expected:
+            raise StorageError(
+                f"{self.uri_for(key)}: the composed object's CRC32C ({blob.crc32c}) is not its pieces' "
+                f"({expected:08x}); not kept as uploaded"
+            )
+        self._discard_pieces([composite.piece(i) for i in range(len(composite.pieces))])
+
+    def _discard_pieces(self, keys: list[str]) -> None:
+        """Best effort: what is left is listed as a pending upload, which the collector removes."""
+        if not keys:
+            return
+        try:
+            self.delete(keys)
+        except Exception as exc:  # noqa: BLE001 - best effort: the collector removes what is left
+            log.warning("%s: %d composite upload piece(s) left for the collector: %s", self.uri, len(keys), exc)
 
     def _upload_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
         size = src.stat().st_size
@@ -613,13 +739,62 @@ class GcsStorage:
             wait_all([pool.submit(one, name) for name in names])
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
-        """Always empty: GCS has no API that lists unfinished resumable uploads.
-        They are not objects (nothing reads or lists them), and the service
-        discards a session a week after it started."""
-        return []
+        """The composite uploads whose pieces are still stored (an upload in flight, or
+        one that died before its ``compose``), for target keys below ``prefix``; started
+        when their first piece was. Unfinished resumable uploads are not listed: GCS
+        has no API for them (they are not objects, and the service discards a session
+        a week after it started)."""
+        started: dict[tuple[str, str], float] = {}
+        for info in self.list_objects(f"{COMPOSE_DIR}/"):
+            parsed = parse_piece_key(info.key)
+            if parsed is None or not parsed[1].startswith(prefix):
+                continue
+            upload_id, key = parsed
+            started[(key, upload_id)] = min(info.modified, started.get((key, upload_id), info.modified))
+        return [PendingUpload(key, upload_id, when) for (key, upload_id), when in sorted(started.items())]
 
     def abort_upload(self, upload: PendingUpload) -> None:
-        """Nothing to do (see :meth:`list_pending_uploads`)."""
+        """Delete the pieces of a composite upload (see :meth:`list_pending_uploads`)."""
+        keys = [
+            info.key
+            for info in self.list_objects(f"{COMPOSE_DIR}/{upload.upload_id}.")
+            if parse_piece_key(info.key) == (upload.upload_id, upload.key)
+        ]
+        self.delete(keys)
+
+
+class _Composite:
+    """A file going up as pieces joined by ``compose``."""
+
+    def __init__(self, key: str, upload_id: str, pieces: list[tuple[int, int]]) -> None:
+        self.key = key
+        self.upload_id = upload_id
+        self.pieces = pieces
+        self.futures: list[Future[int]] = []
+
+    def piece(self, index: int) -> str:
+        return piece_key(self.upload_id, index, self.key)
+
+
+class _Window:
+    """``length`` bytes of an open file from ``offset``, read as a file of their own."""
+
+    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
+        self._f = f
+        self._start = offset
+        self._end = offset + length
+        f.seek(offset)
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._end - self._f.tell()
+        return self._f.read(left if n is None or n < 0 else min(n, left)) if left > 0 else b""
+
+    def tell(self) -> int:
+        return self._f.tell() - self._start
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._f.tell(), os.SEEK_END: self._end}[whence]
+        return self._f.seek(base + offset) - self._start
 
 
 class _Furthest:

@@ -207,6 +207,45 @@ def test_large_files_go_up_as_resumable_uploads_and_many_files_at_once(
     assert storage.list_dirs("") == []
 
 
+def test_a_large_file_goes_up_as_parallel_pieces_composed_by_the_service(
+    gcs_store: Any, gs_uri: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A file above ``composite_threshold``: its pieces go up at once, one compose
+    request joins them, the object's CRC32C is the file's, no piece is left. A
+    composite upload that dies before its compose leaves its pieces listed as a
+    pending upload, which the collector removes as it aborts S3's multipart uploads."""
+    storage = gs(gcs_store, gs_uri, endpoint_url=proxy.url, composite_threshold=2 * MiB, composite_piece=512 << 10)
+    big = os.urandom(5 * MiB + 3)
+    (tmp_path / "big.bin").write_bytes(big)
+    small = os.urandom(100 << 10)  # one request
+    (tmp_path / "small.bin").write_bytes(small)
+    seen: list[int] = []
+    key = f"{checkpoint_name(1)}/model.safetensors"
+    storage.upload_files([(tmp_path / "big.bin", key), (tmp_path / "small.bin", "small.bin")], progress=seen.append)
+    assert sum(seen) == len(big) + len(small)
+    assert len(proxy.requests("POST", r"uploadType=resumable")) == 11  # ceil((5 MiB + 3) / 512 KiB) pieces
+    assert len(proxy.requests("POST", r"/compose")) == 1
+    assert storage.read_bytes(key) == big and storage.read_bytes("small.bin") == small
+    stored = storage.stored_checksum(key)
+    assert stored is not None and (stored.value, stored.size) == (crc(big), len(big))
+    assert list(storage.list_objects("gc/")) == [] and storage.list_pending_uploads() == []
+
+    # The compose refused, and the pieces' deletion too: they stay, listed as one pending upload.
+    proxy.add(status(403, "forbidden"), method="POST", path=r"/compose", times=1)
+    proxy.add(status(403, "forbidden"), method="DELETE")
+    with pytest.raises(StorageError):
+        storage.upload_files([(tmp_path / "big.bin", f"{checkpoint_name(2)}/model.safetensors")])
+    proxy.clear()
+    assert storage.stat(f"{checkpoint_name(2)}/model.safetensors") is None
+    pending = storage.list_pending_uploads()
+    assert [p.key for p in pending] == [f"{checkpoint_name(2)}/model.safetensors"], pending
+    assert storage.list_pending_uploads(f"{checkpoint_name(1)}/") == []
+    assert len(list(storage.list_objects("gc/compose/"))) == 11
+    report = collect_garbage(storage, RetentionPolicy(keep_last=5), stale_upload_age=0.0)
+    assert [u.upload_id for u in report.aborted_uploads] == [pending[0].upload_id]
+    assert list(storage.list_objects("gc/compose/")) == [] and storage.list_pending_uploads() == []
+
+
 def test_generations_are_the_entity_tags(gcs_store: Any, gs_uri: str, proxy: FaultProxy) -> None:
     storage = gs(gcs_store, gs_uri, endpoint_url=proxy.url)
     first = storage.write_bytes("latest", b"1", if_none_match=True)

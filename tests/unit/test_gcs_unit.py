@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from testenv.require import require_module
@@ -11,7 +13,18 @@ require_module("google.cloud.storage")
 from spotguard.storage import Storage, StorageError, StoreChecksums, open_storage  # noqa: E402
 from spotguard.storage.base import byte_ranges  # noqa: E402
 from spotguard.storage.checksum import crc32c_to_base64  # noqa: E402
-from spotguard.storage.gcs import GcsStorage, _Furthest, crc32c_hex, generation_of, stored_checksum_from  # noqa: E402
+from spotguard.storage.gcs import (  # noqa: E402
+    COMPOSE_LIMIT,
+    GcsStorage,
+    _Furthest,
+    _Window,
+    composite_pieces,
+    crc32c_hex,
+    generation_of,
+    parse_piece_key,
+    piece_key,
+    stored_checksum_from,
+)
 from spotguard.storage.gcs_client import parse_gs_uri, upload_chunk_size  # noqa: E402
 
 
@@ -52,7 +65,6 @@ def test_open_storage_makes_a_gcs_storage_without_touching_the_network() -> None
     assert storage.uri == "gs://bucket/a/b" and repr(storage) == "GcsStorage('gs://bucket/a/b')"
     assert storage.uri_for("ckpt-1/manifest.json") == "gs://bucket/a/b/ckpt-1/manifest.json"
     assert storage.supports_conditional_writes
-    assert storage.list_pending_uploads("") == []
     assert open_storage("gs://bucket").uri == "gs://bucket"
     with pytest.raises(StorageError, match="invalid bucket name"):
         open_storage("gs://UPPER/x")
@@ -100,3 +112,47 @@ def test_progress_counts_each_byte_once_when_pieces_are_read_again() -> None:
     for offset in (100, 200, 150, 200, 300):  # a retried piece is read again from 100
         furthest.reached(offset)
     assert seen == [100, 100, 100] and sum(seen) == 300
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "size, threshold, least, want",
+    [
+        (100 * MiB, 128 * MiB, 32 * MiB, [(0, 100 * MiB)]),  # below the threshold: one upload
+        (200 * MiB, 0, 32 * MiB, [(0, 200 * MiB)]),  # turned off
+        (200 * MiB, 128 * MiB, 32 * MiB, [(i * 32 * MiB, 32 * MiB) for i in range(6)] + [(192 * MiB, 8 * MiB)]),
+        (5 * MiB + 3, 2 * MiB, 512 << 10, [(i << 19, 512 << 10) for i in range(10)] + [(10 << 19, 3)]),
+    ],
+)
+def test_composite_pieces(size: int, threshold: int, least: int, want: list[tuple[int, int]]) -> None:
+    assert composite_pieces(size, threshold, least) == want
+
+
+def test_composite_pieces_of_a_large_file_are_at_most_the_compose_limit_and_cover_it() -> None:
+    size = 14 * (1 << 30) + 12345
+    pieces = composite_pieces(size, 128 * MiB, 32 * MiB)
+    assert len(pieces) <= COMPOSE_LIMIT
+    assert all(length % (256 << 10) == 0 for _, length in pieces[:-1])
+    assert [o for o, _ in pieces] == [sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+    assert sum(n for _, n in pieces) == size
+
+
+def test_piece_keys_name_their_upload_and_target() -> None:
+    key = piece_key("abc123", 7, "ckpt-000000000010/model.safetensors")
+    assert key == "gc/compose/abc123.07/ckpt-000000000010/model.safetensors"
+    assert parse_piece_key(key) == ("abc123", "ckpt-000000000010/model.safetensors")
+    for other in ("gc/compose/abc123/ckpt-1/x", "gc/compose/abc.x/k", "chunks/ab/abc", "x/gc/compose/a.01/k"):
+        assert parse_piece_key(other) is None, other
+
+
+def test_a_window_reads_its_range_as_a_file_of_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 4)
+    with open(path, "rb") as f:
+        w = _Window(f, 100, 50)
+        assert w.tell() == 0 and w.read(10) == bytes(range(100, 110)) and w.tell() == 10
+        assert w.read() == bytes(range(110, 150)) and w.read(5) == b""
+        assert w.seek(5) == 5 and w.read(3) == bytes(range(105, 108))
+        assert w.seek(0, 2) == 50 and w.read(1) == b""
