@@ -11,7 +11,8 @@ Crash trials: kills at stratified instants (trial i of n at (i + U)/n of two
 measured cycles) of an uploader that also applies retention and sweeps
 chunks, and of an uploader beside a separate collector (30 in ``make soak``,
 9 in ``make test``; ``testenv.trials`` prints the seed, ``SPOTGUARD_TEST_SEED``
-repeats a run), each kill's stage printed; then
+repeats a run), each kill's stage printed, on S3 and on gs:// (fake-gcs-server)
+alike; then
 kills aimed at each stage of a collection, where the fault proxy
 (``testenv/faultproxy.py``) holds one request: between the tombstone and the
 manifest's deletion, before the sweep, during it, and before the tombstone's
@@ -630,20 +631,34 @@ def wait_until_no_live_upload(storage: Storage, timeout: float) -> None:
         time.sleep(0.5)
 
 
+@pytest.fixture(params=["s3", "gs"])
+def trial_store(request: pytest.FixtureRequest) -> tuple[str, Any, dict[str, Any]]:
+    """The crash trials' store: (root URI, the store's fixture, ``open_storage`` options),
+    S3 (SeaweedFS) or gs:// (fake-gcs-server): the same promises hold on both."""
+    if request.param == "s3":
+        store = request.getfixturevalue("s3_store")
+        return request.getfixturevalue("s3_uri"), store, s3_options(store)
+    store = request.getfixturevalue("gcs_store")
+    return request.getfixturevalue("gs_uri"), store, store.options()
+
+
 @pytest.mark.trials
-def test_crash_trials(s3_store: Any, s3_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_trials(
+    trial_store: tuple[str, Any, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, store, options = trial_store
     seed = trials.seed()
     rng = trials.rng("chunk-gc")
-    print(f"\nchunk-gc crash-trial seed {seed}")
-    env = subprocess_env(s3_store, SPOTGUARD_GC_LEASE_SECONDS=str(TRIAL_LEASE))
+    print(f"\nchunk-gc crash-trial seed {seed} on {root.split(':', 1)[0]}")
+    env = subprocess_env(store, SPOTGUARD_GC_LEASE_SECONDS=str(TRIAL_LEASE))
     monkeypatch.setenv("SPOTGUARD_GC_LEASE_SECONDS", str(TRIAL_LEASE))  # the checks' collections below
     check_orphan_grace(CONCURRENT_GRACE)
     outcomes: list[Outcome] = []
     ledgers: dict[str, Ledger] = {}
     stores: dict[str, tuple[str, Storage]] = {}
     for mode in ("cycle", "concurrent"):
-        uri = f"{s3_uri}/{mode}"
-        stores[mode] = (uri, open_storage(uri, **s3_options(s3_store)))
+        uri = f"{root}/{mode}"
+        stores[mode] = (uri, open_storage(uri, **options))
         ledgers[mode] = Ledger()
     # Interleaved, so that each root's garbage ages past the collector's grace meanwhile.
     n, c = CYCLE_TRIALS + CONCURRENT_TRIALS, CONCURRENT_TRIALS
