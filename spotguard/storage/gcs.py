@@ -20,15 +20,9 @@ What GCS gives natively, and how it is used:
   retried on its own), many files uploaded concurrently, ranged reads in
   parallel for large objects.
 - **Parallel composite uploads** for files of ``composite_threshold`` bytes
-  or more (a model's weights in one file): up to 32 pieces go up at once as
-  temporary objects, one ``compose`` request joins them server-side, and the
-  composed object's CRC32C (GCS computes it over all its bytes) must be the
-  combination of the pieces' (each checked against the local bytes as it went
-  up); then the pieces are deleted. One file moves at the store's aggregate
-  speed rather than one stream's. The pieces live below ``gc/compose/``;
-  an upload that died leaves them there, and they are what
-  :meth:`GcsStorage.list_pending_uploads` lists, so the collector's removal
-  of stale uploads removes them (as it aborts S3's multipart uploads).
+  or more: up to 32 pieces at once, joined by one ``compose`` whose CRC32C
+  must combine the pieces'; a dead upload's pieces are pending uploads the
+  collector removes (:mod:`spotguard.storage.gcs_pieces`).
 - **Retries** of 408, 429 and 5xx answers and of dropped connections, with
   exponential backoff until ``retry_deadline`` (the client's ``DEFAULT_RETRY``).
   Writes are retried too, conditional ones included, as the GCS retry
@@ -42,10 +36,8 @@ What GCS gives natively, and how it is used:
 - **Batch deletes**: up to 100 deletions per HTTP request (one request per
   object against a custom endpoint, whose emulator may have no batches).
 
-Unfinished resumable uploads cannot be listed through the API (they are not
-objects, and the service discards a session a week after it started), so
-:meth:`GcsStorage.list_pending_uploads` lists only the pieces of composite
-uploads.
+Unfinished resumable sessions cannot be listed (they are not objects; GCS
+discards them after a week): only composite pieces are pending uploads.
 """
 
 from __future__ import annotations
@@ -89,85 +81,30 @@ from spotguard.storage.checksum import crc32c_from_base64, crc32c_of_parts
 from spotguard.storage.gcs_client import (
     CHUNK_QUANTUM,
     checked,
+    crc32c_hex,
     endpoint_of,
     gcs_errors,
+    generation_of,
     make_client,
     parse_gs_uri,
+    stored_checksum_from,
     upload_chunk_size,
+)
+from spotguard.storage.gcs_pieces import (
+    COMPOSE_DIR,
+    Composite,
+    Furthest,
+    ProgressReader,
+    Window,
+    composite_pieces,
+    parse_piece_key,
 )
 
 MiB = 1 << 20
 #: The most calls one batch request may carry (a GCS limit).
 BATCH_LIMIT = 100
-#: The most objects one ``compose`` request joins (a GCS limit).
-COMPOSE_LIMIT = 32
-#: Where the pieces of a parallel composite upload wait for their ``compose``:
-#: ``gc/compose/<upload id>.<piece>/<target key>``.
-COMPOSE_DIR = "gc/compose"
-
 
 log = logging.getLogger(__name__)
-
-
-# -- pure helpers -------------------------------------------------------------------
-
-
-def crc32c_hex(value: str | None) -> str | None:
-    """Pure: an object's ``crc32c`` as GCS reports it (base64 of 4 big-endian bytes)
-    in the manifest's notation (8 lowercase hex digits), or None when absent or malformed."""
-    if not value:
-        return None
-    crc = crc32c_from_base64(value)
-    if crc is None or "-" in value:
-        return None
-    return f"{crc:08x}"
-
-
-def stored_checksum_from(crc32c: str | None, size: int) -> StoredChecksum | None:
-    """Pure: the :class:`StoredChecksum` for an object's ``crc32c`` metadata.
-
-    GCS computes the CRC32C of every object over all its bytes (composed
-    objects included), so it is always a whole-object value."""
-    value = crc32c_hex(crc32c)
-    if value is None:
-        return None
-    return StoredChecksum("crc32c", value, size, "full-object")
-
-
-def composite_pieces(size: int, threshold: int, min_piece: int) -> list[tuple[int, int]]:
-    """Pure: the ``(offset, length)`` pieces a file of ``size`` bytes goes up in:
-    one (the whole file) below ``threshold``, else at most :data:`COMPOSE_LIMIT`
-    pieces of at least ``min_piece`` bytes (a multiple of 256 KiB), the last one
-    the remainder."""
-    if threshold <= 0 or size < threshold or size <= min_piece:
-        return [(0, size)]
-    piece = upload_chunk_size(max(min_piece, -(-size // COMPOSE_LIMIT)))
-    return [(offset, min(piece, size - offset)) for offset in range(0, size, piece)]
-
-
-def piece_key(upload_id: str, index: int, key: str) -> str:
-    """Pure: the key of piece ``index`` of a composite upload of ``key``."""
-    return f"{COMPOSE_DIR}/{upload_id}.{index:02d}/{key}"
-
-
-def parse_piece_key(rel: str) -> tuple[str, str] | None:
-    """Pure: ``(upload id, target key)`` of a composite upload's piece, or None."""
-    head, sep, rest = rel.partition(f"{COMPOSE_DIR}/")
-    if head or not sep:
-        return None
-    piece, sep, key = rest.partition("/")
-    upload_id, dot, index = piece.rpartition(".")
-    if not sep or not key or not dot or not upload_id or not index.isdigit():
-        return None
-    return upload_id, key
-
-
-def generation_of(etag: str | None) -> int | None:
-    """Pure: the generation an entity tag of this backend names, or None when it
-    is not one (a tag from another store can never match)."""
-    if etag is None or not etag.isdigit():
-        return None
-    return int(etag)
 
 
 # -- the backend ----------------------------------------------------------------------
@@ -583,7 +520,7 @@ class GcsStorage:
         if not items:
             return
         report = locked_progress(progress) if progress else None
-        composites: list[_Composite] = []
+        composites: list[Composite] = []
         with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-put") as pool:
             futures: list[Future[Any]] = []
             for src, key in items:
@@ -591,7 +528,7 @@ class GcsStorage:
                 if len(pieces) == 1:
                     futures.append(pool.submit(self._upload_file, src, key, report))
                     continue
-                composite = _Composite(key, uuid.uuid4().hex, pieces)
+                composite = Composite(key, uuid.uuid4().hex, pieces)
                 composite.futures = [
                     pool.submit(self._upload_piece, src, offset, length, composite.piece(i), report)
                     for i, (offset, length) in enumerate(pieces)
@@ -609,13 +546,13 @@ class GcsStorage:
     def _upload_piece(self, src: Path, offset: int, length: int, key: str, progress: ProgressCallback | None) -> int:
         """One piece of a composite upload, as a resumable upload checked by its CRC32C;
         returns the CRC32C the service computed."""
-        reported = _Furthest(progress)
+        reported = Furthest(progress)
 
         def once() -> int:
             blob = self._blob(key, chunk_size=self._chunk_size)
             with open(src, "rb") as f:
                 blob.upload_from_file(
-                    _ProgressReader(cast("IO[bytes]", _Window(f, offset, length)), reported),
+                    ProgressReader(cast("IO[bytes]", Window(f, offset, length)), reported),
                     size=None,
                     checksum="crc32c",
                     retry=self._retry,
@@ -629,7 +566,7 @@ class GcsStorage:
         with self._errors(self.uri_for(key)):
             return checked(self.uri_for(key), once)
 
-    def _compose(self, composite: _Composite) -> None:
+    def _compose(self, composite: Composite) -> None:
         """Join a composite upload's pieces into its key, check the CRC32C the service
         computed for the whole object against the pieces', delete the pieces."""
         key = composite.key
@@ -670,14 +607,14 @@ class GcsStorage:
                 progress(len(data))
             return
 
-        reported = _Furthest(progress)  # one count for every attempt
+        reported = Furthest(progress)  # one count for every attempt
 
         def once() -> None:
             blob = self._blob(key, chunk_size=self._chunk_size)
             with open(src, "rb") as f:
                 # size=None: a resumable upload whatever the size, ended when the file is.
                 blob.upload_from_file(
-                    _ProgressReader(f, reported),
+                    ProgressReader(f, reported),
                     size=None,
                     checksum="crc32c",
                     retry=self._retry,
@@ -761,74 +698,3 @@ class GcsStorage:
             if parse_piece_key(info.key) == (upload.upload_id, upload.key)
         ]
         self.delete(keys)
-
-
-class _Composite:
-    """A file going up as pieces joined by ``compose``."""
-
-    def __init__(self, key: str, upload_id: str, pieces: list[tuple[int, int]]) -> None:
-        self.key = key
-        self.upload_id = upload_id
-        self.pieces = pieces
-        self.futures: list[Future[int]] = []
-
-    def piece(self, index: int) -> str:
-        return piece_key(self.upload_id, index, self.key)
-
-
-class _Window:
-    """``length`` bytes of an open file from ``offset``, read as a file of their own."""
-
-    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
-        self._f = f
-        self._start = offset
-        self._end = offset + length
-        f.seek(offset)
-
-    def read(self, n: int = -1) -> bytes:
-        left = self._end - self._f.tell()
-        return self._f.read(left if n is None or n < 0 else min(n, left)) if left > 0 else b""
-
-    def tell(self) -> int:
-        return self._f.tell() - self._start
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._f.tell(), os.SEEK_END: self._end}[whence]
-        return self._f.seek(base + offset) - self._start
-
-
-class _Furthest:
-    """Progress of one file counted by the furthest offset read.
-
-    A retried chunk (or a retried upload) is read again after a seek back;
-    counting only past the furthest offset reached makes the reported total
-    the file's size."""
-
-    def __init__(self, progress: ProgressCallback | None) -> None:
-        self._progress = progress
-        self._furthest = 0
-
-    def reached(self, offset: int) -> None:
-        if offset > self._furthest:
-            if self._progress is not None:
-                self._progress(offset - self._furthest)
-            self._furthest = offset
-
-
-class _ProgressReader:
-    """The file a resumable upload reads, reporting its progress (see :class:`_Furthest`)."""
-
-    def __init__(self, f: IO[bytes], reported: _Furthest) -> None:
-        self._f = f
-        self._reported = reported
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self._reported.reached(self._f.tell())
-        return data
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._f.seek(offset, whence)

@@ -33,7 +33,14 @@ from google.cloud import storage as gcs
 from google.oauth2 import service_account
 from requests.adapters import HTTPAdapter
 
-from spotguard.storage.base import CredentialsError, NotFoundError, PreconditionFailedError, StorageError
+from spotguard.storage.base import (
+    CredentialsError,
+    NotFoundError,
+    PreconditionFailedError,
+    StorageError,
+    StoredChecksum,
+)
+from spotguard.storage.checksum import crc32c_from_base64
 
 log = logging.getLogger(__name__)
 
@@ -247,3 +254,36 @@ __all__ = [
     "short",
     "upload_chunk_size",
 ]
+
+
+# -- what the service reports, in spotguard's notation ---------------------------------
+
+
+def crc32c_hex(value: str | None) -> str | None:
+    """Pure: an object's ``crc32c`` as GCS reports it (base64 of 4 big-endian bytes)
+    in the manifest's notation (8 lowercase hex digits), or None when absent or malformed."""
+    if not value:
+        return None
+    crc = crc32c_from_base64(value)
+    if crc is None or "-" in value:
+        return None
+    return f"{crc:08x}"
+
+
+def stored_checksum_from(crc32c: str | None, size: int) -> StoredChecksum | None:
+    """Pure: the :class:`StoredChecksum` for an object's ``crc32c`` metadata.
+
+    GCS computes the CRC32C of every object over all its bytes (composed
+    objects included), so it is always a whole-object value."""
+    value = crc32c_hex(crc32c)
+    if value is None:
+        return None
+    return StoredChecksum("crc32c", value, size, "full-object")
+
+
+def generation_of(etag: str | None) -> int | None:
+    """Pure: the generation an entity tag of this backend names, or None when it
+    is not one (a tag from another store can never match)."""
+    if etag is None or not etag.isdigit():
+        return None
+    return int(etag)

@@ -1,4 +1,4 @@
-"""Unchanged bytes are told apart without hashing them (``chunked.Unchanged``), against the real S3 store.
+"""Unchanged bytes are told apart without hashing them (``unchanged.Unchanged``), against the real S3 store.
 
 An incremental upload compares each chunk of the new checkpoint with the
 previous checkpoint's local copy at the same place; equal bytes whose

@@ -261,8 +261,8 @@ def test_the_chunks_a_verification_names_are_read_from_its_problems_and_leave_th
 
 
 def test_pieces_name_the_tensor_bytes_a_range_holds() -> None:
-    from spotguard.checkpoint.chunked import _part_of, _pieces
     from spotguard.checkpoint.codec import TensorSpan
+    from spotguard.checkpoint.unchanged import _part_of, _pieces
 
     spans = [TensorSpan("a", "F32", (4,), 100, 116), TensorSpan("b", "F32", (8,), 116, 148)]
     assert _pieces(spans, 100, 16) == (("a", 0, 16),)

@@ -13,19 +13,22 @@ require_module("google.cloud.storage")
 from spotguard.storage import Storage, StorageError, StoreChecksums, open_storage  # noqa: E402
 from spotguard.storage.base import byte_ranges  # noqa: E402
 from spotguard.storage.checksum import crc32c_to_base64  # noqa: E402
-from spotguard.storage.gcs import (  # noqa: E402
-    COMPOSE_LIMIT,
-    GcsStorage,
-    _Furthest,
-    _Window,
-    composite_pieces,
+from spotguard.storage.gcs import GcsStorage  # noqa: E402
+from spotguard.storage.gcs_client import (  # noqa: E402  # noqa: E402
     crc32c_hex,
     generation_of,
+    parse_gs_uri,
+    stored_checksum_from,
+    upload_chunk_size,
+)
+from spotguard.storage.gcs_pieces import (  # noqa: E402
+    COMPOSE_LIMIT,
+    Furthest,
+    Window,
+    composite_pieces,
     parse_piece_key,
     piece_key,
-    stored_checksum_from,
 )
-from spotguard.storage.gcs_client import parse_gs_uri, upload_chunk_size  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -108,7 +111,7 @@ def test_resumable_chunks_are_multiples_of_256_kib() -> None:
 
 def test_progress_counts_each_byte_once_when_pieces_are_read_again() -> None:
     seen: list[int] = []
-    furthest = _Furthest(seen.append)
+    furthest = Furthest(seen.append)
     for offset in (100, 200, 150, 200, 300):  # a retried piece is read again from 100
         furthest.reached(offset)
     assert seen == [100, 100, 100] and sum(seen) == 300
@@ -151,7 +154,7 @@ def test_a_window_reads_its_range_as_a_file_of_its_own(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(bytes(range(256)) * 4)
     with open(path, "rb") as f:
-        w = _Window(f, 100, 50)
+        w = Window(f, 100, 50)
         assert w.tell() == 0 and w.read(10) == bytes(range(100, 110)) and w.tell() == 10
         assert w.read() == bytes(range(110, 150)) and w.read(5) == b""
         assert w.seek(5) == 5 and w.read(3) == bytes(range(105, 108))
