@@ -628,6 +628,7 @@ def check_pinned(ctx: Ctx, c: Check) -> None:
         raw = torch.empty(n, pin_memory=True) if ctx.cuda else None
         sg, direct, plain = [], [], []
         for r in range(ctx.rounds):
+            t.add_(1.0)  # changed: the snapshot copies it (an unchanged tensor is compared instead, below)
             sync()
             t0 = time.perf_counter()
             ckpt.save(r + 1, state)  # returns once the snapshot is in host memory
@@ -650,6 +651,15 @@ def check_pinned(ctx: Ctx, c: Check) -> None:
         reused = {k: b.data_ptr() for k, b in getattr(ckpt, "_pinned", {}).items() if k in ptrs} == ptrs
         host = next(iter(bufs.values()))
         matches = _bitwise_equal(host, t.cpu())
+        # Unchanged since the last save: compared with its host copy on the tensor's device
+        # (in slices), not copied, and its file linked from the previous checkpoint.
+        sync()
+        t0 = time.perf_counter()
+        ckpt.save(ctx.rounds + 1, state)
+        compared = time.perf_counter() - t0
+        ckpt.wait()
+        newest = max((ctx.root / "pinned").glob("ckpt-*"))
+        kept = (newest / "model.kept.safetensors").is_file()
     finally:
         ckpt.close()
 
@@ -671,6 +681,14 @@ def check_pinned(ctx: Ctx, c: Check) -> None:
     if direct:
         c.fig("pinned_copy_gbps", round(gbps(direct), 3))
     c.fig("reused", reused)
+    c.say(
+        f"an unchanged {ctx.size_mib} MiB tensor: compared with its host copy at {nbytes / compared / 1e9:.2f} GB/s "
+        f"(not copied), kept in the previous checkpoint's linked file: {'yes' if kept else 'no'}"
+    )
+    c.fig("unchanged_compare_gbps", round(nbytes / compared / 1e9, 3))
+    c.fig("unchanged_kept", kept)
+    if not kept:
+        raise CheckFailed("an unchanged tensor was written again instead of kept (model.kept.safetensors)")
     if ctx.cuda and not pinned:
         raise CheckFailed("the snapshot of a CUDA tensor went to pageable host memory, not pinned")
     if not reused:

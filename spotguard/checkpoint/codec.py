@@ -224,7 +224,7 @@ class _Snapshotter:
         mine = t.reshape(-1).view(torch.uint8)
         theirs = host.reshape(-1).view(torch.uint8)
         if mine.device != theirs.device:
-            theirs = theirs.to(mine.device)
+            return equal_in_slices(torch, mine, theirs)
         return bool(torch.equal(mine, theirs))
 
     def numpy_blob(self, path: tuple[Any, ...], a: Any) -> TensorBlob:
@@ -287,6 +287,30 @@ class _Snapshotter:
 
 def _path_str(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+#: The host bytes compared with a device tensor at once (see :func:`equal_in_slices`).
+COMPARE_SLICE = 64 << 20
+
+
+def equal_in_slices(torch: Any, mine: Any, theirs: Any, slice_bytes: int = COMPARE_SLICE) -> bool:
+    """Whether the flat uint8 tensors ``mine`` (on a device) and ``theirs`` (on the host)
+    hold the same bytes, compared on ``mine``'s device ``slice_bytes`` at a time.
+
+    The host bytes travel in slices into one device buffer of at most ``slice_bytes``:
+    an emergency save on a GPU whose memory training fills needs no second copy of
+    its largest tensor. Stops at the first slice that differs."""
+    if mine.numel() != theirs.numel():
+        return False
+    n = mine.numel()
+    buffer = torch.empty(min(n, max(1, slice_bytes)), dtype=torch.uint8, device=mine.device)
+    for start in range(0, n, buffer.numel()):
+        end = min(n, start + buffer.numel())
+        part = buffer[: end - start]
+        part.copy_(theirs[start:end], non_blocking=True)
+        if not bool(torch.equal(mine[start:end], part)):
+            return False
+    return True
 
 
 def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = None) -> Snapshot:

@@ -343,3 +343,23 @@ def test_verify_names_a_pickle_that_would_run_code() -> None:
     assert problems == [
         "model.pt: pickle would import posix.system, which can run code (refused: loading it could run code)"
     ]
+
+
+def test_a_device_tensor_is_compared_with_its_host_copy_a_slice_at_a_time() -> None:
+    """``equal_in_slices`` (the compare a GPU tensor gets, here on the CPU): equal bytes
+    are equal whatever the slicing; a byte that differs in any slice, a sign of zero,
+    or a different length is not."""
+    import torch
+
+    from spotguard.checkpoint.codec import equal_in_slices
+
+    base = torch.arange(50, dtype=torch.uint8)
+    for slice_bytes in (1, 7, 50, 64):
+        assert equal_in_slices(torch, base, base.clone(), slice_bytes)
+        for where in (0, 20, 49):
+            other = base.clone()
+            other[where] ^= 1
+            assert not equal_in_slices(torch, base, other, slice_bytes), (slice_bytes, where)
+    assert not equal_in_slices(torch, base, base[:49].clone(), 7)
+    zeros = torch.zeros(4).view(torch.uint8)
+    assert not equal_in_slices(torch, zeros, (-torch.zeros(4)).view(torch.uint8), 3)
