@@ -225,7 +225,7 @@ class _Snapshotter:
         theirs = host.reshape(-1).view(torch.uint8)
         if mine.device != theirs.device:
             return equal_in_slices(torch, mine, theirs)
-        return bool(torch.equal(mine, theirs))
+        return bool(torch.equal(as_words(torch, mine), as_words(torch, theirs)))
 
     def numpy_blob(self, path: tuple[Any, ...], a: Any) -> TensorBlob:
         np = self.np
@@ -308,9 +308,18 @@ def equal_in_slices(torch: Any, mine: Any, theirs: Any, slice_bytes: int = COMPA
         end = min(n, start + buffer.numel())
         part = buffer[: end - start]
         part.copy_(theirs[start:end], non_blocking=True)
-        if not bool(torch.equal(mine[start:end], part)):
+        if not bool(torch.equal(as_words(torch, mine[start:end]), as_words(torch, part))):
             return False
     return True
+
+
+def as_words(torch: Any, flat: Any) -> Any:
+    """The flat uint8 tensor ``flat`` seen as 64-bit words where its length and address
+    allow (the same bytes; ``torch.equal`` compares 8 bytes at a time, about four times
+    faster than byte by byte), else as it is."""
+    if flat.numel() % 8 == 0 and flat.data_ptr() % 8 == 0:
+        return flat.view(torch.int64)
+    return flat
 
 
 def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = None) -> Snapshot:

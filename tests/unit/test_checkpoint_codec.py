@@ -363,3 +363,17 @@ def test_a_device_tensor_is_compared_with_its_host_copy_a_slice_at_a_time() -> N
     assert not equal_in_slices(torch, base, base[:49].clone(), 7)
     zeros = torch.zeros(4).view(torch.uint8)
     assert not equal_in_slices(torch, zeros, (-torch.zeros(4)).view(torch.uint8), 3)
+
+
+def test_bytes_are_compared_as_words_where_length_and_address_allow() -> None:
+    import torch
+
+    from spotguard.checkpoint.codec import as_words
+
+    flat = torch.arange(64, dtype=torch.uint8)
+    assert as_words(torch, flat).dtype == torch.int64 and as_words(torch, flat).numel() == 8
+    assert as_words(torch, flat[:63]).dtype == torch.uint8  # length
+    assert as_words(torch, flat[1:9]).dtype == torch.uint8  # address
+    other = flat.clone()
+    other[63] ^= 0x80  # one bit of the last word's top byte
+    assert not torch.equal(as_words(torch, flat), as_words(torch, other))
