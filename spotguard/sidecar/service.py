@@ -142,6 +142,7 @@ class CheckpointAgent:
         self._at_risk_logged: bool | None = None
         self._seen_trainer = False
         self._seen_pid: int | None = None
+        self._gone_said = False
         # Set when a notice asked the trainer to stop after its checkpoint.
         self.stop_reason: str | None = None
         self._state_cache: tuple[float, TrainerState] | None = None
@@ -158,6 +159,7 @@ class CheckpointAgent:
         if self._trainer_state_override is not None:
             return self._trainer_state_override()
         if (self.config.control_dir / EXIT_FILE).exists():
+            self._gone_because(f"{EXIT_FILE} recorded its exit")
             return "gone"
         now = time.monotonic()
         if self._state_cache is not None and now - self._state_cache[0] < 0.2:
@@ -166,6 +168,12 @@ class CheckpointAgent:
         self._state_cache = (now, state)
         return state
 
+    def _gone_because(self, why: str) -> None:
+        """Say once why the trainer is taken for gone (the sidecar ends with it)."""
+        if not self._gone_said:
+            self._gone_said = True
+            log.info("trainer gone: %s", why)
+
     def _look_for_trainer(self) -> TrainerState:
         pid = self.channel.trainer_pid()
         if pid is not None:
@@ -173,6 +181,7 @@ class CheckpointAgent:
                 self._seen_pid = pid
                 return "running"
             if pid == self._seen_pid:
+                self._gone_because(f"pid {pid}, seen running, no longer runs")
                 return "gone"  # we saw this very process run; it has exited
         # No usable pid file: look for processes carrying the trainer's
         # environment (works when we share its PID namespace).
@@ -180,6 +189,7 @@ class CheckpointAgent:
             self._seen_trainer = True
             return "running"
         if self._seen_trainer:
+            self._gone_because("no process carries the trainer's environment any more")
             return "gone"
         # Never seen: not started yet, exited before we looked, or in a PID
         # namespace we cannot see. Without a way to tell, don't guess.
