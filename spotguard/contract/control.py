@@ -452,10 +452,15 @@ def is_trainer_process(pid: int, markers: Mapping[str, str]) -> bool:
 
     The pid in ``trainer.pid`` comes from the trainer's PID namespace; in a
     pod without a shared process namespace the same number can be another
-    process here (often the sidecar itself, pid 1). So a signal is only sent
+    process here (often the sidecar itself, pid 1), or one of the sidecar's
+    own threads: ``/proc/<tid>`` answers for a thread as for a process, with
+    the sidecar's environment, which carries the same spotguard directories.
+    Taken for the trainer, that thread's end would look like the trainer's
+    (the sidecar would stop shipping and report the run finished). So the
+    sidecar's own threads are never the trainer, and a signal is only sent
     when the process's environment carries the same spotguard directories.
     """
-    if pid <= 0 or pid == os.getpid():
+    if pid <= 0 or pid == os.getpid() or _thread_group(pid) == os.getpid():
         return False
     env = _environ(pid)
     if env is None or not markers:
@@ -470,6 +475,17 @@ def is_trainer_process(pid: int, markers: Mapping[str, str]) -> bool:
 def _norm(value: str) -> str:
     # "/var/lib/spotguard/checkpoints/" and "/var/lib/spotguard/checkpoints" name the same directory.
     return os.path.normpath(value) if value.startswith("/") else value
+
+
+def _thread_group(pid: int) -> int | None:
+    """The process ``pid`` belongs to (``Tgid`` in ``/proc/<pid>/status``; itself unless a thread), or None."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text(errors="replace").splitlines():
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _environ(pid: int) -> dict[bytes, bytes] | None:
