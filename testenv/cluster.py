@@ -58,9 +58,18 @@ def venv_bin() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1: held open together while they are chosen, so the
+    kernel cannot hand one out twice (ports chosen one after another, each released at once,
+    can repeat: a service then fails to bind its second use)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, proc: Service | None = None) -> None:
@@ -245,7 +254,8 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
     config = sup.state_dir / "s3-identities.json"
     config.write_text(json.dumps(identities))
     config.chmod(0o600)
-    p = {k: free_port() for k in ("master", "volume", "filer", "s3", "mg", "vg", "fg", "sg", "metrics", "iam")}
+    names = ("master", "volume", "filer", "s3", "mg", "vg", "fg", "sg", "metrics", "iam")
+    p = dict(zip(names, free_ports(len(names)), strict=True))
     svc = sup.start(
         "weed",
         [
@@ -551,7 +561,7 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     kubelet_ca, kubelet_cert, kubelet_key = kubelet_client_certs(d / "certs")
     audit_policy, audit_log = d / "audit-policy.json", d / "audit.log"
     audit_policy.write_text(json.dumps(AUDIT_POLICY))
-    etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+    etcd_port, etcd_peer, api_port = free_ports(3)
     etcd_url, peer_url = f"http://127.0.0.1:{etcd_port}", f"http://127.0.0.1:{etcd_peer}"
     etcd = sup.start(
         "etcd",
