@@ -521,10 +521,14 @@ class GcsStorage:
             return
         report = locked_progress(progress) if progress else None
         composites: list[Composite] = []
-        with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-put") as pool:
+        plans = [
+            (src, key, composite_pieces(src.stat().st_size, self._composite_threshold, self._composite_piece))
+            for src, key in items
+        ]
+        jobs = sum(len(pieces) for _, _, pieces in plans)
+        with ThreadPoolExecutor(max_workers=min(self._concurrency, jobs), thread_name_prefix="gcs-put") as pool:
             futures: list[Future[Any]] = []
-            for src, key in items:
-                pieces = composite_pieces(src.stat().st_size, self._composite_threshold, self._composite_piece)
+            for src, key, pieces in plans:
                 if len(pieces) == 1:
                     futures.append(pool.submit(self._upload_file, src, key, report))
                     continue
@@ -546,25 +550,11 @@ class GcsStorage:
     def _upload_piece(self, src: Path, offset: int, length: int, key: str, progress: ProgressCallback | None) -> int:
         """One piece of a composite upload, as a resumable upload checked by its CRC32C;
         returns the CRC32C the service computed."""
-        reported = Furthest(progress)
-
-        def once() -> int:
-            blob = self._blob(key, chunk_size=self._chunk_size)
-            with open(src, "rb") as f:
-                blob.upload_from_file(
-                    ProgressReader(cast("IO[bytes]", Window(f, offset, length)), reported),
-                    size=None,
-                    checksum="crc32c",
-                    retry=self._retry,
-                    timeout=self._timeout,
-                )
-            crc = crc32c_from_base64(blob.crc32c or "")
-            if crc is None:
-                raise StorageError(f"{self.uri_for(key)}: the service reported no CRC32C for a composite piece")
-            return crc
-
-        with self._errors(self.uri_for(key)):
-            return checked(self.uri_for(key), once)
+        blob = self._resumable(src, key, progress, (offset, length))
+        crc = crc32c_from_base64(blob.crc32c or "")
+        if crc is None:
+            raise StorageError(f"{self.uri_for(key)}: the service reported no CRC32C for a composite piece")
+        return crc
 
     def _compose(self, composite: Composite) -> None:
         """Join a composite upload's pieces into its key, check the CRC32C the service
@@ -607,22 +597,31 @@ class GcsStorage:
                 progress(len(data))
             return
 
+        self._resumable(src, key, progress)
+
+    def _resumable(
+        self, src: Path, key: str, progress: ProgressCallback | None, window: tuple[int, int] | None = None
+    ) -> Any:
+        """A resumable upload of ``src`` (or of its ``window``: offset and length) in ``chunk_size``
+        pieces, each retried on its own, checked by its CRC32C; returns the stored blob."""
         reported = Furthest(progress)  # one count for every attempt
 
-        def once() -> None:
+        def once() -> Any:
             blob = self._blob(key, chunk_size=self._chunk_size)
             with open(src, "rb") as f:
-                # size=None: a resumable upload whatever the size, ended when the file is.
+                stream = f if window is None else cast("IO[bytes]", Window(f, *window))
+                # size=None: a resumable upload whatever the size, ended when the file (window) is.
                 blob.upload_from_file(
-                    ProgressReader(f, reported),
+                    ProgressReader(stream, reported),
                     size=None,
                     checksum="crc32c",
                     retry=self._retry,
                     timeout=self._timeout,
                 )
+            return blob
 
         with self._errors(self.uri_for(key)):
-            checked(self.uri_for(key), once)
+            return checked(self.uri_for(key), once)
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete in batch requests of up to 100 deletions (missing objects ignored);
