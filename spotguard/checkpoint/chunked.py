@@ -414,6 +414,9 @@ def verify_chunks(
     ordered = [ref for ref in refs.values() if trust.get(ref.hash) != ref.size]
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(ordered) or 1))) as pool:
         results = list(pool.map(check, ordered))
+    # A distributed checkpoint's part manifests are stored whole (small): read back.
+    whole = [check_whole_file(storage, manifest, e, checksums=checksums) for e in manifest.files if e.chunks is None]
+    results += [(p, n, METHOD_READ_BACK) for p, n in whole]
     problems = [p for p, _, _ in results if p]
     checks = ChunkChecks(
         problems,
@@ -427,7 +430,7 @@ def verify_chunks(
     # Whole-file checks the chunks cannot stand for: pickles are inspected
     # opcode by opcode, and a SHA-256 file checksum is not made of the chunks'.
     for entry in manifest.files:
-        if needs_content(entry.path) or manifest.checksum_algorithm != "crc32c":
+        if entry.chunks is not None and (needs_content(entry.path) or manifest.checksum_algorithm != "crc32c"):
             try:
                 problem, nbytes = check_one_file(
                     entry, manifest.checksum_algorithm, entry.size, _reader(partial(stream_file, storage, entry))
@@ -438,6 +441,26 @@ def verify_chunks(
             if problem:
                 checks.problems.append(problem)
     return checks
+
+
+def check_whole_file(
+    storage: Storage, manifest: Manifest, entry: FileEntry, *, checksums: bool = True
+) -> tuple[str | None, int]:
+    """The problem (or None) with a file of a chunked manifest stored whole below the checkpoint's
+    prefix (a part manifest of a distributed checkpoint), and the bytes read to check it."""
+    data, problem = _read_whole(storage, manifest, entry, checksums=checksums)
+    return problem, len(data or b"")
+
+
+def _read_whole(
+    storage: Storage, manifest: Manifest, entry: FileEntry, *, checksums: bool = True
+) -> tuple[bytes | None, str | None]:
+    try:
+        data = storage.read_bytes(f"{manifest.name}/{entry.path}")
+    except NotFoundError:
+        return None, f"{entry.path}: missing"
+    problem, _ = check_one_file(entry, manifest.checksum_algorithm, len(data), lambda _p: [data], checksums=checksums)
+    return data, problem
 
 
 def stream_file(storage: Storage, entry: FileEntry) -> Iterator[bytes]:
@@ -474,7 +497,11 @@ def fetch_chunks(
     lock = threading.Lock()
     fds: dict[str, int] = {}
     jobs: list[tuple[str, int, ChunkRef]] = []
+    whole: list[FileEntry] = []
     for entry in manifest.files:
+        if entry.chunks is None:
+            whole.append(entry)  # a part manifest of a distributed checkpoint: stored whole
+            continue
         target = dest / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -511,10 +538,18 @@ def fetch_chunks(
         for fd in fds.values():
             os.close(fd)
     problems = sorted({p for p in results if p})
+    for entry in whole:
+        data, problem = _read_whole(storage, manifest, entry)
+        if problem is not None or data is None:
+            problems.append(problem or f"{entry.path}: missing")
+            continue
+        target = dest / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
     if problems:
         return problems
     for entry in manifest.files:
-        if needs_content(entry.path) or manifest.checksum_algorithm != "crc32c":
+        if entry.chunks is not None and (needs_content(entry.path) or manifest.checksum_algorithm != "crc32c"):
             problem, _ = check_one_file(
                 entry, manifest.checksum_algorithm, entry.size, _reader(partial(_read_local, dest / entry.path))
             )

@@ -12,6 +12,11 @@ layout where the format declares one:
 - a zip archive (what ``torch.save`` writes: ``.pt``, ``.bin``, Lightning's
   ``.ckpt``): every stored entry's bytes (a tensor storage each), and the
   local headers between them, whose padding depends on the entry's offset;
+- a ``torch.distributed.checkpoint`` data file (``.distcp``): every item DCP
+  wrote into it (one ``torch.save`` archive each, back to back, at the
+  offsets its metadata records), found from the file's end backwards by each
+  archive's end records, so a node needs no other node's metadata: an item
+  whose tensor did not change is the same bytes wherever DCP put it;
 - anything else: fixed offsets from the start of the file.
 
 A region of at least :data:`MIN_CHUNK` bytes starts a chunk of its own and is
@@ -51,6 +56,11 @@ MAX_CHUNK = 16 << 20
 MIN_CHUNK = 1 << 20
 _SAFETENSORS_MAX_HEADER = 100 << 20
 _ZIP_LOCAL_HEADER = 30
+_ZIP_EOCD = 22
+_ZIP64_LOCATOR = 20
+_ZIP64_EOCD = 56
+#: Items of one DCP data file beyond which it is chunked at fixed offsets.
+_MAX_ITEMS = 1 << 20
 
 
 def hash_chunk(data: bytes | memoryview) -> ChunkRef:
@@ -149,6 +159,47 @@ def zip_regions(path: Path, size: int) -> list[tuple[int, int]] | None:
         return None
 
 
+def distcp_regions(path: Path, size: int) -> list[tuple[int, int]] | None:
+    """Every item's byte range in a DCP data file: ``torch.save`` archives
+    written back to back (each ends with zip64 end records: the end of
+    central directory, its locator, its zip64 record). Read from the end: an
+    archive's end records give its central directory's size and offset from
+    the archive's start, hence the start, which is where the item before it
+    ends. A few small reads per item; None when the file is not such a
+    sequence (an item of another kind, a comment, a damaged record)."""
+    regions: list[tuple[int, int]] = []
+    tail_len = _ZIP64_EOCD + _ZIP64_LOCATOR + _ZIP_EOCD
+    try:
+        with open(path, "rb") as f:
+            end = size
+            while end > 0:
+                if end < _ZIP_LOCAL_HEADER + tail_len or len(regions) >= _MAX_ITEMS:
+                    return None
+                f.seek(end - tail_len)
+                tail = f.read(tail_len)
+                record, locator, eocd = tail[:_ZIP64_EOCD], tail[_ZIP64_EOCD:-_ZIP_EOCD], tail[-_ZIP_EOCD:]
+                if eocd[:4] != b"PK\x05\x06" or eocd[20:22] != b"\0\0":
+                    return None
+                if locator[:4] != b"PK\x06\x07" or record[:4] != b"PK\x06\x06":
+                    return None
+                (record_len,) = struct.unpack("<Q", record[4:12])
+                cd_size, cd_offset = struct.unpack("<QQ", record[40:56])
+                (record_at,) = struct.unpack("<Q", locator[8:16])
+                record_pos = end - tail_len
+                start = record_pos - cd_size - cd_offset
+                if record_len != _ZIP64_EOCD - 12 or start < 0 or record_at != record_pos - start:
+                    return None
+                f.seek(start)
+                if f.read(4) != b"PK\x03\x04":
+                    return None
+                regions.append((start, end))
+                end = start
+    except (OSError, struct.error):
+        return None
+    regions.reverse()
+    return regions
+
+
 def plan_file(path: Path, *, max_chunk: int = MAX_CHUNK, min_chunk: int = MIN_CHUNK) -> list[tuple[int, int]]:
     """The chunks ``(offset, length)`` of a local file (see the module doc)."""
     size = path.stat().st_size
@@ -158,6 +209,8 @@ def plan_file(path: Path, *, max_chunk: int = MAX_CHUNK, min_chunk: int = MIN_CH
             head = f.read(min(size, 8 + _SAFETENSORS_MAX_HEADER) if path.suffix == ".safetensors" else 8)
         if path.suffix == ".safetensors":
             regions = safetensors_regions(head, size)
+        elif path.suffix == ".distcp":
+            regions = distcp_regions(path, size)
         elif head[:4] == b"PK\x03\x04":
             regions = zip_regions(path, size)
     if regions is None:
@@ -192,6 +245,7 @@ def iter_file_chunks(path: Path) -> Iterator[tuple[ChunkRef, bytes]]:
 __all__ = [
     "MAX_CHUNK",
     "MIN_CHUNK",
+    "distcp_regions",
     "fixed_chunks",
     "group_regions",
     "hash_chunk",

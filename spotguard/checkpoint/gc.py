@@ -36,6 +36,7 @@ from spotguard.checkpoint.manifest import (
     parse_chunk_key,
     parse_manifest,
 )
+from spotguard.checkpoint.parts import read_parts
 from spotguard.checkpoint.retention import (
     RetentionCandidate,
     RetentionPlan,
@@ -271,7 +272,11 @@ def _mark_manifests(storage: Storage, marks: _Marks, should_stop: Callable[[], b
         try:
             data = read_manifest_bytes(storage, name)
         except NotFoundError:
-            continue  # no manifest (yet, or any more): references nothing
+            # No manifest (yet, or any more). A distributed checkpoint's parts stored so far
+            # name chunks their uploaders verified, which its global commit will name.
+            for _, part in read_parts(storage, name)[0].values():
+                marks.referenced |= set(part.chunk_refs())
+            continue
         marks.seen.add(name)
         if (version := newer_format_version(data)) is not None:
             marks.aborted = f"{storage.uri_for(key)} has format_version {version}, newer than this spotguard reads"
@@ -324,8 +329,10 @@ def sweep_chunks(
     """Delete the chunks no checkpoint references (mark and sweep).
 
     1. List every chunk with its modified time.
-    2. Mark: the chunks of every readable version 3 ``ckpt-*/manifest.json``,
-       and of every tombstone (the manifest of a deleted checkpoint, written
+    2. Mark: the chunks of every readable version 3 ``ckpt-*/manifest.json``
+       (for a distributed checkpoint not committed yet, of its stored part
+       manifests, each written after its uploader verified its chunks and
+       before its intent went), and of every tombstone (the manifest of a deleted checkpoint, written
        before its manifest went) younger than ``grace``. An unreadable or
        malformed manifest marks nothing: its checkpoint can never verify. A
        manifest (or tombstone) of a format newer than this spotguard reads

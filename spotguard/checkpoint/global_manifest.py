@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from spotguard.checkpoint.manifest import (
+    FORMAT_VERSION_CHUNKED,
     FORMAT_VERSION_SHARDED,
     PARTS_DIR,
     FileEntry,
@@ -38,7 +39,8 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
     ``parts/<i:05d>.json`` (size and checksum of the part manifest's bytes);
     step, epoch, metrics, job, attempt, reason, request_id, writer, timing
     and the checksum algorithm come from part 0; ``created`` is the latest of
-    the parts'.
+    the parts'. Parts stored as chunks (version 3) make a global manifest of
+    version 3: their files keep their chunks, the part manifests are whole.
 
     Raises :class:`ManifestError` naming the offending part when the parts do
     not make one checkpoint: not a part manifest, a part given twice or
@@ -79,6 +81,9 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
                 f"part {min(by_index)}'s is {first.sharding.save_id}); waiting for its node "
                 "to ship this save's part"
             )
+        if m.chunked != first.chunked:
+            how = ("stored as chunks", "stored whole") if m.chunked else ("stored whole", "stored as chunks")
+            raise ManifestError(f"part {index} is {how[0]}, but part {min(by_index)} is {how[1]}")
         if m.checksum_algorithm != first.checksum_algorithm:
             raise ManifestError(
                 f"part {index}: checksum algorithm {m.checksum_algorithm}, "
@@ -128,7 +133,7 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
         reason=head.reason,
         request_id=head.request_id,
         timing=head.timing,
-        format_version=FORMAT_VERSION_SHARDED,
+        format_version=FORMAT_VERSION_CHUNKED if first.chunked else FORMAT_VERSION_SHARDED,
         sharding=Sharding(
             world_size=world_size,
             parts=count,

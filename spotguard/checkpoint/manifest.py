@@ -28,7 +28,11 @@ FORMAT_VERSION_SHARDED = 2
 #: A checkpoint stored incrementally: every file is a sequence of
 #: content-addressed chunks (``chunks/<aa>/<sha256>`` below the job's root)
 #: shared with the job's other checkpoints. Only storage holds this version;
-#: a restored local copy keeps it, and its files are whole.
+#: a restored local copy keeps it, and its files are whole. A distributed
+#: checkpoint stored incrementally has version 3 and ``sharding``: each part
+#: manifest lists its files' chunks, and the global manifest lists every
+#: part's files with their chunks and the part manifests themselves
+#: (``parts/<i>.json``) as whole files, the only entries without chunks.
 FORMAT_VERSION_CHUNKED = 3
 CHUNKS_DIR = "chunks"
 MANIFEST_NAME = "manifest.json"
@@ -292,10 +296,11 @@ def to_chunked(manifest: Manifest, chunks: Mapping[str, Iterable[ChunkRef]]) -> 
     """The manifest of ``manifest``'s checkpoint stored incrementally (format
     version 3): the same fields, each file with its chunks. ``chunks`` maps
     every file's path to its chunks in order; validated as on parsing."""
-    if manifest.sharding is not None:
-        raise ManifestError("a distributed checkpoint is not stored incrementally (not supported yet)")
     files = []
     for f in manifest.files:
+        if manifest.is_global and f.path.split("/", 1)[0] == PARTS_DIR:
+            files.append(f)  # a part manifest: stored whole
+            continue
         if f.path not in chunks:
             raise ManifestError(f"{f.path}: no chunks given")
         files.append(FileEntry(f.path, f.size, f.checksum, tuple(chunks[f.path])))
@@ -313,6 +318,7 @@ def to_chunked(manifest: Manifest, chunks: Mapping[str, Iterable[ChunkRef]]) -> 
         request_id=manifest.request_id,
         timing=manifest.timing,
         format_version=FORMAT_VERSION_CHUNKED,
+        sharding=manifest.sharding,
     )
     return parse_manifest(out.to_json())
 
@@ -340,6 +346,19 @@ def to_plain(manifest: Manifest) -> Manifest:
         sharding=manifest.sharding,
     )
     return parse_manifest(out.to_json())
+
+
+def stored_as(stored: bytes, local: bytes) -> bool:
+    """Pure: whether ``stored`` (a manifest read from storage) is the manifest of the local
+    checkpoint whose manifest is ``local``: the same bytes, or the same manifest stored
+    incrementally (with chunk lists)."""
+    if stored == local:
+        return True
+    try:
+        manifest = parse_manifest(stored)
+    except ManifestError:
+        return False
+    return manifest.chunked and to_plain(manifest).to_json() == local
 
 
 def _parse_chunks(path: str, value: Any, size: int, checksum: str, algorithm: str) -> tuple[ChunkRef, ...]:
@@ -531,13 +550,14 @@ def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Ma
         if not isinstance(checksum, str) or len(checksum) != _HEX_LEN[algorithm] or not _HEX_RE.match(checksum):
             raise ManifestError(f"{path}: checksum {checksum!r} is not a {algorithm} hex digest")
         chunks = None
-        if version == FORMAT_VERSION_CHUNKED:
+        whole = sharding is not None and sharding.part is None and path.split("/", 1)[0] == PARTS_DIR
+        if version == FORMAT_VERSION_CHUNKED and not whole:
             chunks = _parse_chunks(path, entry.get("chunks"), size, checksum, algorithm)
         elif "chunks" in entry:
+            if whole:
+                raise ManifestError(f"{path}: a part manifest is stored whole, not as chunks")
             raise ManifestError(f"{path}: 'chunks' needs format_version {FORMAT_VERSION_CHUNKED}, got {version}")
         files.append(FileEntry(path=path, size=size, checksum=checksum, chunks=chunks))
-    if sharding is not None and version == FORMAT_VERSION_CHUNKED:
-        raise ManifestError(f"format_version {version}: a distributed checkpoint is not stored incrementally")
     if sharding is not None:
         _check_sharded_files(sharding, seen)
     return Manifest(

@@ -24,10 +24,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-from spotguard.checkpoint.chunked import KnownChunks, upload_chunks
+from spotguard.checkpoint.chunked import ChunkedUpload, KnownChunks, upload_chunks, verify_chunks
 from spotguard.checkpoint.intents import upload_intent
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -36,6 +37,7 @@ from spotguard.checkpoint.manifest import (
     parse_chunk_key,
     parse_manifest,
     part_manifest_path,
+    stored_as,
     to_plain,
 )
 from spotguard.checkpoint.parts import commit_global, existing_commit
@@ -271,13 +273,26 @@ def _upload(
     """The upload proper: intents through ``storage``, everything else through ``io``."""
     name = manifest.name
     if manifest.is_part:
-        with upload_intent(storage, manifest.name):
-            return _upload_part(local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start)
+        part = partial(_upload_part, local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start)
+        if incremental is False:
+            with upload_intent(storage, manifest.name):
+                return part(None)
+        send: Callable[[KnownChunks], UploadResult] = part
+    else:
+        send = partial(
+            _upload_incremental,
+            local_ckpt_dir,
+            io,
+            manifest,
+            progress=progress,
+            update_pointer=update_pointer,
+            start=start,
+        )
     if incremental is not False:
         known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
         with upload_intent(storage, name, known.chunks):
             if _known_source_stored(storage, known):
-                return _upload_incremental(local_ckpt_dir, io, manifest, known, progress, update_pointer, start)
+                return send(known)
         # What it knew came from a checkpoint deleted since (retention): a collector
         # that did not see this upload yet may sweep those chunks. Learn again.
         log.info(
@@ -289,7 +304,7 @@ def _upload(
         with upload_intent(storage, name, known.chunks):
             if not _known_source_stored(storage, known):
                 known = KnownChunks()
-            return _upload_incremental(local_ckpt_dir, io, manifest, known, progress, update_pointer, start)
+            return send(known)
     with upload_intent(storage, name):
         return _upload_plain(
             local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start, resume=resume
@@ -314,6 +329,7 @@ def _upload_incremental(
     storage: Storage,
     manifest: Manifest,
     known: KnownChunks,
+    *,
     progress: ProgressCallback | None,
     update_pointer: bool,
     start: float,
@@ -342,12 +358,7 @@ def _upload_incremental(
         seconds=time.monotonic() - start,
         uri=storage.uri_for(name),
         pointer_updated=pointer,
-        new_bytes=chunked.new_bytes,
-        reused_bytes=chunked.reused_bytes,
-        new_chunks=chunked.new_chunks,
-        reused_chunks=chunked.reused_chunks,
-        unchanged_chunks=chunked.unchanged_chunks,
-        trusted_chunks=chunked.trusted,
+        **_chunk_counts(chunked),
     )
 
 
@@ -432,13 +443,17 @@ def _upload_part(
     progress: ProgressCallback | None,
     update_pointer: bool,
     start: float,
+    known: KnownChunks | None,
 ) -> UploadResult:
+    """One node's part: its files (whole, or as chunks with ``known``), checked in
+    storage, then its part manifest, then the global commit."""
     sharding = manifest.sharding
     assert sharding is not None and sharding.part is not None
     name = manifest.name
     index = sharding.part
     part_key = f"{name}/{part_manifest_path(index)}"
     uploaded = 0
+    chunked: ChunkedUpload | None = None
     try:
         stored_global: Manifest | None = read_manifest(storage, name)
     except NotFoundError:
@@ -447,35 +462,41 @@ def _upload_part(
         # Committed already (this part shipped before a restart, or an
         # earlier attempt committed the step): never overwrite the files of
         # a committed checkpoint with other bytes.
-        listed = next((f for f in stored_global.files if f.path == part_manifest_path(index)), None)
-        if (
-            listed is None
-            or listed.size != len(manifest_bytes)
-            or listed.checksum != checksum_bytes(manifest_bytes, stored_global.checksum_algorithm)
-        ):
+        if not _committed_with(storage, stored_global, index, manifest_bytes):
             raise ManifestError(
                 f"{name} is already committed in storage with a different part {index}; "
                 "not overwriting the files of a committed checkpoint"
             )
         commit = existing_commit(storage, name)
     else:
-        storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
-        # The part manifest says its files are stored and verified: check them first.
-        problems = verify_uploaded_files(storage, name, manifest)
+        if known is None:
+            storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
+            # The part manifest says its files are stored and verified: check them first.
+            problems = verify_uploaded_files(storage, name, manifest)
+            stored_bytes = manifest_bytes
+            uploaded = manifest.total_size + len(manifest_bytes)
+        else:
+            chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
+            stored_bytes = chunked.manifest_bytes
+            problems = verify_chunks(storage, parse_manifest(stored_bytes), trusted=chunked.trusted).problems
+            uploaded = chunked.new_bytes + len(stored_bytes)
         if problems:
             raise CheckpointCorruptError(name, [f"{p} (part {index})" for p in problems])
-        storage.write_bytes(part_key, manifest_bytes)
-        uploaded = manifest.total_size + len(manifest_bytes)
+        storage.write_bytes(part_key, stored_bytes)
         commit = commit_global(storage, name)
     pointer = update_latest_pointer(storage, manifest.step) if update_pointer and commit.committed else False
     total = commit.total or sharding.parts
     log.info(
-        "uploaded part %d of %s: %s (%d of %d parts present)",
+        "uploaded part %d of %s: %s (%d of %d parts present)%s",
         index,
         storage.uri_for(name),
         commit.status,
         len(commit.present),
         total,
+        ""
+        if chunked is None
+        else f"; {chunked.new_chunks} new chunk(s) ({chunked.new_bytes} bytes), {chunked.reused_chunks} reused "
+        f"({chunked.reused_bytes} bytes)",
     )
     return UploadResult(
         step=manifest.step,
@@ -487,7 +508,35 @@ def _upload_part(
         committed=commit.committed,
         parts_present=len(commit.present),
         parts_total=total,
+        **({} if chunked is None else _chunk_counts(chunked)),
     )
+
+
+def _chunk_counts(chunked: ChunkedUpload) -> dict[str, Any]:
+    return {
+        "new_bytes": chunked.new_bytes,
+        "reused_bytes": chunked.reused_bytes,
+        "new_chunks": chunked.new_chunks,
+        "reused_chunks": chunked.reused_chunks,
+        "unchanged_chunks": chunked.unchanged_chunks,
+        "trusted_chunks": chunked.trusted,
+    }
+
+
+def _committed_with(storage: Storage, stored_global: Manifest, index: int, local: bytes) -> bool:
+    """Whether the committed checkpoint's part ``index`` is the local part manifest ``local``
+    (the same bytes, or the same manifest stored incrementally)."""
+    listed = next((f for f in stored_global.files if f.path == part_manifest_path(index)), None)
+    if listed is None:
+        return False
+    if listed.size == len(local) and listed.checksum == checksum_bytes(local, stored_global.checksum_algorithm):
+        return True
+    try:
+        stored = storage.read_bytes(f"{stored_global.name}/{listed.path}")
+    except NotFoundError:
+        return False
+    same_bytes = listed.checksum == checksum_bytes(stored, stored_global.checksum_algorithm)
+    return same_bytes and stored_as(stored, local)
 
 
 __all__ = ["UploadCancelled", "UploadResult", "files_to_send", "upload_checkpoint"]

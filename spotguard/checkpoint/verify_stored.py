@@ -99,8 +99,7 @@ def verify_checkpoint(
             read_back=chunk_checks.read_back,
             trusted=chunk_checks.trusted,
         )
-        _log_verify(storage, name, result, "chunks", quiet)
-        return result
+        return _global_checked(storage, name, manifest, result, "chunks", quiet)
     listing = stored_files(storage, name)
     sizes = {path: info.size for path, info in listing.items()}
 
@@ -136,6 +135,14 @@ def verify_checkpoint(
             method=method,
             read_back=len(manifest.files) if checksums else 0,
         )
+    return _global_checked(storage, name, manifest, result, "files", quiet)
+
+
+def _global_checked(
+    storage: Storage, name: str, manifest: Manifest, result: VerifyResult, unit: str, quiet: bool
+) -> VerifyResult:
+    """``result``, for a distributed checkpoint with each problem's part named and the
+    global manifest checked against its parts; logged."""
     if manifest.sharding is not None:
         result.problems = name_parts(storage, name, manifest, result.problems)
         if not result.problems:
@@ -143,7 +150,7 @@ def verify_checkpoint(
             result.ok = not result.problems
         result.parts_total = manifest.sharding.parts
         result.parts_present = list(range(manifest.sharding.parts))
-    _log_verify(storage, name, result, "files", quiet)
+    _log_verify(storage, name, result, unit, quiet)
     return result
 
 

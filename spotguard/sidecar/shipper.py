@@ -57,7 +57,7 @@ from spotguard.checkpoint.manifest import (
     parse_checkpoint_name,
     parse_manifest,
     part_manifest_path,
-    to_plain,
+    stored_as,
 )
 from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
 from spotguard.checkpoint.retention import plan_local_prune
@@ -240,12 +240,10 @@ class CheckpointShipper:
                         # A part: the same part manifest stored, and the checkpoint committed.
                         key = f"{path.name}/{part_manifest_path(index)}"
                     stored = self.storage.read_bytes(key)
-                    same = (stored == local or _stored_incrementally_as(stored, local)) and verify_checkpoint(
-                        self.storage, path.name, checksums=False
-                    ).ok
+                    same = stored_as(stored, local) and verify_checkpoint(self.storage, path.name, checksums=False).ok
                     if (
                         index is not None
-                        and stored == local
+                        and stored_as(stored, local)
                         and not same
                         and self.storage.stat(f"{path.name}/{MANIFEST_NAME}") is None
                     ):
@@ -627,17 +625,6 @@ def _part_index(manifest_bytes: bytes) -> int | None:
     except ValueError:
         return None
     return sharding.part if sharding is not None else None
-
-
-def _stored_incrementally_as(stored: bytes, local: bytes) -> bool:
-    """Whether ``stored`` is the manifest of the local checkpoint whose manifest
-    is ``local``, stored incrementally (the same manifest with chunk lists)."""
-
-    try:
-        manifest = parse_manifest(stored)
-        return manifest.chunked and to_plain(manifest).to_json() == local
-    except ValueError:
-        return False
 
 
 def _one_line(exc: BaseException) -> str:

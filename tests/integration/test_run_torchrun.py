@@ -198,11 +198,13 @@ class References:
     def __init__(self, runs: ReferenceRuns) -> None:
         self.runs = runs
 
-    def get(self, script: Path, nproc: int, steps: int = STEPS, save_every: int = SAVE_EVERY) -> str:
+    def get(
+        self, script: Path, nproc: int, steps: int = STEPS, save_every: int = SAVE_EVERY, extra: tuple[str, ...] = ()
+    ) -> str:
         def run(d: Path) -> str:
             with reaping() as procs:
                 proc = Proc(
-                    torchrun(nproc, script, *train_args(steps, save_every, "0")),
+                    torchrun(nproc, script, *train_args(steps, save_every, "0"), *extra),
                     env_for({"SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt")}),
                     d / "train.log",
                 )
@@ -210,7 +212,7 @@ class References:
                 assert proc.wait(300) == 0, proc.tail()
                 return digest_of(proc)
 
-        return self.runs.get(("torchrun", script.stem, nproc, steps, save_every), run)
+        return self.runs.get(("torchrun", script.stem, nproc, steps, save_every, *extra), run)
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +300,63 @@ def test_preempted_torchrun_resumes_bit_identical(
             assert not worker_pids(run_id), "the dead run's workers live on"
         assert final.wait(180) == 0, final.tail()
         assert digest_of(final) == reference, f"seed {seed}"
+
+
+#: The FSDP2 fine-tune's frozen base: each rank stores half of it.
+FROZEN_MIB = 16
+#: SIGTERMs the fine-tune survives (the sharded-incremental acceptance: three).
+FINE_TUNE_PREEMPTIONS = 3
+
+
+def test_fsdp2_fine_tune_stored_incrementally_resumes_bit_identical(
+    s3_store: Any, s3_uri: str, tmp_path: Path, references: References
+) -> None:
+    """FSDP2 on two ranks, a frozen base and trained layers, ``--incremental``: every
+    checkpoint after the first stores under 5% of the state in new chunks (the frozen
+    base's DCP items are the same chunks each time), and after three SIGTERMs the run
+    ends with the digest of an uninterrupted one."""
+    extra = ("--frozen-mib", str(FROZEN_MIB))
+    reference = references.get(SHARDED, 2, extra=extra)
+    seed = trials.seed()
+    rng = trials.rng("torchrun-fine-tune")
+    storage = s3_storage(s3_store, s3_uri)
+    argv = run_argv(tmp_path / "work", s3_uri, torchrun(2, SHARDED, *train_args(), *extra))
+    argv.insert(argv.index("--"), "--incremental")
+    env = env_for(s3_store.env())
+    stopped: int | None = None
+    with reaping() as procs:
+        for i in range(FINE_TUNE_PREEMPTIONS):
+            proc = Proc(argv, env, tmp_path / f"run{i}.log")
+            procs.append(proc)
+            assert resumed(proc)[0] == stopped, f"seed {seed}"
+            proc.wait_for_step((stopped if stopped is not None else -1) + rng.randint(3, 12))
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(120) == 128 + signal.SIGTERM, proc.tail()
+            stopped = stopped_step(proc)
+            assert check_store(storage, 2) == stopped, f"seed {seed}"
+        final = Proc(argv, env, tmp_path / "final.log")
+        procs.append(final)
+        step, exact, _ = resumed(final)
+        assert step is not None and step >= stopped and exact, (seed, step, stopped)
+        assert final.wait(180) == 0, final.tail()
+        assert digest_of(final) == reference, f"seed {seed}"
+    # What each committed checkpoint added to the store, against the whole state it names.
+    seen: set[str] = set()
+    added = []
+    for name in list_checkpoint_names(storage):
+        verdict = verify_checkpoint(storage, name)
+        if not verdict.ok:
+            continue
+        manifest = verdict.manifest
+        assert manifest is not None and manifest.chunked and manifest.is_global, name
+        refs = manifest.chunk_refs()
+        added.append((name, sum(r.size for d, r in refs.items() if d not in seen), manifest.total_size))
+        seen |= refs.keys()
+    assert len(added) >= 1 + FINE_TUNE_PREEMPTIONS, added
+    assert added[0][1] >= FROZEN_MIB << 20, added
+    later = [new / total for _, new, total in added[1:]]
+    assert max(later) < 0.05, (seed, added)
+    print(f"\nfsdp2 fine-tune: bytes stored per checkpoint after the first: {max(later):.2%} of the state at most")
 
 
 def test_four_ranks_resume_a_two_rank_checkpoint_flagged_inexact(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:

@@ -10,7 +10,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spotguard.checkpoint.chunks import MAX_CHUNK, MIN_CHUNK, fixed_chunks, group_regions, hash_chunk, plan_file
+from spotguard.checkpoint.chunks import (
+    MAX_CHUNK,
+    MIN_CHUNK,
+    distcp_regions,
+    fixed_chunks,
+    group_regions,
+    hash_chunk,
+    plan_file,
+)
+from spotguard.checkpoint.global_manifest import build_global_manifest
 from spotguard.checkpoint.manifest import (
     FORMAT_VERSION_CHUNKED,
     ChunkRef,
@@ -195,7 +204,7 @@ def test_chunked_manifest_parses() -> None:
         (lambda d: d.__setitem__("format_version", 1), "'chunks' needs format_version 3"),
         (
             lambda d: d.__setitem__("sharding", {"world_size": 1, "parts": 1, "part": None, "ranks": [0]}),
-            "not stored incrementally",
+            "global manifest does not list parts/00000.json",
         ),
     ],
 )
@@ -214,11 +223,54 @@ def test_to_chunked_refuses_a_file_changed_since_the_manifest() -> None:
         to_chunked(plain, {})
 
 
-def test_distributed_manifests_are_not_chunked() -> None:
-    files = [FileEntry("ranks/00000/state.json", 2, checksum_bytes(b"{}", "crc32c"))]
-    part = new_manifest(3, files, "crc32c", sharding=Sharding(2, 2, 0, (0,)))
-    with pytest.raises(ManifestError, match="not stored incrementally"):
-        to_chunked(part, {"ranks/00000/state.json": [hash_chunk(b"{}")]})
+def test_distributed_parts_are_chunked_and_the_global_manifest_keeps_part_manifests_whole() -> None:
+    """A part manifest stored incrementally lists its files' chunks; the global
+    manifest built from such parts keeps them and lists the part manifests
+    themselves as whole files (the only entries without chunks)."""
+    parts = []
+    for rank in (0, 1):
+        data = {f"dcp/__{rank}_0.distcp": bytes([rank]) * 300, f"ranks/{rank:05d}/state.json": b"{}"}
+        files = [FileEntry(p, len(b), checksum_bytes(b, "crc32c")) for p, b in data.items()]
+        part = new_manifest(3, files, "crc32c", sharding=Sharding(2, 2, rank, (rank,), save_id="s1"))
+        chunked = to_chunked(
+            part, {p: [hash_chunk(b[i : i + 100]) for i in range(0, len(b), 100)] for p, b in data.items()}
+        )
+        assert chunked.chunked and chunked.is_part and to_plain(chunked) == part
+        assert parse_manifest(chunked.to_json()) == chunked
+        parts.append((chunked.to_json(), chunked))
+    whole = build_global_manifest([(to_plain(m).to_json(), to_plain(m)) for _, m in parts])
+    assert not whole.chunked
+    g = build_global_manifest(parts)
+    assert g.chunked and g.is_global
+    assert [f.path for f in g.files if f.chunks is None] == ["parts/00000.json", "parts/00001.json"]
+    assert len(g.chunk_refs()) == 3  # equal bytes share a chunk: one per rank's data file, one for both {}
+    doc = json.loads(g.to_json())
+    doc["files"][-1]["chunks"] = [[hash_chunk(b"x").hash, 1, hash_chunk(b"x").checksum]]
+    with pytest.raises(ManifestError, match="a part manifest is stored whole"):
+        parse_manifest(json.dumps(doc))
+    with pytest.raises(ManifestError, match="part 1 is stored whole, but part 0 is stored as chunks"):
+        build_global_manifest([parts[0], (to_plain(parts[1][1]).to_json(), to_plain(parts[1][1]))])
+
+
+def test_distcp_items_are_chunk_regions(tmp_path: Path) -> None:
+    """A DCP data file's items (``torch.save`` archives back to back) are found from the
+    file's end; an unchanged large item keeps its chunks when the items before it grow."""
+    import torch.distributed.checkpoint as dcp
+
+    big = torch.randn(1024, 1024)  # 4 MiB: chunks of its own
+    for name, small in (("a", torch.zeros(10)), ("b", torch.zeros(70_000))):
+        dcp.save({"big": big, "small": small}, checkpoint_id=tmp_path / name, no_dist=True)
+    for name in ("a", "b"):
+        path = tmp_path / name / "__0_0.distcp"
+        metadata = dcp.FileSystemReader(tmp_path / name).read_metadata()
+        want = sorted((i.offset, i.offset + i.length) for i in metadata.storage_data.values())
+        assert distcp_regions(path, path.stat().st_size) == want
+    a, b = chunk_bytes(tmp_path / "a" / "__0_0.distcp"), chunk_bytes(tmp_path / "b" / "__0_0.distcp")
+    assert sum(len(c) for c in set(a) & set(b)) >= big.numel() * 4
+    damaged = tmp_path / "damaged.distcp"
+    damaged.write_bytes((tmp_path / "a" / "__0_0.distcp").read_bytes()[:-1] + b"\x01")
+    assert distcp_regions(damaged, damaged.stat().st_size) is None
+    assert plan_file(damaged) == fixed_chunks(damaged.stat().st_size)
 
 
 def test_chunk_ref_key() -> None:

@@ -116,9 +116,10 @@ def write_part(
     algorithm: str = "crc32c",
     save_id: str | None = None,
     big: int = 0,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """A committed local part directory ``root/ckpt-<step>`` of a distributed
-    checkpoint (files, then the part manifest)."""
+    checkpoint (files, then the part manifest): ``files``, else :func:`part_files`'."""
     from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
     from spotguard.checkpoint.manifest import new_manifest
     from spotguard.storage.checksum import checksum_bytes
@@ -127,7 +128,7 @@ def write_part(
     ranks = layout[index]
     ckpt = root / checkpoint_name(step)
     entries = []
-    for path, data in sorted(part_files(step, index, ranks, big).items()):
+    for path, data in sorted((part_files(step, index, ranks, big) if files is None else files).items()):
         (ckpt / path).parent.mkdir(parents=True, exist_ok=True)
         (ckpt / path).write_bytes(data)
         entries.append(FileEntry(path, len(data), checksum_bytes(data, algorithm)))
