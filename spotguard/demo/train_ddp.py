@@ -28,6 +28,7 @@ optimizer and every rank's RNG) so runs can be compared.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import sys
@@ -177,6 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     """Train; 0 also when preempted (the checkpoint is written)."""
     args = parse_args(argv)
     rank, _world, device = setup()
+    try:
+        return train(args, rank, device)
+    finally:
+        # The model is gone by now (train's locals): DDP's reducer must go before its process
+        # group. Destroyed the other way round, the reducer's gloo work is torn down at
+        # interpreter exit after the group was shut down, and the process sometimes aborts
+        # there ("terminate called without an active exception") after training finished.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int, device: torch.device) -> int:
+    """The training loop: model, optimizer and data live (and die) here."""
     env_every = from_env(SAVE_EVERY_STEPS)
     save_every = args.save_every or (50 if env_every is None else env_every)
     # Distributed because a process group is initialized: should_save and
@@ -227,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.close()
         if rank == 0:
             print(f"preempted after step {step}", flush=True)
-        dist.destroy_process_group()
         return 0
     if step >= 0:
         # The final state is a checkpoint too (a no-op when just saved).
@@ -237,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"finished {args.steps} steps", flush=True)
         print(f"final digest {digest}", flush=True)
-    dist.destroy_process_group()
     return 0
 
 
