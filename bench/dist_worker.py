@@ -3,6 +3,7 @@
     torchrun --nproc-per-node N bench/dist_worker.py flags  --out result.json
     torchrun --nproc-per-node N bench/dist_worker.py stall  --out result.json --bytes B --rounds R [--device cuda]
     spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py sigterm --bytes B
+    spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py finetune --bytes B --save-every S
 
 ``flags``: the per-step cost of the Checkpointer's flag agreement (one
 all-reduce in ``should_save``) next to a small DDP model's training step.
@@ -10,6 +11,8 @@ all-reduce in ``should_save``) next to a small DDP model's training step.
 state: spotguard's two-phase save, ``dcp.save`` and ``dcp.async_save``, in
 interleaved rounds; the slowest rank's time counts (the next step waits for it).
 ``sigterm``: steps until preempted, for the SIGTERM -> globally verified timing.
+``finetune``: an FSDP2 fine-tune (a frozen base of B bytes, a small trained
+head) that checkpoints every S steps until preempted; rank 0 prints ``saved N``.
 Rank 0 writes the results as JSON.
 
 ``--device cuda`` (``stall`` and ``sigterm``): the sharded state lives on each
@@ -67,6 +70,50 @@ def _sharded_state(total_bytes: int, device: str = "cpu") -> tuple[Any, Any]:
     model(torch.randn(2, width, device=_device(device))).sum().backward()
     opt.step()
     return model, opt
+
+
+def _fine_tune_state(frozen_bytes: int) -> tuple[Any, Any]:
+    """FSDP2: frozen Linear layers of ``frozen_bytes`` in all (``requires_grad=False``, the same
+    values in every run) and a small trained head, AdamW over the head."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    width = 1024
+    layers = max(1, round(frozen_bytes / (width * width * 4)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model.append(torch.nn.Linear(width, 16))
+    for layer in list(model)[:-1]:
+        layer.weight.requires_grad_(False)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, opt
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import spotguard
+
+    model, opt = _fine_tune_state(args.bytes)
+    ckpt = spotguard.Checkpointer.from_env(save_every_steps=args.save_every)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    step = 0
+    while True:
+        step += 1
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if ckpt.should_save(step):
+            ckpt.save(step, spotguard.torch_state(model, opt))
+            if dist.get_rank() == 0:
+                print(f"saved {step}", flush=True)
+        if ckpt.preempted:
+            return 0
+        time.sleep(0.05)
 
 
 def run_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -213,11 +260,12 @@ def run_sigterm(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["flags", "stall", "sigterm"])
+    p.add_argument("mode", choices=["flags", "stall", "sigterm", "finetune"])
     p.add_argument("--out", type=Path)
     p.add_argument("--bytes", type=int, default=256 << 20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--work", default=tempfile.gettempdir())
     p.add_argument(
         "--device",
@@ -242,6 +290,8 @@ def main() -> int:
     try:
         if args.mode == "sigterm":
             return run_sigterm(args)
+        if args.mode == "finetune":
+            return run_finetune(args)
         result = run_flags(args) if args.mode == "flags" else run_stall(args)
         if dist.get_rank() == 0 and args.out is not None:
             args.out.write_text(json.dumps(result))

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ADAPTER_BYTES = 6 * MiB  # adapter parameters (2 MiB) + AdamW's two moments
 FULL_STATE_BYTES = 256 * MiB  # full training: parameters + moments, every tensor changes
 CHUNK = 16 * MiB  # the largest chunk (spotguard.checkpoint.chunks.MAX_CHUNK)
-MODES = {"plain": "plain (whole files)", "incremental": "incremental (--incremental)"}
+MODES = {"plain": "plain (whole files, --no-incremental)", "incremental": "incremental (the default)"}
 _STAGE = re.compile(r"stage=(\w+) seconds=([0-9.]+)(.*)")
 _FIELD = re.compile(r"(\w+)=(\S+)")
 
@@ -157,8 +157,7 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
         "--grace-seconds",
         "900",
     ]
-    if mode == "incremental":
-        cmd.append("--incremental")
+    cmd.append("--incremental" if mode == "incremental" else "--no-incremental")
     cmd += [
         "--",
         sys.executable,

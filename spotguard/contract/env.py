@@ -131,7 +131,9 @@ TERMINATION_LOG = _var(
     "/dev/termination-log",
     "where the sidecar writes its exit report (the default only where it exists)",
 )
-INCREMENTAL = _var("INCREMENTAL", bool, False, "upload checkpoints as shared content-addressed chunks")
+INCREMENTAL = _var(
+    "INCREMENTAL", bool, True, "upload checkpoints as shared content-addressed chunks (false: whole files)"
+)
 RUN_ID = _var("RUN_ID", str, None, "marks the processes of one spotguard run, so that a later start can kill them")
 
 # Early preemption notices (the sidecar and spotguard run).

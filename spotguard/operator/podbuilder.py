@@ -364,9 +364,9 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
             _contract_value(envvars.NOTICE_TOKEN_FILE, relay.TOKEN_FILE),
         ]
         c["volumeMounts"].append({"name": NOTICE_TOKEN_VOLUME, "mountPath": relay.TOKEN_DIR, "readOnly": True})
-    if inj.checkpoint.incremental:
-        # Only the sidecar uploads; absent when off, so existing jobs' pods stay as they were.
-        c["env"].append(_contract_value(envvars.INCREMENTAL, True))
+    if not inj.checkpoint.incremental:
+        # Only the sidecar uploads; absent when on (its default).
+        c["env"].append(_contract_value(envvars.INCREMENTAL, False))
     if inj.metrics_port:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
     # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.

@@ -100,8 +100,8 @@ class CheckpointSpec:
     #: or write storage themselves.
     expose_credentials_to_trainer: bool = False
     #: Store checkpoints as content-addressed chunks shared between checkpoints,
-    #: so that each upload sends only what changed (the sidecar's ``--incremental``).
-    incremental: bool = False
+    #: so that each upload sends only what changed (on by default; off: the sidecar's ``--no-incremental``).
+    incremental: bool = True
     #: Where checkpoints are staged in the pod; None: an ``emptyDir`` without a limit (as before).
     staging: StagingSpec | None = None
 
@@ -336,7 +336,7 @@ def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
         checksum=read_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
         retention=parse_retention(obj.get("retention"), f"{path}.retention"),
         expose_credentials_to_trainer=read_bool(obj, "exposeCredentialsToTrainer", path, False),
-        incremental=read_bool(obj, "incremental", path, False),
+        incremental=read_bool(obj, "incremental", path, True),
         staging=parse_staging(obj.get("staging"), f"{path}.staging"),
     )
 

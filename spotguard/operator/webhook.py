@@ -15,8 +15,9 @@ configured by annotations:
 ``spotguard.dev/save-every-seconds``        checkpoint interval in seconds
 ``spotguard.dev/checksum``                  ``crc32c`` or ``sha256``
 ``spotguard.dev/keep-last``                 checkpoints to keep
-``spotguard.dev/incremental``               ``"true"``: upload only the chunks storage does
-                                            not hold yet (default ``"false"``)
+``spotguard.dev/incremental``               ``"false"``: upload whole files (default
+                                            ``"true"``: only the chunks storage does
+                                            not hold yet)
 ``spotguard.dev/expose-credentials-to-      ``"true"``: the pod's own containers get the
 trainer``                                   storage credentials too (default: only
                                             spotguard's containers)

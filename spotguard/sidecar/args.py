@@ -107,12 +107,12 @@ def add_incremental_arg(p: argparse.ArgumentParser) -> None:
         default=cli_default(env.INCREMENTAL),
         help="upload only the data storage does not hold yet: checkpoints are stored as "
         "content-addressed chunks shared between checkpoints of the job (env "
-        f"{env.INCREMENTAL.name}, default off)",
+        f"{env.INCREMENTAL.name}, default on; --no-incremental uploads whole files)",
     )
 
 
 def incremental_from_args(args: argparse.Namespace) -> bool:
-    """Whether uploads are incremental: the option, else ``SPOTGUARD_INCREMENTAL``, else off.
+    """Whether uploads are incremental: the option, else ``SPOTGUARD_INCREMENTAL``, else on.
 
     Raises ValueError (one line, naming the variable) for a value that is no boolean.
     """

@@ -103,9 +103,10 @@ class Checkpointer:
     local checkpoint exists and, with ``upload=True``, to upload each
     checkpoint after it is committed (in a pod the sidecar uploads instead;
     a preemption's upload is retried until its deadline). ``incremental``
-    (with ``upload``): store each checkpoint as content-addressed chunks
-    shared with the job's other checkpoints, and send only the chunks storage
-    does not hold yet, as ``spotguard sidecar --incremental`` does.
+    (with ``upload``; on by default): store each checkpoint as
+    content-addressed chunks shared with the job's other checkpoints, and
+    send only the chunks storage does not hold yet, as the sidecar does
+    (``False``: whole files, as ``spotguard sidecar --no-incremental``).
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`~spotguard.trainer.config.local_pruner`): with a storage URI and no
@@ -162,7 +163,7 @@ class Checkpointer:
         handle_signals: bool = False,
         reuse_host_buffers: bool = True,
         distributed: bool | None = None,
-        incremental: bool = False,
+        incremental: bool = True,
     ) -> None:
         root = Path(directory)
         storage_uri = storage_uri or None

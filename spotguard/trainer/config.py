@@ -73,7 +73,7 @@ class EnvConfig:
     job: str | None
     attempt: int | None
     retention: RetentionPolicy | None
-    incremental: bool = False
+    incremental: bool = True
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
@@ -141,7 +141,7 @@ class Settings:
     attempt: int | None
     async_save: bool
     #: With ``upload``: store checkpoints as shared content-addressed chunks (only new chunks are sent).
-    incremental: bool = False
+    incremental: bool = True
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:

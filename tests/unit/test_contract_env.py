@@ -114,9 +114,9 @@ def test_command_line_defaults_stay_text_until_their_command_runs() -> None:
     assert cli_default(env.GRACE_SECONDS, {"SPOTGUARD_GRACE_SECONDS": "soon"}) == "soon"  # argparse's to reject
     assert cli_default(env.GRACE_SECONDS, {"SPOTGUARD_GRACE_SECONDS": ""}) == "30"
     assert cli_default(env.STORAGE_URI, {}) is None
-    assert cli_default(env.INCREMENTAL, {}) == "false"
-    assert option_or_env(env.INCREMENTAL, True) is True  # the option wins
-    assert option_or_env(env.INCREMENTAL, None) is False
+    assert cli_default(env.INCREMENTAL, {}) == "true"
+    assert option_or_env(env.INCREMENTAL, False) is False  # the option wins
+    assert option_or_env(env.INCREMENTAL, None) is True
     assert option_or_env(env.READ_CHECKPOINTS, None) is True
     assert option_or_env(env.READ_CHECKPOINTS, "off") is False
     with pytest.raises(ValueError, match="SPOTGUARD_READ_CHECKPOINTS"):
@@ -216,7 +216,8 @@ def test_the_sidecar_docs_option_table_agrees_with_the_registry() -> None:
 def test_the_trainers_environment_carries_incremental() -> None:
     from spotguard.trainer.config import EnvConfig
 
-    assert EnvConfig.read({}).kwargs()["incremental"] is False
+    assert EnvConfig.read({}).kwargs()["incremental"] is True  # on by default
+    assert EnvConfig.read({"SPOTGUARD_INCREMENTAL": "0"}).kwargs()["incremental"] is False
     assert EnvConfig.read({"SPOTGUARD_INCREMENTAL": "1"}).kwargs()["incremental"] is True
     with pytest.raises(ValueError, match="SPOTGUARD_INCREMENTAL"):
         EnvConfig.read({"SPOTGUARD_INCREMENTAL": "maybe"})

@@ -203,7 +203,7 @@ def test_expose_credentials_to_trainer() -> None:
 
 
 def test_incremental() -> None:
-    assert parse(base()).checkpoint.incremental is False
+    assert parse(base()).checkpoint.incremental is True  # on by default
     assert parse(with_("checkpoint.incremental", True)).checkpoint.incremental is True
     assert parse(with_("checkpoint.incremental", False)).checkpoint.incremental is False
     with pytest.raises(SpecError) as err:
@@ -220,4 +220,4 @@ def test_crd_declares_incremental_with_the_parsers_default() -> None:
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     field = spec["properties"]["checkpoint"]["properties"]["incremental"]
     assert field["type"] == "boolean"
-    assert field["default"] is parse(base()).checkpoint.incremental is False
+    assert field["default"] is parse(base()).checkpoint.incremental is True

@@ -246,7 +246,7 @@ def test_torchrun_shutdown_timeout_is_the_grace_period_unless_set() -> None:
     assert [e["name"] for e in spec["containers"][0]["env"]].count("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") == 1
 
 
-@pytest.mark.parametrize(("value", "incremental"), [("true", True), ("false", False), (None, False)])
+@pytest.mark.parametrize(("value", "incremental"), [("true", True), ("false", False), (None, True)])
 def test_incremental_by_annotation(value: str | None, incremental: bool) -> None:
     ann = {"spotguard.dev/storage": "s3://bkt/p"}
     if value is not None:
@@ -255,7 +255,7 @@ def test_incremental_by_annotation(value: str | None, incremental: bool) -> None
     spec, _uri = mutated_pod(pod(ann), "ns", CFG)
     sidecar = next(c for c in spec["containers"] if c["name"] == "spotguard-sidecar")
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    assert env.get("SPOTGUARD_INCREMENTAL") == ("true" if incremental else None)
+    assert env.get("SPOTGUARD_INCREMENTAL") == (None if incremental else "false")  # absent: the default, on
     assert "SPOTGUARD_INCREMENTAL" not in {e["name"] for e in spec["containers"][0]["env"]}
 
 

@@ -304,18 +304,24 @@ def test_incremental_reaches_the_sidecar_only(native: bool, monkeypatch: pytest.
 
     from spotguard.sidecar import args, cli
 
-    ck = {**job_spec()["checkpoint"], "incremental": True}
+    ck = {**job_spec()["checkpoint"], "incremental": False}
     pod = build(native=native, checkpoint=ck)
     value = env_of(sidecar_of(pod))["SPOTGUARD_INCREMENTAL"]
     restore = pod["spec"]["initContainers"][0]
     assert restore["name"] == "spotguard-restore" and "SPOTGUARD_INCREMENTAL" not in env_of(restore)
     assert "SPOTGUARD_INCREMENTAL" not in env_of(pod["spec"]["containers"][0])
-    # Off (the default): no variable at all, so the pods of existing jobs do not change.
+    # On (the default): no variable at all, the sidecar's own default.
     assert "SPOTGUARD_INCREMENTAL" not in env_of(sidecar_of(build(native=native)))
-    off = build(native=native, checkpoint={**ck, "incremental": False})
-    assert "SPOTGUARD_INCREMENTAL" not in env_of(sidecar_of(off))
-    # The sidecar reads the value the operator writes as on.
+    on = build(native=native, checkpoint={**ck, "incremental": True})
+    assert "SPOTGUARD_INCREMENTAL" not in env_of(sidecar_of(on))
+
+    def sidecar_incremental() -> bool:
+        p = argparse.ArgumentParser()
+        cli.register(p.add_subparsers())
+        return args.incremental_from_args(p.parse_args(["sidecar"]))
+
+    monkeypatch.delenv("SPOTGUARD_INCREMENTAL", raising=False)
+    assert sidecar_incremental() is True
+    # The sidecar reads the value the operator writes as off.
     monkeypatch.setenv("SPOTGUARD_INCREMENTAL", value)
-    p = argparse.ArgumentParser()
-    cli.register(p.add_subparsers())
-    assert args.incremental_from_args(p.parse_args(["sidecar"])) is True
+    assert sidecar_incremental() is False

@@ -137,8 +137,8 @@ def test_a_retention_rule_without_its_metric_is_a_user_error(monkeypatch: pytest
 @pytest.mark.parametrize(
     ("env", "flags", "incremental"),
     [
-        (None, [], False),
-        ("", [], False),
+        (None, [], True),  # on by default
+        ("", [], True),
         ("1", [], True),
         ("TRUE", [], True),
         (" yes ", [], True),
