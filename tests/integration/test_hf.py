@@ -32,6 +32,7 @@ from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_a
 from sidecar_helpers import STOPPED_RE as STOPPED_RE_ANY
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, list_local_committed
+from spotguard.checkpoint.chunks import hash_chunk
 from spotguard.checkpoint.local import verify_local_checkpoint
 from spotguard.checkpoint.stored import read_manifest
 from spotguard.storage.checksum import new_hasher
@@ -206,7 +207,12 @@ def plant_code_pickle(storage: Any, name: str, path: str, marker: Path) -> None:
     hasher.update(evil)
     entry = next(f for f in doc["files"] if f["path"] == path)
     entry["size"], entry["checksum"] = len(evil), hasher.hexdigest()
-    storage.write_bytes(f"{name}/{path}", evil)
+    if "chunks" in entry:  # stored incrementally (the default): the planted bytes as a chunk of their own
+        ref = hash_chunk(evil)
+        entry["chunks"] = [[ref.hash, ref.size, ref.checksum]]
+        storage.write_bytes(ref.key, evil)
+    else:
+        storage.write_bytes(f"{name}/{path}", evil)
     storage.write_bytes(f"{name}/manifest.json", json.dumps(doc).encode())
 
 

@@ -54,6 +54,7 @@ def test_metrics_after_known_saves(s3_store, s3_uri: str, tmp_path: Path) -> Non
                 "30",
                 "--safety-margin",
                 "5",
+                "--no-incremental",  # whole files: the bytes an upload moves are known exactly
             ),
             env,
             tmp_path / "sidecar.log",
