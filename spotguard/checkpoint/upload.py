@@ -40,7 +40,7 @@ from spotguard.checkpoint.manifest import (
     stored_as,
     to_plain,
 )
-from spotguard.checkpoint.parts import commit_global, existing_commit
+from spotguard.checkpoint.parts import commit_global, existing_commit, read_parts
 from spotguard.checkpoint.stored import CheckpointCorruptError, read_manifest, stored_files, update_latest_pointer
 from spotguard.checkpoint.verify import check_stored_checksum
 from spotguard.checkpoint.verify_stored import verify_uploaded_files
@@ -273,6 +273,7 @@ def _upload(
     """The upload proper: intents through ``storage``, everything else through ``io``."""
     name = manifest.name
     if manifest.is_part:
+        incremental = _as_stored_parts(io, manifest, incremental)
         part = partial(_upload_part, local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start)
         if incremental is False:
             with upload_intent(storage, manifest.name):
@@ -309,6 +310,22 @@ def _upload(
         return _upload_plain(
             local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start, resume=resume
         )
+
+
+def _as_stored_parts(storage: Storage, manifest: Manifest, incremental: bool | KnownChunks) -> bool | KnownChunks:
+    """How to store a part: as the parts of its step already stored are (as chunks or whole),
+    whatever this uploader was told, so that nodes configured differently still make one
+    checkpoint (the global commit refuses parts stored both ways); else as told."""
+    stored = [m.chunked for _, m in read_parts(storage, manifest.name)[0].values()]
+    if not stored or stored[0] == (incremental is not False):
+        return incremental
+    log.info(
+        "%s: the parts of this step already stored are %s; storing part %s the same way",
+        storage.uri_for(manifest.name),
+        "chunks" if stored[0] else "whole files",
+        manifest.sharding.part if manifest.sharding is not None else "?",
+    )
+    return stored[0]
 
 
 def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:

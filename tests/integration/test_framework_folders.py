@@ -90,11 +90,10 @@ def write_folder(root: Path, files: dict[str, bytes]) -> Path:
 def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
     s3_store: Any, s3_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ckpt_helpers import s3_options
+    from ckpt_helpers import replace_stored_file, s3_options
 
     from spotguard.checkpoint.verify_stored import verify_checkpoint
     from spotguard.storage import open_storage
-    from spotguard.storage.checksum import new_hasher
     from spotguard.trainer.checkpointer import Checkpointer
 
     opts = s3_options(s3_store)
@@ -109,15 +108,7 @@ def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
     storage = open_storage(s3_uri, **opts)
     assert verify_checkpoint(storage, "ckpt-000000000010").ok
     # An attacker with write access replaces the newest checkpoint's pickle and fixes its manifest.
-    evil = pickle.dumps(Evil())
-    doc = json.loads(storage.read_bytes("ckpt-000000000010/manifest.json"))
-    h = new_hasher(doc["checksum_algorithm"])
-    h.update(evil)
-    for f in doc["files"]:
-        if f["path"] == "rng_state.pth":
-            f["size"], f["checksum"] = len(evil), h.hexdigest()
-    storage.write_bytes("ckpt-000000000010/rng_state.pth", evil)
-    storage.write_bytes("ckpt-000000000010/manifest.json", json.dumps(doc).encode())
+    replace_stored_file(storage, "ckpt-000000000010", "rng_state.pth", pickle.dumps(Evil()))
     fresh = Checkpointer(tmp_path / "b", storage_uri=s3_uri, storage_options=opts, handle_signals=False)
     with caplog.at_level(logging.WARNING):
         path = fresh.resume_folder()

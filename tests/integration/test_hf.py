@@ -16,7 +16,6 @@ both cores are busy.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -27,15 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ckpt_helpers import replace_stored_file
 from reference_runs import Pending, ReferenceRuns
 from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv
 from sidecar_helpers import STOPPED_RE as STOPPED_RE_ANY
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, list_local_committed
-from spotguard.checkpoint.chunks import hash_chunk
 from spotguard.checkpoint.local import verify_local_checkpoint
 from spotguard.checkpoint.stored import read_manifest
-from spotguard.storage.checksum import new_hasher
 from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,19 +199,7 @@ def plant_code_pickle(storage: Any, name: str, path: str, marker: Path) -> None:
 
     buf = io.BytesIO()
     torch.save({"state": Evil(), "param_groups": []}, buf)
-    evil = buf.getvalue()
-    doc = json.loads(storage.read_bytes(f"{name}/manifest.json"))
-    hasher = new_hasher(doc["checksum_algorithm"])
-    hasher.update(evil)
-    entry = next(f for f in doc["files"] if f["path"] == path)
-    entry["size"], entry["checksum"] = len(evil), hasher.hexdigest()
-    if "chunks" in entry:  # stored incrementally (the default): the planted bytes as a chunk of their own
-        ref = hash_chunk(evil)
-        entry["chunks"] = [[ref.hash, ref.size, ref.checksum]]
-        storage.write_bytes(ref.key, evil)
-    else:
-        storage.write_bytes(f"{name}/{path}", evil)
-    storage.write_bytes(f"{name}/manifest.json", json.dumps(doc).encode())
+    replace_stored_file(storage, name, path, buf.getvalue())
 
 
 def test_preempted_trainer_resumes_bit_identical_and_walks_back_past_a_planted_pickle(

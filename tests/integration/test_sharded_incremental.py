@@ -126,3 +126,19 @@ def test_the_chunk_sweep_keeps_what_a_waiting_part_names(tmp_path: Path, stores:
     assert verdict.ok, verdict.problems
     # Part 1's own chunks of step 10 went with it (nothing named them); part 0's reused ones stayed.
     assert sweep.deleted, "the sweep deleted nothing: the test does not exercise it"
+
+
+@pytest.mark.parametrize("first_incremental", [True, False])
+def test_a_part_is_stored_as_the_parts_already_stored_are(
+    tmp_path: Path, stores: tuple[Storage, Storage], first_incremental: bool
+) -> None:
+    """Nodes told differently (one uploads chunks, the other whole files) still make one
+    checkpoint: the later part follows the parts already stored (parts stored both ways
+    would never commit)."""
+    a, b = stores
+    upload_checkpoint(part(tmp_path, 10, 0), a, incremental=first_incremental)
+    done = upload_checkpoint(part(tmp_path, 10, 1), b, incremental=not first_incremental)
+    assert done.committed
+    verdict = verify_checkpoint(a, checkpoint_name(10))
+    assert verdict.ok, verdict.problems
+    assert verdict.manifest is not None and verdict.manifest.chunked is first_incremental

@@ -142,3 +142,39 @@ def write_part(
     )
     (ckpt / MANIFEST_NAME).write_bytes(manifest.to_json())
     return ckpt
+
+
+def replace_stored_file(storage: Any, name: str, path: str, data: bytes) -> None:
+    """Replace ``path`` of the stored checkpoint ``name`` with ``data`` and fix its manifest to
+    match, as an attacker with write access to the bucket would: the file itself when the
+    checkpoint is stored whole, a chunk of its own when it is stored as chunks."""
+    from spotguard.checkpoint.chunks import hash_chunk
+    from spotguard.storage.checksum import new_hasher
+
+    doc = json.loads(storage.read_bytes(f"{name}/manifest.json"))
+    hasher = new_hasher(doc["checksum_algorithm"])
+    hasher.update(data)
+    entry = next(f for f in doc["files"] if f["path"] == path)
+    entry["size"], entry["checksum"] = len(data), hasher.hexdigest()
+    if "chunks" in entry:
+        ref = hash_chunk(data)
+        entry["chunks"] = [[ref.hash, ref.size, ref.checksum]]
+        storage.write_bytes(ref.key, data)
+    else:
+        storage.write_bytes(f"{name}/{path}", data)
+    storage.write_bytes(f"{name}/manifest.json", json.dumps(doc).encode())
+
+
+def flip_a_stored_byte(storage: Any, name: str, path: str) -> str:
+    """Flip one byte in the middle of ``path`` of the stored checkpoint ``name`` (in the chunk
+    holding it when stored as chunks), the manifest left as it was; returns the key damaged."""
+    from spotguard.checkpoint.stored import read_manifest
+
+    entry = next(f for f in read_manifest(storage, name).files if f.path == path)
+    key = f"{name}/{path}"
+    if entry.chunks:
+        key = entry.chunks[len(entry.chunks) // 2].key
+    data = bytearray(storage.read_bytes(key))
+    data[len(data) // 2] ^= 0x01
+    storage.write_bytes(key, bytes(data))
+    return key
