@@ -4,7 +4,8 @@ how long SIGTERM -> verified takes, incremental vs plain, through ``spotguard ru
 Three parts, each a section of the report:
 
 - Fine-tune-shaped state (bench.incremental_worker ``finetune``): a frozen
-  base of 0.25 / 1 / 4 GiB (BENCH_INCREMENTAL_FROZEN_GB) and the same small
+  base of 0.25 / 1 / 4 GiB (BENCH_INCREMENTAL_FROZEN_GB; sizes in
+  BENCH_INCREMENTAL_ALONE_GB run once more, incremental alone) and the same small
   adapter trained with AdamW. The trainer checkpoints twice (the first
   stores everything), and once the second is verified in storage gets
   SIGTERM: the preemption checkpoint is a training run's usual one, after
@@ -302,6 +303,32 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
                     st,
                 ]
             )
+    # Sizes measured incremental alone, once (BENCH_INCREMENTAL_ALONE_GB): larger than a plain run of the
+    # same size leaves room for in this machine's memory beside the store.
+    alone = [float(x) for x in os.environ.get("BENCH_INCREMENTAL_ALONE_GB", "").split(",") if x.strip()]
+    lo_median = median([x.to_verified for x in runs[(min(sizes), "incremental")]])
+    for gb in alone:
+        x = _run_once(s3, ctx.work, "incremental", "finetune", int(gb * GiB), ADAPTER_BYTES)
+        print(f"   finetune {gb:g} GiB incremental alone: SIGTERM -> verified {x.to_verified:.2f}s", flush=True)
+        st = " / ".join(fmt(x.stages.get(k, 0.0)) for k in ("save", "upload", "verify"))
+        s.rows.append(
+            [
+                f"{gb:g} GiB",
+                f"{MODES['incremental']}, one run",
+                fmt(x.size / MiB, 0),
+                fmt(x.uploaded / MiB, 1),
+                f"{100 * x.uploaded / x.size:.1f}%",
+                fmt(x.to_verified),
+                "plain not run",
+                st,
+            ]
+        )
+        s.notes.append(
+            f"{gb:g} GiB frozen, incremental alone (one run, after the rounds above; a plain run of this size "
+            f"does not fit this machine's memory beside the store): SIGTERM -> verified {x.to_verified:.2f} s, "
+            f"{x.to_verified / lo_median:.2f}x the {min(sizes):g} GiB median; it uploaded "
+            f"{x.uploaded / MiB:.1f} MiB ({100 * x.uploaded / x.size:.2f}% of {x.size / GiB:.1f} GiB)."
+        )
     for gb in sizes:
         incr = runs[(gb, "incremental")]
         share = Spread.of([100 * x.uploaded / x.size for x in incr], higher_is_better=False)
@@ -357,8 +384,9 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
         f"exits {median([x.to_exit - x.to_verified for rs in runs.values() for x in rs]):.2f} s later, median). "
         f"{reps} rounds, sizes in turn, the modes alternating which goes first; dirty "
         f"pages flushed before each SIGTERM. Stages: `save` (the trainer's checkpoint: snapshot, local write, "
-        f"CRC32C, fsync; each tensor compared with its host copy of the last checkpoint, an unchanged kept file "
-        f"linked, not written), `upload` (incremental: SHA-256 + CRC32C of every changed chunk, a comparison with "
+        f"CRC32C, fsync; a tensor none of whose pages was written since the last checkpoint is not read, any "
+        f"other compared with its host copy of the last checkpoint, an unchanged kept file linked, not "
+        f"written), `upload` (incremental: SHA-256 + CRC32C of every changed chunk, a comparison with "
         f"the previous checkpoint's copy for the others, none for a linked file; PUT of each new chunk; the "
         f"SIGTERM's upload asks nothing of the chunks its uploader verified last), `verify` (one store-checksum "
         f"request per file, or per chunk not taken as checked)."
@@ -382,12 +410,10 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
             f"GiB (they are the checkpoint its uploader verified last), and verification asks only of the new "
             f"ones ({big.fields.get('trusted_chunks', '?')} taken as checked): {inc['upload']:.2f} and "
             f"{inc['verify']:.2f} s/GiB. What still grows is the trainer's save ({inc['save']:.2f} s/GiB; plain: "
-            f"{per_gib['plain']['save']:.2f} s/GiB): its snapshot compares every tensor, byte for byte, with its "
-            "host copy of the last checkpoint, which is how an unchanged tensor is told apart without trusting "
-            "version counters (writes through `.data` bypass them). That is a pass over the whole state at "
-            "memory speed on this CPU-only machine, here sharing two cores with the store and the other rounds' "
-            "processes; on a GPU the comparison runs on the device, 64 MiB of host copy at a time "
-            "(`make gpu-check`'s pinned check reports its speed). Plain's upload moves every byte "
+            f"{per_gib['plain']['save']:.2f} s/GiB). Its snapshot reads no tensor whose pages were not written "
+            "since the last checkpoint (the kernel's write tracking, see docs/checkpoint-format.md); where the "
+            "kernel has none (SPOTGUARD_TRACK_WRITES=0, a kernel before 6.7, a sandbox without userfaultfd) it "
+            "compares every tensor with its host copy at memory speed. Plain's upload moves every byte "
             f"({per_gib['plain']['upload']:.2f} s/GiB)."
         )
     return s

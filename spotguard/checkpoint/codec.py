@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotguard.checkpoint.written import MIN_TRACKED_BYTES, WriteTracker, WriteView, tracking_enabled
+
 STATE_FILE = "state.json"
 STATE_FORMAT = 1
 TAG = "__t"
@@ -111,6 +113,11 @@ KEPT_SUFFIX = ".kept.safetensors"
 #: in the last snapshot that used the pool, and the checkpoint that snapshot was committed as.
 POOL_PLACES = "__places__"
 POOL_COMMITTED = "__committed__"
+#: The pool's view of the process's write tracker (None where there is none) and the storage each tracked buffer was
+#: last filled from: pool key -> (storage, address, bytes). See :mod:`spotguard.checkpoint.written`.
+POOL_TRACKER = "__tracker__"
+POOL_TRACKED = "__tracked__"
+POOL_CHANGING = "__changing__"
 
 
 @dataclass
@@ -125,6 +132,8 @@ class Snapshot:
     previous_stamp: tuple[int, int] | None = None
     #: Where each kept tensor was in ``previous``: file -> key -> (file, key) there.
     previous_places: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
+    #: Bytes of tensors told unchanged without reading them (no page written since they were copied).
+    unread_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +165,18 @@ class _Snapshotter:
         if self._before and committed is not None:
             self.snapshot.previous, self.snapshot.previous_stamp = committed
         self.places: dict[Any, tuple[str, str, str]] = {}
+        self.tracker: WriteView | None = None
+        self.tracked: dict[Any, tuple[Any, int, int]] = {}
+        self.changing: set[Any] = set()  # pool keys of tensors not tracked (mostly written last time)
+        if pinned is not None:
+            if POOL_TRACKER not in pinned:
+                tracker = WriteTracker.shared() if tracking_enabled() else None
+                pinned[POOL_TRACKER] = tracker.view() if tracker is not None else None
+            self.tracker = pinned[POOL_TRACKER]
+            self.tracked = pinned.setdefault(POOL_TRACKED, {})
+            self.changing = pinned.setdefault(POOL_CHANGING, set())
+            if self.tracker is not None:
+                self.tracker.collect()  # before any tensor is read: a write from now on shows next time
 
     def part_file(self, path: tuple[Any, ...], kept: bool = False) -> str:
         top = str(path[0]) if path else "state"
@@ -198,7 +219,12 @@ class _Snapshotter:
         key = (self._index, t.dtype, tuple(t.shape), on_gpu)
         self._index += 1
         host = self.pinned.get(key) if self.pinned is not None else None
-        unchanged = host is not None and self._same_bytes(key, path, host, t)
+        unchanged, changing = self._unwritten(key, path, t, host) if host is not None else (False, False)
+        if not unchanged:
+            self._track(key, t, self.pinned is not None, changing)
+            unchanged = host is not None and self._same_bytes(key, path, host, t)
+            if unchanged:
+                self.changing.discard(key)  # tracked again from the next snapshot on
         if host is None:
             pin = on_gpu and torch.cuda.is_available()
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
@@ -211,6 +237,68 @@ class _Snapshotter:
         blob = TensorBlob(st, tuple(int(s) for s in t.shape), memoryview(flat.numpy()), owner=host)
         blob.unchanged = unchanged
         return blob, (key if self.pinned is not None else None)
+
+    def _trackable(self, t: Any) -> bool:
+        return (
+            self.tracker is not None
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+            and t.numel() * t.element_size() >= MIN_TRACKED_BYTES
+            and not t.is_pinned()
+            and not t.is_shared()
+        )
+
+    def _unwritten(self, key: Any, path: tuple[Any, ...], t: Any, host: Any) -> tuple[bool, bool]:
+        """Whether ``t`` is, storage and place, what the host buffer at ``key`` was last filled from
+        (or told unchanged against) in the last committed snapshot, and its pages written since (if
+        any: a neighbour's write shares a page) hold what the host buffer holds: then ``t`` holds
+        those bytes, and the rest of it is not read. See :mod:`spotguard.checkpoint.written`.
+        Second: whether it is mostly written (it changes from checkpoint to checkpoint)."""
+        tracked = self.tracked.get(key)
+        before = self._before.get(key)
+        if tracked is None or before is None or before[0] != _path_str(path) or not self._trackable(t):
+            return False, False
+        storage, ptr, nbytes = tracked
+        if t.untyped_storage()._cdata != storage._cdata or t.data_ptr() != ptr or _nbytes(t) != nbytes:
+            return False, False
+        assert self.tracker is not None
+        written = self.tracker.written_ranges(ptr, nbytes)
+        if written is None:
+            return False, False
+        if sum(b - a for a, b in written) > nbytes // 2:
+            return False, True  # compared whole
+        torch = self.torch
+        mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
+        if not all(torch.equal(mine[a:b], theirs[a:b]) for a, b in written):
+            return False, False
+        self.snapshot.unread_bytes += nbytes - sum(b - a for a, b in written)
+        return True, False
+
+    def _track(self, key: Any, t: Any, pooled: bool, changing: bool) -> None:
+        """Before ``t`` is read into the host buffer at ``key``: track its pages from now on (a
+        write after this shows in the next snapshot), or forget what the buffer was filled from.
+
+        A tensor found mostly written (``changing``) is no longer tracked, until a comparison finds
+        it unchanged: every write to a protected page costs a fault, once per page after each
+        snapshot, which a tensor that changes at every step would pay for nothing."""
+        tracked = self.tracked.pop(key, None)
+        if self.tracker is None:
+            return
+        if changing:
+            self.changing.add(key)
+        same = tracked is not None and t.untyped_storage()._cdata == tracked[0]._cdata
+        if tracked is not None and not (same and t.data_ptr() == tracked[1] and _nbytes(t) == tracked[2]):
+            self.tracker.forget(tracked[1], tracked[2])
+            tracked = None
+        if not pooled or not self._trackable(t) or key in self.changing:
+            if tracked is not None:
+                self.tracker.forget(tracked[1], tracked[2], unprotect=True)  # ``t`` holds its storage
+            return
+        if tracked is None:
+            if not self.tracker.track(t.data_ptr(), _nbytes(t)):
+                return
+            tracked = (t.untyped_storage(), t.data_ptr(), _nbytes(t))  # held: its memory is never reused
+        self.tracked[key] = tracked
 
     def _same_bytes(self, key: Any, path: tuple[Any, ...], host: Any, t: Any) -> bool:
         """Whether ``t`` holds, byte for byte, what the host buffer holds from the last committed
@@ -283,6 +371,10 @@ class _Snapshotter:
             f"{_path_str(path)}: values of type {type(value).__module__}.{type(value).__qualname__} "
             "cannot be checkpointed (use tensors, arrays, numbers, strings, bytes, lists, tuples, dicts)"
         )
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
 
 
 def _path_str(path: tuple[Any, ...]) -> str:

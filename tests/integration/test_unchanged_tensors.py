@@ -12,6 +12,7 @@ against, and that every checkpoint loads exactly what was saved.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,11 @@ import pytest
 import torch
 
 from spotguard import Checkpointer
-from spotguard.checkpoint.codec import StateError
+from spotguard.checkpoint.codec import POOL_TRACKED, Snapshot, StateError, pool_committed, snapshot_state
 from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint
 from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.checkpoint.written import WriteTracker
+from testenv.require import require
 
 KEPT = "model.kept.safetensors"
 
@@ -109,3 +112,135 @@ def test_a_snapshot_never_committed_is_never_compared_against(ck: Any) -> None:
     ck.save(4, fourth)
     assert inode(ck.directory, 4) != inode(ck.directory, 2)
     assert_loads(ck.directory, 4, fourth)
+
+
+# -- tensors told unchanged without being read (write tracking) ------------------------------
+
+
+def big_base() -> dict[str, torch.Tensor]:
+    """Tensors large enough to be tracked (spotguard.checkpoint.written.MIN_TRACKED_BYTES)."""
+    gen = torch.Generator().manual_seed(2)
+    return {f"base.{i}": torch.randn(512, 1024, generator=gen) for i in range(4)}  # 2 MiB each
+
+
+def snap(pool: dict[Any, Any], base: dict[str, torch.Tensor], step: int, commit: bool = True) -> Snapshot:
+    snapshot = snapshot_state(state(base, step), pinned=pool)
+    if commit:
+        pool_committed(pool, checkpoint_name(step), (step, step))
+    return snapshot
+
+
+def kept(snapshot: Snapshot) -> dict[str, bytes]:
+    """The kept tensors' bytes as the snapshot holds them."""
+    return {k: bytes(b.data) for k, b in snapshot.tensors.get(KEPT, {}).items()}
+
+
+def as_bytes(base: dict[str, torch.Tensor], *names: str) -> dict[str, bytes]:
+    return {n: base[n].numpy().tobytes() for n in names}
+
+
+@pytest.fixture
+def tracking() -> None:
+    require(
+        WriteTracker.shared() is not None, "write tracking (userfaultfd, asynchronous write-protection: Linux 6.7+)"
+    )
+
+
+NBYTES = 512 * 1024 * 4
+
+
+def unread(snapshot: Snapshot, tensors: int) -> bool:
+    """Whether the snapshot read nothing of ``tensors`` whole tensors but their first and last page
+    at most (which they may share with memory written since: those pages are compared)."""
+    return tensors * NBYTES - tensors * 2 * mmap.PAGESIZE <= snapshot.unread_bytes <= tensors * NBYTES
+
+
+@pytest.mark.usefixtures("tracking")
+def test_a_tracked_frozen_base_is_told_unchanged_without_being_read() -> None:
+    base, pool = big_base(), {}
+    assert snap(pool, base, 1).unread_bytes == 0  # nothing to compare with
+    second = snap(pool, base, 2)
+    assert unread(second, 4)  # tracked since the first snapshot copied it
+    assert kept(second) == as_bytes(base, *base)
+    # A write through .data (no version counter sees it), and one through numpy.
+    base["base.1"].data[7, 7] += 1.0
+    base["base.3"].numpy()[511, 1023] = -0.0
+    third = snap(pool, base, 3)
+    assert unread(third, 2)
+    assert set(kept(third)) == {"base.0", "base.2"}
+    assert {k: bytes(b.data) for k, b in third.tensors["model.safetensors"].items() if k != "lora"} == as_bytes(
+        base, "base.1", "base.3"
+    )
+    fourth = snap(pool, base, 4)  # written before the third, copied then, untouched since
+    assert unread(fourth, 4)
+    assert kept(fourth) == as_bytes(base, *base)
+
+
+@pytest.mark.usefixtures("tracking")
+def test_a_new_storage_at_a_leaf_is_compared_until_it_is_tracked() -> None:
+    base, pool = big_base(), {}
+    snap(pool, base, 1)
+    snap(pool, base, 2)
+    old = base["base.0"]
+    base["base.0"] = old.clone()  # the same bytes in new memory: compared, found equal
+    third = snap(pool, base, 3)
+    assert unread(third, 3)
+    assert "base.0" in kept(third)
+    del old
+    base["base.0"].data.mul_(2.0)
+    fourth = snap(pool, base, 4)
+    assert unread(fourth, 3)
+    assert kept(fourth) == as_bytes(base, "base.1", "base.2", "base.3")
+
+
+@pytest.mark.usefixtures("tracking")
+def test_nothing_is_told_unchanged_against_a_snapshot_never_committed() -> None:
+    base, pool = big_base(), {}
+    snap(pool, base, 1)
+    snap(pool, base, 2, commit=False)
+    third = snap(pool, base, 3)
+    assert third.unread_bytes == 0
+    assert kept(third) == {}
+    assert unread(snap(pool, base, 4), 4)
+
+
+def test_with_tracking_off_every_tensor_is_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTGUARD_TRACK_WRITES", "0")
+    base, pool = big_base(), {}
+    for step in (1, 2, 3):
+        snapshot = snap(pool, base, step)
+        assert snapshot.unread_bytes == 0
+    assert kept(snapshot) == as_bytes(base, *base)  # still told unchanged, by comparison
+
+
+@pytest.mark.usefixtures("tracking")
+def test_checkpoints_of_a_tracked_base_load_what_was_saved(ck: Any) -> None:
+    base = big_base()
+    saved = {}
+    for step in (1, 2, 3, 4, 5):
+        if step == 4:
+            base["base.2"].numpy()[0, 0] += 1.0
+        saved[step] = state({k: v.clone() for k, v in base.items()}, step)
+        ck.save(step, state(base, step))
+    for step, expected in saved.items():
+        assert_loads(ck.directory, step, expected)
+    assert inode(ck.directory, 3) == inode(ck.directory, 2)
+    assert inode(ck.directory, 4) != inode(ck.directory, 3)
+
+
+@pytest.mark.usefixtures("tracking")
+def test_a_tensor_written_all_over_is_compared_until_it_stops_changing() -> None:
+    # Tracking a tensor that changes at every step would cost a fault per page per checkpoint for
+    # nothing: found mostly written, it is compared instead; found unchanged, it is tracked again.
+    base, pool = big_base(), {}
+    snap(pool, base, 1)
+    base["base.0"].data.add_(1.0)
+    second = snap(pool, base, 2)
+    assert unread(second, 3)
+    assert len(pool[POOL_TRACKED]) == 3
+    third = snap(pool, base, 3)  # unchanged since, found so by comparison
+    assert unread(third, 3)
+    assert "base.0" in kept(third)
+    assert unread(snap(pool, base, 4), 3)  # tracked again from here
+    assert unread(snap(pool, base, 5), 4)
+    assert kept(snap(pool, base, 6)) == as_bytes(base, *base)
