@@ -471,6 +471,8 @@ class Checkpointer:
         if self._dist is not None:
             statedicts.leave()
         self._channel.release_signals()
+        if self._pinned is not None:
+            self._pinned.clear()  # host buffers and the storages tracked: nothing saves from them any more
         self._closed = True
 
     def _atexit(self) -> None:
