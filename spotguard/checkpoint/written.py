@@ -152,6 +152,9 @@ class WriteTracker:
     def __init__(self, uffd: int, pagemap: int) -> None:
         self._uffd = uffd
         self._pagemap = pagemap
+        # Both answer for the process that opened them: a forked child inheriting this object
+        # would register and scan its parent's memory. In any other process it tracks nothing.
+        self._pid = os.getpid()
         self._page = mmap.PAGESIZE
         self._lock = threading.RLock()
         self._tracked: dict[tuple[int, int], int] = {}  # page envelope -> how many holders
@@ -163,8 +166,8 @@ class WriteTracker:
     def shared(cls) -> WriteTracker | None:
         """The process's tracker (opened at the first call), or None where there is none."""
         with cls._shared_lock:
-            if not cls._opened:
-                cls._shared, cls._opened = cls.open(), True
+            if not cls._opened or (cls._shared is not None and cls._shared._pid != os.getpid()):
+                cls._shared, cls._opened = cls.open(), True  # first call, or a forked child's
             return cls._shared
 
     @classmethod
@@ -236,6 +239,8 @@ class WriteTracker:
     def _track(self, envelope: tuple[int, int]) -> bool:
         start, end = envelope
         with self._lock:
+            if self._pid != os.getpid():
+                return False
             if not self._private_anonymous(start, end):
                 log.debug("memory at %#x (%d bytes) not tracked: not private anonymous memory", start, end - start)
                 return False
@@ -314,6 +319,8 @@ class WriteTracker:
         return answered
 
     def _scan(self, start: int, end: int) -> list[tuple[int, int]]:
+        if self._pid != os.getpid():
+            raise OSError("the tracker belongs to the parent of this forked process")
         out: list[tuple[int, int]] = []
         while start < end:
             arg = (ctypes.c_uint64 * 12)(

@@ -9,6 +9,7 @@ counts as written.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -194,3 +195,33 @@ def test_views_do_not_take_each_others_writes(tracker: WriteView) -> None:
     assert other.track(*addr(t))  # tracked again: its protection must not swallow the write for the first
     tracker.collect()
     assert tracker.written(*addr(t))
+
+
+def test_a_forked_child_neither_asks_nor_tracks_for_its_parent(tracker: WriteView) -> None:
+    # The userfaultfd and the pagemap file answer for the process that opened them: in a forked child
+    # the inherited tracker would register and scan the parent's memory. There it knows nothing.
+    t = tensor()
+    assert tracker.track(*addr(t))
+    tracker.collect()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (no torch operator here: its thread pool does not survive a fork)
+        try:
+            t.numpy()[300_000] = 5.0  # its own write must not go unseen
+            tracker.collect()
+            other = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buffer = ctypes.c_char.from_buffer(other)
+            answers = (tracker.written_ranges(*inner(t)) is None, not tracker.track(ctypes.addressof(buffer), PAGE))
+            del buffer
+            shared = WriteTracker.shared()
+            fresh = shared is not None and shared._pid == os.getpid()
+            os.write(w, b"1" if all(answers) and fresh else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    verdict = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert verdict == b"1"
+    tracker.collect()
+    assert not tracker.written(*inner(t))  # the child's write went to its own copy
