@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -494,8 +495,15 @@ def move_aside_refused(path: Path, reason: str) -> Path:
     return aside
 
 
-def remove_checkpoint_dir(path: Path) -> None:
-    """Remove a local checkpoint so that it disappears at once (rename, then delete)."""
+def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
+    """Remove a local checkpoint so that it disappears at once (rename, then delete).
+
+    ``background``: the delete runs in a thread of its own. Freeing a file of
+    several GiB takes the kernel a noticeable fraction of a second, during
+    which the caller's thread would run nothing, not even a signal handler:
+    a preemption must not wait behind a routine prune. A process that ends
+    meanwhile leaves the renamed directory, a temporary one, for the next
+    clean-up."""
     path = Path(path)
     if not path.exists():
         return
@@ -504,7 +512,10 @@ def remove_checkpoint_dir(path: Path) -> None:
         os.rename(path, doomed)
     except FileNotFoundError:
         return
-    shutil.rmtree(doomed, ignore_errors=True)
+    if background:
+        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="spotguard-prune", daemon=True).start()
+    else:
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prune_local(directory: Path, keep: int, *, protect: Iterable[Path] = ()) -> list[Path]:

@@ -609,7 +609,7 @@ class CheckpointShipper:
 
         for name in plan_local_prune(names, set(self.shipped), self.keep_local):
             try:
-                remove_checkpoint_dir(self.checkpoint_dir / name)
+                remove_checkpoint_dir(self.checkpoint_dir / name, background=True)
             except OSError as exc:
                 log.warning("could not prune local %s: %s", name, exc)
                 continue
