@@ -165,3 +165,36 @@ def test_a_chunk_sweep_stops_at_its_next_object_and_deletes_nothing(s3_store: An
     assert sorted(o.key for o in storage.list_objects(f"{CHUNKS_DIR}/")) == chunks
     # Without the preemption the same sweep deletes them (the test can fail).
     assert sorted(sweep_chunks(storage, grace=0.0, now=time.time() + 1).deleted) == chunks
+
+
+def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Freeing a file of several GiB holds the deleting thread in the kernel for a noticeable time; in the
+    # supervisor's main thread that was time no SIGTERM handler ran. The shipper's prune (background=True)
+    # renames the checkpoint away at once and deletes it in a thread of its own.
+    from spotguard.checkpoint import local
+
+    directory = tmp_path / "ck"
+    path = commit(directory, 1, 1)
+    release, ran_in = threading.Event(), []
+    real = local.shutil.rmtree
+
+    def held(p: Any, ignore_errors: bool = False) -> None:
+        ran_in.append(threading.current_thread().name)
+        assert release.wait(30), "the prune's delete ran in its caller's thread"
+        real(p, ignore_errors)
+
+    monkeypatch.setattr(local.shutil, "rmtree", held)
+    local.remove_checkpoint_dir(path, background=True)  # returns while the delete is held
+    assert not path.exists()
+    assert local.list_local_committed(directory) == []
+    for _ in range(300):
+        if ran_in:
+            break
+        time.sleep(0.01)
+    assert ran_in == ["spotguard-prune"]
+    release.set()
+    for _ in range(300):
+        if not list(directory.iterdir()):
+            break
+        time.sleep(0.01)
+    assert list(directory.iterdir()) == []
