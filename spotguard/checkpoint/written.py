@@ -50,7 +50,9 @@ import struct
 import sys
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+
+from spotguard.contract import env
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +91,14 @@ def _c() -> ctypes.CDLL:
     return _libc
 
 
-def tracking_enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """Pure: whether ``SPOTGUARD_TRACK_WRITES`` leaves write tracking on (the default)."""
-    return environ.get("SPOTGUARD_TRACK_WRITES", "1").strip().lower() not in ("0", "false", "no", "off")
+def tracking_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``SPOTGUARD_TRACK_WRITES`` leaves write tracking on (the default; a value that is not a
+    boolean is named in a warning and leaves it on: both ways keep every checkpoint exact)."""
+    try:
+        return bool(env.from_env(env.TRACK_WRITES, environ))
+    except ValueError as exc:
+        log.warning("%s; write tracking stays on", exc)
+        return True
 
 
 def page_envelope(ptr: int, nbytes: int, page: int) -> tuple[int, int]:

@@ -134,6 +134,12 @@ TERMINATION_LOG = _var(
 INCREMENTAL = _var(
     "INCREMENTAL", bool, True, "upload checkpoints as shared content-addressed chunks (false: whole files)"
 )
+TRACK_WRITES = _var(
+    "TRACK_WRITES",
+    bool,
+    True,
+    "tell unchanged CPU tensors by the kernel's write tracking, without reading them (false: compare every tensor)",
+)
 RUN_ID = _var("RUN_ID", str, None, "marks the processes of one spotguard run, so that a later start can kill them")
 
 # Early preemption notices (the sidecar and spotguard run).
