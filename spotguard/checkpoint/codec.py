@@ -243,7 +243,7 @@ class _Snapshotter:
             self.tracker is not None
             and t.device.type == "cpu"
             and t.is_contiguous()
-            and t.numel() * t.element_size() >= MIN_TRACKED_BYTES
+            and _nbytes(t) >= MIN_TRACKED_BYTES
             and not t.is_pinned()
             and not t.is_shared()
         )
@@ -258,9 +258,9 @@ class _Snapshotter:
         before = self._before.get(key)
         if tracked is None or before is None or before[0] != _path_str(path) or not self._trackable(t):
             return False, False
-        storage, ptr, nbytes = tracked
-        if t.untyped_storage()._cdata != storage._cdata or t.data_ptr() != ptr or _nbytes(t) != nbytes:
+        if not _tracked_is(tracked, t):
             return False, False
+        _, ptr, nbytes = tracked
         assert self.tracker is not None
         written = self.tracker.written_ranges(ptr, nbytes)
         if written is None:
@@ -286,8 +286,7 @@ class _Snapshotter:
             return
         if changing:
             self.changing.add(key)
-        same = tracked is not None and t.untyped_storage()._cdata == tracked[0]._cdata
-        if tracked is not None and not (same and t.data_ptr() == tracked[1] and _nbytes(t) == tracked[2]):
+        if tracked is not None and not _tracked_is(tracked, t):
             self.tracker.forget(tracked[1], tracked[2])
             tracked = None
         if not pooled or not self._trackable(t) or key in self.changing:
@@ -375,6 +374,13 @@ class _Snapshotter:
 
 def _nbytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
+
+
+def _tracked_is(tracked: tuple[Any, int, int], t: Any) -> bool:
+    """Whether ``t`` is the very memory a tracked record names: the same storage (which the record
+    holds, so it was never freed nor reused), address and length."""
+    storage, ptr, nbytes = tracked
+    return bool(t.untyped_storage()._cdata == storage._cdata and t.data_ptr() == ptr and _nbytes(t) == nbytes)
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
