@@ -5,8 +5,9 @@
     spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py sigterm --bytes B
     spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py finetune --bytes B --save-every S
 
-``flags``: the per-step cost of the Checkpointer's flag agreement (one
-all-reduce in ``should_save``) next to a small DDP model's training step.
+``flags``: the per-step cost of the Checkpointer's flag agreement (an
+all-reduce issued in ``should_save`` and waited for at the next one) next to
+a small DDP model's training step and a blocking all-reduce of the same flags.
 ``stall``: how long the trainer is blocked per checkpoint of FSDP2-sharded
 state: spotguard's two-phase save, ``dcp.save`` and ``dcp.async_save``, in
 interleaved rounds; the slowest rank's time counts (the next step waits for it).

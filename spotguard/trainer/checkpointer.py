@@ -51,7 +51,7 @@ from typing import Any, Generic, TypeVar, cast, overload
 from spotguard.checkpoint.local import WRITER_TMP_PREFIX, clean_stale_tmp
 from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.retention import RetentionPolicy
-from spotguard.contract.control import CONTROL_SUBDIR
+from spotguard.contract.control import CONTROL_SUBDIR, CheckpointRequest
 from spotguard.storage.checksum import DEFAULT_ALGORITHM
 from spotguard.trainer import statedicts
 from spotguard.trainer.channel import Due, TrainerChannel
@@ -291,13 +291,24 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """True when a checkpoint is due after ``step``: a request is pending,
         ``step`` is a positive multiple of ``save_every_steps``, or
-        ``save_every_seconds`` passed since the last save."""
-        self._channel.poll()
+        ``save_every_seconds`` passed since the last save.
+
+        Under torch.distributed with more than one rank, requests, signals
+        and the time interval are agreed on without blocking the step: what
+        any rank sees makes every rank's ``should_save`` true at the same
+        later step, the next one when steps are long, at most about 0.2 s
+        later when they are short (see :meth:`SavePolicy.agree`)."""
         if self._dist is not None:
-            return self._policy.agree(step, self._channel.pending, self._dist)
+            return self._policy.agree(step, self._polled, self._dist)
+        self._channel.poll()
         if self._channel.pending:
             return True
         return self._policy.interval_due(step)
+
+    def _polled(self) -> list[CheckpointRequest]:
+        """The pending requests, the request file and signals read now."""
+        self._channel.poll()
+        return self._channel.pending
 
     def save(
         self,
@@ -467,6 +478,7 @@ class Checkpointer:
         if self._closed:
             return
         self.wait()
+        self._settle_flags()
         self._channel.announce_exit(self._policy.last_step)
         if self._dist is not None:
             statedicts.leave()
@@ -475,9 +487,24 @@ class Checkpointer:
             self._pinned.clear()  # host buffers and the storages tracked: nothing saves from them any more
         self._closed = True
 
+    def _settle_flags(self) -> None:
+        """Wait for the flag exchange the last ``should_save`` posted, so that
+        no collective is pending when the process group is destroyed (its
+        answer would apply to a step that never comes)."""
+        if self._dist is not None:
+            if not self._dist.dist.is_initialized():
+                self._dist.forget_exchange()  # the group is gone: no wait can finish
+                return
+            try:
+                self._dist.collect()
+            except Exception as exc:  # noqa: BLE001 - a gone rank fails it in any way; nothing left to agree with
+                log.warning("the last flag exchange between the ranks did not finish: %s", exc)
+
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
             self.wait()
+        if not self._closed:
+            self._settle_flags()
         self._channel.announce_exit(self._policy.last_step)
 
     def __enter__(self) -> Checkpointer:

@@ -4,10 +4,21 @@ Every rank constructs the :class:`~spotguard.trainer.checkpointer.Checkpointer`
 at the same point of the program and calls ``should_save`` / ``save`` /
 ``restore`` at the same steps; those calls are collective:
 
-- ``should_save`` agrees on one answer with a single ``all_reduce(MAX)`` of
-  ``[preempt, save now, -deadline, interval due]`` on a gloo group of the
-  main thread, so a SIGTERM or a request seen by any rank makes every rank
-  save that step (with the earliest deadline) and stop.
+- ``should_save`` agrees on one answer with an ``all_reduce(MAX)`` of
+  ``[preempt, save now, -deadline, time interval due, next period]`` on a
+  gloo group of the main thread, so a SIGTERM or a request seen by any rank
+  makes every rank save the same step (with the earliest deadline) and
+  stop. The exchange is off the critical path: an exchanging call issues it
+  without waiting (``async_op=True``) and the next exchanging call applies
+  its answer; exchanges are spaced to about 0.1 s of steps, the same calls
+  on every rank (:class:`~spotguard.trainer.policy.ExchangeSchedule`).
+  Saves every N steps need no exchange (the step is the same everywhere)
+  and happen at once. The flags ride the Checkpointer's own gloo group as a
+  CPU tensor, so an nccl job pays no device copy and no stream sync for
+  them. Every other collective on that group first waits for the
+  outstanding exchange (:meth:`DistContext.settle`), so every rank issues
+  them in one order, and ``close`` waits for it before the process group
+  can be destroyed.
 - ``save`` stages the tensors of ``state["model"]`` and
   ``state["optimizer"]`` (from ``get_state_dict``: FQN keys, DTensor shards)
   in host memory with DCP's stager, and everything else of the rank's state
@@ -190,12 +201,34 @@ def fill_tensors(skeleton: Any, tensors: Mapping[str, Any] | None, base: tuple[s
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank decided in ``should_save`` (:meth:`DistContext.agree`)."""
+    """What every rank decided in ``should_save`` (:meth:`DistContext.agree`,
+    or :meth:`DistContext.post` and :meth:`DistContext.collect`)."""
 
     preempt: bool  # some rank has a preempting request
     save_now: bool  # some rank has a request
     deadline: float | None  # the earliest deadline of any rank's requests
     interval_due: bool  # some rank's interval is due
+    every: int = 1  # calls until the next exchange: the most any rank proposed
+
+    @staticmethod
+    def flags(preempt: bool, save_now: bool, deadline: float | None, interval_due: bool, every: int = 1) -> list[float]:
+        """One rank's flags as the numbers the ``all_reduce(MAX)`` combines
+        (the deadline negated: the earliest wins)."""
+        return [
+            float(preempt),
+            float(save_now),
+            -deadline if deadline is not None else -math.inf,
+            float(interval_due),
+            float(max(1, every)),
+        ]
+
+    @classmethod
+    def of(cls, values: list[float]) -> Agreement:
+        """The agreement the reduced numbers say."""
+        p, s, d, t, e = values
+        return cls(
+            preempt=p > 0, save_now=s > 0, deadline=None if d == -math.inf else -d, interval_due=t > 0, every=int(e)
+        )
 
 
 @dataclass(frozen=True)
@@ -228,6 +261,9 @@ class DistContext:
         self.info = rank_info_from_env(env, dist.get_rank(), dist.get_world_size())
         self.main: Any = dist.new_group(backend="gloo")
         self.persist: Any = dist.new_group(backend="gloo")
+        # The flag exchange in flight on ``main`` (its tensor and work handle), and its answer once waited for.
+        self._posted: tuple[Any, Any] | None = None
+        self._answer: Agreement | None = None
         # Which node every rank is on (the environment could lie; the group cannot).
         nodes: list[Any] = [None] * self.info.world_size
         dist.all_gather_object(nodes, (self.info.node, self.info.local_rank), group=self.main)
@@ -255,17 +291,56 @@ class DistContext:
         return self.info.node_leader
 
     def agree(self, preempt: bool, save_now: bool, deadline: float | None, interval_due: bool) -> Agreement:
-        """One ``all_reduce(MAX)`` of this rank's flags: any rank's preempt or
-        save-now counts, the earliest deadline wins."""
+        """One blocking ``all_reduce(MAX)`` of this rank's flags: any rank's
+        preempt or save-now counts, the earliest deadline wins."""
         import torch
 
-        flags = torch.tensor(
-            [float(preempt), float(save_now), -deadline if deadline is not None else -math.inf, float(interval_due)],
-            dtype=torch.float64,
-        )
+        self.settle()
+        flags = torch.tensor(Agreement.flags(preempt, save_now, deadline, interval_due), dtype=torch.float64)
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
-        p, s, d, t = flags.tolist()
-        return Agreement(preempt=p > 0, save_now=s > 0, deadline=None if d == -math.inf else -d, interval_due=t > 0)
+        return Agreement.of(flags.tolist())
+
+    # -- the flag exchange off the critical path -------------------------------------
+    def post(self, preempt: bool, save_now: bool, deadline: float | None, interval_due: bool, every: int = 1) -> None:
+        """Start the ``all_reduce(MAX)`` of this rank's flags (and its
+        proposed exchange period, ``every`` calls) without waiting for it
+        (``async_op=True``): it runs on gloo's threads while the next steps
+        compute; :meth:`collect` gives its answer. Collective: every rank
+        posts at the same call."""
+        import torch
+
+        if self._posted is not None or self._answer is not None:
+            raise RuntimeError("a flag exchange is posted before the previous one's answer was collected")
+        flags = torch.tensor(Agreement.flags(preempt, save_now, deadline, interval_due, every), dtype=torch.float64)
+        work = self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main, async_op=True)
+        self._posted = (flags, work)
+
+    def settle(self) -> None:
+        """Wait for the posted exchange and keep its answer for :meth:`collect`.
+        Called before every other collective on the main group (the ranks
+        then issue them in one order) and at close (nothing pending when the
+        process group is destroyed)."""
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            flags, work = posted
+            work.wait()
+            self._answer = Agreement.of(flags.tolist())
+
+    def collect(self) -> Agreement | None:
+        """The answer of the exchange :meth:`post` started (waiting for it if
+        needed), or None when none was posted since the last collect."""
+        self.settle()
+        answer, self._answer = self._answer, None
+        return answer
+
+    def forget_exchange(self) -> None:
+        """Drop the posted exchange unwaited (its process group was destroyed)."""
+        self._posted = self._answer = None
+
+    @property
+    def exchange_pending(self) -> bool:
+        """Whether an exchange is posted and its answer not yet collected."""
+        return self._posted is not None or self._answer is not None
 
     def start_save(self, busy: bool, failed: bool) -> SaveStart:
         """Before a save: whether any rank still writes the previous one or
@@ -274,6 +349,7 @@ class DistContext:
         part manifests (``Sharding.save_id``)."""
         import torch
 
+        self.settle()
         # Below 2**53: exact through the float64 all_reduce.
         token = secrets.randbelow(1 << 52) + 1 if self.rank == 0 else 0
         flags = torch.tensor([float(busy), float(failed), float(token)], dtype=torch.float64)
@@ -284,16 +360,20 @@ class DistContext:
     def gather(self, obj: Any, *, persist: bool) -> list[Any]:
         """Every rank's ``obj`` (on the persist group from the writer thread)."""
         out: list[Any] = [None] * self.world_size
+        if not persist:
+            self.settle()  # the writer thread never touches the main group's exchange
         self.dist.all_gather_object(out, obj, group=self.persist if persist else self.main)
         return out
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (main group)."""
+        self.settle()
         box = [obj]
         self.dist.broadcast_object_list(box, src=0, group=self.main)
         return box[0]
 
     def barrier(self) -> None:
+        self.settle()
         self.dist.barrier(group=self.main)
 
 
@@ -342,6 +422,7 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
     rank_state = load_rank_state(path, manifest, prefix)
     tensors, _ = split_tensors(live)
     if tensors:
+        ctx.settle()
         dcp_load(tensors, storage_reader=SafeFileSystemReader(path / DCP_DIR), process_group=ctx.main)
     state: dict[str, Any] = {}
     for key, value in rank_state.items():

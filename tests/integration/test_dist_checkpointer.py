@@ -8,6 +8,7 @@ data drawn from the global RNGs, checkpointed with the public API.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import pytest
 from reference_runs import ReferenceRuns
 from sidecar_helpers import free_port, worker_env
 
+from spotguard.trainer.policy import EXCHANGE_SECONDS
 from testenv import trials
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -100,7 +102,11 @@ def _worker(argv: list[str]) -> int:
         "resharded_from": None if restored is None else restored.resharded_from,
         "stalls": [],
     }
+    # With a signal or a request to agree on, steps outlast the flags' exchange period: every
+    # should_save exchanges, and a flag acts at the next step (exactly, on every rank).
+    step_seconds = EXCHANGE_SECONDS + 0.02 if args.sigterm_at >= 0 or args.request_at >= 0 else 0.0
     for step in range(start, args.steps):
+        time.sleep(step_seconds)
         x = torch.randn(6, 8) + float(np.random.rand()) + random.random()
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
@@ -143,6 +149,11 @@ def _worker(argv: list[str]) -> int:
     if info["stopped"] is None:
         torch.save(final, out / f"final-{rank}.pt")
     (out / f"info-{rank}.json").write_text(json.dumps(info))
+    # DDP's reducer goes before its process group (as in examples/train_ddp.py): torn down at
+    # interpreter exit after the group, it sometimes aborts the worker ("terminate called
+    # without an active exception").
+    del model, optimizer, scheduler, final, osd
+    gc.collect()
     dist.destroy_process_group()
     return 0
 
@@ -250,8 +261,8 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
     ck, out = tmp_path / "ck", tmp_path / "out"
     flags = ["--sync"] if sync else []
     infos = torchrun(2, ck, out, "--sigterm-at", "6", "--sigterm-rank", "1", *flags)
-    assert [i["stopped"] for i in infos] == [6, 6]
-    doc = part_manifest(ck / "ckpt-000000000006")
+    assert [i["stopped"] for i in infos] == [7, 7]  # seen at step 6, agreed during step 7
+    doc = part_manifest(ck / "ckpt-000000000007")
     assert doc["format_version"] == 2
     assert doc["sharding"].pop("save_id") != part_manifest(ck / "ckpt-000000000004")["sharding"]["save_id"]
     assert doc["sharding"] == {"world_size": 2, "parts": 1, "part": 0, "ranks": [0, 1]}
@@ -260,7 +271,7 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
     assert any(p.startswith("dcp/__1_") for p in paths)
     assert (ck / "ckpt-000000000004" / "manifest.json").is_file()  # the interval save before
     infos = torchrun(2, ck, out, *flags)
-    assert [i["start"] for i in infos] == [7, 7]
+    assert [i["start"] for i in infos] == [8, 8]
     assert all(i["exact"] is True and i["resharded_from"] is None for i in infos)
     assert_same_final(reference, out, 2)
 
@@ -268,12 +279,12 @@ def test_ddp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_p
 def test_request_seen_by_local_rank_0_only_stops_every_rank(reference: Path, tmp_path: Path) -> None:
     ck, out = tmp_path / "ck", tmp_path / "out"
     infos = torchrun(2, ck, out, "--request-at", "5")
-    assert [i["stopped"] for i in infos] == [5, 5]
+    assert [i["stopped"] for i in infos] == [6, 6]  # seen at step 5, agreed during step 6
     ack = json.loads((ck / ".control" / "checkpoint-ack.json").read_text())
-    assert ack == {"id": "req-1", "step": 5, "name": "ckpt-000000000005"}
-    assert part_manifest(ck / "ckpt-000000000005")["reason"] == "test"
+    assert ack == {"id": "req-1", "step": 6, "name": "ckpt-000000000006"}
+    assert part_manifest(ck / "ckpt-000000000006")["reason"] == "test"
     infos = torchrun(2, ck, out)
-    assert [i["start"] for i in infos] == [6, 6]
+    assert [i["start"] for i in infos] == [7, 7]
     assert_same_final(reference, out, 2)
 
 
@@ -306,9 +317,9 @@ def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
     torchrun(2, ref / "ck", ref / "out", "--mode", "fsdp")
     ck, out = tmp_path / "ck", tmp_path / "out"
     infos = torchrun(2, ck, out, "--mode", "fsdp", "--sigterm-at", "6", "--sigterm-rank", "0")
-    assert [i["stopped"] for i in infos] == [6, 6]
+    assert [i["stopped"] for i in infos] == [7, 7]
     infos = torchrun(2, ck, out, "--mode", "fsdp")
-    assert [i["start"] for i in infos] == [7, 7]
+    assert [i["start"] for i in infos] == [8, 8]
     assert_same_final(ref / "out", out, 2)
 
 
@@ -322,22 +333,22 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(
 
     out = tmp_path / "out"
     infos = two_nodes(tmp_path, out, s3_store, s3_uri, "--sigterm-at", "6", "--sigterm-rank", "1")
-    assert [i["stopped"] for i in infos] == [6, 6]
+    assert [i["stopped"] for i in infos] == [7, 7]
     save_ids = set()
     for node in (0, 1):
-        doc = part_manifest(tmp_path / f"node{node}" / "ckpt-000000000006")
+        doc = part_manifest(tmp_path / f"node{node}" / "ckpt-000000000007")
         save_ids.add(doc["sharding"].pop("save_id"))
         assert doc["sharding"] == {"world_size": 2, "parts": 2, "part": node, "ranks": [node]}
         paths = {f["path"] for f in doc["files"]}
         assert ("dcp/.metadata" in paths) == (node == 0)
         assert all(p.startswith((f"dcp/__{node}_", f"ranks/{node:05d}/", "dcp/.metadata")) for p in paths), paths
     assert len(save_ids) == 1  # one collective save: both nodes' parts carry its id
-    verdict = verify_checkpoint(open_storage(s3_uri, **s3_options(s3_store)), "ckpt-000000000006")
+    verdict = verify_checkpoint(open_storage(s3_uri, **s3_options(s3_store)), "ckpt-000000000007")
     assert verdict.ok, verdict.reason
     assert verdict.manifest is not None and verdict.manifest.is_global
     # The same nodes come back: their local parts alone cannot be loaded, the global checkpoint is fetched.
     infos = two_nodes(tmp_path, out, s3_store, s3_uri)
-    assert [i["start"] for i in infos] == [7, 7]
+    assert [i["start"] for i in infos] == [8, 8]
     assert all(i["exact"] is True for i in infos)
     assert_same_final(reference, out, 2)
 
