@@ -35,7 +35,6 @@ from spotguard.checkpoint.codec import (
     pool_committed,
     safetensors_header,
 )
-from spotguard.checkpoint.deletes import delete_tree_gradually
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -502,10 +501,9 @@ def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
     ``background``: the delete runs in a thread of its own. Freeing a file of
     several GiB takes the kernel a noticeable fraction of a second, during
     which the caller's thread would run nothing, not even a signal handler:
-    a preemption must not wait behind a routine prune. The thread frees
-    large files step by step and stands still during a preemption
-    (:mod:`~spotguard.checkpoint.deletes`). A process that ends meanwhile
-    leaves the renamed directory, a temporary one, for the next clean-up."""
+    a preemption must not wait behind a routine prune. A process that ends
+    meanwhile leaves the renamed directory, a temporary one, for the next
+    clean-up."""
     path = Path(path)
     if not path.exists():
         return
@@ -515,7 +513,7 @@ def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
     except FileNotFoundError:
         return
     if background:
-        threading.Thread(target=delete_tree_gradually, args=(doomed,), name="spotguard-prune", daemon=True).start()
+        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="spotguard-prune", daemon=True).start()
     else:
         shutil.rmtree(doomed, ignore_errors=True)
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from spotguard.checkpoint.deletes import hold_deletes
 from spotguard.contract import env as envvars
 from spotguard.contract.control import (
     EXIT_FILE,
@@ -328,15 +327,6 @@ class CheckpointAgent:
         self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None = None
     ) -> bool:
         """Preemption now: get the newest state verified in storage before the deadline.
-
-        Background deletes of old local checkpoints stand still meanwhile
-        (:func:`~spotguard.checkpoint.deletes.hold_deletes`): freeing a large
-        file would hold back the request file, the save and the upload."""
-        with hold_deletes():
-            return self._emergency(source, received_at, forward)
-
-    def _emergency(self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None) -> bool:
-        """:meth:`emergency`, while deletes are held.
 
         The emergency path is save -> upload -> verify -> pointer, and
         nothing else (no retention, no local pruning, no re-reading of what
