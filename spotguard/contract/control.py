@@ -233,14 +233,21 @@ def control_dir_from_env(checkpoint_dir: Path, env: Mapping[str, str] | None = N
     return Path(value) if value else checkpoint_dir / CONTROL_SUBDIR
 
 
-def atomic_write_json(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write JSON so readers see either the old file or the whole new one."""
+def atomic_write_json(path: Path, payload: Mapping[str, Any], *, durable: bool = True) -> None:
+    """Write JSON so readers see either the old file or the whole new one.
+
+    ``durable=False`` skips the fsync: for a message between processes of
+    one node, which the rename alone makes visible whole, and which a crash
+    of the node makes moot (a checkpoint request). An fsync waits for the
+    filesystem's journal, which a large delete or writeback elsewhere can
+    hold for tens of milliseconds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(dict(payload), fh)
         fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
@@ -371,7 +378,9 @@ class ControlChannel:
             preempt=preempt,
             written_at=time.time(),
         )
-        atomic_write_json(self.request_path, req.to_json())
+        # Not fsynced: the trainer on this node reads it within a step; on a preemption the
+        # fsync could wait tens of milliseconds for the journal (a large delete in flight).
+        atomic_write_json(self.request_path, req.to_json(), durable=False)
         return req
 
     def read_ack(self) -> CheckpointAck | None:

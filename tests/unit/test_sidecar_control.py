@@ -150,3 +150,24 @@ def test_decide_run_end(
         stop_reason=stop_reason,
     )
     assert got == RunEnd(*want)
+
+
+def test_a_checkpoint_request_is_written_whole_without_waiting_for_the_disk(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An fsync waits for the filesystem's journal (tens of milliseconds behind a large delete); the
+    # request is a message to the trainer on this node, made visible whole by the rename.
+    from pathlib import Path
+
+    from spotguard.contract import control
+
+    def no_fsync(fd: int) -> None:
+        raise AssertionError("the checkpoint request was fsynced")
+
+    channel = control.ControlChannel(Path(str(tmp_path)) / ".control")
+    monkeypatch.setattr(control.os, "fsync", no_fsync)
+    req = channel.request_checkpoint("sigterm", 123.0, True)
+    assert control.parse_request(channel.request_path.read_bytes()).id == req.id
+    assert [p.name for p in channel.request_path.parent.iterdir()] == [channel.request_path.name]  # no temporary left
+    with pytest.raises(AssertionError, match="fsynced"):
+        control.atomic_write_json(channel.dir / "other.json", {"a": 1})  # durable by default
