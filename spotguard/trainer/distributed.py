@@ -201,8 +201,8 @@ def fill_tensors(skeleton: Any, tensors: Mapping[str, Any] | None, base: tuple[s
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank decided in ``should_save`` (:meth:`DistContext.agree`,
-    or :meth:`DistContext.post` and :meth:`DistContext.collect`)."""
+    """What every rank decided in ``should_save`` (:meth:`DistContext.post`,
+    then :meth:`DistContext.collect`)."""
 
     preempt: bool  # some rank has a preempting request
     save_now: bool  # some rank has a request
@@ -290,16 +290,6 @@ class DistContext:
     def leader(self) -> bool:
         return self.info.node_leader
 
-    def agree(self, preempt: bool, save_now: bool, deadline: float | None, interval_due: bool) -> Agreement:
-        """One blocking ``all_reduce(MAX)`` of this rank's flags: any rank's
-        preempt or save-now counts, the earliest deadline wins."""
-        import torch
-
-        self.settle()
-        flags = torch.tensor(Agreement.flags(preempt, save_now, deadline, interval_due), dtype=torch.float64)
-        self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
-        return Agreement.of(flags.tolist())
-
     # -- the flag exchange off the critical path -------------------------------------
     def post(self, preempt: bool, save_now: bool, deadline: float | None, interval_due: bool, every: int = 1) -> None:
         """Start the ``all_reduce(MAX)`` of this rank's flags (and its
@@ -336,11 +326,6 @@ class DistContext:
     def forget_exchange(self) -> None:
         """Drop the posted exchange unwaited (its process group was destroyed)."""
         self._posted = self._answer = None
-
-    @property
-    def exchange_pending(self) -> bool:
-        """Whether an exchange is posted and its answer not yet collected."""
-        return self._posted is not None or self._answer is not None
 
     def start_save(self, busy: bool, failed: bool) -> SaveStart:
         """Before a save: whether any rank still writes the previous one or
