@@ -84,11 +84,17 @@ class LocalWriter:
         tmp: Path | None = None,
     ) -> None:
         self.directory = Path(directory)
-        # False: data files are not fsynced (the manifest and directories still
-        # are). For an emergency save that an uploader ships at once: the
-        # verified upload is what makes it durable, and waiting for the disk
-        # would spend the grace period on a copy the node takes with it. A
-        # copy torn by a crash fails its manifest and is never loaded.
+        # False: nothing is fsynced, neither data files nor the manifest nor
+        # the directories. For an emergency save that an uploader ships at
+        # once: the verified upload is what makes it durable, and waiting for
+        # the disk would spend the grace period on a copy the node takes with
+        # it. Once the data may be torn, a durable manifest protects nothing:
+        # a crash leaves either no checkpoint (the rename was lost), or one
+        # whose manifest or checksums fail and that is never loaded (local
+        # checkpoints are verified with checksums before a restore). And the
+        # manifest's fsync is the one that waits longest: it commits the
+        # file system's journal, which may be busy freeing a pruned
+        # checkpoint of several GiB.
         self.durable = durable
         self.step = step
         self.name = checkpoint_name(step)
@@ -250,19 +256,22 @@ class LocalWriter:
             timing=timing,
             sharding=sharding,
         )
-        # Nested directories (dcp/, ranks/<r>/): their entries must be durable too.
-        for sub in sorted({str(Path(f.path).parent) for f in files if "/" in f.path}, reverse=True):
-            fsync_dir(self.tmp / sub)
-        for sub in sorted({f.path.split("/", 1)[0] for f in files if f.path.count("/") > 1}):
-            fsync_dir(self.tmp / sub)
+        if self.durable:
+            # Nested directories (dcp/, ranks/<r>/): their entries must be durable too.
+            for sub in sorted({str(Path(f.path).parent) for f in files if "/" in f.path}, reverse=True):
+                fsync_dir(self.tmp / sub)
+            for sub in sorted({f.path.split("/", 1)[0] for f in files if f.path.count("/") > 1}):
+                fsync_dir(self.tmp / sub)
         data = manifest.to_json()
         fd = os.open(self.tmp / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _write_all(fd, data)
-            os.fsync(fd)
+            if self.durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
-        fsync_dir(self.tmp)
+        if self.durable:
+            fsync_dir(self.tmp)
         final = self.directory / self.name
         try:
             os.rename(self.tmp, final)
@@ -277,7 +286,8 @@ class LocalWriter:
             else:
                 remove_checkpoint_dir(final)
             os.rename(self.tmp, final)
-        fsync_dir(self.directory)
+        if self.durable:
+            fsync_dir(self.directory)
         self.installed = True
         return final
 
@@ -513,9 +523,21 @@ def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
     except FileNotFoundError:
         return
     if background:
-        threading.Thread(target=shutil.rmtree, args=(doomed, True), name="spotguard-prune", daemon=True).start()
+        threading.Thread(target=_remove_meekly, args=(doomed,), name="spotguard-prune", daemon=True).start()
     else:
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _remove_meekly(doomed: Path) -> None:
+    """Delete ``doomed`` at the lowest CPU priority (this thread only, Linux).
+
+    Freeing a large file is kernel work done on the deleting thread's time
+    (dropping its cached pages, its extents). A preemption's save that comes
+    meanwhile must have the CPU first; on a small machine the two share a
+    core or two."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prune_local(directory: Path, keep: int, *, protect: Iterable[Path] = ()) -> list[Path]:

@@ -7,8 +7,8 @@ the same publish pipeline as the sidecar
 the ``latest`` pointer), then applies retention in storage (a preemption's
 upload is retried with backoff until its deadline instead).
 Local checkpoints are deleted only by whoever uploads them
-(:func:`~spotguard.trainer.config.local_pruner`). Whether a save fsyncs its
-data files depends on the same question: a preemption's save that a live
+(:func:`~spotguard.trainer.config.local_pruner`). Whether a save fsyncs
+anything (data, manifest, directories) depends on the same question: a preemption's save that a live
 uploader ships at once is made durable by the verified upload
 (:func:`emergency_save_is_durable`).
 
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 def emergency_save_is_durable(preempt: bool, pruner: str, shipping: bool) -> bool:
-    """Pure: whether a save fsyncs its data files before it is acknowledged.
+    """Pure: whether a save is fsynced (data, manifest, directories) before it is acknowledged.
 
     Every save does, except a preemption's when an uploader ships it at once
     and has said so (``shipping``: the sidecar's or ``spotguard run``'s fresh
@@ -110,7 +110,7 @@ class Shipping:
         self._shipping = False
 
     def durable(self, preempt: bool) -> bool:
-        """Whether this save fsyncs its data files (see :func:`emergency_save_is_durable`)."""
+        """Whether this save is fsynced (see :func:`emergency_save_is_durable`)."""
         pruner = self._settings.local_pruner
         if not preempt or pruner == PRUNE_LOCAL_ONLY:
             return True

@@ -367,28 +367,31 @@ def test_an_uploading_trainer_prunes_only_what_it_verified(tmp_path: Path, s3_st
 
 
 @pytest.mark.parametrize("durable", [True, False])
-def test_non_durable_save_skips_only_the_data_fsyncs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
-) -> None:
-    """An emergency save that an uploader ships does not wait for the disk; the
-    manifest and directories are still fsynced, and the checkpoint verifies."""
+def test_non_durable_save_skips_every_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool) -> None:
+    """An emergency save that an uploader ships does not wait for the disk at
+    all: not for its data, nor its manifest, nor its directories (a manifest
+    fsync commits the journal, which a prune's delete of several GiB holds).
+    The checkpoint verifies either way; a durable save fsyncs all of them."""
     import stat
 
     import spotguard.checkpoint.local as local_mod
     from spotguard.checkpoint import snapshot_state, verify_local_checkpoint, write_checkpoint
 
-    synced: list[str] = []  # names of the regular files fsynced (directories left out)
+    synced: list[str] = []  # names of the files and directories fsynced
     real_fsync = os.fsync
 
     def counting_fsync(fd: int) -> None:
-        if not stat.S_ISDIR(os.fstat(fd).st_mode):
-            synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        name = Path(os.readlink(f"/proc/self/fd/{fd}")).name
+        synced.append(name + "/" if stat.S_ISDIR(os.fstat(fd).st_mode) else name)
         real_fsync(fd)
 
     monkeypatch.setattr(local_mod.os, "fsync", counting_fsync)
     snap = snapshot_state(step_tensors(3))
     path = write_checkpoint(tmp_path, 3, snap, durable=durable)
     assert verify_local_checkpoint(path).ok
+    if not durable:
+        assert synced == []
+        return
     assert "manifest.json" in synced
-    data_files = [n for n in synced if n != "manifest.json"]
-    assert bool(data_files) is durable, synced
+    assert f"{tmp_path.name}/" in synced  # the rename into place
+    assert [n for n in synced if not n.endswith("/") and n != "manifest.json"], synced  # data files

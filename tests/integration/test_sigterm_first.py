@@ -11,6 +11,7 @@ chunk sweep in progress stops at its next object and deletes nothing.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -170,7 +171,8 @@ def test_a_chunk_sweep_stops_at_its_next_object_and_deletes_nothing(s3_store: An
 def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Freeing a file of several GiB holds the deleting thread in the kernel for a noticeable time; in the
     # supervisor's main thread that was time no SIGTERM handler ran. The shipper's prune (background=True)
-    # renames the checkpoint away at once and deletes it in a thread of its own.
+    # renames the checkpoint away at once and deletes it in a thread of its own, at the lowest CPU
+    # priority (the kernel's work of freeing it must not take a core from a preemption's save).
     from spotguard.checkpoint import local
 
     directory = tmp_path / "ck"
@@ -178,8 +180,11 @@ def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: py
     release, ran_in = threading.Event(), []
     real = local.shutil.rmtree
 
+    niceness: list[int] = []
+
     def held(p: Any, ignore_errors: bool = False) -> None:
         ran_in.append(threading.current_thread().name)
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert release.wait(30), "the prune's delete ran in its caller's thread"
         real(p, ignore_errors)
 
@@ -192,6 +197,8 @@ def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: py
             break
         time.sleep(0.01)
     assert ran_in == ["spotguard-prune"]
+    assert niceness == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19  # the caller's thread is not lowered
     release.set()
     for _ in range(300):
         if not list(directory.iterdir()):
