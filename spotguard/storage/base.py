@@ -12,7 +12,7 @@ import enum
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar, runtime_checkable
@@ -308,8 +308,27 @@ def locked_progress(progress: ProgressCallback) -> ProgressCallback:
     return call
 
 
+def before_part(progress: ProgressCallback | None) -> None:
+    """Ask a transfer's progress callback, with 0 bytes, before a part or file
+    is read and sent. A callback that stops its transfer (a routine upload a
+    preemption overtakes, see :mod:`spotguard.checkpoint.upload`) raises here,
+    so no new request starts once it has said stop: only the requests already
+    on the wire finish."""
+    if progress is not None:
+        progress(0)
+
+
 def wait_all(futures: list[Any]) -> None:
-    """Wait for every transfer; on the first failure cancel the rest and raise it."""
+    """Wait for every transfer; at the first failure (whichever transfer it is,
+    not the first in the list) cancel the rest and raise it."""
+    pooled = [f for f in futures if isinstance(f, Future)]
+    if len(pooled) == len(futures):
+        done, _ = wait(pooled, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and not f.cancelled() and f.exception() is not None), None)
+        if failed is not None:
+            for fut in futures:
+                fut.cancel()
+            failed.result()  # raises
     try:
         for fut in futures:
             fut.result()

@@ -70,6 +70,7 @@ from spotguard.storage.base import (
     StorageError,
     StoredChecksum,
     Unchanged,
+    before_part,
     byte_ranges,
     check_key,
     dirs_in_listing,
@@ -550,6 +551,7 @@ class GcsStorage:
     def _upload_piece(self, src: Path, offset: int, length: int, key: str, progress: ProgressCallback | None) -> int:
         """One piece of a composite upload, as a resumable upload checked by its CRC32C;
         returns the CRC32C the service computed."""
+        before_part(progress)
         blob = self._resumable(src, key, progress, (offset, length))
         crc = crc32c_from_base64(blob.crc32c or "")
         if crc is None:
@@ -589,6 +591,7 @@ class GcsStorage:
             log.warning("%s: %d composite upload piece(s) left for the collector: %s", self.uri, len(keys), exc)
 
     def _upload_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
+        before_part(progress)
         size = src.stat().st_size
         if size < self._resumable_threshold:
             data = src.read_bytes()

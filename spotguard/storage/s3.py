@@ -11,11 +11,12 @@ are :mod:`spotguard.storage.s3_client`.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ from spotguard.storage.base import (
     StorageError,
     StoredChecksum,
     Unchanged,
+    before_part,
     byte_ranges,
     check_key,
     dirs_in_listing,
@@ -66,6 +68,42 @@ def _raw(fn: Callable[[bool], _T], full_object: bool) -> _T:
         if code in ("InvalidArgument", "InvalidRequest", "NotImplemented") or status == 501:
             raise _FullObjectUnsupported() from None
         raise
+
+
+#: How many bytes of a part go out between two questions to its progress callback.
+ASK_EVERY = 1 * MiB
+
+
+class _PartStopped(CancelledError):
+    """Raised from a part's body when its transfer was stopped: botocore lets a
+    ``CancelledError`` through as it is (neither wrapped nor retried), and
+    :meth:`S3Storage._upload_part` raises the original exception again."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _AskingBody(io.BytesIO):
+    """A part's bytes as a request body that asks ``ask(0)`` every
+    :data:`ASK_EVERY` bytes read: a transfer stopped by its progress callback
+    (a routine upload a preemption overtakes) ends its parts on the wire too,
+    within a MiB, instead of sending them whole."""
+
+    def __init__(self, data: bytes, ask: ProgressCallback) -> None:
+        super().__init__(data)  # shares ``data`` (no copy) until written
+        self._ask = ask
+        self._asked_at = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        here = self.tell()
+        if abs(here - self._asked_at) >= ASK_EVERY:  # also when read again from the start (a retry)
+            self._asked_at = here
+            try:
+                self._ask(0)
+            except BaseException as exc:
+                raise _PartStopped(exc) from exc
+        return super().read(size)
 
 
 def _part_ranges(size: int, part_size: int) -> list[tuple[int, int, int]]:
@@ -420,6 +458,7 @@ class S3Storage:
         raise AssertionError("unreachable")
 
     def _put_file(self, src: Path, key: str, progress: ProgressCallback | None) -> None:
+        before_part(progress)
         data = src.read_bytes()
         self._put_bytes(key, data)
         if progress is not None:
@@ -479,23 +518,27 @@ class S3Storage:
     ) -> dict[str, Any]:
         from spotguard.storage.checksum import checksum_bytes, crc32c_to_base64
 
+        before_part(progress)
         with open(src, "rb") as f:
             f.seek(offset)
             data = f.read(length)
         if len(data) != length:
             raise StorageError(f"{src} changed while uploading (part {number} is short)")
         crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
-        resp = self._checksum_call(
-            self.uri_for(key),
-            lambda: self.client.upload_part(
-                Bucket=self.bucket,
-                Key=self._key(key),
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=data,
-                ChecksumCRC32C=crc,
-            ),
-        )
+        try:
+            resp = self._checksum_call(
+                self.uri_for(key),
+                lambda: self.client.upload_part(
+                    Bucket=self.bucket,
+                    Key=self._key(key),
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=data if progress is None else _AskingBody(data, progress),
+                    ChecksumCRC32C=crc,
+                ),
+            )
+        except _PartStopped as exc:
+            raise exc.cause from None
         if progress is not None:
             progress(len(data))
         return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32C": crc, "_size": length}

@@ -147,6 +147,61 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
     assert read_latest_pointer(storage) == 20  # the pointer never goes back
 
 
+def test_a_stopped_transfer_starts_no_new_part(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    # A routine upload that a preemption overtakes stops at its next request: the parts on the wire
+    # finish, but no queued part is read or sent after the stop (each part asks first). Before, the
+    # queued parts kept going until the oldest one in flight ended, sharing the store with the
+    # preemption's upload.
+    from spotguard.checkpoint.upload import UploadCancelled
+
+    storage = small_parts(s3_store, s3_uri)  # 5 MiB parts, two at a time
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(60 * MiB))  # 12 parts
+    stop = threading.Event()
+    sent: list[int] = []  # parts that reached the store (each reports its bytes once sent)
+
+    def progress(n: int) -> None:
+        if n:
+            sent.append(n)
+            stop.set()  # the preemption comes as the first part ends
+        if stop.is_set() and (n == 0 or len(sent) > 1):
+            raise UploadCancelled("big.bin")
+
+    with pytest.raises(UploadCancelled):
+        storage.upload_files([(big, "stopped/big.bin")], progress=progress)
+    # The first part, and at most the one on the wire beside it when the stop came (cut short if the
+    # stop reached it before its last MiB); nothing started after it.
+    assert 1 <= len(sent) <= 2, sent
+    assert storage.stat("stopped/big.bin") is None
+    uploads = storage.client.list_multipart_uploads(Bucket=storage.bucket, Prefix=storage._key("stopped/big.bin"))  # noqa: SLF001
+    assert uploads.get("Uploads", []) == []  # the incomplete upload was aborted
+
+
+def test_a_part_on_the_wire_stops_within_a_mib(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    # A part's body asks the progress callback every MiB it sends: a stop that comes while parts are on
+    # the wire ends them there, and the stop's own exception comes out (not wrapped, not retried).
+    from spotguard.checkpoint.upload import UploadCancelled
+
+    storage = small_parts(s3_store, s3_uri)  # 5 MiB parts, two at a time
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(20 * MiB))
+    asked: list[int] = []
+    sent: list[int] = []
+
+    def progress(n: int) -> None:
+        if n:
+            sent.append(n)
+        else:
+            asked.append(n)
+        if len(asked) > 3:  # the two parts' first asks, then one MiB into a body: the preemption
+            raise UploadCancelled("big.bin")
+
+    with pytest.raises(UploadCancelled):
+        storage.upload_files([(big, "cut/big.bin")], progress=progress)
+    assert sent == []  # neither part on the wire was sent whole
+    assert storage.stat("cut/big.bin") is None
+
+
 def test_a_chunk_sweep_stops_at_its_next_object_and_deletes_nothing(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
     storage = s3_storage(s3_store, s3_uri)
     path = commit(tmp_path / "ckpt", 10, 16)
