@@ -13,9 +13,9 @@ benchmark's own) in two situations, side by side in each round:
 Measured: SIGTERM -> the emergency checkpoint verified (the emergency
 checkpoint is committed before the signal in both situations: the save is
 not what is compared). Goal: busy / idle <= 1.25x at the worse
-quartile. The requests the stopped upload had on the wire when it was
-stopped (up to its concurrency in multipart parts) still finish, sharing
-the store with the emergency upload.
+quartile. The stopped upload starts no new part, and the parts it had on
+the wire end within a MiB (each part's body asks whether to stop as it is
+sent).
 """
 
 from __future__ import annotations

@@ -121,8 +121,9 @@ _REQUESTS = frozenset(
 class _StopGuard:
     """The storage an upload with ``should_stop`` talks to: every request is
     preceded by the question, so a stopped upload ends at its next request
-    (the requests already on the wire finish; the storage layer aborts a
-    multipart upload it cannot complete). Remembers the chunks it stored."""
+    (a multipart part on the wire asks again every MiB it sends and ends
+    there; the storage layer aborts a multipart upload it cannot complete).
+    Remembers the chunks it stored."""
 
     storage: Storage
     should_stop: Callable[[], bool]

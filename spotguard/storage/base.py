@@ -312,8 +312,8 @@ def before_part(progress: ProgressCallback | None) -> None:
     """Ask a transfer's progress callback, with 0 bytes, before a part or file
     is read and sent. A callback that stops its transfer (a routine upload a
     preemption overtakes, see :mod:`spotguard.checkpoint.upload`) raises here,
-    so no new request starts once it has said stop: only the requests already
-    on the wire finish."""
+    so no new request starts once it has said stop (S3 parts on the wire ask
+    again as they are sent, see ``spotguard.storage.s3``)."""
     if progress is not None:
         progress(0)
 
