@@ -137,7 +137,7 @@ class _StopGuard:
                 raise UploadCancelled(self.name, self.stored_chunks)
 
     def progress(self, report: ProgressCallback | None) -> ProgressCallback:
-        """A progress callback that stops the transfer (between its parts) once stopped."""
+        """A progress callback that stops the transfer once stopped (asked before each part, each MiB of an S3 part)."""
 
         def call(n: int) -> None:
             self.check()
