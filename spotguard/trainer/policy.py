@@ -49,9 +49,8 @@ class ExchangeSchedule:
     measure the same pace; the largest rides over one rank's hiccup), and
     the call that collects that answer schedules the next exchange with it:
     every rank counts the same calls, so every rank exchanges at the same
-    ones. A flag
-    a rank sees is sent at its next exchange and acted on at the one after:
-    ``every`` to ``2 * every - 1`` calls later, about twice
+    ones. A flag a rank sees is sent at its next exchange and acted on at
+    the one after: ``every`` to ``2 * every - 1`` calls later, about twice
     :data:`EXCHANGE_SECONDS` plus a step (at most ``2 * EXCHANGE_MAX_CALLS``
     steps should the steps slow down at once).
     """

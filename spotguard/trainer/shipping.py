@@ -8,9 +8,9 @@ the ``latest`` pointer), then applies retention in storage (a preemption's
 upload is retried with backoff until its deadline instead).
 Local checkpoints are deleted only by whoever uploads them
 (:func:`~spotguard.trainer.config.local_pruner`). Whether a save fsyncs
-anything (data, manifest, directories) depends on the same question: a preemption's save that a live
-uploader ships at once is made durable by the verified upload
-(:func:`emergency_save_is_durable`).
+anything (data, manifest, directories) depends on the same question: a
+preemption's save that a live uploader ships at once is made durable by the
+verified upload (:func:`emergency_save_is_durable`).
 
 A preemption comes first here too: a routine upload asks ``preempting``
 before each request and between the parts of a transfer, and stops
