@@ -12,6 +12,7 @@ One that fails verification when its step is committed again is renamed to
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -57,6 +58,9 @@ TMP_PREFIX = ".tmp-"
 WRITER_TMP_PREFIX = ".tmp-ckpt-"
 # A refused checkpoint moved aside: ``ckpt-<step>.refused-<UTC time>``.
 REFUSED_MARK = ".refused-"
+# A checkpoint committed into a staging directory of its own (memory): its files live in
+# ``<staging>/.staged-ckpt-<step>-<random>/``, its name in the checkpoint directory is a link to them.
+STAGED_PREFIX = ".staged-ckpt-"
 
 
 class DeadlineExceeded(TimeoutError):
@@ -82,8 +86,17 @@ class LocalWriter:
         deadline: float | None = None,
         durable: bool = True,
         tmp: Path | None = None,
+        staging: Path | None = None,
     ) -> None:
         self.directory = Path(directory)
+        # A directory on another (memory) file system that the uploader also
+        # sees: the files are written and kept there, and the checkpoint's
+        # name in ``directory`` is committed as a symbolic link to them
+        # (:func:`spotguard.checkpoint.staged`). For a preemption's save that
+        # is not made durable: the write costs what a copy in memory costs.
+        self.staging = Path(staging) if staging is not None else None
+        self._held: Path | None = None
+        self._link: Path | None = None
         # False: nothing is fsynced, neither data files nor the manifest nor
         # the directories. For an emergency save that an uploader ships at
         # once: the verified upload is what makes it durable, and waiting for
@@ -103,7 +116,9 @@ class LocalWriter:
         self.entries: list[FileEntry] = []
         self.directory.mkdir(parents=True, exist_ok=True)
         if tmp is None:
-            self.tmp = self.directory / f"{WRITER_TMP_PREFIX}{step:012d}-{uuid.uuid4().hex[:8]}"
+            home = self.directory if self.staging is None else self.staging
+            home.mkdir(parents=True, exist_ok=True)
+            self.tmp = home / f"{WRITER_TMP_PREFIX}{step:012d}-{uuid.uuid4().hex[:8]}"
             self.tmp.mkdir()
         else:
             # A temporary directory shared by the writers of one node (a
@@ -273,8 +288,12 @@ class LocalWriter:
         if self.durable:
             fsync_dir(self.tmp)
         final = self.directory / self.name
+        source = self._stage() if self.staging is not None else self.tmp
         try:
-            os.rename(self.tmp, final)
+            if source is not self.tmp and os.path.lexists(final):
+                # A link would replace an existing checkpoint silently (a directory fails to).
+                raise FileExistsError(errno.EEXIST, "checkpoint exists", str(final))
+            os.rename(source, final)
         except OSError:
             if (final / MANIFEST_NAME).is_file():
                 problem = existing_checkpoint_problem(final)
@@ -285,15 +304,30 @@ class LocalWriter:
                 move_aside_refused(final, problem)
             else:
                 remove_checkpoint_dir(final)
-            os.rename(self.tmp, final)
+            os.rename(source, final)
         if self.durable:
             fsync_dir(self.directory)
         self.installed = True
         return final
 
+    def _stage(self) -> Path:
+        """The files written in the staging directory: move them to their
+        place there, and make the link that commits them (not yet in place)."""
+        assert self.staging is not None
+        self._held = self.staging / f"{STAGED_PREFIX}{self.step:012d}-{uuid.uuid4().hex[:8]}"
+        os.rename(self.tmp, self._held)
+        self._link = self.directory / f"{TMP_PREFIX}link-{self.name}-{uuid.uuid4().hex[:8]}"
+        os.symlink(self._held, self._link)
+        return self._link
+
     def abort(self) -> None:
         """Remove the temporary directory (the checkpoint never appears)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._link is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._link)
+        if self._held is not None:
+            shutil.rmtree(self._held, ignore_errors=True)
 
 
 def write_checkpoint(
@@ -312,15 +346,17 @@ def write_checkpoint(
     snapshot_seconds: float | None = None,
     durable: bool = True,
     pool: dict[Any, Any] | None = None,
+    staging: Path | None = None,
 ) -> Path:
     """Persist a snapshot as ``<directory>/ckpt-<step>`` atomically (phase two
     of a save). Raises :class:`DeadlineExceeded` (leaving nothing behind) when
     ``deadline`` (unix time) passes first. ``durable=False`` skips the fsync
     of data files (see :class:`LocalWriter`). ``pool``: the host buffers the
     snapshot was taken with; once its files are committed, the next snapshot
-    may compare against them (:func:`~spotguard.checkpoint.codec.pool_committed`)."""
+    may compare against them (:func:`~spotguard.checkpoint.codec.pool_committed`).
+    ``staging``: write the files there and commit a link to them (see :class:`LocalWriter`)."""
     start = time.perf_counter()
-    writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline, durable=durable)
+    writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline, durable=durable, staging=staging)
     try:
         writer.add_snapshot(snapshot)
         timing = {"persist_seconds": round(time.perf_counter() - start, 6)}
@@ -515,13 +551,20 @@ def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
     meanwhile leaves the renamed directory, a temporary one, for the next
     clean-up."""
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return
     doomed = path.parent / f"{TMP_PREFIX}del-{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, doomed)
     except FileNotFoundError:
         return
+    if doomed.is_symlink():
+        # A checkpoint staged elsewhere (see LocalWriter's ``staging``): the link goes, then its files.
+        held = Path(os.readlink(doomed))
+        os.unlink(doomed)
+        if not held.name.startswith(STAGED_PREFIX):
+            return  # not a link this package made: what it points to is not ours to delete
+        doomed = held
     if background:
         threading.Thread(target=_remove_meekly, args=(doomed,), name="spotguard-prune", daemon=True).start()
     else:

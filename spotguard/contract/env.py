@@ -80,6 +80,12 @@ CHECKPOINT_DIR = _var(
     "local checkpoint directory shared by trainer and uploader (unset: the reader's default)",
 )
 CONTROL_DIR = _var("CONTROL_DIR", str, None, "control channel directory (unset: <checkpoint dir>/.control)")
+EMERGENCY_STAGING = _var(
+    "EMERGENCY_STAGING",
+    str,
+    None,
+    "a memory file system shared with the uploader where a preemption's checkpoint is written (unset: none)",
+)
 STORAGE_URI = _var("STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...")
 JOB = _var("JOB", str, None, "job name for manifests, metrics and logs")
 ATTEMPT = _var("ATTEMPT", int, None, "the restart attempt this pod or command belongs to", "non-negative")

@@ -35,6 +35,7 @@ from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_in
 from spotguard.operator.jobstatus import member_pod_name
 from spotguard.operator.spec import (
     API_VERSION,
+    EMERGENCY_VOLUME,
     GCS_KEY_VOLUME,
     KIND,
     NOTICE_TOKEN_VOLUME,
@@ -66,6 +67,10 @@ GCS_KEY_NAME = "key.json"
 GCS_KEY_FILE = f"{GCS_KEY_DIR}/{GCS_KEY_NAME}"
 CHECKPOINT_DIR = f"{MOUNT_PATH}/checkpoints"
 CONTROL_DIR = f"{CHECKPOINT_DIR}/.control"
+#: ``checkpoint.memoryStaging``: where the trainer and the sidecar mount the memory volume.
+EMERGENCY_DIR = "/var/lib/spotguard-emergency"
+#: The memory volume's limit: this many times the last checkpoint (a larger one is written to the disk).
+EMERGENCY_CHECKPOINTS = 1.25
 
 #: A staging volume holds the checkpoint being written, the last local one, and slack: this many checkpoints.
 STAGING_CHECKPOINTS = 3
@@ -170,6 +175,8 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
     ]
     if inj.attempt is not None:
         env.append(_contract_value(envvars.ATTEMPT, inj.attempt))
+    if emergency_volume(inj) is not None:
+        env.append(_contract_value(envvars.EMERGENCY_STAGING, EMERGENCY_DIR))
     if ck.every_steps is not None:
         env.append(_contract_value(envvars.SAVE_EVERY_STEPS, ck.every_steps))
     if ck.every_seconds is not None:
@@ -289,6 +296,23 @@ def staging_volume(inj: Injection) -> dict[str, Any]:
     return {"name": SHARED_VOLUME, "emptyDir": empty}
 
 
+def emergency_volume(inj: Injection) -> dict[str, Any] | None:
+    """The memory volume a preemption's checkpoint is written to (``checkpoint.memoryStaging``), if any.
+
+    None when switched off, or when the staging volume is in memory already.
+    Its limit, when the last checkpoint's size is known, is
+    :data:`EMERGENCY_CHECKPOINTS` times it: the kubelet sizes the tmpfs to
+    it, and a checkpoint that does not fit is written to the staging volume.
+    """
+    ck = inj.checkpoint
+    if not ck.memory_staging or (ck.staging is not None and ck.staging.medium == "Memory"):
+        return None
+    empty: dict[str, Any] = {"medium": "Memory"}
+    if inj.staging_bytes:
+        empty["sizeLimit"] = f"{math.ceil(EMERGENCY_CHECKPOINTS * inj.staging_bytes / 2**20)}Mi"
+    return {"name": EMERGENCY_VOLUME, "emptyDir": empty}
+
+
 def shared_mount(inj: Injection) -> dict[str, Any]:
     """How every container mounts the staging volume (a hostPath: the pod's own subdirectory)."""
     mount: dict[str, Any] = {"name": SHARED_VOLUME, "mountPath": MOUNT_PATH}
@@ -298,10 +322,19 @@ def shared_mount(inj: Injection) -> dict[str, Any]:
     return mount
 
 
+def _mounts(inj: Injection) -> list[dict[str, Any]]:
+    """The staging volume's mount, and the memory volume's (the same path in every container:
+    the trainer commits a link to it that the sidecar follows)."""
+    mounts = [shared_mount(inj)]
+    if emergency_volume(inj) is not None:
+        mounts.append({"name": EMERGENCY_VOLUME, "mountPath": EMERGENCY_DIR})
+    return mounts
+
+
 def _mount(container: dict[str, Any], inj: Injection) -> None:
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != SHARED_VOLUME]
-    mounts.append(shared_mount(inj))
-    container["volumeMounts"] = mounts
+    ours = (SHARED_VOLUME, EMERGENCY_VOLUME)
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") not in ours]
+    container["volumeMounts"] = mounts + _mounts(inj)
 
 
 def gcs_key_volume(inj: Injection) -> dict[str, Any] | None:
@@ -318,7 +351,7 @@ def _key_mount() -> dict[str, Any]:
 
 
 def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[str, Any]:
-    mounts = [shared_mount(inj)]
+    mounts = _mounts(inj)
     if gcs_key_volume(inj) is not None:
         mounts.append(_key_mount())
     c: dict[str, Any] = {
@@ -403,8 +436,12 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
     else:
         spec["initContainers"] = [restore_container(inj), *user_init]
         spec["containers"] = [*containers, sidecar]
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in (SHARED_VOLUME, GCS_KEY_VOLUME)]
+    ours = (SHARED_VOLUME, GCS_KEY_VOLUME, EMERGENCY_VOLUME)
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in ours]
     volumes.append(staging_volume(inj))
+    memory = emergency_volume(inj)
+    if memory is not None:
+        volumes.append(memory)
     key = gcs_key_volume(inj)
     if key is not None:
         volumes.append(key)

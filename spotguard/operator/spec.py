@@ -40,6 +40,8 @@ SHARED_VOLUME = "spotguard"
 GCS_KEY_VOLUME = "spotguard-gcs-key"
 #: The k8s notice source with a notice relay: the sidecar's projected token for it.
 NOTICE_TOKEN_VOLUME = "spotguard-notice-token"
+#: ``checkpoint.memoryStaging``: the memory volume a preemption's checkpoint is written to.
+EMERGENCY_VOLUME = "spotguard-emergency"
 RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 CHECKSUMS = ("crc32c", "sha256")
@@ -104,6 +106,9 @@ class CheckpointSpec:
     incremental: bool = True
     #: Where checkpoints are staged in the pod; None: an ``emptyDir`` without a limit (as before).
     staging: StagingSpec | None = None
+    #: Give the pod a memory volume where a preemption's checkpoint is written before it is
+    #: shipped (see spotguard.checkpoint.staged); off: it is written to the staging volume.
+    memory_staging: bool = True
 
     def job_uri(self, namespace: str, job: str) -> str:
         """The job's own checkpoint root: ``<storage>/<namespace>/<job>``."""
@@ -338,6 +343,7 @@ def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
         expose_credentials_to_trainer=read_bool(obj, "exposeCredentialsToTrainer", path, False),
         incremental=read_bool(obj, "incremental", path, True),
         staging=parse_staging(obj.get("staging"), f"{path}.staging"),
+        memory_staging=read_bool(obj, "memoryStaging", path, True),
     )
 
 
@@ -423,7 +429,12 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
         if isinstance(c, Mapping) and c.get("name") in RESERVED_CONTAINER_NAMES:
             raise SpecError(f"{spath}.initContainers[{i}].name", f"{c.get('name')!r} is reserved")
     for i, v in enumerate(pod_spec.get("volumes") or []):
-        if isinstance(v, Mapping) and v.get("name") in (SHARED_VOLUME, GCS_KEY_VOLUME, NOTICE_TOKEN_VOLUME):
+        if isinstance(v, Mapping) and v.get("name") in (
+            SHARED_VOLUME,
+            GCS_KEY_VOLUME,
+            NOTICE_TOKEN_VOLUME,
+            EMERGENCY_VOLUME,
+        ):
             raise SpecError(f"{spath}.volumes[{i}].name", f"{v.get('name')!r} is reserved")
     policy = pod_spec.get("restartPolicy")
     if policy not in (None, "Never"):

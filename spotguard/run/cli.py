@@ -74,6 +74,12 @@ def register(subparsers: Any) -> None:
     add_notice_args(p)
     add_retention_args(p)
     add_incremental_arg(p)
+    p.add_argument(
+        "--no-memory-staging",
+        dest="memory_staging",
+        action="store_false",
+        help="write a preemption's checkpoint to the checkpoint directory, not to /dev/shm first",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     p.set_defaults(func=_run)
@@ -122,6 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         notice_stops_training=notice_stops_training,
         incremental=incremental,
         pass_credentials=args.pass_credentials,
+        memory_staging=args.memory_staging,
     )
     try:
         with workdir_lock(workdir):

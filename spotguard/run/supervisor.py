@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -108,11 +109,42 @@ class RunConfig:
     incremental: bool = False
     # Hand the command the storage credentials and SPOTGUARD_STORAGE_URI.
     pass_credentials: bool = False
+    # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.staged).
+    memory_staging: bool = True
 
     @property
     def control_dir(self) -> Path:
         """The control channel directory inside the checkpoint directory."""
         return self.checkpoint_dir / ".control"
+
+
+#: Where a machine's shared memory file system is mounted.
+SHM = Path("/dev/shm")
+
+
+def is_memory_mount(mounts: str, path: str) -> bool:
+    """Pure: whether ``/proc/mounts`` text ``mounts`` mounts a memory file system (tmpfs) at ``path``."""
+    fstype = None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[1] == path:
+            fstype = fields[2]  # the last mount at a path hides the earlier ones
+    return fstype in {"tmpfs", "ramfs"}
+
+
+def memory_staging_dir(workdir: Path, shm: Path = SHM) -> Path | None:
+    """The directory of ``shm`` where a run in ``workdir`` stages its
+    preemption's checkpoints (one per work directory, so that a run finds
+    what a supervisor that died left there); None when ``shm`` is not a
+    memory file system."""
+    try:
+        mounts = Path("/proc/mounts").read_text()
+    except OSError:
+        return None
+    if not is_memory_mount(mounts, str(shm)):
+        return None
+    key = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:16]
+    return shm / f"spotguard-{key}"
 
 
 def without_storage_credentials(env: Mapping[str, str]) -> dict[str, str]:
@@ -224,6 +256,7 @@ class Supervisor:
         self.agent = CheckpointAgent(agent_config, storage, metrics, config.retention, trainer_state=self._child_state)
         self.agent.interrupt = self.latch.event
         self.attempt = 0
+        self.staging = memory_staging_dir(config.workdir) if config.memory_staging else None
 
     def _child_state(self) -> str:
         if self.child is None:
@@ -245,13 +278,18 @@ class Supervisor:
         nothing local either is that a reason to stop.
         """
         from spotguard.checkpoint import verify_local_checkpoint
-        from spotguard.checkpoint.local import move_aside_refused
+        from spotguard.checkpoint.local import move_aside_refused, remove_checkpoint_dir
 
         ckdir = self.config.checkpoint_dir
         ckdir.mkdir(parents=True, exist_ok=True)
         for tmp in ckdir.glob(".tmp-*"):
             # Half-written by a trainer that died; no writer can be alive now.
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.is_symlink():
+                tmp.unlink()
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        # What a supervisor that died left in memory: not known to be verified, so copied to the disk.
+        self._settle_staging(verified_step=-1)
         ControlChannel(self.config.control_dir).clear()
         shipper = self.agent.shipper
         shipper.adopt_existing()
@@ -272,7 +310,7 @@ class Supervisor:
                     "local copy of %s is damaged (%s): it is in storage, fetching it again", path.name, result.reason
                 )
                 shipper.forget(path.name)
-                shutil.rmtree(path, ignore_errors=True)
+                remove_checkpoint_dir(path)
             else:
                 # Never in storage: kept aside for a look, out of every listing.
                 move_aside_refused(path, f"it fails its own manifest: {result.reason}")
@@ -383,6 +421,8 @@ class Supervisor:
                 envvars.RUN_ID.name: envvars.to_env(envvars.RUN_ID, self.run_id),
             }
         )
+        if self.staging is not None:
+            env[envvars.EMERGENCY_STAGING.name] = envvars.to_env(envvars.EMERGENCY_STAGING, str(self.staging))
         if not self.config.pass_credentials:
             env = without_storage_credentials(env)
         # Under torchrun the workers must get the whole grace period for their
@@ -501,7 +541,14 @@ class Supervisor:
             self._signal_group(signal.SIGKILL)
             if self.child is not None:
                 self._reap()
+            self._settle_staging(self._verified_step())
             self.latch.restore()
+
+    def _settle_staging(self, verified_step: int) -> None:
+        if self.staging is not None:
+            self.agent.settle_staging(self.staging, verified_step)
+            with contextlib.suppress(OSError):
+                self.staging.rmdir()
 
     def _ended(self, shipped: bool) -> int:
         """The command exited 0: finished, or stopped for a preemption it was told about."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.contract.control import RunEnd, read_staging_full
+from spotguard.contract.env import EMERGENCY_STAGING, from_env
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
 from spotguard.sidecar.metrics import SIDECAR_PORT_HINT
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
@@ -146,6 +147,7 @@ def run_sidecar(
                 _report(agent, options, end, metrics_error)
                 if flushed and not end.preempted and not latch.event.is_set():
                     agent.shipper.housekeeping(latch.event.is_set)
+                _settle_staging(agent)
                 if event is not None:
                     # A trainer that finished within seconds must not take the
                     # Event with it (bounded by the request timeouts; never on
@@ -158,6 +160,7 @@ def run_sidecar(
         trainer_before = agent.trainer_state()
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
+        _settle_staging(agent)
         _report(
             agent,
             options,
@@ -169,6 +172,14 @@ def run_sidecar(
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
     finally:
         watcher.stop()
+
+
+def _settle_staging(agent: CheckpointAgent) -> None:
+    """The memory volume goes with the pod: settle what the trainer staged there
+    (``SPOTGUARD_EMERGENCY_STAGING``, set by the operator with ``checkpoint.memoryStaging``)."""
+    staging = from_env(EMERGENCY_STAGING)
+    if staging and agent.trainer_state() == "gone":
+        agent.settle_staging(Path(staging))
 
 
 def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> None:

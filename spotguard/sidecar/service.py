@@ -443,6 +443,25 @@ class CheckpointAgent:
                 return False
             time.sleep(pause)
 
+    def settle_staging(self, staging: Path, verified_step: int | None = None) -> None:
+        """Before the memory ``staging`` goes (this uploader exits): staged checkpoints
+        verified in storage are removed, the others copied to the checkpoint
+        directory (:func:`~spotguard.checkpoint.staged.settle_staged`); then ``staging`` is emptied.
+        ``verified_step``: the newest verified one (default: the newest shipped here)."""
+        from spotguard.checkpoint.staged import remove_staging, settle_staged
+
+        if verified_step is None:
+            last = self.shipper.last_shipped
+            verified_step = last.step if last is not None else -1
+        try:
+            removed, copied = settle_staged(self.config.checkpoint_dir, verified_step)
+            remove_staging(staging)
+        except OSError as exc:
+            log.error("could not settle the checkpoints staged in %s: %s", staging, exc)
+            return
+        if removed or copied:
+            log.info("staged in memory: %d verified and removed, %d copied to disk", len(removed), len(copied))
+
     def _why_not_verified(self) -> str:
         """Failures, and parts stored but waiting for other nodes' parts, in one line."""
         return "; ".join(

@@ -107,6 +107,10 @@ class Checkpointer:
     content-addressed chunks shared with the job's other checkpoints, and
     send only the chunks storage does not hold yet, as the sidecar does
     (``False``: whole files, as ``spotguard sidecar --no-incremental``).
+    ``emergency_staging``: a memory file system the uploader also sees,
+    where a preemption's checkpoint that an uploader ships at once is
+    written (see :mod:`spotguard.checkpoint.staged`); ``spotguard run`` and
+    the operator set it (``SPOTGUARD_EMERGENCY_STAGING``).
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`~spotguard.trainer.config.local_pruner`): with a storage URI and no
@@ -164,6 +168,7 @@ class Checkpointer:
         reuse_host_buffers: bool = True,
         distributed: bool | None = None,
         incremental: bool = True,
+        emergency_staging: str | os.PathLike[str] | None = None,
     ) -> None:
         root = Path(directory)
         storage_uri = storage_uri or None
@@ -184,6 +189,7 @@ class Checkpointer:
             attempt=attempt,
             async_save=async_save,
             incremental=incremental,
+            emergency_staging=Path(emergency_staging) if emergency_staging else None,
         )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)

@@ -24,6 +24,7 @@ from spotguard.contract.env import (
     CHECKPOINT_DIR,
     CHECKSUM,
     CONTROL_DIR,
+    EMERGENCY_STAGING,
     INCREMENTAL,
     JOB,
     SAVE_EVERY_SECONDS,
@@ -74,6 +75,7 @@ class EnvConfig:
     attempt: int | None
     retention: RetentionPolicy | None
     incremental: bool = True
+    emergency_staging: str | None = None
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
@@ -97,6 +99,7 @@ class EnvConfig:
             attempt=attempt,
             retention=None if policy.keeps_everything else policy,
             incremental=from_env(INCREMENTAL, env),
+            emergency_staging=from_env(EMERGENCY_STAGING, env) or None,
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -111,6 +114,7 @@ class EnvConfig:
             "job": self.job,
             "attempt": self.attempt,
             "incremental": self.incremental,
+            "emergency_staging": self.emergency_staging,
         }
         if self.retention is not None:
             out["retention"] = self.retention
@@ -142,6 +146,8 @@ class Settings:
     async_save: bool
     #: With ``upload``: store checkpoints as shared content-addressed chunks (only new chunks are sent).
     incremental: bool = True
+    #: A memory file system shared with the uploader for a preemption's save (see :mod:`spotguard.checkpoint.staged`).
+    emergency_staging: Path | None = None
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:

@@ -34,11 +34,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.codec import Snapshot, snapshot_state
 from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
+from spotguard.checkpoint.staged import choose_staging
 from spotguard.contract.control import STAGING_FULL_FILE, atomic_write_json
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
@@ -93,6 +95,20 @@ def _free_bytes(directory: Path) -> int | None:
         return shutil.disk_usage(directory).free
     except OSError:
         return None
+
+
+def write_in_staging(write: Callable[..., Path], staging: Path | None) -> Path:
+    """``write(staging=staging)``; when ``staging`` fills up meanwhile, ``write()``
+    again in the checkpoint directory (the writer removed what it had staged)."""
+    if staging is None:
+        return write()
+    try:
+        return write(staging=staging)
+    except OSError as exc:
+        if not disk_full(exc):
+            raise
+        log.warning("emergency staging %s filled up (%s): writing to the checkpoint directory", staging, exc)
+        return write()
 
 
 @dataclass
@@ -239,7 +255,9 @@ class LocalPersist:
         deadline_exceeded = False
         try:
             assert job.snapshot is not None
-            path = write_checkpoint(
+            durable = self._shipping.durable(job.due.preempt)
+            write = partial(
+                write_checkpoint,
                 self._settings.directory,
                 job.step,
                 job.snapshot,
@@ -252,9 +270,11 @@ class LocalPersist:
                 reason=job.due.reason,
                 request_id=job.due.request_id,
                 snapshot_seconds=job.snapshot_seconds,
-                durable=self._shipping.durable(job.due.preempt),
+                durable=durable,
                 pool=self._pinned,  # the next save compares against what this one committed
             )
+            staging = None if durable else choose_staging(self._settings.emergency_staging, job.snapshot)
+            path = write_in_staging(write, staging)
             record.last_committed = path
             record.last_persist_seconds = time.perf_counter() - start
             log.info("checkpoint %s committed (%.2fs)", path, record.last_persist_seconds)

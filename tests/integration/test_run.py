@@ -25,9 +25,9 @@ from sidecar_helpers import (
     wait_until,
 )
 
-from spotguard.checkpoint import latest_verified
+from spotguard.checkpoint import latest_verified, list_local_committed
 from spotguard.contract.env import RUN_ID
-from spotguard.run.supervisor import processes_with_env
+from spotguard.run.supervisor import memory_staging_dir, processes_with_env
 
 RUN_ID_ENV = RUN_ID.name
 
@@ -76,6 +76,13 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
         stopped = first.wait_for_stopped_step()
         info, _ = latest_verified(s3_storage(s3_store, s3_uri))
         assert info is not None and info.step == stopped, (info, stopped)
+        memory = memory_staging_dir(tmp_path / "work")
+        if memory is not None:
+            # The preemption's checkpoint was written in memory, shipped from there, and removed
+            # once verified (the store holds it); nothing is left in the machine's memory.
+            assert "staged in memory: 1 verified and removed, 0 copied to disk" in first.text(), first.tail()
+            assert not memory.exists()
+            assert f"ckpt-{stopped:012d}" not in [p.name for p in list_local_committed(tmp_path / "work/checkpoints")]
 
         second = Proc(argv, env, tmp_path / "run2.log")
         procs.append(second)

@@ -27,7 +27,9 @@ from sidecar_helpers import (
     wait_until,
 )
 
-from spotguard.checkpoint import latest_verified, list_checkpoint_names
+from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_local_checkpoint
+from spotguard.checkpoint.local import STAGED_PREFIX
+from spotguard.sidecar.mainloop import EXIT_EMERGENCY_FAILED
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +172,49 @@ def test_no_retention_and_no_rereading_between_sigterm_and_the_report(
     stages = [ln.split("stage=", 1)[1].split()[0] for ln in after_term.splitlines() if "stage=" in ln]
     # In this order, with nothing else in between.
     assert stages == ["request", "save", "upload", "verify", "pointer", "ship", "emergency", "report"], stages
+
+
+@pytest.mark.parametrize("store_up", [True, False])
+def test_a_checkpoint_staged_in_memory_is_settled_before_the_sidecar_exits(
+    s3_store: Any, s3_uri: str, tmp_path: Path, store_up: bool
+) -> None:
+    """``checkpoint.memoryStaging``: the trainer writes its preemption's checkpoint to the
+    memory volume, the sidecar ships it from there; before the pod (and the memory) goes,
+    a verified one leaves memory, and one the store never got is copied to the staging volume."""
+    storage = s3_storage(s3_store, s3_uri)
+    memory, ckdir = tmp_path / "memory", tmp_path / "ckpt"
+    with store_proxy(s3_store) as proxy, reaping() as procs:
+        env = base_env(
+            {
+                **proxy.env(s3_store.env()),
+                "SPOTGUARD_CHECKPOINT_DIR": str(ckdir),
+                "SPOTGUARD_STORAGE_URI": s3_uri,
+                "SPOTGUARD_EMERGENCY_STAGING": str(memory),
+            }
+        )
+        trainer, sidecar = _pod(tmp_path, env, grace=25 if store_up else 8)
+        procs += [trainer, sidecar]
+        trainer.wait_for_step(5)
+        wait_until(lambda: "sidecar watching" in sidecar.text(), 60, "the sidecar to start")
+        if not store_up:
+            proxy.fail_for(120.0)  # from SIGTERM on, the store answers nothing but 500
+        trainer.signal(signal.SIGTERM)
+        sidecar.signal(signal.SIGTERM)
+        rc = sidecar.wait()
+        assert trainer.wait() == 0, trainer.tail()
+        stopped = trainer.wait_for_stopped_step()
+    name = f"ckpt-{stopped:012d}"
+    text = sidecar.text()
+    assert not [e for e in memory.iterdir() if e.name.startswith(STAGED_PREFIX)], list(memory.iterdir())
+    if store_up:
+        assert rc == 0, text
+        assert "staged in memory: 1 verified and removed, 0 copied to disk" in text, text
+        info, _ = latest_verified(storage)
+        assert info is not None and info.name == name
+        assert not (ckdir / name).exists()
+    else:
+        assert rc == EXIT_EMERGENCY_FAILED, text  # the emergency checkpoint is not verified
+        assert "staged in memory: 0 verified and removed, 1 copied to disk" in text, text
+        copied = ckdir / name
+        assert copied.is_dir() and not copied.is_symlink()
+        assert verify_local_checkpoint(copied).ok

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 import yaml
 
+from spotguard.contract.env import EMERGENCY_STAGING
 from spotguard.operator.classify import PodEnd, classify_pod_end
 from spotguard.operator.decide import decide
 from spotguard.operator.jobstatus import Observation, condition
 from spotguard.operator.podbuilder import (
+    EMERGENCY_DIR,
     HOST_PATH_SUBDIR,
     MOUNT_PATH,
     Injection,
@@ -23,7 +25,7 @@ from spotguard.operator.podbuilder import (
     inject,
     last_checkpoint_bytes,
 )
-from spotguard.operator.spec import SHARED_VOLUME, SIDECAR_CONTAINER, parse
+from spotguard.operator.spec import EMERGENCY_VOLUME, SHARED_VOLUME, SIDECAR_CONTAINER, parse
 from spotguard.operator.specfields import SpecError
 from spotguard.operator.staging import quantity_bytes
 
@@ -116,6 +118,8 @@ def test_crd_declares_what_the_parser_reads() -> None:
     assert staging["emptyDir"]["properties"]["medium"]["enum"] == ["", "Memory"]
     assert sorted(staging["ephemeral"]["properties"]) == ["size", "storageClassName"]
     assert staging["hostPath"]["required"] == ["path"]
+    memory = version["properties"]["spec"]["properties"]["checkpoint"]["properties"]["memoryStaging"]
+    assert memory["type"] == "boolean" and memory["default"] is True
     last = version["properties"]["status"]["properties"]["lastVerifiedCheckpoint"]["properties"]
     assert last["bytes"]["type"] == "integer"
 
@@ -196,6 +200,57 @@ def test_injection_is_idempotent_with_staging() -> None:
     inj = Injection(job="j", namespace="ns", storage_uri="s3://bkt/p/ns/j", checkpoint=ck, grace_period_seconds=30)
     once = inject({"containers": [{"name": "trainer", "image": "t:1"}]}, inj)
     assert inject(copy.deepcopy(once), inj) == once
+
+
+# -- the memory volume of a preemption's checkpoint (checkpoint.memoryStaging) -----------
+
+
+def memory_of(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v for v in pod_spec["volumes"] if v["name"] == EMERGENCY_VOLUME]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_preemptions_checkpoint_has_a_memory_volume_in_the_trainer_and_the_sidecar(native: bool) -> None:
+    pod_spec = pod_of(None, checkpoint_bytes=4 * GiB, native=native)
+    # Sized from the last checkpoint: the kubelet sizes the tmpfs to it; a larger one goes to the disk.
+    assert memory_of(pod_spec) == [{"name": EMERGENCY_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "5120Mi"}}]
+    containers = {c["name"]: c for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]}
+    for name in ("trainer", SIDECAR_CONTAINER):
+        c = containers[name]
+        # The same path in both: the trainer commits a link to it that the sidecar follows.
+        assert {"name": EMERGENCY_VOLUME, "mountPath": EMERGENCY_DIR} in c["volumeMounts"], name
+        assert env_of(c)[EMERGENCY_STAGING.name] == EMERGENCY_DIR, name
+    # No checkpoint verified yet: no limit.
+    assert memory_of(pod_of(None, native=native))[0]["emptyDir"] == {"medium": "Memory"}
+
+
+@pytest.mark.parametrize(
+    "checkpoint",
+    [
+        {"storage": "s3://bkt/p", "memoryStaging": False},  # switched off
+        {"storage": "s3://bkt/p", "staging": {"emptyDir": {"medium": "Memory"}}},  # the staging is memory already
+    ],
+)
+def test_no_memory_volume_when_off_or_when_staging_is_in_memory(checkpoint: dict[str, Any]) -> None:
+    spec = raw()
+    spec["checkpoint"] = checkpoint
+    cfg = OperatorConfig(image="sg:1")
+    pod_spec = build_pod("demo", "ns", "uid", parse(spec), 2, cfg, checkpoint_bytes=GiB)["spec"]
+    assert memory_of(pod_spec) == []
+    for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        assert EMERGENCY_STAGING.name not in env_of(c)
+        assert all(m["name"] != EMERGENCY_VOLUME for m in c.get("volumeMounts", []))
+
+
+def test_memory_staging_must_be_a_boolean() -> None:
+    spec = raw()
+    spec["checkpoint"]["memoryStaging"] = "sometimes"
+    with pytest.raises(SpecError, match="memoryStaging"):
+        parse(spec)
 
 
 def test_the_size_comes_from_the_status() -> None:

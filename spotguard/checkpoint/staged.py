@@ -1,0 +1,213 @@
+"""A preemption's checkpoint staged in memory, shipped from there.
+
+A preemption's save that an uploader ships at once is not made durable on
+the local disk (its durability is the verified upload, see
+:class:`~spotguard.checkpoint.local.LocalWriter`). Writing it to that disk
+still costs what the disk and its page cache cost: on a VM whose page cache
+is new guest memory, or with a few GiB beyond the dirty limits, 2-5 s per
+GiB, more than uploading it. In a memory file system shared with the
+uploader (``SPOTGUARD_EMERGENCY_STAGING``: a tmpfs such as ``/dev/shm``, an
+``emptyDir`` of medium ``Memory``) it costs a copy at memory speed, and the
+upload starts that much sooner.
+
+The files live in ``<staging>/.staged-ckpt-<step>-<random>/``; the
+checkpoint directory commits them with a symbolic link of the checkpoint's
+name (made aside, renamed into place: as atomic as a directory's rename).
+Everything that reads local checkpoints follows the link; deleting one
+removes the link, then its files.
+
+When not to: a save that would link a file from the previous checkpoint (a
+frozen base, :meth:`LocalWriter._link_kept`) writes it nowhere, and a link
+cannot cross file systems: that save stays on the disk. A save that would not
+fit (the memory file system's free space, the memory this process may still
+use: ``MemAvailable`` and its cgroup's limit) stays on the disk too, and so
+does one that fills the memory while it is written (it is written again on
+the disk, within the same deadline).
+
+Whoever ships the checkpoints settles them before it exits
+(:func:`settle_staged`): one verified in storage is removed from memory (the
+store holds it); one that is not is copied to the checkpoint directory, so
+that a machine that comes back finds it there, as it would have found a
+save written on its disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from spotguard.checkpoint.codec import KEPT_SUFFIX, Snapshot
+from spotguard.checkpoint.local import STAGED_PREFIX, TMP_PREFIX, remove_checkpoint_dir
+from spotguard.checkpoint.manifest import parse_checkpoint_name
+
+log = logging.getLogger(__name__)
+
+#: Room kept free in memory beyond the checkpoint itself.
+MEMORY_MARGIN = 256 * 1024 * 1024
+
+
+def may_link_kept(snapshot: Snapshot) -> bool:
+    """Pure: whether a save of ``snapshot`` may link a file from the previous
+    checkpoint instead of writing it (a file of unchanged tensors only)."""
+    if snapshot.previous is None:
+        return False
+    return any(
+        file.endswith(KEPT_SUFFIX) and blobs and all(b.unchanged for b in blobs.values())
+        for file, blobs in snapshot.tensors.items()
+    )
+
+
+def fits_in_memory(needed: int, free: int, headroom: int | None, margin: int = MEMORY_MARGIN) -> bool:
+    """Pure: whether ``needed`` bytes fit in a memory file system with ``free``
+    bytes, when this process may use ``headroom`` more bytes of memory (None: unknown),
+    with ``margin`` to spare in both."""
+    if needed + margin > free:
+        return False
+    return headroom is None or needed + margin <= headroom
+
+
+def parse_meminfo_available(text: str) -> int | None:
+    """Pure: ``MemAvailable`` of ``/proc/meminfo``, in bytes."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            if len(fields) >= 2 and fields[1].isdigit():
+                return int(fields[1]) * 1024
+    return None
+
+
+def cgroup_room(limit: str, current: str) -> int | None:
+    """Pure: what a cgroup v2 ``memory.max`` of ``limit`` leaves beyond ``memory.current`` (None: no limit)."""
+    limit, current = limit.strip(), current.strip()
+    if not limit.isdigit() or not current.isdigit():
+        return None
+    return max(0, int(limit) - int(current))
+
+
+def memory_headroom() -> int | None:
+    """How much more memory this process may use: the machine's available
+    memory, and its cgroup's limit (v2) if lower; None when neither is known."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        available = parse_meminfo_available(Path("/proc/meminfo").read_text())
+        if available is not None:
+            found.append(available)
+    with contextlib.suppress(OSError, ValueError):
+        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        room = cgroup_room((base / "memory.max").read_text(), (base / "memory.current").read_text())
+        if room is not None:
+            found.append(room)
+    return min(found) if found else None
+
+
+def choose_staging(staging: Path | None, snapshot: Snapshot) -> Path | None:
+    """Where a preemption's save of ``snapshot`` is written: ``staging`` when it
+    fits there and links nothing, else None (the checkpoint directory)."""
+    if staging is None:
+        return None
+    if may_link_kept(snapshot):
+        return None
+    needed = snapshot.nbytes
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(staging).free
+    except OSError as exc:
+        log.warning("emergency staging %s unusable (%s): writing to the checkpoint directory", staging, exc)
+        return None
+    headroom = memory_headroom()
+    if not fits_in_memory(needed, free, headroom):
+        log.warning(
+            "emergency staging %s: %d bytes do not fit (%d free there, %s bytes of memory left): "
+            "writing to the checkpoint directory",
+            staging,
+            needed,
+            free,
+            headroom if headroom is not None else "unknown",
+        )
+        return None
+    return staging
+
+
+def staged_links(directory: Path) -> list[tuple[Path, Path]]:
+    """The checkpoints of ``directory`` committed as links to staged files: (link, its target)."""
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for e in entries:
+        if parse_checkpoint_name(e.name) is None or not e.is_symlink():
+            continue
+        target = Path(os.readlink(e.path))
+        if target.name.startswith(STAGED_PREFIX):
+            found.append((Path(e.path), target))
+    return sorted(found)
+
+
+def settle_staged(directory: Path, verified_step: int) -> tuple[list[str], list[str]]:
+    """Before the staging memory goes: remove staged checkpoints verified in
+    storage (step at most ``verified_step``), copy the others into
+    ``directory`` in their links' place; a link whose files are gone is
+    removed. Returns the names removed and the names copied."""
+    removed: list[str] = []
+    copied: list[str] = []
+    for link, held in staged_links(directory):
+        step = parse_checkpoint_name(link.name)
+        assert step is not None
+        if not held.is_dir():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(link)
+            removed.append(link.name)
+        elif step <= verified_step:
+            remove_checkpoint_dir(link)
+            removed.append(link.name)
+        else:
+            _materialize(link, held)
+            copied.append(link.name)
+    return removed, copied
+
+
+def remove_staging(staging: Path, keep: Iterable[Path] = ()) -> None:
+    """Remove what a staging directory holds (its staged files, leftover temporary ones), but ``keep``."""
+    kept = {Path(p) for p in keep}
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for e in os.scandir(staging):
+            if Path(e.path) not in kept and (e.name.startswith(STAGED_PREFIX) or e.name.startswith(TMP_PREFIX)):
+                shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _materialize(link: Path, held: Path) -> None:
+    """Replace ``link`` by a copy of ``held`` in its directory; the checkpoint is listed at every instant."""
+    copy = link.parent / f"{TMP_PREFIX}copy-{link.name}-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(held, copy, symlinks=True)
+    if _exchange(copy, link):
+        os.unlink(copy)  # now the link
+    else:
+        os.unlink(link)
+        os.rename(copy, link)
+    shutil.rmtree(held, ignore_errors=True)
+    log.warning("%s was not verified in storage: copied from memory into %s", link.name, link.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError, TypeError):
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return int(rc) == 0
