@@ -49,7 +49,7 @@ from spotguard.checkpoint.manifest import (
 )
 from spotguard.checkpoint.pickle_scan import PICKLE_SUFFIXES, UnsafePickleError, check_pickle_safe
 from spotguard.checkpoint.verify import VerifyResult, verify_files
-from spotguard.storage.checksum import CHUNK, DEFAULT_ALGORITHM, Crc32cHasher, check_algorithm, new_hasher
+from spotguard.storage.checksum import CHUNK, DEFAULT_ALGORITHM, check_algorithm, new_hasher
 from spotguard.storage.file import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -139,15 +139,12 @@ class LocalWriter:
         target = self.tmp / path
         target.parent.mkdir(parents=True, exist_ok=True)
         hasher = new_hasher(self.algorithm)
-        wants_bytes = isinstance(hasher, Crc32cHasher)
         size = 0
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for chunk in chunks:
                 self._check_deadline()
-                if wants_bytes and not isinstance(chunk, bytes):
-                    chunk = bytes(chunk)  # one copy, shared by the checksum and the write
-                hasher.update(chunk)
+                hasher.update(chunk)  # a snapshot's memory, not copied (see Crc32cHasher)
                 _write_all(fd, chunk)
                 size += len(chunk)
             if self.durable:

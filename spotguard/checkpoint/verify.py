@@ -21,7 +21,7 @@ from spotguard.checkpoint.pickle_scan import (
     looks_like_pickle,
 )
 from spotguard.storage.base import NotFoundError, StoredChecksum
-from spotguard.storage.checksum import Crc32cHasher, new_hasher
+from spotguard.storage.checksum import new_hasher
 
 _SPOOL_MAX = 64 << 20
 
@@ -81,15 +81,12 @@ def check_one_file(
     if not checksums:
         return None, 0
     hasher = new_hasher(algorithm)
-    wants_bytes = isinstance(hasher, Crc32cHasher)
     size = 0
     spool: tempfile.SpooledTemporaryFile[bytes] | None = None
     try:
         for chunk in read_chunks(path):
             if size == 0 and looks_like_pickle(path, bytes(chunk[:4])):
                 spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MAX)  # noqa: SIM115 (closed below)
-            if wants_bytes and not isinstance(chunk, bytes):
-                chunk = bytes(chunk)
             hasher.update(chunk)
             size += len(chunk)
             if spool is not None:
