@@ -470,6 +470,11 @@ def safetensors_header(
     return struct.pack("<Q", len(raw)) + raw, order
 
 
+def written_size(blobs: Mapping[str, TensorBlob]) -> int:
+    """Pure: the size of the safetensors file :func:`iter_safetensors` makes of ``blobs``."""
+    return len(safetensors_header(blobs)[0]) + sum(b.nbytes for b in blobs.values())
+
+
 def iter_safetensors(blobs: Mapping[str, TensorBlob], chunk: int = 8 << 20) -> Iterator[bytes | memoryview]:
     """The bytes of a safetensors file holding ``blobs``, as header + views of
     the tensors' host memory (no intermediate copy of the whole file)."""

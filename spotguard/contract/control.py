@@ -22,6 +22,11 @@ The Checkpointer (trainer side) and the sidecar or ``spotguard run``
 - ``staging-full.json`` (trainer, when a save found the checkpoint volume
   full): ``{"step", "time", "free_bytes", "error"}``; the uploader passes it
   on in its report (:func:`read_staging_full`). Removed by the next commit.
+- ``checkpoint-writing.json`` (trainer, before a preemption's save that
+  an uploader ships at once writes its data): ``{"step", "time", "dirs",
+  "files"}``: the directories its ``.tmp-ckpt-<step>-*`` is in, and each
+  data file's path and final size. An uploader that stores whole files may
+  send them while they are written (:class:`WritePlan`).
 
 The trainer reads requests at step boundaries; the signal (SIGUSR1) only
 makes it notice sooner. Files are the contract, signals are a courtesy.
@@ -54,9 +59,10 @@ PID_FILE = "trainer.pid"
 EXIT_FILE = "trainer-exit.json"
 HEARTBEAT_FILE = "uploader-heartbeat.json"
 STAGING_FULL_FILE = "staging-full.json"
+WRITING_FILE = "checkpoint-writing.json"
 CONTROL_SUBDIR = ".control"
 # Cleared between runs; the heartbeat is not (a stale one says nothing).
-CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE, STAGING_FULL_FILE)
+CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE, STAGING_FULL_FILE, WRITING_FILE)
 
 # An uploader's heartbeat older than this says nothing: its loop is stuck or gone.
 HEARTBEAT_FRESH_SECONDS = 5.0
@@ -249,6 +255,52 @@ def atomic_write_json(path: Path, payload: Mapping[str, Any], *, durable: bool =
         if durable:
             os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """What a preemption's save is about to write: ``checkpoint-writing.json``."""
+
+    step: int
+    time: float
+    #: Where the writer's temporary directory (``.tmp-ckpt-<step:012d>-*``) is made.
+    dirs: tuple[str, ...]
+    #: Each data file: its path in the checkpoint and its final size.
+    files: tuple[tuple[str, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "time": self.time, "dirs": list(self.dirs), "files": [list(f) for f in self.files]}
+
+
+def parse_write_plan(data: bytes | str) -> WritePlan:
+    """Parse ``checkpoint-writing.json``; raises ValueError when malformed."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ValueError("a write plan must be a JSON object")
+    step, when, dirs, files = doc.get("step"), doc.get("time"), doc.get("dirs"), doc.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"bad step {step!r}")
+    if not isinstance(when, int | float) or isinstance(when, bool):
+        raise ValueError(f"bad time {when!r}")
+    if not isinstance(dirs, list) or not all(isinstance(d, str) and d for d in dirs):
+        raise ValueError(f"bad dirs {dirs!r}")
+    if not isinstance(files, list):
+        raise ValueError(f"bad files {files!r}")
+    out: list[tuple[str, int]] = []
+    for f in files:
+        ok = isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], int)
+        if not ok or isinstance(f[1], bool) or f[1] < 0 or not f[0] or f[0].startswith("/") or ".." in f[0].split("/"):
+            raise ValueError(f"bad file {f!r}")
+        out.append((f[0], f[1]))
+    return WritePlan(step, float(when), tuple(dirs), tuple(out))
+
+
+def read_write_plan(control_dir: Path) -> WritePlan | None:
+    """The trainer's ``checkpoint-writing.json``, or None (absent, malformed)."""
+    try:
+        return parse_write_plan((control_dir / WRITING_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def read_staging_full(control_dir: Path) -> dict[str, Any] | None:

@@ -541,14 +541,14 @@ class Supervisor:
             self._signal_group(signal.SIGKILL)
             if self.child is not None:
                 self._reap()
-            self._settle_staging(self._verified_step())
+            self._settle_staging(self._verified_step(), on_exit=True)
             self.latch.restore()
 
-    def _settle_staging(self, verified_step: int) -> None:
-        if self.staging is not None:
-            self.agent.settle_staging(self.staging, verified_step)
-            with contextlib.suppress(OSError):
-                self.staging.rmdir()
+    def _settle_staging(self, verified_step: int, *, on_exit: bool = False) -> None:
+        """Settle what is staged in memory; on the way out, its memory is freed after the exit."""
+        if self.staging is None:
+            return
+        self.agent.settle_staging(self.staging, verified_step, background=on_exit, remove_dir=True)
 
     def _ended(self, shipped: bool) -> int:
         """The command exited 0: finished, or stopped for a preemption it was told about."""

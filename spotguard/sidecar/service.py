@@ -42,6 +42,7 @@ from spotguard.contract.control import (
 )
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
+from spotguard.sidecar.follow import WriteFollower
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource
 from spotguard.sidecar.shipper import (
@@ -344,6 +345,7 @@ class CheckpointAgent:
         if state != "gone":
             t0 = time.monotonic()
             req = self.channel.request_checkpoint("sigterm", deadline, preempt=True)
+            follower = self._follow_save(req, deadline)
             # The trainer may have answered its own SIGTERM already: then a
             # signal would only reach a process on its way out.
             woke = False if ack_answers(self.channel.read_ack(), req) else self.wake_trainer()
@@ -352,6 +354,12 @@ class CheckpointAgent:
             log_stage("request", time.monotonic() - t0, id=req.id, signalled=woke)
             target = self._await_trainer(req, deadline)
             log_stage("save", time.monotonic() - t0, name=target or "none")
+            if follower is not None:
+                sent = follower.finish(target, deadline - time.time())
+                if target is not None and sent:
+                    # Stored while the trainer wrote it: the upload resumes, sending only what is missing.
+                    self.shipper.note_prestored(target)
+                log_stage("follow", time.monotonic() - t0, name=follower.name or "none", files=len(sent))
         t1 = time.monotonic()
         want = step_of(target) if target else -1
         verified_at: float | None = None
@@ -408,6 +416,14 @@ class CheckpointAgent:
         )
         return False
 
+    def _follow_save(self, req: CheckpointRequest, deadline: float) -> WriteFollower | None:
+        """Send the preemption's save while the trainer writes it (:mod:`spotguard.sidecar.follow`):
+        only when checkpoints are stored as whole files to a store that takes a growing file."""
+        if self.config.incremental or not hasattr(self.shipper.storage, "upload_growing"):
+            return None
+        since = req.written_at if req.written_at is not None else time.time()
+        return WriteFollower(self.shipper.storage, self.config.control_dir, since, deadline).start()
+
     def flush(self, deadline: float) -> bool:
         """Ship until the newest committed checkpoint is verified, or ``deadline``.
 
@@ -443,10 +459,14 @@ class CheckpointAgent:
                 return False
             time.sleep(pause)
 
-    def settle_staging(self, staging: Path, verified_step: int | None = None) -> None:
+    def settle_staging(
+        self, staging: Path, verified_step: int | None = None, *, background: bool = False, remove_dir: bool = False
+    ) -> None:
         """Before the memory ``staging`` goes (this uploader exits): staged checkpoints
         verified in storage are removed, the others copied to the checkpoint
-        directory (:func:`~spotguard.checkpoint.staged.settle_staged`); then ``staging`` is emptied.
+        directory (:func:`~spotguard.checkpoint.staged.settle_staged`); then ``staging`` is emptied
+        (``background``: after this process exits, see :func:`~spotguard.checkpoint.staged.remove_staging`;
+        ``remove_dir``: ``staging`` too).
         ``verified_step``: the newest verified one (default: the newest shipped here)."""
         from spotguard.checkpoint.staged import remove_staging, settle_staged
 
@@ -455,7 +475,7 @@ class CheckpointAgent:
             verified_step = last.step if last is not None else -1
         try:
             removed, copied = settle_staged(self.config.checkpoint_dir, verified_step)
-            remove_staging(staging)
+            remove_staging(staging, background=background, remove_dir=remove_dir)
         except OSError as exc:
             log.error("could not settle the checkpoints staged in %s: %s", staging, exc)
             return

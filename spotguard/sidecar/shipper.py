@@ -439,6 +439,11 @@ class CheckpointShipper:
             path, self.storage, known, earlier, should_stop, lambda chunks: self._note_stopped(name, chunks)
         )
 
+    def note_prestored(self, name: str) -> None:
+        """Files of ``name`` were stored before it was committed (sent while written): its upload
+        resumes, as a stopped one does, and sends only what the store lacks."""
+        self._note_stopped(name, {})
+
     def _note_stopped(self, name: str, chunks: dict[str, int]) -> None:
         with self._stopped_lock:
             _, before = self.stopped.get(name, (0.0, {}))

@@ -403,9 +403,28 @@ class S3Storage:
             futures = [tm.upload(str(src), self.bucket, self._key(key), subscribers=subscribers) for src, key in items]
             wait_all(futures)
 
-    def _upload_files_checksummed(self, items: list[tuple[Path, str]], progress: ProgressCallback | None) -> None:
+    def upload_growing(self, src: Path, key: str, size: int, written: Callable[[int], None]) -> bool:
+        """Upload a file still being written, ``size`` bytes once done: each
+        part goes as soon as ``written(end)`` returns (it waits until the
+        file holds that many bytes, and raises to stop). Parts as
+        :meth:`upload_files` cuts them, with their CRC32C, so that the object
+        is the one an upload of the finished file makes. False (nothing
+        sent) where this store takes no checksums or the file is not cut in parts."""
+        if not self._checksums or size < self._multipart_threshold:
+            return False
+        self._upload_files_checksummed([(src, key)], None, final_size=size, written=written)
+        return True
+
+    def _upload_files_checksummed(
+        self,
+        items: list[tuple[Path, str]],
+        progress: ProgressCallback | None,
+        *,
+        final_size: int | None = None,
+        written: Callable[[int], None] | None = None,
+    ) -> None:
         report = locked_progress(progress) if progress else None
-        sized = [(Path(src), key, Path(src).stat().st_size) for src, key in items]
+        sized = [(Path(src), key, Path(src).stat().st_size if final_size is None else final_size) for src, key in items]
         pending: list[tuple[str, str, list[Future[dict[str, Any]]]]] = []
         pool = ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="s3-upload")
         created: list[tuple[str, str]] = []
@@ -418,7 +437,7 @@ class S3Storage:
                 upload_id = self._create_multipart(key)
                 created.append((key, upload_id))
                 parts = [
-                    pool.submit(self._upload_part, src, key, upload_id, number, offset, length, report)
+                    pool.submit(self._upload_part, src, key, upload_id, number, offset, length, report, written)
                     for number, offset, length in _part_ranges(size, self._part_size)
                 ]
                 pending.append((key, upload_id, parts))
@@ -515,10 +534,13 @@ class S3Storage:
         offset: int,
         length: int,
         progress: ProgressCallback | None,
+        written: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
         from spotguard.storage.checksum import checksum_bytes, crc32c_to_base64
 
         before_part(progress)
+        if written is not None:
+            written(offset + length)
         with open(src, "rb") as f:
             f.seek(offset)
             data = f.read(length)

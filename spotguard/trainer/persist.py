@@ -38,10 +38,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.codec import Snapshot, snapshot_state
+from spotguard.checkpoint.codec import Snapshot, snapshot_state, written_size
 from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
 from spotguard.checkpoint.staged import choose_staging
-from spotguard.contract.control import STAGING_FULL_FILE, atomic_write_json
+from spotguard.contract.control import STAGING_FULL_FILE, WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.config import Settings
@@ -274,6 +274,8 @@ class LocalPersist:
                 pool=self._pinned,  # the next save compares against what this one committed
             )
             staging = None if durable else choose_staging(self._settings.emergency_staging, job.snapshot)
+            if not durable:
+                self._announce(job, staging)
             path = write_in_staging(write, staging)
             record.last_committed = path
             record.last_persist_seconds = time.perf_counter() - start
@@ -292,6 +294,20 @@ class LocalPersist:
             self._staging_ok()
             self._shipping.after_commit(path, job.due)
         return path
+
+    def _announce(self, job: PersistJob, staging: Path | None) -> None:
+        """Tell the uploader what a preemption's save is about to write (``checkpoint-writing.json``):
+        one that stores whole files may send them while they are written."""
+        assert job.snapshot is not None
+        if not self._channel.owner:
+            return
+        dirs = [str(d) for d in (staging, self._settings.directory) if d is not None]
+        files = [(f, written_size(blobs)) for f, blobs in sorted(job.snapshot.tensors.items())]
+        plan = WritePlan(job.step, time.time(), tuple(dirs), tuple(files))
+        try:
+            atomic_write_json(self._channel.control_dir / WRITING_FILE, plan.to_json(), durable=False)
+        except OSError as exc:
+            log.debug("could not announce the checkpoint being written: %s", exc)
 
     # -- a full volume ---------------------------------------------------------------------
     def _failed(self, step: int, exc: BaseException, source: Path | None = None) -> BaseException:

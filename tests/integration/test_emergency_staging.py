@@ -106,8 +106,14 @@ def test_settling_removes_what_storage_holds_and_copies_the_rest_to_the_disk(tmp
     # The checkpoint storage does not hold is now a directory of the disk, byte for byte the same.
     assert newer.is_dir() and not newer.is_symlink()
     assert read_local_manifest(newer).to_json() == before and verify_local_checkpoint(newer).ok
-    assert staged(memory) == [] and staged_links(ckdir) == []
-    assert [e for e in os.listdir(ckdir) if e.startswith(".")] == []
+    assert staged_links(ckdir) == [] and [e for e in os.listdir(ckdir) if e.startswith(".")] == []
+    # The verified one's files go with the staging directory, here after this process would have exited.
+    assert len(staged(memory)) == 1
+    remove_staging(memory, background=True, remove_dir=True)
+    deadline = time.time() + 30
+    while memory.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not memory.exists()
 
 
 def test_a_link_this_package_did_not_make_is_never_followed_to_delete(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
             # The preemption's checkpoint was written in memory, shipped from there, and removed
             # once verified (the store holds it); nothing is left in the machine's memory.
             assert "staged in memory: 1 verified and removed, 0 copied to disk" in first.text(), first.tail()
-            assert not memory.exists()
+            wait_until(lambda: not memory.exists(), 30, "the memory staging to be freed")  # after the exit
             assert f"ckpt-{stopped:012d}" not in [p.name for p in list_local_committed(tmp_path / "work/checkpoints")]
 
         second = Proc(argv, env, tmp_path / "run2.log")

@@ -171,3 +171,38 @@ def test_a_checkpoint_request_is_written_whole_without_waiting_for_the_disk(
     assert [p.name for p in channel.request_path.parent.iterdir()] == [channel.request_path.name]  # no temporary left
     with pytest.raises(AssertionError, match="fsynced"):
         control.atomic_write_json(channel.dir / "other.json", {"a": 1})  # durable by default
+
+
+# -- checkpoint-writing.json: what a preemption's save is about to write ------------------
+
+
+def test_a_write_plan_round_trips() -> None:
+    import json
+
+    from spotguard.contract.control import WritePlan, parse_write_plan
+
+    plan = WritePlan(12, 1000.5, ("/dev/shm/sg", "/ck"), (("model.safetensors", 1 << 30), ("opt.safetensors", 0)))
+    assert parse_write_plan(json.dumps(plan.to_json())) == plan
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [],
+        {"step": -1, "time": 1.0, "dirs": ["/d"], "files": []},
+        {"step": True, "time": 1.0, "dirs": ["/d"], "files": []},
+        {"step": 1, "time": "now", "dirs": ["/d"], "files": []},
+        {"step": 1, "time": 1.0, "dirs": [""], "files": []},
+        {"step": 1, "time": 1.0, "dirs": ["/d"], "files": [["../x", 1]]},  # escapes the checkpoint
+        {"step": 1, "time": 1.0, "dirs": ["/d"], "files": [["/etc/passwd", 1]]},
+        {"step": 1, "time": 1.0, "dirs": ["/d"], "files": [["m", -1]]},
+        {"step": 1, "time": 1.0, "dirs": ["/d"], "files": [["m"]]},
+    ],
+)
+def test_a_malformed_write_plan_is_refused(doc: object) -> None:
+    import json
+
+    from spotguard.contract.control import parse_write_plan
+
+    with pytest.raises(ValueError):
+        parse_write_plan(json.dumps(doc))

@@ -1,0 +1,152 @@
+"""Sending a preemption's checkpoint while the trainer is still writing it.
+
+The emergency path was save, then upload: the upload waited for the last
+byte of the local write. An uploader that stores whole files (not chunks)
+need not: before a preemption's save writes its data, the trainer says what
+it will write (``checkpoint-writing.json``, :class:`~spotguard.contract.control.WritePlan`:
+the step, where its temporary directory is, each file's final size), and a
+:class:`WriteFollower` sends each large file as a multipart upload whose
+parts go as soon as the file holds their bytes
+(:meth:`~spotguard.storage.s3.S3Storage.upload_growing`). So the upload
+trails the write by a part instead of starting after it.
+
+Nothing is taken on trust: the follower opens each file once (a descriptor
+survives the directory's rename at commit, or its removal), reads only below
+the size the file has reached, and once the checkpoint is committed the
+ordinary upload runs as a resumed one (:func:`~spotguard.checkpoint.upload.files_to_send`):
+it sends again any file the store does not hold with the manifest's size and
+checksum (a file rewritten, a part read early), then the manifest, and
+verification checks every file as always. A follower that is stopped (the
+save failed or committed another step, the deadline came) aborts its
+multipart upload.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint.intents import upload_intent
+from spotguard.checkpoint.local import WRITER_TMP_PREFIX
+from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.contract.control import WritePlan, read_write_plan
+
+log = logging.getLogger(__name__)
+
+#: How often the follower looks at the plan, the directory and a file's size.
+POLL_SECONDS = 0.005
+#: A plan written this long before the request still belongs to it (the trainer's own SIGTERM came first).
+PLAN_SLACK_SECONDS = 2.0
+
+
+class FollowStopped(Exception):
+    """The follower was told to stop (or its deadline came) while it waited for bytes."""
+
+
+class WriteFollower:
+    """Uploads the files of the preemption's save being written (see the module docstring)."""
+
+    def __init__(self, storage: Any, control_dir: Path, since: float, deadline: float) -> None:
+        self._storage = storage
+        self._control_dir = control_dir
+        self._since = since
+        self._deadline = deadline
+        self._stop = threading.Event()
+        #: The checkpoint being followed, once the plan is read.
+        self.name: str | None = None
+        #: The files stored whole, complete (paths in the checkpoint).
+        self.sent: list[str] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="spotguard-follow", daemon=True)
+
+    def start(self) -> WriteFollower:
+        self._thread.start()
+        return self
+
+    def finish(self, committed: str | None, timeout: float) -> list[str]:
+        """The save ended, committed as ``committed`` (None: not committed). Wait
+        (at most ``timeout`` s) for the uploads of it in flight; stop at once when
+        the save failed or committed another checkpoint. Returns the files stored
+        of ``committed``."""
+        if committed is None or (self.name is not None and self.name != committed):
+            self._stop.set()
+        self._thread.join(max(0.0, timeout))
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+        return list(self.sent) if committed is not None and self.name == committed else []
+
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or time.time() >= self._deadline
+
+    def _run(self) -> None:
+        try:
+            plan = self._await_plan()
+            if plan is None:
+                return
+            self.name = name = checkpoint_name(plan.step)
+            tmp = self._await_tmp(plan)
+            if tmp is None:
+                return
+            with upload_intent(self._storage, name):
+                for path, size in plan.files:
+                    fd = self._await_file(tmp / path)
+                    if fd is None:
+                        return
+                    try:
+                        sent = self._send(fd, f"{name}/{path}", size)
+                    finally:
+                        os.close(fd)
+                    if sent:
+                        self.sent.append(path)
+        except FollowStopped:
+            return
+        except Exception as exc:  # noqa: BLE001 - the ordinary upload sends whatever is missing
+            self.error = exc
+            log.warning("sending the checkpoint while it was written failed (%s); it is uploaded once committed", exc)
+
+    def _send(self, fd: int, key: str, size: int) -> bool:
+        """Upload the file open as ``fd`` (the path survives a rename of its directory) while it grows."""
+        written = partial(self._written, fd)
+        return bool(self._storage.upload_growing(Path(f"/proc/self/fd/{fd}"), key, size, written))
+
+    def _await_plan(self) -> WritePlan | None:
+        while not self._stopping():
+            plan = read_write_plan(self._control_dir)
+            if plan is not None and plan.time >= self._since - PLAN_SLACK_SECONDS:
+                return plan
+            time.sleep(POLL_SECONDS)
+        return None
+
+    def _await_tmp(self, plan: WritePlan) -> Path | None:
+        pattern = f"{WRITER_TMP_PREFIX}{plan.step:012d}-*"
+        while not self._stopping():
+            found = [p for d in plan.dirs for p in Path(d).glob(pattern)]
+            if found:
+                return max(found, key=lambda p: p.stat().st_mtime if p.exists() else 0.0)
+            time.sleep(POLL_SECONDS)
+        return None
+
+    def _await_file(self, path: Path) -> int | None:
+        """A descriptor of ``path`` once the writer has made it; None once its directory is gone (committed,
+        or given up: the ordinary upload sends it) or the follower stops."""
+        while not self._stopping():
+            try:
+                return os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if not path.parent.exists():
+                    return None
+            time.sleep(POLL_SECONDS)
+        return None
+
+    def _written(self, fd: int, end: int) -> None:
+        """Wait until the file holds ``end`` bytes; raises :class:`FollowStopped` when stopped first."""
+        while os.fstat(fd).st_size < end:
+            if self._stopping():
+                raise FollowStopped()
+            time.sleep(POLL_SECONDS)
