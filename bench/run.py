@@ -772,7 +772,12 @@ def bench_sigterm(ctx: Ctx) -> Section:
     # Where the emergency path's time goes, from the `stage=... seconds=...` lines the supervisor logs.
     s.notes.append(
         "Where the time goes, median seconds per stage from the supervisor's stage log lines "
-        "(`stage=<name> seconds=<s>`; `ship` is upload + verify, `emergency` the whole path):\n"
+        "(`stage=<name> seconds=<s>`; `ship` is upload + verify, `emergency` the whole path). The trainer "
+        "writes the preemption's checkpoint to memory (`/dev/shm`, see docs/checkpoint-format.md, \"A "
+        "preemption's save staged in memory\") and the supervisor sends it while it is written: `save` and "
+        "`follow` both count from the request, and `upload` is then the resumed upload after the commit "
+        "(the small files and the manifest). SIGTERM -> verified ends when `spotguard run` exits, which frees "
+        "the staged copy's memory after it exits:\n"
     )
     s.notes.append(
         "| state | SIGTERM -> verified | "
