@@ -240,8 +240,8 @@ def metric(samples: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name
     return matches[0]
 
 
-def s3_storage(s3_store: Any, uri: str) -> Any:
-    """Open ``uri`` in the test process with the test store's endpoint and credentials."""
+def s3_storage(s3_store: Any, uri: str, **options: Any) -> Any:
+    """Open ``uri`` in the test process with the test store's endpoint and credentials (and ``options``)."""
     from spotguard.storage import open_storage
 
     return open_storage(
@@ -250,7 +250,15 @@ def s3_storage(s3_store: Any, uri: str) -> Any:
         access_key=s3_store.access_key,
         secret_key=s3_store.secret_key,
         region=s3_store.region,
+        **options,
     )
+
+
+def small_parts(s3_store: Any, uri: str) -> Any:
+    """The store with 5 MiB multipart parts, two at a time (the defaults put a small file's every
+    part in flight at once, and a stop or a follow then shows nothing)."""
+    mib = 1024 * 1024
+    return s3_storage(s3_store, uri, multipart_threshold=5 * mib, multipart_chunksize=5 * mib, max_concurrency=2)
 
 
 class StoreProxy:

@@ -8,6 +8,7 @@ store is SeaweedFS with 5 MiB parts, so a file of a few MiB goes in parts.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 import time
@@ -16,8 +17,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sidecar_helpers import Proc, base_env, reaping, s3_storage, small_parts, spotguard_argv
 
-from spotguard.checkpoint import upload_checkpoint, verify_checkpoint
+from spotguard.checkpoint import (
+    latest_verified,
+    load_checkpoint_state,
+    restore_checkpoint,
+    upload_checkpoint,
+    verify_checkpoint,
+)
 from spotguard.checkpoint.local import LocalWriter
 from spotguard.contract.control import WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.sidecar.follow import FollowStopped, WriteFollower
@@ -25,21 +33,6 @@ from spotguard.sidecar.follow import FollowStopped, WriteFollower
 pytestmark = pytest.mark.integration
 
 MiB = 1024 * 1024
-
-
-def small_parts(s3_store: Any, s3_uri: str) -> Any:
-    from spotguard.storage import open_storage
-
-    return open_storage(
-        s3_uri,
-        endpoint_url=s3_store.endpoint_url,
-        access_key=s3_store.access_key,
-        secret_key=s3_store.secret_key,
-        region=s3_store.region,
-        multipart_threshold=5 * MiB,
-        multipart_chunksize=5 * MiB,
-        max_concurrency=2,
-    )
 
 
 def grow(path: Path, data: bytes, step: int, pause: float, done: threading.Event | None = None) -> threading.Thread:
@@ -169,12 +162,6 @@ def test_spotguard_run_sends_the_preemptions_checkpoint_while_it_is_written(
 ) -> None:
     """End to end, whole files (``--no-incremental``): the supervisor follows the trainer's save,
     the upload after the commit finds the data file stored, and the checkpoint restores exactly."""
-    import signal
-
-    from sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv
-
-    from spotguard.checkpoint import latest_verified, load_checkpoint_state, restore_checkpoint
-
     root = Path(__file__).resolve().parents[2]
     nbytes = 48 * MiB  # more than one multipart part (32 MiB)
     argv = spotguard_argv(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from sidecar_helpers import s3_storage
+from sidecar_helpers import s3_storage, small_parts
 
 from spotguard.checkpoint import read_latest_pointer, upload_checkpoint, verify_checkpoint
 from spotguard.checkpoint.codec import snapshot_state
@@ -45,23 +45,6 @@ def commit(directory: Path, step: int, megabytes: int) -> Path:
     gen = torch.Generator().manual_seed(step)
     tensors = {f"w{i}": torch.randint(0, 256, (MiB,), dtype=torch.uint8, generator=gen) for i in range(megabytes)}
     return write_checkpoint(directory, step, snapshot_state({"model": tensors, "step": step}))
-
-
-def small_parts(s3_store: Any, s3_uri: str) -> Any:
-    """The store with small multipart parts, two at a time (the defaults put a small file's every part
-    in flight at once, and a stop then saves nothing)."""
-    from spotguard.storage import open_storage
-
-    return open_storage(
-        s3_uri,
-        endpoint_url=s3_store.endpoint_url,
-        access_key=s3_store.access_key,
-        secret_key=s3_store.secret_key,
-        region=s3_store.region,
-        multipart_threshold=5 * MiB,
-        multipart_chunksize=5 * MiB,
-        max_concurrency=2,
-    )
 
 
 def drain(name: str, timeout: float = 60.0) -> None:
