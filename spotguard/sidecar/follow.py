@@ -57,6 +57,8 @@ class WriteFollower:
         self._since = since
         self._deadline = deadline
         self._stop = threading.Event()
+        # The save is committed: its files are complete, and any not opened yet goes with the ordinary upload.
+        self._committed = threading.Event()
         #: The checkpoint being followed, once the plan is read.
         self.name: str | None = None
         #: The files stored whole, complete (paths in the checkpoint).
@@ -75,6 +77,7 @@ class WriteFollower:
         of ``committed``."""
         if committed is None or (self.name is not None and self.name != committed):
             self._stop.set()
+        self._committed.set()
         self._thread.join(max(0.0, timeout))
         if self._thread.is_alive():
             self._stop.set()
@@ -83,6 +86,11 @@ class WriteFollower:
 
     def _stopping(self) -> bool:
         return self._stop.is_set() or time.time() >= self._deadline
+
+    def _waiting_is_over(self) -> bool:
+        """Nothing more to wait for before sending: stopped, or the save committed (what is not open yet is
+        left to the ordinary upload; the files already open are complete and still go)."""
+        return self._stopping() or self._committed.is_set()
 
     def _run(self) -> None:
         try:
@@ -116,7 +124,7 @@ class WriteFollower:
         return bool(self._storage.upload_growing(Path(f"/proc/self/fd/{fd}"), key, size, written))
 
     def _await_plan(self) -> WritePlan | None:
-        while not self._stopping():
+        while not self._waiting_is_over():
             plan = read_write_plan(self._control_dir)
             if plan is not None and plan.time >= self._since - PLAN_SLACK_SECONDS:
                 return plan
@@ -125,7 +133,7 @@ class WriteFollower:
 
     def _await_tmp(self, plan: WritePlan) -> Path | None:
         pattern = f"{WRITER_TMP_PREFIX}{plan.step:012d}-*"
-        while not self._stopping():
+        while not self._waiting_is_over():
             found = [p for d in plan.dirs for p in Path(d).glob(pattern)]
             if found:
                 return max(found, key=lambda p: p.stat().st_mtime if p.exists() else 0.0)
@@ -135,7 +143,7 @@ class WriteFollower:
     def _await_file(self, path: Path) -> int | None:
         """A descriptor of ``path`` once the writer has made it; None once its directory is gone (committed,
         or given up: the ordinary upload sends it) or the follower stops."""
-        while not self._stopping():
+        while not self._waiting_is_over():
             try:
                 return os.open(path, os.O_RDONLY)
             except FileNotFoundError:

@@ -197,3 +197,23 @@ def test_spotguard_run_sends_the_preemptions_checkpoint_while_it_is_written(
     state = load_checkpoint_state(Path(restored.uri))
     total = sum(np.asarray(t).nbytes for t in state["model"].values())
     assert total == nbytes
+
+
+def test_a_save_committed_before_the_follower_saw_it_does_not_hold_the_upload(
+    s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
+    """A small or linked save may be committed before the follower finds its temporary directory:
+    the follower then ends at once (the ordinary upload sends everything), not at the deadline."""
+    storage = small_parts(s3_store, s3_uri)
+    ckdir, control = tmp_path / "ck", tmp_path / "control"
+    plan = WritePlan(11, time.time(), (str(ckdir),), (("model.dat", 12 * MiB),))
+    atomic_write_json(control / WRITING_FILE, plan.to_json())
+    writer = LocalWriter(ckdir, 11, durable=False)
+    writer.add_bytes("model.dat", bytes(12 * MiB))
+    committed = writer.commit()  # before the follower starts: it never sees the temporary directory
+    follower = WriteFollower(storage, control, time.time(), time.time() + 60).start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert follower.finish(committed.name, 60) == []
+    assert time.monotonic() - t0 < 5
+    assert storage.list_pending_uploads("") == []
