@@ -92,7 +92,7 @@ class LocalWriter:
         # A directory on another (memory) file system that the uploader also
         # sees: the files are written and kept there, and the checkpoint's
         # name in ``directory`` is committed as a symbolic link to them
-        # (:func:`spotguard.checkpoint.staged`). For a preemption's save that
+        # (:mod:`spotguard.checkpoint.staged`). For a preemption's save that
         # is not made durable: the write costs what a copy in memory costs.
         self.staging = Path(staging) if staging is not None else None
         self._held: Path | None = None

@@ -155,10 +155,11 @@ def staged_links(directory: Path) -> list[tuple[Path, Path]]:
 
 
 def settle_staged(directory: Path, verified_step: int) -> tuple[list[str], list[str]]:
-    """Before the staging memory goes: remove staged checkpoints verified in
-    storage (step at most ``verified_step``), copy the others into
-    ``directory`` in their links' place; a link whose files are gone is
-    removed. Returns the names removed and the names copied."""
+    """Before the staging memory goes: take staged checkpoints verified in
+    storage (step at most ``verified_step``) out of ``directory`` (their
+    links; their files go with the staging directory, :func:`remove_staging`),
+    copy the others into ``directory`` in their links' place; a link whose
+    files are gone is removed. Returns the names removed and the names copied."""
     removed: list[str] = []
     copied: list[str] = []
     for link, held in staged_links(directory):

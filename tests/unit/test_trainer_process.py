@@ -40,13 +40,20 @@ def test_a_thread_of_this_process_is_never_the_trainer() -> None:
         assert not is_trainer_process(tid[0], markers)
         assert not is_trainer_process(os.getpid(), markers)
         # Another process with the same environment is one (what the markers are for).
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"], stdout=subprocess.PIPE
+        )
         try:
+            # Once it runs: until the kernel has set up the new program's memory, which it does after
+            # the point where Popen returns, /proc/<pid>/environ reads empty.
+            assert child.stdout is not None and child.stdout.readline() == b"up\n"
             assert is_trainer_process(child.pid, markers)
             assert not is_trainer_process(child.pid, {"PATH": "/elsewhere"})
         finally:
             child.kill()
             child.wait()
+            if child.stdout is not None:
+                child.stdout.close()
     finally:
         done.set()
         thread.join()
