@@ -155,11 +155,11 @@ def test_a_full_memory_staging_falls_back_to_the_disk(tmp_path: Path) -> None:
     assert os.listdir(mount) == []  # the tmpfs went with the child's namespace
 
 
-@pytest.mark.parametrize("verified", [True, False])
-def test_memory_staging_of_a_run_is_per_work_directory(tmp_path: Path, verified: bool) -> None:
+@pytest.mark.parametrize("same_workdir", [True, False])
+def test_memory_staging_of_a_run_is_per_work_directory(tmp_path: Path, same_workdir: bool) -> None:
     from spotguard.run.supervisor import SHM, memory_staging_dir
 
-    a, b = memory_staging_dir(tmp_path / "a"), memory_staging_dir(tmp_path / ("a" if verified else "b"))
+    a, b = memory_staging_dir(tmp_path / "a"), memory_staging_dir(tmp_path / ("a" if same_workdir else "b"))
     if a is None:
         pytest.skip(f"{SHM} is not a memory file system here")
-    assert a.parent == SHM and (a == b) is verified
+    assert a.parent == SHM and (a == b) is same_workdir
