@@ -84,6 +84,7 @@ from spotguard.checkpoint.verify import (
     needs_content,
 )
 from spotguard.storage.base import NotFoundError, ProgressCallback, Storage, StoreChecksums
+from spotguard.storage.checksum import crc32c_of_parts
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,25 @@ class ChunkedUpload:
     trusted: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Prestored:
+    """Chunks of a checkpoint hashed, and stored where new, while it was being written
+    (:mod:`spotguard.sidecar.follow`), for its upload once committed."""
+
+    #: ``(path, offset, length)`` -> the chunk read there from the file being written.
+    located: Mapping[tuple[str, int, int], ChunkRef]
+    #: The chunks stored (digest -> size), each with its CRC32C checked by the store on receipt.
+    stored: Mapping[str, int]
+    #: When (``time.monotonic``) they were stored.
+    at: float
+
+    def fresh(self, now: float, grace: float) -> bool:
+        """Whether the stored chunks are young enough to name without a request: well within the
+        ``grace`` of a collector that keeps unreferenced chunks that young (half of it, as for a
+        stopped upload's chunks)."""
+        return now - self.at < grace / 2
+
+
 class _Claims:
     """Chunks already handled in this upload (a chunk repeated in a file, or in two files, is stored once)."""
 
@@ -220,6 +240,7 @@ def upload_chunks(
     *,
     progress: ProgressCallback | None = None,
     workers: int = DEFAULT_WORKERS,
+    prestored: Prestored | None = None,
 ) -> ChunkedUpload:
     """Store the files of a committed local checkpoint as chunks and return the
     version 3 manifest to write after them (the caller writes it).
@@ -231,8 +252,18 @@ def upload_chunks(
     CRC32Cs must combine to the file checksum the local manifest recorded (a
     file changed on disk since its checkpoint was committed is refused:
     :class:`ManifestError`). Storage errors propagate.
+
+    ``prestored`` (chunks found while the checkpoint was written) stands for
+    reading and hashing a chunk at the same place of the same file, and a
+    chunk it stored is not stored again. Used only where the manifest's
+    checksums are CRC32C: a file whose chunks so found do not combine to the
+    checksum the writer recorded (changed after it was read) is read and
+    hashed again.
     """
     known = known or KnownChunks()
+    use = prestored is not None and manifest.checksum_algorithm == "crc32c"
+    located = prestored.located if prestored is not None and use else {}
+    stored_before = prestored.stored if prestored is not None and use else {}
     claims = _Claims()
     lock = threading.Lock()
     totals = {"new_chunks": 0, "new_bytes": 0, "reused_chunks": 0, "reused_bytes": 0, "unchanged_chunks": 0}
@@ -252,23 +283,28 @@ def upload_chunks(
         finally:
             os.close(fd)
 
-    def one(rel: str, offset: int, length: int) -> ChunkRef:
+    def one(rel: str, offset: int, length: int, found: bool = True) -> ChunkRef:
         data: bytes | None = None
-        ref = unchanged.linked(Path(local_dir), rel, offset, length)
+        ref = located.get((rel, offset, length)) if found else None
         if ref is None:
-            data = read(rel, offset, length)
-            ref = unchanged.match(rel, offset, data)
-        if ref is None:
-            assert data is not None
-            ref = hash_chunk(data)
-        else:
-            with lock:
-                totals["unchanged_chunks"] += 1
+            ref = unchanged.linked(Path(local_dir), rel, offset, length)
+            if ref is None:
+                data = read(rel, offset, length)
+                ref = unchanged.match(rel, offset, data)
+            if ref is None:
+                assert data is not None
+                ref = hash_chunk(data)
+            else:
+                with lock:
+                    totals["unchanged_chunks"] += 1
         if claims.first(ref.hash):
             if known.chunks.get(ref.hash) == ref.size and trust:
                 with lock:
                     trusted[ref.hash] = ref.size
                 count("reused", ref.size)
+                return ref
+            if stored_before.get(ref.hash) == ref.size:
+                count("new", ref.size)  # stored by this checkpoint's upload, while it was written
                 return ref
             if known.chunks.get(ref.hash) == ref.size:
                 info = storage.stat(ref.key)
@@ -284,7 +320,7 @@ def upload_chunks(
                 data = read(rel, offset, length)
                 if hash_chunk(data) != ref:
                     raise ManifestError(f"{rel}: bytes at {offset} are not chunk {ref.hash[:12]} any more")
-            storage.write_checked(ref.key, data)
+            storage.write_checked(ref.key, data, ref.checksum)
             count("new", ref.size)
             if progress is not None:
                 with lock:
@@ -298,8 +334,20 @@ def upload_chunks(
             for entry, plan in plans
         }
         tables = {path: [f.result() for f in fs] for path, fs in futures.items()}
+        for entry, plan in plans:
+            if located and not _combines(tables[entry.path], entry.checksum):
+                log.warning("%s changed after it was read while written; reading it again", entry.path)
+                redo = [pool.submit(one, entry.path, offset, length, False) for offset, length in plan]
+                tables[entry.path] = [f.result() for f in redo]
     chunked = to_chunked(manifest, tables)
     return ChunkedUpload(chunked, chunked.to_json(), **totals, trusted=trusted)
+
+
+def _combines(refs: list[ChunkRef], checksum: str) -> bool:
+    """Pure: whether the CRC32Cs of a file's chunks combine to its CRC32C ``checksum``."""
+    if not refs:
+        return True
+    return f"{crc32c_of_parts((int(r.checksum, 16), r.size) for r in refs):08x}" == checksum
 
 
 def _users(manifest: Manifest) -> dict[str, list[str]]:

@@ -208,11 +208,32 @@ def plan_file(path: Path, *, max_chunk: int = MAX_CHUNK, min_chunk: int = MIN_CH
         with open(path, "rb") as f:
             head = f.read(min(size, 8 + _SAFETENSORS_MAX_HEADER) if path.suffix == ".safetensors" else 8)
         if path.suffix == ".safetensors":
-            regions = safetensors_regions(head, size)
-        elif path.suffix == ".distcp":
+            return plan_safetensors(head, size, max_chunk=max_chunk, min_chunk=min_chunk)
+        if path.suffix == ".distcp":
             regions = distcp_regions(path, size)
         elif head[:4] == b"PK\x03\x04":
             regions = zip_regions(path, size)
+    if regions is None:
+        return fixed_chunks(size, max_chunk)
+    return group_regions(regions, size, max_chunk=max_chunk, min_chunk=min_chunk)
+
+
+def safetensors_head_size(first: bytes) -> int | None:
+    """Pure: how many bytes of a safetensors file hold its header (the 8-byte length and the header), from
+    its first 8 bytes; None when they cannot start one."""
+    if len(first) < 8:
+        return None
+    (length,) = struct.unpack("<Q", first[:8])
+    return 8 + length if length <= _SAFETENSORS_MAX_HEADER else None
+
+
+def plan_safetensors(
+    head: bytes, size: int, *, max_chunk: int = MAX_CHUNK, min_chunk: int = MIN_CHUNK
+) -> list[tuple[int, int]]:
+    """Pure: the chunks of a ``.safetensors`` file of ``size`` bytes from its first bytes (``head``, the
+    whole header): what :func:`plan_file` gives once the file is complete, known as soon as its header is
+    written (:mod:`spotguard.sidecar.follow` hashes and sends the chunks of a file being written)."""
+    regions = safetensors_regions(head, size)
     if regions is None:
         return fixed_chunks(size, max_chunk)
     return group_regions(regions, size, max_chunk=max_chunk, min_chunk=min_chunk)
@@ -251,7 +272,9 @@ __all__ = [
     "hash_chunk",
     "iter_file_chunks",
     "plan_file",
+    "plan_safetensors",
     "read_range",
+    "safetensors_head_size",
     "safetensors_regions",
     "zip_regions",
 ]

@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-from spotguard.checkpoint.chunked import ChunkedUpload, KnownChunks, upload_chunks, verify_chunks
+from spotguard.checkpoint.chunked import ChunkedUpload, KnownChunks, Prestored, upload_chunks, verify_chunks
 from spotguard.checkpoint.intents import upload_intent
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -159,9 +159,9 @@ class _StopGuard:
 
         return guarded
 
-    def _write_checked(self, key: str, data: bytes) -> None:
+    def _write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
         self.check()
-        self.storage.write_checked(key, data)
+        self.storage.write_checked(key, data, crc32c)
         digest = parse_chunk_key(key)
         if digest is not None:
             with self._lock:
@@ -177,6 +177,7 @@ def upload_checkpoint(
     incremental: bool | KnownChunks = False,
     should_stop: Callable[[], bool] | None = None,
     resume: bool = False,
+    prestored: Prestored | None = None,
 ) -> UploadResult:
     """Upload a committed local checkpoint: data files (concurrently), then the
     manifest, then the ``latest`` pointer.
@@ -206,6 +207,9 @@ def upload_checkpoint(
     what the checkpoint's prefix holds and does not send again a file the
     store holds with the manifest's size and checksum (by the checksum the
     store computed on receipt; stores without one get every file again).
+    ``prestored`` (an incremental upload): chunks hashed and stored while the
+    checkpoint was written (:class:`~spotguard.checkpoint.chunked.Prestored`),
+    named by the upload's intent and not read, hashed or stored again.
 
     Raises :class:`ManifestError` / ``FileNotFoundError`` when the local
     checkpoint is not complete (or, for a part, when storage already holds
@@ -233,6 +237,7 @@ def upload_checkpoint(
             incremental,
             resume,
             start,
+            prestored,
         )
     # The intent is written and removed through the store itself (a stopped
     # upload removes it); the transfers go through the guard.
@@ -250,6 +255,7 @@ def upload_checkpoint(
             incremental,
             resume,
             start,
+            prestored,
         )
     except Exception as exc:
         if not isinstance(exc, UploadCancelled) and not should_stop():
@@ -270,6 +276,7 @@ def _upload(
     incremental: bool | KnownChunks,
     resume: bool,
     start: float,
+    prestored: Prestored | None = None,
 ) -> UploadResult:
     """The upload proper: intents through ``storage``, everything else through ``io``."""
     name = manifest.name
@@ -289,10 +296,12 @@ def _upload(
             progress=progress,
             update_pointer=update_pointer,
             start=start,
+            prestored=prestored,
         )
+    stored_before = dict(prestored.stored) if prestored is not None else {}
     if incremental is not False:
         known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
-        with upload_intent(storage, name, known.chunks):
+        with upload_intent(storage, name, {**stored_before, **known.chunks}):
             if _known_source_stored(storage, known):
                 return send(known)
         # What it knew came from a checkpoint deleted since (retention): a collector
@@ -303,7 +312,7 @@ def _upload(
             known.source,
         )
         known = KnownChunks.from_storage(storage)
-        with upload_intent(storage, name, known.chunks):
+        with upload_intent(storage, name, {**stored_before, **known.chunks}):
             if not _known_source_stored(storage, known):
                 known = KnownChunks()
             return send(known)
@@ -351,9 +360,10 @@ def _upload_incremental(
     progress: ProgressCallback | None,
     update_pointer: bool,
     start: float,
+    prestored: Prestored | None = None,
 ) -> UploadResult:
     name = manifest.name
-    chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
+    chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress, prestored=prestored)
     # The manifest goes last: every chunk it names was stored by now, or is one the uploader
     # knows stored (checked, or from a checkpoint it verified: see the chunked module).
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)

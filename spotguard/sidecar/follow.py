@@ -19,6 +19,23 @@ checksum (a file rewritten, a part read early), then the manifest, and
 verification checks every file as always. A follower that is stopped (the
 save failed or committed another step, the deadline came) aborts its
 multipart upload.
+
+An uploader that stores chunks (incremental, the default) follows too. A
+chunk is named by the SHA-256 of its bytes, and where chunks begin follows
+the file's layout (:mod:`spotguard.checkpoint.chunks`), which a safetensors
+file declares in its header, written first: so once the header is in, the
+follower knows every chunk's place (:func:`~spotguard.checkpoint.chunks.plan_safetensors`),
+and hashes each as soon as the file holds it, storing those the store does
+not hold yet with their CRC32C. A file linked from a kept checkpoint (a
+frozen base) is not read: the upload recognizes it without reading. After
+the commit the upload takes what was found here
+(:class:`~spotguard.checkpoint.chunked.Prestored`) instead of reading and
+hashing the same place again, and only when the chunks' CRC32Cs combine to
+the checksum the trainer recorded for the file; any other file is read and
+hashed again. The manifest names them; verification checks them as any new
+chunk. A chunk is stored under its own hash, so a chunk stored here that no
+manifest names is an orphan for the collector, never a wrong byte in a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,13 +44,17 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from spotguard.checkpoint.chunked import Prestored
+from spotguard.checkpoint.chunks import hash_chunk, plan_safetensors, read_range, safetensors_head_size
 from spotguard.checkpoint.intents import upload_intent
 from spotguard.checkpoint.local import WRITER_TMP_PREFIX
-from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.checkpoint.manifest import ChunkRef, checkpoint_name
 from spotguard.contract.control import WritePlan, read_write_plan
 
 log = logging.getLogger(__name__)
@@ -42,6 +63,10 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.005
 #: A plan written this long before the request still belongs to it (the trainer's own SIGTERM came first).
 PLAN_SLACK_SECONDS = 2.0
+#: How long a stopped follower is waited for.
+STOP_WAIT_SECONDS = 1.0
+#: Chunks read, hashed and stored at once while a checkpoint is written (each holds its bytes meanwhile).
+CHUNK_WORKERS = 4
 
 
 class FollowStopped(Exception):
@@ -51,7 +76,17 @@ class FollowStopped(Exception):
 class WriteFollower:
     """Uploads the files of the preemption's save being written (see the module docstring)."""
 
-    def __init__(self, storage: Any, control_dir: Path, since: float, deadline: float) -> None:
+    def __init__(
+        self,
+        storage: Any,
+        control_dir: Path,
+        since: float,
+        deadline: float,
+        known: Mapping[str, int] | None = None,
+        workers: int = CHUNK_WORKERS,
+    ) -> None:
+        """``known`` (chunks known stored, digest -> size): store chunks instead of whole files, and not
+        those; None: whole files (``storage`` must have ``upload_growing``)."""
         self._storage = storage
         self._control_dir = control_dir
         self._since = since
@@ -61,8 +96,14 @@ class WriteFollower:
         self._committed = threading.Event()
         #: The checkpoint being followed, once the plan is read.
         self.name: str | None = None
-        #: The files stored whole, complete (paths in the checkpoint).
+        #: The files sent (paths in the checkpoint): stored whole, complete; or, storing chunks, read in part
+        #: or in full.
         self.sent: list[str] = []
+        self._known = dict(known) if known is not None else None
+        self._workers = max(1, workers)
+        self._lock = threading.Lock()
+        self._located: dict[tuple[str, int, int], ChunkRef] = {}
+        self._stored: dict[str, int] = {}
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="spotguard-follow", daemon=True)
 
@@ -81,8 +122,17 @@ class WriteFollower:
         self._thread.join(max(0.0, timeout))
         if self._thread.is_alive():
             self._stop.set()
-            self._thread.join()
+            # A request in flight (a store that stopped answering) is not waited for: it stores nothing
+            # the upload relies on, since what it found is taken from the follower only once found.
+            self._thread.join(STOP_WAIT_SECONDS)
         return list(self.sent) if committed is not None and self.name == committed else []
+
+    def prestored(self) -> Prestored | None:
+        """The chunks found and stored (storing chunks), for the upload once committed; None for whole files."""
+        if self._known is None:
+            return None
+        with self._lock:
+            return Prestored(dict(self._located), dict(self._stored), time.monotonic())
 
     def _stopping(self) -> bool:
         return self._stop.is_set() or time.time() >= self._deadline
@@ -102,6 +152,9 @@ class WriteFollower:
             if tmp is None:
                 return
             with upload_intent(self._storage, name):
+                if self._known is not None:
+                    self._chunks(tmp, plan)
+                    return
                 for path, size in plan.files:
                     fd = self._await_file(tmp / path)
                     if fd is None:
@@ -117,6 +170,64 @@ class WriteFollower:
         except Exception as exc:  # noqa: BLE001 - the ordinary upload sends whatever is missing
             self.error = exc
             log.warning("sending the checkpoint while it was written failed (%s); it is uploaded once committed", exc)
+
+    def _chunks(self, tmp: Path, plan: WritePlan) -> None:
+        """Hash, and store where new, every chunk of the plan's safetensors files as they are written."""
+        fds: list[int] = []
+        pending: list[tuple[str, list[Future[None]]]] = []
+        try:
+            with ThreadPoolExecutor(self._workers, thread_name_prefix="spotguard-follow-chunk") as pool:
+                try:
+                    for path, size in plan.files:
+                        if not path.endswith(".safetensors"):
+                            continue  # chunked after the commit, as the format is known then
+                        fd = self._await_file(tmp / path)
+                        if fd is None:
+                            break
+                        fds.append(fd)
+                        if os.fstat(fd).st_nlink > 1:
+                            continue  # linked from a kept checkpoint: the upload knows it without reading it
+                        places = plan_safetensors(self._head(fd, size), size)
+                        pending.append((path, [pool.submit(self._chunk, fd, path, *at) for at in places]))
+                finally:
+                    for _, futures in pending:
+                        for future in futures:
+                            future.exception()  # every read of a descriptor ends before it is closed
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for path, futures in pending:
+            if any(f.exception() is None for f in futures):
+                self.sent.append(path)
+        errors = [e for _, futures in pending for f in futures if (e := f.exception()) is not None]
+        if errors:
+            raise errors[0]
+
+    def _head(self, fd: int, size: int) -> bytes:
+        """The first bytes of a safetensors file being written, its whole header once it is in."""
+        self._written(fd, min(8, size))
+        need = safetensors_head_size(os.pread(fd, 8, 0))
+        if need is None or need > size:
+            return b""  # not a header: fixed chunks, as the upload plans them
+        self._written(fd, need)
+        return read_range(fd, 0, need)
+
+    def _chunk(self, fd: int, path: str, offset: int, length: int) -> None:
+        """Once the file holds it, read the chunk at ``offset``, hash it, and store it unless known."""
+        if self._stopping():
+            raise FollowStopped()
+        self._written(fd, offset + length)
+        data = read_range(fd, offset, length)
+        ref = hash_chunk(data)
+        assert self._known is not None
+        with self._lock:
+            new = self._known.get(ref.hash) != ref.size and ref.hash not in self._stored
+        if new:
+            self._storage.write_checked(ref.key, data, ref.checksum)
+            with self._lock:
+                self._stored[ref.hash] = ref.size
+        with self._lock:
+            self._located[(path, offset, length)] = ref
 
     def _send(self, fd: int, key: str, size: int) -> bool:
         """Upload the file open as ``fd`` (the path survives a rename of its directory) while it grows."""

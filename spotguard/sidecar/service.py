@@ -356,10 +356,12 @@ class CheckpointAgent:
             log_stage("save", time.monotonic() - t0, name=target or "none")
             if follower is not None:
                 sent = follower.finish(target, deadline - time.time())
+                chunks = follower.prestored()
                 if target is not None and sent:
                     # Stored while the trainer wrote it: the upload resumes, sending only what is missing.
-                    self.shipper.note_prestored(target)
-                log_stage("follow", time.monotonic() - t0, name=follower.name or "none", files=len(sent))
+                    self.shipper.note_prestored(target, chunks)
+                counts = {"chunks": len(chunks.located), "stored": len(chunks.stored)} if chunks is not None else {}
+                log_stage("follow", time.monotonic() - t0, name=follower.name or "none", files=len(sent), **counts)
         t1 = time.monotonic()
         want = step_of(target) if target else -1
         verified_at: float | None = None
@@ -418,11 +420,12 @@ class CheckpointAgent:
 
     def _follow_save(self, req: CheckpointRequest, deadline: float) -> WriteFollower | None:
         """Send the preemption's save while the trainer writes it (:mod:`spotguard.sidecar.follow`):
-        only when checkpoints are stored as whole files to a store that takes a growing file."""
-        if self.config.incremental or not hasattr(self.shipper.storage, "upload_growing"):
+        as chunks (incremental), or as whole files to a store that takes a growing file."""
+        known = self.shipper.known_digests() if self.config.incremental else None
+        if known is None and not hasattr(self.shipper.storage, "upload_growing"):
             return None
         since = req.written_at if req.written_at is not None else time.time()
-        return WriteFollower(self.shipper.storage, self.config.control_dir, since, deadline).start()
+        return WriteFollower(self.shipper.storage, self.config.control_dir, since, deadline, known).start()
 
     def flush(self, deadline: float) -> bool:
         """Ship until the newest committed checkpoint is verified, or ``deadline``.

@@ -49,8 +49,8 @@ from spotguard.checkpoint import (
     remove_checkpoint_dir,
     verify_checkpoint,
 )
-from spotguard.checkpoint.chunked import KnownChunks, chunks_named
-from spotguard.checkpoint.gc import sweep_chunks
+from spotguard.checkpoint.chunked import KnownChunks, Prestored, chunks_named
+from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
 from spotguard.checkpoint.known import current_known
 from spotguard.checkpoint.manifest import (
     checkpoint_step,
@@ -179,6 +179,8 @@ class CheckpointShipper:
         #: the next upload of the same checkpoint to skip what is stored.
         self.stopped: dict[str, tuple[float, dict[str, int]]] = {}
         self._stopped_lock = threading.Lock()
+        #: Chunks of a checkpoint stored while it was written: name -> them, for its upload.
+        self._prestored: dict[str, Prestored] = {}
         #: Serializes housekeeping runs; shipping never waits for it.
         self._housekeeping_lock = threading.Lock()
 
@@ -420,6 +422,7 @@ class CheckpointShipper:
             log_stage("upload", upload_seconds, name=name, bytes=nbytes)
         with self._stopped_lock:
             self.stopped.pop(name, None)
+        self._prestored.pop(name, None)
         if published.state == AWAITING:
             # A part, uploaded and verified; the other parts are not all there yet.
             self._await(name, published.parts_present, published.parts_total or 0, nbytes, upload_seconds)
@@ -435,14 +438,35 @@ class CheckpointShipper:
         known = self._known_chunks() if self.incremental else None
         if known is not None and not trust:
             known = known.untrusted()
+        prestored = self._prestored.get(name)
+        if prestored is not None and not prestored.fresh(time.monotonic(), DEFAULT_ORPHAN_GRACE):
+            prestored = None
         return upload_stoppable(
-            path, self.storage, known, earlier, should_stop, lambda chunks: self._note_stopped(name, chunks)
+            path,
+            self.storage,
+            known,
+            earlier,
+            should_stop,
+            lambda chunks: self._note_stopped(name, chunks),
+            prestored=prestored if known is not None else None,
         )
 
-    def note_prestored(self, name: str) -> None:
-        """Files of ``name`` were stored before it was committed (sent while written): its upload
-        resumes, as a stopped one does, and sends only what the store lacks."""
+    def note_prestored(self, name: str, chunks: Prestored | None = None) -> None:
+        """Data of ``name`` was stored before it was committed (sent while written). Whole files: its
+        upload resumes, as a stopped one does, and sends only what the store lacks. Chunks
+        (``chunks``): its upload takes them as found and stored (see
+        :func:`~spotguard.checkpoint.chunked.upload_chunks`)."""
+        if chunks is not None:
+            self._prestored[name] = chunks
+            return
         self._note_stopped(name, {})
+
+    def known_digests(self) -> dict[str, int]:
+        """The chunks this uploader knows stored (digest -> size), as it last learnt them, without asking
+        the store: those a write follower need not send (the upload still decides what to reuse)."""
+        if self._known is None:
+            return {}
+        return {d: n for d, n in self._known.chunks.items() if d not in self._suspect}
 
     def _note_stopped(self, name: str, chunks: dict[str, int]) -> None:
         with self._stopped_lock:

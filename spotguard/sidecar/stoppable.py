@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotguard.checkpoint.chunked import KnownChunks
+from spotguard.checkpoint.chunked import KnownChunks, Prestored
 
 if TYPE_CHECKING:
     from spotguard.storage import Storage
@@ -38,6 +38,7 @@ def upload_stoppable(
     earlier: tuple[float, dict[str, int]] | None,
     should_stop: Callable[[], bool] | None,
     on_stopped: Callable[[dict[str, int]], None],
+    prestored: Prestored | None = None,
 ) -> Any:
     """Upload ``path`` without moving the pointer (that waits for verification).
 
@@ -49,7 +50,8 @@ def upload_stoppable(
     yes, the upload is told to stop at its next request and
     :class:`UploadCancelled` is raised here at once (the stopped upload's
     requests on the wire drain meanwhile; ``on_stopped`` gets the chunks it
-    stored when it ends, and ``{}`` at once).
+    stored when it ends, and ``{}`` at once). ``prestored``: chunks of this
+    checkpoint stored while it was written (an incremental upload's).
     """
     from spotguard.checkpoint import upload_checkpoint
     from spotguard.checkpoint.upload import UploadCancelled
@@ -60,7 +62,9 @@ def upload_stoppable(
         incremental = with_stored_chunks(known, earlier, time.monotonic())
     resume = earlier is not None
     if should_stop is None:
-        return upload_checkpoint(path, storage, update_pointer=False, incremental=incremental, resume=resume)
+        return upload_checkpoint(
+            path, storage, update_pointer=False, incremental=incremental, resume=resume, prestored=prestored
+        )
     stop = threading.Event()
     done = threading.Event()
     outcome: list[Any] = []
@@ -75,6 +79,7 @@ def upload_stoppable(
                     incremental=incremental,
                     should_stop=stop.is_set,
                     resume=resume,
+                    prestored=prestored,
                 )
             )
         except UploadCancelled as exc:

@@ -160,9 +160,11 @@ class Storage(Protocol):
         """Upload local files to keys, concurrently; returns when all are stored."""
         ...
 
-    def write_checked(self, key: str, data: bytes) -> None:
+    def write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
         """Store ``data`` as one object, with the checksum the store checks on
-        receipt and keeps where it does (S3 additional checksums)."""
+        receipt and keeps where it does (S3 additional checksums). ``crc32c``:
+        the CRC32C of ``data`` (hex) where the caller has it, not computed again
+        (a wrong one is refused by the store that checks it)."""
         ...
 
     def download_files(self, items: Iterable[tuple[str, Path]], progress: ProgressCallback | None = None) -> None:

@@ -193,7 +193,7 @@ class FileStorage:
             self._write_atomic(target, data)
         return _etag(data)
 
-    def write_checked(self, key: str, data: bytes) -> None:
+    def write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
         """Store ``data`` (atomically, fsynced); a file keeps no checksum."""
         self._write_atomic(self._path(key), data)
 

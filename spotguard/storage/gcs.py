@@ -488,8 +488,9 @@ class GcsStorage:
             condition = 0
         return self._put_bytes(key, data, condition)
 
-    def write_checked(self, key: str, data: bytes) -> None:
-        """Store ``data`` with the CRC32C of its bytes, which GCS checks on receipt."""
+    def write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
+        """Store ``data`` with the CRC32C of its bytes, which GCS checks on receipt (the client library
+        computes it as it sends)."""
         self._put_bytes(key, data, None)
 
     def _put_bytes(self, key: str, data: bytes, if_generation_match: int | None) -> str:

@@ -483,12 +483,12 @@ class S3Storage:
         if progress is not None:
             progress(len(data))
 
-    def write_checked(self, key: str, data: bytes) -> None:
+    def write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
         """Store ``data`` with the CRC32C of its bytes, which the store checks
         on receipt and keeps (a plain put where the store takes no checksums)."""
         if self._checksums:
             try:
-                self._put_bytes(key, data)
+                self._put_bytes(key, data, crc32c)
                 return
             except _ChecksumsUnsupported:
                 log.info("%s does not take additional checksums; uploading without them", self.uri)
@@ -496,10 +496,10 @@ class S3Storage:
         with self._errors(self.uri_for(key)):
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
-    def _put_bytes(self, key: str, data: bytes) -> None:
+    def _put_bytes(self, key: str, data: bytes, crc32c: str | None = None) -> None:
         from spotguard.storage.checksum import checksum_bytes, crc32c_to_base64
 
-        crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
+        crc = crc32c_to_base64(int(crc32c if crc32c is not None else checksum_bytes(data, "crc32c"), 16))
         self._checksum_call(
             self.uri_for(key),
             lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumCRC32C=crc),

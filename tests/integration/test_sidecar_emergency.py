@@ -170,8 +170,8 @@ def test_no_retention_and_no_rereading_between_sigterm_and_the_report(
     after_term = text[text.index("preemption source=") :]
     assert "stage=retention" not in after_term
     stages = [ln.split("stage=", 1)[1].split()[0] for ln in after_term.splitlines() if "stage=" in ln]
-    # In this order, with nothing else in between.
-    assert stages == ["request", "save", "upload", "verify", "pointer", "ship", "emergency", "report"], stages
+    # In this order, with nothing else in between (``follow``: the save's chunks hashed while written).
+    assert stages == ["request", "save", "follow", "upload", "verify", "pointer", "ship", "emergency", "report"], stages
 
 
 @pytest.mark.parametrize("store_up", [True, False])

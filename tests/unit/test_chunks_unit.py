@@ -18,6 +18,8 @@ from spotguard.checkpoint.chunks import (
     group_regions,
     hash_chunk,
     plan_file,
+    plan_safetensors,
+    safetensors_head_size,
 )
 from spotguard.checkpoint.global_manifest import build_global_manifest
 from spotguard.checkpoint.manifest import (
@@ -117,6 +119,29 @@ def test_zip_entries_keep_their_chunks_when_the_pickle_grows(tmp_path: Path) -> 
     a, b = chunk_bytes(tmp_path / "a.pt"), chunk_bytes(tmp_path / "b.pt")
     storage_bytes = big.numpy().tobytes()
     assert storage_bytes in set(a) & set(b)
+
+
+def test_a_safetensors_files_chunks_are_known_from_its_header(tmp_path: Path) -> None:
+    """What a follower plans from the header of a file being written is what the upload plans
+    from the complete file, for large, small and split tensors, and for bytes that are no header."""
+    torch.manual_seed(1)
+    tensors = {
+        "big": torch.randn(5 * 1024, 1024),  # 20 MiB: cut at 16 MiB
+        "mid": torch.randn(512, 1024),  # 2 MiB
+        "small.a": torch.randn(8, 64),
+        "small.b": torch.randn(8, 64),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    data = path.read_bytes()
+    need = safetensors_head_size(data[:8])
+    assert need is not None and 8 < need < 4096
+    assert plan_safetensors(data[:need], len(data)) == plan_file(path)
+    assert plan_safetensors(data[: need - 1], len(data)) == fixed_chunks(len(data))  # the header is not all there
+    assert safetensors_head_size(b"\xff" * 8) is None and safetensors_head_size(b"\x01") is None
+    bogus = tmp_path / "bad.safetensors"
+    bogus.write_bytes(b"\xff" * 100)
+    assert plan_safetensors(b"\xff" * 100, 100) == plan_file(bogus)
 
 
 def test_other_files_use_fixed_offsets(tmp_path: Path) -> None:
