@@ -261,6 +261,42 @@ def small_parts(s3_store: Any, uri: str) -> Any:
     return s3_storage(s3_store, uri, multipart_threshold=5 * mib, multipart_chunksize=5 * mib, max_concurrency=2)
 
 
+def sigterm_trainer_run(s3_store: Any, s3_uri: str, tmp_path: Path, nbytes: int, *flags: str) -> tuple[str, Path]:
+    """``spotguard run`` (with ``flags``) of bench/sigterm_trainer.py holding ``nbytes`` of state, SIGTERM
+    once it is ready; returns the supervisor's output and the state restored from the newest verified
+    checkpoint (a directory), after checking that the run ended preempted."""
+    from spotguard.checkpoint import latest_verified, restore_checkpoint
+
+    root = Path(__file__).resolve().parents[2]
+    argv = spotguard_argv(
+        "run",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--storage",
+        s3_uri,
+        *flags,
+        "--grace-seconds",
+        "60",
+        "--",
+        sys.executable,
+        str(root / "bench" / "sigterm_trainer.py"),
+        "--bytes",
+        str(nbytes),
+    )
+    env = base_env({**s3_store.env(), "SPOTGUARD_SAVE_EVERY_STEPS": "100000000", "PYTHONPATH": str(root)})
+    with reaping() as procs:
+        run = Proc(argv, env, tmp_path / "run.log")
+        procs.append(run)
+        run.wait_for_line(lambda ln: ln.strip() == "ready", 120)
+        time.sleep(0.5)
+        run.signal(signal.SIGTERM)
+        assert run.wait(120) == 128 + signal.SIGTERM, run.tail()
+    storage = s3_storage(s3_store, s3_uri)
+    info, _ = latest_verified(storage)
+    assert info is not None, run.text()
+    return run.text(), Path(restore_checkpoint(storage, info.name, tmp_path / "restored").uri)
+
+
 class StoreProxy:
     """An HTTP proxy in front of the real S3 store that can fail on demand, and counts requests.
 

@@ -8,8 +8,6 @@ store is SeaweedFS with 5 MiB parts, so a file of a few MiB goes in parts.
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,12 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sidecar_helpers import Proc, base_env, reaping, s3_storage, small_parts, spotguard_argv
+from sidecar_helpers import sigterm_trainer_run, small_parts
 
 from spotguard.checkpoint import (
-    latest_verified,
     load_checkpoint_state,
-    restore_checkpoint,
     upload_checkpoint,
     verify_checkpoint,
 )
@@ -162,39 +158,11 @@ def test_spotguard_run_sends_the_preemptions_checkpoint_while_it_is_written(
 ) -> None:
     """End to end, whole files (``--no-incremental``): the supervisor follows the trainer's save,
     the upload after the commit finds the data file stored, and the checkpoint restores exactly."""
-    root = Path(__file__).resolve().parents[2]
     nbytes = 48 * MiB  # more than one multipart part (32 MiB)
-    argv = spotguard_argv(
-        "run",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--storage",
-        s3_uri,
-        "--no-incremental",
-        "--grace-seconds",
-        "60",
-        "--",
-        sys.executable,
-        str(root / "bench" / "sigterm_trainer.py"),
-        "--bytes",
-        str(nbytes),
-    )
-    env = base_env({**s3_store.env(), "SPOTGUARD_SAVE_EVERY_STEPS": "100000000", "PYTHONPATH": str(root)})
-    with reaping() as procs:
-        run = Proc(argv, env, tmp_path / "run.log")
-        procs.append(run)
-        run.wait_for_line(lambda ln: ln.strip() == "ready", 120)
-        time.sleep(0.5)
-        run.signal(signal.SIGTERM)
-        assert run.wait(120) == 128 + signal.SIGTERM, run.tail()
-    text = run.text()
+    text, restored = sigterm_trainer_run(s3_store, s3_uri, tmp_path, nbytes, "--no-incremental")
     assert "stage=follow" in text and "files=1" in text, text
     assert "1 of 2 file(s) already stored by an interrupted upload; not sent again" in text, text
-    storage = s3_storage(s3_store, s3_uri)
-    info, _ = latest_verified(storage)
-    assert info is not None
-    restored = restore_checkpoint(storage, info.name, tmp_path / "restored")
-    state = load_checkpoint_state(Path(restored.uri))
+    state = load_checkpoint_state(restored)
     total = sum(np.asarray(t).nbytes for t in state["model"].values())
     assert total == nbytes
 

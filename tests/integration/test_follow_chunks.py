@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import struct
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +20,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv
+from sidecar_helpers import s3_storage, sigterm_trainer_run
 
 from spotguard.checkpoint import (
-    latest_verified,
     load_checkpoint_state,
     restore_checkpoint,
     upload_checkpoint,
@@ -186,31 +183,8 @@ def test_spotguard_run_hashes_an_incremental_checkpoint_while_it_is_written(
 ) -> None:
     """End to end, incremental (the default): the supervisor follows the trainer's save, the upload
     after the commit finds every chunk of the data file found, and the checkpoint restores exactly."""
-    root = Path(__file__).resolve().parents[2]
     nbytes = 40 * MiB
-    argv = spotguard_argv(
-        "run",
-        "--workdir",
-        str(tmp_path / "work"),
-        "--storage",
-        s3_uri,
-        "--grace-seconds",
-        "60",
-        "--",
-        sys.executable,
-        str(root / "bench" / "sigterm_trainer.py"),
-        "--bytes",
-        str(nbytes),
-    )
-    env = base_env({**s3_store.env(), "SPOTGUARD_SAVE_EVERY_STEPS": "100000000", "PYTHONPATH": str(root)})
-    with reaping() as procs:
-        run = Proc(argv, env, tmp_path / "run.log")
-        procs.append(run)
-        run.wait_for_line(lambda ln: ln.strip() == "ready", 120)
-        time.sleep(0.5)
-        run.signal(signal.SIGTERM)
-        assert run.wait(120) == 128 + signal.SIGTERM, run.tail()
-    text = run.text()
+    text, restored = sigterm_trainer_run(s3_store, s3_uri, tmp_path, nbytes)
 
     def fields(stage: str) -> dict[str, str]:
         line = next(ln for ln in text.splitlines() if f"stage={stage} " in ln)
@@ -221,11 +195,7 @@ def test_spotguard_run_hashes_an_incremental_checkpoint_while_it_is_written(
     # Every chunk the upload counts as new was stored while the data file was written, but the one of
     # state.json (not a safetensors file: chunked once committed).
     assert int(uploaded["new_chunks"]) == int(followed["stored"]) + 1, text
-    storage = s3_storage(s3_store, s3_uri)
-    info, _ = latest_verified(storage)
-    assert info is not None
-    restored = restore_checkpoint(storage, info.name, tmp_path / "restored")
-    state = load_checkpoint_state(Path(restored.uri))
+    state = load_checkpoint_state(restored)
     assert sum(np.asarray(t).nbytes for t in state["model"].values()) == nbytes
 
 
