@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.005
 #: A plan written this long before the request still belongs to it (the trainer's own SIGTERM came first).
 PLAN_SLACK_SECONDS = 2.0
-#: How long a stopped follower is waited for.
+#: How long a stopped follower that stores chunks is waited for.
 STOP_WAIT_SECONDS = 1.0
 #: Chunks read, hashed and stored at once while a checkpoint is written (each holds its bytes meanwhile).
 CHUNK_WORKERS = 4
@@ -122,9 +122,14 @@ class WriteFollower:
         self._thread.join(max(0.0, timeout))
         if self._thread.is_alive():
             self._stop.set()
-            # A request in flight (a store that stopped answering) is not waited for: it stores nothing
-            # the upload relies on, since what it found is taken from the follower only once found.
-            self._thread.join(STOP_WAIT_SECONDS)
+            if self._known is None:
+                # A whole file's part in flight ends before the upload may send that file itself: a part
+                # read before a rewrite must not land after the upload stored the file.
+                self._thread.join()
+            else:
+                # A chunk in flight (a store that stopped answering) is not waited for: its name is its
+                # bytes' hash, and the upload takes only what was found before this point.
+                self._thread.join(STOP_WAIT_SECONDS)
         return list(self.sent) if committed is not None and self.name == committed else []
 
     def prestored(self) -> Prestored | None:

@@ -34,6 +34,7 @@ from spotguard.checkpoint.local import LocalWriter
 from spotguard.checkpoint.manifest import CHUNKS_DIR
 from spotguard.contract.control import WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.sidecar.follow import WriteFollower
+from spotguard.storage import StorageError
 
 pytestmark = pytest.mark.integration
 
@@ -224,3 +225,36 @@ def test_a_chunk_given_with_a_wrong_checksum_is_refused_by_the_store(s3_store: A
     ref = hash_chunk(data)
     storage.write_checked(ref.key, data, ref.checksum)
     assert storage.read_bytes(ref.key) == data
+
+
+class Failing(Puts):
+    """A store whose chunk writes fail after the first (a store that starts failing mid-save)."""
+
+    def write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
+        if key.startswith(CHUNKS_DIR + "/") and self.chunks:
+            raise StorageError(f"{key}: 503 Slow Down")
+        super().write_checked(key, data, crc32c)
+
+
+def test_a_store_failing_while_the_follower_stores_leaves_the_rest_to_the_upload(
+    s3_store: Any, s3_uri: str, tmp_path: Path
+) -> None:
+    """What the follower could not store is not taken as stored: the upload after the commit reads,
+    hashes and stores it, and the checkpoint verifies and restores the bytes written."""
+    storage = s3_storage(s3_store, s3_uri)
+    data = model_file(13)
+    failing = Failing(storage)
+    ckdir, follower = follow(failing, tmp_path, 5, (("model.safetensors", len(data)),))
+    writer = LocalWriter(ckdir, 5, durable=False)
+    writer.add_file("model.safetensors", slowly(data))
+    committed = writer.commit()
+    follower.finish(committed.name, 60)
+    found = follower.prestored()
+    assert found is not None and isinstance(follower.error, StorageError)
+    assert len(found.stored) == 1 < len(plan_file(committed / "model.safetensors"))
+    upload = Puts(storage)
+    upload_checkpoint(committed, upload, incremental=KnownChunks(), prestored=found)
+    assert len(upload.chunks) == len(plan_file(committed / "model.safetensors")) - 1
+    assert verify_checkpoint(storage, committed.name).ok
+    out = restore_checkpoint(storage, committed.name, tmp_path / "restored")
+    assert (Path(out.uri) / "model.safetensors").read_bytes() == data
