@@ -261,9 +261,9 @@ def upload_chunks(
     hashed again.
     """
     known = known or KnownChunks()
-    use = prestored is not None and manifest.checksum_algorithm == "crc32c"
-    located = prestored.located if prestored is not None and use else {}
-    stored_before = prestored.stored if prestored is not None and use else {}
+    found = prestored if manifest.checksum_algorithm == "crc32c" else None
+    located = found.located if found is not None else {}
+    stored_before = found.stored if found is not None else {}
     claims = _Claims()
     lock = threading.Lock()
     totals = {"new_chunks": 0, "new_bytes": 0, "reused_chunks": 0, "reused_bytes": 0, "unchanged_chunks": 0}

@@ -181,23 +181,19 @@ class WriteFollower:
         fds: list[int] = []
         pending: list[tuple[str, list[Future[None]]]] = []
         try:
+            # Leaving the pool waits for every chunk, so no read of a descriptor outlives it.
             with ThreadPoolExecutor(self._workers, thread_name_prefix="spotguard-follow-chunk") as pool:
-                try:
-                    for path, size in plan.files:
-                        if not path.endswith(".safetensors"):
-                            continue  # chunked after the commit, as the format is known then
-                        fd = self._await_file(tmp / path)
-                        if fd is None:
-                            break
-                        fds.append(fd)
-                        if os.fstat(fd).st_nlink > 1:
-                            continue  # linked from a kept checkpoint: the upload knows it without reading it
-                        places = plan_safetensors(self._head(fd, size), size)
-                        pending.append((path, [pool.submit(self._chunk, fd, path, *at) for at in places]))
-                finally:
-                    for _, futures in pending:
-                        for future in futures:
-                            future.exception()  # every read of a descriptor ends before it is closed
+                for path, size in plan.files:
+                    if not path.endswith(".safetensors"):
+                        continue  # chunked after the commit, as the format is known then
+                    fd = self._await_file(tmp / path)
+                    if fd is None:
+                        break
+                    fds.append(fd)
+                    if os.fstat(fd).st_nlink > 1:
+                        continue  # linked from a kept checkpoint: the upload knows it without reading it
+                    places = plan_safetensors(self._head(fd, size), size)
+                    pending.append((path, [pool.submit(self._chunk, fd, path, *at) for at in places]))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -229,9 +225,9 @@ class WriteFollower:
             new = self._known.get(ref.hash) != ref.size and ref.hash not in self._stored
         if new:
             self._storage.write_checked(ref.key, data, ref.checksum)
-            with self._lock:
-                self._stored[ref.hash] = ref.size
         with self._lock:
+            if new:
+                self._stored[ref.hash] = ref.size
             self._located[(path, offset, length)] = ref
 
     def _send(self, fd: int, key: str, size: int) -> bool:

@@ -139,7 +139,7 @@ def test_chunks_are_hashed_and_stored_while_written_and_not_read_again(
     assert (Path(out.uri) / "model.safetensors").read_bytes() == data
 
 
-def test_a_linked_file_is_not_read_and_a_short_save_is_not_waited_for(
+def test_a_linked_file_is_not_read_and_known_chunks_are_not_stored_again(
     s3_store: Any, s3_uri: str, tmp_path: Path
 ) -> None:
     """A file linked from a kept checkpoint (a frozen base) is left to the upload, which knows it
