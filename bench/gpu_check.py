@@ -1,6 +1,7 @@
 """GPU check: spotguard on the GPUs of this machine, end to end.
 
-    python -m bench.gpu_check [--quick] [--size-mib M] [--ranks R] [--only NAME,...] [--allow-cpu] [--keep]
+    python -m bench.gpu_check [--quick] [--size-mib M] [--frozen-gib G] [--ranks R] [--only NAME,...]
+                              [--allow-cpu] [--keep]
 
 Checks, in order (R ranks: min(GPUs, 2) unless ``--ranks``):
 
@@ -15,6 +16,11 @@ Checks, in order (R ranks: min(GPUs, 2) unless ``--ranks``):
   fresh FSDP2 model: every parameter shard and optimizer moment bitwise equal.
 - ``pinned``: the Checkpointer's snapshot of a CUDA tensor goes to pinned
   host buffers, reused across saves; host-copy GB/s vs a plain ``.cpu()``.
+- ``finetune``: a 7B model's LoRA fine-tune (``--frozen-gib`` of bfloat16
+  weights, frozen, on the GPU) under ``spotguard run``: SIGTERM -> verified,
+  the share of the state the emergency checkpoint uploads, a new node's
+  restore from storage, and bit-exact continued training
+  (``bench/gpu_finetune.py``).
 
 Each check prints plain ``NAME: ...`` lines, then ``PASS NAME`` or
 ``FAIL NAME: why``; the last line is a JSON summary. Ratios and speeds are
@@ -26,27 +32,23 @@ figures, not pass/fail. Exit 0: every check passed; 1: a check failed;
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-MiB = 1 << 20
-CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned")
+from bench.gpu_common import ROOT, Check, CheckFailed, Child, Ctx, MiB, UsageError, child_env, median, run_child
+from bench.gpu_finetune import GiB, check_finetune, frozen_default
+
+CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned", "finetune")
 
 STEP_RE = re.compile(r"^step (\d+) ")
 RESUMED_RE = re.compile(r"resumed from step (\d+) exact=(True|False)")
@@ -54,160 +56,6 @@ DIGEST_RE = re.compile(r"final digest ([0-9a-f]{64})")
 # A log line of another process may come glued after the step number.
 STOPPED_RE = re.compile(r"preempted after step (\d+?)(?=\d{4}-\d\d-\d\d |\D|$)")
 EMERGENCY_RE = re.compile(r"stage=emergency seconds=([0-9.]+) result=verified")
-
-
-class UsageError(Exception):
-    """Bad options or an unusable environment: exit 2."""
-
-
-class CheckFailed(Exception):
-    """A check found something wrong: exit 1."""
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool = False
-    reason: str = ""
-    figures: dict[str, Any] = field(default_factory=dict)
-
-    def say(self, text: str) -> None:
-        print(f"{self.name}: {text}", flush=True)
-
-    def fig(self, key: str, value: Any) -> Any:
-        self.figures[key] = value
-        return value
-
-
-@dataclass
-class Ctx:
-    cuda: bool
-    ranks: int
-    size_mib: int
-    quick: bool
-    root: Path
-    launcher: list[str]
-
-    @property
-    def device(self) -> str:
-        return "cuda" if self.cuda else "cpu"
-
-    @property
-    def rounds(self) -> int:
-        return 3 if self.quick else 5
-
-    @property
-    def timeout(self) -> float:
-        return 300.0
-
-    def torchrun(self, nproc: int | None = None) -> list[str]:
-        return [*self.launcher, "--standalone", "--nproc-per-node", str(nproc or self.ranks)]
-
-
-# -- child processes -----------------------------------------------------------------
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This environment without spotguard settings, this checkout importable, one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(extra or {})
-    return env
-
-
-class Child:
-    """A subprocess in a session of its own; its output is read line by line, with arrival times."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.argv = argv
-        self.lines: list[tuple[float, str]] = []
-        self._cond = threading.Condition()
-        self._log = log
-        self.popen = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        with self._log.open("a", encoding="utf-8") as logf:
-            for raw in self.popen.stdout:
-                line = raw.rstrip("\n")
-                logf.write(line + "\n")
-                with self._cond:
-                    self.lines.append((time.monotonic(), line))
-                    self._cond.notify_all()
-
-    def wait_for(self, pred: Callable[[str], bool], timeout: float) -> tuple[float, str]:
-        """The first line matching ``pred`` and when it arrived."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        with self._cond:
-            while True:
-                for when, line in self.lines[seen:]:
-                    if pred(line):
-                        return when, line
-                seen = len(self.lines)
-                if not self._reader.is_alive():
-                    raise CheckFailed(f"no expected line before the command ended; see {self._log}")
-                if time.monotonic() >= deadline:
-                    raise CheckFailed(f"no expected line within {timeout:.0f}s; see {self._log}")
-                self._cond.wait(0.2)
-
-    def find(self, regex: re.Pattern[str]) -> tuple[float, re.Match[str]] | None:
-        with self._cond:
-            for when, line in self.lines:
-                m = regex.search(line)
-                if m:
-                    return when, m
-        return None
-
-    def wait(self, timeout: float) -> int:
-        try:
-            rc = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise CheckFailed(f"still running after {timeout:.0f}s (killed); see {self._log}") from None
-        self._reader.join(10)
-        return rc
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(10)
-
-    def tail(self, n: int = 15) -> str:
-        with self._cond:
-            return "\n".join(line for _, line in self.lines[-n:])
-
-
-def run_child(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> Child:
-    """Run to the end; a non-zero exit fails the check with the output's tail."""
-    child = Child(argv, env, log)
-    try:
-        rc = child.wait(timeout)
-    finally:
-        child.kill()
-    if rc != 0:
-        raise CheckFailed(f"{' '.join(argv[:6])} ... exited {rc}:\n{child.tail()}")
-    return child
-
-
-def median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
 
 
 # -- env -----------------------------------------------------------------------------
@@ -706,6 +554,7 @@ RUNNERS: dict[str, Callable[[Ctx, Check], None]] = {
     "fsdp-stall": check_fsdp_stall,
     "fsdp-exact": check_fsdp_exact,
     "pinned": check_pinned,
+    "finetune": check_finetune,
 }
 
 
@@ -721,6 +570,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="state size of the FSDP2 and pinned checks (default 512 on GPU, 64 on CPU; --quick: 128, 16)",
     )
+    p.add_argument(
+        "--frozen-gib",
+        type=float,
+        default=None,
+        help="the finetune check's frozen base (default 14 on GPU: a 7B model in bfloat16; --quick: 1; CPU: 1/16)",
+    )
     p.add_argument("--ranks", type=int, default=None, help="ranks of the distributed checks (default min(GPUs, 2))")
     p.add_argument("--only", default=None, help=f"comma-separated checks to run, of {','.join(CHECKS)}")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, checkpoints)")
@@ -731,6 +586,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.size_mib is not None and args.size_mib < 1:
         p.error("--size-mib must be at least 1")
+    if args.frozen_gib is not None and args.frozen_gib <= 0:
+        p.error("--frozen-gib must be above 0")
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be at least 1")
     return args
@@ -756,7 +613,10 @@ def make_ctx(args: argparse.Namespace) -> Ctx:
     torchrun = Path(sys.executable).with_name("torchrun")
     launcher = [str(torchrun)] if torchrun.is_file() else [sys.executable, "-m", "torch.distributed.run"]
     root = Path(tempfile.mkdtemp(prefix="spotguard-gpu-check-"))
-    return Ctx(cuda=cuda, ranks=ranks, size_mib=size, quick=args.quick, root=root, launcher=launcher)
+    frozen = int(args.frozen_gib * GiB) if args.frozen_gib else frozen_default(cuda, args.quick)
+    return Ctx(
+        cuda=cuda, ranks=ranks, size_mib=size, quick=args.quick, root=root, launcher=launcher, frozen_bytes=frozen
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -808,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": ctx.device,
         "ranks": ctx.ranks,
         "size_mib": ctx.size_mib,
+        "frozen_bytes": ctx.frozen_bytes,
         "quick": ctx.quick,
         "seconds": round(total, 1),
         "checks": {c.name: {"ok": c.ok, "reason": c.reason, **c.figures} for c in checks},

@@ -18,7 +18,7 @@ import pytest
 from testenv.require import require_module, require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned")
+CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned", "finetune")
 
 # Torchrun groups keep both cores busy.
 pytestmark = pytest.mark.integration
@@ -54,6 +54,10 @@ def test_gpu_check_passes_on_cpu_and_prints_every_check() -> None:
         "fsdp-stall: spotguard / dcp.async_save",
         "fsdp-exact: parameters and optimizer moments bitwise equal after restore: yes",
         "pinned: host copy of",
+        "finetune: preempted after step",
+        "finetune: new node: fetched",
+        "adapter and optimizer equal the preempted: yes; every base tensor equals the seed's: yes",
+        "finetune: after 3 more steps",
     ):
         assert figure in out, (figure, out[-4000:])
     summary = json.loads(lines[-1])
@@ -61,6 +65,10 @@ def test_gpu_check_passes_on_cpu_and_prints_every_check() -> None:
     assert sorted(summary["checks"]) == sorted(CHECKS)
     assert all(c["ok"] for c in summary["checks"].values())
     assert summary["checks"]["ddp"]["bit_exact"] is True
+    finetune = summary["checks"]["finetune"]
+    assert finetune["bit_exact"] is True
+    # The emergency checkpoint sent what changed (the adapter), not the frozen base.
+    assert 0 < finetune["emergency_uploaded_bytes"] < summary["frozen_bytes"] / 4
 
 
 def test_gpu_check_without_cuda_or_with_bad_options_exits_2() -> None:
