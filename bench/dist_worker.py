@@ -180,7 +180,7 @@ def run_stall(args: argparse.Namespace) -> dict[str, Any]:
     model, opt = _sharded_state(args.bytes, args.device)
     work = Path(args.work)
     rank = dist.get_rank()
-    ckpt = spotguard.Checkpointer(work / "spotguard", async_save=True, keep_local=1)
+    ckpt = spotguard.Checkpointer(work / "spotguard", async_save=True, keep_local=1, distributed=True)
     if not ckpt.distributed:
         raise SystemExit("the Checkpointer did not go distributed under torchrun")
     ckpt.save(0, spotguard.torch_state(model, opt))  # warm-up: allocates the reusable host buffers

@@ -150,22 +150,38 @@ class CollectiveSave:
             raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")
         tensors, skeleton = _distributed.split_tensors({k: state[k] for k in _distributed.DCP_KEYS if k in state})
         rank_state = {k: (skeleton[k] if k in _distributed.DCP_KEYS else v) for k, v in state.items()}
-        staged = None
-        if tensors:
-            if self._stager is None:
-                import torch
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                pin = bool(torch.cuda.is_available())
-                options = StagingOptions(
-                    use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pin
-                )
-                self._stager = DefaultStager(options)
-            staged = self._stager.stage(tensors)
-            if self._pinned is None:  # reuse_host_buffers=False
-                self._stager.close()
-                self._stager = None
+        staged = self._stage(tensors) if tensors else None
         return staged, snapshot_state(rank_state, pinned=self._pinned)
+
+    def _stage(self, tensors: dict[str, Any]) -> Any:
+        """DCP's tensors copied into host memory (pinned where CUDA is) by torch's
+        stager, whose host buffers are kept for the next save unless
+        ``reuse_host_buffers=False``."""
+        import torch
+
+        pin = bool(torch.cuda.is_available())
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            options = StagingOptions(
+                use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pin
+            )
+            self._stager = DefaultStager(options)
+        # Some torch releases (2.11) close the DefaultStager's StateDictStager after
+        # every stage: its host buffers are dropped, and the next stage fails
+        # (KeyError: <class 'type'>, its copy table cleared). Where there is one,
+        # stage through it as DefaultStager does, without that close.
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and callable(getattr(inner, "stage", None)):
+            staged = inner.stage(tensors, non_blocking=pin)
+            if pin:
+                torch.cuda.synchronize()  # the copies enqueued above are done
+        else:
+            staged = self._stager.stage(tensors)
+        if self._pinned is None:  # reuse_host_buffers=False
+            self._stager.close()
+            self._stager = None
+        return staged
 
     def _persist(self, job: PersistJob) -> None:
         """Phase two on the writer thread: every rank writes its files into the

@@ -53,6 +53,7 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL --kill-rank while the save of this step runs")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-delay", type=float, default=0.0)
+    parser.add_argument("--stager-closes", action="store_true", help="torch's DefaultStager as in torch 2.11")
     args = parser.parse_args(argv)
 
     import random
@@ -65,6 +66,17 @@ def _worker(argv: list[str]) -> int:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.stager_closes:
+        from torch.distributed.checkpoint import staging
+
+        stage = staging.DefaultStager._stage
+
+        def stage_and_close(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+            staged = stage(self, state_dict, **kwargs)
+            self._state_dict_stager.close()  # torch 2.11 does this after every stage
+            return staged
+
+        staging.DefaultStager._stage = stage_and_close  # type: ignore[method-assign]
     torch.manual_seed(0)
     model: Any = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4)
@@ -312,13 +324,18 @@ def test_two_rank_checkpoint_restored_on_four_ranks_is_resharded(tmp_path: Path)
     assert len(optimizer.state_dict()["state"]) == 4
 
 
-def test_fsdp2_resume_is_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stager", ["default", "closes-after-stage"])
+def test_fsdp2_resume_is_bit_exact(tmp_path: Path, stager: str) -> None:
+    """Also where torch's DefaultStager closes itself after every stage (torch 2.11): the
+    Checkpointer's later saves must not fail (they did, with KeyError: <class 'type'>)."""
+    flags = ["--stager-closes"] if stager == "closes-after-stage" else []
     ref = tmp_path / "ref"
     torchrun(2, ref / "ck", ref / "out", "--mode", "fsdp")
     ck, out = tmp_path / "ck", tmp_path / "out"
-    infos = torchrun(2, ck, out, "--mode", "fsdp", "--sigterm-at", "6", "--sigterm-rank", "0")
+    infos = torchrun(2, ck, out, "--mode", "fsdp", "--sigterm-at", "6", "--sigterm-rank", "0", *flags)
     assert [i["stopped"] for i in infos] == [7, 7]
-    infos = torchrun(2, ck, out, "--mode", "fsdp")
+    assert all(len(i["stalls"]) >= 2 for i in infos), infos  # a routine save, then the SIGTERM one
+    infos = torchrun(2, ck, out, "--mode", "fsdp", *flags)
     assert [i["start"] for i in infos] == [8, 8]
     assert_same_final(ref / "out", out, 2)
 
