@@ -20,7 +20,8 @@ When not to: a save that would link a file from the previous checkpoint (a
 frozen base, :meth:`LocalWriter._link_kept`) writes it nowhere, and a link
 cannot cross file systems: that save stays on the disk. A save that would not
 fit (the memory file system's free space, the memory this process may still
-use: ``MemAvailable`` and its cgroup's limit) stays on the disk too, and so
+use: ``MemAvailable`` and its cgroup's limit less what it uses beyond its
+inactive page cache) stays on the disk too, and so
 does one that fills the memory while it is written (it is written again on
 the disk, within the same deadline).
 
@@ -85,12 +86,24 @@ def parse_meminfo_available(text: str) -> int | None:
     return None
 
 
-def cgroup_room(limit: str, current: str) -> int | None:
-    """Pure: what a cgroup v2 ``memory.max`` of ``limit`` leaves beyond ``memory.current`` (None: no limit)."""
+def cgroup_room(limit: str, current: str, stat: str = "") -> int | None:
+    """Pure: what a cgroup v2 ``memory.max`` of ``limit`` leaves beyond
+    ``memory.current`` (None: no limit), the cgroup's inactive page cache
+    (``inactive_file`` of its ``memory.stat``) counted as room: the kernel
+    reclaims it before it refuses memory, and kubelet leaves it out of a pod's
+    working set the same way. Without that, the page cache of a pod's routine
+    checkpoints, charged to its cgroup, would keep its emergency save out of
+    memory."""
     limit, current = limit.strip(), current.strip()
     if not limit.isdigit() or not current.isdigit():
         return None
-    return max(0, int(limit) - int(current))
+    inactive = 0
+    for line in stat.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == "inactive_file" and fields[1].isdigit():
+            inactive = int(fields[1])
+    used = max(0, int(current) - inactive)
+    return max(0, int(limit) - used)
 
 
 def memory_headroom() -> int | None:
@@ -104,7 +117,10 @@ def memory_headroom() -> int | None:
     with contextlib.suppress(OSError, ValueError):
         rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
         base = Path("/sys/fs/cgroup") / rel.lstrip("/")
-        room = cgroup_room((base / "memory.max").read_text(), (base / "memory.current").read_text())
+        stat = ""
+        with contextlib.suppress(OSError):
+            stat = (base / "memory.stat").read_text()
+        room = cgroup_room((base / "memory.max").read_text(), (base / "memory.current").read_text(), stat)
         if room is not None:
             found.append(room)
     return min(found) if found else None

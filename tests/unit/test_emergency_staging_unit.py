@@ -69,6 +69,17 @@ def test_a_cgroup_limit_leaves_room(limit: str, current: str, room: int | None) 
     assert cgroup_room(limit, current) == room
 
 
+def test_a_cgroups_inactive_page_cache_counts_as_room() -> None:
+    # A pod limited to 8 GiB whose routine checkpoints left 6 GiB of page cache charged to it:
+    # 7 GiB "used", but the kernel reclaims the inactive cache before it refuses memory.
+    gib = 1 << 30
+    stat = f"anon {gib}\nfile {6 * gib}\nactive_file {gib}\ninactive_file {5 * gib}\nshmem 0\n"
+    assert cgroup_room(str(8 * gib), str(7 * gib)) == gib
+    assert cgroup_room(str(8 * gib), str(7 * gib), stat) == 6 * gib
+    assert cgroup_room(str(8 * gib), str(7 * gib), "inactive_file lots\n") == gib  # unreadable: not counted
+    assert cgroup_room(str(8 * gib), str(gib), f"inactive_file {2 * gib}\n") == 8 * gib  # never beyond the limit
+
+
 MOUNTS = """sysfs /sys sysfs rw 0 0
 /dev/vda / ext4 rw,discard 0 0
 tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0
