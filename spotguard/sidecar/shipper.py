@@ -457,6 +457,12 @@ class CheckpointShipper:
         (``chunks``): its upload takes them as found and stored (see
         :func:`~spotguard.checkpoint.chunked.upload_chunks`)."""
         if chunks is not None:
+            # What was found for a checkpoint never shipped (a newer one came first) is no use once
+            # too old to name: it goes, so that a long run's preemptions do not pile up here.
+            now = time.monotonic()
+            self._prestored = {
+                n: p for n, p in self._prestored.items() if p.fresh(now, DEFAULT_ORPHAN_GRACE) or n == name
+            }
             self._prestored[name] = chunks
             return
         self._note_stopped(name, {})

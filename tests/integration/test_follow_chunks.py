@@ -258,3 +258,23 @@ def test_a_store_failing_while_the_follower_stores_leaves_the_rest_to_the_upload
     assert verify_checkpoint(storage, committed.name).ok
     out = restore_checkpoint(storage, committed.name, tmp_path / "restored")
     assert (Path(out.uri) / "model.safetensors").read_bytes() == data
+
+
+def test_the_shipper_forgets_what_was_found_for_checkpoints_too_old_to_ship(tmp_path: Path) -> None:
+    """A follower's finds for a checkpoint that was never shipped (superseded) do not stay for the
+    uploader's whole life: once too old to be named by an upload, the next find drops them."""
+    from spotguard.checkpoint.chunked import Prestored
+    from spotguard.sidecar.deadline import ThroughputTracker
+    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.shipper import CheckpointShipper
+    from spotguard.storage import open_storage
+
+    storage = open_storage(f"file://{tmp_path / 'store'}")
+    shipper = CheckpointShipper(
+        tmp_path / "ckpt", storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), incremental=True
+    )
+    now = time.monotonic()
+    shipper.note_prestored("ckpt-000000000001", Prestored({}, {}, now - 10**6))  # long ago
+    shipper.note_prestored("ckpt-000000000002", Prestored({}, {}, now))
+    shipper.note_prestored("ckpt-000000000003", Prestored({}, {}, now))
+    assert sorted(shipper._prestored) == ["ckpt-000000000002", "ckpt-000000000003"]
