@@ -660,6 +660,7 @@ def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], 
             str(ROOT / "bench" / "sigterm_trainer.py"),
             "--bytes",
             str(nbytes),
+            "--routine",  # preempted after a routine checkpoint, as a training run usually is
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -668,9 +669,12 @@ def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], 
     )
     assert proc.stdout is not None
     lines = []
+    ready = routine = False
     for line in proc.stdout:
         lines.append(line)
-        if line.strip() == "ready":
+        ready = ready or line.strip() == "ready"
+        routine = routine or "stage=pointer " in line  # the routine checkpoint is verified in storage
+        if ready and routine:
             break
     else:
         raise RuntimeError("trainer never became ready:\n" + "".join(lines[-20:]))
@@ -772,8 +776,11 @@ def bench_sigterm(ctx: Ctx) -> Section:
         for x in rounds:
             all_stages += [k for k in x[2] if k not in all_stages]
     s.notes.append(
-        f"`spotguard run` supervising a trainer with the given state, SIGTERM to the supervisor: the "
-        f"trainer saves at its next step boundary, the supervisor uploads, verifies and exits. In the "
+        f"`spotguard run` supervising a trainer with the given state, SIGTERM to the supervisor once the "
+        f"trainer's routine checkpoint (step 1) is verified in storage, as a training run is usually "
+        f"preempted after one (its host buffers are then allocated; a trainer's very first save also pays "
+        f"for fresh memory): the trainer saves at its next step boundary, the supervisor uploads, verifies "
+        f"and exits. In the "
         f"same round the checkpoint files of that size are uploaded again with the project's own concurrent "
         f"multipart upload (`Storage.upload_files`) and nothing else: no pointer, no verification (after the "
         f"SIGTERM run in even rounds, before it in odd ones, then with the previous round's files). "

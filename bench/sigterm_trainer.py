@@ -15,6 +15,7 @@ import time
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--bytes", type=int, required=True)
+    p.add_argument("--routine", action="store_true", help="a routine checkpoint at step 1, before ready")
     args = p.parse_args()
 
     import torch
@@ -26,6 +27,10 @@ def main() -> int:
     params = {f"p{i}": torch.full((min(chunk, n - i * chunk),), float(i)) for i in range((n + chunk - 1) // chunk)}
     ckpt = spotguard.Checkpointer.from_env()
     step = 0
+    if args.routine:
+        step = 1
+        ckpt.save(step, {"model": params})
+        ckpt.wait()
     print("ready", flush=True)
     while True:
         step += 1
