@@ -73,7 +73,9 @@ def _worker(argv: list[str]) -> int:
 
         def stage_and_close(self: Any, state_dict: Any, **kwargs: Any) -> Any:
             staged = stage(self, state_dict, **kwargs)
-            self._state_dict_stager.close()  # torch 2.11 does this after every stage
+            inner = getattr(self, "_state_dict_stager", None)
+            if inner is not None:
+                inner.close()  # torch 2.11 does this after every stage
             return staged
 
         staging.DefaultStager._stage = stage_and_close  # type: ignore[method-assign]
@@ -329,6 +331,11 @@ def test_fsdp2_resume_is_bit_exact(tmp_path: Path, stager: str) -> None:
     """Also where torch's DefaultStager closes itself after every stage (torch 2.11): the
     Checkpointer's later saves must not fail (they did, with KeyError: <class 'type'>)."""
     flags = ["--stager-closes"] if stager == "closes-after-stage" else []
+    if flags:
+        from torch.distributed.checkpoint import staging
+
+        if not hasattr(staging, "DefaultStager") or not hasattr(staging.DefaultStager, "_stage"):
+            pytest.skip("this torch has no DefaultStager._stage to make close its stager")
     ref = tmp_path / "ref"
     torchrun(2, ref / "ck", ref / "out", "--mode", "fsdp")
     ck, out = tmp_path / "ck", tmp_path / "out"
