@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from testenv import cluster
@@ -223,6 +223,26 @@ def goal(section: Section, text: str, spread: Spread, threshold: float, *, suffi
     verdict = f"{spread.text(suffix)}; {worse} quartile {spread.worse():.2f}{suffix}"
     section.goals.append((text, met, verdict + (f"; {detail}" if detail else "")))
     return met
+
+
+class StageLine(NamedTuple):
+    """One of spotguard's ``stage=<name> seconds=<s> key=value ...`` log lines."""
+
+    stage: str
+    seconds: float
+    fields: dict[str, str]  # the key=value pairs after the seconds (``name``: the checkpoint's)
+
+
+_STAGE_LINE = re.compile(r"stage=(\w+) seconds=([0-9.]+)(.*)")
+_FIELD = re.compile(r"(\w+)=(\S+)")
+
+
+def stage_line(line: str) -> StageLine | None:
+    """The stage line in ``line``, or None."""
+    m = _STAGE_LINE.search(line)
+    if m is None:
+        return None
+    return StageLine(m.group(1), float(m.group(2)), dict(_FIELD.findall(m.group(3))))
 
 
 def parse_stage_lines(text: str) -> dict[str, float]:

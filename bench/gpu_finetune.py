@@ -23,7 +23,9 @@ import shutil
 import signal
 import sys
 import time
+from typing import NamedTuple
 
+from bench.common import StageLine, stage_line
 from bench.gpu_common import Check, CheckFailed, Child, Ctx, MiB, child_env, run_child
 from bench.incremental_worker import ROUTINE
 
@@ -33,28 +35,35 @@ MORE_STEPS = 3
 PREEMPTED_RE = re.compile(r"preempted after step (\d+) digest ([0-9a-f]{64})")
 RESUMED_RE = re.compile(r"resumed from step (\d+) digest ([0-9a-f]{64}) base_equal=(yes|no) seconds=([0-9.]+)")
 FINAL_RE = re.compile(r"final step (\d+) digest ([0-9a-f]{64})")
-STAGE_RE = re.compile(r"stage=(\w+) seconds=([0-9.]+) (?:name=(\S+))?(.*)")
-FIELD_RE = re.compile(r"(\w+)=(\S+)")
 
 
-def _stages(child: Child, after: float = 0.0) -> list[tuple[float, str, float, str, dict[str, str]]]:
-    """The supervisor's ``stage=`` lines after ``after``: (when, stage, seconds, checkpoint name, fields)."""
+class _Stage(NamedTuple):
+    when: float  # when the line arrived (time.monotonic)
+    line: StageLine
+
+
+def _stages(child: Child, after: float = 0.0) -> list[_Stage]:
+    """The supervisor's stage lines that arrived after ``after``."""
     found = []
-    for when, line in list(child.lines):
-        m = STAGE_RE.search(line)
-        if m and when >= after:
-            found.append((when, m.group(1), float(m.group(2)), m.group(3) or "", dict(FIELD_RE.findall(m.group(4)))))
+    for when, text in list(child.lines):
+        line = stage_line(text)
+        if line is not None and when >= after:
+            found.append(_Stage(when, line))
     return found
 
 
-def _stage(stages: list[tuple[float, str, float, str, dict[str, str]]], stage: str, name: str | None = None) -> tuple:
+def _stage(stages: list[_Stage], stage: str, name: str | None = None) -> _Stage:
+    """The first ``stage`` line (of checkpoint ``name``, if given)."""
     for s in stages:
-        if s[1] == stage and (name is None or s[3] == name):
+        if s.line.stage == stage and (name is None or s.line.fields.get("name") == name):
             return s
     raise CheckFailed(f"no stage={stage} line{f' for {name}' if name else ''} in the supervisor's output")
 
 
 def check_finetune(ctx: Ctx, c: Check) -> None:
+    from spotguard.checkpoint import latest_verified
+    from spotguard.checkpoint.manifest import checkpoint_name
+
     frozen = ctx.frozen_bytes
     dtype = "bfloat16" if ctx.cuda else "float32"
     params = frozen // (2 if ctx.cuda else 4)
@@ -103,35 +112,34 @@ def check_finetune(ctx: Ctx, c: Check) -> None:
         rc = first.wait(ctx.timeout)
     finally:
         first.kill()
+    first_name = checkpoint_name(1)
     stages = _stages(first)
-    full = _stage(stages, "upload", f"ckpt-{1:012d}")
-    full_verify = _stage(stages, "verify", f"ckpt-{1:012d}")
+    full, full_verify = _stage(stages, "upload", first_name).line, _stage(stages, "verify", first_name).line
     c.say(
-        f"first checkpoint (the whole state): upload {full[2]:.2f}s ({frozen / GiB / max(full[2], 1e-9):.2f} GiB/s), "
-        f"verify {full_verify[2]:.2f}s"
+        f"first checkpoint (the whole state): upload {full.seconds:.2f}s "
+        f"({frozen / GiB / max(full.seconds, 1e-9):.2f} GiB/s), verify {full_verify.seconds:.2f}s"
     )
-    c.fig("first_upload_s", full[2])
-    c.fig("first_verify_s", full_verify[2])
+    c.fig("first_upload_s", full.seconds)
+    c.fig("first_verify_s", full_verify.seconds)
     if rc != 128 + signal.SIGTERM:
         raise CheckFailed(f"spotguard run exited {rc} after SIGTERM, not 143:\n{first.tail()}")
     preempted = first.find(PREEMPTED_RE)
     if preempted is None:
         raise CheckFailed(f"no 'preempted after step' line:\n{first.tail()}")
     stopped, stopped_digest = int(preempted[1].group(1)), preempted[1].group(2)
-    name = f"ckpt-{stopped:012d}"
+    name = checkpoint_name(stopped)
     after = _stages(first, sent)
-    verified_at = _stage(after, "verify", name)[0]
-    upload = _stage(after, "upload", name)
-    uploaded = int(upload[4].get("bytes", -1))
-    total = uploaded + int(upload[4].get("reused_bytes", 0))
+    save, upload = _stage(after, "save", name).line, _stage(after, "upload", name).line
+    verify = _stage(after, "verify", name)
+    uploaded = int(upload.fields.get("bytes", -1))
+    total = uploaded + int(upload.fields.get("reused_bytes", 0))
     share = uploaded / total if total > 0 else 1.0
-    to_verified = c.fig("sigterm_to_verified_s", round(verified_at - sent, 3))
+    to_verified = c.fig("sigterm_to_verified_s", round(verify.when - sent, 3))
     c.fig("emergency_uploaded_bytes", uploaded)
     c.fig("emergency_uploaded_share", round(share, 5))
-    steps = {s[1]: s[2] for s in after if s[3] in (name, "")}
     c.say(
-        f"preempted after step {stopped}: SIGTERM -> verified {to_verified:.2f}s (save {steps.get('save', 0):.2f}s, "
-        f"upload {upload[2]:.2f}s, verify {steps.get('verify', 0):.2f}s); uploaded {uploaded / MiB:.1f} MiB "
+        f"preempted after step {stopped}: SIGTERM -> verified {to_verified:.2f}s (save {save.seconds:.2f}s, "
+        f"upload {upload.seconds:.2f}s, verify {verify.line.seconds:.2f}s); uploaded {uploaded / MiB:.1f} MiB "
         f"of {total / GiB:.2f} GiB ({100 * share:.2f}%)"
     )
     if uploaded > ADAPTER_BYTES + MiB:  # the adapter, its moments, the step and RNG states: what changed
@@ -139,7 +147,6 @@ def check_finetune(ctx: Ctx, c: Check) -> None:
     if ctx.cuda and share >= 0.05:
         raise CheckFailed(f"the emergency checkpoint uploaded {100 * share:.1f}% of the state, not < 5%")
 
-    from spotguard.checkpoint import latest_verified
     from spotguard.storage import open_storage
 
     info, _ = latest_verified(open_storage(f"file://{store}"))
@@ -155,7 +162,7 @@ def check_finetune(ctx: Ctx, c: Check) -> None:
         raise CheckFailed(f"the resumed run printed no 'resumed from step' or no final digest:\n{again.tail()}")
     step, digest, base_ok = int(resumed[1].group(1)), resumed[1].group(2), resumed[1].group(3) == "yes"
     load_s = float(resumed[1].group(4))
-    fetch_s = _stage(_stages(again), "restore")[2]
+    fetch_s = _stage(_stages(again), "restore").line.seconds
     c.fig("restore_fetch_s", fetch_s)
     c.fig("restore_load_s", load_s)
     c.say(

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +41,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import GiB, MiB, Section, Spread, fmt, goal, interleaved, median, per_round, seaweedfs_store
+from bench.common import (
+    GiB,
+    MiB,
+    Section,
+    Spread,
+    fmt,
+    goal,
+    interleaved,
+    median,
+    per_round,
+    seaweedfs_store,
+    stage_line,
+)
 from bench.incremental_worker import ROUTINE
 
 if TYPE_CHECKING:
@@ -54,8 +65,6 @@ ADAPTER_BYTES = 6 * MiB  # adapter parameters (2 MiB) + AdamW's two moments
 FULL_STATE_BYTES = 256 * MiB  # full training: parameters + moments, every tensor changes
 CHUNK = 16 * MiB  # the largest chunk (spotguard.checkpoint.chunks.MAX_CHUNK)
 MODES = {"plain": "plain (whole files, --no-incremental)", "incremental": "incremental (the default)"}
-_STAGE = re.compile(r"stage=(\w+) seconds=([0-9.]+)(.*)")
-_FIELD = re.compile(r"(\w+)=(\S+)")
 
 
 @dataclass
@@ -193,15 +202,15 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
     fields: dict[str, str] = {}
     uploaded = -1
     for line in out.since(t0):
-        m = _STAGE.search(line)
-        if not m:
+        st = stage_line(line)
+        if st is None:
             continue
-        stages[m.group(1)] = stages.get(m.group(1), 0.0) + float(m.group(2))
-        if m.group(1) == "upload":
-            fields = {**fields, **dict(_FIELD.findall(m.group(3)))}
+        stages[st.stage] = stages.get(st.stage, 0.0) + st.seconds
+        if st.stage == "upload":
+            fields = {**fields, **st.fields}
             uploaded = int(fields.get("bytes", -1))
-        elif m.group(1) == "verify":  # how many chunks the verification took as checked
-            fields = {**fields, **{k: v for k, v in _FIELD.findall(m.group(3)) if k == "trusted_chunks"}}
+        elif st.stage == "verify" and "trusted_chunks" in st.fields:  # chunks the verification took as checked
+            fields = {**fields, "trusted_chunks": st.fields["trusted_chunks"]}
     storage = open_storage(
         f"s3://{s3.bucket}/{prefix}",
         endpoint_url=s3.endpoint_url,

@@ -61,7 +61,6 @@ def finetune_model(
     base = torch.nn.ParameterList()
     for t in frozen_tensors(frozen_bytes, device, dtype):
         base.append(torch.nn.Parameter(torch.zeros_like(t) if zero_base else t, requires_grad=False))
-        del t
     # Adapter parameters: trainable_bytes / 3 (AdamW keeps two moments of the same size).
     rank = max(1, trainable_bytes // 3 // 4 // (2 * WIDTH))
     down = torch.nn.Linear(WIDTH, rank, bias=False, device=device)
