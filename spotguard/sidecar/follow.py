@@ -40,13 +40,14 @@ checkpoint.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,81 @@ CHUNK_WORKERS = 4
 
 class FollowStopped(Exception):
     """The follower was told to stop (or its deadline came) while it waited for bytes."""
+
+
+class Growth:
+    """A file being written, open as its descriptor, and how far it has grown.
+
+    Every part or chunk of the file waits for its own bytes (:meth:`wait`). One
+    thread looks at the size for all of them, every :data:`POLL_SECONDS` while
+    any waits, and wakes each once its bytes are in: eight uploads waiting on
+    one file cost one look, not eight, and the waiters' wakeups stop taking the
+    CPU from the uploads that are sending (on a node whose cores the trainer,
+    the uploader and the store share, that CPU is the emergency's time).
+    :meth:`close` closes the descriptor, under the lock the looks take, so no
+    look reaches a descriptor number that was closed and given to another file.
+    """
+
+    def __init__(self, fd: int, stopping: Callable[[], bool]) -> None:
+        self.fd = fd
+        self._stopping = stopping
+        self._lock = threading.Lock()
+        self._size = 0
+        self._waiting: list[tuple[int, int, threading.Event]] = []  # a heap of (end, order, event)
+        self._order = itertools.count()
+        self._looking = False
+        #: How many times the size was looked at (for tests and measurements).
+        self.looks = 0
+
+    def wait(self, end: int) -> None:
+        """Return once the file holds ``end`` bytes; raise :class:`FollowStopped` when the follower stops
+        (or the file is closed) first."""
+        event = threading.Event()
+        with self._lock:
+            if self._look() >= end:
+                return
+            heapq.heappush(self._waiting, (end, next(self._order), event))
+            if not self._looking:
+                self._looking = True
+                threading.Thread(target=self._watch, name="spotguard-follow-size", daemon=True).start()
+        # The timeout only bounds a wait whose looker died; the looker wakes every waiter when it stops.
+        while not event.wait(STOP_WAIT_SECONDS):
+            if self._stopping():
+                break
+        with self._lock:
+            if self._size >= end:
+                return
+        raise FollowStopped()
+
+    def close(self) -> None:
+        """Close the descriptor; a waiter still waiting is stopped."""
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def _look(self) -> int:
+        """The size now (the lock held); -1 once closed."""
+        if self.fd < 0:
+            return -1
+        self.looks += 1
+        self._size = max(self._size, os.fstat(self.fd).st_size)
+        return self._size
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(POLL_SECONDS)
+            stop = self._stopping()
+            with self._lock:
+                try:
+                    size = self._look()
+                except OSError:
+                    size = -1
+                while self._waiting and (stop or size < 0 or self._waiting[0][0] <= size):
+                    heapq.heappop(self._waiting)[2].set()
+                if not self._waiting:
+                    self._looking = False
+                    return
 
 
 class WriteFollower:
@@ -164,10 +240,11 @@ class WriteFollower:
                     fd = self._await_file(tmp / path)
                     if fd is None:
                         return
+                    growth = Growth(fd, self._stopping)
                     try:
-                        sent = self._send(fd, f"{name}/{path}", size)
+                        sent = self._send(growth, f"{name}/{path}", size)
                     finally:
-                        os.close(fd)
+                        growth.close()
                     if sent:
                         self.sent.append(path)
         except FollowStopped:
@@ -178,7 +255,7 @@ class WriteFollower:
 
     def _chunks(self, tmp: Path, plan: WritePlan) -> None:
         """Hash, and store where new, every chunk of the plan's safetensors files as they are written."""
-        fds: list[int] = []
+        files: list[Growth] = []
         pending: list[tuple[str, list[Future[None]]]] = []
         try:
             # Leaving the pool waits for every chunk, so no read of a descriptor outlives it.
@@ -189,14 +266,15 @@ class WriteFollower:
                     fd = self._await_file(tmp / path)
                     if fd is None:
                         break
-                    fds.append(fd)
+                    growth = Growth(fd, self._stopping)
+                    files.append(growth)
                     if os.fstat(fd).st_nlink > 1:
                         continue  # linked from a kept checkpoint: the upload knows it without reading it
-                    places = plan_safetensors(self._head(fd, size), size)
-                    pending.append((path, [pool.submit(self._chunk, fd, path, *at) for at in places]))
+                    places = plan_safetensors(self._head(growth, size), size)
+                    pending.append((path, [pool.submit(self._chunk, growth, path, *at) for at in places]))
         finally:
-            for fd in fds:
-                os.close(fd)
+            for growth in files:
+                growth.close()
         for path, futures in pending:
             if any(f.exception() is None for f in futures):
                 self.sent.append(path)
@@ -204,21 +282,21 @@ class WriteFollower:
         if errors:
             raise errors[0]
 
-    def _head(self, fd: int, size: int) -> bytes:
+    def _head(self, growth: Growth, size: int) -> bytes:
         """The first bytes of a safetensors file being written, its whole header once it is in."""
-        self._written(fd, min(8, size))
-        need = safetensors_head_size(os.pread(fd, 8, 0))
+        growth.wait(min(8, size))
+        need = safetensors_head_size(os.pread(growth.fd, 8, 0))
         if need is None or need > size:
             return b""  # not a header: fixed chunks, as the upload plans them
-        self._written(fd, need)
-        return read_range(fd, 0, need)
+        growth.wait(need)
+        return read_range(growth.fd, 0, need)
 
-    def _chunk(self, fd: int, path: str, offset: int, length: int) -> None:
+    def _chunk(self, growth: Growth, path: str, offset: int, length: int) -> None:
         """Once the file holds it, read the chunk at ``offset``, hash it, and store it unless known."""
         if self._stopping():
             raise FollowStopped()
-        self._written(fd, offset + length)
-        data = read_range(fd, offset, length)
+        growth.wait(offset + length)
+        data = read_range(growth.fd, offset, length)
         ref = hash_chunk(data)
         assert self._known is not None
         with self._lock:
@@ -230,10 +308,9 @@ class WriteFollower:
                 self._stored[ref.hash] = ref.size
             self._located[(path, offset, length)] = ref
 
-    def _send(self, fd: int, key: str, size: int) -> bool:
-        """Upload the file open as ``fd`` (the path survives a rename of its directory) while it grows."""
-        written = partial(self._written, fd)
-        return bool(self._storage.upload_growing(Path(f"/proc/self/fd/{fd}"), key, size, written))
+    def _send(self, growth: Growth, key: str, size: int) -> bool:
+        """Upload the file open as ``growth.fd`` (the path survives a rename of its directory) while it grows."""
+        return bool(self._storage.upload_growing(Path(f"/proc/self/fd/{growth.fd}"), key, size, growth.wait))
 
     def _await_plan(self) -> WritePlan | None:
         while not self._waiting_is_over():
@@ -263,10 +340,3 @@ class WriteFollower:
                     return None
             time.sleep(POLL_SECONDS)
         return None
-
-    def _written(self, fd: int, end: int) -> None:
-        """Wait until the file holds ``end`` bytes; raises :class:`FollowStopped` when stopped first."""
-        while os.fstat(fd).st_size < end:
-            if self._stopping():
-                raise FollowStopped()
-            time.sleep(POLL_SECONDS)
