@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -82,6 +83,84 @@ def measure() -> Iterator[Usage]:
             + r1c.ru_stime
             - r0c.ru_stime
         )
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _processes(cmdlines: dict[int, str]) -> dict[int, tuple[int, str, float]]:
+    """Every process: pid -> (parent pid, command line, CPU seconds so far, user + system). A
+    command line is read once per process (``cmdlines`` keeps them)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if pid not in cmdlines:
+                cmdlines[pid] = (
+                    Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode("ascii", "replace")
+                )
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        found[pid] = (int(fields[1]), cmdlines[pid], (int(fields[11]) + int(fields[12])) / _TICKS)
+    return found
+
+
+class CpuWatch:
+    """CPU seconds (user + system) that each part of a run used while watched, read from ``/proc``.
+
+    Parts: ``client`` (this process), ``supervisor`` (``root``, when given), ``trainer`` (every
+    descendant of ``root``), ``store`` (processes whose command line holds ``store``). Sampled every
+    ``interval`` s, so a process that exits while watched loses at most its last interval.
+    """
+
+    def __init__(self, root: int | None = None, store: str = "weed server", interval: float = 0.1) -> None:
+        self._root, self._store, self._interval = root, store, interval
+        self._cmdlines: dict[int, str] = {}
+        self._before = _processes(self._cmdlines)
+        self._last: dict[int, tuple[int, str, float]] = dict(self._before)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._last.update(_processes(self._cmdlines))
+
+    def _part(self, pid: int, parents: dict[int, int]) -> str | None:
+        if pid == os.getpid():
+            return "client"
+        if self._store in self._last[pid][1]:
+            return "store"
+        if self._root is None:
+            return None
+        if pid == self._root:
+            return "supervisor"
+        seen = set()
+        while pid in parents and pid not in seen:
+            seen.add(pid)
+            pid = parents[pid]
+            if pid == self._root:
+                return "trainer"
+        return None
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds per part since the watch began (and ``all``: their sum)."""
+        self._stop.set()
+        self._thread.join()
+        self._last.update(_processes(self._cmdlines))
+        parents = {pid: v[0] for pid, v in self._last.items()}
+        used: dict[str, float] = {}
+        for pid, (_, _, cpu) in self._last.items():
+            part = self._part(pid, parents)
+            if part is not None:
+                before = self._before.get(pid)
+                used[part] = used.get(part, 0.0) + cpu - (before[2] if before else 0.0)
+        used["all"] = sum(used.values())
+        return used
 
 
 def repeat(fn: Callable[[], float], n: int) -> list[float]:

@@ -47,6 +47,7 @@ from bench import dist, frameworks, gang, goodput, incremental, preempt_upload, 
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
+    CpuWatch,
     Ctx,
     GiB,
     MiB,
@@ -633,10 +634,11 @@ def _cprofile(fn: Callable[[], Any]) -> str:
 # --- SIGTERM -> verified in S3 --------------------------------------------------
 
 
-def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], Path]:
+def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], Path, dict[str, float]]:
     """One ``spotguard run`` preempted by SIGTERM: seconds to a verified
-    checkpoint, exit code, seconds per stage from its log, and the local copy
-    of the checkpoint it shipped (the bytes the raw baseline uploads)."""
+    checkpoint, exit code, seconds per stage from its log, the local copy
+    of the checkpoint it shipped (the bytes the raw baseline uploads), and the
+    CPU seconds each part used from SIGTERM to the end (:class:`CpuWatch`)."""
     from spotguard.checkpoint import latest_verified, list_local_committed, restore_checkpoint
 
     assert ctx.s3 is not None
@@ -680,10 +682,12 @@ def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], 
         raise RuntimeError("trainer never became ready:\n" + "".join(lines[-20:]))
     time.sleep(1.0)
     os.sync()  # the trainer's allocation must not be written back on the clock
+    cpu = CpuWatch(root=proc.pid)
     t0 = time.perf_counter()
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=900)
     latency = time.perf_counter() - t0
+    used = cpu.stop()
     storage = ctx.storage(prefix)
     info, _ = latest_verified(storage)
     if info is None:
@@ -692,21 +696,24 @@ def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], 
     local = [p for p in list_local_committed(workdir / "checkpoints") if p.name == info.name]
     copy = local[0] if local else restore_checkpoint(storage, info.name, workdir / "copy").uri
     _drop_prefix(ctx, prefix)
-    return latency, proc.returncode, stages, Path(copy)
+    return latency, proc.returncode, stages, Path(copy), used
 
 
-def _raw_upload(ctx: Ctx, src: Path) -> float:
+def _raw_upload(ctx: Ctx, src: Path) -> tuple[float, dict[str, float]]:
     """The project's own concurrent multipart upload of a checkpoint's data
-    files and manifest, and nothing else: no pointer, no verification."""
+    files and manifest, and nothing else: no pointer, no verification. Seconds,
+    and the CPU seconds of this process and the store meanwhile."""
     prefix = f"bench-raw-{uuid.uuid4().hex[:8]}"
     storage = ctx.storage(prefix)
     files = sorted(p for p in src.iterdir() if p.is_file())
     os.sync()
+    cpu = CpuWatch()
     t0 = time.perf_counter()
     storage.upload_files([(p, f"{src.name}/{p.name}") for p in files])
     dt = time.perf_counter() - t0
+    used = cpu.stop()
     _drop_prefix(ctx, prefix)
-    return dt
+    return dt, used
 
 
 def bench_sigterm(ctx: Ctx) -> Section:
@@ -714,6 +721,8 @@ def bench_sigterm(ctx: Ctx) -> Section:
     reps = ctx.rounds_for(3)
     # size -> rounds of (SIGTERM -> verified, exit code, stages, raw upload of the same bytes)
     results: dict[float, list[tuple[float, int, dict[str, float], float]]] = {gb: [] for gb in sizes}
+    # size -> rounds of (CPU seconds per part of the SIGTERM run, of the raw upload)
+    cpu: dict[float, list[tuple[dict[str, float], dict[str, float]]]] = {gb: [] for gb in sizes}
     # The raw upload goes after the SIGTERM run in even rounds and before it in odd ones (uploading the
     # previous round's checkpoint of the same size: the same files, the same sizes), so that neither
     # always meets the store first (a store grows its volumes on the first writes after a deletion).
@@ -721,8 +730,8 @@ def bench_sigterm(ctx: Ctx) -> Section:
     for r in range(reps):
         for gb in sizes:
             first = r % 2 == 1 and gb in kept
-            raw = _raw_upload(ctx, kept[gb]) if first else 0.0
-            latency, rc, stages, copy = _sigterm_once(ctx, int(gb * GiB))
+            raw, raw_cpu = _raw_upload(ctx, kept[gb]) if first else (0.0, {})
+            latency, rc, stages, copy, sig_cpu = _sigterm_once(ctx, int(gb * GiB))
             keep = ctx.work / f"sigterm-copy-{gb:g}" / copy.name
             shutil.rmtree(keep.parent, ignore_errors=True)
             keep.parent.mkdir(parents=True)
@@ -730,8 +739,9 @@ def bench_sigterm(ctx: Ctx) -> Section:
             shutil.rmtree(copy.parents[1], ignore_errors=True)
             kept[gb] = keep
             if not first:
-                raw = _raw_upload(ctx, keep)
+                raw, raw_cpu = _raw_upload(ctx, keep)
             results[gb].append((latency, rc, stages, raw))
+            cpu[gb].append((sig_cpu, raw_cpu))
             print(
                 f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw upload {raw:.2f}s "
                 f"({'before' if first else 'after'}), stages {stages}",
@@ -812,6 +822,7 @@ def bench_sigterm(ctx: Ctx) -> Section:
             for gb in sizes
         )
     )
+    s.notes.append(_sigterm_cpu_note(sizes, results, cpu))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -838,6 +849,46 @@ def bench_sigterm(ctx: Ctx) -> Section:
     plt.close(fig)
     s.plot = f"{ctx.plots.name}/sigterm.png"
     return s
+
+
+def _sigterm_cpu_note(
+    sizes: list[float],
+    results: dict[float, list[tuple[float, int, dict[str, float], float]]],
+    cpu: dict[float, list[tuple[dict[str, float], dict[str, float]]]],
+) -> str:
+    """Where the SIGTERM runs' and the raw uploads' CPU went, and how the
+    SIGTERM path's extra CPU compares with its extra time."""
+    parts = ["trainer", "supervisor", "client", "store", "all"]
+    rows = []
+    for gb in sizes:
+        for label, which, walls in (
+            ("SIGTERM -> verified", 0, [x[0] for x in results[gb]]),
+            ("raw upload", 1, [x[3] for x in results[gb]]),
+        ):
+            used = [c[which] for c in cpu[gb]]
+            cells = [fmt(median([u.get(k, 0.0) for u in used])) for k in parts]
+            busy = median([u.get("all", 0.0) / w for u, w in zip(used, walls, strict=True) if w > 0])
+            rows.append(f"| {gb:g} GiB | {label} | " + " | ".join(cells) + f" | {busy:.2f} |")
+    ratios = []
+    for gb in sizes:
+        cpu_ratio = per_round([c[0].get("all", 0.0) for c in cpu[gb]], [c[1].get("all", 0.0) for c in cpu[gb]])
+        ratios.append(f"{gb:g} GiB {cpu_ratio.cell()}")
+    return (
+        "CPU seconds (user + system) from SIGTERM to the end, and during the raw upload, median per part "
+        "(read from `/proc` every 0.1 s by `bench.common.CpuWatch`: `trainer` is every process the "
+        "supervisor started, `client` the benchmark's own process, which makes the raw upload; `all / wall` "
+        "is how many of this machine's cores were busy with them on average). The SIGTERM run's CPU over the "
+        "raw upload's, per round: " + "; ".join(ratios) + ". Where both keep the two cores busy, the ratio of "
+        "times follows the ratio of CPU: the trainer's save and what the supervisor does beyond the upload "
+        "(following the file, verifying, the pointer) are time taken from the upload and the store on the "
+        "same cores, which on a node whose store is remote they would not be.\n\n"
+        "| state | run | "
+        + " | ".join(parts)
+        + " | all / wall |\n|"
+        + "---|" * (len(parts) + 3)
+        + "\n"
+        + "\n".join(rows)
+    )
 
 
 # --- goodput ------------------------------------------------------------------

@@ -83,3 +83,27 @@ def test_parse_stage_lines_sums_each_stage() -> None:
         "2026-01-01 spotguard ERROR stage=emergency seconds=5.000 result=failed\n"
     )
     assert parse_stage_lines(log) == {"save": 0.7, "upload": 4.0, "emergency": 5.0}
+
+
+def test_cpu_watch_gives_each_part_the_cpu_its_processes_used() -> None:
+    import subprocess
+    import sys
+
+    from bench.common import CpuWatch
+
+    burn = "import time\nwhile time.process_time() < {0}: pass\ntime.sleep(0.6)\n"
+    # The supervisor burns 0.3 s of CPU and starts a trainer that burns 0.5 s; both then wait, so that a sample
+    # sees what they used before they exit.
+    script = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {burn.format(0.5)!r}])\n"
+        + burn.format(0.3)
+        + "child.wait()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    watch = CpuWatch(root=proc.pid, store="no such store")
+    proc.wait(30)
+    used = watch.stop()
+    assert used["trainer"] >= 0.35 and used["supervisor"] >= 0.15, used
+    assert "store" not in used
+    assert abs(used["all"] - sum(v for k, v in used.items() if k != "all")) < 1e-9
