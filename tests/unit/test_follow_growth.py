@@ -81,7 +81,10 @@ def test_every_waiter_is_stopped_when_the_follower_stops_or_the_file_closes(tmp_
     ends = [STEP, 2 * STEP, 5 * STEP, 9 * STEP]
     sizes: dict[int, int] = {}
     threads = _waiters(growth, ends, sizes, path)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while STEP not in sizes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # a few looks of the looker
     assert sizes == {STEP: STEP}  # the bytes that are in were given at once; the rest still waits
     if how == "stopped":
         stop.set()
