@@ -206,7 +206,13 @@ def plan_file(path: Path, *, max_chunk: int = MAX_CHUNK, min_chunk: int = MIN_CH
     regions: list[tuple[int, int]] | None = None
     if size >= 8:
         with open(path, "rb") as f:
-            head = f.read(min(size, 8 + _SAFETENSORS_MAX_HEADER) if path.suffix == ".safetensors" else 8)
+            head = f.read(8)
+            if path.suffix == ".safetensors":
+                # The header's own length, not the largest a header may be: a 14 GiB file's plan reads its
+                # header (kilobytes), not its first 100 MiB.
+                need = safetensors_head_size(head)
+                if need is not None and need > 8:
+                    head += f.read(min(size, need) - 8)
         if path.suffix == ".safetensors":
             return plan_safetensors(head, size, max_chunk=max_chunk, min_chunk=min_chunk)
         if path.suffix == ".distcp":

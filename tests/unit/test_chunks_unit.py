@@ -144,6 +144,37 @@ def test_a_safetensors_files_chunks_are_known_from_its_header(tmp_path: Path) ->
     assert plan_safetensors(b"\xff" * 100, 100) == plan_file(bogus)
 
 
+def _bytes_read(fn: Any) -> int:
+    """How many bytes this process read (``rchar`` of ``/proc/self/io``) while ``fn`` ran."""
+
+    def rchar() -> int:
+        return int(Path("/proc/self/io").read_text().split("rchar:")[1].split()[0])
+
+    before = rchar()
+    fn()
+    return rchar() - before - len(Path("/proc/self/io").read_bytes())  # less the one read of /proc/self/io
+
+
+def test_planning_a_large_safetensors_file_reads_its_header_only(tmp_path: Path) -> None:
+    """A frozen base's file is planned at every upload: what that costs is its header, not its size
+    (it read the first 100 MiB before)."""
+    path = tmp_path / "base.safetensors"
+    save_file({f"w{i}": torch.full((4 << 20,), float(i)) for i in range(8)}, str(path))  # 128 MiB
+    data_start = safetensors_head_size(path.read_bytes()[:8])
+    assert data_start is not None
+    with open(path, "rb") as f:
+        expected = plan_safetensors(f.read(data_start), path.stat().st_size)
+    plans: list[list[tuple[int, int]]] = []
+    read = _bytes_read(lambda: plans.append(plan_file(path)))
+    assert plans == [expected] and len(expected) == 9  # the header, then a chunk per 16 MiB tensor
+    assert read <= data_start + 4096, read
+    # A header that claims more than the file holds, or more than a header may be: fixed chunks, as before.
+    for claimed in (path.stat().st_size, 1 << 40):
+        bogus = tmp_path / f"claims-{claimed}.safetensors"
+        bogus.write_bytes(claimed.to_bytes(8, "little") + b"{}" + b"\0" * (MIN_CHUNK * 3))
+        assert plan_file(bogus) == fixed_chunks(bogus.stat().st_size)
+
+
 def test_other_files_use_fixed_offsets(tmp_path: Path) -> None:
     path = tmp_path / "blob.bin"
     path.write_bytes(b"\x01" * (MAX_CHUNK + 10))
