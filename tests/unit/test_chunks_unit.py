@@ -167,7 +167,7 @@ def test_planning_a_large_safetensors_file_reads_its_header_only(tmp_path: Path)
     plans: list[list[tuple[int, int]]] = []
     read = _bytes_read(lambda: plans.append(plan_file(path)))
     assert plans == [expected] and len(expected) == 9  # the header, then a chunk per 16 MiB tensor
-    assert read <= data_start + 4096, read
+    assert read <= data_start + MiB, read  # slack for what other threads of a test worker read meanwhile
     # A header that claims more than the file holds, or more than a header may be: fixed chunks, as before.
     for claimed in (path.stat().st_size, 1 << 40):
         bogus = tmp_path / f"claims-{claimed}.safetensors"
