@@ -105,6 +105,8 @@ class Service:
     log: Path
     #: Seconds to wait after SIGTERM before SIGKILL (None: the supervisor's default).
     stop_timeout: float | None = None
+    #: Files the service makes outside the state directory, removed once it has stopped.
+    leaves: tuple[Path, ...] = ()
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -138,7 +140,12 @@ class Supervisor:
         return env
 
     def start(
-        self, name: str, argv: list[str], extra_env: dict[str, str] | None = None, stop_timeout: float | None = None
+        self,
+        name: str,
+        argv: list[str],
+        extra_env: dict[str, str] | None = None,
+        stop_timeout: float | None = None,
+        leaves: tuple[Path, ...] = (),
     ) -> Service:
         log = self.state_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +159,7 @@ class Supervisor:
                 preexec_fn=_child_setup,  # noqa: PLW1509 - needed for setsid + pdeathsig
                 cwd=self.state_dir,
             )
-        svc = Service(name, popen, log, stop_timeout)
+        svc = Service(name, popen, log, stop_timeout, leaves)
         self.services.append(svc)
         self._write_pids()
         return svc
@@ -171,6 +178,9 @@ class Supervisor:
             _signal_group(svc.popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 svc.popen.wait(5)
+            for path in svc.leaves:
+                with contextlib.suppress(OSError):
+                    path.unlink()
         self.services.clear()
         with contextlib.suppress(OSError):
             (self.state_dir / "pids.json").unlink()
@@ -235,6 +245,17 @@ class S3Store:
         }
 
 
+#: The unix sockets ``weed server`` makes (``/tmp/seaweedfs-<kind>-<port>.sock``), by the port each is named after.
+_WEED_SOCKETS = (
+    ("master-grpc", "mg"),
+    ("volume-grpc", "vg"),
+    ("filer", "filer"),
+    ("filer-grpc", "fg"),
+    ("s3", "s3"),
+    ("s3-grpc", "sg"),
+)
+
+
 def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
     weed = venv_bin() / "weed"
     if not weed.exists():
@@ -260,6 +281,7 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
         "weed",
         [
             str(weed),
+            f"-logdir={sup.state_dir / 'logs'}",  # its own log files, which it would write to /tmp
             "server",
             f"-dir={data}",
             "-ip=127.0.0.1",
@@ -285,6 +307,8 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
         ],
         # weed takes over 10 s to leave on SIGTERM; its data is throwaway test state.
         stop_timeout=2.0,
+        # weed's own services talk over unix sockets it makes in /tmp, whatever its TMPDIR, and leaves there.
+        leaves=tuple(Path(f"/tmp/seaweedfs-{kind}-{p[port]}.sock") for kind, port in _WEED_SOCKETS),
     )
     store = S3Store(f"http://127.0.0.1:{p['s3']}", access, secret, "us-east-1", bucket)
 
