@@ -68,14 +68,20 @@ Apis = tuple[Any, Any]
 # --- the control plane ------------------------------------------------------------
 
 
-def kubectl(kube: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        check=check,
-        timeout=60,
-    )
+class KubectlError(subprocess.CalledProcessError):
+    """A kubectl command failed; its message carries what kubectl said."""
+
+    def __str__(self) -> str:
+        said = (self.stderr or self.output or "").strip()
+        return f"{super().__str__()}: {said[-2000:]}" if said else super().__str__()
+
+
+def kubectl(kube: Any, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    argv = [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise KubectlError(done.returncode, argv, done.stdout, done.stderr)
+    return done
 
 
 def apis(kube: Any) -> Apis:
@@ -89,7 +95,14 @@ def apis(kube: Any) -> Apis:
 def install_crd(kube: Any) -> None:
     """Apply the TrainingJob CRD and wait until the apiserver serves it."""
     kubectl(kube, "apply", "-f", str(CRD))
-    kubectl(kube, "wait", "--for", "condition=established", "crd/trainingjobs.spotguard.dev", "--timeout=60s")
+    # Seconds on an idle machine; a control plane sharing two cores with the heavy test lane can take longer,
+    # and a request can fail while it is busy: asked again, and what kubectl said is in the error.
+    argv = ("wait", "--for", "condition=established", "crd/trainingjobs.spotguard.dev", "--timeout=120s")
+    for attempt in range(3):
+        done = kubectl(kube, *argv, check=attempt == 2, timeout=150)
+        if done.returncode == 0:
+            return
+        time.sleep(2)
 
 
 def new_namespace(core: Any, prefix: str) -> str:
