@@ -158,3 +158,23 @@ def test_no_service_outlives_a_session(mode: str, tmp_path: Path) -> None:
     left = cluster.leftover_processes(run_id)
     names = [Path(f"/proc/{p}/comm").read_text().strip() for p in left if Path(f"/proc/{p}/comm").exists()]
     assert not left, f"processes of run {run_id} still alive after the session: {names}\n{text[-2000:]}"
+
+
+def test_a_stopped_store_leaves_nothing_in_tmp(tmp_path: Path) -> None:
+    """SeaweedFS writes its log files and unix sockets into /tmp of its own accord; the test world keeps
+    them off the host: its logs go to the store's directory, its sockets are removed once it has stopped."""
+    state = tmp_path / "store"
+    state.mkdir()
+    sup = cluster.Supervisor(state)
+    try:
+        store = cluster.start_seaweedfs(sup)
+        store.client().put_object(Bucket=store.bucket, Key="x", Body=b"x")
+        weed = sup.services[-1]
+        pid = weed.popen.pid
+        sockets = list(weed.leaves)
+        assert sockets and all(p.exists() for p in sockets), [p for p in sockets if not p.exists()]
+        assert any((state / "logs").glob(f"weed.*.{pid}")), "weed's own log files are not in the store's directory"
+    finally:
+        sup.stop()
+    assert not [p for p in sockets if p.exists()]
+    assert not list(Path("/tmp").glob(f"weed.*.{pid}"))  # another test's store may write its own meanwhile
