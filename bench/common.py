@@ -328,8 +328,10 @@ def parse_stage_lines(text: str) -> dict[str, float]:
     """Seconds per stage from spotguard's ``stage=<name> seconds=<s>`` log lines
     (summed when a stage appears more than once)."""
     out: dict[str, float] = {}
-    for m in re.finditer(r"stage=(\w+) seconds=([0-9.]+)", text):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for line in text.splitlines():
+        st = stage_line(line)
+        if st is not None:
+            out[st.stage] = out.get(st.stage, 0.0) + st.seconds
     return out
 
 
