@@ -471,8 +471,9 @@ def _restore_stages(storage: Any) -> list[tuple[Any, str, str]]:
         (stream, "_check_whole", "state.json + other files"),
         (storage, "open_ranged", "open (HEAD)"),
         (stream._FileRead, "tensors", "stream tensors"),
-        (storage, "_get_range", "ranged GETs (thread-s)"),
-        (stream._FileRead, "_take", "checksum + place (thread-s)"),
+        (storage, "_get_range", "ranged GETs of headers (thread-s)"),
+        (storage, "_get_range_into", "ranged GETs into the tensors (thread-s)"),
+        (stream._FileRead, "_take_into", "GET into the tensors + checksum (thread-s)"),
         (stream, "crc32c_combine", "combine CRCs"),
         (stream, "decode_state", "decode state"),
     ]

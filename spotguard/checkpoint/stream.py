@@ -4,11 +4,14 @@ A restore to disk writes every byte to a local copy, and loading then reads
 it again into tensors: two more passes over the bytes than the download. Here
 each safetensors file is read from the store in concurrent ranged reads (the
 backend's :class:`~spotguard.storage.base.RangedReads`; the chunks of a
-checkpoint stored incrementally), and each range is copied once, on the
-thread that fetched it, into the memory of the tensor it belongs to, which
-is allocated from the file's header before the data arrives. The checksums
-are computed over the same bytes as they are placed (per range, combined
-into the file's CRC32C; a SHA-256 in order), and the tensors are handed back
+checkpoint stored incrementally). The tensors are allocated from the file's
+header (its first range) before the rest arrives, and each later range is
+read from the socket straight into the memory of the tensors it belongs to
+(``RangedObject.fetch_into``; where a backend has no such read, or for
+chunks, the range's bytes are copied there once, on the thread that fetched
+them). The checksums are computed over the same bytes once they are in
+place (per range, combined into the file's CRC32C; a SHA-256 in order,
+from the range's bytes), and the tensors are handed back
 only when every file of the checkpoint matched its manifest: a damaged byte
 anywhere fails the checkpoint (:class:`CheckpointCorruptError`), and the
 caller walks back to the next older one exactly as a restore to disk does.
@@ -95,6 +98,28 @@ class _Placer:
                 self.views[i][a - span.start : b - span.start] = src[a - offset : b - offset]
             i += 1
 
+    def sinks(self, offset: int, end: int) -> list[Any]:
+        """Where bytes ``[offset, end)`` of the file go, in order: slices of
+        the tensors' memory, and new buffers for bytes no tensor holds."""
+        import numpy as np
+
+        out: list[Any] = []
+        at = offset
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while at < end:
+            while i < len(self.spans) and self.spans[i].end <= at:
+                i += 1
+            span = self.spans[i] if i < len(self.spans) else None
+            if span is None or span.start > at:
+                stop = end if span is None else min(end, span.start)
+                out.append(np.empty(stop - at, dtype=np.uint8))
+                at = stop
+                continue
+            stop = min(span.end, end)
+            out.append(self.views[i][at - span.start : stop - span.start])
+            at = stop
+        return out
+
 
 def _allocate(spans: list[TensorSpan]) -> tuple[dict[str, torch.Tensor], list[Any]]:
     """Empty tensors for ``spans`` and a flat byte view of each (what the bytes are copied into)."""
@@ -130,8 +155,10 @@ class _FileRead:
         self.placer: _Placer | None = None
 
     # -- where the pieces come from ------------------------------------------------------
-    def _pieces(self) -> tuple[list[tuple[int, int]], Callable[[int, int], bytes], int] | None:
-        """(ranges, fetch, window), or None when the backend reads only in order."""
+    def _pieces(
+        self,
+    ) -> tuple[list[tuple[int, int]], Callable[[int, int], bytes], int, Callable[..., None] | None] | None:
+        """(ranges, fetch, window, fetch_into or None), or None when the backend reads only in order."""
         entry = self.entry
         if entry.chunks is not None:
             offsets: dict[int, Any] = {}
@@ -153,7 +180,7 @@ class _FileRead:
                 return data
 
             ranges = [(start, start + ref.size) for start, ref in offsets.items()]
-            return ranges, fetch_chunk, CHUNK_WINDOW
+            return ranges, fetch_chunk, CHUNK_WINDOW, None
         if not isinstance(self.storage, RangedReads):
             return None
         try:
@@ -162,7 +189,7 @@ class _FileRead:
             raise _Damaged(f"{entry.path}: missing (disappeared while reading)") from None
         if obj.size != entry.size:
             raise _Damaged(f"{entry.path}: size {obj.size} bytes, manifest says {entry.size}")
-        return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency
+        return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency, obj.fetch_into
 
     def _in_order(self) -> Iterator[tuple[int, bytes]]:
         """The file's bytes through :meth:`Storage.iter_chunks`, with their offsets."""
@@ -185,6 +212,19 @@ class _FileRead:
                 self.progress(len(data))
         return crc, len(data), data if self.ordered is not None else None
 
+    def _take_into(self, start: int, end: int, into: Callable[[int, list[memoryview]], None]) -> tuple[int, int, None]:
+        """Read one piece straight into the tensors it belongs to, and checksum it there."""
+        assert self.placer is not None
+        sinks = self.placer.sinks(start, end)
+        into(start, [memoryview(s) for s in sinks])
+        crc = 0
+        for sink in sinks:
+            crc = google_crc32c.extend(crc, sink)
+        if self.progress is not None:
+            with _progress_lock:
+                self.progress(end - start)
+        return crc, end - start, None
+
     def _account(self, crc: int, n: int, data: bytes | None) -> None:
         """Fold one piece, in file order, into the file's checksum."""
         self.total += n
@@ -204,7 +244,7 @@ class _FileRead:
         head: list[tuple[int, bytes]] = []
         rest: Iterator[tuple[int, int, bytes | None]]
         if pieces is not None:
-            ranges, fetch, window = pieces
+            ranges, fetch, window, into = pieces
             # The header comes first: it says where every tensor goes.
             i, got = 0, 0
             while i < len(ranges) and (got < 8 or got < _header_end_or(head, size)):
@@ -213,6 +253,8 @@ class _FileRead:
                 got, i = end, i + 1
 
             def fetch_take(start: int, end: int) -> tuple[int, int, bytes | None]:
+                if into is not None and self.placer is not None and self.ordered is None:
+                    return self._take_into(start, end, into)
                 return self._take(start, fetch(start, end))
 
             rest = read_in_order(fetch_take, ranges[i:], max(1, window), thread_name_prefix="restore-read")

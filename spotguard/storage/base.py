@@ -201,6 +201,9 @@ class RangedObject:
     fetch: Callable[[int, int], bytes]
     chunk: int
     concurrency: int
+    #: ``fetch_into(start, sinks)`` puts bytes ``[start, start + sum of the sinks' lengths)`` into the
+    #: writable buffers ``sinks``, in order, with no copy in between (None: the backend has no such read).
+    fetch_into: Callable[[int, list[memoryview]], None] | None = None
 
 
 @runtime_checkable

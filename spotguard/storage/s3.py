@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import random
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -39,7 +37,16 @@ from spotguard.storage.base import (
     read_in_order,
     wait_all,
 )
-from spotguard.storage.s3_client import NOT_FOUND, error_code, make_client, parse_s3_uri, s3_errors
+from spotguard.storage.s3_client import (
+    NOT_FOUND,
+    error_code,
+    make_client,
+    parse_s3_uri,
+    read_body,
+    read_body_into,
+    retrying_read,
+    s3_errors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +250,7 @@ class S3Storage:
 
         try:
             with self._errors(self.uri_for(key)):
-                return self._retrying(once, self.uri_for(key))
+                return retrying_read(once, self.uri_for(key))
         except NotFoundError:
             return None
 
@@ -275,7 +282,7 @@ class S3Storage:
 
         try:
             with self._errors(self.uri_for(key)):
-                return self._retrying(once, self.uri_for(key))
+                return retrying_read(once, self.uri_for(key))
         except NotFoundError:
             return None
 
@@ -285,46 +292,28 @@ class S3Storage:
             raise NotFoundError(f"{self.uri_for(key)} does not exist")
         return found[0]
 
-    def _retrying(self, fn: Callable[[], _T], what: str, attempts: int = 4) -> _T:
-        """Retry a streaming read that botocore cannot retry by itself."""
-        from botocore import exceptions as bx
-        from urllib3 import exceptions as ux
-
-        transient = (
-            bx.ResponseStreamingError,
-            bx.IncompleteReadError,
-            bx.ReadTimeoutError,
-            bx.ConnectionClosedError,
-            ux.ProtocolError,
-            ux.ReadTimeoutError,
-            ConnectionError,
-        )
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except transient as exc:
-                if attempt == attempts - 1:
-                    raise StorageError(f"reading {what} kept failing: {exc}") from None
-                delay = min(8.0, 0.2 * 2**attempt) * (0.5 + random.random())
-                log.warning("reading %s failed (%s); retrying in %.1fs", what, exc, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
-
     def _get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
         def once() -> bytes:
             obj = self.client.get_object(
                 Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{end - 1}", IfMatch=etag
             )
-            data: bytes = obj["Body"].read()
-            if len(data) != end - start:
-                from botocore.exceptions import IncompleteReadError
-
-                raise IncompleteReadError(actual_bytes=len(data), expected_bytes=end - start)
-            return data
+            return read_body(obj["Body"], end - start)
 
         # Retry transient stream failures first; translate what remains.
         with self._errors(self.uri_for(key)):
-            return self._retrying(once, self.uri_for(key))
+            return retrying_read(once, self.uri_for(key))
+
+    def _get_range_into(self, key: str, start: int, sinks: list[memoryview], etag: str) -> None:
+        last = start + sum(len(s) for s in sinks) - 1
+
+        def once() -> None:
+            obj = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{last}", IfMatch=etag
+            )
+            read_body_into(obj["Body"], sinks)
+
+        with self._errors(self.uri_for(key)):
+            retrying_read(once, self.uri_for(key))
 
     def iter_chunks(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         chunk = max(chunk_size or self._read_chunk, MiB)
@@ -352,6 +341,7 @@ class S3Storage:
             lambda s, e: self._get_range(key, s, e, etag),
             max(self._read_chunk, MiB),
             self._concurrency,
+            lambda s, sinks: self._get_range_into(key, s, sinks, etag),
         )
 
     # -- writing ------------------------------------------------------------

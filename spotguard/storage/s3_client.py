@@ -12,12 +12,19 @@ mode, exponential backoff with jitter). What botocore raises becomes one
 
 from __future__ import annotations
 
+import http.client
+import logging
 import os
-from collections.abc import Iterator
+import random
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from spotguard.storage.base import CredentialsError, NotFoundError, PreconditionFailedError, StorageError
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _PRECONDITION = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
@@ -138,3 +145,88 @@ def s3_errors(what: str, bucket: str) -> Iterator[None]:
 
 
 __all__ = ["error_code", "make_client", "parse_s3_uri", "s3_errors"]
+
+
+def read_body(body: Any, want: int) -> bytes:
+    """A response body's bytes, all ``want`` of them (botocore's ``IncompleteReadError`` otherwise)."""
+    from botocore.exceptions import IncompleteReadError
+
+    data: bytes = body.read()
+    if len(data) != want:
+        raise IncompleteReadError(actual_bytes=len(data), expected_bytes=want)
+    return data
+
+
+def read_body_into(body: Any, sinks: list[memoryview]) -> None:
+    """Read a response body's bytes into ``sinks``, in order, filling each.
+
+    botocore's ``StreamingBody.read`` returns a new ``bytes`` per call, which
+    a reader then copies where it wants them: every byte is written twice and
+    the buffer in between is fresh memory each time. Here the bytes go from
+    the socket straight into the caller's memory (``readinto`` of the HTTP
+    response under urllib3's, as ``http.client`` reads a body of known
+    length), and the connection goes back to urllib3's pool once the body
+    is read through. Where the body is not a plain one (urllib3 decoding a
+    ``Content-Encoding``, another transport), it falls back to reading and
+    copying. A body shorter than the sinks raises botocore's
+    ``IncompleteReadError``, a failure of the connection its
+    ``ResponseStreamingError``: both are what a reader retries.
+    """
+    from botocore.exceptions import IncompleteReadError, ResponseStreamingError
+
+    want = sum(len(s) for s in sinks)
+    raw: Any = getattr(body, "_raw_stream", None)
+    fp: Any = getattr(raw, "_fp", None)
+    encoded = raw is not None and str(raw.headers.get("content-encoding", "identity")).lower() not in ("", "identity")
+    if fp is None or not hasattr(fp, "readinto") or encoded:
+        data = read_body(body, want)
+        at = 0
+        for sink in sinks:
+            sink[:] = data[at : at + len(sink)]
+            at += len(sink)
+        return
+    got = 0
+    done = False
+    try:
+        for sink in sinks:
+            filled = 0
+            while filled < len(sink):
+                n = fp.readinto(sink[filled:])
+                if not n:
+                    raise IncompleteReadError(actual_bytes=got, expected_bytes=want)
+                filled += n
+                got += n
+        done = True
+    except (OSError, http.client.HTTPException) as exc:
+        raise ResponseStreamingError(error=exc) from exc
+    finally:
+        if done and fp.isclosed():
+            raw.release_conn()  # read through: the connection serves the next request
+        else:
+            raw.close()  # never hand a half-read connection to the next request
+
+
+def retrying_read(fn: Callable[[], _T], what: str, attempts: int = 4) -> _T:
+    """Retry a streaming read that botocore cannot retry by itself."""
+    from botocore import exceptions as bx
+    from urllib3 import exceptions as ux
+
+    transient = (
+        bx.ResponseStreamingError,
+        bx.IncompleteReadError,
+        bx.ReadTimeoutError,
+        bx.ConnectionClosedError,
+        ux.ProtocolError,
+        ux.ReadTimeoutError,
+        ConnectionError,
+    )
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except transient as exc:
+            if attempt == attempts - 1:
+                raise StorageError(f"reading {what} kept failing: {exc}") from None
+            delay = min(8.0, 0.2 * 2**attempt) * (0.5 + random.random())
+            log.warning("reading %s failed (%s); retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

@@ -127,3 +127,35 @@ def test_a_damaged_byte_mid_tensor_falls_back_to_the_older_checkpoint(
     assert_bitwise_equal(state, make_state(1))
     assert [s.name for s in skipped] == [newest]
     assert what in skipped[0].reason and "mismatch" in skipped[0].reason
+
+
+def test_tensor_bytes_go_from_the_socket_into_the_tensors(
+    s3_store: Any, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the header, every range is read into the tensors' memory
+    (``fetch_into``), never first into a ``bytes`` of its own."""
+    from spotguard.storage.s3 import S3Storage
+
+    storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
+    assert isinstance(storage, S3Storage)
+    upload_steps(storage, tmp_path, (4,), incremental=False)
+    calls: dict[str, list[int]] = {"bytes": [], "into": []}
+    real_bytes, real_into = storage._get_range, storage._get_range_into
+
+    def get_range(key: str, start: int, end: int, etag: str) -> bytes:
+        if key.endswith(".safetensors"):
+            calls["bytes"].append(start)
+        return real_bytes(key, start, end, etag)
+
+    def get_range_into(key: str, start: int, sinks: list[memoryview], etag: str) -> None:
+        calls["into"].append(start)
+        real_into(key, start, sinks, etag)
+
+    monkeypatch.setattr(storage, "_get_range", get_range)
+    monkeypatch.setattr(storage, "_get_range_into", get_range_into)
+    found = restore_latest_state(storage)
+    assert found is not None
+    assert_bitwise_equal(found[1], make_state(4))
+    # Only the first range of each tensor file is read as bytes: its header says where the rest goes.
+    assert calls["bytes"] and set(calls["bytes"]) == {0}
+    assert len(calls["into"]) >= 3  # the 3 MiB tensor and the 2.3 MiB one, in 1 MiB ranges
