@@ -482,8 +482,9 @@ def _restore_stages(storage: Any) -> list[tuple[Any, str, str]]:
 def bench_resume(ctx: Ctx) -> Section:
     import torch
 
-    from spotguard.checkpoint import load_checkpoint_state, restore_latest, upload_checkpoint
+    from spotguard.checkpoint import restore_latest, upload_checkpoint
     from spotguard.checkpoint.restore import restore_latest_state
+    from spotguard.trainer.restore import load_local
 
     assert ctx.s3 is not None
     s3 = ctx.s3
@@ -528,55 +529,55 @@ def bench_resume(ctx: Ctx) -> Section:
         dest.unlink()
         return dt
 
-    def to_disk() -> float:
-        """The restore into a local copy (``restore_latest``: downloaded and
-        checked in one pass, not fsynced), then loaded from it."""
+    def trainer() -> float:
+        """What a resumed trainer gets: the supervisor (or the pod's restore
+        init container) restores the newest verified checkpoint into the
+        checkpoint directory (``restore_latest``: downloaded and checked in
+        one pass, not fsynced), then the trainer's ``Checkpointer.restore``
+        verifies that copy again and loads it (``load_local``)."""
         dest = ctx.work / f"restore-{uuid.uuid4().hex[:6]}"
         os.sync()
         t0 = time.perf_counter()
         info = restore_latest(storage, dest)
         assert info is not None
-        state = load_checkpoint_state(Path(info.uri))
+        restored = load_local(Path(info.uri))
         dt = time.perf_counter() - t0
-        assert "model" in state
-        del state
+        assert restored is not None and "model" in restored.state
+        del restored
         shutil.rmtree(dest)
         return dt
 
-    methods: dict[str, Callable[[], float]] = {"sg": sg, "naive": naive}
-    if ctx.profile:
-        methods["to_disk"] = to_disk
-    res = interleaved(reps, methods)
-    sg_times, naive_times = res["sg"], res["naive"]
+    res = interleaved(reps, {"sg": sg, "naive": naive, "trainer": trainer})
+    sg_times, naive_times, trainer_times = res["sg"], res["naive"], res["trainer"]
     ratio = per_round(naive_times, sg_times)
-    ctx.costs["resume"] = median(sg_times)
+    trainer_ratio = per_round(naive_times, trainer_times)
+    ctx.costs["resume"] = median(trainer_times)  # the goodput scenarios: what a resumed trainer pays
     s = Section(
         "Resume: download + verify + load",
         "resume",
-        ["method", "seconds (median, min-max)", "naive / spotguard, per round [IQR]"],
+        ["method", "seconds (median, min-max)", "naive / this, per round [IQR]"],
     )
     s.rows += [
         [
-            "spotguard restore_latest_state (streamed into tensors, checksummed on the way)",
+            "spotguard as a resumed trainer gets it: restore_latest into the checkpoint directory (checked in "
+            "one pass, ranges read into the file's pages, not fsynced) + the trainer's load_local (verified "
+            "again, loaded)",
+            f"{fmt(median(trainer_times))} ({fmt(min(trainer_times))}-{fmt(max(trainer_times))})",
+            trainer_ratio.cell(),
+        ],
+        [
+            "spotguard restore_latest_state (streamed into tensors, checksummed on the way; no local copy)",
             f"{fmt(median(sg_times))} ({fmt(min(sg_times))}-{fmt(max(sg_times))})",
-            "1.0x",
+            ratio.cell(),
         ],
         [
             "boto3 download_file + torch.load(weights_only=True) (no verification)",
             f"{fmt(median(naive_times))} ({fmt(min(naive_times))}-{fmt(max(naive_times))})",
-            ratio.cell(),
+            "1.0x",
         ],
     ]
-    if "to_disk" in res:
-        op = res["to_disk"]
-        s.rows.append(
-            [
-                "(--profile) restore_latest into a local copy (checked in one pass, no fsync) + load",
-                f"{fmt(median(op))} ({fmt(min(op))}-{fmt(max(op))})",
-                per_round(naive_times, op).cell(),
-            ]
-        )
-    met = goal(s, ">=2x faster than naive download + torch.load", ratio, 2)
+    goal(s, ">=2x faster than naive download + torch.load (the resumed trainer's path)", trainer_ratio, 2)
+    met = goal(s, ">=2x faster than naive download + torch.load (streamed into tensors)", ratio, 2)
 
     def med(rounds: list[dict[str, float]], k: str) -> float:
         return median([r.get(k, 0.0) for r in rounds])
@@ -591,6 +592,16 @@ def bench_resume(ctx: Ctx) -> Section:
         f"{reps} interleaved rounds (dirty pages flushed before each). Where spotguard's restore spends its "
         f'time (median per stage; "thread-s" stages add up the seconds of concurrent threads): {profile}; '
         f"in its slowest round ({stage_rounds[slowest]['total']:.2f}s): {worst}. The naive path: {naive_profile}."
+    )
+    s.notes.append(
+        "Which is which: a trainer under `spotguard run` or in a TrainingJob's pod resumes by the first row's "
+        "path (the supervisor or the restore init container holds the store's credentials and leaves a verified "
+        "copy in the checkpoint directory, which also serves a restart on the same machine; the trainer "
+        "verifies it again before loading, and safetensors loads by mapping the file). The streamed restore "
+        "(`restore_state`, `restore_latest_state`) is for a process that reads the store itself and needs no "
+        "local copy. Both read the tensor files by concurrent ranged GETs, each range from the socket "
+        "straight into its final memory (the tensors, or the file's pages): no `bytes` object per range, no "
+        "second copy."
     )
     if not met:
         s.notes.append(
@@ -612,10 +623,10 @@ def bench_resume(ctx: Ctx) -> Section:
     s.plot = _plot_bars(
         ctx.plots / "resume.png",
         "Resume time",
-        ["spotguard", "naive"],
-        [median(sg_times), median(naive_times)],
+        ["trainer's path", "streamed", "naive"],
+        [median(trainer_times), median(sg_times), median(naive_times)],
         "seconds",
-        [_range(sg_times), _range(naive_times)],
+        [_range(trainer_times), _range(sg_times), _range(naive_times)],
     )
     return s
 
