@@ -366,6 +366,26 @@ def _chunk_of(paths: list[str]) -> str:
     return f"chunk of {paths[0]} and {len(paths) - 1} other file{'s' if len(paths) > 2 else ''}"
 
 
+def check_chunk_landed(ref: ChunkRef, size: int, crc: int) -> str | None:
+    """Pure: why bytes of ``size`` with CRC32C ``crc`` are not the bytes recorded
+    for chunk ``ref`` (size, CRC32C), or None.
+
+    What a restore asks of each chunk it reads: the same test the
+    verification of a stored chunk makes (the CRC32C the store computed on
+    receipt against the manifest's, :func:`verify_chunks`), on the bytes
+    themselves. The chunk's SHA-256 names it for the uploader (two different
+    chunks never share a key); the manifest's CRC32C was computed from the
+    same bytes the uploader read, so bytes under that key that are not those
+    fail it as surely as a damaged whole file fails its own (see
+    docs/checkpoint-format.md, "Restore")."""
+    if size != ref.size:
+        kind = "truncated" if size < ref.size else "longer than recorded"
+        return f"size {size} bytes, manifest says {ref.size} ({kind})"
+    if f"{crc:08x}" != ref.checksum:
+        return f"crc32c checksum mismatch (data has {crc:08x}, manifest says {ref.checksum})"
+    return None
+
+
 def check_chunk_bytes(ref: ChunkRef, data: bytes) -> str | None:
     """Why ``data`` is not chunk ``ref`` (size, CRC32C, SHA-256), or None."""
     if len(data) != ref.size:
@@ -525,96 +545,9 @@ class _ChunkDamaged(Exception):
     pass
 
 
-def fetch_chunks(
-    storage: Storage,
-    manifest: Manifest,
-    dest: Path,
-    *,
-    workers: int = DEFAULT_WORKERS,
-    progress: ProgressCallback | None = None,
-) -> list[str]:
-    """Assemble every file of a chunked checkpoint in ``dest`` from its chunks,
-    downloaded concurrently and each checked (size, CRC32C, SHA-256) before it
-    is written at its offset; then the files that may be pickles are
-    inspected, and a SHA-256 file checksum is checked. Returns the problems
-    (empty when the copy matches the manifest). Storage errors other than a
-    missing object propagate; ``dest`` is a temporary directory the caller
-    removes on failure."""
-    dest = Path(dest)
-    users = _users(manifest)
-    lock = threading.Lock()
-    fds: dict[str, int] = {}
-    jobs: list[tuple[str, int, ChunkRef]] = []
-    whole: list[FileEntry] = []
-    for entry in manifest.files:
-        if entry.chunks is None:
-            whole.append(entry)  # a part manifest of a distributed checkpoint: stored whole
-            continue
-        target = dest / entry.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.ftruncate(fd, entry.size)
-        fds[entry.path] = fd
-        offset = 0
-        for ref in entry.chunks or ():
-            jobs.append((entry.path, offset, ref))
-            offset += ref.size
-
-    def one(job: tuple[str, int, ChunkRef]) -> str | None:
-        path, offset, ref = job
-        try:
-            data = storage.read_bytes(ref.key)
-        except NotFoundError:
-            return f"{ref.key}: missing ({_chunk_of(users[ref.hash])})"
-        problem = check_chunk_bytes(ref, data)
-        if problem:
-            return f"{ref.key}: {problem} ({_chunk_of(users[ref.hash])})"
-        view = memoryview(data)
-        at = offset
-        while view.nbytes:
-            written = os.pwrite(fds[path], view, at)
-            view, at = view[written:], at + written
-        if progress is not None:
-            with lock:
-                progress(len(data))
-        return None
-
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-fetch") as pool:
-            results = list(pool.map(one, jobs))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    problems = sorted({p for p in results if p})
-    for entry in whole:
-        data, problem = _read_whole(storage, manifest, entry)
-        if problem is not None or data is None:
-            problems.append(problem or f"{entry.path}: missing")
-            continue
-        target = dest / entry.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-    if problems:
-        return problems
-    for entry in manifest.files:
-        if entry.chunks is not None and (needs_content(entry.path) or manifest.checksum_algorithm != "crc32c"):
-            problem, _ = check_one_file(
-                entry, manifest.checksum_algorithm, entry.size, _reader(partial(_read_local, dest / entry.path))
-            )
-            if problem:
-                problems.append(problem)
-    return problems
-
-
 def _reader(stream: Callable[[], Iterable[bytes]]) -> Callable[[str], Iterable[bytes]]:
     """A ``read_chunks(path)`` for :func:`check_one_file` that streams one given file."""
     return lambda _path: stream()
-
-
-def _read_local(path: Path) -> Iterable[bytes]:
-    with open(path, "rb") as f:
-        while data := f.read(8 << 20):
-            yield data
 
 
 def tombstone_key(name: str, now: float | None = None) -> str:
@@ -629,7 +562,7 @@ __all__ = [
     "ChunkedUpload",
     "KnownChunks",
     "check_chunk_bytes",
-    "fetch_chunks",
+    "check_chunk_landed",
     "stream_file",
     "tombstone_key",
     "upload_chunks",

@@ -8,6 +8,13 @@ written are the bytes that are checksummed, so the copy on disk matches the
 manifest exactly when the stream did (short of a disk that corrupts what it
 was given, which is what the re-verification before any reuse is for).
 
+From a backend that reads into memory (S3), each range of a file the
+manifest checks by CRC32C and that cannot be a pickle (safetensors, JSON,
+DCP data), and each chunk of a checkpoint stored incrementally, is read
+from the socket straight into the file's pages and checksummed there
+(:class:`_Targets`): no ``bytes`` object per range, no copy into the page
+cache. Other files stream in order, as above.
+
 The files are not fsynced: a restored copy is a cache of storage, and every
 reader verifies a local checkpoint before using it (``restore_checkpoint``
 before reusing one, ``Checkpointer.restore`` before loading one), so a copy
@@ -19,16 +26,22 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
-from spotguard.checkpoint.manifest import FileEntry, Manifest
+import google_crc32c
+
+from spotguard.checkpoint.chunked import DEFAULT_WORKERS as CHUNK_WORKERS
+from spotguard.checkpoint.chunked import _chunk_of, _read_whole, _reader, _users, check_chunk_landed
+from spotguard.checkpoint.manifest import ChunkRef, FileEntry, Manifest
 from spotguard.checkpoint.verify import check_one_file, needs_content
 from spotguard.storage.base import (
     NotFoundError,
     ProgressCallback,
     RangedReads,
+    ReadsInto,
     Storage,
     byte_ranges,
     read_in_order,
@@ -116,14 +129,10 @@ def _fetch_into_file(
     lock: threading.Lock,
 ) -> str | None:
     """Download ``key`` into ``target`` by concurrent ranged reads, each read
-    from the socket straight into the file's pages (a shared mapping of the
-    file, its blocks allocated first: a full disk is an error here, never a
-    fault on a page) where the backend can (``fetch_into``), and checksummed
-    there, the ranges' CRC32Cs combined into the file's. The problem with
-    the file (as :func:`check_one_file` words it), or None."""
-    import google_crc32c
-    import numpy as np
-
+    from the socket straight into the file's pages where the backend can
+    (``fetch_into``; see :class:`_Targets`) and checksummed there, the
+    ranges' CRC32Cs combined into the file's. The problem with the file (as
+    :func:`check_one_file` words it), or None."""
     assert isinstance(storage, RangedReads)
     path, size = entry.path, entry.size
     try:
@@ -132,35 +141,29 @@ def _fetch_into_file(
         return f"{path}: missing (disappeared while reading)"
     if obj.size != size:
         return f"{path}: size {obj.size} bytes while reading, manifest says {size} (truncated)"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    fetch_into = obj.fetch_into
+    files = _Targets(target.parent, mapped=True)
     crc = 0
     try:
-        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.posix_fallocate(fd, 0, size)
-            with mmap.mmap(fd, size) as mem:
+            files.open(target.name, size)
 
-                def one(start: int, end: int) -> tuple[int, int]:
-                    view = memoryview(mem)[start:end]
-                    try:
-                        if obj.fetch_into is not None:
-                            obj.fetch_into(start, [view])
-                        else:
-                            view[:] = obj.fetch(start, end)
-                        piece = np.frombuffer(view, dtype=np.uint8)
-                        value = int(google_crc32c.value(piece))
-                        del piece
-                    finally:
-                        view.release()
-                    if progress is not None:
-                        with lock:
-                            progress(end - start)
-                    return value, end - start
+            def one(start: int, end: int) -> tuple[int, int]:
+                if fetch_into is not None:
+                    value = files.land(target.name, start, end - start, lambda views: fetch_into(start, views))
+                else:
+                    data = obj.fetch(start, end)
+                    files.put(target.name, start, data)
+                    value = google_crc32c.value(data)
+                if progress is not None:
+                    with lock:
+                        progress(end - start)
+                return value, end - start
 
-                for value, n in read_in_order(one, byte_ranges(size, obj.chunk), max(1, obj.concurrency)):
-                    crc = crc32c_combine(crc, value, n)
+            for value, n in read_in_order(one, byte_ranges(size, obj.chunk), max(1, obj.concurrency)):
+                crc = crc32c_combine(crc, value, n)
         finally:
-            os.close(fd)
+            files.close()
     except OSError as exc:
         return f"{path}: unreadable ({exc.strerror or exc})"
     got = f"{crc:08x}"
@@ -169,4 +172,151 @@ def _fetch_into_file(
     return None
 
 
-__all__ = ["fetch_verified"]
+class _Targets:
+    """Files a restore writes by putting byte ranges where they belong, in any
+    order and from several threads. ``mapped`` (a backend that reads into
+    memory) maps each file, its blocks allocated first (a full disk is an
+    error here, never a fault on a page of the mapping), so that a range is
+    read from the socket straight into the file's pages and checksummed
+    there (:meth:`land`); otherwise a range's bytes are written at their
+    offset (:meth:`put`)."""
+
+    def __init__(self, dest: Path, *, mapped: bool) -> None:
+        self.dest = dest
+        self.mapped = mapped
+        self.fds: dict[str, int] = {}
+        self.maps: dict[str, mmap.mmap] = {}
+
+    def open(self, path: str, size: int) -> None:
+        target = self.dest / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fds[path] = fd
+        if self.mapped and size > 0:
+            os.posix_fallocate(fd, 0, size)
+            self.maps[path] = mmap.mmap(fd, size)
+        else:
+            os.ftruncate(fd, size)
+
+    def land(self, path: str, offset: int, length: int, read: Callable[[list[memoryview]], object]) -> int:
+        """``read`` puts bytes ``[offset, offset + length)`` of ``path`` in
+        place (given the memory to fill); their CRC32C, computed there."""
+        import numpy as np
+
+        view = memoryview(self.maps[path])[offset : offset + length]
+        try:
+            read([view])
+            landed = np.frombuffer(view, dtype=np.uint8)
+            try:
+                return int(google_crc32c.value(landed))
+            finally:
+                del landed
+        finally:
+            view.release()
+
+    def put(self, path: str, offset: int, data: bytes) -> None:
+        """Write ``data`` at ``offset`` of ``path``."""
+        out, at = memoryview(data), offset
+        while out.nbytes:
+            written = os.pwrite(self.fds[path], out, at)
+            out, at = out[written:], at + written
+
+    def close(self) -> None:
+        for m in self.maps.values():
+            m.close()
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _fetch_chunk(files: _Targets, storage: Storage, path: str, offset: int, ref: ChunkRef) -> str | None:
+    """Put chunk ``ref`` at ``offset`` of ``path``: the problem with it (size,
+    CRC32C: :func:`check_chunk_landed`), or None."""
+    if path in files.maps:
+        assert isinstance(storage, ReadsInto)
+        sizes: list[int] = []
+        crc = files.land(path, offset, ref.size, lambda views: sizes.append(storage.read_into(ref.key, views)))
+        return check_chunk_landed(ref, sizes[0], crc if sizes[0] == ref.size else 0)
+    data = storage.read_bytes(ref.key)
+    problem = check_chunk_landed(ref, len(data), google_crc32c.value(data))
+    if problem is None:
+        files.put(path, offset, data)
+    return problem
+
+
+def fetch_chunks(
+    storage: Storage,
+    manifest: Manifest,
+    dest: Path,
+    *,
+    workers: int = CHUNK_WORKERS,
+    progress: ProgressCallback | None = None,
+) -> list[str]:
+    """Assemble every file of a chunked checkpoint in ``dest`` from its chunks,
+    downloaded concurrently, each put at its offset and checked (size,
+    CRC32C: :func:`check_chunk_landed`; see :class:`_Targets`); then the files that may be pickles are
+    inspected, and a SHA-256 file checksum is checked. Returns the problems
+    (empty when the copy matches the manifest). Storage errors other than a
+    missing object propagate; ``dest`` is a temporary directory the caller
+    removes on failure."""
+    dest = Path(dest)
+    users = _users(manifest)
+    lock = threading.Lock()
+    files = _Targets(dest, mapped=isinstance(storage, ReadsInto))
+    jobs: list[tuple[str, int, ChunkRef]] = []
+    whole: list[FileEntry] = []
+
+    def one(job: tuple[str, int, ChunkRef]) -> str | None:
+        path, offset, ref = job
+        try:
+            problem = _fetch_chunk(files, storage, path, offset, ref)
+        except NotFoundError:
+            return f"{ref.key}: missing ({_chunk_of(users[ref.hash])})"
+        if problem:
+            return f"{ref.key}: {problem} ({_chunk_of(users[ref.hash])})"
+        if progress is not None:
+            with lock:
+                progress(ref.size)
+        return None
+
+    try:
+        for entry in manifest.files:
+            if entry.chunks is None:
+                whole.append(entry)  # a part manifest of a distributed checkpoint: stored whole
+                continue
+            files.open(entry.path, entry.size)
+            offset = 0
+            for ref in entry.chunks or ():
+                jobs.append((entry.path, offset, ref))
+                offset += ref.size
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-fetch") as pool:
+            results = list(pool.map(one, jobs))
+    finally:
+        files.close()
+    problems = sorted({p for p in results if p})
+    for entry in whole:
+        data, problem = _read_whole(storage, manifest, entry)
+        if problem is not None or data is None:
+            problems.append(problem or f"{entry.path}: missing")
+            continue
+        target = dest / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    if problems:
+        return problems
+    for entry in manifest.files:
+        if entry.chunks is not None and (needs_content(entry.path) or manifest.checksum_algorithm != "crc32c"):
+            problem, _ = check_one_file(
+                entry, manifest.checksum_algorithm, entry.size, _reader(partial(_read_local, dest / entry.path))
+            )
+            if problem:
+                problems.append(problem)
+    return problems
+
+
+def _read_local(path: Path) -> Iterable[bytes]:
+    with open(path, "rb") as f:
+        while data := f.read(8 << 20):
+            yield data
+
+
+__all__ = ["fetch_chunks", "fetch_verified"]

@@ -23,9 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.chunked import fetch_chunks
 from spotguard.checkpoint.codec import StateError
-from spotguard.checkpoint.fetch import fetch_verified
+from spotguard.checkpoint.fetch import fetch_chunks, fetch_verified
 from spotguard.checkpoint.local import (
     TMP_PREFIX,
     load_checkpoint_state,

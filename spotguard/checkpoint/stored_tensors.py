@@ -23,9 +23,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from spotguard.checkpoint.chunked import fetch_chunks
 from spotguard.checkpoint.codec import KEPT_SUFFIX, STATE_FILE
-from spotguard.checkpoint.fetch import fetch_verified
+from spotguard.checkpoint.fetch import fetch_chunks, fetch_verified
 from spotguard.checkpoint.hf_folder import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, ExportError, index_weight_files
 from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA, Manifest, ManifestError
 from spotguard.checkpoint.stored import CheckpointCorruptError, list_checkpoint_names, read_manifest

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 
-from spotguard.checkpoint.chunked import _chunk_of, _ChunkDamaged, check_chunk_bytes, stream_file
+from spotguard.checkpoint.chunked import _chunk_of, _ChunkDamaged, check_chunk_landed, stream_file
 from spotguard.checkpoint.codec import (
     ST_TO_TORCH,
     STATE_FILE,
@@ -50,7 +50,15 @@ from spotguard.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest, Ma
 from spotguard.checkpoint.parts import missing_manifest_problems, name_parts
 from spotguard.checkpoint.stored import CheckpointCorruptError, read_manifest_bytes, stored_files
 from spotguard.checkpoint.verify import check_one_file
-from spotguard.storage.base import NotFoundError, ProgressCallback, RangedReads, Storage, byte_ranges, read_in_order
+from spotguard.storage.base import (
+    NotFoundError,
+    ProgressCallback,
+    RangedReads,
+    ReadsInto,
+    Storage,
+    byte_ranges,
+    read_in_order,
+)
 from spotguard.storage.checksum import crc32c_combine, new_hasher
 
 if TYPE_CHECKING:
@@ -157,7 +165,7 @@ class _FileRead:
     # -- where the pieces come from ------------------------------------------------------
     def _pieces(
         self,
-    ) -> tuple[list[tuple[int, int]], Callable[[int, int], bytes], int, Callable[..., None] | None] | None:
+    ) -> tuple[list[tuple[int, int]], Callable[[int, int], bytes], int, Callable[[int, list[Any]], int] | None] | None:
         """(ranges, fetch, window, fetch_into or None), or None when the backend reads only in order."""
         entry = self.entry
         if entry.chunks is not None:
@@ -174,13 +182,27 @@ class _FileRead:
                     data = self.storage.read_bytes(ref.key)
                 except NotFoundError:
                     raise _Damaged(f"{ref.key}: missing ({users})") from None
-                problem = check_chunk_bytes(ref, data)
+                problem = check_chunk_landed(ref, len(data), google_crc32c.value(data))
                 if problem:
                     raise _Damaged(f"{ref.key}: {problem} ({users})")
                 return data
 
+            def chunk_into(start: int, sinks: list[Any]) -> int:
+                ref = offsets[start]
+                assert isinstance(self.storage, ReadsInto)
+                try:
+                    size = self.storage.read_into(ref.key, [memoryview(s) for s in sinks])
+                except NotFoundError:
+                    raise _Damaged(f"{ref.key}: missing ({users})") from None
+                crc = _crc_of(sinks) if size == ref.size else 0
+                problem = check_chunk_landed(ref, size, crc)
+                if problem:
+                    raise _Damaged(f"{ref.key}: {problem} ({users})")
+                return crc
+
             ranges = [(start, start + ref.size) for start, ref in offsets.items()]
-            return ranges, fetch_chunk, CHUNK_WINDOW, None
+            into = chunk_into if isinstance(self.storage, ReadsInto) else None
+            return ranges, fetch_chunk, CHUNK_WINDOW, into
         if not isinstance(self.storage, RangedReads):
             return None
         try:
@@ -189,7 +211,15 @@ class _FileRead:
             raise _Damaged(f"{entry.path}: missing (disappeared while reading)") from None
         if obj.size != entry.size:
             raise _Damaged(f"{entry.path}: size {obj.size} bytes, manifest says {entry.size}")
-        return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency, obj.fetch_into
+        fetch_into = obj.fetch_into
+        if fetch_into is None:
+            return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency, None
+
+        def range_into(start: int, sinks: list[Any]) -> int:
+            fetch_into(start, [memoryview(s) for s in sinks])
+            return _crc_of(sinks)
+
+        return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency, range_into
 
     def _in_order(self) -> Iterator[tuple[int, bytes]]:
         """The file's bytes through :meth:`Storage.iter_chunks`, with their offsets."""
@@ -212,14 +242,10 @@ class _FileRead:
                 self.progress(len(data))
         return crc, len(data), data if self.ordered is not None else None
 
-    def _take_into(self, start: int, end: int, into: Callable[[int, list[memoryview]], None]) -> tuple[int, int, None]:
-        """Read one piece straight into the tensors it belongs to, and checksum it there."""
+    def _take_into(self, start: int, end: int, into: Callable[[int, list[Any]], int]) -> tuple[int, int, None]:
+        """Read one piece straight into the tensors it belongs to; its CRC32C, computed there."""
         assert self.placer is not None
-        sinks = self.placer.sinks(start, end)
-        into(start, [memoryview(s) for s in sinks])
-        crc = 0
-        for sink in sinks:
-            crc = google_crc32c.extend(crc, sink)
+        crc = into(start, self.placer.sinks(start, end))
         if self.progress is not None:
             with _progress_lock:
                 self.progress(end - start)
@@ -301,6 +327,14 @@ class _FileRead:
 
 
 _progress_lock = threading.Lock()
+
+
+def _crc_of(sinks: list[Any]) -> int:
+    """The CRC32C of the bytes in ``sinks`` (numpy views), in order."""
+    crc = 0
+    for sink in sinks:
+        crc = google_crc32c.extend(crc, sink)
+    return int(crc)
 
 
 def _header_end_or(head: list[tuple[int, bytes]], size: int) -> int:

@@ -207,6 +207,22 @@ class RangedObject:
 
 
 @runtime_checkable
+class ReadsInto(Protocol):
+    """A backend that reads a whole object into the caller's memory (S3).
+
+    Optional: a reader that knows where an object's bytes go (a chunk of a
+    file being restored, the tensors it holds) has them put there from the
+    socket, with no ``bytes`` object in between.
+    """
+
+    def read_into(self, key: str, sinks: list[memoryview]) -> int:
+        """Read object ``key`` into ``sinks`` (filled in order) when its size is
+        theirs in all; returns its size (nothing is read when that differs).
+        Raises :class:`NotFoundError`."""
+        ...
+
+
+@runtime_checkable
 class RangedReads(Protocol):
     """A backend that reads an object's byte ranges on request (S3, GCS).
 

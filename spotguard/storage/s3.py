@@ -315,6 +315,21 @@ class S3Storage:
         with self._errors(self.uri_for(key)):
             retrying_read(once, self.uri_for(key))
 
+    def read_into(self, key: str, sinks: list[memoryview]) -> int:
+        want = sum(len(s) for s in sinks)
+
+        def once() -> int:
+            obj = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            size = int(obj["ContentLength"])
+            if size != want:
+                obj["Body"].close()
+                return size
+            read_body_into(obj["Body"], sinks)
+            return size
+
+        with self._errors(self.uri_for(key)):
+            return retrying_read(once, self.uri_for(key))
+
     def iter_chunks(self, key: str, chunk_size: int | None = None) -> Iterator[bytes]:
         chunk = max(chunk_size or self._read_chunk, MiB)
         with self._errors(self.uri_for(key)):

@@ -135,3 +135,51 @@ def test_a_full_disk_while_fetching_into_a_file_is_a_named_problem(
     assert done.returncode == 0, done.stderr  # not killed by SIGBUS
     problems = json.loads(done.stdout.strip().splitlines()[-1])
     assert any(p.startswith("model.safetensors: ") and "No space left on device" in p for p in problems), problems
+
+
+def test_s3_chunks_are_read_into_their_files_pages_and_checked_by_size_and_crc(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint stored incrementally is assembled by reading each chunk
+    from the socket into its place in the file (``read_into``); a chunk that
+    is not the one recorded is named, whether its size or its bytes differ."""
+    from spotguard.checkpoint.fetch import fetch_chunks
+    from spotguard.storage.s3 import S3Storage
+
+    storage = open_test_storage("s3", request, tmp_path)
+    assert isinstance(storage, S3Storage)
+    src = commit_local(tmp_path / "local", 7, NUMEL)
+    name = upload_checkpoint(src, storage, incremental=True).name
+    manifest = read_manifest(storage, name)
+    refs = [ref for entry in manifest.files for ref in entry.chunks or ()]
+    assert len(refs) >= 2
+    into: list[str] = []
+    as_bytes: list[str] = []
+    real_into, real_bytes = storage.read_into, storage.read_bytes
+
+    def read_into(key: str, sinks: list[memoryview]) -> int:
+        into.append(key)
+        return real_into(key, sinks)
+
+    def read_bytes(key: str) -> bytes:
+        as_bytes.append(key)
+        return real_bytes(key)
+
+    monkeypatch.setattr(storage, "read_into", read_into)
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    dest = tmp_path / "restore" / name
+    assert fetch_chunks(storage, manifest, dest) == []
+    for entry in manifest.files:
+        assert (dest / entry.path).read_bytes() == (src / entry.path).read_bytes(), entry.path
+    assert sorted(into) == sorted(ref.key for ref in refs)
+    assert not [k for k in as_bytes if k in into]
+    big = max(refs, key=lambda r: r.size)
+    small = min(refs, key=lambda r: r.size)
+    data = real_bytes(big.key)
+    storage.write_bytes(big.key, data[:-1])  # one byte short
+    flipped = bytearray(real_bytes(small.key))
+    flipped[0] ^= 0x01
+    storage.write_bytes(small.key, bytes(flipped))  # same size, one bit off
+    problems = fetch_chunks(storage, manifest, tmp_path / "again" / name)
+    assert any(p.startswith(f"{big.key}: size ") and "truncated" in p for p in problems), problems
+    assert any(p.startswith(f"{small.key}: crc32c checksum mismatch") for p in problems), problems

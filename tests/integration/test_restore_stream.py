@@ -159,3 +159,41 @@ def test_tensor_bytes_go_from_the_socket_into_the_tensors(
     # Only the first range of each tensor file is read as bytes: its header says where the rest goes.
     assert calls["bytes"] and set(calls["bytes"]) == {0}
     assert len(calls["into"]) >= 3  # the 3 MiB tensor and the 2.3 MiB one, in 1 MiB ranges
+
+
+def test_chunks_go_from_the_socket_into_the_tensors(
+    s3_store: Any, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint stored incrementally: past each file's header chunk, every
+    chunk is read into the tensors' memory (``read_into``)."""
+    from spotguard.storage.s3 import S3Storage
+
+    storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
+    assert isinstance(storage, S3Storage)
+    upload_steps(storage, tmp_path, (5,), incremental=True)
+    into: list[str] = []
+    as_bytes: list[str] = []
+    real_into, real_bytes = storage.read_into, storage.read_bytes
+
+    def read_into(key: str, sinks: list[memoryview]) -> int:
+        into.append(key)
+        return real_into(key, sinks)
+
+    def read_bytes(key: str) -> bytes:
+        as_bytes.append(key)
+        return real_bytes(key)
+
+    monkeypatch.setattr(storage, "read_into", read_into)
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    found = restore_latest_state(storage)
+    assert found is not None
+    assert_bitwise_equal(found[1], make_state(5))
+    from spotguard.checkpoint.stored import read_manifest
+
+    manifest = read_manifest(storage, found[0].name)
+    chunked = [e for e in manifest.files if e.chunks]
+    chunk_reads_as_bytes = [k for k in as_bytes if k.startswith("chunks/")]
+    # As bytes: only the first chunk of each file (a tensor file's holds its header; state.json is read whole).
+    assert len(chunk_reads_as_bytes) <= len(chunked)
+    assert len(into) + len(chunk_reads_as_bytes) == sum(len(e.chunks or ()) for e in chunked)
+    assert len(into) >= 2
