@@ -11,10 +11,9 @@ are :mod:`spotguard.storage.s3_client`.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,6 +46,7 @@ from spotguard.storage.s3_client import (
     retrying_read,
     s3_errors,
 )
+from spotguard.storage.s3_parts import AskingBody, PartStopped, part_buffer, part_ranges
 
 log = logging.getLogger(__name__)
 
@@ -75,48 +75,6 @@ def _raw(fn: Callable[[bool], _T], full_object: bool) -> _T:
         if code in ("InvalidArgument", "InvalidRequest", "NotImplemented") or status == 501:
             raise _FullObjectUnsupported() from None
         raise
-
-
-#: How many bytes of a part go out between two questions to its progress callback.
-ASK_EVERY = 1 * MiB
-
-
-class _PartStopped(CancelledError):
-    """Raised from a part's body when its transfer was stopped: botocore lets a
-    ``CancelledError`` through as it is (neither wrapped nor retried), and
-    :meth:`S3Storage._upload_part` raises the original exception again."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-class _AskingBody(io.BytesIO):
-    """A part's bytes as a request body that asks ``ask(0)`` every
-    :data:`ASK_EVERY` bytes read: a transfer stopped by its progress callback
-    (a routine upload a preemption overtakes) ends its parts on the wire too,
-    within a MiB, instead of sending them whole."""
-
-    def __init__(self, data: bytes, ask: ProgressCallback) -> None:
-        super().__init__(data)  # shares ``data`` (no copy) until written
-        self._ask = ask
-        self._asked_at = 0
-
-    def read(self, size: int | None = -1) -> bytes:
-        here = self.tell()
-        if abs(here - self._asked_at) >= ASK_EVERY:  # also when read again from the start (a retry)
-            self._asked_at = here
-            try:
-                self._ask(0)
-            except BaseException as exc:
-                raise _PartStopped(exc) from exc
-        return super().read(size)
-
-
-def _part_ranges(size: int, part_size: int) -> list[tuple[int, int, int]]:
-    """(part number, offset, length) of each part; at most 10,000 parts (S3's limit)."""
-    part_size = max(part_size, -(-size // 10_000), 5 * MiB)
-    return [(i + 1, off, min(part_size, size - off)) for i, off in enumerate(range(0, size, part_size))]
 
 
 class S3Storage:
@@ -443,7 +401,7 @@ class S3Storage:
                 created.append((key, upload_id))
                 parts = [
                     pool.submit(self._upload_part, src, key, upload_id, number, offset, length, report, written)
-                    for number, offset, length in _part_ranges(size, self._part_size)
+                    for number, offset, length in part_ranges(size, self._part_size)
                 ]
                 pending.append((key, upload_id, parts))
             wait_all(small)
@@ -546,10 +504,13 @@ class S3Storage:
         before_part(progress)
         if written is not None:
             written(offset + length)
-        with open(src, "rb") as f:
+        data = part_buffer(length)
+        got = 0
+        with open(src, "rb", buffering=0) as f:
             f.seek(offset)
-            data = f.read(length)
-        if len(data) != length:
+            while got < length and (n := f.readinto(memoryview(data)[got:])):
+                got += n
+        if got != length:
             raise StorageError(f"{src} changed while uploading (part {number} is short)")
         crc = crc32c_to_base64(int(checksum_bytes(data, "crc32c"), 16))
         try:
@@ -560,11 +521,11 @@ class S3Storage:
                     Key=self._key(key),
                     UploadId=upload_id,
                     PartNumber=number,
-                    Body=data if progress is None else _AskingBody(data, progress),
+                    Body=data if progress is None else AskingBody(data, progress),
                     ChecksumCRC32C=crc,
                 ),
             )
-        except _PartStopped as exc:
+        except PartStopped as exc:
             raise exc.cause from None
         if progress is not None:
             progress(len(data))

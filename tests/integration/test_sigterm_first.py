@@ -76,22 +76,33 @@ def test_sigterm_during_a_routine_upload_ships_the_emergency_checkpoint_first(
         on_verified=verified,
         incremental=incremental,
     )
-    # The routine upload's own duration, measured here: one of the same size, uninterrupted.
     commit(local, 5, ROUTINE_MB)
-    t0 = time.monotonic()
     assert [s.name for s in shipper.ship(housekeeping=False)] == [checkpoint_name(5)]
-    routine_seconds = time.monotonic() - t0
 
     routine = commit(local, 10, ROUTINE_MB)
     sigterm = threading.Event()
+    inside = threading.Event()
+    sent: list[str] = []
     returned: list[list[Shipped]] = []
+
+    def slow_link(request: Any, **_: Any) -> None:
+        """Until SIGTERM, the routine round's requests after its first two wait, as on
+        a slow link: SIGTERM comes while it is inside its upload, however fast the store."""
+        if sigterm.is_set() or request.method not in ("PUT", "POST"):
+            return
+        sent.append(request.url)
+        if len(sent) > 2:
+            inside.set()
+            sigterm.wait(60)
+
+    storage.client.meta.events.register("before-send.s3.*", slow_link)
 
     def routine_round() -> None:
         returned.append(shipper.ship(housekeeping=False, should_stop=sigterm.is_set))
 
     thread = threading.Thread(target=routine_round)
     thread.start()
-    time.sleep(routine_seconds / 4)  # well inside the routine upload
+    assert inside.wait(60), "the routine upload never started"
     commit(local, 20, 2)  # the trainer's emergency checkpoint
     t_signal = time.monotonic()
     sigterm.set()
