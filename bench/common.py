@@ -109,12 +109,21 @@ def _processes(cmdlines: dict[int, str]) -> dict[int, tuple[int, str, float]]:
     return found
 
 
+def runs(cmdline: str, command: str) -> bool:
+    """Pure: whether ``cmdline`` runs ``command`` ("program subcommand ..."): its program's name
+    is the first word, and the other words follow among its arguments (``weed -logdir=x server``
+    runs ``weed server``)."""
+    words, want = cmdline.split(), command.split()
+    return bool(words and want) and os.path.basename(words[0]) == want[0] and all(w in words[1:] for w in want[1:])
+
+
 class CpuWatch:
     """CPU seconds (user + system) that each part of a run used while watched, read from ``/proc``.
 
     Parts: ``client`` (this process), ``supervisor`` (``root``, when given), ``trainer`` (every
-    descendant of ``root``), ``store`` (processes whose command line holds ``store``). Sampled every
-    ``interval`` s, so a process that exits while watched loses at most its last interval.
+    descendant of ``root``), ``store`` (processes that :func:`runs` ``store``: the program and its
+    subcommand, wherever options stand between them). Sampled every ``interval`` s, so a process that
+    exits while watched loses at most its last interval.
     """
 
     def __init__(self, root: int | None = None, store: str = "weed server", interval: float = 0.1) -> None:
@@ -133,7 +142,7 @@ class CpuWatch:
     def _part(self, pid: int, parents: dict[int, int]) -> str | None:
         if pid == os.getpid():
             return "client"
-        if self._store in self._last[pid][1]:
+        if runs(self._last[pid][1], self._store):
             return "store"
         if self._root is None:
             return None

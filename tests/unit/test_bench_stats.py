@@ -107,3 +107,13 @@ def test_cpu_watch_gives_each_part_the_cpu_its_processes_used() -> None:
     assert used["trainer"] >= 0.35 and used["supervisor"] >= 0.15, used
     assert "store" not in used
     assert abs(used["all"] - sum(v for k, v in used.items() if k != "all")) < 1e-9
+
+
+def test_the_store_is_found_with_options_before_its_subcommand() -> None:
+    from bench.common import runs
+
+    assert runs("/venv/bin/weed -logdir=/state/logs server -dir=/data -s3", "weed server")
+    assert runs("weed server", "weed server")
+    assert not runs("/venv/bin/weed -logdir=/x shell", "weed server")
+    assert not runs("python -c 'weed server'", "weed server")
+    assert not runs("", "weed server")
