@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_helpers import assert_state_matches, commit_local, open_test_storage, s3_options
+from ckpt_helpers import assert_state_matches, commit_local, open_test_storage, s3_options, spy_whole_reads
 
 from spotguard.checkpoint import MANIFEST_NAME, load_checkpoint_state, read_manifest, upload_checkpoint
 from spotguard.checkpoint.fetch import fetch_verified
@@ -153,20 +153,8 @@ def test_s3_chunks_are_read_into_their_files_pages_and_checked_by_size_and_crc(
     manifest = read_manifest(storage, name)
     refs = [ref for entry in manifest.files for ref in entry.chunks or ()]
     assert len(refs) >= 2
-    into: list[str] = []
-    as_bytes: list[str] = []
-    real_into, real_bytes = storage.read_into, storage.read_bytes
-
-    def read_into(key: str, sinks: list[memoryview]) -> int:
-        into.append(key)
-        return real_into(key, sinks)
-
-    def read_bytes(key: str) -> bytes:
-        as_bytes.append(key)
-        return real_bytes(key)
-
-    monkeypatch.setattr(storage, "read_into", read_into)
-    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    real_bytes = storage.read_bytes
+    into, as_bytes = spy_whole_reads(storage, monkeypatch)
     dest = tmp_path / "restore" / name
     assert fetch_chunks(storage, manifest, dest) == []
     for entry in manifest.files:

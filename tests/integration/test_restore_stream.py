@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_helpers import open_test_storage
+from ckpt_helpers import open_test_storage, spy_whole_reads
 
 from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
 from spotguard.checkpoint.local import load_checkpoint_state
@@ -171,20 +171,7 @@ def test_chunks_go_from_the_socket_into_the_tensors(
     storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
     assert isinstance(storage, S3Storage)
     upload_steps(storage, tmp_path, (5,), incremental=True)
-    into: list[str] = []
-    as_bytes: list[str] = []
-    real_into, real_bytes = storage.read_into, storage.read_bytes
-
-    def read_into(key: str, sinks: list[memoryview]) -> int:
-        into.append(key)
-        return real_into(key, sinks)
-
-    def read_bytes(key: str) -> bytes:
-        as_bytes.append(key)
-        return real_bytes(key)
-
-    monkeypatch.setattr(storage, "read_into", read_into)
-    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    into, as_bytes = spy_whole_reads(storage, monkeypatch)
     found = restore_latest_state(storage)
     assert found is not None
     assert_bitwise_equal(found[1], make_state(5))

@@ -178,3 +178,23 @@ def flip_a_stored_byte(storage: Any, name: str, path: str) -> str:
     data[len(data) // 2] ^= 0x01
     storage.write_bytes(key, bytes(data))
     return key
+
+
+def spy_whole_reads(storage: Any, monkeypatch: Any) -> tuple[list[str], list[str]]:
+    """The keys ``storage`` then reads whole into the caller's memory
+    (``read_into``) and as ``bytes`` of their own (``read_bytes``), in order."""
+    into: list[str] = []
+    as_bytes: list[str] = []
+    real_into, real_bytes = storage.read_into, storage.read_bytes
+
+    def read_into(key: str, sinks: list[memoryview]) -> int:
+        into.append(key)
+        return int(real_into(key, sinks))
+
+    def read_bytes(key: str) -> bytes:
+        as_bytes.append(key)
+        return bytes(real_bytes(key))
+
+    monkeypatch.setattr(storage, "read_into", read_into)
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    return into, as_bytes
