@@ -44,7 +44,6 @@ from spotguard.storage.base import (
     ReadsInto,
     Storage,
     byte_ranges,
-    read_in_order,
 )
 from spotguard.storage.checksum import crc32c_combine
 
@@ -160,8 +159,16 @@ def _fetch_into_file(
                         progress(end - start)
                 return value, end - start
 
-            for value, n in read_in_order(one, byte_ranges(size, obj.chunk), max(1, obj.concurrency)):
-                crc = crc32c_combine(crc, value, n)
+            # Every range lands where it belongs, so they need no order; the mapping is closed
+            # only once no thread writes into it, also when one of them failed.
+            pool = ThreadPoolExecutor(max_workers=max(1, obj.concurrency), thread_name_prefix="restore-read")
+            try:
+                pieces = [pool.submit(one, start, end) for start, end in byte_ranges(size, obj.chunk)]
+                for piece in pieces:
+                    value, n = piece.result()
+                    crc = crc32c_combine(crc, value, n)
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
         finally:
             files.close()
     except OSError as exc:

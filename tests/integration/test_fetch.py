@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,29 @@ def test_s3_chunks_are_read_into_their_files_pages_and_checked_by_size_and_crc(
     problems = fetch_chunks(storage, manifest, tmp_path / "again" / name)
     assert any(p.startswith(f"{big.key}: size ") and "truncated" in p for p in problems), problems
     assert any(p.startswith(f"{small.key}: crc32c checksum mismatch") for p in problems), problems
+
+
+def test_a_range_that_fails_ends_the_fetch_with_its_own_error(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of the store on one range ends the fetch with that error, once no
+    other range writes into the file's mapping any more (closing a mapping that a
+    range still fills would fail, and hide the store's error)."""
+    from spotguard.storage import StorageError
+    from spotguard.storage.s3 import S3Storage
+
+    storage = open_test_storage("s3", request, tmp_path, read_chunk_size=1 << 20)
+    assert isinstance(storage, S3Storage)
+    _, name, sizes = stored(storage, tmp_path)
+    manifest = read_manifest(storage, name)
+    real = storage._get_range_into
+
+    def get_range_into(key: str, start: int, sinks: list[memoryview], etag: str) -> None:
+        if start == 2 << 20:
+            raise StorageError("the store said no")
+        time.sleep(0.2)  # the other ranges are still being read when it fails
+        real(key, start, sinks, etag)
+
+    monkeypatch.setattr(storage, "_get_range_into", get_range_into)
+    with pytest.raises(StorageError, match="the store said no"):
+        fetch_verified(storage, name, manifest, sizes, tmp_path / "restore" / name)
