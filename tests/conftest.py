@@ -75,6 +75,29 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.line(f"replay: {trials.replay_command(report.nodeid)}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The temporary directory of the session's tests and of every process they start
+    (``TMPDIR``), removed at its end: torchrun, for one, leaves a directory of its own
+    in the system's temporary directory at every run."""
+    import shutil
+    import tempfile
+
+    path = tmp_path_factory.mktemp("tmpdir")
+    before, before_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # found again from TMPDIR
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        tempfile.tempdir = before_tempdir
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def testenv_supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[cluster.Supervisor]:
     sup = cluster.Supervisor(tmp_path_factory.mktemp("testenv"))

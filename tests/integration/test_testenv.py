@@ -178,3 +178,15 @@ def test_a_stopped_store_leaves_nothing_in_tmp(tmp_path: Path) -> None:
         sup.stop()
     assert not [p for p in sockets if p.exists()]
     assert not list(Path("/tmp").glob(f"weed.*.{pid}"))  # another test's store may write its own meanwhile
+
+
+def test_processes_the_tests_start_keep_their_temporary_files_in_the_session(session_tmpdir: Path) -> None:
+    """What a started process makes in its temporary directory (torchrun's ``torchelastic_*``
+    directories, for one) goes below the session's, which is removed at its end, not into ``/tmp``."""
+    made = subprocess.run(
+        [sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp(prefix='torchelastic_'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(made).parent == session_tmpdir
