@@ -655,11 +655,12 @@ def _cprofile(fn: Callable[[], Any]) -> str:
 # --- SIGTERM -> verified in S3 --------------------------------------------------
 
 
-def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], Path, dict[str, float]]:
+def _sigterm_once(ctx: Ctx, nbytes: int, reserve: bool) -> tuple[float, int, dict[str, float], Path, dict[str, float]]:
     """One ``spotguard run`` preempted by SIGTERM: seconds to a verified
     checkpoint, exit code, seconds per stage from its log, the local copy
     of the checkpoint it shipped (the bytes the raw baseline uploads), and the
-    CPU seconds each part used from SIGTERM to the end (:class:`CpuWatch`)."""
+    CPU seconds each part used from SIGTERM to the end (:class:`CpuWatch`). ``reserve``:
+    with ``--reserve-staging`` (the staging memory set aside after the routine checkpoint)."""
     from spotguard.checkpoint import latest_verified, list_local_committed, restore_checkpoint
 
     assert ctx.s3 is not None
@@ -678,6 +679,7 @@ def _sigterm_once(ctx: Ctx, nbytes: int) -> tuple[float, int, dict[str, float], 
             "--grace-seconds",
             "600",
             "--no-incremental",  # whole files: this section measures plain checkpoints against a raw upload
+            *(["--reserve-staging"] if reserve else []),
             "--",
             sys.executable,
             str(ROOT / "bench" / "sigterm_trainer.py"),
@@ -737,42 +739,58 @@ def _raw_upload(ctx: Ctx, src: Path) -> tuple[float, dict[str, float]]:
     return dt, used
 
 
+#: The SIGTERM section's two ways of running: (key, label, with ``--reserve-staging``).
+SIGTERM_VARIANTS = (
+    ("reserve", "memory set aside (`--reserve-staging`)", True),
+    ("default", "default", False),
+)
+
+
 def bench_sigterm(ctx: Ctx) -> Section:
     sizes = [float(x) for x in os.environ.get("BENCH_SIGTERM_GB", "0.25,1,2").split(",")]
     reps = ctx.rounds_for(3)
-    # size -> rounds of (SIGTERM -> verified, exit code, stages, raw upload of the same bytes)
-    results: dict[float, list[tuple[float, int, dict[str, float], float]]] = {gb: [] for gb in sizes}
-    # size -> rounds of (CPU seconds per part of the SIGTERM run, of the raw upload)
-    cpu: dict[float, list[tuple[dict[str, float], dict[str, float]]]] = {gb: [] for gb in sizes}
-    # The raw upload goes after the SIGTERM run in even rounds and before it in odd ones (uploading the
+    keys = [(gb, v) for gb in sizes for v, _, _ in SIGTERM_VARIANTS]
+    # (size, variant) -> rounds of (SIGTERM -> verified, exit code, stages, raw upload of the same bytes)
+    results: dict[tuple[float, str], list[tuple[float, int, dict[str, float], float]]] = {k: [] for k in keys}
+    # (size, variant) -> rounds of (CPU seconds per part of the SIGTERM run, of the raw upload)
+    cpu: dict[tuple[float, str], list[tuple[dict[str, float], dict[str, float]]]] = {k: [] for k in keys}
+    # The raw upload goes after the SIGTERM runs in even rounds and before them in odd ones (uploading the
     # previous round's checkpoint of the same size: the same files, the same sizes), so that neither
-    # always meets the store first (a store grows its volumes on the first writes after a deletion).
+    # always meets the store first (a store grows its volumes on the first writes after a deletion);
+    # the two SIGTERM runs of a size swap their order every round too.
     kept: dict[float, Path] = {}
     for r in range(reps):
         for gb in sizes:
             first = r % 2 == 1 and gb in kept
             raw, raw_cpu = _raw_upload(ctx, kept[gb]) if first else (0.0, {})
-            latency, rc, stages, copy, sig_cpu = _sigterm_once(ctx, int(gb * GiB))
-            keep = ctx.work / f"sigterm-copy-{gb:g}" / copy.name
-            shutil.rmtree(keep.parent, ignore_errors=True)
-            keep.parent.mkdir(parents=True)
-            shutil.move(copy, keep)
-            shutil.rmtree(copy.parents[1], ignore_errors=True)
-            kept[gb] = keep
+            runs = {}
+            for v, _, reserve in SIGTERM_VARIANTS[:: 1 if r % 2 == 0 else -1]:
+                runs[v] = _sigterm_once(ctx, int(gb * GiB), reserve)
+                copy = runs[v][3]
+                keep = ctx.work / f"sigterm-copy-{gb:g}" / copy.name
+                shutil.rmtree(keep.parent, ignore_errors=True)
+                keep.parent.mkdir(parents=True)
+                shutil.move(copy, keep)
+                shutil.rmtree(copy.parents[1], ignore_errors=True)
+                kept[gb] = keep
             if not first:
-                raw, raw_cpu = _raw_upload(ctx, keep)
-            results[gb].append((latency, rc, stages, raw))
-            cpu[gb].append((sig_cpu, raw_cpu))
+                raw, raw_cpu = _raw_upload(ctx, kept[gb])
+            for v, latency_rc_stages_copy_cpu in runs.items():
+                latency, rc, stages, _, sig_cpu = latency_rc_stages_copy_cpu
+                results[(gb, v)].append((latency, rc, stages, raw))
+                cpu[(gb, v)].append((sig_cpu, raw_cpu))
             print(
-                f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified {latency:.2f}s, raw upload {raw:.2f}s "
-                f"({'before' if first else 'after'}), stages {stages}",
+                f"   {gb:g} GiB round {r + 1}: SIGTERM -> verified "
+                + ", ".join(f"{v} {runs[v][0]:.2f}s" for v in runs)
+                + f", raw upload {raw:.2f}s ({'before' if first else 'after'})",
                 flush=True,
             )
     for keep in kept.values():
         shutil.rmtree(keep.parent, ignore_errors=True)
-    # Linear fit latency = a + b * size over the medians, to estimate the largest state that fits 25 s.
+    # Linear fit latency = a + b * size over the medians of the default, to estimate the largest state that
+    # fits 25 s (the goodput scenarios take the default's costs: nothing set aside).
     xs = sizes
-    ys = [median([x[0] for x in results[gb]]) for gb in sizes]
+    ys = [median([x[0] for x in results[(gb, "default")]]) for gb in sizes]
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
@@ -782,13 +800,14 @@ def bench_sigterm(ctx: Ctx) -> Section:
     ctx.costs["emergency_per_gb"] = b
     ctx.costs["emergency_fixed"] = a
     # How much one preemption's emergency time varies (its largest size): the goodput scenarios draw from it.
-    spread = Spread.of([x[0] for x in results[max(sizes)]], higher_is_better=False)
+    spread = Spread.of([x[0] for x in results[(max(sizes), "default")]], higher_is_better=False)
     ctx.costs["emergency_sigma"] = goodput.sigma_from_quartile(spread.median, spread.q3)
     s = Section(
         "SIGTERM to checkpoint verified in S3",
         "sigterm",
         [
             "state",
+            "staging",
             "SIGTERM -> verified (s)",
             "raw upload of the same bytes (s)",
             "SIGTERM -> verified / raw upload, per round [IQR]",
@@ -797,28 +816,36 @@ def bench_sigterm(ctx: Ctx) -> Section:
     )
     all_stages: list[str] = []
     for gb in sizes:
-        rounds = results[gb]
-        lat, raws = [x[0] for x in rounds], [x[3] for x in rounds]
-        ratio = per_round(lat, raws, higher_is_better=False)
-        codes = sorted({str(x[1]) for x in rounds})
-        s.rows.append([f"{gb:g} GiB", fmt(median(lat)), fmt(median(raws)), ratio.cell(), ",".join(codes)])
-        if gb >= 1:
-            goal(s, f"SIGTERM -> verified within 1.25x a raw upload of the same bytes ({gb:g} GiB)", ratio, 1.25)
-        for x in rounds:
-            all_stages += [k for k in x[2] if k not in all_stages]
+        for v, label, _ in SIGTERM_VARIANTS:
+            rounds = results[(gb, v)]
+            lat, raws = [x[0] for x in rounds], [x[3] for x in rounds]
+            ratio = per_round(lat, raws, higher_is_better=False)
+            codes = sorted({str(x[1]) for x in rounds})
+            s.rows.append([f"{gb:g} GiB", label, fmt(median(lat)), fmt(median(raws)), ratio.cell(), ",".join(codes)])
+            if gb >= 1:
+                goal(
+                    s,
+                    f"SIGTERM -> verified within 1.25x a raw upload of the same bytes ({gb:g} GiB, {label})",
+                    ratio,
+                    1.25,
+                )
+            for x in rounds:
+                all_stages += [k for k in x[2] if k not in all_stages]
     s.notes.append(
         f"`spotguard run` supervising a trainer with the given state, SIGTERM to the supervisor once the "
         f"trainer's routine checkpoint (step 1) is verified in storage, as a training run is usually "
         f"preempted after one (its host buffers are then allocated; a trainer's very first save also pays "
         f"for fresh memory): the trainer saves at its next step boundary, the supervisor uploads, verifies "
-        f"and exits. In the "
+        f"and exits. Each size runs twice per round: by default, and with `--reserve-staging`, where the "
+        f"trainer set aside in `/dev/shm` the memory of a checkpoint of its routine checkpoint's size after "
+        f'that checkpoint (see docs/checkpoint-format.md, "Memory set aside for a preemption\'s save"). In the '
         f"same round the checkpoint files of that size are uploaded again with the project's own concurrent "
         f"multipart upload (`Storage.upload_files`) and nothing else: no pointer, no verification (after the "
-        f"SIGTERM run in even rounds, before it in odd ones, then with the previous round's files). "
-        f"{reps} rounds, sizes interleaved; dirty pages flushed before each timed step. A linear fit gives "
-        f"{a:.1f} s + {b:.1f} s/GiB, so the largest state that fits a 25 s budget on this machine is about "
-        f"**{max(fits, 0):.2f} GiB**; on a real cloud node the store is remote and parallel, so the per-GiB "
-        "cost is the network's, not this machine's."
+        f"SIGTERM runs in even rounds, before them in odd ones, then with the previous round's files). "
+        f"{reps} rounds, sizes interleaved; dirty pages flushed before each timed step. A linear fit of the "
+        f"default gives {a:.1f} s + {b:.1f} s/GiB, so the largest state that fits a 25 s budget on this machine "
+        f"is about **{max(fits, 0):.2f} GiB**; on a real cloud node the store is remote and parallel, so the "
+        "per-GiB cost is the network's, not this machine's."
     )
     # Where the emergency path's time goes, from the `stage=... seconds=...` lines the supervisor logs.
     s.notes.append(
@@ -831,16 +858,17 @@ def bench_sigterm(ctx: Ctx) -> Section:
         "the staged copy's memory after it exits:\n"
     )
     s.notes.append(
-        "| state | SIGTERM -> verified | "
+        "| state | staging | SIGTERM -> verified | "
         + " | ".join(all_stages)
         + " |\n|"
-        + "---|" * (len(all_stages) + 2)
+        + "---|" * (len(all_stages) + 3)
         + "\n"
         + "\n".join(
-            f"| {gb:g} GiB | {median([x[0] for x in results[gb]]):.2f} | "
-            + " | ".join(f"{median([x[2].get(k, 0.0) for x in results[gb]]):.2f}" for k in all_stages)
+            f"| {gb:g} GiB | {label} | {median([x[0] for x in results[(gb, v)]]):.2f} | "
+            + " | ".join(f"{median([x[2].get(k, 0.0) for x in results[(gb, v)]]):.2f}" for k in all_stages)
             + " |"
             for gb in sizes
+            for v, label, _ in SIGTERM_VARIANTS
         )
     )
     s.notes.append(_sigterm_cpu_note(sizes, results, cpu))
@@ -850,12 +878,14 @@ def bench_sigterm(ctx: Ctx) -> Section:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    lo = [ys[i] - min(x[0] for x in results[gb]) for i, gb in enumerate(sizes)]
-    hi = [max(x[0] for x in results[gb]) - ys[i] for i, gb in enumerate(sizes)]
-    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=4, label="SIGTERM -> verified")
+    for v, label, _ in SIGTERM_VARIANTS:
+        med = [median([x[0] for x in results[(gb, v)]]) for gb in sizes]
+        lo = [med[i] - min(x[0] for x in results[(gb, v)]) for i, gb in enumerate(sizes)]
+        hi = [max(x[0] for x in results[(gb, v)]) - med[i] for i, gb in enumerate(sizes)]
+        ax.errorbar(xs, med, yerr=[lo, hi], fmt="o-", capsize=4, label=f"SIGTERM -> verified, {label.split(' (')[0]}")
     ax.plot(
         xs,
-        [median([x[3] for x in results[gb]]) for gb in sizes],
+        [median([x[3] for x in results[(gb, "default")]]) for gb in sizes],
         "s--",
         color="#999999",
         label="raw upload of the same bytes",
@@ -863,7 +893,7 @@ def bench_sigterm(ctx: Ctx) -> Section:
     ax.axhline(25, color="red", ls="--", label="25 s budget")
     ax.set_xlabel("state size (GiB)")
     ax.set_ylabel("seconds")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     ctx.plots.mkdir(parents=True, exist_ok=True)
     fig.savefig(ctx.plots / "sigterm.png", dpi=110)
@@ -874,26 +904,27 @@ def bench_sigterm(ctx: Ctx) -> Section:
 
 def _sigterm_cpu_note(
     sizes: list[float],
-    results: dict[float, list[tuple[float, int, dict[str, float], float]]],
-    cpu: dict[float, list[tuple[dict[str, float], dict[str, float]]]],
+    results: dict[tuple[float, str], list[tuple[float, int, dict[str, float], float]]],
+    cpu: dict[tuple[float, str], list[tuple[dict[str, float], dict[str, float]]]],
 ) -> str:
     """Where the SIGTERM runs' and the raw uploads' CPU went, and how the
     SIGTERM path's extra CPU compares with its extra time."""
     parts = ["trainer", "supervisor", "client", "store", "all"]
     rows = []
     for gb in sizes:
-        for label, which, walls in (
-            ("SIGTERM -> verified", 0, [x[0] for x in results[gb]]),
-            ("raw upload", 1, [x[3] for x in results[gb]]),
-        ):
-            used = [c[which] for c in cpu[gb]]
+        runs = [(f"SIGTERM -> verified, {label}", (gb, v), 0, 0) for v, label, _ in SIGTERM_VARIANTS]
+        for name, key, which, col in [*runs, ("raw upload", (gb, "default"), 1, 3)]:
+            walls = [x[col] for x in results[key]]
+            used = [c[which] for c in cpu[key]]
             cells = [fmt(median([u.get(k, 0.0) for u in used])) for k in parts]
             busy = median([u.get("all", 0.0) / w for u, w in zip(used, walls, strict=True) if w > 0])
-            rows.append(f"| {gb:g} GiB | {label} | " + " | ".join(cells) + f" | {busy:.2f} |")
+            rows.append(f"| {gb:g} GiB | {name} | " + " | ".join(cells) + f" | {busy:.2f} |")
     ratios = []
     for gb in sizes:
-        cpu_ratio = per_round([c[0].get("all", 0.0) for c in cpu[gb]], [c[1].get("all", 0.0) for c in cpu[gb]])
-        ratios.append(f"{gb:g} GiB {cpu_ratio.cell()}")
+        for v, label, _ in SIGTERM_VARIANTS:
+            c = cpu[(gb, v)]
+            cpu_ratio = per_round([x[0].get("all", 0.0) for x in c], [x[1].get("all", 0.0) for x in c])
+            ratios.append(f"{gb:g} GiB {label.split(' (')[0]} {cpu_ratio.cell()}")
     return (
         "CPU seconds (user + system) from SIGTERM to the end, and during the raw upload, median per part "
         "(read from `/proc` every 0.1 s by `bench.common.CpuWatch`: `trainer` is every process the "

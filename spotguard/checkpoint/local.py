@@ -35,6 +35,7 @@ from spotguard.checkpoint.codec import (
     load_safetensors,
     pool_committed,
     safetensors_header,
+    written_size,
 )
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -48,6 +49,9 @@ from spotguard.checkpoint.manifest import (
     parse_manifest,
 )
 from spotguard.checkpoint.pickle_scan import PICKLE_SUFFIXES, UnsafePickleError, check_pickle_safe
+from spotguard.checkpoint.reserve import MIN_BYTES as RESERVE_MIN_BYTES
+from spotguard.checkpoint.reserve import give_back
+from spotguard.checkpoint.reserve import take as take_reserve
 from spotguard.checkpoint.verify import VerifyResult, verify_files
 from spotguard.storage.checksum import CHUNK, DEFAULT_ALGORITHM, check_algorithm, new_hasher
 from spotguard.storage.file import fsync_dir
@@ -134,19 +138,30 @@ class LocalWriter:
         if self.deadline is not None and time.time() > self.deadline:
             raise DeadlineExceeded(f"checkpoint {self.name} not finished before its deadline")
 
-    def add_file(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileEntry:
-        """Write one data file (relative ``path``), checksumming as it goes."""
+    def add_file(self, path: str, chunks: Iterable[bytes | memoryview], size_hint: int = 0) -> FileEntry:
+        """Write one data file (relative ``path``), checksumming as it goes. In
+        a staging directory, a file of ``size_hint`` bytes or more is written
+        into memory set aside there beforehand, when there is some
+        (:mod:`spotguard.checkpoint.reserve`)."""
         target = self.tmp / path
         target.parent.mkdir(parents=True, exist_ok=True)
         hasher = new_hasher(self.algorithm)
         size = 0
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        reserved = None
+        if self.staging is not None and size_hint >= RESERVE_MIN_BYTES:
+            reserved = take_reserve(self.staging, size_hint, target)
+        if reserved is None:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        else:
+            fd = os.open(target, os.O_WRONLY)  # its size is 0 and grows as it is written, as a new file's
         try:
             for chunk in chunks:
                 self._check_deadline()
                 hasher.update(chunk)  # a snapshot's memory, not copied (see Crc32cHasher)
                 _write_all(fd, chunk)
                 size += len(chunk)
+            if reserved is not None:
+                give_back(fd, size, reserved)
             if self.durable:
                 os.fsync(fd)
         finally:
@@ -167,7 +182,7 @@ class LocalWriter:
         it when it is the same file there (:meth:`_link_kept`), not written again."""
         for file, blobs in sorted(snapshot.tensors.items()):
             if prefix or self._link_kept(file, blobs, snapshot) is None:
-                self.add_file(prefix + file, iter_safetensors(blobs))
+                self.add_file(prefix + file, iter_safetensors(blobs), size_hint=written_size(blobs))
         self.add_bytes(prefix + STATE_FILE, json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())
 
     def _link_kept(self, file: str, blobs: Mapping[str, TensorBlob], snapshot: Snapshot) -> FileEntry | None:

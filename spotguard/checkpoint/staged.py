@@ -49,6 +49,7 @@ from pathlib import Path
 from spotguard.checkpoint.codec import KEPT_SUFFIX, Snapshot
 from spotguard.checkpoint.local import STAGED_PREFIX, TMP_PREFIX
 from spotguard.checkpoint.manifest import parse_checkpoint_name
+from spotguard.checkpoint.reserve import reserved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ def choose_staging(staging: Path | None, snapshot: Snapshot) -> Path | None:
         log.warning("emergency staging %s unusable (%s): writing to the checkpoint directory", staging, exc)
         return None
     headroom = memory_headroom()
-    if not fits_in_memory(needed, free, headroom):
+    # Memory set aside there beforehand (spotguard.checkpoint.reserve) is taken, not newly allocated.
+    if not fits_in_memory(max(0, needed - reserved_bytes(staging)), free, headroom):
         log.warning(
             "emergency staging %s: %d bytes do not fit (%d free there, %s bytes of memory left): "
             "writing to the checkpoint directory",
@@ -198,7 +200,8 @@ def settle_staged(directory: Path, verified_step: int) -> tuple[list[str], list[
 def remove_staging(
     staging: Path, keep: Iterable[Path] = (), *, background: bool = False, remove_dir: bool = False
 ) -> None:
-    """Remove what a staging directory holds (its staged files, leftover temporary ones), but ``keep``;
+    """Remove what a staging directory holds (its staged files, leftover temporary ones, memory set aside
+    by :mod:`spotguard.checkpoint.reserve`), but ``keep``;
     ``remove_dir``: then the directory itself, when nothing else is left in it.
 
     ``background``: by a process of its own at the lowest CPU priority, which
@@ -222,17 +225,32 @@ def remove_staging(
             )
             return
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     if remove_dir:
         with contextlib.suppress(OSError):
             staging.rmdir()
+
+
+def _remove(path: str) -> None:
+    """Remove a directory's tree, or a file (memory set aside, :mod:`spotguard.checkpoint.reserve`)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 # The background removal: at the lowest priority, the doomed paths, then the directory if asked and empty.
 _REMOVE = """import os, shutil, sys
 os.nice(19)
 for p in sys.argv[2:]:
-    shutil.rmtree(p, ignore_errors=True)
+    if os.path.isdir(p) and not os.path.islink(p):
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 if sys.argv[1]:
     try:
         os.rmdir(sys.argv[1])

@@ -86,6 +86,12 @@ EMERGENCY_STAGING = _var(
     None,
     "a memory file system shared with the uploader where a preemption's checkpoint is written (unset: none)",
 )
+STAGING_RESERVE = _var(
+    "STAGING_RESERVE",
+    bool,
+    False,
+    "after each routine save, set aside in the emergency staging the memory a preemption's save takes",
+)
 STORAGE_URI = _var("STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...")
 JOB = _var("JOB", str, None, "job name for manifests, metrics and logs")
 ATTEMPT = _var("ATTEMPT", int, None, "the restart attempt this pod or command belongs to", "non-negative")

@@ -80,6 +80,13 @@ def register(subparsers: Any) -> None:
         action="store_false",
         help="write a preemption's checkpoint to the checkpoint directory, not to /dev/shm first",
     )
+    p.add_argument(
+        "--reserve-staging",
+        dest="staging_reserve",
+        action="store_true",
+        help="after each routine checkpoint, set aside in /dev/shm the memory a preemption's checkpoint of "
+        "that size takes (faster emergency save; holds that memory between checkpoints)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     p.set_defaults(func=_run)
@@ -129,6 +136,7 @@ def _run(args: argparse.Namespace) -> int:
         incremental=incremental,
         pass_credentials=args.pass_credentials,
         memory_staging=args.memory_staging,
+        staging_reserve=args.staging_reserve and args.memory_staging,
     )
     try:
         with workdir_lock(workdir):

@@ -111,6 +111,8 @@ class RunConfig:
     pass_credentials: bool = False
     # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.staged).
     memory_staging: bool = True
+    # With memory staging: set its memory aside after each routine save (see spotguard.checkpoint.reserve).
+    staging_reserve: bool = False
 
     @property
     def control_dir(self) -> Path:
@@ -423,6 +425,8 @@ class Supervisor:
         )
         if self.staging is not None:
             env[envvars.EMERGENCY_STAGING.name] = envvars.to_env(envvars.EMERGENCY_STAGING, str(self.staging))
+            if self.config.staging_reserve:
+                env[envvars.STAGING_RESERVE.name] = envvars.to_env(envvars.STAGING_RESERVE, True)
         if not self.config.pass_credentials:
             env = without_storage_credentials(env)
         # Under torchrun the workers must get the whole grace period for their

@@ -110,7 +110,11 @@ class Checkpointer:
     ``emergency_staging``: a memory file system the uploader also sees,
     where a preemption's checkpoint that an uploader ships at once is
     written (see :mod:`spotguard.checkpoint.staged`); ``spotguard run`` and
-    the operator set it (``SPOTGUARD_EMERGENCY_STAGING``).
+    the operator set it (``SPOTGUARD_EMERGENCY_STAGING``). ``staging_reserve``:
+    after each routine save, set aside in ``emergency_staging`` the memory a
+    preemption's save of that size takes, so that it writes into pages
+    allocated beforehand (:mod:`spotguard.checkpoint.reserve`; holds a
+    checkpoint's size of memory between saves; ``SPOTGUARD_STAGING_RESERVE``).
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`~spotguard.trainer.config.local_pruner`): with a storage URI and no
@@ -169,6 +173,7 @@ class Checkpointer:
         distributed: bool | None = None,
         incremental: bool = True,
         emergency_staging: str | os.PathLike[str] | None = None,
+        staging_reserve: bool = False,
     ) -> None:
         root = Path(directory)
         storage_uri = storage_uri or None
@@ -190,6 +195,7 @@ class Checkpointer:
             async_save=async_save,
             incremental=incremental,
             emergency_staging=Path(emergency_staging) if emergency_staging else None,
+            staging_reserve=staging_reserve,
         )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)

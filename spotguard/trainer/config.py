@@ -29,6 +29,7 @@ from spotguard.contract.env import (
     JOB,
     SAVE_EVERY_SECONDS,
     SAVE_EVERY_STEPS,
+    STAGING_RESERVE,
     STORAGE_URI,
     from_env,
 )
@@ -76,6 +77,7 @@ class EnvConfig:
     retention: RetentionPolicy | None
     incremental: bool = True
     emergency_staging: str | None = None
+    staging_reserve: bool = False
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
@@ -100,6 +102,7 @@ class EnvConfig:
             retention=None if policy.keeps_everything else policy,
             incremental=from_env(INCREMENTAL, env),
             emergency_staging=from_env(EMERGENCY_STAGING, env) or None,
+            staging_reserve=from_env(STAGING_RESERVE, env),
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -115,6 +118,7 @@ class EnvConfig:
             "attempt": self.attempt,
             "incremental": self.incremental,
             "emergency_staging": self.emergency_staging,
+            "staging_reserve": self.staging_reserve,
         }
         if self.retention is not None:
             out["retention"] = self.retention
@@ -148,6 +152,8 @@ class Settings:
     incremental: bool = True
     #: A memory file system shared with the uploader for a preemption's save (see :mod:`spotguard.checkpoint.staged`).
     emergency_staging: Path | None = None
+    #: Set memory aside in ``emergency_staging`` after each routine save (see :mod:`spotguard.checkpoint.reserve`).
+    staging_reserve: bool = False
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:

@@ -40,7 +40,8 @@ from typing import Any
 
 from spotguard.checkpoint.codec import Snapshot, snapshot_state, written_size
 from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
-from spotguard.checkpoint.staged import choose_staging
+from spotguard.checkpoint.reserve import prepare as prepare_reserve
+from spotguard.checkpoint.staged import MEMORY_MARGIN, choose_staging, may_link_kept, memory_headroom
 from spotguard.contract.control import STAGING_FULL_FILE, WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
@@ -154,6 +155,7 @@ class LocalPersist:
         self._shipping = shipping
         self._pinned = pinned
         self.thread: threading.Thread | None = None
+        self._reserving: threading.Thread | None = None
 
     # -- the writer thread ---------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -252,6 +254,7 @@ class LocalPersist:
         record = self._record
         start = time.perf_counter()
         path: Path | None = None
+        reserve: list[int] | None = None
         deadline_exceeded = False
         try:
             assert job.snapshot is not None
@@ -277,6 +280,7 @@ class LocalPersist:
             if not durable:
                 self._announce(job, staging)
             path = write_in_staging(write, staging)
+            reserve = self._reserve_sizes(job.snapshot, durable)
             record.last_committed = path
             record.last_persist_seconds = time.perf_counter() - start
             log.info("checkpoint %s committed (%.2fs)", path, record.last_persist_seconds)
@@ -293,7 +297,37 @@ class LocalPersist:
         if path is not None:
             self._staging_ok()
             self._shipping.after_commit(path, job.due)
+        if reserve is not None:
+            self._reserve(reserve)
         return path
+
+    def _reserve_sizes(self, snapshot: Snapshot, durable: bool) -> list[int] | None:
+        """After a routine save of ``snapshot``: the sizes of the files a preemption's save
+        would write into the staging memory (none when it would link a file and stay on
+        the disk); None when no memory is set aside (off, or not a routine save)."""
+        staging = self._settings.emergency_staging
+        if not self._settings.staging_reserve or staging is None or not durable:
+            return None
+        if may_link_kept(snapshot):
+            return []
+        return [written_size(blobs) for blobs in snapshot.tensors.values()]
+
+    def _reserve(self, sizes: list[int]) -> None:
+        """Set aside the staging memory for files of ``sizes`` in the background
+        (:func:`spotguard.checkpoint.reserve.prepare`), unless that is under way."""
+        staging = self._settings.emergency_staging
+        if staging is None or (self._reserving is not None and self._reserving.is_alive()):
+            return
+
+        def run() -> None:
+            try:
+                reserved = prepare_reserve(staging, sizes, headroom=memory_headroom(), margin=MEMORY_MARGIN)
+                log.debug("staging reserve: %d bytes set aside in %s", reserved, staging)
+            except OSError as exc:
+                log.warning("staging reserve in %s: %s", staging, exc)
+
+        self._reserving = threading.Thread(target=run, name="spotguard-staging-reserve", daemon=True)
+        self._reserving.start()
 
     def _announce(self, job: PersistJob, staging: Path | None) -> None:
         """Tell the uploader what a preemption's save is about to write (``checkpoint-writing.json``):
