@@ -177,6 +177,8 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
         env.append(_contract_value(envvars.ATTEMPT, inj.attempt))
     if emergency_volume(inj) is not None:
         env.append(_contract_value(envvars.EMERGENCY_STAGING, EMERGENCY_DIR))
+        if ck.reserve_staging:
+            env.append(_contract_value(envvars.STAGING_RESERVE, True))
     if ck.every_steps is not None:
         env.append(_contract_value(envvars.SAVE_EVERY_STEPS, ck.every_steps))
     if ck.every_seconds is not None:

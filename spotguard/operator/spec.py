@@ -109,6 +109,9 @@ class CheckpointSpec:
     #: Give the pod a memory volume where a preemption's checkpoint is written before it is
     #: shipped (see spotguard.checkpoint.staged); off: it is written to the staging volume.
     memory_staging: bool = True
+    #: With the memory volume: the trainer sets aside in it, after each routine checkpoint, the memory
+    #: a preemption's checkpoint of that size takes (see spotguard.checkpoint.reserve).
+    reserve_staging: bool = False
 
     def job_uri(self, namespace: str, job: str) -> str:
         """The job's own checkpoint root: ``<storage>/<namespace>/<job>``."""
@@ -344,6 +347,7 @@ def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
         incremental=read_bool(obj, "incremental", path, True),
         staging=parse_staging(obj.get("staging"), f"{path}.staging"),
         memory_staging=read_bool(obj, "memoryStaging", path, True),
+        reserve_staging=read_bool(obj, "reserveStaging", path, False),
     )
 
 

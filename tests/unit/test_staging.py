@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from spotguard.contract.env import EMERGENCY_STAGING
+from spotguard.contract.env import EMERGENCY_STAGING, STAGING_RESERVE, from_env
 from spotguard.operator.classify import PodEnd, classify_pod_end
 from spotguard.operator.decide import decide
 from spotguard.operator.jobstatus import Observation, condition
@@ -246,11 +246,33 @@ def test_no_memory_volume_when_off_or_when_staging_is_in_memory(checkpoint: dict
         assert all(m["name"] != EMERGENCY_VOLUME for m in c.get("volumeMounts", []))
 
 
-def test_memory_staging_must_be_a_boolean() -> None:
+@pytest.mark.parametrize("field", ["memoryStaging", "reserveStaging"])
+def test_memory_staging_must_be_a_boolean(field: str) -> None:
     spec = raw()
-    spec["checkpoint"]["memoryStaging"] = "sometimes"
-    with pytest.raises(SpecError, match="memoryStaging"):
+    spec["checkpoint"][field] = "sometimes"
+    with pytest.raises(SpecError, match=field):
         parse(spec)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "reserved"),
+    [
+        ({"storage": "s3://bkt/p"}, False),  # off by default: it holds a checkpoint's size of memory
+        ({"storage": "s3://bkt/p", "reserveStaging": True}, True),
+        ({"storage": "s3://bkt/p", "reserveStaging": True, "memoryStaging": False}, False),  # nowhere to set it aside
+    ],
+)
+def test_the_trainer_sets_memory_aside_in_the_memory_volume_when_asked(
+    checkpoint: dict[str, Any], reserved: bool
+) -> None:
+    spec = raw()
+    spec["checkpoint"] = checkpoint
+    pod_spec = build_pod("demo", "ns", "uid", parse(spec), 2, OperatorConfig(image="sg:1"), checkpoint_bytes=GiB)[
+        "spec"
+    ]
+    [trainer] = [c for c in pod_spec["containers"] if c["name"] == "trainer"]
+    assert env_of(trainer).get(STAGING_RESERVE.name) == ("true" if reserved else None)
+    assert from_env(STAGING_RESERVE, {k: v for k, v in env_of(trainer).items() if v is not None}) is reserved
 
 
 def test_the_size_comes_from_the_status() -> None:
