@@ -664,6 +664,10 @@ class PodRunner:
 
     def _env(self, c: Container) -> dict[str, str]:
         env = self.agent.base_env(self.hostname)
+        # A container's temporary files are its own and go with its pod, as in its own /tmp under kubelet
+        # (torchrun, for one, leaves a directory in the temporary directory at every run); the
+        # container's own env may still set TMPDIR.
+        env["TMPDIR"] = str(self._own_tmp(c))
         for src in c.spec.get("envFrom") or []:
             for kind, key in (("configmaps", "configMapRef"), ("secrets", "secretRef")):
                 ref = src.get(key)
@@ -690,6 +694,13 @@ class PodRunner:
             else:
                 raise Unsupported(f"env {var['name']}: valueFrom {sorted(source)} is not supported by the process node")
         return env
+
+    def _own_tmp(self, c: Container) -> Path:
+        """The container's temporary directory, below the pod's volumes (removed with them)."""
+        path = self.volumes_dir / "tmp" / c.name
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o1777)  # any user the container runs as, as /tmp
+        return path
 
     def _prepare_volumes(self) -> bool:
         """Materialise the pod's volumes, retrying while a Secret/ConfigMap is missing."""

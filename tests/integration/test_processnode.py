@@ -813,6 +813,28 @@ def test_emptydir_at_tmp_hides_no_other_volume_source(core: Any, ns: str, proces
     assert not Path("/tmp", marker).exists()
 
 
+def test_a_containers_temporary_files_are_its_own_and_go_with_its_pod(
+    core: Any, ns: str, process_nodes: ProcessNodes
+) -> None:
+    """As in a container's own /tmp under kubelet: not the host's /tmp, not another container's, gone with the pod."""
+    script = "import json, tempfile; print(json.dumps(tempfile.mkdtemp(prefix='mine-')))"
+    pod = pod_manifest(
+        "temps",
+        [container("a", ["python", "-c", script]), container("b", ["python", "-c", script])],
+    )
+    create_pod(core, ns, pod)
+    done = wait_phase(core, ns, "temps", ("Succeeded", "Failed"))
+    made = {}
+    for name in ("a", "b"):
+        log = process_nodes.log_path(ns, "temps", name).read_text()
+        assert done.status.phase == "Succeeded", log
+        made[name] = Path(json.loads(log.strip().splitlines()[-1]))
+        assert made[name].is_dir() and made[name].parent != Path("/tmp"), made[name]
+    assert made["a"].parent != made["b"].parent
+    core.delete_namespaced_pod("temps", ns)
+    wait_for(lambda: not any(p.exists() for p in made.values()), "the pod's temporary files to go with it")
+
+
 def test_command_that_cannot_start_is_a_start_error(core: Any, ns: str) -> None:
     create_pod(core, ns, pod_manifest("nostart", [container("main", ["no-such-command-here"])]))
 
