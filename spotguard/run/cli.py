@@ -104,6 +104,9 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         error("no command: spotguard run [options] -- CMD [ARG ...]")
         return EXIT_USAGE
+    if args.staging_reserve and not args.memory_staging:
+        error("--reserve-staging sets memory aside in the memory staging: drop --no-memory-staging or it")
+        return EXIT_USAGE
     workdir = args.workdir.resolve()
     ckdir = (args.checkpoint_dir or workdir / "checkpoints").resolve()
     storage_uri = args.storage or (workdir / "store").as_uri()
@@ -136,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         incremental=incremental,
         pass_credentials=args.pass_credentials,
         memory_staging=args.memory_staging,
-        staging_reserve=args.staging_reserve and args.memory_staging,
+        staging_reserve=args.staging_reserve,
     )
     try:
         with workdir_lock(workdir):

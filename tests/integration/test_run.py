@@ -214,6 +214,7 @@ def test_gives_up_when_the_restart_budget_is_spent(tmp_path: Path) -> None:
         (["run"], "no command"),
         (["run", "--storage", "gs://bucket/x", "--", "true"], "gs://bucket/x"),
         (["run", "--", "/nonexistent/trainer"], "cannot start '/nonexistent/trainer'"),
+        (["run", "--no-memory-staging", "--reserve-staging", "--", "true"], "drop --no-memory-staging"),
     ],
 )
 def test_user_errors_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
