@@ -16,7 +16,9 @@ reserve file per tensor file of that save, of its size, allocated
 stays 0). A preemption's save staged there takes a reserve file for each
 tensor file it writes (a rename into its place: two writers never take the
 same one), writes it from the start and gives back whatever the file did not
-use (``FALLOC_FL_PUNCH_HOLE``).
+use (``FALLOC_FL_PUNCH_HOLE``). Memory is set aside :data:`STEP` bytes at a
+time and gives way to a preemption: once its save is asked for, the reserve
+being made is removed and no other is made.
 
 Why this is as safe as writing a new file:
 
@@ -50,7 +52,7 @@ import logging
 import os
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ RESERVE_PREFIX = ".tmp-reserve-"
 MAKING_PREFIX = ".tmp-reserving-"
 #: Files smaller than this are written into new pages (taking a reserve would cost more than it saves).
 MIN_BYTES = 1 << 20
+#: A reserve is allocated this many bytes at a time (so that a preemption's save need not wait for it).
+STEP = 256 << 20
 #: Reserves are made in whole MiB, at least one more than the file they stand for.
 UNIT = 1 << 20
 
@@ -147,11 +151,19 @@ def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _make(staging: Path, size: int) -> None:
+class Stopped(Exception):
+    """Setting memory aside gave way (a preemption's save needs the CPU and the memory now)."""
+
+
+def _make(staging: Path, size: int, stop: Callable[[], bool]) -> None:
+    """One reserve file of ``size`` bytes, allocated a step at a time, asking ``stop`` before each step."""
     making = staging / f"{MAKING_PREFIX}{size}-{uuid.uuid4().hex[:8]}"
     fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _fallocate(fd, _KEEP_SIZE, 0, size)
+        for offset in range(0, size, STEP):
+            if stop():
+                raise Stopped
+            _fallocate(fd, _KEEP_SIZE, offset, min(STEP, size - offset))
     except BaseException:
         os.close(fd)
         os.unlink(making)
@@ -160,10 +172,19 @@ def _make(staging: Path, size: int) -> None:
     os.rename(making, staging / f"{RESERVE_PREFIX}{size}-{uuid.uuid4().hex[:8]}")
 
 
-def prepare(staging: Path, file_sizes: Iterable[int], *, headroom: int | None, margin: int) -> int:
+def prepare(
+    staging: Path,
+    file_sizes: Iterable[int],
+    *,
+    headroom: int | None,
+    margin: int,
+    stop: Callable[[], bool] = lambda: False,
+) -> int:
     """Make ``staging``'s reserves those for files of ``file_sizes`` (:func:`reserve_size` each):
     remove the others, make the missing ones where they fit. Returns the bytes reserved
-    afterwards; a file system without ``fallocate`` gets none (logged once per call)."""
+    afterwards; a file system without ``fallocate`` gets none (logged). ``stop`` is asked
+    between steps of :data:`STEP` bytes: once it is true, the reserve being made is removed
+    and no other is made (a preemption's save must not share the CPU or the memory with it)."""
     staging.mkdir(parents=True, exist_ok=True)
     there = reserves(staging)
     make, drop = plan((reserve_size(s) for s in file_sizes), (size for _, size in there))
@@ -186,7 +207,10 @@ def prepare(staging: Path, file_sizes: Iterable[int], *, headroom: int | None, m
         return reserved_bytes(staging)
     for size in make:
         try:
-            _make(staging, size)
+            _make(staging, size, stop)
+        except Stopped:
+            log.info("staging reserve: setting memory aside stopped for a preemption's save")
+            break
         except OSError as exc:
             log.warning("staging reserve: %d bytes not set aside in %s: %s", size, staging, exc)
             break

@@ -156,6 +156,7 @@ class LocalPersist:
         self._pinned = pinned
         self.thread: threading.Thread | None = None
         self._reserving: threading.Thread | None = None
+        self._preempting = False  # a preemption's save started: memory is no longer set aside
 
     # -- the writer thread ---------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -225,6 +226,7 @@ class LocalPersist:
     ) -> Path | None:
         """:meth:`Checkpointer.save` in a single process."""
         sync = self._policy.synchronous(blocking, due.preempt)
+        self._preempting = self._preempting or due.preempt
         if step == self._policy.last_step:
             # This step is already committed or being written: wait for it.
             return self.answer_with_last(due)
@@ -301,6 +303,10 @@ class LocalPersist:
             self._reserve(reserve)
         return path
 
+    def _preempted(self) -> bool:
+        """A preemption's save has started or is asked for."""
+        return self._preempting or any(r.preempt for r in self._channel.pending)
+
     def _reserve_sizes(self, snapshot: Snapshot, durable: bool) -> list[int] | None:
         """After a routine save of ``snapshot``: the sizes of the files a preemption's save
         would write into the staging memory (none when it would link a file and stay on
@@ -316,12 +322,14 @@ class LocalPersist:
         """Set aside the staging memory for files of ``sizes`` in the background
         (:func:`spotguard.checkpoint.reserve.prepare`), unless that is under way."""
         staging = self._settings.emergency_staging
-        if staging is None or (self._reserving is not None and self._reserving.is_alive()):
+        if staging is None or self._preempted() or (self._reserving is not None and self._reserving.is_alive()):
             return
 
         def run() -> None:
             try:
-                reserved = prepare_reserve(staging, sizes, headroom=memory_headroom(), margin=MEMORY_MARGIN)
+                reserved = prepare_reserve(
+                    staging, sizes, headroom=memory_headroom(), margin=MEMORY_MARGIN, stop=self._preempted
+                )
                 log.debug("staging reserve: %d bytes set aside in %s", reserved, staging)
             except OSError as exc:
                 log.warning("staging reserve in %s: %s", staging, exc)

@@ -70,6 +70,19 @@ def test_nothing_is_set_aside_that_would_leave_less_memory_than_it_takes(memory:
     assert rsv.prepare(memory, [8 * MiB], headroom=24 * MiB, margin=0) == 10 * MiB
 
 
+def test_setting_memory_aside_gives_way_to_a_preemption(memory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rsv, "STEP", MiB)
+    asked = []
+
+    def stop() -> bool:  # a preemption's save starts after the first step
+        asked.append(1)
+        return len(asked) > 1
+
+    assert rsv.prepare(memory, [8 * MiB, 8 * MiB], headroom=None, margin=0, stop=stop) == 0
+    assert len(asked) == 2  # stopped at once, and the second reserve never started
+    assert os.listdir(memory) == []  # what was being allocated is freed for the save
+
+
 def test_a_file_written_into_a_reserve_grows_as_it_is_written_and_gives_back_the_rest(memory: Path) -> None:
     rsv.prepare(memory, [4 * MiB], headroom=None, margin=0)
     [(reserve, size)] = rsv.reserves(memory)
