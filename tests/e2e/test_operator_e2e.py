@@ -293,14 +293,10 @@ def assert_final_bitwise(
         )
     final = restore_latest(storage, tmp_path / "final")
     assert final is not None and final.step == steps - 1
-    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    ref_args = reference_args(args)
     subprocess.run(
         [sys.executable, "-m", "spotguard.demo.train", *ref_args],
-        env={
-            "PATH": str(Path(sys.executable).parent),
-            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-            "SPOTGUARD_SAVE_EVERY_STEPS": str(every),
-        },
+        env=reference_env(tmp_path, SPOTGUARD_SAVE_EVERY_STEPS=str(every)),
         check=True,
         capture_output=True,
         timeout=600,
@@ -313,6 +309,23 @@ def assert_final_bitwise(
     # global generators start from OS entropy in each fresh process, so only
     # torch's state is comparable with a separate reference run.
     assert load_file(str(got / "rng.safetensors"))["torch"].equal(load_file(str(ref / "rng.safetensors"))["torch"])
+
+
+def reference_args(args: list[str]) -> list[str]:
+    """A job's trainer arguments for an uninterrupted run on this machine: without ``--step-delay``."""
+    return [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+
+
+def reference_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of an uninterrupted reference run on this machine: nothing inherited but this
+    interpreter's directory, its checkpoints and temporary files (torchrun leaves a directory of its own
+    there) below ``tmp_path``."""
+    return {
+        "PATH": str(Path(sys.executable).parent),
+        "TMPDIR": str(tmp_path),
+        "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
+        **extra,
+    }
 
 
 @pytest.mark.trials
@@ -935,7 +948,7 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     assert got is not None, logs[last][-2000:]
 
     # An uninterrupted run of the same 4 ranks on this machine.
-    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    ref_args = reference_args(args)
     ref = subprocess.run(
         [
             sys.executable,
@@ -948,12 +961,7 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
             "spotguard.demo.train_ddp",
             *ref_args,
         ],
-        env={
-            "PATH": str(Path(sys.executable).parent),
-            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-            "SPOTGUARD_SAVE_EVERY_STEPS": str(every),
-            "OMP_NUM_THREADS": "1",
-        },
+        env=reference_env(tmp_path, SPOTGUARD_SAVE_EVERY_STEPS=str(every), OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=900,
@@ -1023,16 +1031,11 @@ def test_hf_trainer_job_survives_drain_and_shutdown_bitwise(env: Env, tmp_path: 
     got = final_digest(logs[3])
     assert got is not None, logs[3][-2000:]
 
-    ref_args = [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
+    ref_args = reference_args(args)
     ref_args[ref_args.index("--output-dir") + 1] = str(tmp_path / "hf-output")
     ref = subprocess.run(
         [sys.executable, "-m", "spotguard.demo.train_hf", *ref_args],
-        env={
-            "PATH": str(Path(sys.executable).parent),
-            "HOME": str(tmp_path),
-            "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-            "OMP_NUM_THREADS": "1",
-        },
+        env=reference_env(tmp_path, HOME=str(tmp_path), OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=600,
