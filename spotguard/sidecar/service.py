@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 FLUSH_AWAIT_POLL_SECONDS = 5.0
 # How often the uploader's heartbeat is refreshed at most (well within HEARTBEAT_FRESH_SECONDS).
 HEARTBEAT_SECONDS = 1.0
+# How often a preemption looks for the trainer's answer: every moment waited here is added to
+# SIGTERM -> verified (an incremental checkpoint's is a fraction of a second); a look is a read
+# of one small file.
+ACK_POLL_SECONDS = 0.005
 
 
 @dataclass
@@ -551,7 +555,7 @@ class CheckpointAgent:
                 # nudge (the control file stays the contract either way).
                 self.wake_trainer()
                 signalled_again = True
-            time.sleep(0.05)
+            time.sleep(ACK_POLL_SECONDS)
         log.error("no checkpoint from the trainer before the deadline (request %s)", req.id)
         return None
 
