@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ckpt_helpers import save_preempted_in_memory
 
 from spotguard.checkpoint import snapshot_state, verify_local_checkpoint, write_checkpoint
 from spotguard.checkpoint.local import (
@@ -49,12 +50,7 @@ def test_a_preemptions_save_is_written_in_memory_and_committed_by_a_link(tmp_pat
     write_heartbeat(control, shipping=True)  # an uploader ships at once: the save is not fsynced
     routine = ck.save(1, state(1), blocking=True)
     assert routine is not None and not routine.is_symlink()  # a routine save is durable, on the disk
-    ck.request_checkpoint("sigterm", preempt=True, deadline=time.time() + 30)
-    assert ck.should_save(2)
-    path = ck.save(2, state(2))
-    ck.close()
-    assert path is not None and path.is_symlink()
-    held = Path(os.readlink(path))
+    path, held = save_preempted_in_memory(ck, 2, state(2))
     assert held.parent == memory and held.name.startswith(STAGED_PREFIX)
     # Everything that reads local checkpoints sees it as any other.
     assert [p.name for p in list_local_committed(ckdir)] == ["ckpt-000000000001", "ckpt-000000000002"]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ckpt_helpers import save_preempted_in_memory
 from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv, wait_until
 
 from spotguard.checkpoint import latest_verified, restore_checkpoint, verify_local_checkpoint
@@ -134,12 +135,7 @@ def test_a_routine_save_sets_memory_aside_and_the_preemptions_save_writes_into_i
     [tensor_file] = [f for f in read_local_manifest(routine).files if f.path.endswith(".safetensors")]
     assert size == rsv.reserve_size(tensor_file.size)  # the size of the routine save's file
     inode = reserve.stat().st_ino
-    ck.request_checkpoint("sigterm", preempt=True, deadline=time.time() + 30)
-    assert ck.should_save(2)
-    path = ck.save(2, state(2))
-    ck.close()
-    assert path is not None and path.is_symlink()
-    held = Path(os.readlink(path))
+    path, held = save_preempted_in_memory(ck, 2, state(2))
     assert held.parent == memory
     tensors = [p for p in held.iterdir() if p.suffix == ".safetensors"]
     assert [p.stat().st_ino for p in tensors] == [inode]  # written into the memory set aside

@@ -198,3 +198,16 @@ def spy_whole_reads(storage: Any, monkeypatch: Any) -> tuple[list[str], list[str
     monkeypatch.setattr(storage, "read_into", read_into)
     monkeypatch.setattr(storage, "read_bytes", read_bytes)
     return into, as_bytes
+
+
+def save_preempted_in_memory(ck: Any, step: int, state: Any) -> tuple[Path, Path]:
+    """A preemption's save of ``state`` at ``step`` by the Checkpointer ``ck`` (then closed), staged in
+    memory: its link in the checkpoint directory, and the staged files it points to."""
+    import time
+
+    ck.request_checkpoint("sigterm", preempt=True, deadline=time.time() + 30)
+    assert ck.should_save(step)
+    path = ck.save(step, state)
+    ck.close()
+    assert path is not None and path.is_symlink(), path
+    return path, Path(os.readlink(path))
