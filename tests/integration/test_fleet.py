@@ -123,6 +123,7 @@ def start_reference(argv: list[str]) -> Callable[[Path], Pending[tuple[Path, str
     def begin(d: Path) -> Pending[tuple[Path, str]]:
         env = {
             "PATH": str(Path(sys.executable).parent),
+            "TMPDIR": str(d),  # torchrun leaves a directory of its own in the temporary directory
             "SPOTGUARD_CHECKPOINT_DIR": str(d / "ckpt"),
             "SPOTGUARD_SAVE_EVERY_STEPS": str(EVERY),
             "OMP_NUM_THREADS": "1",
