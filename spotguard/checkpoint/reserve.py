@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -54,6 +53,8 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from spotguard.checkpoint.written import libc
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +134,11 @@ def reserved_bytes(staging: Path) -> int:
     return sum(size for _, size in reserves(staging))
 
 
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    except OSError:
-        return None
-
-
 def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
-    libc = _libc()
-    if libc is None:
-        raise OSError(errno.ENOSYS, "no C library")
-    fallocate = libc.fallocate
+    try:
+        fallocate = libc().fallocate
+    except (OSError, AttributeError) as exc:
+        raise OSError(errno.ENOSYS, f"no fallocate in the C library: {exc}") from None
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
     if fallocate(fd, mode, offset, length) != 0:
         err = ctypes.get_errno()

@@ -35,8 +35,6 @@ save written on its disk.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import shutil
@@ -50,6 +48,7 @@ from spotguard.checkpoint.codec import KEPT_SUFFIX, Snapshot
 from spotguard.checkpoint.local import STAGED_PREFIX, TMP_PREFIX
 from spotguard.checkpoint.manifest import parse_checkpoint_name
 from spotguard.checkpoint.reserve import reserved_bytes
+from spotguard.checkpoint.written import libc
 
 log = logging.getLogger(__name__)
 
@@ -278,10 +277,8 @@ _AT_FDCWD = -100
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        renameat2 = libc.renameat2
+        renameat2 = libc().renameat2
     except (OSError, AttributeError, TypeError):
         return False
     rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)

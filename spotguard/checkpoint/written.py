@@ -84,7 +84,8 @@ _REGIONS = 256  # page regions returned per scan call
 _libc: ctypes.CDLL | None = None
 
 
-def _c() -> ctypes.CDLL:
+def libc() -> ctypes.CDLL:
+    """This process's C library (with ``errno``), loaded once."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
@@ -186,7 +187,7 @@ class WriteTracker:
             return None
         uffd = -1
         for flags in (os.O_CLOEXEC | os.O_NONBLOCK | _UFFD_USER_MODE_ONLY, os.O_CLOEXEC | os.O_NONBLOCK):
-            uffd = int(_c().syscall(nr, flags))
+            uffd = int(libc().syscall(nr, flags))
             if uffd >= 0:
                 break
         if uffd < 0:
@@ -344,7 +345,7 @@ class WriteTracker:
                 0,
                 _PAGE_IS_WRITTEN,  # return_mask
             )
-            n = int(_c().ioctl(self._pagemap, ctypes.c_ulong(_PAGEMAP_SCAN), ctypes.byref(arg)))
+            n = int(libc().ioctl(self._pagemap, ctypes.c_ulong(_PAGEMAP_SCAN), ctypes.byref(arg)))
             if n < 0:
                 raise OSError(ctypes.get_errno(), f"PAGEMAP_SCAN: {_errno()}")
             out.extend(struct.unpack_from("QQ", self._regions, 24 * i) for i in range(n))
