@@ -775,8 +775,7 @@ def bench_sigterm(ctx: Ctx) -> Section:
                 kept[gb] = keep
             if not first:
                 raw, raw_cpu = _raw_upload(ctx, kept[gb])
-            for v, latency_rc_stages_copy_cpu in runs.items():
-                latency, rc, stages, _, sig_cpu = latency_rc_stages_copy_cpu
+            for v, (latency, rc, stages, _, sig_cpu) in runs.items():
                 results[(gb, v)].append((latency, rc, stages, raw))
                 cpu[(gb, v)].append((sig_cpu, raw_cpu))
             print(
