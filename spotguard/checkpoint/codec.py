@@ -118,6 +118,9 @@ POOL_COMMITTED = "__committed__"
 POOL_TRACKER = "__tracker__"
 POOL_TRACKED = "__tracked__"
 POOL_CHANGING = "__changing__"
+#: The pool's arenas: tensor file -> its host buffers laid out as that file in the staging memory
+#: (:mod:`spotguard.checkpoint.arena`).
+POOL_ARENAS = "__arenas__"
 
 
 @dataclass
@@ -134,6 +137,8 @@ class Snapshot:
     previous_places: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
     #: Bytes of tensors told unchanged without reading them (no page written since they were copied).
     unread_bytes: int = 0
+    #: The pool's arenas when the snapshot was taken: file -> :class:`spotguard.checkpoint.arena.Arena`.
+    arenas: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -430,6 +435,10 @@ def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = 
     """
     if not isinstance(state, Mapping):
         raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")
+    if pinned is not None:
+        from spotguard.checkpoint.arena import drop_spent
+
+        drop_spent(pinned)  # buffers linked into a checkpoint are that checkpoint's: never written again
     snap = _Snapshotter(pinned)
     doc = snap.encode(dict(state), ())
     if snap.cuda_used:
@@ -438,6 +447,7 @@ def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = 
     if pinned is not None:
         # What the buffers hold now; it counts only once the caller commits it (:func:`pool_committed`).
         pinned[POOL_PLACES] = snap.places
+        snap.snapshot.arenas = dict(pinned.get(POOL_ARENAS, {}))
     return snap.snapshot
 
 

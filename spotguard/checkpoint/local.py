@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from spotguard.checkpoint.arena import Arena, drop_spent, linkable
 from spotguard.checkpoint.codec import (
     KEPT_SUFFIX,
     STATE_FILE,
@@ -132,6 +133,7 @@ class LocalWriter:
             self.tmp.mkdir(exist_ok=True)
         self.bytes_written = 0
         self.bytes_linked = 0  # files linked from the previous checkpoint (not written)
+        self.bytes_mapped = 0  # files linked from the host buffers' arenas (not written)
         self.installed = False  # committed as this writer's own files (not an existing checkpoint kept)
 
     def _check_deadline(self) -> None:
@@ -180,10 +182,39 @@ class LocalWriter:
         ``state.json`` (below ``prefix``, e.g. ``ranks/00001/``). A part's file of
         tensors unchanged since the previous committed checkpoint is linked from
         it when it is the same file there (:meth:`_link_kept`), not written again."""
+        arenas = linkable(snapshot) if self.staging is not None and not prefix else {}
         for file, blobs in sorted(snapshot.tensors.items()):
+            if file in arenas and self._link_arena(file, arenas[file]) is not None:
+                continue
             if prefix or self._link_kept(file, blobs, snapshot) is None:
                 self.add_file(prefix + file, iter_safetensors(blobs), size_hint=written_size(blobs))
         self.add_bytes(prefix + STATE_FILE, json.dumps(snapshot.doc, separators=(",", ":"), allow_nan=False).encode())
+
+    def _link_arena(self, file: str, arena: Arena) -> FileEntry | None:
+        """Make ``file`` by linking the arena that holds its bytes (:mod:`spotguard.checkpoint.arena`):
+        nothing is written; the checksum is computed from the arena's memory. The link comes
+        first, so an uploader that sends files while they are written may start at once.
+        None when it cannot be linked (the file is then written)."""
+        try:
+            arena.link(self.tmp / file)
+        except OSError as exc:
+            log.warning("writing %s: its host buffers' arena could not be linked (%s)", file, exc)
+            return None
+        log.info("%s linked from its host buffers (%d bytes, nothing written)", file, arena.size)
+        hasher = new_hasher(self.algorithm)
+        for start in range(0, arena.size, CHUNK):
+            self._check_deadline()
+            hasher.update(arena.view(start, min(CHUNK, arena.size - start)))
+        if self.durable:
+            fd = os.open(self.tmp / file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        entry = FileEntry(path=file, size=arena.size, checksum=hasher.hexdigest())
+        self.entries.append(entry)
+        self.bytes_mapped += arena.size
+        return entry
 
     def _link_kept(self, file: str, blobs: Mapping[str, TensorBlob], snapshot: Snapshot) -> FileEntry | None:
         """Hard-link ``file`` from the previous committed checkpoint when it is, byte for byte, the same.
@@ -370,7 +401,10 @@ def write_checkpoint(
     start = time.perf_counter()
     writer = LocalWriter(directory, step, algorithm=algorithm, deadline=deadline, durable=durable, staging=staging)
     try:
-        writer.add_snapshot(snapshot)
+        try:
+            writer.add_snapshot(snapshot)
+        finally:
+            drop_spent(pool)  # arenas linked into this checkpoint are its own: no snapshot writes them again
         timing = {"persist_seconds": round(time.perf_counter() - start, 6)}
         if snapshot_seconds is not None:
             timing["snapshot_seconds"] = round(snapshot_seconds, 6)

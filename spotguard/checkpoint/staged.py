@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from spotguard.checkpoint.arena import linkable
 from spotguard.checkpoint.codec import KEPT_SUFFIX, Snapshot
 from spotguard.checkpoint.local import STAGED_PREFIX, TMP_PREFIX
 from spotguard.checkpoint.manifest import parse_checkpoint_name
@@ -133,7 +134,8 @@ def choose_staging(staging: Path | None, snapshot: Snapshot) -> Path | None:
         return None
     if may_link_kept(snapshot):
         return None
-    needed = snapshot.nbytes
+    # Files linked from the host buffers' arenas there take no new room (spotguard.checkpoint.arena).
+    needed = snapshot.nbytes - sum(a.size for a in linkable(snapshot).values())
     try:
         staging.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(staging).free

@@ -495,6 +495,7 @@ class Checkpointer:
         if self._dist is not None:
             statedicts.leave()
         self._channel.release_signals()
+        self._local.close()
         if self._pinned is not None:
             self._pinned.clear()  # host buffers and the storages tracked: nothing saves from them any more
         self._closed = True

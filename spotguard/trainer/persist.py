@@ -38,7 +38,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.codec import Snapshot, snapshot_state, written_size
+from spotguard.checkpoint.arena import Plan, plans
+from spotguard.checkpoint.arena import Stopped as ArenaStopped
+from spotguard.checkpoint.arena import build as build_arena
+from spotguard.checkpoint.arena import close_all as close_arenas
+from spotguard.checkpoint.codec import POOL_ARENAS, POOL_PLACES, Snapshot, snapshot_state, written_size
 from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
 from spotguard.checkpoint.reserve import prepare as prepare_reserve
 from spotguard.checkpoint.staged import MEMORY_MARGIN, choose_staging, may_link_kept, memory_headroom
@@ -155,8 +159,11 @@ class LocalPersist:
         self._shipping = shipping
         self._pinned = pinned
         self.thread: threading.Thread | None = None
-        self._reserving: threading.Thread | None = None
+        self._reserving: threading.Thread | None = None  # arenas, then memory set aside
+        # Held by a snapshot, and by the move of one host buffer into an arena: never both at once.
+        self._pool_lock = threading.Lock()
         self._preempting = False  # a preemption's save started: memory is no longer set aside
+        self._closing = False
 
     # -- the writer thread ---------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -236,7 +243,8 @@ class LocalPersist:
             return None
         start = time.perf_counter()
         try:
-            snapshot = snapshot_state(state, pinned=self._pinned)
+            with self._pool_lock:
+                snapshot = snapshot_state(state, pinned=self._pinned)
         except BaseException:
             # The state cannot be saved (the caller's error); still answer
             # the requests, so a preemption ends the loop instead of looping.
@@ -256,7 +264,7 @@ class LocalPersist:
         record = self._record
         start = time.perf_counter()
         path: Path | None = None
-        reserve: list[int] | None = None
+        prepare: tuple[list[Plan], list[int] | None] | None = None
         deadline_exceeded = False
         try:
             assert job.snapshot is not None
@@ -282,7 +290,7 @@ class LocalPersist:
             if not durable:
                 self._announce(job, staging)
             path = write_in_staging(write, staging)
-            reserve = self._reserve_sizes(job.snapshot, durable)
+            prepare = self._staging_plans(job.snapshot, durable)  # never raises: only a preparation
             record.last_committed = path
             record.last_persist_seconds = time.perf_counter() - start
             log.info("checkpoint %s committed (%.2fs)", path, record.last_persist_seconds)
@@ -299,43 +307,86 @@ class LocalPersist:
         if path is not None:
             self._staging_ok()
             self._shipping.after_commit(path, job.due)
-        if reserve is not None:
-            self._reserve(reserve)
+        if prepare is not None:
+            self._prepare_staging(*prepare)
         return path
 
     def _preempted(self) -> bool:
-        """A preemption's save has started or is asked for."""
-        return self._preempting or any(r.preempt for r in self._channel.pending)
+        """A preemption's save has started or is asked for (or the checkpointer is closing)."""
+        return self._closing or self._preempting or any(r.preempt for r in self._channel.pending)
 
-    def _reserve_sizes(self, snapshot: Snapshot, durable: bool) -> list[int] | None:
-        """After a routine save of ``snapshot``: the sizes of the files a preemption's save
-        would write into the staging memory (none when it would link a file and stay on
-        the disk); None when no memory is set aside (off, or not a routine save)."""
+    def close(self) -> None:
+        """Stop preparing the staging memory (between two buffers) and close the arenas."""
+        self._closing = True
+        thread = self._reserving
+        if thread is not None:
+            thread.join()
+        close_arenas(self._pinned)
+
+    def _staging_plans(self, snapshot: Snapshot, durable: bool) -> tuple[list[Plan], list[int] | None] | None:
+        """After a routine save of ``snapshot``: the arenas to move its host buffers into
+        (:mod:`spotguard.checkpoint.arena`), and the sizes of the other files a preemption's
+        save would write into the staging memory, to set memory aside for (None when none is:
+        off). None when nothing is prepared: no staging memory, not a routine save, or a
+        preemption's save would link a file and stay on the disk."""
         staging = self._settings.emergency_staging
-        if not self._settings.staging_reserve or staging is None or not durable:
+        if staging is None or not durable or may_link_kept(snapshot):
             return None
-        if may_link_kept(snapshot):
-            return []
-        return [written_size(blobs) for blobs in snapshot.tensors.values()]
+        try:
+            arenas = plans(snapshot) if self._pinned is not None else []
+        except Exception as exc:  # noqa: BLE001 - the save is committed; an arena is only a way to be faster
+            log.warning("staging arena: not planned (%s)", exc)
+            arenas = []
+        if not self._settings.staging_reserve:
+            return arenas, None
+        moved = {p.file for p in arenas}
+        return arenas, [written_size(blobs) for f, blobs in snapshot.tensors.items() if f not in moved]
 
-    def _reserve(self, sizes: list[int]) -> None:
-        """Set aside the staging memory for files of ``sizes`` in the background
-        (:func:`spotguard.checkpoint.reserve.prepare`), unless that is under way."""
+    def _prepare_staging(self, arenas: list[Plan], reserve: list[int] | None) -> None:
+        """In the background, unless that is under way: move the host buffers into their arenas
+        (:func:`spotguard.checkpoint.arena.build`), then set aside the staging memory for files
+        of the ``reserve`` sizes (:func:`spotguard.checkpoint.reserve.prepare`)."""
         staging = self._settings.emergency_staging
+        pool = self._pinned
         if staging is None or self._preempted() or (self._reserving is not None and self._reserving.is_alive()):
             return
+        places = pool.get(POOL_PLACES) if pool is not None else None
 
         def run() -> None:
             try:
-                reserved = prepare_reserve(
-                    staging, sizes, headroom=memory_headroom(), margin=MEMORY_MARGIN, stop=self._preempted
-                )
-                log.debug("staging reserve: %d bytes set aside in %s", reserved, staging)
+                if pool is not None and places is not None:
+                    self._move_to_arenas(staging, arenas, pool, places)
+                if reserve is not None:
+                    reserved = prepare_reserve(
+                        staging, reserve, headroom=memory_headroom(), margin=MEMORY_MARGIN, stop=self._preempted
+                    )
+                    log.debug("staging reserve: %d bytes set aside in %s", reserved, staging)
+            except ArenaStopped:
+                log.info("staging arena: moving host buffers stopped for a preemption's save")
             except OSError as exc:
-                log.warning("staging reserve in %s: %s", staging, exc)
+                log.warning("staging memory in %s: %s", staging, exc)
 
-        self._reserving = threading.Thread(target=run, name="spotguard-staging-reserve", daemon=True)
+        self._reserving = threading.Thread(target=run, name="spotguard-staging-memory", daemon=True)
         self._reserving.start()
+
+    def _move_to_arenas(self, staging: Path, arenas: list[Plan], pool: dict[Any, Any], places: Any) -> None:
+        have = pool.get(POOL_ARENAS, {})
+        for plan in arenas:
+            there = have.get(plan.file)
+            if there is not None and there.complete and not there.spent and there.plan == plan:
+                continue  # its buffers are already there
+            arena = build_arena(
+                staging,
+                plan,
+                pool,
+                self._pool_lock,
+                places=places,
+                headroom=memory_headroom(),
+                margin=MEMORY_MARGIN,
+                stop=self._preempted,
+            )
+            if arena is not None and arena.complete:
+                log.debug("staging arena: %s (%d bytes) in %s", plan.file, plan.size, staging)
 
     def _announce(self, job: PersistJob, staging: Path | None) -> None:
         """Tell the uploader what a preemption's save is about to write (``checkpoint-writing.json``):
