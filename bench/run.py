@@ -655,18 +655,27 @@ def _cprofile(fn: Callable[[], Any]) -> str:
 # --- SIGTERM -> verified in S3 --------------------------------------------------
 
 
-def _sigterm_once(ctx: Ctx, nbytes: int, reserve: bool) -> tuple[float, int, dict[str, float], Path, dict[str, float]]:
+def _sigterm_once(
+    ctx: Ctx, nbytes: int, extra_env: dict[str, str]
+) -> tuple[float, int, dict[str, float], Path, dict[str, float]]:
     """One ``spotguard run`` preempted by SIGTERM: seconds to a verified
-    checkpoint, exit code, seconds per stage from its log, the local copy
-    of the checkpoint it shipped (the bytes the raw baseline uploads), and the
-    CPU seconds each part used from SIGTERM to the end (:class:`CpuWatch`). ``reserve``:
-    with ``--reserve-staging`` (the staging memory set aside after the routine checkpoint)."""
+    checkpoint, exit code, seconds per stage from its log (and ``linked``: 1 when the
+    trainer's preemption save linked its tensor file from the host buffers' arena), the
+    local copy of the checkpoint it shipped (the bytes the raw baseline uploads), and the
+    CPU seconds each part used from SIGTERM to the end (:class:`CpuWatch`). ``extra_env``:
+    set for ``spotguard run`` and its trainer."""
     from spotguard.checkpoint import latest_verified, list_local_committed, restore_checkpoint
 
     assert ctx.s3 is not None
     prefix = f"bench-sigterm-{uuid.uuid4().hex[:8]}"
     workdir = ctx.work / prefix
-    env = {**os.environ, **ctx.s3.env(), "SPOTGUARD_SAVE_EVERY_STEPS": "100000000", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        **ctx.s3.env(),
+        "SPOTGUARD_SAVE_EVERY_STEPS": "100000000",
+        "PYTHONPATH": str(ROOT),
+        **extra_env,
+    }
     spotguard_bin = Path(sys.executable).parent / "spotguard"
     proc = subprocess.Popen(
         [
@@ -679,7 +688,6 @@ def _sigterm_once(ctx: Ctx, nbytes: int, reserve: bool) -> tuple[float, int, dic
             "--grace-seconds",
             "600",
             "--no-incremental",  # whole files: this section measures plain checkpoints against a raw upload
-            *(["--reserve-staging"] if reserve else []),
             "--",
             sys.executable,
             str(ROOT / "bench" / "sigterm_trainer.py"),
@@ -716,6 +724,7 @@ def _sigterm_once(ctx: Ctx, nbytes: int, reserve: bool) -> tuple[float, int, dic
     if info is None:
         raise RuntimeError("no verified checkpoint after SIGTERM:\n" + "".join(lines[-10:]) + rest[-3000:])
     stages = parse_stage_lines(rest)
+    stages["linked"] = 1.0 if "linked from its host buffers" in rest else 0.0
     local = [p for p in list_local_committed(workdir / "checkpoints") if p.name == info.name]
     copy = local[0] if local else restore_checkpoint(storage, info.name, workdir / "copy").uri
     _drop_prefix(ctx, prefix)
@@ -739,10 +748,10 @@ def _raw_upload(ctx: Ctx, src: Path) -> tuple[float, dict[str, float]]:
     return dt, used
 
 
-#: The SIGTERM section's two ways of running: (key, label, with ``--reserve-staging``).
-SIGTERM_VARIANTS = (
-    ("reserve", "memory set aside (`--reserve-staging`)", True),
-    ("default", "default", False),
+#: The SIGTERM section's two ways of running: (key, label, environment of ``spotguard run``).
+SIGTERM_VARIANTS: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("default", "default", {}),
+    ("written", "host buffers not moved (`SPOTGUARD_STAGING_ARENA=false`)", {"SPOTGUARD_STAGING_ARENA": "false"}),
 )
 
 
@@ -764,8 +773,8 @@ def bench_sigterm(ctx: Ctx) -> Section:
             first = r % 2 == 1 and gb in kept
             raw, raw_cpu = _raw_upload(ctx, kept[gb]) if first else (0.0, {})
             runs = {}
-            for v, _, reserve in SIGTERM_VARIANTS[:: 1 if r % 2 == 0 else -1]:
-                runs[v] = _sigterm_once(ctx, int(gb * GiB), reserve)
+            for v, _, extra_env in SIGTERM_VARIANTS[:: 1 if r % 2 == 0 else -1]:
+                runs[v] = _sigterm_once(ctx, int(gb * GiB), extra_env)
                 copy = runs[v][3]
                 keep = ctx.work / f"sigterm-copy-{gb:g}" / copy.name
                 shutil.rmtree(keep.parent, ignore_errors=True)
@@ -835,9 +844,12 @@ def bench_sigterm(ctx: Ctx) -> Section:
         f"trainer's routine checkpoint (step 1) is verified in storage, as a training run is usually "
         f"preempted after one (its host buffers are then allocated; a trainer's very first save also pays "
         f"for fresh memory): the trainer saves at its next step boundary, the supervisor uploads, verifies "
-        f"and exits. Each size runs twice per round: by default, and with `--reserve-staging`, where the "
-        f"trainer set aside in `/dev/shm` the memory of a checkpoint of its routine checkpoint's size after "
-        f'that checkpoint (see docs/checkpoint-format.md, "Memory set aside for a preemption\'s save"). In the '
+        f"and exits. Each size runs twice per round: by default, where after the routine checkpoint "
+        f"the trainer moved its host buffers into `/dev/shm`, laid out as the checkpoint's file, and the "
+        f"preemption's save links that file instead of writing it (docs/checkpoint-format.md, \"Host buffers "
+        f"laid out as the checkpoint's files\"; `linked` in the stage table: the share of runs whose save did), "
+        f"and with `SPOTGUARD_STAGING_ARENA=false`, where the save writes its file from the host buffers into "
+        f"new pages of `/dev/shm`, as before. In the "
         f"same round the checkpoint files of that size are uploaded again with the project's own concurrent "
         f"multipart upload (`Storage.upload_files`) and nothing else: no pointer, no verification (after the "
         f"SIGTERM runs in even rounds, before them in odd ones, then with the previous round's files). "

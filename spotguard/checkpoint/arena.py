@@ -257,6 +257,7 @@ def build(
     Raises :class:`Stopped` when ``stop`` says so (between buffers)."""
     import torch
 
+    staging.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         free = os.statvfs(staging)
         room = free.f_bavail * free.f_frsize

@@ -92,6 +92,13 @@ STAGING_RESERVE = _var(
     False,
     "after each routine save, set aside in the emergency staging the memory a preemption's save takes",
 )
+STAGING_ARENA = _var(
+    "STAGING_ARENA",
+    bool,
+    True,
+    "after a routine save, move the host buffers of CPU tensors into the emergency staging, laid out as the"
+    " checkpoint's files, so that a preemption's save links them instead of writing them",
+)
 STORAGE_URI = _var("STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...")
 JOB = _var("JOB", str, None, "job name for manifests, metrics and logs")
 ATTEMPT = _var("ATTEMPT", int, None, "the restart attempt this pod or command belongs to", "non-negative")

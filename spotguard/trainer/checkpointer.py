@@ -115,6 +115,11 @@ class Checkpointer:
     preemption's save of that size takes, so that it writes into pages
     allocated beforehand (:mod:`spotguard.checkpoint.reserve`; holds a
     checkpoint's size of memory between saves; ``SPOTGUARD_STAGING_RESERVE``).
+    ``staging_arena`` (on by default): after each routine save, move the host
+    buffers of CPU tensors into ``emergency_staging``, laid out as the
+    checkpoint's files, so that a preemption's save links them instead of
+    writing them (:mod:`spotguard.checkpoint.arena`; no memory beyond the
+    host buffers; ``SPOTGUARD_STAGING_ARENA``).
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`~spotguard.trainer.config.local_pruner`): with a storage URI and no
@@ -174,6 +179,7 @@ class Checkpointer:
         incremental: bool = True,
         emergency_staging: str | os.PathLike[str] | None = None,
         staging_reserve: bool = False,
+        staging_arena: bool = True,
     ) -> None:
         root = Path(directory)
         storage_uri = storage_uri or None
@@ -196,6 +202,7 @@ class Checkpointer:
             incremental=incremental,
             emergency_staging=Path(emergency_staging) if emergency_staging else None,
             staging_reserve=staging_reserve,
+            staging_arena=staging_arena,
         )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)

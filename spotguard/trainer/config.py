@@ -29,6 +29,7 @@ from spotguard.contract.env import (
     JOB,
     SAVE_EVERY_SECONDS,
     SAVE_EVERY_STEPS,
+    STAGING_ARENA,
     STAGING_RESERVE,
     STORAGE_URI,
     from_env,
@@ -78,6 +79,7 @@ class EnvConfig:
     incremental: bool = True
     emergency_staging: str | None = None
     staging_reserve: bool = False
+    staging_arena: bool = True
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
@@ -103,6 +105,7 @@ class EnvConfig:
             incremental=from_env(INCREMENTAL, env),
             emergency_staging=from_env(EMERGENCY_STAGING, env) or None,
             staging_reserve=from_env(STAGING_RESERVE, env),
+            staging_arena=from_env(STAGING_ARENA, env),
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -119,6 +122,7 @@ class EnvConfig:
             "incremental": self.incremental,
             "emergency_staging": self.emergency_staging,
             "staging_reserve": self.staging_reserve,
+            "staging_arena": self.staging_arena,
         }
         if self.retention is not None:
             out["retention"] = self.retention
@@ -154,6 +158,9 @@ class Settings:
     emergency_staging: Path | None = None
     #: Set memory aside in ``emergency_staging`` after each routine save (see :mod:`spotguard.checkpoint.reserve`).
     staging_reserve: bool = False
+    #: Move host buffers into arenas in ``emergency_staging`` after each routine save (see
+    #: :mod:`spotguard.checkpoint.arena`).
+    staging_arena: bool = True
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:

@@ -333,7 +333,7 @@ class LocalPersist:
         if staging is None or not durable or may_link_kept(snapshot):
             return None
         try:
-            arenas = plans(snapshot) if self._pinned is not None else []
+            arenas = plans(snapshot) if self._pinned is not None and self._settings.staging_arena else []
         except Exception as exc:  # noqa: BLE001 - the save is committed; an arena is only a way to be faster
             log.warning("staging arena: not planned (%s)", exc)
             arenas = []
