@@ -287,7 +287,8 @@ def build(
         for key, offset, n in plan.tensors:
             if stop():
                 raise Stopped
-            os.posix_fallocate(fd, offset, max(n, 1))  # no page of it is a hole: a write never faults for room
+            if n:  # no page of it is a hole: a write through the mapping never faults for room
+                os.posix_fallocate(fd, offset, n)
             with lock:
                 pool_key = where.get((plan.file, key))
                 host = pool.get(pool_key) if pool_key is not None else None
@@ -303,15 +304,18 @@ def build(
                 arena.pool_keys.append(pool_key)
     except BaseException:
         if arena.pool_keys:
-            _registered(pool, arena)
+            with lock:
+                _registered(pool, arena)
         else:
             arena.close()
         raise
-    arena.complete = True
-    return _registered(pool, arena)
+    with lock:
+        arena.complete = True
+        return _registered(pool, arena)
 
 
 def _registered(pool: dict[Any, Any], arena: Arena) -> Arena:
+    """Record ``arena`` as its file's in ``pool`` (with the pool's lock held)."""
     arenas: dict[str, Arena] = pool.setdefault(POOL_ARENAS, {})
     old = arenas.get(arena.plan.file)
     if old is not None and old is not arena:

@@ -363,7 +363,7 @@ class LocalPersist:
                     log.debug("staging reserve: %d bytes set aside in %s", reserved, staging)
             except ArenaStopped:
                 log.info("staging arena: moving host buffers stopped for a preemption's save")
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - only a preparation: saves write their files without it
                 log.warning("staging memory in %s: %s", staging, exc)
 
         self._reserving = threading.Thread(target=run, name="spotguard-staging-memory", daemon=True)
@@ -386,7 +386,7 @@ class LocalPersist:
                 stop=self._preempted,
             )
             if arena is not None and arena.complete:
-                log.debug("staging arena: %s (%d bytes) in %s", plan.file, plan.size, staging)
+                log.info("staging arena: %s (%d bytes) in %s", plan.file, plan.size, staging)
 
     def _announce(self, job: PersistJob, staging: Path | None) -> None:
         """Tell the uploader what a preemption's save is about to write (``checkpoint-writing.json``):
