@@ -201,20 +201,6 @@ def linkable(snapshot: Snapshot) -> dict[str, Arena]:
     return {f: a for f, a in arenas.items() if f in snapshot.tensors and a.holds(snapshot.tensors[f])}
 
 
-def drop_spent(pool: dict[Any, Any] | None) -> None:
-    """Forget the arenas of ``pool`` that were linked into a checkpoint, and their host
-    buffers (the next snapshot takes new ones), so that nothing writes into them again."""
-    if pool is None:
-        return
-    arenas: dict[str, Arena] = pool.get(POOL_ARENAS, {})
-    for file, arena in list(arenas.items()):
-        if arena.spent:
-            for key in arena.pool_keys:
-                pool.pop(key, None)
-            arena.close()
-            del arenas[file]
-
-
 def close_all(pool: dict[Any, Any] | None) -> None:
     """Close every arena of ``pool`` (its memory goes back once nothing maps it)."""
     if pool is None:

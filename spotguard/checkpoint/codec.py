@@ -435,10 +435,7 @@ def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = 
     """
     if not isinstance(state, Mapping):
         raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")
-    if pinned is not None:
-        from spotguard.checkpoint.arena import drop_spent
-
-        drop_spent(pinned)  # buffers linked into a checkpoint are that checkpoint's: never written again
+    drop_spent(pinned)  # buffers linked into a checkpoint are that checkpoint's: never written again
     snap = _Snapshotter(pinned)
     doc = snap.encode(dict(state), ())
     if snap.cuda_used:
@@ -449,6 +446,21 @@ def snapshot_state(state: Mapping[str, Any], *, pinned: dict[Any, Any] | None = 
         pinned[POOL_PLACES] = snap.places
         snap.snapshot.arenas = dict(pinned.get(POOL_ARENAS, {}))
     return snap.snapshot
+
+
+def drop_spent(pool: dict[Any, Any] | None) -> None:
+    """Forget the arenas of ``pool`` that were linked into a checkpoint (``spent``), and their host
+    buffers (the next snapshot takes new ones), so that nothing writes into them again
+    (:mod:`spotguard.checkpoint.arena`)."""
+    if pool is None:
+        return
+    arenas = pool.get(POOL_ARENAS, {})
+    for file, arena in list(arenas.items()):
+        if arena.spent:
+            for key in arena.pool_keys:
+                pool.pop(key, None)
+            arena.close()
+            del arenas[file]
 
 
 def pool_committed(pinned: dict[Any, Any] | None, name: str, stamp: tuple[int, int]) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.arena import Arena, drop_spent, linkable
+from spotguard.checkpoint.arena import Arena, linkable
 from spotguard.checkpoint.codec import (
     KEPT_SUFFIX,
     STATE_FILE,
@@ -32,6 +32,7 @@ from spotguard.checkpoint.codec import (
     StateError,
     TensorBlob,
     decode_state,
+    drop_spent,
     iter_safetensors,
     load_safetensors,
     pool_committed,
