@@ -56,7 +56,7 @@ from spotguard.checkpoint.reserve import give_back
 from spotguard.checkpoint.reserve import take as take_reserve
 from spotguard.checkpoint.verify import VerifyResult, verify_files
 from spotguard.storage.checksum import CHUNK, DEFAULT_ALGORITHM, check_algorithm, new_hasher
-from spotguard.storage.file import fsync_dir
+from spotguard.storage.file import fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +207,7 @@ class LocalWriter:
             self._check_deadline()
             hasher.update(arena.view(start, min(CHUNK, arena.size - start)))
         if self.durable:
-            fd = os.open(self.tmp / file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(self.tmp / file)
         entry = FileEntry(path=file, size=arena.size, checksum=hasher.hexdigest())
         self.entries.append(entry)
         self.bytes_mapped += arena.size
@@ -249,11 +245,7 @@ class LocalWriter:
                     return None
             os.link(source, target)
             if self.durable:  # the previous copy may be an emergency save's, not fsynced
-                fd = os.open(target, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(target)
         except (OSError, ManifestError) as exc:
             log.debug("writing %s instead of linking it from %s: %s", file, snapshot.previous, exc)
             with contextlib.suppress(OSError):

@@ -43,6 +43,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """fsync a file another writer (or a link) put there, so its data is durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _etag(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from spotguard.checkpoint.local import LocalWriter
 from spotguard.checkpoint.manifest import MANIFEST_NAME, FileEntry
+from spotguard.storage.file import fsync_file
 
 
 class FolderError(ValueError):
@@ -73,11 +74,7 @@ def checksum_linked(writer: LocalWriter, names: Iterable[str]) -> None:
     for rel in names:
         writer.add_written(rel)
         if writer.durable:
-            fd = os.open(writer.tmp / rel, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(writer.tmp / rel)
 
 
 def node_files(

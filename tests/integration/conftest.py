@@ -9,7 +9,10 @@ used by ``bench``), ``testenv.kubetest``.
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,3 +66,14 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Referen
         yield runs
     finally:
         runs.close()
+
+
+@pytest.fixture
+def memory() -> Iterator[Path]:
+    """A staging directory of its own in ``/dev/shm`` (a tmpfs, as ``spotguard run`` uses), removed after the test."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm on this machine")
+    path = shm / f"spotguard-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -8,11 +8,8 @@ The staging directory is a directory of its own in ``/dev/shm`` (a tmpfs, as
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +27,7 @@ from spotguard.run.supervisor import memory_staging_dir
 from spotguard.trainer import Checkpointer
 
 MiB = 1 << 20
-SHM = Path("/dev/shm")
 FILE = "model.safetensors"
-
-
-@pytest.fixture
-def memory() -> Iterator[Path]:
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    path = SHM / f"spotguard-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def state(step: int) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,16 +27,6 @@ from spotguard.run.supervisor import memory_staging_dir
 from spotguard.trainer import Checkpointer
 
 MiB = 1 << 20
-SHM = Path("/dev/shm")
-
-
-@pytest.fixture
-def memory() -> Iterator[Path]:
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm on this machine")
-    path = SHM / f"spotguard-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def allocated(path: Path) -> int:
