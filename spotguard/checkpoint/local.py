@@ -134,7 +134,6 @@ class LocalWriter:
             self.tmp.mkdir(exist_ok=True)
         self.bytes_written = 0
         self.bytes_linked = 0  # files linked from the previous checkpoint (not written)
-        self.bytes_mapped = 0  # files linked from the host buffers' arenas (not written)
         self.installed = False  # committed as this writer's own files (not an existing checkpoint kept)
 
     def _check_deadline(self) -> None:
@@ -210,7 +209,6 @@ class LocalWriter:
             fsync_file(self.tmp / file)
         entry = FileEntry(path=file, size=arena.size, checksum=hasher.hexdigest())
         self.entries.append(entry)
-        self.bytes_mapped += arena.size
         return entry
 
     def _link_kept(self, file: str, blobs: Mapping[str, TensorBlob], snapshot: Snapshot) -> FileEntry | None:

@@ -327,11 +327,14 @@ class LocalPersist:
         """After a routine save of ``snapshot``: the arenas to move its host buffers into
         (:mod:`spotguard.checkpoint.arena`), and the sizes of the other files a preemption's
         save would write into the staging memory, to set memory aside for (None when none is:
-        off). None when nothing is prepared: no staging memory, not a routine save, or a
-        preemption's save would link a file and stay on the disk."""
+        off). None when nothing is prepared: no staging memory, or not a routine save. When a
+        preemption's save would link a file and stay on the disk, no arena, and no memory set
+        aside (what was set aside before is given back)."""
         staging = self._settings.emergency_staging
-        if staging is None or not durable or may_link_kept(snapshot):
+        if staging is None or not durable:
             return None
+        if may_link_kept(snapshot):
+            return [], ([] if self._settings.staging_reserve else None)
         try:
             arenas = plans(snapshot) if self._pinned is not None and self._settings.staging_arena else []
         except Exception as exc:  # noqa: BLE001 - the save is committed; an arena is only a way to be faster
