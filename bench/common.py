@@ -361,6 +361,26 @@ def per_round(num: list[float], den: list[float], *, higher_is_better: bool = Tr
     return Spread.of([a / b for a, b in zip(num, den, strict=True)], higher_is_better=higher_is_better)
 
 
+def make_room(s3: Any, path: Path, need: int) -> None:
+    """Make sure ``need`` bytes of disk are free under ``path`` before a large run.
+
+    The store on this machine keeps deleted objects' bytes until it compacts
+    its volumes; when the disk is short, ask it to compact now
+    (:meth:`~testenv.cluster.S3Store.reclaim`). Raises when there is still
+    not enough room, rather than letting a run fail halfway on a full disk."""
+    import shutil
+
+    if shutil.disk_usage(path).free >= need:
+        return
+    s3.reclaim()
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise RuntimeError(
+            f"{need / GiB:.1f} GiB of free disk needed under {path} for this run, {free / GiB:.1f} GiB free "
+            "after the store compacted its deleted objects: free some disk space or run smaller sizes"
+        )
+
+
 @contextmanager
 def seaweedfs_store(work: Path, name: str) -> Iterator[Any]:
     """A SeaweedFS store of a benchmark's own (bucket ``name``), stopped at the end."""

@@ -17,6 +17,9 @@ Three parts, each a section of the report:
 - Full training (``full``): every tensor changes at every step, so an
   incremental upload stores every byte too and pays for chunking (hashing,
   one request per chunk). Both modes checkpoint once, then SIGTERM.
+  Rounds: BENCH_INCREMENTAL_FULL_ROUNDS when set (its goal's 10% margin is
+  narrow against this machine's noise, so a run may give it more rounds
+  than the others), else --rounds, else 5.
 - Hash throughput: SHA-256 (what names a chunk), BLAKE2b, CRC32C, and
   SHA-256 + CRC32C (what an incremental upload computes per chunk).
 
@@ -49,6 +52,7 @@ from bench.common import (
     fmt,
     goal,
     interleaved,
+    make_room,
     median,
     per_round,
     seaweedfs_store,
@@ -149,6 +153,8 @@ def _run_once(s3: S3Store, work: Path, mode: str, shape: str, frozen: int, train
 
     prefix = f"bench-incr-{uuid.uuid4().hex[:8]}"
     workdir = work / prefix
+    # The trainer's checkpoints on the disk and the store's copy, with room to spare.
+    make_room(s3, work, 3 * (frozen + trainable) + 2 * GiB)
     env = {
         **os.environ,
         **s3.env(),
@@ -432,7 +438,8 @@ def _bench_finetune(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Sect
 
 
 def _bench_full(ctx: Ctx, s3: S3Store, hash_speed: dict[str, float]) -> Section:
-    reps = ctx.rounds_for(5)  # cheap runs; the goal's margin (10%) is narrow against this machine's noise
+    # Cheap runs; the goal's margin (10%) is narrow against this machine's noise.
+    reps = int(os.environ.get("BENCH_INCREMENTAL_FULL_ROUNDS", "0")) or ctx.rounds_for(5)
 
     def one(mode: str) -> Callable[[], Run]:
         def run() -> Run:
