@@ -39,6 +39,7 @@ from spotguard.checkpoint.manifest import ChunkRef, FileEntry, Manifest
 from spotguard.checkpoint.verify import check_one_file, needs_content
 from spotguard.storage.base import (
     NotFoundError,
+    ObjectInfo,
     ProgressCallback,
     RangedReads,
     ReadsInto,
@@ -65,6 +66,7 @@ def fetch_verified(
     *,
     workers: int = DEFAULT_WORKERS,
     progress: ProgressCallback | None = None,
+    seen: Mapping[str, ObjectInfo] | None = None,
 ) -> list[str]:
     """Download the files of checkpoint ``name`` listed in ``manifest`` into
     ``dest`` (relative paths kept), checking size, checksum and pickle safety
@@ -76,7 +78,9 @@ def fetch_verified(
     with problems may be left partly written: ``dest`` is a temporary
     directory the caller removes. Storage errors other than a missing object
     propagate (a network failure must not make a good checkpoint look
-    broken).
+    broken). ``seen``: the listing's objects by path, when the caller has
+    them: a file read by ranges is then read as that listing saw it,
+    without asking the store about it again.
     """
     dest = Path(dest)
     lock = threading.Lock()  # files stream in on several threads; the callback sees one at a time
@@ -97,7 +101,15 @@ def fetch_verified(
 
     def check(entry: FileEntry) -> str | None:
         if _fetchable_into(storage, manifest, entry, sizes):
-            return _fetch_into_file(storage, f"{name}/{entry.path}", entry, dest / entry.path, progress, lock)
+            return _fetch_into_file(
+                storage,
+                f"{name}/{entry.path}",
+                entry,
+                dest / entry.path,
+                progress,
+                lock,
+                seen.get(entry.path) if seen is not None else None,
+            )
         return check_one_file(entry, manifest.checksum_algorithm, sizes.get(entry.path), read_chunks)[0]
 
     files = manifest.files
@@ -126,6 +138,7 @@ def _fetch_into_file(
     target: Path,
     progress: ProgressCallback | None,
     lock: threading.Lock,
+    seen: ObjectInfo | None = None,
 ) -> str | None:
     """Download ``key`` into ``target`` by concurrent ranged reads, each read
     from the socket straight into the file's pages where the backend can
@@ -135,7 +148,7 @@ def _fetch_into_file(
     assert isinstance(storage, RangedReads)
     path, size = entry.path, entry.size
     try:
-        obj = storage.open_ranged(key)
+        obj = storage.open_ranged(key, seen)
     except NotFoundError:
         return f"{path}: missing (disappeared while reading)"
     if obj.size != size:
@@ -173,6 +186,8 @@ def _fetch_into_file(
             files.close()
     except OSError as exc:
         return f"{path}: unreadable ({exc.strerror or exc})"
+    except NotFoundError:  # deleted since the listing (read as the listing saw it, without a HEAD first)
+        return f"{path}: missing (disappeared while reading)"
     got = f"{crc:08x}"
     if got != entry.checksum:
         return f"{path}: crc32c checksum mismatch (data has {got}, manifest says {entry.checksum})"

@@ -110,7 +110,7 @@ def restore_checkpoint(
             # One pass: each file is checked as it streams in; not fsynced, as
             # every reader verifies a local copy before using it.
             sizes = {path: info.size for path, info in listing.items()}
-            problems = fetch_verified(storage, name, manifest, sizes, tmp, progress=progress)
+            problems = fetch_verified(storage, name, manifest, sizes, tmp, progress=progress, seen=listing)
             if problems:
                 raise CheckpointCorruptError(name, name_parts(storage, name, manifest, problems))
         (tmp / MANIFEST_NAME).write_bytes(manifest_bytes)

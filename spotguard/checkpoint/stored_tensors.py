@@ -27,7 +27,7 @@ from spotguard.checkpoint.codec import KEPT_SUFFIX, STATE_FILE
 from spotguard.checkpoint.fetch import fetch_chunks, fetch_verified
 from spotguard.checkpoint.hf_folder import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, ExportError, index_weight_files
 from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA, Manifest, ManifestError
-from spotguard.checkpoint.stored import CheckpointCorruptError, list_checkpoint_names, read_manifest
+from spotguard.checkpoint.stored import CheckpointCorruptError, list_checkpoint_names, read_manifest, stored_files
 from spotguard.checkpoint.verify_stored import verify_checkpoint
 from spotguard.storage.base import NotFoundError, Storage
 
@@ -224,9 +224,9 @@ def fetch_files(
         if manifest.chunked:
             problems = fetch_chunks(storage, subset, dest, progress=bar)
         else:
-            prefix = f"{manifest.name}/"
-            sizes = {o.key[len(prefix) :]: o.size for o in storage.list_objects(prefix)}
-            problems = fetch_verified(storage, manifest.name, subset, sizes, dest, progress=bar)
+            listing = stored_files(storage, manifest.name)
+            sizes = {path: o.size for path, o in listing.items()}
+            problems = fetch_verified(storage, manifest.name, subset, sizes, dest, progress=bar, seen=listing)
     finally:
         if bar.done:
             bar.close()

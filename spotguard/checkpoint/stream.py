@@ -5,7 +5,9 @@ it again into tensors: two more passes over the bytes than the download. Here
 each safetensors file is read from the store in concurrent ranged reads (the
 backend's :class:`~spotguard.storage.base.RangedReads`; the chunks of a
 checkpoint stored incrementally). The tensors are allocated from the file's
-header (its first range) before the rest arrives, and each later range is
+header before the rest arrives (a whole file's first read is a small one,
+:data:`HEADER_PROBE`, so the other ranges wait for no more than the header;
+a chunked file's, its first chunk), and each later range is
 read from the socket straight into the memory of the tensors it belongs to
 (``RangedObject.fetch_into``; where a backend has no such read, or for
 chunks, the range's bytes are copied there once, on the thread that fetched
@@ -52,6 +54,7 @@ from spotguard.checkpoint.stored import CheckpointCorruptError, read_manifest_by
 from spotguard.checkpoint.verify import check_one_file
 from spotguard.storage.base import (
     NotFoundError,
+    ObjectInfo,
     ProgressCallback,
     RangedReads,
     ReadsInto,
@@ -66,6 +69,9 @@ if TYPE_CHECKING:
 
 DEFAULT_FILE_WORKERS = 2  # files at once; each already reads several ranges concurrently
 CHUNK_WINDOW = 8  # chunks of one file fetched at once (a checkpoint stored incrementally)
+#: The first read of a whole file: its header (safetensors headers are ~100 bytes a tensor), while
+#: the ranges after it wait. More is read at once when the header turns out longer.
+HEADER_PROBE = 256 * 1024
 
 
 class NotStreamable(ValueError):
@@ -150,9 +156,16 @@ class _FileRead:
     """One file read from storage in pieces, checked and placed as they arrive."""
 
     def __init__(
-        self, storage: Storage, name: str, entry: FileEntry, algorithm: str, progress: ProgressCallback | None
+        self,
+        storage: Storage,
+        name: str,
+        entry: FileEntry,
+        algorithm: str,
+        progress: ProgressCallback | None,
+        seen: ObjectInfo | None = None,
     ) -> None:
         self.storage = storage
+        self.seen = seen
         self.key = f"{name}/{entry.path}"
         self.entry = entry
         self.algorithm = algorithm
@@ -206,20 +219,23 @@ class _FileRead:
         if not isinstance(self.storage, RangedReads):
             return None
         try:
-            obj = self.storage.open_ranged(self.key)
+            obj = self.storage.open_ranged(self.key, self.seen)
         except NotFoundError:
             raise _Damaged(f"{entry.path}: missing (disappeared while reading)") from None
         if obj.size != entry.size:
             raise _Damaged(f"{entry.path}: size {obj.size} bytes, manifest says {entry.size}")
+        ranges = byte_ranges(obj.size, obj.chunk)
+        if ranges and ranges[0][1] > HEADER_PROBE:  # the header alone first: the other ranges start sooner
+            ranges[:1] = [(0, HEADER_PROBE), (HEADER_PROBE, ranges[0][1])]
         fetch_into = obj.fetch_into
         if fetch_into is None:
-            return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency, None
+            return ranges, obj.fetch, obj.concurrency, None
 
         def range_into(start: int, sinks: list[Any]) -> int:
             fetch_into(start, [memoryview(s) for s in sinks])
             return _crc_of(sinks)
 
-        return byte_ranges(obj.size, obj.chunk), obj.fetch, obj.concurrency, range_into
+        return ranges, obj.fetch, obj.concurrency, range_into
 
     def _in_order(self) -> Iterator[tuple[int, bytes]]:
         """The file's bytes through :meth:`Storage.iter_chunks`, with their offsets."""
@@ -399,6 +415,7 @@ def load_stored_state(
     if not streamable(manifest):
         raise NotStreamable(f"{name} is not one process's state (restore it to disk instead)")
     algorithm = manifest.checksum_algorithm
+    seen: Mapping[str, ObjectInfo] = {}  # the listing's objects: a file is read as it saw them
     if manifest.chunked:
         sizes: Mapping[str, int] = {e.path: e.size for e in manifest.files}
     else:
@@ -406,7 +423,7 @@ def load_stored_state(
         missing = [e.path for e in manifest.files if e.path not in listing]
         if missing:
             raise CheckpointCorruptError(name, name_parts(storage, name, manifest, [f"{p}: missing" for p in missing]))
-        sizes = {path: info.size for path, info in listing.items()}
+        sizes, seen = {path: info.size for path, info in listing.items()}, listing
     entries = {e.path: e for e in manifest.files}
 
     def fail(problems: list[str]) -> CheckpointCorruptError:
@@ -432,11 +449,13 @@ def load_stored_state(
         if entry.path not in wanted:
             return _check_whole(storage, name, entry, algorithm, sizes.get(entry.path), False)[0]
         try:
-            loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress).tensors()
+            loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress, seen.get(entry.path)).tensors()
         except _Damaged as exc:
             return str(exc)
         except StateError as exc:
             return str(exc)
+        except NotFoundError:  # deleted since the listing (read as the listing saw it, without a HEAD first)
+            return f"{entry.path}: missing (disappeared while reading)"
         return None
 
     others = [e for e in manifest.files if e.path != STATE_FILE]

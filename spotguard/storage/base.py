@@ -53,11 +53,14 @@ UNCHANGED: Final = Unchanged.UNCHANGED
 @dataclass(frozen=True)
 class ObjectInfo:
     """One stored object: key relative to the storage root, size in bytes,
-    last-modified time (unix seconds)."""
+    last-modified time (unix seconds), and the version the store named when
+    it said so (S3: the entity tag; GCS: the generation; empty where the
+    backend does not say)."""
 
     key: str
     size: int
     modified: float
+    version: str = ""
 
 
 @dataclass(frozen=True)
@@ -231,8 +234,13 @@ class RangedReads(Protocol):
     use :meth:`Storage.iter_chunks` where a backend lacks it.
     """
 
-    def open_ranged(self, key: str) -> RangedObject:
-        """Open ``key`` for ranged reads; raises :class:`NotFoundError`."""
+    def open_ranged(self, key: str, seen: ObjectInfo | None = None) -> RangedObject:
+        """Open ``key`` for ranged reads; raises :class:`NotFoundError`.
+
+        ``seen``: the object as a listing just gave it. With its version the
+        backend reads that version without asking the store about the
+        object first (one round trip less); a version replaced since then
+        fails the reads, as one replaced after opening does."""
         ...
 
 

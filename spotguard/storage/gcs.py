@@ -268,7 +268,12 @@ class GcsStorage:
                 )
             )
         for blob in blobs:
-            yield ObjectInfo(key=self._rel(blob.name), size=int(blob.size or 0), modified=blob.updated.timestamp())
+            yield ObjectInfo(
+                key=self._rel(blob.name),
+                size=int(blob.size or 0),
+                modified=blob.updated.timestamp(),
+                version=str(blob.generation or ""),
+            )
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         return dirs_in_listing(self.list_objects, prefix)
@@ -282,7 +287,9 @@ class GcsStorage:
         blob = self._metadata(key)
         if blob is None:
             return None
-        return ObjectInfo(key=key, size=int(blob.size or 0), modified=blob.updated.timestamp())
+        return ObjectInfo(
+            key=key, size=int(blob.size or 0), modified=blob.updated.timestamp(), version=str(blob.generation or "")
+        )
 
     def stored_checksum(self, key: str) -> StoredChecksum | None:
         """The CRC32C GCS computed for ``key`` on receipt (every object has one), as
@@ -357,15 +364,19 @@ class GcsStorage:
         except NotFoundError:
             raise NotFoundError(f"{self.uri_for(key)} was replaced or deleted while being read") from None
 
-    def open_ranged(self, key: str) -> RangedObject:
-        """``key`` for concurrent ranged reads of the generation current now."""
-        blob = self._metadata(key)
-        if blob is None:
-            raise NotFoundError(f"{self.uri_for(key)} does not exist")
-        generation = int(blob.generation)
+    def open_ranged(self, key: str, seen: ObjectInfo | None = None) -> RangedObject:
+        """``key`` for concurrent ranged reads of the generation current now
+        (the listing's, ``seen``, where it gave one)."""
+        if seen is not None and seen.version.isdigit():
+            generation, size = int(seen.version), seen.size
+        else:
+            blob = self._metadata(key)
+            if blob is None:
+                raise NotFoundError(f"{self.uri_for(key)} does not exist")
+            generation, size = int(blob.generation), int(blob.size or 0)
         return RangedObject(
             key,
-            int(blob.size or 0),
+            size,
             lambda s, e: self._get_range(key, generation, s, e),
             max(self._read_chunk, MiB),
             self._concurrency,

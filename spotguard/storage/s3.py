@@ -188,6 +188,7 @@ class S3Storage:
                     key=self._rel(obj["Key"]),
                     size=int(obj["Size"]),
                     modified=obj["LastModified"].timestamp(),
+                    version=str(obj.get("ETag", "")),
                 )
 
     def list_dirs(self, prefix: str = "") -> list[str]:
@@ -199,7 +200,12 @@ class S3Storage:
                 head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except NotFoundError:
             return None
-        return ObjectInfo(key=key, size=int(head["ContentLength"]), modified=head["LastModified"].timestamp())
+        return ObjectInfo(
+            key=key,
+            size=int(head["ContentLength"]),
+            modified=head["LastModified"].timestamp(),
+            version=str(head.get("ETag", "")),
+        )
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
         def once() -> tuple[bytes, str]:
@@ -302,15 +308,19 @@ class S3Storage:
             return
         yield from read_in_order(lambda s, e: self._get_range(key, s, e, etag), ranges, self._concurrency)
 
-    def open_ranged(self, key: str) -> RangedObject:
+    def open_ranged(self, key: str, seen: ObjectInfo | None = None) -> RangedObject:
         """``key`` for concurrent ranged GETs, each retried on its own and
-        pinned to the entity tag seen now (``If-Match``)."""
-        with self._errors(self.uri_for(key)):
-            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-        etag = str(head["ETag"])
+        pinned to the entity tag seen now (``If-Match``): the listing's
+        (``seen``) where it gave one, else a HEAD's."""
+        if seen is not None and seen.version:
+            etag, size = seen.version, seen.size
+        else:
+            with self._errors(self.uri_for(key)):
+                head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            etag, size = str(head["ETag"]), int(head["ContentLength"])
         return RangedObject(
             key,
-            int(head["ContentLength"]),
+            size,
             lambda s, e: self._get_range(key, s, e, etag),
             max(self._read_chunk, MiB),
             self._concurrency,

@@ -142,8 +142,20 @@ class Proc:
             return "\n".join(self.lines)
 
     def tail(self, n: int = 40) -> str:
+        """The last ``n`` lines, after any earlier line that names why a
+        process died (a rank's abort scrolls out of view behind torchrun's
+        summary of it)."""
         with self._cond:
-            return "\n".join(self.lines[-n:])
+            lines = list(self.lines)
+        causes = [ln for ln in lines[:-n] if _CAUSE.search(ln)][-20:]
+        head = ["(earlier lines naming a failure)", *causes, "(the last lines)"] if causes else []
+        return "\n".join(head + lines[-n:])
+
+
+#: Lines that say why a process died: a C++ abort, a fatal Python error, an exception.
+_CAUSE = re.compile(
+    r"terminate called|what\(\):|Fatal Python error|Traceback|Error\b|Exception\b|enforce fail|core dumped"
+)
 
 
 @contextlib.contextmanager

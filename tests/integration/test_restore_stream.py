@@ -15,9 +15,9 @@ from ckpt_helpers import open_test_storage, spy_whole_reads
 
 from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
 from spotguard.checkpoint.local import load_checkpoint_state
-from spotguard.checkpoint.restore import restore_latest_state
+from spotguard.checkpoint.restore import restore_latest, restore_latest_state
 from spotguard.checkpoint.stored import Skipped
-from spotguard.checkpoint.stream import streamable
+from spotguard.checkpoint.stream import HEADER_PROBE, streamable
 from spotguard.storage import Storage
 
 MiB = 1 << 20
@@ -159,6 +159,99 @@ def test_tensor_bytes_go_from_the_socket_into_the_tensors(
     # Only the first range of each tensor file is read as bytes: its header says where the rest goes.
     assert calls["bytes"] and set(calls["bytes"]) == {0}
     assert len(calls["into"]) >= 3  # the 3 MiB tensor and the 2.3 MiB one, in 1 MiB ranges
+    # That first read is the header alone, not a whole range: the rest of the range is read into the tensors.
+    assert HEADER_PROBE in calls["into"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_tensor_files_are_read_as_the_listing_saw_them(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A plain checkpoint's listing names each file's version (S3: entity
+    tag, GCS: generation): its ranges are read pinned to that version with no
+    request about the file first, into memory and into a local copy alike."""
+    storage = open_test_storage(kind, request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
+    upload_steps(storage, tmp_path, (6,), incremental=False)
+    asked: list[str] = []
+    if kind == "s3":
+        real_head = storage.client.head_object
+
+        def head_object(**kwargs: Any) -> Any:
+            asked.append(kwargs["Key"])
+            return real_head(**kwargs)
+
+        monkeypatch.setattr(storage.client, "head_object", head_object)
+    else:
+        real_metadata = storage._metadata
+
+        def metadata(key: str) -> Any:
+            asked.append(key)
+            return real_metadata(key)
+
+        monkeypatch.setattr(storage, "_metadata", metadata)
+    found = restore_latest_state(storage)
+    assert found is not None
+    assert_bitwise_equal(found[1], make_state(6))
+    info = restore_latest(storage, tmp_path / "restored")
+    assert info is not None
+    assert_bitwise_equal(load_checkpoint_state(Path(info.uri)), make_state(6))
+    assert [k for k in asked if k.endswith(".safetensors")] == []
+
+
+@pytest.mark.parametrize("into", ["tensors", "disk"])
+def test_a_file_deleted_after_the_listing_is_missing_and_the_restore_walks_back(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str
+) -> None:
+    """Read as the listing saw it, a file deleted right after the listing is
+    a missing file of that checkpoint (walked back past), not a failure of
+    the store that stops the restore."""
+    storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
+    upload_steps(storage, tmp_path, (1, 2), incremental=False)
+    newest = "ckpt-000000000002"
+    real_list = storage.list_objects
+
+    def list_objects(prefix: str = "") -> Any:
+        listed = list(real_list(prefix))
+        if prefix == f"{newest}/":
+            storage.delete([f"{newest}/model.safetensors"])
+        return iter(listed)
+
+    monkeypatch.setattr(storage, "list_objects", list_objects)
+    skipped: list[Skipped] = []
+    if into == "tensors":
+        found = restore_latest_state(storage, on_skip=skipped.append)
+        assert found is not None
+        info, state = found
+    else:
+        restored = restore_latest(storage, tmp_path / "restored", on_skip=skipped.append)
+        assert restored is not None
+        info, state = restored, load_checkpoint_state(Path(restored.uri))
+    assert info.step == 1
+    assert_bitwise_equal(state, make_state(1))
+    assert [s.name for s in skipped] == [newest]
+    assert "model.safetensors: missing" in skipped[0].reason
+
+
+def test_a_header_longer_than_the_first_read_is_read_on(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Thousands of tensors with long names: the header runs past the first
+    read (:data:`HEADER_PROBE`), and the restore reads on until it has it."""
+    import torch
+
+    storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
+    g = torch.Generator().manual_seed(7)
+    state = {
+        "model": {
+            f"layers.{i:05d}.{'attention_projection_' * 4}weight": torch.randn(97, generator=g) for i in range(3000)
+        },
+        "step": 7,
+    }
+    ckpt = write_checkpoint(tmp_path / "local", 7, snapshot_state(state))
+    header = int.from_bytes((ckpt / "model.safetensors").read_bytes()[:8], "little")
+    assert header > HEADER_PROBE
+    upload_checkpoint(ckpt, storage, incremental=False)
+    found = restore_latest_state(storage)
+    assert found is not None
+    assert_bitwise_equal(found[1], state)
 
 
 def test_chunks_go_from_the_socket_into_the_tensors(

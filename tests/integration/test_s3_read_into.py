@@ -115,3 +115,22 @@ def test_a_connection_broken_mid_body_is_closed_and_the_range_read_again(
     obj.fetch_into(MiB, [memoryview(sink)])
     assert bytes(sink) == data[MiB:]
     assert closed == [True]  # the half-read connection was not handed to the next request
+
+
+def test_ranges_read_as_a_listing_saw_the_object_fail_once_it_was_replaced(s3_store: Any, s3_uri: str) -> None:
+    """``open_ranged(key, seen)`` asks the store nothing first: the listing's
+    entity tag pins the reads, so a version replaced since the listing is
+    never read as if it were the listed one."""
+    storage = _storage(s3_store, s3_uri)
+    storage.write_bytes("into/listed", b"a" * (2 * MiB))
+    seen = next(o for o in storage.list_objects("into/") if o.key == "into/listed")
+    assert seen.version and seen.size == 2 * MiB
+    assert storage.open_ranged("into/listed", seen).fetch(0, 4) == b"aaaa"
+    storage.write_bytes("into/listed", b"b" * (2 * MiB))
+    stale = storage.open_ranged("into/listed", seen)
+    assert stale.fetch_into is not None
+    with pytest.raises(StorageError):
+        stale.fetch(0, MiB)
+    with pytest.raises(StorageError):
+        stale.fetch_into(MiB, [memoryview(bytearray(MiB))])
+    assert storage.open_ranged("into/listed").fetch(0, 4) == b"bbbb"
