@@ -55,6 +55,7 @@ from spotguard.checkpoint.verify import check_one_file
 from spotguard.storage.base import (
     NotFoundError,
     ObjectInfo,
+    PreconditionFailedError,
     ProgressCallback,
     RangedReads,
     ReadsInto,
@@ -448,8 +449,16 @@ def load_stored_state(
             return size_problem
         if entry.path not in wanted:
             return _check_whole(storage, name, entry, algorithm, sizes.get(entry.path), False)[0]
+        listed = seen.get(entry.path)
         try:
-            loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress, seen.get(entry.path)).tensors()
+            try:
+                loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress, listed).tensors()
+            except PreconditionFailedError:
+                if listed is None:
+                    raise
+                # The listing's version no longer reads (replaced since, or a store that takes its entity tag
+                # another way): read the version current now, as a HEAD first would have; the checksums decide.
+                loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress).tensors()
         except _Damaged as exc:
             return str(exc)
         except StateError as exc:

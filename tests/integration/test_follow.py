@@ -157,10 +157,21 @@ def test_spotguard_run_sends_the_preemptions_checkpoint_while_it_is_written(
     s3_store: Any, s3_uri: str, tmp_path: Path
 ) -> None:
     """End to end, whole files (``--no-incremental``): the supervisor follows the trainer's save,
-    the upload after the commit finds the data file stored, and the checkpoint restores exactly."""
+    the upload after the commit finds the data file stored, and the checkpoint restores exactly.
+
+    The trainer writes 48 MiB into memory in tens of milliseconds; on a loaded machine the
+    follower may find the save only once it is committed (it then leaves everything to the
+    ordinary upload: the next test). A run that shows following is asked for in three."""
     nbytes = 48 * MiB  # more than one multipart part (32 MiB)
-    text, restored = sigterm_trainer_run(s3_store, s3_uri, tmp_path, nbytes, "--no-incremental")
-    assert "stage=follow" in text and "files=1" in text, text
+    runs: list[str] = []
+    for attempt in range(3):
+        where = tmp_path / f"run{attempt}"
+        where.mkdir()
+        text, restored = sigterm_trainer_run(s3_store, f"{s3_uri}/run{attempt}", where, nbytes, "--no-incremental")
+        runs.append(text)
+        if "stage=follow" in text and "files=1" in text:
+            break
+    assert "stage=follow" in text and "files=1" in text, "\n\n".join(runs)
     assert "1 of 2 file(s) already stored by an interrupted upload; not sent again" in text, text
     state = load_checkpoint_state(restored)
     total = sum(np.asarray(t).nbytes for t in state["model"].values())

@@ -199,12 +199,15 @@ def test_tensor_files_are_read_as_the_listing_saw_them(
 
 
 @pytest.mark.parametrize("into", ["tensors", "disk"])
-def test_a_file_deleted_after_the_listing_is_missing_and_the_restore_walks_back(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str
+@pytest.mark.parametrize("change", ["deleted", "replaced"])
+def test_a_file_changed_after_the_listing_fails_its_checkpoint_and_the_restore_walks_back(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: str, change: str
 ) -> None:
     """Read as the listing saw it, a file deleted right after the listing is
-    a missing file of that checkpoint (walked back past), not a failure of
-    the store that stops the restore."""
+    a missing file of that checkpoint, and one replaced (the listing's entity
+    tag no longer reads) is read as it is now and fails its checksum: either
+    way the restore walks back past that checkpoint; it neither stops on the
+    store's refusal nor loads the replacement."""
     storage = open_test_storage("s3", request, tmp_path, read_chunk_size=MiB, max_concurrency=4)
     upload_steps(storage, tmp_path, (1, 2), incremental=False)
     newest = "ckpt-000000000002"
@@ -213,7 +216,13 @@ def test_a_file_deleted_after_the_listing_is_missing_and_the_restore_walks_back(
     def list_objects(prefix: str = "") -> Any:
         listed = list(real_list(prefix))
         if prefix == f"{newest}/":
-            storage.delete([f"{newest}/model.safetensors"])
+            key = f"{newest}/model.safetensors"
+            if change == "deleted":
+                storage.delete([key])
+            else:  # the same size, one bit flipped
+                data = bytearray(storage.read_bytes(key))
+                data[len(data) // 2] ^= 0x01
+                storage.write_bytes(key, bytes(data))
         return iter(listed)
 
     monkeypatch.setattr(storage, "list_objects", list_objects)
@@ -229,7 +238,9 @@ def test_a_file_deleted_after_the_listing_is_missing_and_the_restore_walks_back(
     assert info.step == 1
     assert_bitwise_equal(state, make_state(1))
     assert [s.name for s in skipped] == [newest]
-    assert "model.safetensors: missing" in skipped[0].reason
+    assert (
+        "model.safetensors: " + ("missing" if change == "deleted" else "crc32c checksum mismatch") in skipped[0].reason
+    )
 
 
 def test_a_header_longer_than_the_first_read_is_read_on(request: pytest.FixtureRequest, tmp_path: Path) -> None:
