@@ -3,8 +3,10 @@ process group for resume helpers that run before the framework starts."""
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -73,9 +75,32 @@ def ensure_process_group() -> bool:
         if cuda and "LOCAL_RANK" in os.environ:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend=process_group_backend(cuda))
+        # Registered before any Checkpointer of this process exists, so it runs after the Checkpointer's
+        # own exit handler has finished its writes and settled its collectives (atexit runs last first).
+        atexit.register(_destroy_process_group_at_exit)
         log.info(
             "initialized torch.distributed (%s, %d ranks) for spotguard's resume",
             dist.get_backend(),
             dist.get_world_size(),
         )
     return dist.get_world_size() > 1
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the process group :func:`ensure_process_group` initialized, at a
+    clean exit, while the interpreter is still whole.
+
+    Neither Lightning nor Hugging Face destroys a group it did not create, and
+    a gloo group left to the interpreter's teardown can abort the process as
+    it exits, after training finished ("terminate called without an active
+    exception", SIGABRT: a successful run then looks failed). Not after an
+    uncaught exception: the other ranks may still be in a collective with
+    this one, and the exit is a failure anyway."""
+    import torch.distributed as dist
+
+    if getattr(sys, "last_value", None) is not None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the group was left as it is
+        log.warning("could not destroy the process group at exit: %s", exc)
