@@ -40,12 +40,12 @@ from spotguard.checkpoint.verify import check_one_file, needs_content
 from spotguard.storage.base import (
     NotFoundError,
     ObjectInfo,
-    PreconditionFailedError,
     ProgressCallback,
     RangedReads,
     ReadsInto,
     Storage,
     byte_ranges,
+    read_as_listed,
 )
 from spotguard.storage.checksum import crc32c_combine
 
@@ -103,15 +103,10 @@ def fetch_verified(
     def check(entry: FileEntry) -> str | None:
         if _fetchable_into(storage, manifest, entry, sizes):
             key, target = f"{name}/{entry.path}", dest / entry.path
-            listed = seen.get(entry.path) if seen is not None else None
-            try:
-                return _fetch_into_file(storage, key, entry, target, progress, lock, listed)
-            except PreconditionFailedError:
-                if listed is None:
-                    raise
-                # The listing's version no longer reads (replaced since, or a store that takes its entity tag
-                # another way): read the version current now, as a HEAD first would have; the checksums decide.
-                return _fetch_into_file(storage, key, entry, target, progress, lock)
+            return read_as_listed(
+                lambda listed: _fetch_into_file(storage, key, entry, target, progress, lock, listed),
+                seen.get(entry.path) if seen is not None else None,
+            )
         return check_one_file(entry, manifest.checksum_algorithm, sizes.get(entry.path), read_chunks)[0]
 
     files = manifest.files

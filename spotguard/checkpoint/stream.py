@@ -55,12 +55,12 @@ from spotguard.checkpoint.verify import check_one_file
 from spotguard.storage.base import (
     NotFoundError,
     ObjectInfo,
-    PreconditionFailedError,
     ProgressCallback,
     RangedReads,
     ReadsInto,
     Storage,
     byte_ranges,
+    read_as_listed,
     read_in_order,
 )
 from spotguard.storage.checksum import crc32c_combine, new_hasher
@@ -449,16 +449,11 @@ def load_stored_state(
             return size_problem
         if entry.path not in wanted:
             return _check_whole(storage, name, entry, algorithm, sizes.get(entry.path), False)[0]
-        listed = seen.get(entry.path)
         try:
-            try:
-                loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress, listed).tensors()
-            except PreconditionFailedError:
-                if listed is None:
-                    raise
-                # The listing's version no longer reads (replaced since, or a store that takes its entity tag
-                # another way): read the version current now, as a HEAD first would have; the checksums decide.
-                loaded[entry.path] = _FileRead(storage, name, entry, algorithm, progress).tensors()
+            loaded[entry.path] = read_as_listed(
+                lambda listed: _FileRead(storage, name, entry, algorithm, progress, listed).tensors(),
+                seen.get(entry.path),
+            )
         except _Damaged as exc:
             return str(exc)
         except StateError as exc:

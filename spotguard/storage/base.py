@@ -290,6 +290,22 @@ def dirs_in_listing(list_objects: Callable[[str], Iterable[ObjectInfo]], prefix:
     return sorted({rest.split("/", 1)[0] for rest in rests if "/" in rest} - {""})
 
 
+def read_as_listed(read: Callable[[ObjectInfo | None], _R], seen: ObjectInfo | None) -> _R:
+    """``read(seen)``: an object read as a listing saw it (``open_ranged(key, seen)``).
+
+    When the listing's version no longer reads (replaced since, or a store
+    that takes its entity tag another way), ``read(None)``: the version
+    current now, as asking the store first would have read it. Never two
+    versions mixed; the caller's checksums decide whether it is the one it
+    wants."""
+    try:
+        return read(seen)
+    except PreconditionFailedError:
+        if seen is None:
+            raise
+        return read(None)
+
+
 def byte_ranges(size: int, chunk: int) -> list[tuple[int, int]]:
     """Pure: ``[start, end)`` ranges of at most ``chunk`` bytes covering ``size`` bytes."""
     return [(start, min(start + chunk, size)) for start in range(0, size, chunk)]
