@@ -17,7 +17,8 @@ on fixed paths:
                                 webhook configuration may still name it
 ``/validate-trainingjobs``      refuses a TrainingJob UPDATE that would
                                 silently throw a running job's progress away
-                                (:func:`restart_refusal`)
+                                (:func:`~spotguard.operator.specchange.restart_refusal`,
+                                which the operator applies too)
 ==============================  ==============================================
 
 The certificate and key are read again when their files change (a renewed
@@ -46,9 +47,12 @@ from typing import Any
 from aiohttp import web
 
 from spotguard.operator.apierrors import api_reason, api_status
-from spotguard.operator.jobstatus import TERMINAL_PHASES
 from spotguard.operator.podbuilder import LABEL_INJECT, OperatorConfig
-from spotguard.operator.spec import GROUP, PLURAL, PodTemplate, gpu_limit
+from spotguard.operator.spec import GROUP, PLURAL
+
+# Re-exported: the names earlier releases had here.
+from spotguard.operator.specchange import ALLOW_RESTART_ANNOTATION as ALLOW_RESTART_ANNOTATION
+from spotguard.operator.specchange import restart_refusal as restart_refusal
 from spotguard.operator.specfields import SpecError
 from spotguard.operator.webhook import apply_to_patch
 
@@ -58,8 +62,6 @@ MUTATE_PATH = "/mutate-pods"
 #: The path kopf served the injection on (its handler id), kept so that an old configuration still works.
 LEGACY_MUTATE_PATH = "/inject-sidecar"
 VALIDATE_PATH = "/validate-trainingjobs"
-#: ``"true"`` on a TrainingJob lets an update through that would restart it from nothing (or reshard it).
-ALLOW_RESTART_ANNOTATION = "spotguard.dev/allow-restart-from-scratch"
 #: The webhook names of the configurations (the chart's, and ``--webhook-manage``'s).
 MUTATING_WEBHOOK = "inject-sidecar.spotguard.dev"
 VALIDATING_WEBHOOK = "trainingjob-updates.spotguard.dev"
@@ -150,134 +152,6 @@ def mutate_pod(request: Mapping[str, Any], config: OperatorConfig) -> dict[str, 
         return denied(uid, 400, "BadRequest", f"spotguard: {exc}")
     ops = json_patch(pod, patch)
     return {**allowed(uid), "patchType": "JSONPatch", "patch": base64.b64encode(json.dumps(ops).encode()).decode()}
-
-
-def _started_and_running(status: Mapping[str, Any]) -> bool:
-    attempt = status.get("attempt")
-    started = isinstance(attempt, int) and not isinstance(attempt, bool) and attempt >= 1
-    return started and status.get("phase") not in TERMINAL_PHASES
-
-
-def _world(spec: Any) -> tuple[int | None, int | None, bool]:
-    """``(nodes, processes per node, whether the latter follows the GPU limit)`` as the operator runs them.
-
-    As ``spec.parse`` reads them (``nodes`` 1, ``nprocPerNode`` the trainer's
-    GPU limit, else 1), without needing the rest of the spec to be valid.
-    """
-    raw: Mapping[str, Any] = spec if isinstance(spec, Mapping) else {}
-    nodes = raw.get("nodes", 1)
-    explicit = raw.get("nprocPerNode")
-    if explicit is not None:
-        return _int_or_none(nodes), _int_or_none(explicit), False
-    template = raw.get("template")
-    pod_spec = template.get("spec") if isinstance(template, Mapping) else None
-    limit = gpu_limit(PodTemplate({}, {}, pod_spec)) if isinstance(pod_spec, Mapping) else None
-    return _int_or_none(nodes), limit or 1, True
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _checkpoint(spec: Any) -> Mapping[str, Any]:
-    raw = spec.get("checkpoint") if isinstance(spec, Mapping) else None
-    return raw if isinstance(raw, Mapping) else {}
-
-
-def _job_uri(storage: str, namespace: str, name: str) -> str:
-    return f"{storage.rstrip('/')}/{namespace}/{name}"
-
-
-def restart_refusal(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
-    """Pure: why an update of a TrainingJob must be refused (a message for the user), or None.
-
-    Refused while the job has started (``status.attempt`` >= 1) and is not
-    finished (phase not Succeeded or Failed), unless the update carries the
-    annotation ``spotguard.dev/allow-restart-from-scratch: "true"``, are the
-    changes whose next attempt would not resume where training stands:
-
-    * ``spec.checkpoint.storage``: the job's checkpoints live under
-      ``<storage>/<namespace>/<name>``; under the new root there are none, so
-      the next attempt starts from step 0;
-    * ``spec.checkpoint.endpoint``: another endpoint may be another store, with
-      none of the job's checkpoints either;
-    * ``spec.nodes`` and ``spec.nprocPerNode`` (also when it follows the
-      trainer's GPU limit) when their product, the world size, changes: the
-      restore reshards model and optimizer, but per-rank RNG states, the data
-      order and the effective batch size do not carry over, so the run is no
-      longer the one it was. The same world size laid out otherwise (2 nodes
-      of 4 processes for 1 of 8) restores exactly, and passes.
-
-    Everything else is safe to change on a running job: ``checksum`` (each
-    manifest names its own algorithm, and verification uses that one),
-    ``incremental`` (a restore reads chunked and whole-file checkpoints
-    alike), the intervals, retention, credentials, the pod template.
-    Status-only updates never change the spec, so they pass; so does any
-    update that leaves these fields as they are.
-    """
-    status = old.get("status")
-    if not isinstance(status, Mapping) or not _started_and_running(status):
-        return None
-    annotations = (new.get("metadata") or {}).get("annotations") or {}
-    if isinstance(annotations, Mapping) and annotations.get(ALLOW_RESTART_ANNOTATION) == "true":
-        return None
-    old_spec, new_spec = old.get("spec"), new.get("spec")
-    if old_spec == new_spec:
-        return None
-    meta = new.get("metadata") or old.get("metadata") or {}
-    name, namespace = str(meta.get("name") or "?"), str(meta.get("namespace") or "?")
-    problems: list[str] = []
-    copy_hint = ""
-
-    before, after = _checkpoint(old_spec), _checkpoint(new_spec)
-    old_storage, new_storage = before.get("storage"), after.get("storage")
-    if (
-        isinstance(old_storage, str)
-        and isinstance(new_storage, str)
-        and old_storage.rstrip("/") != new_storage.rstrip("/")
-    ):
-        old_uri, new_uri = _job_uri(old_storage, namespace, name), _job_uri(new_storage, namespace, name)
-        problems.append(
-            f"changing spec.checkpoint.storage from {old_storage} to {new_storage} would restart"
-            f" training from nothing ({new_uri} has none of this job's checkpoints; they are in"
-            f" {old_uri})"
-        )
-        copy_hint = (
-            f" To keep the progress, first copy everything under {old_uri}/ to {new_uri}/ (with the"
-            f" store's own tools; `spotguard ckpt ls {new_uri}` then lists the checkpoints there)"
-            " and annotate as said."
-        )
-    if before.get("endpoint") != after.get("endpoint"):
-        was, now = before.get("endpoint") or "(none)", after.get("endpoint") or "(none)"
-        problems.append(
-            f"changing spec.checkpoint.endpoint from {was} to {now} would restart training from"
-            " nothing if it names another store (that store has none of this job's checkpoints)"
-        )
-    (old_nodes, old_nproc, _), (new_nodes, new_nproc, implicit) = _world(old_spec), _world(new_spec)
-    old_world = old_nodes * old_nproc if old_nodes is not None and old_nproc is not None else None
-    new_world = new_nodes * new_nproc if new_nodes is not None and new_nproc is not None else None
-    # The same world size laid out otherwise (2 nodes x 4 for 1 x 8) restores exactly: the ranks are the same.
-    if (old_nodes, old_nproc) != (new_nodes, new_nproc) and (old_world != new_world or old_world is None):
-        world_changes = []
-        if old_nodes != new_nodes:
-            world_changes.append(f"spec.nodes from {old_nodes} to {new_nodes}")
-        if old_nproc != new_nproc:
-            source = " (the trainer's nvidia.com/gpu limit)" if implicit else ""
-            world_changes.append(f"spec.nprocPerNode{source} from {old_nproc} to {new_nproc}")
-        sizes = f" ({new_world} training processes instead of {old_world})" if old_world and new_world else ""
-        problems.append(
-            f"changing {' and '.join(world_changes)} would resume at another world size{sizes}: the"
-            " checkpoint is resharded, not resumed exactly (per-rank RNG states, the data order and"
-            " the effective batch size change)"
-        )
-    if not problems:
-        return None
-    return (
-        f"{'; '.join(problems)}. To do it on purpose, set the annotation {ALLOW_RESTART_ANNOTATION}=true"
-        f" in the same update (or before it: `kubectl annotate trainingjob {name} -n {namespace}"
-        f" {ALLOW_RESTART_ANNOTATION}=true`, and remove it afterwards), or delete the job and create a new"
-        f" one.{copy_hint}"
-    )
 
 
 def validate_trainingjob(request: Mapping[str, Any], namespaces: Collection[str] = ()) -> dict[str, Any]:

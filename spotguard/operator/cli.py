@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -166,6 +167,28 @@ def register(subparsers: Any) -> None:
         help="create/update the Mutating- and ValidatingWebhookConfiguration NAME itself, with the URL"
         " https://HOST:PORT/... and the certificate file as their CA bundle (else the chart does)",
     )
+    wh.add_argument(
+        "--webhook-cert-secret",
+        default=None,
+        metavar="NAME",
+        help="keep the serving certificate in this Secret of the operator's namespace: created (a self-signed CA"
+        " and a certificate for --webhook-host) at the first start, renewed before it expires, written to"
+        " --webhook-cert/--webhook-key for the server (default: files in a new private directory)",
+    )
+    wh.add_argument(
+        "--webhook-configuration",
+        default=None,
+        metavar="NAME",
+        help="with --webhook-cert-secret: keep the caBundle of the Mutating- and ValidatingWebhookConfiguration"
+        " NAME (those the chart installs) set to the Secret's CA",
+    )
+    wh.add_argument(
+        "--webhook-cert-days",
+        type=float,
+        default=365.0,
+        metavar="DAYS",
+        help="with --webhook-cert-secret: life of the serving certificate (renewed when a third is left; default 365)",
+    )
     p.add_argument(
         "--checkpoint-full-read-seconds",
         type=float,
@@ -180,11 +203,23 @@ def register(subparsers: Any) -> None:
 
 def run_operator(args: argparse.Namespace) -> int:
     """Entry point of ``spotguard operator``."""
-    if args.webhook and not (args.webhook_cert and args.webhook_key):
-        print("spotguard operator: --webhook needs --webhook-cert and --webhook-key", file=sys.stderr)
+    if args.webhook and args.webhook_cert_secret:
+        problem = cert_secret_problem(args)
+        if problem:
+            print(f"spotguard operator: {problem}", file=sys.stderr)
+            return 2
+        if not (args.webhook_cert and args.webhook_key):
+            # Written by the operator itself: a private directory of this process.
+            directory = tempfile.mkdtemp(prefix="spotguard-webhook-")
+            args.webhook_cert, args.webhook_key = f"{directory}/tls.crt", f"{directory}/tls.key"
+    elif args.webhook and not (args.webhook_cert and args.webhook_key):
+        print(
+            "spotguard operator: --webhook needs --webhook-cert and --webhook-key, or --webhook-cert-secret",
+            file=sys.stderr,
+        )
         return 2
     for path in (args.webhook_cert, args.webhook_key):
-        if args.webhook and path and not os.path.isfile(path):
+        if args.webhook and not args.webhook_cert_secret and path and not os.path.isfile(path):
             print(f"spotguard operator: no such file: {path}", file=sys.stderr)
             return 2
     if args.webhook and args.webhook_manage and not args.webhook_host and args.webhook_address in ("0.0.0.0", "::"):
@@ -271,6 +306,10 @@ def run_operator(args: argparse.Namespace) -> int:
         webhook_cert=args.webhook_cert,
         webhook_key=args.webhook_key,
         webhook_manage=args.webhook_manage,
+        webhook_cert_secret=args.webhook_cert_secret,
+        webhook_cert_namespace=own_namespace(),
+        webhook_configuration=args.webhook_configuration,
+        webhook_cert_days=args.webhook_cert_days,
         metrics=metrics,
     )
     election = None
@@ -279,6 +318,22 @@ def run_operator(args: argparse.Namespace) -> int:
         election = Election(namespace, args.leader_elect_resource_name, timing)
     run(options, liveness=args.liveness or None, election=election)
     return 0
+
+
+def cert_secret_problem(args: argparse.Namespace) -> str | None:
+    """Pure: why ``--webhook-cert-secret`` cannot work as asked (one line), or None."""
+    if not args.webhook_host:
+        return (
+            "--webhook-cert-secret needs --webhook-host, the name the apiserver reaches the webhook at"
+            " (the certificate is made for it), e.g. spotguard.spotguard-system.svc"
+        )
+    if bool(args.webhook_cert) != bool(args.webhook_key):
+        return "--webhook-cert and --webhook-key go together (where the kept certificate and key are written)"
+    if not 0 < args.webhook_cert_days <= 3650:
+        return (
+            f"--webhook-cert-days must be more than 0 and at most 3650 (the CA's life), not {args.webhook_cert_days:g}"
+        )
+    return None
 
 
 def notice_url_problem(url: str | None, liveness: str | None) -> str | None:

@@ -50,6 +50,7 @@ from spotguard.operator.podbuilder import (
 from spotguard.operator.probe import CheckpointProbe
 from spotguard.operator.probes import Health, ProbeServer
 from spotguard.operator.spec import GROUP, PLURAL, VERSION
+from spotguard.operator.webhookcert import CertificateKeeper, host_names
 from spotguard.version import __version__
 
 log = logging.getLogger("spotguard.operator")
@@ -85,6 +86,12 @@ class OperatorOptions:
     webhook_cert: str | None = None
     webhook_key: str | None = None
     webhook_manage: str | None = None
+    #: The Secret (in the operator's namespace) the operator keeps the serving certificate in (None: files given).
+    webhook_cert_secret: str | None = None
+    webhook_cert_namespace: str = "default"
+    #: The webhook configurations whose caBundle the operator keeps (the chart's).
+    webhook_configuration: str | None = None
+    webhook_cert_days: float = 365.0
     metrics: OperatorMetrics | None = None
     #: This process: the Lease's holderIdentity, Events' reportingInstance, the pods' annotation.
     identity: str = field(default_factory=new_identity)
@@ -389,7 +396,28 @@ def _delete_job_pods(ctx: kubeapi.Context, namespace: str, name: str) -> None:
         kubeapi.delete_pod(ctx, namespace, pod.metadata.name, force=False)
 
 
-def admission_server(options: OperatorOptions) -> AdmissionServer:
+def certificate_keeper(options: OperatorOptions) -> CertificateKeeper | None:
+    """This replica's keeper of the webhook's certificate (``--webhook-cert-secret``), or None."""
+    if not options.webhook_cert_secret:
+        return None
+    from kubernetes import client
+
+    assert options.webhook_cert and options.webhook_key and options.webhook_host
+    api = api_client(options.identity)
+    return CertificateKeeper(
+        client.CoreV1Api(api),
+        client.AdmissionregistrationV1Api(api),
+        options.webhook_cert_namespace,
+        options.webhook_cert_secret,
+        host_names(options.webhook_host),
+        options.webhook_cert,
+        options.webhook_key,
+        configuration=options.webhook_configuration or options.webhook_manage,
+        serving_days=options.webhook_cert_days,
+    )
+
+
+def admission_server(options: OperatorOptions, keeper: CertificateKeeper | None = None) -> AdmissionServer:
     """This replica's admission server (``--webhook``): the configuration is found once, at its start."""
     assert options.webhook_cert and options.webhook_key
 
@@ -403,8 +431,11 @@ def admission_server(options: OperatorOptions) -> AdmissionServer:
         base_url = f"https://{options.webhook_host or options.webhook_addr}:{options.webhook_port}"
 
         def manage() -> None:
-            with open(cert, "rb") as f:  # a self-signed certificate, or the chain up to its CA
-                bundle = f.read()
+            if keeper is not None and keeper.bundle is not None:
+                bundle = keeper.bundle.ca_crt  # the keeper puts a renewed CA in later
+            else:
+                with open(cert, "rb") as f:  # a self-signed certificate, or the chain up to its CA
+                    bundle = f.read()
             manage_configurations(api_client(options.identity), name, base_url, bundle)
 
     return AdmissionServer(
@@ -429,10 +460,14 @@ def run(options: OperatorOptions, *, liveness: str | None, election: Election | 
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     log.info("operator instance %s", options.identity)
     stop = threading.Event()
-    admission = admission_server(options) if options.webhook else None
+    keeper = certificate_keeper(options) if options.webhook else None
+    admission = admission_server(options, keeper) if options.webhook else None
     health = Health(admission, options.identity)
     elector: LeaderElector | None = None
     with contextlib.ExitStack() as serving:
+        if keeper is not None:
+            # Every replica: writes carry the resourceVersion read, so concurrent renewals do not clash.
+            serving.enter_context(keeper)
         if admission is not None:
             serving.enter_context(admission)
         relay = None

@@ -59,6 +59,7 @@ from spotguard.operator.kubeapi import (
 )
 from spotguard.operator.podbuilder import LABEL_ATTEMPT, LABEL_JOB, build_pods, build_service, last_checkpoint_bytes
 from spotguard.operator.spec import TrainingJobSpec, check_name, parse
+from spotguard.operator.specchange import hold
 from spotguard.operator.specfields import SpecError
 from spotguard.operator.times import parse_time
 
@@ -222,6 +223,10 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
     allocated_events: tuple[Event, ...] = ()
     if ports is not None:
         draft, allocated_events = hp.note_allocated(status, hp.HostPorts(*ports, True), now, generation)
+    if isinstance(spec, TrainingJobSpec):
+        # A change a running job must not take is not acted on (whether or not the webhook refused it).
+        spec, draft, held_events = hold(job, spec, draft, now, generation)
+        allocated_events += held_events
     observation = observe(ctx, job)
     decision = decide(name, draft, spec, observation, now, generation)
     if allocated_events:

@@ -221,6 +221,17 @@ def test_watched_namespaces_keep_secrets_there(kube: Any, release: None, namespa
     assert_makes_no_account_role_or_binding(kube, (watched, other))
     assert forbidden(bind(kube, watched, "clusterrole", "cluster-admin"))
     assert forbidden(bind(kube, watched, "role", FULLNAME))
+    # The webhook's certificate (on by default): in the release's namespace only its own Secret is read and
+    # updated (create cannot be limited to a name), and only the chart's two webhook configurations patched.
+    own = f"secrets/{FULLNAME}-webhook-tls"
+    assert can_i(kube, "get", own, NAMESPACE) and can_i(kube, "update", own, NAMESPACE)
+    assert can_i(kube, "create", "secrets", NAMESPACE) and not can_i(kube, "create", "secrets", other)
+    assert not can_i(kube, "get", "secrets/other", NAMESPACE) and not can_i(kube, "list", "secrets", NAMESPACE)
+    assert not can_i(kube, "delete", own, NAMESPACE) and not can_i(kube, "get", own, other)
+    for kind in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
+        hooks = f"{kind}.admissionregistration.k8s.io"
+        assert can_i(kube, "patch", f"{hooks}/{FULLNAME}", None) and can_i(kube, "get", f"{hooks}/{FULLNAME}", None)
+        assert not can_i(kube, "patch", f"{hooks}/other", None) and not can_i(kube, "create", hooks, None)
     # readCheckpoints=false: no Secret anywhere.
     install(kube, f"operator.watchNamespaces={{{watched}}}", "operator.readCheckpoints=false")
     assert not can_i(kube, "get", "secrets", watched)

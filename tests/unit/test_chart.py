@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,11 +26,30 @@ NAMESPACED_RULES = {
     ("", "services"): {"get", "create"},
     ("", "secrets"): {"get"},
 }
+WEBHOOK_CONFIGURATION_RULES = {
+    # The webhook's CA into the caBundle of the chart's two configurations (by name).
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch"},
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"get", "patch"},
+}
 CLUSTER_RULES = {
     ("", "nodes"): {"get", "list", "watch"},
     # The notice relay verifies the pods' projected tokens (cluster-scoped, as system:auth-delegator).
     ("authentication.k8s.io", "tokenreviews"): {"create"},
+    # The webhook is on by default, its certificate kept by the operator.
+    **WEBHOOK_CONFIGURATION_RULES,
 }
+#: The Role in the release's namespace with which the operator keeps the webhook's certificate.
+CERT_ROLE = "rel-spotguard-webhook-certificate"
+CERT_RULES = [
+    # create cannot be limited to a name; read and update only the one Secret.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+    {
+        "apiGroups": [""],
+        "resources": ["secrets"],
+        "verbs": ["get", "update"],
+        "resourceNames": ["rel-spotguard-webhook-tls"],
+    },
+]
 EXPECTED_RULES = {**NAMESPACED_RULES, **CLUSTER_RULES}
 NOTICE_URL = "http://rel-spotguard.spotguard-system.svc:8081/notices/v1/pod"
 
@@ -76,7 +93,19 @@ def test_lint_strict() -> None:
 def test_default_render() -> None:
     docs = render()
     assert sorted(d["kind"] for d in docs) == sorted(
-        ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "CustomResourceDefinition"]
+        [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "Service",
+            "CustomResourceDefinition",
+            # The webhook, on by default: its configurations, and the Role to keep its certificate.
+            "MutatingWebhookConfiguration",
+            "ValidatingWebhookConfiguration",
+            "Role",
+            "RoleBinding",
+        ]
     )
     crd = one(docs, "CustomResourceDefinition")
     source = yaml.safe_load(CRD.read_text())
@@ -104,14 +133,15 @@ def test_default_render() -> None:
     assert "--liveness=http://0.0.0.0:8081/healthz" in cmd
     assert "--image=spotguard/spotguard:0.1.0" in cmd
     assert f"--notice-url={NOTICE_URL}" in cmd
-    assert not any(a.startswith(("--webhook", "--peering", "--leader-elect", "--notice-cluster-role")) for a in cmd)
+    assert "--webhook" in cmd
+    assert not any(a.startswith(("--peering", "--leader-elect", "--notice-cluster-role")) for a in cmd)
     # The replica's identity comes from its pod's name (and a suffix of the process's own).
     env = {e["name"]: e.get("valueFrom") for e in container["env"]}
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
 
     svc = one(docs, "Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics", "notices"]
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["metrics", "webhook", "notices"]
     binding = one(docs, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard", "namespace": "spotguard-system"}]
 
@@ -186,26 +216,38 @@ def test_the_storage_polls_full_read_interval_reaches_the_operator() -> None:
     assert args.checkpoint_full_read_seconds == 1800
     docs = render("operator.readCheckpoints=false", "operator.watchNamespaces={ml}")
     for role in by_kind(docs, "Role") + by_kind(docs, "ClusterRole"):
+        if role["metadata"]["name"] == CERT_ROLE:  # the webhook's own Secret, no job's
+            assert role["rules"] == CERT_RULES
+            continue
         assert ("", "secrets") not in rules_of(role), role["metadata"]
 
 
 def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
     docs = render("operator.watchNamespaces={ml,research}")
-    # Cluster-wide: only Nodes (cluster-scoped; a vanished node is a preemption).
+    # Cluster-wide: only Nodes (cluster-scoped; a vanished node is a preemption), TokenReviews and the
+    # chart's own two webhook configurations (by name).
     assert rules(docs) == CLUSTER_RULES
-    roles = {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role")}
+    assert not any(("", "secrets") in rules_of(r) or ("", "pods") in rules_of(r) for r in by_kind(docs, "ClusterRole"))
+    # Secrets: get in each watched namespace; in the release's namespace only the webhook's own Secret.
+    cert = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == CERT_ROLE]
+    assert [(r["metadata"]["namespace"], r["rules"]) for r in cert] == [("spotguard-system", CERT_RULES)]
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(docs, "Role") if r["metadata"]["name"] != CERT_ROLE}
     assert sorted(roles) == ["ml", "research"]
     for ns, role in roles.items():
         assert role["metadata"]["name"] == "rel-spotguard"
         assert rules_of(role) == NAMESPACED_RULES, ns
-    bindings = {b["metadata"]["namespace"]: b for b in by_kind(docs, "RoleBinding")}
+    bindings = {
+        b["metadata"]["namespace"]: b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] != CERT_ROLE
+    }
     assert sorted(bindings) == ["ml", "research"]
     for b in bindings.values():
         assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rel-spotguard"}
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard", "namespace": "spotguard-system"}]
     assert one(docs, "ClusterRoleBinding")["roleRef"]["name"] == "rel-spotguard"
-    # All namespaces: no Role at all.
-    assert by_kind(render(), "Role") == [] and by_kind(render(), "RoleBinding") == []
+    # All namespaces: no Role but the webhook certificate's (none without the webhook).
+    assert [r["metadata"]["name"] for r in by_kind(render(), "Role")] == [CERT_ROLE]
+    assert by_kind(render("webhook.enabled=false"), "Role") == []
+    assert by_kind(render("webhook.enabled=false"), "RoleBinding") == []
     assert by_kind(render("rbac.create=false", "operator.watchNamespaces={ml}"), "Role") == []
 
 
@@ -261,17 +303,16 @@ def test_namespaces_crds_and_metrics_switches() -> None:
 
 
 def test_webhook() -> None:
-    docs = render("webhook.enabled=true")
+    docs = render()  # on by default
     config = one(docs, "MutatingWebhookConfiguration")
     (hook,) = config["webhooks"]
     assert hook["objectSelector"] == {"matchLabels": {"spotguard.dev/inject": "true"}}
     assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == ["CREATE"]
-    assert hook["sideEffects"] == "None"
+    assert hook["sideEffects"] == "None" and hook["failurePolicy"] == "Fail"
     service = hook["clientConfig"]["service"]
     assert service == {"name": "rel-spotguard", "namespace": "spotguard-system", "path": "/mutate-pods", "port": 443}
-    assert b"BEGIN CERTIFICATE" in base64.b64decode(hook["clientConfig"]["caBundle"])
-    # TrainingJob updates that would throw progress away: the same Service and CA; Ignore keeps editing
-    # possible while the operator is down.
+    # TrainingJob updates that would throw progress away: the same Service; Ignore keeps editing
+    # possible while the operator is down (which refuses such changes itself).
     (check,) = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
     assert check["rules"] == [
         {
@@ -283,29 +324,86 @@ def test_webhook() -> None:
         }
     ]
     assert check["clientConfig"]["service"] == {**service, "path": "/validate-trainingjobs"}
-    assert check["clientConfig"]["caBundle"] == hook["clientConfig"]["caBundle"]
     assert check["failurePolicy"] == "Ignore" and check["sideEffects"] == "None"
     assert check["admissionReviewVersions"] == ["v1"] and "namespaceSelector" not in check
-    strict = render("webhook.enabled=true", "webhook.validation.failurePolicy=Fail")
+    strict = render("webhook.validation.failurePolicy=Fail")
     assert one(strict, "ValidatingWebhookConfiguration")["webhooks"][0]["failurePolicy"] == "Fail"
-    assert (
-        by_kind(render("webhook.enabled=true", "webhook.validation.enabled=false"), "ValidatingWebhookConfiguration")
-        == []
-    )
-    assert by_kind(render(), "ValidatingWebhookConfiguration") == []
-    secret = one(docs, "Secret")
-    crt = base64.b64decode(secret["data"]["tls.crt"]).decode()
-    text = subprocess.run(
-        ["openssl", "x509", "-noout", "-text"], input=crt, capture_output=True, text=True, check=True
-    ).stdout
-    assert "DNS:rel-spotguard.spotguard-system.svc" in text
+    assert by_kind(render("webhook.validation.enabled=false"), "ValidatingWebhookConfiguration") == []
+    off = render("webhook.enabled=false")
+    assert by_kind(off, "ValidatingWebhookConfiguration") == by_kind(off, "MutatingWebhookConfiguration") == []
+    assert not any(a.startswith("--webhook") for a in operator_command(off))
+    assert not any(g == "admissionregistration.k8s.io" for g, _ in rules(off))
+    # The operator keeps the certificate: the chart renders none, and no caBundle.
+    assert by_kind(docs, "Secret") == []
+    assert "caBundle" not in hook["clientConfig"] and "caBundle" not in check["clientConfig"]
     cmd = operator_command(docs)
-    assert "--webhook" in cmd and "--webhook-cert=/tls/tls.crt" in cmd and "--webhook-key=/tls/tls.key" in cmd
+    for arg in (
+        "--webhook",
+        "--webhook-cert=/tls/tls.crt",
+        "--webhook-key=/tls/tls.key",
+        "--webhook-cert-secret=rel-spotguard-webhook-tls",
+        "--webhook-host=rel-spotguard.spotguard-system.svc",
+        "--webhook-configuration=rel-spotguard",
+        "--webhook-cert-days=365",
+    ):
+        assert arg in cmd, arg
+    from spotguard.cli import build_parser
+    from spotguard.operator.cli import cert_secret_problem
+
+    assert cert_secret_problem(build_parser().parse_args(["operator", *cmd[2:]])) is None
     assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["metrics", "webhook", "notices"]
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
-    assert {"name": "webhook-tls", "secret": {"secretName": "rel-spotguard-webhook-tls"}} in pod["volumes"]
-    # No RBAC for webhook configurations: the chart, not the operator, registers it.
-    assert not any(g == "admissionregistration.k8s.io" for g, _ in rules(docs))
+    # Written by the operator into memory: the root filesystem stays read-only.
+    assert {"name": "webhook-tls", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}} in pod["volumes"]
+    assert {"name": "webhook-tls", "mountPath": "/tls", "readOnly": False} in pod["containers"][0]["volumeMounts"]
+    assert "checksum/webhook-tls" not in (one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"] or {})
+    # Granted: the chart's two configurations by name, and the one Secret in the release's namespace.
+    roles = by_kind(docs, "ClusterRole")
+    hooks = [r for role in roles for r in role["rules"] if "admissionregistration.k8s.io" in r["apiGroups"]]
+    assert hooks == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["mutatingwebhookconfigurations", "validatingwebhookconfigurations"],
+            "verbs": ["get", "patch"],
+            "resourceNames": ["rel-spotguard"],
+        }
+    ]
+    (cert_role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == CERT_ROLE]
+    assert cert_role["metadata"]["namespace"] == "spotguard-system" and cert_role["rules"] == CERT_RULES
+    (binding,) = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] == CERT_ROLE]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rel-spotguard", "namespace": "spotguard-system"}]
+
+
+def test_two_renders_are_byte_identical() -> None:
+    """GitOps: nothing random or time-dependent is rendered (no generated key or certificate)."""
+    for sets in ((), ("replicaCount=2",), ("webhook.certManager.enabled=true",), ("operator.watchNamespaces={ml}",)):
+        args = ["template", "rel", str(CHART), "--namespace", "spotguard-system"]
+        for s in sets:
+            args += ["--set", s]
+        first, second = helm(*args).stdout, helm(*args).stdout
+        assert first == second, sets
+        # No certificate, key or CA of any kind (the operator or cert-manager provides them).
+        assert "\nkind: Secret\n" not in first and "caBundle" not in first, sets
+
+
+def test_the_certificate_keeper_is_granted_what_it_calls() -> None:
+    source = (ROOT / "spotguard" / "operator" / "webhookcert.py").read_text()
+    calls = {
+        "read_namespaced_secret": "get",
+        "create_namespaced_secret": "create",
+        "replace_namespaced_secret": "update",
+    }
+    granted = {verb for rule in CERT_RULES for verb in rule["verbs"]}
+    for call, verb in calls.items():
+        assert call in source, f"{call} no longer used: update this table"
+        assert verb in granted, call
+    for kind in ("mutating", "validating"):
+        for call, verb in (
+            (f"read_{kind}_webhook_configuration", "get"),
+            (f"patch_{kind}_webhook_configuration", "patch"),
+        ):
+            assert call in source, call
+            assert verb in WEBHOOK_CONFIGURATION_RULES[("admissionregistration.k8s.io", f"{kind}webhookconfigurations")]
 
 
 LEASE = "rel-spotguard-leader"

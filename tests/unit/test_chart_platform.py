@@ -3,7 +3,6 @@ webhook's certificate (rendered with the real helm binary; installed in test_hel
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import pytest
@@ -62,15 +61,12 @@ def _webhook(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return hook  # type: ignore[no-any-return]
 
 
-def test_the_generated_certificate_keeps_its_ca_beside_it_for_the_next_upgrade() -> None:
-    docs = render("webhook.enabled=true")
-    secret = one(docs, "Secret")
-    assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
-    assert _webhook(docs)["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
-    (check,) = one(docs, "ValidatingWebhookConfiguration")["webhooks"]
-    assert check["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
-    assert b"BEGIN CERTIFICATE" in base64.b64decode(secret["data"]["ca.crt"])
-    assert not by_kind(docs, "Certificate")
+def test_without_cert_manager_the_chart_renders_no_certificate_and_the_operator_keeps_one() -> None:
+    docs = render()
+    assert not by_kind(docs, "Secret") and not by_kind(docs, "Certificate")
+    assert "caBundle" not in _webhook(docs)["clientConfig"]
+    cmd = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--webhook-cert-secret=rel-spotguard-webhook-tls" in cmd and "--webhook-configuration=rel-spotguard" in cmd
 
 
 @pytest.mark.parametrize("issuer", [None, "name=corp-ca,kind=ClusterIssuer"])
@@ -95,5 +91,13 @@ def test_cert_manager_issues_the_certificate_and_injects_the_ca(issuer: str | No
     else:
         assert cert["spec"]["issuerRef"] == {"name": "rel-spotguard-selfsigned", "kind": "Issuer"}
         assert one(docs, "Issuer")["spec"] == {"selfSigned": {}}
-    volumes = one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "webhook-tls", "secret": {"secretName": "rel-spotguard-webhook-tls"}} in volumes
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "webhook-tls", "secret": {"secretName": "rel-spotguard-webhook-tls"}} in pod["volumes"]
+    # cert-manager keeps the certificate and the caBundle: the operator only serves the mounted files.
+    assert not any(
+        a.startswith(("--webhook-cert-secret", "--webhook-configuration")) for a in pod["containers"][0]["command"]
+    )
+    assert not any(
+        "admissionregistration.k8s.io" in r["apiGroups"] for c in by_kind(docs, "ClusterRole") for r in c["rules"]
+    )
+    assert not [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-webhook-certificate")]
