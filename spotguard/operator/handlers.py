@@ -14,7 +14,8 @@ Every replica, leader or standby, serves the admission webhooks
 with the notice relay (``spotguard.operator.notices``) on their port, from start
 to exit, each in a thread of its own: none is leader-elected, and none uses
 kopf (whose webhook server and liveness endpoint live and die with kopf, that
-is, with the leadership).
+is, with the leadership). With ``--webhook-cert-secret`` every replica also
+keeps the webhooks' certificate (``spotguard.operator.webhookcert``).
 """
 
 from __future__ import annotations
