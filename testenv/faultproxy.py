@@ -14,7 +14,10 @@ request:
   ``Content-Length`` but only ``keep`` bytes of the body, and close;
 - ``corrupt()``: flip one byte of the request body on the way to the store;
 - ``hold()``: park the request and tell the test (:class:`Hold`); the test
-  then forwards or drops it. Used to stop a client at an exact protocol stage.
+  then forwards or drops it. Used to stop a client at an exact protocol stage;
+- ``flood(size)``: answer 200 with ``size`` zero bytes, nothing forwarded (a
+  store that sends gigabytes where a small object was asked for), announced
+  in ``Content-Length`` or, with ``announce=False``, sent chunked without one.
 
 Each rule can be limited to a method and a regular expression over the
 request target (``/bucket/key?query``), to the next ``times`` matching
@@ -97,6 +100,11 @@ def truncate(keep: int = 0) -> Action:
 def corrupt() -> Action:
     """Flip one byte in the middle of the request body before forwarding."""
     return Action("corrupt")
+
+
+def flood(size: int, *, announce: bool = True) -> Action:
+    """Answer with ``size`` zero bytes (``Content-Length`` only with ``announce``); nothing forwarded."""
+    return Action("flood", keep=size, code="announce" if announce else "")
 
 
 def hold() -> Action:
@@ -403,6 +411,10 @@ class _Handler(BaseHTTPRequestHandler):
             if self.command != "HEAD":
                 self.wfile.write(doc)
             return
+        elif rule is not None and kind == "flood":
+            record.status = 200
+            self._flood(rule.action.keep, rule.action.code == "announce")
+            return
         elif rule is not None and kind == "corrupt":
             body = flip_middle_byte(body)
         try:
@@ -432,6 +444,27 @@ class _Handler(BaseHTTPRequestHandler):
             self._reset()
             return
         self.wfile.write(data)
+
+    def _flood(self, size: int, announce: bool) -> None:
+        """Send ``size`` zero bytes as a 200 answer, until done or the client goes away."""
+        self.send_response(200)
+        self.send_header("ETag", '"flood"')
+        self.send_header("Content-Type", "application/octet-stream")
+        if announce:
+            self.send_header("Content-Length", str(size))
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        piece = bytes(1 << 20)
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < size:
+                n = min(len(piece), size - sent)
+                self.wfile.write(piece[:n] if announce else b"%x\r\n%s\r\n" % (n, piece[:n]))
+                sent += n
+            if not announce:
+                self.wfile.write(b"0\r\n\r\n")
+        self.close_connection = True
 
     def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
         if self._upstream is None:

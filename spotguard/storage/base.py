@@ -9,6 +9,7 @@ file backend writes a temporary file and renames it).
 from __future__ import annotations
 
 import enum
+import io
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -37,6 +38,36 @@ class PreconditionFailedError(StorageError):
 
 class CredentialsError(StorageError):
     """No usable credentials, or the store refused them."""
+
+
+class ObjectTooLargeError(StorageError):
+    """A whole-object read found more bytes than its reader takes (``max_read_bytes``)."""
+
+
+def too_large(what: str, size: int | None, limit: int) -> ObjectTooLargeError:
+    """Pure: the error of a whole-object read of ``what`` that found ``size`` bytes (None: more than ``limit``)."""
+    found = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return ObjectTooLargeError(
+        f"{what} holds {found}; reads of it take at most {limit} bytes (a latest pointer or a manifest"
+        " is far smaller: is this the store and prefix meant?)"
+    )
+
+
+class CappedBuffer(io.BytesIO):
+    """An in-memory sink that refuses (:class:`ObjectTooLargeError`) a write past ``limit`` bytes (None: any).
+
+    For clients that write a download into a file-like object: the bytes stop
+    at the limit whatever size the store announced."""
+
+    def __init__(self, what: str, limit: int | None) -> None:
+        super().__init__()
+        self.what = what
+        self.limit = limit
+
+    def write(self, data: Any, /) -> int:
+        if self.limit is not None and self.tell() + memoryview(data).nbytes > self.limit:
+            raise too_large(self.what, None, self.limit)
+        return super().write(data)
 
 
 class Unchanged(enum.Enum):
@@ -131,7 +162,9 @@ class Storage(Protocol):
         ...
 
     def read_bytes(self, key: str) -> bytes:
-        """The whole object; raises :class:`NotFoundError`."""
+        """The whole object; raises :class:`NotFoundError`. A backend opened with
+        ``max_read_bytes`` refuses a larger object here and in the two reads below
+        (:class:`ObjectTooLargeError`), having read no more than that."""
         ...
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:

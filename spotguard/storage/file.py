@@ -27,6 +27,7 @@ from spotguard.storage.base import (
     StorageError,
     Unchanged,
     check_key,
+    too_large,
 )
 
 TMP_PREFIX = ".sg-tmp-"
@@ -59,9 +60,10 @@ def _etag(data: bytes) -> str:
 class FileStorage:
     """Storage rooted at a local directory (created on first write)."""
 
-    def __init__(self, root: Path | str, *, workers: int = 4) -> None:
+    def __init__(self, root: Path | str, *, workers: int = 4, max_read_bytes: int | None = None) -> None:
         self.root = Path(root).absolute()
         self._workers = workers
+        self._max_read = max_read_bytes
 
     # -- identity -----------------------------------------------------------
     @property
@@ -128,11 +130,16 @@ class FileStorage:
 
     def read_bytes(self, key: str) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as f:
+                # Bounded by a read of limit + 1: a device or a growing file says nothing true in stat().
+                data = f.read() if self._max_read is None else f.read(self._max_read + 1)
         except (FileNotFoundError, NotADirectoryError):
             raise NotFoundError(f"{self.uri_for(key)} does not exist") from None
         except IsADirectoryError:
             raise NotFoundError(f"{self.uri_for(key)} is a directory") from None
+        if self._max_read is not None and len(data) > self._max_read:
+            raise too_large(self.uri_for(key), None, self._max_read)
+        return data
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
         try:

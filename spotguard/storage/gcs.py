@@ -60,6 +60,7 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 
 from spotguard.storage.base import (
     UNCHANGED,
+    CappedBuffer,
     CredentialsError,
     NotFoundError,
     ObjectInfo,
@@ -129,7 +130,7 @@ class GcsStorage:
     ``compose``; 0 turns that off) and ``composite_piece`` (their least size),
     ``read_chunk_size`` (ranged reads), ``retry_deadline`` and
     ``retry_initial_delay`` (backoff of the client's retries),
-    ``connect_timeout``/``read_timeout`` (per request), ``batch_deletes``
+    ``connect_timeout``/``read_timeout`` (per request), ``max_read_bytes`` (whole-object reads), ``batch_deletes``
     (default: on against Google's endpoint, off against a custom one) and
     ``client`` (a ready ``google.cloud.storage.Client``).
     """
@@ -154,9 +155,11 @@ class GcsStorage:
         connect_timeout: float = 10.0,
         read_timeout: float = 120.0,
         batch_deletes: bool | None = None,
+        max_read_bytes: int | None = None,
         client: Any = None,
     ) -> None:
         self.bucket, self.prefix = parse_gs_uri(uri)
+        self._max_read = max_read_bytes
         self._endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
         self._credentials_file = credentials_file
         self._credentials_info = dict(credentials_info) if credentials_info else None
@@ -321,9 +324,10 @@ class GcsStorage:
         """The whole object (checked against the CRC32C GCS sends with it) and its generation."""
 
         def once() -> tuple[bytes, str] | Unchanged:
-            blob = self._blob(key)
+            blob, sink = self._blob(key), CappedBuffer(self.uri_for(key), self._max_read)
             try:
-                data = blob.download_as_bytes(
+                blob.download_to_file(
+                    sink,
                     raw_download=True,
                     checksum="crc32c",
                     if_generation_not_match=not_generation,
@@ -332,7 +336,7 @@ class GcsStorage:
                 )
             except gexc.NotModified:
                 return UNCHANGED
-            return bytes(data), str(blob.generation or "")
+            return sink.getvalue(), str(blob.generation or "")
 
         try:
             with self._errors(self.uri_for(key)):

@@ -43,6 +43,7 @@ from spotguard.storage.s3_client import (
     parse_s3_uri,
     read_body,
     read_body_into,
+    read_whole,
     retrying_read,
     s3_errors,
 )
@@ -82,7 +83,9 @@ class S3Storage:
 
     Uploads carry CRC32C additional checksums (``send_checksums``), which the
     store checks on receipt and returns from :meth:`stored_checksum`; stores that
-    refuse them get plain uploads.
+    refuse them get plain uploads. ``connect_timeout``/``read_timeout`` bound
+    each request's connection and each wait for bytes; ``max_read_bytes`` the
+    whole-object reads (:meth:`read_bytes` and the like; none by default).
     """
 
     def __init__(
@@ -103,11 +106,15 @@ class S3Storage:
         read_chunk_size: int = 16 * MiB,
         addressing_style: str | None = None,
         send_checksums: bool = True,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        max_read_bytes: int | None = None,
         client: Any = None,
     ) -> None:
         from boto3.s3.transfer import TransferConfig
 
         self.bucket, self.prefix = parse_s3_uri(uri)
+        self._max_read = max_read_bytes
         self._read_chunk = read_chunk_size
         self._concurrency = max_concurrency
         self._conditional = True
@@ -126,6 +133,8 @@ class S3Storage:
                 max_attempts=max_attempts,
                 max_pool_connections=max_pool_connections,
                 addressing_style=addressing_style,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
             )
         self.client = client
         self._transfer_config = TransferConfig(
@@ -210,7 +219,7 @@ class S3Storage:
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
         def once() -> tuple[bytes, str]:
             obj = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-            return obj["Body"].read(), str(obj["ETag"])
+            return read_whole(obj, self._max_read, self.uri_for(key)), str(obj["ETag"])
 
         try:
             with self._errors(self.uri_for(key)):
@@ -242,7 +251,7 @@ class S3Storage:
             if etag is not None and tag == etag:
                 obj["Body"].close()
                 return UNCHANGED
-            return obj["Body"].read(), tag
+            return read_whole(obj, self._max_read, self.uri_for(key)), tag
 
         try:
             with self._errors(self.uri_for(key)):

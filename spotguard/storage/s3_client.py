@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from spotguard.storage.base import CredentialsError, NotFoundError, PreconditionFailedError, StorageError
+from spotguard.storage.base import CredentialsError, NotFoundError, PreconditionFailedError, StorageError, too_large
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -71,6 +71,8 @@ def make_client(
     max_attempts: int | None,
     max_pool_connections: int,
     addressing_style: str | None,
+    connect_timeout: float = 10.0,
+    read_timeout: float = 120.0,
 ) -> Any:
     """A boto3 S3 client with spotguard's settings (see :class:`~spotguard.storage.s3.S3Storage`)."""
     import boto3
@@ -91,8 +93,8 @@ def make_client(
     config = Config(
         retries={"mode": "standard", "max_attempts": max_attempts},
         max_pool_connections=max_pool_connections,
-        connect_timeout=10,
-        read_timeout=120,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
         # spotguard checks every byte end to end with the manifest's
         # checksums; skip botocore's second checksum pass.
         request_checksum_calculation="when_required",
@@ -154,6 +156,33 @@ def read_body(body: Any, want: int) -> bytes:
     data: bytes = body.read()
     if len(data) != want:
         raise IncompleteReadError(actual_bytes=len(data), expected_bytes=want)
+    return data
+
+
+def read_whole(obj: Any, limit: int | None, what: str) -> bytes:
+    """The body of a ``GetObject`` answer, whole; with ``limit``, at most that many bytes.
+
+    A body the store announces larger is refused before a byte of it is read;
+    one that runs on past what it announced stops at ``limit + 1`` bytes
+    (:class:`~spotguard.storage.base.ObjectTooLargeError` either way). One
+    shorter than announced raises botocore's ``IncompleteReadError`` (retried).
+    """
+    from botocore.exceptions import IncompleteReadError
+
+    body = obj["Body"]
+    if limit is None:
+        data: bytes = body.read()
+        return data
+    announced = obj.get("ContentLength")
+    if announced is not None and int(announced) > limit:
+        body.close()
+        raise too_large(what, int(announced), limit)
+    data = body.read(limit + 1)
+    if len(data) > limit:
+        body.close()
+        raise too_large(what, None, limit)
+    if announced is not None and len(data) != int(announced):
+        raise IncompleteReadError(actual_bytes=len(data), expected_bytes=int(announced))
     return data
 
 
