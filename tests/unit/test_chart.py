@@ -297,8 +297,8 @@ def test_namespaces_crds_and_metrics_switches() -> None:
     assert "--namespace=ml" in cmd and "--namespace=research" in cmd and "--all-namespaces" not in cmd
     assert "--metrics-port=0" in cmd
     assert "annotations" not in one(docs, "CustomResourceDefinition")["metadata"]
-    # The Service stays for the notice relay.
-    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["notices"]
+    # The Service stays for the notice relay (and the webhook, on by default).
+    assert [p["name"] for p in one(docs, "Service")["spec"]["ports"]] == ["webhook", "notices"]
     assert by_kind(render("crds.enabled=false"), "CustomResourceDefinition") == []
 
 
@@ -383,7 +383,11 @@ def test_two_renders_are_byte_identical() -> None:
         first, second = helm(*args).stdout, helm(*args).stdout
         assert first == second, sets
         # No certificate, key or CA of any kind (the operator or cert-manager provides them).
-        assert "\nkind: Secret\n" not in first and "caBundle" not in first, sets
+        docs = [d for d in yaml.safe_load_all(first) if d]
+        assert not by_kind(docs, "Secret"), sets
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            for config in by_kind(docs, kind):
+                assert all("caBundle" not in hook["clientConfig"] for hook in config["webhooks"]), sets
 
 
 def test_the_certificate_keeper_is_granted_what_it_calls() -> None:
@@ -439,14 +443,14 @@ def test_several_replicas_elect_a_leader_with_a_lease() -> None:
     assert not by_kind(docs, "ClusterKopfPeering")
     assert rules(docs) == EXPECTED_RULES
     # The Lease's Role, in the release's namespace only, bound to the operator's account.
-    (role,) = by_kind(docs, "Role")
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] != CERT_ROLE]
     assert role["metadata"] == {
         **role["metadata"],
         "name": "rel-spotguard-leader-election",
         "namespace": "spotguard-system",
     }
     assert role["rules"] == LEADER_RULES
-    (binding,) = by_kind(docs, "RoleBinding")
+    (binding,) = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] != CERT_ROLE]
     assert binding["metadata"]["namespace"] == "spotguard-system"
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -457,7 +461,11 @@ def test_several_replicas_elect_a_leader_with_a_lease() -> None:
     # Also when only some namespaces are watched: the Lease stays in the operator's own.
     docs = render("replicaCount=3", "operator.watchNamespaces={ml}")
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
-    assert roles == {("ml", "rel-spotguard"), ("spotguard-system", "rel-spotguard-leader-election")}
+    assert roles == {
+        ("ml", "rel-spotguard"),
+        ("spotguard-system", "rel-spotguard-leader-election"),
+        ("spotguard-system", CERT_ROLE),
+    }
     assert by_kind(render("replicaCount=2", "rbac.create=false"), "Role") == []
 
 
@@ -492,7 +500,7 @@ def test_leader_election_is_granted_what_it_calls() -> None:
     # Each API call of the election needs one of these verbs on the one Lease (or create).
     source = (ROOT / "spotguard" / "operator" / "leader.py").read_text()
     calls = {"read_namespaced_lease": "get", "replace_namespaced_lease": "update", "create_namespaced_lease": "create"}
-    (role,) = by_kind(render("replicaCount=2"), "Role")
+    (role,) = [r for r in by_kind(render("replicaCount=2"), "Role") if r["metadata"]["name"] != CERT_ROLE]
     for call, verb in calls.items():
         assert call in source, f"{call} no longer used: update this table"
         assert any(verb in r["verbs"] for r in role["rules"]), call
