@@ -1,20 +1,32 @@
 """Static inspection of pickles (legacy ``torch.save`` files) without running them.
 
-spotguard itself never writes pickles. A checkpoint may still carry a legacy
+spotguard itself never writes pickles. A checkpoint may still carry a
 ``.pt`` file; before it is handed to ``torch.load(weights_only=True)`` the
 pickle's opcodes are inspected and any import outside a small allow-list of
 tensor-rebuilding functions is reported, so a checkpoint "whose pickle would
 run code" is named and refused. The same scan accepts the metadata of
 ``torch.distributed.checkpoint`` (``.metadata``), whose pickle holds only
 DCP's plain data classes (:data:`DCP_METADATA_GLOBALS`).
+
+Every pickle a loader would unpickle is scanned, not only the first: a zip
+archive (``torch.save``'s format) has one per ``*.pkl`` member; a legacy
+``torch.save`` file (``_use_new_zipfile_serialization=False``) is five
+pickles back to back (magic number, protocol version, system info, the
+object, the storage keys) followed by raw storage bytes, and the object's
+pickle is the one that matters. Any other file must be exactly one pickle:
+bytes after it are refused, since torch would read on past it if the first
+pickle merely computed the legacy magic number. torch's older tar format is
+refused outright (torch tries it before anything else).
 """
 
 from __future__ import annotations
 
 import io
 import pickletools
+import tarfile
 import zipfile
-from typing import BinaryIO
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin")
 
@@ -100,6 +112,12 @@ _STRING_OPS = {
 }
 
 
+#: What the first pickle of a legacy (non-zip) ``torch.save`` file holds (torch's ``MAGIC_NUMBER``).
+LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+#: The pickles of a legacy ``torch.save`` file, in order (raw storage bytes follow the last one).
+LEGACY_PICKLES = ("magic number", "protocol version", "system info", "object", "storage keys")
+
+
 class UnsafePickleError(ValueError):
     """A pickle would import or call something other than tensor rebuilding."""
 
@@ -110,10 +128,22 @@ def _is_safe(module: str, name: str) -> bool:
     return module == "torch" and (name.endswith(_SAFE_TORCH_SUFFIXES) or name in _TORCH_DTYPES)
 
 
+def _read_ops(stream: BinaryIO) -> list[tuple[Any, Any, int | None]]:
+    """The opcodes of the pickle at ``stream``'s position, which is left just after its STOP."""
+    try:
+        return list(pickletools.genops(stream))
+    except Exception as exc:  # noqa: BLE001 - a malformed pickle may raise anything; each means refused
+        raise UnsafePickleError(f"malformed pickle ({exc})") from None
+
+
 def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
-    """Every ``module.name`` the pickle would import; ``("?", "?")`` when one
+    """Every ``module.name`` the (first) pickle would import; ``("?", "?")`` when one
     cannot be determined statically. Raises :class:`UnsafePickleError` on a
     malformed pickle."""
+    return _globals_of(_read_ops(io.BytesIO(data) if isinstance(data, bytes) else data))
+
+
+def _globals_of(ops: list[tuple[Any, Any, int | None]]) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     # What each value-producing opcode pushed, when it is a known string
     # (None otherwise); STACK_GLOBAL takes the last two. The memo maps each
@@ -123,10 +153,6 @@ def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
     # makes a STACK_GLOBAL unknown, which is refused.
     pushed: list[str | None] = []
     memo: dict[int, str | None] = {}
-    try:
-        ops = list(pickletools.genops(io.BytesIO(data) if isinstance(data, bytes) else data))
-    except Exception as exc:  # noqa: BLE001 - a malformed pickle may raise anything; each means refused
-        raise UnsafePickleError(f"malformed pickle ({exc})") from None
     for op, arg, _pos in ops:
         name = op.name
         if name in ("GLOBAL", "INST"):
@@ -153,9 +179,25 @@ def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
     return found
 
 
-def _pickle_in(data: bytes | BinaryIO) -> list[tuple[str, bytes | BinaryIO]]:
-    """The pickle streams in a file: the file itself, or ``*.pkl`` members of a
-    torch zip archive."""
+def _is_legacy_magic(ops: list[tuple[Any, Any, int | None]]) -> bool:
+    """Whether a pickle's opcodes are the legacy magic number, written as a literal (whatever the protocol)."""
+    values = [(op, arg) for op, arg, _pos in ops if op.name not in ("PROTO", "FRAME", "STOP")]
+    return len(values) == 1 and isinstance(values[0][1], int) and values[0][1] == LEGACY_MAGIC_NUMBER
+
+
+def _is_tar(f: BinaryIO) -> bool:
+    f.seek(0)
+    try:
+        with tarfile.open(fileobj=f, mode="r:"):
+            return True
+    except tarfile.TarError:
+        return False
+    finally:
+        f.seek(0)
+
+
+def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """``(where, imports)`` for every pickle a loader would unpickle from a file (see the module's doc)."""
     f = io.BytesIO(data) if isinstance(data, bytes) else data
     f.seek(0)
     head = f.read(4)
@@ -163,18 +205,34 @@ def _pickle_in(data: bytes | BinaryIO) -> list[tuple[str, bytes | BinaryIO]]:
     if head == b"PK\x03\x04":
         try:
             with zipfile.ZipFile(f) as zf:
-                return [(n, zf.read(n)) for n in zf.namelist() if n.endswith(".pkl")]
+                members = [(n, zf.read(n)) for n in zf.namelist() if n.endswith(".pkl")]
         except zipfile.BadZipFile as exc:
             raise UnsafePickleError(f"malformed zip archive ({exc})") from None
-    return [("", f)]
+        for name, member in members:
+            yield f" in {name}", _globals_of(_read_ops(io.BytesIO(member)))
+        return
+    if _is_tar(f):
+        raise UnsafePickleError("a tar archive (torch's oldest format, which loads more than one pickle)")
+    first = _read_ops(f)
+    if not _is_legacy_magic(first):
+        yield "", _globals_of(first)
+        if f.read(1):
+            raise UnsafePickleError("data after the pickle (a loader could read on past it)")
+        return
+    for what in LEGACY_PICKLES[1:]:
+        try:
+            ops = _read_ops(f)
+        except UnsafePickleError as exc:
+            raise UnsafePickleError(f"legacy torch.save file, {what} pickle: {exc}") from None
+        yield f" in the legacy torch.save file's {what}", _globals_of(ops)
 
 
 def check_pickle_safe(data: bytes | BinaryIO) -> None:
     """Raise :class:`UnsafePickleError` naming the first import that would run
-    code; return quietly for a pickle of tensors and plain containers."""
-    for member, stream in _pickle_in(data):
-        where = f" in {member}" if member else ""
-        for module, attr in pickle_globals(stream):
+    code; return quietly for pickles of tensors and plain containers (every
+    pickle of the file: see the module's doc)."""
+    for where, imports in _scanned(data):
+        for module, attr in imports:
             if not _is_safe(module, attr):
                 target = "an unknown callable" if module == "?" else f"{module}.{attr}"
                 raise UnsafePickleError(f"pickle{where} would import {target}, which can run code")
