@@ -160,6 +160,12 @@ TRACK_WRITES = _var(
     "tell unchanged CPU tensors by the kernel's write tracking, without reading them (false: compare every tensor)",
 )
 RUN_ID = _var("RUN_ID", str, None, "marks the processes of one spotguard run, so that a later start can kill them")
+PASS_CREDENTIALS = _var(
+    "PASS_CREDENTIALS",
+    bool,
+    False,
+    "spotguard run: hand the command the cloud credential variables and SPOTGUARD_STORAGE_URI (default: strip them)",
+)
 
 # Early preemption notices (the sidecar and spotguard run).
 NOTICES = _var("NOTICES", str, "", "notice sources to poll, comma-separated from aws,gce,azure,k8s")

@@ -64,11 +64,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
     p.add_argument("--job", default=cli_default(env.JOB) or "", help="job name for metrics/logs")
+    # The environment's value stays a string here: _run checks it (env.option_or_env).
     p.add_argument(
         "--pass-credentials",
-        action="store_true",
-        help="hand the command the storage credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-        "AWS_SESSION_TOKEN, ...) and SPOTGUARD_STORAGE_URI; by default it gets neither, as "
+        action=argparse.BooleanOptionalAction,
+        default=cli_default(env.PASS_CREDENTIALS),
+        help="hand the command the cloud credential variables (AWS_ACCESS_KEY_ID, AWS_PROFILE, "
+        "AWS_WEB_IDENTITY_TOKEN_FILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_CLIENT_SECRET, ...) and "
+        f"SPOTGUARD_STORAGE_URI (env {env.PASS_CREDENTIALS.name}); by default it gets none of them, as "
         "spotguard run restores and uploads for it",
     )
     add_notice_args(p)
@@ -115,6 +118,7 @@ def _run(args: argparse.Namespace) -> int:
         incremental = incremental_from_args(args)
         notice_stops_training = notice_stops_training_from_args(args)
         sources = notice_sources(args)
+        pass_credentials = env.option_or_env(env.PASS_CREDENTIALS, args.pass_credentials)
     except ValueError as exc:
         error(str(exc))
         return EXIT_USAGE
@@ -137,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         notice_interval_seconds=args.notice_interval,
         notice_stops_training=notice_stops_training,
         incremental=incremental,
-        pass_credentials=args.pass_credentials,
+        pass_credentials=pass_credentials,
         memory_staging=args.memory_staging,
         staging_reserve=args.staging_reserve,
     )

@@ -38,13 +38,14 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from spotguard.contract import env as envvars
 from spotguard.contract.control import CheckpointRequest, ControlChannel
+from spotguard.run.credentials import is_credential, without_credentials
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
 from spotguard.sidecar.service import AgentConfig, CheckpointAgent, SignalLatch
@@ -61,15 +62,6 @@ EXIT_USAGE = 2
 EXIT_EMERGENCY_FAILED = 3
 LOCK_FILE = "supervisor.lock"
 CHILD_FILE = "child.json"
-# The variables whose values are storage credentials (read by the S3 client
-# from the environment). The command gets them only with --pass-credentials.
-STORAGE_CREDENTIAL_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_CONTAINER_AUTHORIZATION_TOKEN",
-)
 # torchrun forwards SIGTERM to its workers and SIGKILLs them after this many
 # seconds (30 by default); ``spotguard run`` sets it to the grace period.
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -107,7 +99,7 @@ class RunConfig:
     notice_stops_training: bool = False
     # Upload only the chunks storage does not hold yet (the sidecar's --incremental).
     incremental: bool = False
-    # Hand the command the storage credentials and SPOTGUARD_STORAGE_URI.
+    # Hand the command the cloud credentials and SPOTGUARD_STORAGE_URI (see spotguard.run.credentials).
     pass_credentials: bool = False
     # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.staged).
     memory_staging: bool = True
@@ -147,12 +139,6 @@ def memory_staging_dir(workdir: Path, shm: Path = SHM) -> Path | None:
         return None
     key = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:16]
     return shm / f"spotguard-{key}"
-
-
-def without_storage_credentials(env: Mapping[str, str]) -> dict[str, str]:
-    """Pure: ``env`` without the storage credentials and the storage URI."""
-    drop = {*STORAGE_CREDENTIAL_ENV, envvars.STORAGE_URI.name}
-    return {k: v for k, v in env.items() if k not in drop}
 
 
 def backoff_delay(restart: int, initial: float, maximum: float) -> float:
@@ -243,6 +229,7 @@ class Supervisor:
         # the supervisor's own loop may be inside a slow storage call then.
         self.latch = SignalLatch(on_signal=lambda _source: self._forward_once())
         self._forwarded = False
+        self._told_withheld = False
         agent_config = AgentConfig(
             checkpoint_dir=config.checkpoint_dir,
             control_dir=config.control_dir,
@@ -406,8 +393,8 @@ class Supervisor:
     def child_env(self) -> dict[str, str]:
         """The Checkpointer's environment for the command.
 
-        Without ``pass_credentials`` the command gets neither the storage
-        credentials nor the storage URI: the supervisor staged the checkpoint
+        Without ``pass_credentials`` the command gets neither the cloud
+        credentials (:func:`is_credential`) nor the storage URI: the supervisor staged the checkpoint
         to resume from before the start and ships what the command commits,
         so the trainer never needs storage (as in a pod, where only the
         restore init container and the sidecar get them).
@@ -428,7 +415,11 @@ class Supervisor:
             if self.config.staging_reserve:
                 env[envvars.STAGING_RESERVE.name] = envvars.to_env(envvars.STAGING_RESERVE, True)
         if not self.config.pass_credentials:
-            env = without_storage_credentials(env)
+            withheld = sorted(k for k in env if is_credential(k))
+            if withheld and not self._told_withheld:
+                self._told_withheld = True  # names only, never values; once per run
+                log.info("the command does not get %s (--pass-credentials hands them on)", ", ".join(withheld))
+            env = without_credentials(env)
         # Under torchrun the workers must get the whole grace period for their
         # emergency checkpoint; the supervisor kills them at its own deadline.
         env.setdefault(TORCHRUN_SHUTDOWN_ENV, str(max(1, math.ceil(self.config.grace_seconds))))

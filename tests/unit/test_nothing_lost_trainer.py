@@ -76,31 +76,66 @@ def test_a_refused_checkpoint_gets_a_name_no_listing_takes_for_a_checkpoint() ->
     assert not name.startswith(".tmp-")  # never swept away as a leftover
 
 
-def test_run_strips_the_storage_credentials_from_the_commands_environment() -> None:
-    from spotguard.run.supervisor import STORAGE_CREDENTIAL_ENV, without_storage_credentials
+def test_run_strips_the_cloud_credentials_from_the_commands_environment() -> None:
+    from spotguard.run.credentials import CREDENTIAL_ENV, is_credential, without_credentials
 
-    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"} <= set(STORAGE_CREDENTIAL_ENV)
+    named = {  # the static keys, and what points at credentials elsewhere: files, profiles, endpoints
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_PROFILE",
+        "AWS_ROLE_ARN",
+        "CLOUDSDK_AUTH_ACCESS_TOKEN_FILE",
+        "AZURE_CLIENT_SECRET",
+        "AZURE_FEDERATED_TOKEN_FILE",
+        "AZURE_STORAGE_ACCOUNT_KEY",
+    }
+    assert named <= CREDENTIAL_ENV
+    # Kin the list does not name: a cloud's prefix and a secret's word.
+    assert is_credential("GOOGLE_API_KEY") and is_credential("AWS_SOME_NEW_TOKEN_FILE")
     env = {
-        "AWS_ACCESS_KEY_ID": "k",
-        "AWS_SECRET_ACCESS_KEY": "s",
-        "AWS_SESSION_TOKEN": "t",
+        **dict.fromkeys(named, "secret"),
         "SPOTGUARD_STORAGE_URI": "s3://b/p",
         "AWS_ENDPOINT_URL_S3": "http://e",
         "AWS_DEFAULT_REGION": "r",
+        "AWS_CA_BUNDLE": "/etc/ca.pem",
+        "GOOGLE_CLOUD_PROJECT": "p",
         "PATH": "/bin",
     }
-    assert without_storage_credentials(env) == {
+    assert without_credentials(env) == {  # where the store is, and everything else, stays
         "AWS_ENDPOINT_URL_S3": "http://e",
         "AWS_DEFAULT_REGION": "r",
+        "AWS_CA_BUNDLE": "/etc/ca.pem",
+        "GOOGLE_CLOUD_PROJECT": "p",
         "PATH": "/bin",
     }
-    assert env["AWS_SECRET_ACCESS_KEY"] == "s"  # the caller's mapping is left alone
+    assert env["AWS_SECRET_ACCESS_KEY"] == "secret"  # the caller's mapping is left alone
 
 
-def test_run_passes_the_credentials_only_when_asked() -> None:
+@pytest.mark.parametrize(
+    ("argv", "environ", "passed"),
+    [
+        ([], {}, False),
+        (["--pass-credentials"], {}, True),
+        ([], {"SPOTGUARD_PASS_CREDENTIALS": "yes"}, True),
+        (["--no-pass-credentials"], {"SPOTGUARD_PASS_CREDENTIALS": "1"}, False),
+    ],
+)
+def test_run_passes_the_credentials_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], environ: dict[str, str], passed: bool
+) -> None:
+    from spotguard.contract import env
     from spotguard.run import cli
 
+    monkeypatch.delenv(env.PASS_CREDENTIALS.name, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
     p = argparse.ArgumentParser(prog="spotguard")
     cli.register(p.add_subparsers(dest="command"))
-    assert p.parse_args(["run", "--", "true"]).pass_credentials is False
-    assert p.parse_args(["run", "--pass-credentials", "--", "true"]).pass_credentials is True
+    option = p.parse_args(["run", *argv, "--", "true"]).pass_credentials
+    assert env.option_or_env(env.PASS_CREDENTIALS, option) is passed
