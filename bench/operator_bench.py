@@ -206,7 +206,10 @@ def bench_operator(ctx: Any) -> Section:
         return out
 
     op = OperatorProcess(
-        ["-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off", "--checkpoint-poll-seconds", poll],
+        [
+            *("-n", ns, "--image", "spotguard:bench", "--native-sidecar", "off", "--checkpoint-poll-seconds", poll),
+            *("--allowed-endpoints", "127.0.0.1"),  # the store of the test world
+        ],
         env=kube.env(),
         log_path=ctx.work / "operator-bench.log",
     ).start()

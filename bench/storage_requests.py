@@ -162,7 +162,9 @@ def _probe(store: Any, root: str, jobs: list[str], clock: Clock, full_read_secon
             },
             "status": {"phase": "Running"},
         }
-    return CheckpointProbe(ctx, workers=1, full_read_seconds=full_read_seconds, clock=clock)
+    return CheckpointProbe(
+        ctx, workers=1, full_read_seconds=full_read_seconds, allowed_endpoints=("127.0.0.1",), clock=clock
+    )
 
 
 def _requests(probe: Any) -> float:

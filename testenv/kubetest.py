@@ -205,9 +205,11 @@ def operator_process(
     """The operator watching ``namespace`` with classic sidecars, not started yet.
 
     ``resync_seconds`` None leaves the operator's default; ``poll_seconds`` is
-    how often it reads each job's newest verified checkpoint.
+    how often it reads each job's newest verified checkpoint. Every store of
+    the test world listens on 127.0.0.1: the operator may connect there
+    (``extra_args`` may say ``--allowed-endpoints`` again, the last one counts).
     """
-    args = ["-n", namespace, "--image", image, "--native-sidecar", "off"]
+    args = ["-n", namespace, "--image", image, "--native-sidecar", "off", "--allowed-endpoints", "127.0.0.1"]
     if resync_seconds is not None:
         args += ["--resync-seconds", f"{resync_seconds:g}"]
     args += ["--checkpoint-poll-seconds", f"{poll_seconds:g}", *extra_args]

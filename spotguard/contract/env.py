@@ -216,6 +216,27 @@ TESTENV_RUN = _var("TESTENV_RUN", str, None, "the test environment's run marker 
 REGISTRY: dict[str, Var[Any, Any]] = {v.name: v for v in list(globals().values()) if isinstance(v, Var)}
 
 
+ALLOWED_ENDPOINTS = _var(
+    "ALLOWED_ENDPOINTS",
+    str,
+    "",
+    "storage endpoints (HOST[:PORT] patterns, comma-separated) the operator may read a job's checkpoints from,"
+    " besides the cloud's own (empty: the cloud's own only)",
+)
+CHECKPOINT_READ_TIMEOUT_SECONDS = _var(
+    "CHECKPOINT_READ_TIMEOUT_SECONDS",
+    float,
+    60.0,
+    "how long one read of a job's checkpoints may take before the job is told its store is too slow",
+    "positive",
+)
+CHECKPOINT_MAX_OBJECT_BYTES = _var(
+    "CHECKPOINT_MAX_OBJECT_BYTES",
+    int,
+    16 << 20,
+    "the largest latest pointer or manifest the operator reads from a job's store",
+    "positive",
+)
 # -- parsing and rendering ------------------------------------------------------------
 
 

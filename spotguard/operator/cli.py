@@ -206,6 +206,31 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.webhook and args.webhook_cert_secret:
         problem = cert_secret_problem(args)
         if problem:
+    p.add_argument(
+        "--allowed-endpoints",
+        default=cli_default(env.ALLOWED_ENDPOINTS),
+        metavar="HOST[:PORT],...",
+        help="storage endpoints a TrainingJob may name (spec.checkpoint.endpoint, its Secret's AWS_ENDPOINT_URL)"
+        " that the operator connects to with the job's credentials; '*' is one DNS label, or alone every"
+        " endpoint. The cloud's own (AWS S3, Google Cloud Storage, over HTTPS) and a job that names none are"
+        " always allowed; default: those only (env SPOTGUARD_ALLOWED_ENDPOINTS)",
+    )
+    p.add_argument(
+        "--checkpoint-read-timeout-seconds",
+        type=float,
+        default=cli_default(env.CHECKPOINT_READ_TIMEOUT_SECONDS),
+        metavar="SECONDS",
+        help="how long one read of a job's checkpoints may take; past it the job gets CheckpointsReadable=False"
+        " (StoreTooSlow) and other jobs go on (default 60, env SPOTGUARD_CHECKPOINT_READ_TIMEOUT_SECONDS)",
+    )
+    p.add_argument(
+        "--checkpoint-max-object-bytes",
+        type=int,
+        default=cli_default(env.CHECKPOINT_MAX_OBJECT_BYTES),
+        metavar="BYTES",
+        help="the largest latest pointer or manifest the operator reads; a larger one is refused"
+        " (default 16 MiB, env SPOTGUARD_CHECKPOINT_MAX_OBJECT_BYTES)",
+    )
             print(f"spotguard operator: {problem}", file=sys.stderr)
             return 2
         if not (args.webhook_cert and args.webhook_key):
@@ -263,6 +288,20 @@ def run_operator(args: argparse.Namespace) -> int:
     if overlaps_nodeports(*host_port_range):
         print(
             f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
+    from spotguard.operator.endpoints import parse_patterns
+
+    try:
+        allowed_endpoints = parse_patterns(args.allowed_endpoints or "")
+    except ValueError as exc:
+        print(f"spotguard operator: --allowed-endpoints: {exc}", file=sys.stderr)
+        return 2
+    if args.checkpoint_read_timeout_seconds <= 0 or args.checkpoint_max_object_bytes <= 0:
+        print(
+            "spotguard operator: --checkpoint-read-timeout-seconds and --checkpoint-max-object-bytes must be"
+            " more than 0",
+            file=sys.stderr,
+        )
+        return 2
             f" default NodePort range {format_range(NODEPORT_RANGE)}",
             file=sys.stderr,
         )
@@ -312,6 +351,9 @@ def run_operator(args: argparse.Namespace) -> int:
         webhook_cert_days=args.webhook_cert_days,
         metrics=metrics,
     )
+        allowed_endpoints=allowed_endpoints,
+        checkpoint_read_timeout_seconds=args.checkpoint_read_timeout_seconds,
+        checkpoint_max_object_bytes=args.checkpoint_max_object_bytes,
     election = None
     if args.leader_elect:
         namespace = args.leader_elect_resource_namespace or own_namespace()

@@ -48,7 +48,7 @@ from spotguard.operator.podbuilder import (
     OperatorConfig,
     server_supports_native_sidecars,
 )
-from spotguard.operator.probe import CheckpointProbe
+from spotguard.operator.probe import MAX_OBJECT_BYTES, READ_TIMEOUT_SECONDS, CheckpointProbe
 from spotguard.operator.probes import Health, ProbeServer
 from spotguard.operator.spec import GROUP, PLURAL, VERSION
 from spotguard.operator.webhookcert import CertificateKeeper, host_names
@@ -76,6 +76,11 @@ class OperatorOptions:
     probe_workers: int = 4
     #: How often the probe reads a job's checkpoints in full although its ``latest`` pointer is unchanged (0: always).
     checkpoint_full_read_seconds: float = 1800.0
+    #: Endpoints (HOST[:PORT] patterns) a job's store may be at besides the cloud's own; see ``endpoints.py``.
+    allowed_endpoints: tuple[str, ...] = ()
+    #: How long one read of a job's checkpoints may take, and the largest pointer or manifest it reads.
+    checkpoint_read_timeout_seconds: float = READ_TIMEOUT_SECONDS
+    checkpoint_max_object_bytes: int = MAX_OBJECT_BYTES
     #: Host ports handed to jobs with hostNetwork (first, last).
     host_port_range: tuple[int, int] = DEFAULT_HOST_PORT_RANGE
     #: The notice relay's URL the sidecars of jobs with the k8s source poll (None: they read their pod directly).
@@ -292,7 +297,14 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
             fence=options.fence,
         )
         probe = (
-            CheckpointProbe(ctx, workers=options.probe_workers, full_read_seconds=options.checkpoint_full_read_seconds)
+            CheckpointProbe(
+                ctx,
+                workers=options.probe_workers,
+                full_read_seconds=options.checkpoint_full_read_seconds,
+                allowed_endpoints=options.allowed_endpoints,
+                read_timeout=options.checkpoint_read_timeout_seconds,
+                max_object_bytes=options.checkpoint_max_object_bytes,
+            )
             if options.read_checkpoints
             else None
         )

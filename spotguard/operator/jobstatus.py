@@ -16,7 +16,7 @@ Pure, like its neighbours: ``decide.py`` (the entry and the one-pod attempt),
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, Literal
 
@@ -46,6 +46,8 @@ COND_BLOCKED = "PodBlocked"
 COND_SIDECAR = "SidecarHealthy"
 #: The last attempt's trainer could not write a checkpoint: its staging volume was full.
 COND_STAGING_FULL = "StagingFull"
+#: The operator reads the job's checkpoints for its status; set once a read failed.
+COND_CHECKPOINTS_READABLE = "CheckpointsReadable"
 
 # Reasons (conditions and Events)
 R_INVALID_SPEC = "InvalidSpec"
@@ -70,6 +72,12 @@ R_SIDECAR_EXITED = SIDECAR_EXITED
 R_SIDECAR_RUNNING = "SidecarRunning"
 R_STAGING_FULL = "StagingFull"
 R_STAGING_HAD_ROOM = "StagingHadRoom"
+# Why the operator cannot read a job's checkpoints (CheckpointsReadable), and that it can again.
+R_ENDPOINT_NOT_ALLOWED = "EndpointNotAllowed"
+R_STORE_TOO_SLOW = "StoreTooSlow"
+R_OBJECT_TOO_LARGE = "StoredObjectTooLarge"
+R_STORAGE_UNREADABLE = "StorageUnreadable"
+R_CHECKPOINTS_READ = "CheckpointsRead"
 
 #: How long a pod may wait for a node before the job says so (a cluster
 #: autoscaler often needs a few minutes to add a GPU node).
@@ -306,6 +314,37 @@ def sidecar_up(d: Draft, message: str) -> None:
     if condition_is(d.st, COND_SIDECAR, False):
         d.cond(COND_SIDECAR, True, R_SIDECAR_RUNNING, message)
         d.events.append(Event("Normal", R_SIDECAR_RUNNING, message))
+
+
+def note_checkpoint_reads(
+    decision: Decision, problem: tuple[str, str] | None, now: datetime, generation: int | None
+) -> Decision:
+    """``decision`` with CheckpointsReadable set from the storage probe's last read.
+
+    ``problem`` is ``(reason, message)`` while the operator cannot read the
+    job's checkpoints: the condition is False, with a Warning Event when it
+    turns False or its reason changes (not at every look). None once a read
+    succeeds: True again, with a Normal Event, where it was False; a job
+    whose reads never failed gets no such condition.
+    """
+    before = condition(decision.status, COND_CHECKPOINTS_READABLE) or {}
+    if problem is None and before.get("status") != "False":
+        return decision
+    if problem is not None and before.get("status") == "False" and before.get("message") == problem[1]:
+        return decision
+    status = dict(decision.status)
+    status["conditions"] = [dict(c) for c in status.get("conditions") or []]
+    d = Draft("", status, now, generation)
+    if problem is None:
+        message = "the operator reads this job's checkpoints again"
+        d.cond(COND_CHECKPOINTS_READABLE, True, R_CHECKPOINTS_READ, message)
+        d.events.append(Event("Normal", R_CHECKPOINTS_READ, message))
+    else:
+        reason, message = problem
+        if before.get("status") != "False" or before.get("reason") != reason:
+            d.events.append(Event("Warning", reason, message))
+        d.cond(COND_CHECKPOINTS_READABLE, False, reason, message)
+    return replace(decision, status=status, events=decision.events + tuple(d.events))
 
 
 def changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:

@@ -92,6 +92,8 @@ class Context:
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
     #: Each job as the last reconcile read it (the storage probe reads its spec from here).
     jobs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    #: Why the storage probe cannot read a job's checkpoints now: (reason, message); the reconcile reports it.
+    storage_problems: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     #: Namespaces served (empty: all); the jobs whose host ports are taken are listed there.
     namespaces: tuple[str, ...] = ()
     #: Host ports handed to hostNetwork jobs (first, last).

@@ -89,7 +89,7 @@ class OperatorMetrics:
         self.jobs = Gauge("spotguard_jobs", "TrainingJobs by phase.", ["phase"], registry=self.registry)
         self.storage_reads = Counter(
             "spotguard_operator_storage_reads_total",
-            "Reads of a job's storage for its newest verified checkpoint, by result (ok, error).",
+            "Reads of a job's storage for its newest verified checkpoint, by result (ok, error, timeout).",
             ["result"],
             registry=self.registry,
         )

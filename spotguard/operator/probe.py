@@ -23,7 +23,15 @@ store can be slow, paused or gone for minutes. So the probe
   (or after a few failed tries), and forgets a deleted job's client, error and
   cache entry;
 * is not created at all when the operator may not read checkpoints
-  (``--no-read-checkpoints``): then no Secret and no store is ever read.
+  (``--no-read-checkpoints``): then no Secret and no store is ever read;
+* bounds what one job's store can cost: it connects only to endpoints the
+  platform allows (:mod:`spotguard.operator.endpoints`), reads at most
+  ``max_object_bytes`` of a ``latest`` pointer or manifest, and gives each
+  read ``read_timeout`` seconds from its start. A read that overruns keeps
+  its thread until the store's socket timeouts end it, and the pool gets a
+  thread in its place: the job's next read waits for it, other jobs' reads
+  do not. Each such problem becomes the job's CheckpointsReadable condition
+  (``ctx.storage_problems``, reported by the reconcile).
 
 Credentials come from the job's own Secret and never appear in a log line.
 """
@@ -40,17 +48,25 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 from spotguard.checkpoint.latest import FULL_READ_SECONDS
-from spotguard.operator.jobstatus import TERMINAL_PHASES
+from spotguard.operator import endpoints
+from spotguard.operator.jobstatus import (
+    R_ENDPOINT_NOT_ALLOWED,
+    R_OBJECT_TOO_LARGE,
+    R_STORAGE_UNREADABLE,
+    R_STORE_TOO_SLOW,
+    TERMINAL_PHASES,
+)
 from spotguard.operator.spec import TrainingJobSpec, parse
 from spotguard.operator.specfields import SpecError
 from spotguard.operator.times import format_time, parse_time
+from spotguard.storage.base import ObjectTooLargeError
 
 log = logging.getLogger("spotguard.operator")
 
@@ -66,10 +82,21 @@ FINISHED_JOB_TRIES = 5
 STORAGE_ATTEMPTS = 2
 #: How long credentials read from a Secret are reused before it is read again.
 SECRET_TTL_SECONDS = 300.0
+#: How long one read of a job's checkpoints may take, from its start (``--checkpoint-read-timeout-seconds``).
+READ_TIMEOUT_SECONDS = 60.0
+#: The largest ``latest`` pointer or manifest read (``--checkpoint-max-object-bytes``): a manifest of a
+#: checkpoint of hundreds of GB in 1 MiB chunks is a few MB.
+MAX_OBJECT_BYTES = 16 << 20
+#: How long to wait for a store's TCP connection.
+CONNECT_TIMEOUT_SECONDS = 5.0
 
 
 class ProbeError(Exception):
-    """Storage could not be read; the message has no credentials in it."""
+    """Storage could not be read; the message has no credentials in it. ``reason``: the condition's."""
+
+    def __init__(self, message: str, reason: str = R_STORAGE_UNREADABLE) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def scrub(text: str, options: Mapping[str, Any]) -> str:
@@ -105,7 +132,8 @@ class DaemonPool(Executor):
     """A fixed pool of daemon threads.
 
     Unlike ``ThreadPoolExecutor``, whose threads the interpreter joins at exit,
-    a read hung on a dead store cannot hold up the operator's shutdown.
+    a read hung on a dead store cannot hold up the operator's shutdown; and a
+    thread held by a call that overran can be stood in for (:meth:`stand_in`).
     """
 
     def __init__(self, workers: int, name: str) -> None:
@@ -113,11 +141,33 @@ class DaemonPool(Executor):
             queue.SimpleQueue()
         )
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))
-        ]
-        for t in self._threads:
-            t.start()
+        self._name = name
+        self._lock = threading.Lock()
+        self._started = 0
+        self._live = 0
+        #: Threads in a call now, and those of them to end after it (stood in for).
+        self._busy: set[int] = set()
+        self._retiring: set[int] = set()
+        for _ in range(max(1, workers)):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self._started += 1
+        self._live += 1
+        threading.Thread(target=self._work, name=f"{self._name}-{self._started}", daemon=True).start()
+
+    def stand_in(self, thread: int) -> None:
+        """A new thread in place of ``thread`` (an ident), held by a call that overran; ``thread``
+        ends when that call does. Nothing when its call already ended."""
+        with self._lock:
+            if not self._closed and thread in self._busy and thread not in self._retiring:
+                self._retiring.add(thread)
+                self._start_thread()
+
+    def threads(self) -> int:
+        """Threads started and not yet ended (the pool's size plus those stood in for)."""
+        with self._lock:
+            return self._live
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Queue ``fn(*args)``; raises ``RuntimeError`` after shutdown."""
@@ -129,17 +179,28 @@ class DaemonPool(Executor):
         return future
 
     def _work(self) -> None:
+        me = threading.get_ident()
         while True:
             item = self._queue.get()
             if item is None:
+                with self._lock:
+                    self._live -= 1
                 return
             future, fn, args = item
             if not future.set_running_or_notify_cancel():
                 continue
+            with self._lock:
+                self._busy.add(me)
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - whatever the call raised goes to whoever awaits the future
                 future.set_exception(exc)
+            with self._lock:
+                self._busy.discard(me)
+                if me in self._retiring:
+                    self._retiring.discard(me)
+                    self._live -= 1
+                    return
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking work; the threads end after their current read (never joined)."""
@@ -152,8 +213,9 @@ class DaemonPool(Executor):
                     break
                 if item is not None:
                     item[0].cancel()
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._lock:
+            for _ in range(self._live):
+                self._queue.put(None)
 
 
 @dataclass
@@ -177,7 +239,10 @@ class CheckpointProbe:
     ``ctx`` is the reconcile's :class:`~spotguard.operator.kubeapi.Context`
     (API clients, the verified cache the reconcile reads). ``full_read_seconds``:
     how often a job's checkpoints are read in full although its ``latest``
-    pointer did not change (0: at every poll). ``open_storage`` and ``clock``
+    pointer did not change (0: at every poll). ``allowed_endpoints``: the
+    patterns of the endpoints a job may name (:mod:`~spotguard.operator.endpoints`;
+    empty: the cloud's own only); ``read_timeout`` and ``max_object_bytes``
+    bound one read of a job's checkpoints. ``open_storage`` and ``clock``
     (monotonic seconds, for the full reads) are injectable for tests.
     """
 
@@ -187,12 +252,22 @@ class CheckpointProbe:
         *,
         workers: int = 4,
         full_read_seconds: float = FULL_READ_SECONDS,
+        allowed_endpoints: Sequence[str] = (),
+        read_timeout: float = READ_TIMEOUT_SECONDS,
+        max_object_bytes: int = MAX_OBJECT_BYTES,
         open_storage: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ctx = ctx
         self.pool = DaemonPool(workers, "spotguard-probe")
         self.full_read_seconds = full_read_seconds
+        self.allowed_endpoints = tuple(allowed_endpoints)
+        self.read_timeout = read_timeout
+        self.max_object_bytes = max_object_bytes
+        #: When each job's read in progress began (monotonic), for its time bound, and its thread.
+        self._reading: dict[tuple[str, str], tuple[float, int]] = {}
+        #: Jobs whose read in progress overran: its problem stands until a read succeeds.
+        self._overran: set[tuple[str, str]] = set()
         self._clock = clock
         self._open = open_storage
         self._lock = threading.Lock()
@@ -279,16 +354,17 @@ class CheckpointProbe:
             else:
                 from spotguard.storage import open_storage
 
+                bounds = self._bounds(uri)
                 if uri.startswith("s3://"):
                     connection = _digest(sorted(options.items()))
                     with self._lock:
                         shared = self._connections.get(connection)
                     if shared is not None:
-                        storage = open_storage(uri, client=shared)
+                        storage = open_storage(uri, client=shared, max_read_bytes=self.max_object_bytes)
                     else:
-                        storage = open_storage(uri, **options, max_attempts=STORAGE_ATTEMPTS)
+                        storage = open_storage(uri, **options, **bounds, max_attempts=STORAGE_ATTEMPTS)
                 else:
-                    storage = open_storage(uri, **options)
+                    storage = open_storage(uri, **options, **bounds)
             self._count_requests(storage)
             from spotguard.checkpoint import LatestWatch
 
@@ -305,6 +381,17 @@ class CheckpointProbe:
                 self._drop_unused_connections()
         self._count_clients()
         return handle
+
+    def _bounds(self, uri: str) -> dict[str, Any]:
+        """What bounds one job's store: the object size, and for a remote store each request's waits."""
+        bounds: dict[str, Any] = {"max_read_bytes": self.max_object_bytes}
+        if uri.startswith(("s3://", "gs://")):
+            # A wait for bytes well inside the read's own bound, so a silent store fails the read in time.
+            bounds["connect_timeout"] = min(CONNECT_TIMEOUT_SECONDS, self.read_timeout)
+            bounds["read_timeout"] = max(1.0, self.read_timeout / 3)
+        if uri.startswith("gs://"):
+            bounds["retry_deadline"] = self.read_timeout
+        return bounds
 
     def _count_requests(self, storage: Any) -> None:
         """Count every request the storage's S3 client sends (retries included), once per client."""
@@ -365,11 +452,14 @@ class CheckpointProbe:
                 options["endpoint_url"] = spec.checkpoint.endpoint
             if spec.checkpoint.region:
                 options["region"] = spec.checkpoint.region
+        self._check_endpoint(spec, options.get("endpoint_url"))
         uri = spec.checkpoint.job_uri(namespace, name)
         try:
             handle = self._storage((namespace, name), uri, options)
             # A finished job's last look reads everything (a pointer that lags is not trusted there).
             info, _skipped = handle.watch.poll(full=finished)
+        except ObjectTooLargeError as exc:
+            raise ProbeError(str(exc), R_OBJECT_TOO_LARGE) from None
         except Exception as exc:  # noqa: BLE001 - any storage error becomes a ProbeError, credentials scrubbed
             raise ProbeError(scrub(f"{type(exc).__name__}: {exc}", options)) from None
         if info is None:
@@ -379,16 +469,32 @@ class CheckpointProbe:
         # bytes: what a staging volume the spec gives no size is sized from (podbuilder.staging_size).
         return {"step": int(info.step), "uri": info.uri, "time": stamp, "bytes": int(info.size)}, finished
 
+    def _check_endpoint(self, spec: TrainingJobSpec, endpoint: Any) -> None:
+        """Raise unless the platform allows the job's endpoint: nothing is sent to one it does not."""
+        if not isinstance(endpoint, str) or not endpoint:
+            return
+        source = "spec.checkpoint.endpoint"
+        sec = spec.checkpoint.credentials_secret
+        if not spec.checkpoint.endpoint and sec is not None:
+            source = f"key {sec.endpoint_key} of Secret {sec.name}"
+        refused = endpoints.refusal(spec.checkpoint.storage, endpoint, self.allowed_endpoints, source)
+        if refused:
+            raise ProbeError(refused, R_ENDPOINT_NOT_ALLOWED)
+
     def probe_once(self, namespace: str, name: str) -> Outcome:
         """Read one job's storage and refresh the cache (blocking)."""
         key = (namespace, name)
         started = time.monotonic()
+        self._reading[key] = (started, threading.get_ident())
         try:
             result = self.read(namespace, name)
         except Exception as exc:  # noqa: BLE001 - any failed read is counted and reported; probing goes on
             self.ctx.metrics.storage_reads.labels("error").inc()
             self._forget_credentials(namespace, name)
             problem = probe_problem(exc)
+            if key not in self._overran:  # an overrun said more than how it ended
+                reason = exc.reason if isinstance(exc, ProbeError) else R_STORAGE_UNREADABLE
+                self.ctx.storage_problems[key] = (reason, f"the operator cannot read this job's checkpoints: {problem}")
             if self.errors.get(key) != problem:
                 self.errors[key] = problem
                 log.warning("%s/%s: cannot read its checkpoints: %s", namespace, name, problem)
@@ -398,10 +504,13 @@ class CheckpointProbe:
                     log.warning("%s/%s: finished; no longer reading its checkpoints", namespace, name)
                     return "settled"
             return "error"
+        finally:
+            self._reading.pop(key, None)
         if result is None:
             self.forget(namespace, name)
             return "gone"
         self.ctx.metrics.storage_reads.labels("ok").inc()
+        self.ctx.storage_problems.pop(key, None)
         if self.errors.pop(key, None) is not None:
             log.info("%s/%s: its checkpoints can be read again", namespace, name)
         entry, finished = result
@@ -444,6 +553,7 @@ class CheckpointProbe:
         self._count_clients()
         self.errors.pop(key, None)
         self._finished_failures.pop(key, None)
+        self.ctx.storage_problems.pop(key, None)
         self.ctx.verified.forget(namespace, name)
 
     # -- async part (the job's daemon) -------------------------------------------------
@@ -451,9 +561,14 @@ class CheckpointProbe:
     async def run(self, namespace: str, name: str, wake_job: Callable[[], None], poke: asyncio.Event) -> Outcome:
         """Poll one job until it is finished (and read) or gone; ``poke`` asks for a read now."""
         loop = asyncio.get_running_loop()
+        key = (namespace, name)
         while True:
             poke.clear()
-            outcome: Outcome = await loop.run_in_executor(self.pool, self.probe_once, namespace, name)
+            before = self.ctx.storage_problems.get(key)
+            read = loop.run_in_executor(self.pool, self.probe_once, namespace, name)
+            outcome = await self._bounded(key, read, wake_job)
+            if self.ctx.storage_problems.get(key) != before:
+                wake_job()  # the reconcile reports it (CheckpointsReadable)
             if outcome == "changed":
                 wake_job()
                 # A finished job's final checkpoint: read once more to settle.
@@ -463,6 +578,49 @@ class CheckpointProbe:
                 return outcome
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(poke.wait(), timeout=self.ctx.checkpoint_poll_seconds)
+
+    async def _bounded(
+        self, key: tuple[str, str], read: asyncio.Future[Outcome], wake_job: Callable[[], None]
+    ) -> Outcome:
+        """The read's outcome; one that runs past ``read_timeout`` (from its start, not from its wait
+        in the queue) is reported at once and given a thread in its place, then waited for: the job
+        never has two reads in flight, the other jobs keep their threads."""
+        deadline: float | None = None
+        while not read.done():
+            if deadline is None and key in self._reading:
+                deadline = self._reading[key][0] + self.read_timeout
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                self._overrun(key)
+                wake_job()
+                try:
+                    await read
+                finally:
+                    self._overran.discard(key)
+                break
+            await asyncio.wait({read}, timeout=self.read_timeout if deadline is None else deadline - now)
+        return read.result()
+
+    def _overrun(self, key: tuple[str, str]) -> None:
+        """Report a read that overran its time, and give the pool a thread in place of the one it holds."""
+        self._overran.add(key)
+        reading = self._reading.get(key)
+        if reading is not None:
+            self.pool.stand_in(reading[1])
+        self.ctx.metrics.storage_reads.labels("timeout").inc()
+        spec = (self.ctx.jobs.get(key) or {}).get("spec") or {}
+        checkpoint = spec.get("checkpoint")
+        checkpoint = checkpoint if isinstance(checkpoint, Mapping) else {}
+        where = str(checkpoint.get("storage") or "its storage")
+        endpoint = checkpoint.get("endpoint")
+        if isinstance(endpoint, str):
+            where += f" at {endpoints.endpoint_name(endpoint)}"
+        message = (
+            f"the operator cannot read this job's checkpoints: reading {where} took more than {self.read_timeout:g}s"
+            " (the store answers too slowly or not at all); it tries again, other jobs are not held up"
+        )
+        self.ctx.storage_problems[key] = (R_STORE_TOO_SLOW, message)
+        log.warning("%s/%s: %s", key[0], key[1], message)
 
     def shutdown(self) -> None:
         """Stop the pool without waiting for reads hung on a dead store."""

@@ -37,6 +37,7 @@ from spotguard.operator.jobstatus import (
     Observation,
     attempt_pods,
     condition_is,
+    note_checkpoint_reads,
     pod_name,
     status_patch,
 )
@@ -231,6 +232,7 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
     decision = decide(name, draft, spec, observation, now, generation)
     if allocated_events:
         decision = replace(decision, events=allocated_events + decision.events)
+    decision = note_checkpoint_reads(decision, ctx.storage_problems.get((namespace, name)), now, generation)
     decision = apply(ctx, job, spec, decision, now, ports)
     if decision.status.get("phase") in TERMINAL_PHASES:
         decision.status.pop(hp.STATUS_FIELD, None)  # a finished job frees its host ports

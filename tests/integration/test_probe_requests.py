@@ -48,7 +48,7 @@ def make_probe(s3_store: Any, storage: str, names: list[str], clock: Clock, **kw
         )
         job["status"] = {"phase": "Running"}
         ctx.jobs[(NS, name)] = job
-    return CheckpointProbe(ctx, workers=1, clock=clock, **kwargs)
+    return CheckpointProbe(ctx, workers=1, clock=clock, allowed_endpoints=("127.0.0.1",), **kwargs)
 
 
 def requests(probe: CheckpointProbe) -> float:
