@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from spotguard.checkpoint.global_manifest import build_global_manifest
+from spotguard.checkpoint.intents import UPLOADS_DIR
 from spotguard.checkpoint.manifest import (
     MANIFEST_NAME,
     PARTS_DIR,
@@ -226,10 +227,26 @@ def check_against_parts(storage: Storage, name: str, manifest: Manifest) -> list
     return []
 
 
+def commit_progress(storage: Storage, name: str) -> tuple[int, int, float]:
+    """What storage shows of distributed checkpoint ``name`` while a part waits
+    for the others: the objects and bytes below its prefix (other nodes' data
+    files and part manifests), and when a live upload of it last said so (its
+    intent's heartbeat, :mod:`~spotguard.checkpoint.intents`: an incremental
+    part stores its chunks elsewhere). Any change between two looks means
+    another node is still getting its part there. Storage errors propagate."""
+    count = size = 0
+    for info in storage.list_objects(f"{name}/"):
+        count += 1
+        size += info.size
+    beat = max((info.modified for info in storage.list_objects(f"{UPLOADS_DIR}/{name}.")), default=0.0)
+    return count, size, beat
+
+
 __all__ = [
     "GlobalCommit",
     "check_against_parts",
     "commit_global",
+    "commit_progress",
     "existing_commit",
     "missing_manifest_problems",
     "name_parts",

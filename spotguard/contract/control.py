@@ -15,10 +15,14 @@ The Checkpointer (trainer side) and the sidecar or ``spotguard run``
   ``{"pid", "preempted", "last_step"}``; tells an uploader that cannot see
   the trainer's process that it has exited, and why;
 - ``uploader-heartbeat.json`` (uploader, every round of its loop):
-  ``{"pid", "time", "shipping"}``; ``time`` is unix time, ``shipping`` false
-  while a checkpoint newer than the newest verified one could not be
-  shipped. A preemption's save skips the fsync of its data only while this
-  is fresh (:data:`HEARTBEAT_FRESH_SECONDS`) and says ``shipping``;
+  ``{"pid", "time", "shipping", "verified"}``; ``time`` is unix time,
+  ``shipping`` false while a checkpoint newer than the newest verified one
+  could not be shipped, ``verified`` the step of the newest checkpoint it
+  verified in storage (null: none yet; a part of a distributed checkpoint
+  only once the global commit is verified). A preemption's save skips the
+  fsync of its data only while this is fresh (:data:`HEARTBEAT_FRESH_SECONDS`)
+  and says ``shipping``; a trainer that finished waits on its way out until
+  ``verified`` reaches its last checkpoint (:mod:`~spotguard.contract.final`);
 - ``staging-full.json`` (trainer, when a save found the checkpoint volume
   full): ``{"step", "time", "free_bytes", "error"}``; the uploader passes it
   on in its report (:func:`read_staging_full`). Removed by the next commit.
@@ -179,15 +183,17 @@ def read_trainer_exit(control_dir: Path) -> TrainerExit | None:
 class UploaderHeartbeat:
     """``uploader-heartbeat.json``: the uploader's loop ran at ``time`` (unix);
     ``shipping`` is False while a checkpoint newer than the newest verified
-    one could not be shipped."""
+    one could not be shipped; ``verified`` is the newest step it verified in
+    storage (None: none yet, or an uploader that does not say)."""
 
     pid: int | None
     time: float
     shipping: bool
+    verified: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The wire form."""
-        return {"pid": self.pid, "time": self.time, "shipping": self.shipping}
+        return {"pid": self.pid, "time": self.time, "shipping": self.shipping, "verified": self.verified}
 
 
 def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
@@ -200,7 +206,13 @@ def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
         raise ValueError(f"heartbeat time {when!r} is not a number")
     if not isinstance(shipping, bool):
         raise ValueError(f"heartbeat 'shipping' {shipping!r} is not a boolean")
-    return UploaderHeartbeat(pid if isinstance(pid, int) and not isinstance(pid, bool) else None, float(when), shipping)
+    verified = doc.get("verified")
+    return UploaderHeartbeat(
+        pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+        float(when),
+        shipping,
+        verified if isinstance(verified, int) and not isinstance(verified, bool) else None,
+    )
 
 
 def heartbeat_says_shipping(
@@ -212,10 +224,10 @@ def heartbeat_says_shipping(
     return -_HEARTBEAT_SKEW_SECONDS <= now - beat.time <= max_age
 
 
-def write_heartbeat(control_dir: Path, shipping: bool, now: float | None = None) -> None:
+def write_heartbeat(control_dir: Path, shipping: bool, now: float | None = None, verified: int | None = None) -> None:
     """Refresh the uploader's heartbeat (replaced atomically; not fsynced:
     a heartbeat that does not survive a crash is one that says nothing)."""
-    beat = UploaderHeartbeat(os.getpid(), time.time() if now is None else now, shipping)
+    beat = UploaderHeartbeat(os.getpid(), time.time() if now is None else now, shipping, verified)
     control_dir.mkdir(parents=True, exist_ok=True)
     path = control_dir / HEARTBEAT_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -223,14 +235,18 @@ def write_heartbeat(control_dir: Path, shipping: bool, now: float | None = None)
     os.replace(tmp, path)
 
 
+def read_heartbeat(control_dir: Path) -> UploaderHeartbeat | None:
+    """The uploader's heartbeat in ``control_dir``, or None (absent, malformed)."""
+    try:
+        return parse_heartbeat((control_dir / HEARTBEAT_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
 def uploader_shipping(control_dir: Path, now: float | None = None) -> bool:
     """Whether an uploader's fresh heartbeat in ``control_dir`` says it is
     alive and shipping (trainer side)."""
-    try:
-        beat: UploaderHeartbeat | None = parse_heartbeat((control_dir / HEARTBEAT_FILE).read_bytes())
-    except (OSError, ValueError):
-        beat = None
-    return heartbeat_says_shipping(beat, time.time() if now is None else now)
+    return heartbeat_says_shipping(read_heartbeat(control_dir), time.time() if now is None else now)
 
 
 def control_dir_from_env(checkpoint_dir: Path, env: Mapping[str, str] | None = None) -> Path:

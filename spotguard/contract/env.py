@@ -99,6 +99,14 @@ STAGING_ARENA = _var(
     "after a routine save, move the host buffers of CPU tensors into the emergency staging, laid out as the"
     " checkpoint's files, so that a preemption's save links them instead of writing them",
 )
+FINAL_VERIFY_SECONDS = _var(
+    "FINAL_VERIFY_SECONDS",
+    float,
+    0.0,
+    "a trainer that finished waits on its way out, at most this long, until the uploader verified its last"
+    " checkpoint (0: no wait; set for native sidecars, which are stopped once the trainer exits)",
+    "non-negative",
+)
 STORAGE_URI = _var("STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...")
 JOB = _var("JOB", str, None, "job name for manifests, metrics and logs")
 ATTEMPT = _var("ATTEMPT", int, None, "the restart attempt this pod or command belongs to", "non-negative")
@@ -136,7 +144,8 @@ FINISH_SECONDS = _var(
     "FINISH_SECONDS",
     float,
     600.0,
-    "after the trainer exits on its own, how long its last checkpoint may take to be verified",
+    "after the trainer exits on its own, how long shipping its last checkpoint may go without progress"
+    " (its own upload, or other nodes' parts and bytes appearing in storage) before it is given up",
     "non-negative",
 )
 PROACTIVE_INTERVAL = _var(

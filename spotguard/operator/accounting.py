@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from spotguard.operator import policy
-from spotguard.operator.classify import PodEnd
+from spotguard.operator.classify import FINAL_UNVERIFIED, PodEnd
 from spotguard.operator.jobstatus import (
     COND_BLOCKED,
     COND_CREATED,
@@ -167,6 +167,8 @@ def account(d: Draft, spec: TrainingJobSpec, end: PodEnd, current: str | None, w
         st["completionTime"] = format_time(d.now)
         d.cond(COND_SUCCEEDED, True, R_COMPLETED, f"training finished in {who}")
         d.events.append(Event("Normal", R_COMPLETED, f"training finished in {who}"))
+        if end.reason == FINAL_UNVERIFIED:
+            d.events.append(Event("Warning", FINAL_UNVERIFIED, f"{who}: {end.message}"))
         return finish(d, accounted=end, delete_pod=delete, force_delete=force)
 
     if spec.suspend:

@@ -84,6 +84,8 @@ class PodEnd:
 
 #: Reason of an attempt whose sidecar stopped while the trainer still ran.
 SIDECAR_EXITED = "SidecarExited"
+#: Reason of an attempt whose training finished but whose last checkpoint the sidecar could not verify.
+FINAL_UNVERIFIED = "FinalCheckpointUnverified"
 
 
 #: Container ``state.waiting.reason`` values with which a pod will not start
@@ -418,6 +420,35 @@ def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str, _Failed] | None:
     return reason, f"{message} (spotguard's container {sidecar.name} also {how}, not before it)", first_user
 
 
+def _trainer_finished(status: Mapping[str, Any], report: Mapping[str, Any] | None) -> PodEnd | None:
+    """The end of an attempt whose training finished, whatever came after, or None.
+
+    Finished: every container of the training code exited 0 and the sidecar's
+    report says so (``"reason": "finished"``, not preempted: the trainer had
+    exited on its own before any signal). The attempt succeeded even when the
+    sidecar then failed to verify the last checkpoint (it gave up, exit code 1)
+    or the pod was deleted while it tried: running the finished training again
+    would only repeat it.
+    """
+    if report is None or report.get("preempted") is not False or report.get("reason") != "finished":
+        return None
+    user = [cs for cs in _container_statuses(status, "containerStatuses") if cs.get("name") not in OWN_CONTAINERS]
+    terms = [_terminated(cs) for cs in user]
+    if not terms or any(t is None or t.get("exitCode") != 0 or t.get("reason") == "OOMKilled" for t in terms):
+        return None
+    step = _report_step(report)
+    found = _sidecar_status(status)
+    sidecar = _terminated(found[1]) if found is not None else None
+    if sidecar is not None and sidecar.get("exitCode") not in (0, None):
+        newest = f"step {step}" if step is not None else "none"
+        message = (
+            "training finished, but spotguard's sidecar could not verify its last checkpoint in storage"
+            f" (newest verified: {newest}); see the sidecar's log. Not run again: the training is done"
+        )
+        return PodEnd("succeeded", FINAL_UNVERIFIED, message, step)
+    return PodEnd("succeeded", "Completed", "training finished", step)
+
+
 def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) -> PodEnd:
     """Classify an attempt's pod: succeeded, preempted, failed, or still running.
 
@@ -462,6 +493,11 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
     reported_preempt = bool(report and report.get("preempted"))
     pod_reason = status.get("reason")
     pod_message = status.get("message") or ""
+
+    finished = _trainer_finished(status, report) if phase in ("Succeeded", "Failed") else None
+    if finished is not None:
+        # The training code finished: never run again, whatever happened to the pod afterwards.
+        return finished
 
     if phase == "Succeeded":
         if reported_preempt:

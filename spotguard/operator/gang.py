@@ -21,7 +21,7 @@ from typing import Any
 
 from spotguard.operator import policy
 from spotguard.operator.accounting import account, moved
-from spotguard.operator.classify import PodEnd
+from spotguard.operator.classify import FINAL_UNVERIFIED, PodEnd
 from spotguard.operator.jobstatus import (
     COND_PREEMPTED,
     COND_RUNNING,
@@ -131,6 +131,10 @@ def decide_gang(d: Draft, spec: TrainingJobSpec, members: Sequence[Member]) -> D
             last = max(members, key=lambda m: m.end.ended_at or "")
             step = max((m.end.step for m in members if m.end.step is not None), default=None)
             end = PodEnd("succeeded", "Completed", f"all {nodes} pods succeeded", step, ended_at=last.end.ended_at)
+            unverified = [m for m in members if m.end.reason == FINAL_UNVERIFIED]
+            if unverified:
+                message = f"{_member_where(unverified[0])}: {unverified[0].end.message}"
+                end = replace(end, reason=FINAL_UNVERIFIED, message=message)
             return account(d, spec, end, None, who=f"attempt {attempt} (all {nodes} pods)")
         trigger = gang_trigger(members)
         if trigger is None and spec.suspend:

@@ -35,6 +35,7 @@ from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_in
 from spotguard.operator.jobstatus import member_pod_name
 from spotguard.operator.spec import (
     API_VERSION,
+from spotguard.contract.final import trainer_final_verify_seconds
     EMERGENCY_VOLUME,
     GCS_KEY_VOLUME,
     KIND,
@@ -244,6 +245,11 @@ def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
     own = list(container.get("env") or [])
     names = {e.get("name") for e in own if isinstance(e, Mapping)}
     container["env"] = [e for e in env if e["name"] not in names] + own
+    # kubelet stops a native sidecar once the trainer exits: a trainer that finished waits for its last
+    # checkpoint to be verified first (a classic sidecar keeps the pod up itself).
+    wait = trainer_final_verify_seconds(inj.native_sidecar, envvars.FINISH_SECONDS.default)
+    if wait:
+        env.append(_contract_value(envvars.FINAL_VERIFY_SECONDS, wait))
 
 
 def last_checkpoint_bytes(status: Mapping[str, Any] | None) -> int | None:

@@ -127,6 +127,17 @@ def notice_deadline(
     return deadline if deadline > now else fallback
 
 
+def progress_deadline(deadline: float, span: float, before: object, seen: object, now: float) -> float:
+    """Pure: the deadline of a wait that gives up only ``span`` seconds after
+    its last progress. ``before`` and ``seen`` are what was observed at the
+    previous look and now (None: nothing yet); a change is progress and moves
+    the deadline to ``now + span`` (never earlier than it was). A first look
+    is no progress: what was there already says nothing about what still comes."""
+    if before is None or seen is None or seen == before:
+        return deadline
+    return max(deadline, now + span)
+
+
 class ThroughputTracker:
     """Keeps the last few save and upload measurements (a small stateful shell
     around the pure functions above)."""

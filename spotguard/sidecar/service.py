@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from spotguard.checkpoint.parts import commit_progress
 from spotguard.contract import env as envvars
 from spotguard.contract.control import (
     EXIT_FILE,
@@ -41,7 +42,7 @@ from spotguard.contract.control import (
     write_heartbeat,
 )
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
-from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline
+from spotguard.sidecar.deadline import ThroughputTracker, notice_deadline, progress_deadline
 from spotguard.sidecar.follow import WriteFollower
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import Notice, NoticeSource
@@ -89,13 +90,14 @@ class AgentConfig:
     # shared between checkpoints); off: every checkpoint is self-contained.
     incremental: bool = False
     # After the trainer exits on its own (no SIGTERM, so no grace period
-    # counts), how long its last checkpoint may take to be verified: a part of
-    # a multi-node checkpoint waits for the other nodes' uploaders, which may
-    # lag behind this one by a backlog of routine uploads.
+    # counts), how long shipping its last checkpoint may go without progress:
+    # a part of a multi-node checkpoint waits for the other nodes' uploaders,
+    # which may lag behind this one by a backlog of routine uploads; it waits
+    # longer while their parts keep appearing in storage (see flush).
     finish_seconds: float = 600.0
 
     def finish_deadline(self, now: float) -> float:
-        """When shipping the exited trainer's last checkpoint gives up."""
+        """When shipping the exited trainer's last checkpoint gives up, unless it makes progress."""
         return now + max(self.grace_seconds, self.finish_seconds)
 
 
@@ -153,8 +155,8 @@ class CheckpointAgent:
         self._state_cache: tuple[float, TrainerState] | None = None
         # Set on a preemption (the signal latch's event): housekeeping stops.
         self.interrupt: threading.Event | None = None
-        # When the heartbeat was last written (monotonic), and what it said.
-        self._beat: tuple[float, bool] | None = None
+        # When the heartbeat was last written (monotonic), and what it said (shipping, verified step).
+        self._beat: tuple[float, tuple[bool, int | None]] | None = None
         metrics.grace.labels(**metrics.labels).set(config.grace_seconds)
 
     # -- trainer -------------------------------------------------------------
@@ -276,21 +278,23 @@ class CheckpointAgent:
     # -- routine -------------------------------------------------------------
 
     def beat(self) -> None:
-        """Tell the trainer this uploader is alive, and whether it ships
-        (``uploader-heartbeat.json``): only then may a preemption's save skip
-        its fsync."""
+        """Tell the trainer this uploader is alive, whether it ships, and the
+        newest step it verified (``uploader-heartbeat.json``): only while it
+        ships may a preemption's save skip its fsync; a trainer that finished
+        waits for its last step to be verified (:mod:`spotguard.contract.final`)."""
         # Failing: a checkpoint newer than the newest verified one could not be shipped.
         last = self.shipper.last_shipped
         shipping = not any(step_of(name) > (last.step if last else -1) for name in list(self.shipper.failed))
+        said = (shipping, last.step if last else None)
         now = time.monotonic()
-        if self._beat is not None and self._beat[1] == shipping and now - self._beat[0] < HEARTBEAT_SECONDS:
+        if self._beat is not None and self._beat[1] == said and now - self._beat[0] < HEARTBEAT_SECONDS:
             return
         try:
-            write_heartbeat(self.config.control_dir, shipping=shipping)
+            write_heartbeat(self.config.control_dir, shipping=shipping, verified=said[1])
         except OSError as exc:
             log.debug("could not write the heartbeat: %s", exc)
             return
-        self._beat = (now, shipping)
+        self._beat = (now, said)
 
     def step(self) -> list[Shipped]:
         """One round of routine duties: notices, shipping, housekeeping."""
@@ -442,17 +446,28 @@ class CheckpointAgent:
         once the newest is verified the older ones could only make storage
         look older. No housekeeping: the caller runs it once it knows the run
         finished (not on the way out of a preemption).
+
+        A part of a distributed checkpoint waiting for the other nodes' parts
+        gives up only once storage has shown no progress of them (new parts,
+        new bytes, a live upload's heartbeat: :func:`commit_progress`) for as
+        long as ``deadline`` first allowed: a slow node is waited for while it
+        uploads, a node that never comes is not.
         """
         attempt = 0
         signalled = False
+        span = max(0.0, deadline - time.time())
+        seen: tuple[int, int, float] | None = None
         while True:
             self.shipper.ship(newest_only=True, housekeeping=False)
-            if self._verified_at_least(self._newest_committed_step()):
+            newest = self._newest_committed()
+            if self._verified_at_least(step_of(newest) if newest else -1):
                 return True
             if not signalled and self.interrupt is not None and self.interrupt.is_set():
                 # SIGTERM while waiting: from now on the grace period counts.
                 signalled = True
                 deadline = min(deadline, time.time() + self.config.grace_seconds - self.config.safety_margin_seconds)
+            if not signalled and newest is not None and newest in self.shipper.awaiting:
+                seen, deadline = self._parts_progress(newest, seen, deadline, span)
             attempt += 1
             # Parts waiting for other nodes are polled every few seconds; a
             # failing store backs off further.
@@ -465,6 +480,26 @@ class CheckpointAgent:
                 )
                 return False
             time.sleep(pause)
+
+    def _parts_progress(
+        self, name: str, before: tuple[int, int, float] | None, deadline: float, span: float
+    ) -> tuple[tuple[int, int, float] | None, float]:
+        """One look at the other parts of ``name`` in storage: what was seen, and the deadline it gives."""
+        try:
+            seen = commit_progress(self.storage, name)
+        except Exception as exc:  # noqa: BLE001 - a storage error is no progress; the deadline stands
+            log.warning("could not look at the other parts of %s: %s", name, exc)
+            return before, deadline
+        later = progress_deadline(deadline, span, before, seen, time.time())
+        if later > deadline:
+            log.info(
+                "%s: the other nodes' parts make progress (%d objects, %d bytes in storage); waiting up to %.0fs more",
+                name,
+                seen[0],
+                seen[1],
+                span,
+            )
+        return seen, later
 
     def settle_staging(
         self, staging: Path, verified_step: int | None = None, *, background: bool = False, remove_dir: bool = False

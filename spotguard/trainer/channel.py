@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,10 @@ from spotguard.contract.control import (
     TrainerExit,
     ack_json,
     parse_request,
+    read_heartbeat,
 )
 from spotguard.contract.control import atomic_write_json as _write_json_atomic
+from spotguard.contract.final import FINAL_POLL_SECONDS, decide_final_wait
 from spotguard.trainer.config import Settings
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,10 @@ class TrainerChannel:
         self._handled: set[str] = set()
         self._request_seen: tuple[int, int, int] | None = None
         self._sigterm = False
+        #: A SIGTERM came at some point (the flag above is cleared once it is a request).
+        self.sigterm_seen = False
+        #: When this trainer started: an uploader heartbeat from before is an earlier run's.
+        self.started = time.time()
         self._sigusr1 = False
         self._signal_count = 0
         self._previous_handlers: dict[int, Any] = {}
@@ -130,6 +137,7 @@ class TrainerChannel:
         def handler(sig: int, frame: FrameType | None) -> None:
             if sig == signal.SIGTERM:
                 self._sigterm = True
+                self.sigterm_seen = True
             else:
                 self._sigusr1 = True
             if callable(previous) and previous not in (signal.default_int_handler,):
@@ -172,6 +180,41 @@ class TrainerChannel:
             _write_json_atomic(
                 self.control_dir / EXIT_FILE, TrainerExit(os.getpid(), self.preempted, last_step).to_json()
             )
+
+    def await_final_verified(self, final_step: int | None, seconds: float) -> bool:
+        """On the way out of a trainer that finished: wait, at most ``seconds``,
+        until the uploader's heartbeat says checkpoint ``final_step`` is verified
+        in storage (:func:`~spotguard.contract.final.decide_final_wait`).
+        True when it is; False at once after a preemption, without an uploader,
+        or for a rank that does not own the control files."""
+        if not self.owner or seconds <= 0:
+            return False
+        deadline = time.time() + seconds
+        said = False
+        while True:
+            now = time.time()
+            verdict = decide_final_wait(
+                final_step=final_step,
+                beat=read_heartbeat(self.control_dir),
+                started=self.started,
+                now=now,
+                deadline=deadline,
+                preempted=self.preempted or self.sigterm_seen,
+            )
+            if verdict.action == "verified":
+                if said:
+                    log.info("checkpoint of step %s verified in storage", final_step)
+                return True
+            if verdict.action == "leave":
+                if said:
+                    log.warning("leaving without the last checkpoint verified in storage: %s", verdict.why)
+                return False
+            if not said:
+                said = True
+                log.info(
+                    "waiting up to %.0fs for the uploader to verify the checkpoint of step %s", seconds, final_step
+                )
+            time.sleep(FINAL_POLL_SECONDS)
 
     # -- requests ----------------------------------------------------------------------
     def _load_previous_ack(self) -> None:

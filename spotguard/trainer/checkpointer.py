@@ -119,7 +119,12 @@ class Checkpointer:
     buffers of CPU tensors into ``emergency_staging``, laid out as the
     checkpoint's files, so that a preemption's save links them instead of
     writing them (:mod:`spotguard.checkpoint.arena`; no memory beyond the
-    host buffers; ``SPOTGUARD_STAGING_ARENA``).
+    host buffers; ``SPOTGUARD_STAGING_ARENA``). ``final_verify_seconds``
+    (0: off): a trainer that finished (no preemption) waits in
+    :meth:`close` or at exit, at most this long, until its uploader says its
+    last checkpoint is verified in storage (:mod:`spotguard.contract.final`;
+    the operator sets ``SPOTGUARD_FINAL_VERIFY_SECONDS`` beside a native sidecar,
+    which kubelet stops once the trainer exits).
 
     Local checkpoints are deleted only by whoever uploads them (see
     :func:`~spotguard.trainer.config.local_pruner`): with a storage URI and no
@@ -180,6 +185,7 @@ class Checkpointer:
         emergency_staging: str | os.PathLike[str] | None = None,
         staging_reserve: bool = False,
         staging_arena: bool = True,
+        final_verify_seconds: float = 0.0,
     ) -> None:
         root = Path(directory)
         storage_uri = storage_uri or None
@@ -203,6 +209,7 @@ class Checkpointer:
             emergency_staging=Path(emergency_staging) if emergency_staging else None,
             staging_reserve=staging_reserve,
             staging_arena=staging_arena,
+            final_verify_seconds=final_verify_seconds,
         )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)
@@ -498,6 +505,7 @@ class Checkpointer:
             return
         self.wait()
         self._settle_flags()
+        self._await_final_verified()
         self._channel.announce_exit(self._policy.last_step)
         if self._dist is not None:
             statedicts.leave()
@@ -520,11 +528,19 @@ class Checkpointer:
             except Exception as exc:  # noqa: BLE001 - a gone rank fails it in any way; nothing left to agree with
                 log.warning("the last flag exchange between the ranks did not finish: %s", exc)
 
+    def _await_final_verified(self) -> None:
+        """Before the trainer says it is done: its last checkpoint verified by the uploader
+        (bounded; see :meth:`TrainerChannel.await_final_verified`)."""
+        last = self._record.last_committed
+        final = parse_checkpoint_name(last.name) if last is not None else None
+        self._channel.await_final_verified(final, self._settings.final_verify_seconds)
+
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
             self.wait()
         if not self._closed:
             self._settle_flags()
+            self._await_final_verified()
         self._channel.announce_exit(self._policy.last_step)
 
     def __enter__(self) -> Checkpointer:

@@ -25,6 +25,7 @@ from spotguard.contract.env import (
     CHECKSUM,
     CONTROL_DIR,
     EMERGENCY_STAGING,
+    FINAL_VERIFY_SECONDS,
     INCREMENTAL,
     JOB,
     SAVE_EVERY_SECONDS,
@@ -80,6 +81,7 @@ class EnvConfig:
     emergency_staging: str | None = None
     staging_reserve: bool = False
     staging_arena: bool = True
+    final_verify_seconds: float = 0.0
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> EnvConfig:
@@ -106,6 +108,7 @@ class EnvConfig:
             emergency_staging=from_env(EMERGENCY_STAGING, env) or None,
             staging_reserve=from_env(STAGING_RESERVE, env),
             staging_arena=from_env(STAGING_ARENA, env),
+            final_verify_seconds=from_env(FINAL_VERIFY_SECONDS, env),
         )
 
     def kwargs(self) -> dict[str, Any]:
@@ -123,6 +126,7 @@ class EnvConfig:
             "emergency_staging": self.emergency_staging,
             "staging_reserve": self.staging_reserve,
             "staging_arena": self.staging_arena,
+            "final_verify_seconds": self.final_verify_seconds,
         }
         if self.retention is not None:
             out["retention"] = self.retention
@@ -161,6 +165,9 @@ class Settings:
     #: Move host buffers into arenas in ``emergency_staging`` after each routine save (see
     #: :mod:`spotguard.checkpoint.arena`).
     staging_arena: bool = True
+    #: A trainer that finished waits on its way out, at most this long, for its last checkpoint to be
+    #: verified by the uploader (see :mod:`spotguard.contract.final`); 0: no wait.
+    final_verify_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.save_every_steps is not None and self.save_every_steps < 1:
@@ -168,3 +175,5 @@ class Settings:
         if self.save_every_seconds is not None and self.save_every_seconds <= 0:
             raise ValueError("save_every_seconds must be positive")
         self.checksum = check_algorithm(self.checksum)
+        if self.final_verify_seconds < 0:
+            raise ValueError("final_verify_seconds must not be negative")

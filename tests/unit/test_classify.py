@@ -521,11 +521,11 @@ BLAME_CASES: list[tuple[str, dict[str, Any], str, str]] = [
         f"spotguard's container spotguard-sidecar exited with code 2 (not the training code): {SETUP_ERROR}",
     ),
     (
-        "sidecar could not verify the last checkpoint (its report is JSON)",
-        pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1, message=report(False, 30, "finished"))]),
-        "SidecarFailed",
-        "spotguard's container spotguard-sidecar exited with code 1 (not the training code): the newest checkpoint "
-        "could not be verified in storage; see its log",
+        "sidecar could not verify the last checkpoint (a preemption's report)",
+        pod("Failed", containers=[term("trainer", 1), term(SIDECAR, 1, message=report(False, 30, "sigterm"))]),
+        "Error",
+        "container trainer exited with code 1 (spotguard's container spotguard-sidecar also exited with code 1, "
+        "not before it)",
     ),
     (
         "sidecar OOMKilled",
@@ -627,3 +627,90 @@ def test_failures_name_whose_container_failed(case: str, pod_obj: dict[str, Any]
 def test_a_long_termination_message_is_cut() -> None:
     end = classify_pod_end(pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 2, message="x" * 5000)]))
     assert end.reason == "SidecarFailed" and len(end.message) < 500
+
+
+UNVERIFIED_MESSAGE = (
+    "training finished, but spotguard's sidecar could not verify its last checkpoint in storage (newest verified: "
+    "step 30); see the sidecar's log. Not run again: the training is done"
+)
+FINISHED_REPORT = report(False, 30, "finished")
+FINISHED_CASES: list[tuple[str, dict[str, Any], str, str, str]] = [
+    # (case, pod, kind, reason, message): the training finished, whatever happened to the pod afterwards.
+    (
+        "classic sidecar gave up on the last checkpoint (exit 1)",
+        pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1, message=FINISHED_REPORT)]),
+        "succeeded",
+        "FinalCheckpointUnverified",
+        UNVERIFIED_MESSAGE,
+    ),
+    (
+        "drained while the classic sidecar waited for the other parts",
+        pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1, message=FINISHED_REPORT)], deleting=True),
+        "succeeded",
+        "FinalCheckpointUnverified",
+        UNVERIFIED_MESSAGE,
+    ),
+    (
+        "drained after the last checkpoint was verified",
+        pod("Succeeded", containers=[term("trainer", 0), term(SIDECAR, 0, message=FINISHED_REPORT)], deleting=True),
+        "succeeded",
+        "Completed",
+        "training finished",
+    ),
+    (
+        "node shut down after the training finished",
+        pod(
+            "Failed",
+            containers=[term("trainer", 0), term(SIDECAR, 0, message=FINISHED_REPORT)],
+            reason="Terminated",
+            conditions=[DISRUPTION],
+        ),
+        "succeeded",
+        "Completed",
+        "training finished",
+    ),
+    (
+        "native sidecar stopped by kubelet before it verified the last checkpoint",
+        pod(
+            "Succeeded",
+            containers=[term("trainer", 0)],
+            init=[term(RESTORE, 0), term(SIDECAR, 1, message=FINISHED_REPORT)],
+        ),
+        "succeeded",
+        "FinalCheckpointUnverified",
+        UNVERIFIED_MESSAGE,
+    ),
+    # Not finished: the rule does not apply.
+    (
+        "the trainer failed: the report's word does not make it finished",
+        pod("Failed", containers=[term("trainer", 1), term(SIDECAR, 0, message=FINISHED_REPORT)]),
+        "failed",
+        "Error",
+        "container trainer exited with code 1",
+    ),
+    (
+        "a preemption's report",
+        pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1, message=report(True, 30, "sigterm"))]),
+        "preempted",
+        "sigterm",
+        "the trainer stopped early after a checkpoint",
+    ),
+    (
+        "no report: the sidecar's failure stays its own",
+        pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 1)]),
+        "failed",
+        "SidecarFailed",
+        "spotguard's container spotguard-sidecar exited with code 1 (not the training code): the newest checkpoint "
+        "could not be verified in storage; see its log",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "pod_obj", "kind", "reason", "message"), FINISHED_CASES, ids=[c[0] for c in FINISHED_CASES]
+)
+def test_a_finished_training_is_never_run_again(
+    case: str, pod_obj: dict[str, Any], kind: str, reason: str, message: str
+) -> None:
+    end = classify_pod_end(pod_obj)
+    assert (end.kind, end.reason, end.message) == (kind, reason, message), end

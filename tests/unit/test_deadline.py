@@ -10,6 +10,7 @@ from spotguard.sidecar.deadline import (
     assess,
     expected_seconds,
     notice_deadline,
+    progress_deadline,
     rate_bytes_per_second,
 )
 
@@ -129,3 +130,24 @@ def test_tracker_counts_only_new_bytes_of_an_incremental_upload() -> None:
     # A plain upload of the same checkpoint at that rate would not fit.
     tracker.record_upload(4 << 30, (4 << 30) / 10_000_000)
     assert tracker.assessment().at_risk
+
+
+@pytest.mark.parametrize(
+    ("before", "seen", "now", "want"),
+    [
+        # A first look says nothing about what is still coming: the deadline stands.
+        (None, (1, 10, 0.0), 50.0, 100.0),
+        # Nothing changed: the deadline stands (no progress for the whole span gives up).
+        ((1, 10, 0.0), (1, 10, 0.0), 99.0, 100.0),
+        # New bytes, a new part, a live upload's heartbeat: the span counts again from now.
+        ((1, 10, 0.0), (1, 20, 0.0), 90.0, 150.0),
+        ((1, 10, 0.0), (2, 10, 0.0), 90.0, 150.0),
+        ((1, 10, 0.0), (1, 10, 7.0), 120.0, 180.0),
+        # Never earlier than it was.
+        ((1, 10, 0.0), (1, 20, 0.0), 10.0, 100.0),
+        # A look that failed (None) is no progress.
+        ((1, 10, 0.0), None, 90.0, 100.0),
+    ],
+)
+def test_progress_deadline(before: object, seen: object, now: float, want: float) -> None:
+    assert progress_deadline(100.0, 60.0, before, seen, now) == want

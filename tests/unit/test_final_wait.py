@@ -1,0 +1,92 @@
+"""Table tests of a finished trainer's wait for its last checkpoint (pure, no I/O): how long
+it waits, when it leaves, and the heartbeat field it reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spotguard.contract.control import UploaderHeartbeat, parse_heartbeat
+from spotguard.contract.final import FinalWait, decide_final_wait, trainer_final_verify_seconds
+
+STARTED = 1000.0
+DEADLINE = 2000.0
+
+
+def beat(time: float = 1500.0, verified: int | None = None, shipping: bool = True) -> UploaderHeartbeat:
+    return UploaderHeartbeat(pid=7, time=time, shipping=shipping, verified=verified)
+
+
+CASES: list[tuple[str, dict[str, object], str]] = [
+    # (case, inputs that differ from a trainer at step 40 waiting with time left, action)
+    ("verified: leave at once", {"beat": beat(verified=40)}, "verified"),
+    ("a newer step verified covers it", {"beat": beat(verified=45)}, "verified"),
+    ("an older step verified: wait", {"beat": beat(verified=30)}, "wait"),
+    ("nothing verified yet: wait", {"beat": beat(verified=None)}, "wait"),
+    ("failing to ship is no reason to leave before the bound", {"beat": beat(verified=30, shipping=False)}, "wait"),
+    ("an old heartbeat is not a reason to leave (a long upload)", {"beat": beat(time=1001.0), "now": 1900.0}, "wait"),
+    ("the bound passed", {"beat": beat(verified=30), "now": DEADLINE}, "leave"),
+    ("verified at the bound still counts", {"beat": beat(verified=40), "now": DEADLINE + 5}, "verified"),
+    ("no checkpoint committed", {"final_step": None}, "leave"),
+    ("no uploader ever beat", {"beat": None}, "leave"),
+    ("a heartbeat of an earlier run", {"beat": beat(time=STARTED - 60, verified=10)}, "leave"),
+    ("clock skew within a second", {"beat": beat(time=STARTED - 0.5)}, "wait"),
+    ("a preemption: the grace period is the uploader's", {"preempted": True}, "leave"),
+    ("a preemption even with nothing verified", {"preempted": True, "beat": beat(verified=None)}, "leave"),
+]
+
+
+@pytest.mark.parametrize(("case", "changes", "action"), CASES, ids=[c[0] for c in CASES])
+def test_decide_final_wait(case: str, changes: dict[str, object], action: str) -> None:
+    inputs: dict[str, object] = {
+        "final_step": 40,
+        "beat": beat(),
+        "started": STARTED,
+        "now": 1500.0,
+        "deadline": DEADLINE,
+        "preempted": False,
+        **changes,
+    }
+    verdict = decide_final_wait(**inputs)  # type: ignore[arg-type]
+    assert verdict.action == action, verdict
+    assert (verdict.why != "") == (action == "leave")
+
+
+def test_leaving_at_the_bound_says_which_step_and_the_newest_verified() -> None:
+    verdict = decide_final_wait(
+        final_step=40, beat=beat(verified=30), started=STARTED, now=DEADLINE, deadline=DEADLINE, preempted=False
+    )
+    assert verdict == FinalWait("leave", "step 40 not verified in time (newest verified: step 30)")
+
+
+@pytest.mark.parametrize(
+    ("native", "finish", "want"),
+    [
+        # kubelet stops a native sidecar once the trainer exits: the trainer waits as long as a classic sidecar would.
+        (True, 600.0, 600.0),
+        (True, 45.0, 45.0),
+        # A classic sidecar keeps its pod up itself after the trainer's exit: no wait in the trainer.
+        (False, 600.0, 0.0),
+        (True, -1.0, 0.0),
+    ],
+)
+def test_trainer_final_verify_seconds(native: bool, finish: float, want: float) -> None:
+    assert trainer_final_verify_seconds(native, finish) == want
+
+
+@pytest.mark.parametrize(
+    ("doc", "verified"),
+    [
+        ({"pid": 1, "time": 5.0, "shipping": True, "verified": 40}, 40),
+        ({"pid": 1, "time": 5.0, "shipping": True, "verified": None}, None),
+        # An uploader from before the field: nothing verified said.
+        ({"pid": 1, "time": 5.0, "shipping": True}, None),
+        ({"pid": 1, "time": 5.0, "shipping": True, "verified": True}, None),
+        ({"pid": 1, "time": 5.0, "shipping": True, "verified": "40"}, None),
+    ],
+)
+def test_the_heartbeat_says_the_newest_verified_step(doc: dict[str, object], verified: int | None) -> None:
+    parsed = parse_heartbeat(json.dumps(doc))
+    assert parsed.verified == verified
+    assert parse_heartbeat(json.dumps(parsed.to_json())) == parsed
