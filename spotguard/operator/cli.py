@@ -198,14 +198,6 @@ def register(subparsers: Any) -> None:
         " pointer unchanged costs one conditional request (default 1800; 0: read everything at every poll;"
         " env SPOTGUARD_CHECKPOINT_FULL_READ_SECONDS)",
     )
-    p.set_defaults(func=run_operator)
-
-
-def run_operator(args: argparse.Namespace) -> int:
-    """Entry point of ``spotguard operator``."""
-    if args.webhook and args.webhook_cert_secret:
-        problem = cert_secret_problem(args)
-        if problem:
     p.add_argument(
         "--allowed-endpoints",
         default=cli_default(env.ALLOWED_ENDPOINTS),
@@ -231,6 +223,14 @@ def run_operator(args: argparse.Namespace) -> int:
         help="the largest latest pointer or manifest the operator reads; a larger one is refused"
         " (default 16 MiB, env SPOTGUARD_CHECKPOINT_MAX_OBJECT_BYTES)",
     )
+    p.set_defaults(func=run_operator)
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    """Entry point of ``spotguard operator``."""
+    if args.webhook and args.webhook_cert_secret:
+        problem = cert_secret_problem(args)
+        if problem:
             print(f"spotguard operator: {problem}", file=sys.stderr)
             return 2
         if not (args.webhook_cert and args.webhook_key):
@@ -280,14 +280,6 @@ def run_operator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"spotguard operator: {exc}", file=sys.stderr)
         return 2
-    try:
-        host_port_range = parse_range(args.host_port_range)
-    except ValueError as exc:
-        print(f"spotguard operator: --host-port-range: {exc}", file=sys.stderr)
-        return 2
-    if overlaps_nodeports(*host_port_range):
-        print(
-            f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
     from spotguard.operator.endpoints import parse_patterns
 
     try:
@@ -302,6 +294,14 @@ def run_operator(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        host_port_range = parse_range(args.host_port_range)
+    except ValueError as exc:
+        print(f"spotguard operator: --host-port-range: {exc}", file=sys.stderr)
+        return 2
+    if overlaps_nodeports(*host_port_range):
+        print(
+            f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
             f" default NodePort range {format_range(NODEPORT_RANGE)}",
             file=sys.stderr,
         )
@@ -336,6 +336,9 @@ def run_operator(args: argparse.Namespace) -> int:
         read_checkpoints=read_checkpoints,
         probe_workers=max(1, args.probe_workers),
         checkpoint_full_read_seconds=max(0.0, args.checkpoint_full_read_seconds),
+        allowed_endpoints=allowed_endpoints,
+        checkpoint_read_timeout_seconds=args.checkpoint_read_timeout_seconds,
+        checkpoint_max_object_bytes=args.checkpoint_max_object_bytes,
         host_port_range=host_port_range,
         notice_url=args.notice_url or None,
         webhook=args.webhook,
@@ -351,9 +354,6 @@ def run_operator(args: argparse.Namespace) -> int:
         webhook_cert_days=args.webhook_cert_days,
         metrics=metrics,
     )
-        allowed_endpoints=allowed_endpoints,
-        checkpoint_read_timeout_seconds=args.checkpoint_read_timeout_seconds,
-        checkpoint_max_object_bytes=args.checkpoint_max_object_bytes,
     election = None
     if args.leader_elect:
         namespace = args.leader_elect_resource_namespace or own_namespace()

@@ -230,9 +230,9 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
         allocated_events += held_events
     observation = observe(ctx, job)
     decision = decide(name, draft, spec, observation, now, generation)
+    decision = note_checkpoint_reads(decision, ctx.storage_problems.get((namespace, name)), now, generation)
     if allocated_events:
         decision = replace(decision, events=allocated_events + decision.events)
-    decision = note_checkpoint_reads(decision, ctx.storage_problems.get((namespace, name)), now, generation)
     decision = apply(ctx, job, spec, decision, now, ports)
     if decision.status.get("phase") in TERMINAL_PHASES:
         decision.status.pop(hp.STATUS_FIELD, None)  # a finished job frees its host ports
