@@ -31,11 +31,11 @@ from typing import Any, TypeVar
 
 from spotguard import notice_relay as relay
 from spotguard.contract import env as envvars
+from spotguard.contract.final import trainer_final_verify_seconds
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.jobstatus import member_pod_name
 from spotguard.operator.spec import (
     API_VERSION,
-from spotguard.contract.final import trainer_final_verify_seconds
     EMERGENCY_VOLUME,
     GCS_KEY_VOLUME,
     KIND,
