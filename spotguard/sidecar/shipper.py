@@ -49,12 +49,11 @@ from spotguard.checkpoint import (
     remove_checkpoint_dir,
     verify_checkpoint,
 )
-from spotguard.checkpoint.chunked import KnownChunks, Prestored, chunks_named
+from spotguard.checkpoint.chunked import KnownChunks, Prestored
 from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
-from spotguard.checkpoint.known import current_known
+from spotguard.checkpoint.known import KnownChunkTable
 from spotguard.checkpoint.manifest import (
     checkpoint_step,
-    parse_checkpoint_name,
     parse_manifest,
     part_manifest_path,
     stored_as,
@@ -166,14 +165,11 @@ class CheckpointShipper:
         if configured_interval:
             metrics.set_interval(configured_interval)
         self._retry_at: dict[str, float] = {}
-        #: Store checkpoints as shared chunks (format version 3); ``_known``:
-        #: the chunks of the newest checkpoint verified, which are not uploaded again.
+        #: Store checkpoints as shared chunks (format version 3); ``_chunks``: those
+        #: of the newest checkpoint verified, not uploaded again, less those a check
+        #: found damaged or missing (sent again from local bytes).
         self.incremental = incremental
-        self._known: KnownChunks | None = None
-        #: Chunks a verification named (damaged or missing in storage): never
-        #: trusted as known until a verified checkpoint holds them again, so the
-        #: next upload sends them from local bytes.
-        self._suspect: set[str] = set()
+        self._chunks = KnownChunkTable()
         self._last_sweep = 0.0
         #: Uploads a preemption stopped: name -> (when, chunks they stored), for
         #: the next upload of the same checkpoint to skip what is stored.
@@ -374,10 +370,11 @@ class CheckpointShipper:
             self.metrics.set_interval(interval)
 
     def _ship_one(
-        self, path: Path, should_stop: Callable[[], bool] | None = None, *, trust: bool = False
+        self, path: Path, should_stop: Callable[[], bool] | None = None, *, trust: bool = False, again: bool = True
     ) -> Shipped | None:
         """Publish ``path``; ``trust`` (against a deadline): reuse the chunks of the checkpoint
-        verified last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`)."""
+        verified last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`).
+        ``again``: a part whose own check finds chunks damaged or missing is published once more."""
 
         name = path.name
         t0 = time.monotonic()
@@ -396,6 +393,17 @@ class CheckpointShipper:
             if not (path / "manifest.json").exists():
                 # Removed locally meanwhile (only a newer verified one supersedes it).
                 log.info("skipped %s: removed locally while uploading (superseded)", name)
+                return None
+            if self._chunks.forget_failed(name, exc):
+                if again:
+                    # A part's own check of its chunks named them: forgotten now, so sent again at once.
+                    log.warning("sending the part of %s again: %s", name, _one_line(exc))
+                    return self._ship_one(path, should_stop, trust=trust, again=False)
+                # A verification failure, not the store's.
+                self.failed[name] = f"verify: {_one_line(exc)}"
+                self._backoff(name)
+                self.metrics.observe_upload_failed("verify")
+                log.error("check of the part of %s failed: %s", name, _one_line(exc))
                 return None
             self.failed[name] = f"upload: {_one_line(exc)}"
             self._backoff(name)
@@ -435,9 +443,7 @@ class CheckpointShipper:
         name = path.name
         with self._stopped_lock:
             earlier = self.stopped.get(name)
-        known = self._known_chunks() if self.incremental else None
-        if known is not None and not trust:
-            known = known.untrusted()
+        known = self._chunks.for_upload(self.storage, trust=trust) if self.incremental else None
         prestored = self._prestored.get(name)
         if prestored is not None and not prestored.fresh(time.monotonic(), DEFAULT_ORPHAN_GRACE):
             prestored = None
@@ -470,9 +476,7 @@ class CheckpointShipper:
     def known_digests(self) -> dict[str, int]:
         """The chunks this uploader knows stored (digest -> size), as it last learnt them, without asking
         the store: those a write follower need not send (the upload still decides what to reuse)."""
-        if self._known is None:
-            return {}
-        return {d: n for d, n in self._known.chunks.items() if d not in self._suspect}
+        return self._chunks.digests()
 
     def _note_stopped(self, name: str, chunks: dict[str, int]) -> None:
         with self._stopped_lock:
@@ -528,27 +532,18 @@ class CheckpointShipper:
         name, verify_seconds, problems = published.name, published.verify_seconds, published.problems
         if not published.verified:
             self.failed[name] = "verify: " + "; ".join(problems)
-            damaged = chunks_named(problems)
-            if damaged:
-                # Sent again from local bytes by the next upload that uses them: the
-                # same content key then heals every checkpoint that names it.
-                self._suspect |= damaged
-                log.warning(
-                    "%d chunk(s) named by the verification of %s will be uploaded again: %s",
-                    len(damaged),
-                    name,
-                    ", ".join(sorted(d[:12] for d in damaged)),
-                )
+            # Sent again from local bytes by the next upload that uses them: the
+            # same content key then heals every checkpoint that names it.
+            self._chunks.forget(name, problems)
             self._backoff(name)
             self.metrics.observe_upload_failed("verify")
             log.error("verification of %s failed after %.3fs: %s", name, verify_seconds, "; ".join(problems))
             return None
         verdict = published.verdict
         log_stage("verify", verify_seconds, name=name, trusted_chunks=verdict.trusted if verdict is not None else None)
-        if verdict is not None and verdict.manifest is not None and verdict.manifest.chunked:
+        if verdict is not None and verdict.manifest is not None:
             # Trusted by the next upload for a while: see checkpoint.chunked.
-            self._known = KnownChunks.verified(verdict.manifest, verdict.trusted, self._known)
-            self._suspect -= self._known.chunks.keys()
+            self._chunks.verified(verdict.manifest, verdict.trusted)
         now = time.time()
         shipped = Shipped(name, published.step, nbytes, upload_seconds, verify_seconds, now)
         self.shipped[name] = shipped
@@ -569,9 +564,8 @@ class CheckpointShipper:
 
     def _known_chunks(self) -> KnownChunks:
         """The chunks an incremental upload may reuse (:func:`~spotguard.checkpoint.known.current_known`),
-        less those a verification found damaged or missing."""
-        self._known = current_known(self.storage, self._known)
-        return self._known.without(self._suspect)
+        less those a check found damaged or missing."""
+        return self._chunks.for_upload(self.storage, trust=True)
 
     def _learn_chunks(self, manifest_bytes: bytes) -> None:
         """Know the chunks of a checkpoint found already in storage."""
@@ -580,10 +574,7 @@ class CheckpointShipper:
             manifest = parse_manifest(manifest_bytes)
         except ValueError:
             return
-        if manifest.chunked and (
-            self._known is None or (parse_checkpoint_name(self._known.source or "") or -1) < manifest.step
-        ):
-            self._known = KnownChunks.of(manifest)
+        self._chunks.learn(manifest)
 
     def _backoff(self, name: str) -> None:
         self._failures[name] = self._failures.get(name, 0) + 1

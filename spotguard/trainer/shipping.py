@@ -37,9 +37,10 @@ from spotguard.checkpoint import (
     upload_checkpoint,
 )
 from spotguard.checkpoint.chunked import KnownChunks
-from spotguard.checkpoint.known import current_known
+from spotguard.checkpoint.known import KnownChunkTable
 from spotguard.checkpoint.manifest import checkpoint_step
 from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
+from spotguard.checkpoint.stored import CheckpointCorruptError
 from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
 from spotguard.checkpoint.upload import UploadCancelled
 from spotguard.contract.control import uploader_shipping
@@ -104,8 +105,9 @@ class Shipping:
         self.stopped: set[str] = set()
         #: Parts of distributed checkpoints stored here and waiting for the other parts' global commit.
         self.awaiting: set[str] = set()
-        # With incremental uploads: the chunks of the newest checkpoint verified here.
-        self._known: KnownChunks | None = None
+        # With incremental uploads: the chunks of the newest checkpoint verified here,
+        # less those a check found damaged or missing (sent again by the next upload).
+        self._chunks = KnownChunkTable()
         # With upload=True: whether this process's last upload was verified.
         self._shipping = False
 
@@ -164,6 +166,11 @@ class Shipping:
                 return
             except Exception as exc:  # noqa: BLE001 - any storage error is retried until the deadline, or reported
                 self._shipping = False
+                if self._chunks.forget_failed(path.name, exc) and not attempt:
+                    # A check named chunks damaged or missing in storage: forgotten now, sent again at once.
+                    attempt += 1
+                    log.warning("uploading %s again: %s", path.name, exc)
+                    continue
                 self._record.last_error = exc
                 attempt += 1
                 pause = None if until is None else emergency_upload_pause(attempt, time.time(), until)
@@ -193,8 +200,7 @@ class Shipping:
         resume = path.name in self.stopped
         incremental: bool | KnownChunks = False
         if self._settings.incremental:
-            self._known = current_known(storage, self._known)
-            incremental = self._known if trust else self._known.untrusted()
+            incremental = self._chunks.for_upload(storage, trust=trust)
         published = publish(
             path.name,
             storage,
@@ -225,14 +231,14 @@ class Shipping:
     def _settle(self, published: Published) -> None:
         """A verified checkpoint is known as such; any other outcome raises (the caller's retries)."""
         if not published.verified:
-            raise RuntimeError("verification failed: " + "; ".join(published.problems))
+            self._chunks.forget(published.name, published.problems)
+            raise CheckpointCorruptError(published.name, published.problems)
         self.verified.add(published.name)
         self.awaiting.discard(published.name)
-        manifest = published.verdict.manifest if published.verdict is not None else None
-        if manifest is not None and manifest.chunked:
+        verdict = published.verdict
+        if verdict is not None and verdict.manifest is not None:
             # What the next incremental upload may reuse, verified here: trusted (see checkpoint.chunked).
-            trusted = published.verdict.trusted if published.verdict is not None else 0
-            self._known = KnownChunks.verified(manifest, trusted, self._known)
+            self._chunks.verified(verdict.manifest, verdict.trusted)
         # An older part still waiting would never be resumed from: a newer checkpoint is verified.
         self.awaiting -= {n for n in self.awaiting if checkpoint_step(n) < published.step}
         if published.pointer_error is not None:
