@@ -237,6 +237,11 @@ def trainer_env(inj: Injection) -> list[dict[str, Any]]:
     env = contract_env(inj, credentials=exposed)
     if ck.credentials_secret is not None and not exposed:
         env = [e for e in env if e["name"] != envvars.STORAGE_URI.name]
+    # kubelet stops a native sidecar once the trainer exits: a trainer that finished waits for its last
+    # checkpoint to be verified first (a classic sidecar keeps the pod up itself).
+    wait = trainer_final_verify_seconds(inj.native_sidecar, envvars.FINISH_SECONDS.default)
+    if wait:
+        env.append(_contract_value(envvars.FINAL_VERIFY_SECONDS, wait))
     return env
 
 
@@ -245,11 +250,6 @@ def _merge_env(container: dict[str, Any], env: list[dict[str, Any]]) -> None:
     own = list(container.get("env") or [])
     names = {e.get("name") for e in own if isinstance(e, Mapping)}
     container["env"] = [e for e in env if e["name"] not in names] + own
-    # kubelet stops a native sidecar once the trainer exits: a trainer that finished waits for its last
-    # checkpoint to be verified first (a classic sidecar keeps the pod up itself).
-    wait = trainer_final_verify_seconds(inj.native_sidecar, envvars.FINISH_SECONDS.default)
-    if wait:
-        env.append(_contract_value(envvars.FINAL_VERIFY_SECONDS, wait))
 
 
 def last_checkpoint_bytes(status: Mapping[str, Any] | None) -> int | None:
