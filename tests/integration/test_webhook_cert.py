@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -258,3 +259,60 @@ def test_a_certificate_that_runs_short_while_served_is_renewed_and_served_withou
     assert pid is None or (
         kept.operator.proc is not None and kept.operator.proc.pid == pid and kept.operator.proc.poll() is None
     )
+
+
+def test_two_replicas_that_find_no_or_an_expiring_certificate_at_once_agree_on_one(
+    kube: Any, apis: tuple[Any, Any], kept: Kept, tmp_path: Path
+) -> None:
+    """Every replica keeps the certificate, none elected: writes carry the resourceVersion read, so of two
+    that write at once one wins and the other (409) takes what it wrote."""
+    import threading
+
+    from kubernetes import client
+
+    from spotguard.operator.webhookcert import CertificateKeeper
+
+    core, _ = apis
+    secret = f"{SECRET}-race"
+
+    def keeper(i: int) -> CertificateKeeper:
+        api = kube.api_client()
+        return CertificateKeeper(
+            client.CoreV1Api(api),
+            client.AdmissionregistrationV1Api(api),
+            kept.ns,
+            secret,
+            ["127.0.0.1"],
+            str(tmp_path / f"{i}.crt"),
+            str(tmp_path / f"{i}.key"),
+        )
+
+    def race(now: datetime | None = None) -> list[Bundle]:
+        keepers, got = [keeper(0), keeper(1)], [None, None]
+        start = threading.Barrier(2)
+
+        def run(i: int) -> None:
+            start.wait()
+            got[i] = keepers[i].sync(now)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(isinstance(b, Bundle) for b in got), got
+        return got  # type: ignore[return-value]
+
+    first = race()  # no Secret yet: both create, one wins
+    assert first[0] == first[1] == secret_bundle_named(core, kept.ns, secret)
+    assert (tmp_path / "0.crt").read_bytes() == (tmp_path / "1.crt").read_bytes() == first[0].tls_crt
+    # A year on, both find it due at once: one renews, the other serves the same renewal.
+    renewed = race(datetime.now(UTC) + timedelta(days=300))
+    assert renewed[0] == renewed[1] == secret_bundle_named(core, kept.ns, secret)
+    assert renewed[0].tls_crt != first[0].tls_crt and renewed[0].ca_crt == first[0].ca_crt
+
+
+def secret_bundle_named(core: Any, ns: str, name: str) -> Bundle:
+    bundle = Bundle.from_data(core.read_namespaced_secret(name, ns).data)
+    assert bundle is not None
+    return bundle
