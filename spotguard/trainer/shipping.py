@@ -40,8 +40,8 @@ from spotguard.checkpoint.chunked import KnownChunks
 from spotguard.checkpoint.known import KnownChunkTable
 from spotguard.checkpoint.manifest import checkpoint_step
 from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
-from spotguard.checkpoint.stored import CheckpointCorruptError
 from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
+from spotguard.checkpoint.stored import CheckpointCorruptError
 from spotguard.checkpoint.upload import UploadCancelled
 from spotguard.contract.control import uploader_shipping
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
