@@ -38,17 +38,83 @@ def term(name: str, code: int, message: str | None = None) -> dict[str, Any]:
     return {"name": name, "state": {"terminated": t}}
 
 
-def pod(phase: str, sidecar_code: int, *, deleting: bool = False, native: bool = False) -> dict[str, Any]:
-    sidecar = term(SIDECAR, sidecar_code, FINISHED)
-    status: dict[str, Any] = {"phase": phase, "containerStatuses": [term("trainer", 0)]}
+def pod(
+    phase: str,
+    sidecar_code: int,
+    *,
+    deleting: bool = False,
+    native: bool = False,
+    trainer_code: int = 0,
+    report: str = FINISHED,
+    **status_extra: Any,
+) -> dict[str, Any]:
+    sidecar = term(SIDECAR, sidecar_code, report)
+    status: dict[str, Any] = {"phase": phase, "containerStatuses": [term("trainer", trainer_code)], **status_extra}
     if native:
-        status["initContainerStatuses"] = [sidecar]
+        status["initContainerStatuses"] = [term("spotguard-restore", 0), sidecar]
     else:
         status["containerStatuses"].append(sidecar)
     meta: dict[str, Any] = {"name": "job-a1", "namespace": "ns"}
     if deleting:
         meta["deletionTimestamp"] = "2030-01-01T00:10:30Z"
     return {"metadata": meta, "spec": {"nodeName": "spot-1"}, "status": status}
+
+
+UNVERIFIED = (
+    "training finished, but spotguard's sidecar could not verify its last checkpoint in storage (newest verified: "
+    "step 30); see the sidecar's log. Not run again: the training is done"
+)
+PREEMPTED = json.dumps({"preempted": True, "reason": "sigterm", "step": 30})
+SHUTDOWN = {"reason": "Terminated", "conditions": [{"type": "DisruptionTarget", "status": "True"}]}
+CLASSIFIED: list[tuple[str, dict[str, Any], tuple[str, str, str]]] = [
+    # (case, pod, (kind, reason, message)): the training finished, whatever happened to the pod afterwards.
+    ("classic sidecar gave up (exit 1)", pod("Failed", 1), ("succeeded", "FinalCheckpointUnverified", UNVERIFIED)),
+    (
+        "drained while the classic sidecar waited for the other parts",
+        pod("Failed", 1, deleting=True),
+        ("succeeded", "FinalCheckpointUnverified", UNVERIFIED),
+    ),
+    (
+        "drained after it was verified",
+        pod("Succeeded", 0, deleting=True),
+        ("succeeded", "Completed", "training finished"),
+    ),
+    ("node shut down after it finished", pod("Failed", 0, **SHUTDOWN), ("succeeded", "Completed", "training finished")),
+    (
+        "native sidecar stopped before it verified",
+        pod("Succeeded", 1, native=True),
+        ("succeeded", "FinalCheckpointUnverified", UNVERIFIED),
+    ),
+    # Not finished: the rule does not apply.
+    (
+        "the trainer failed: the report's word does not make it finished",
+        pod("Failed", 0, trainer_code=1),
+        ("failed", "Error", "container trainer exited with code 1"),
+    ),
+    (
+        "a preemption's report",
+        pod("Failed", 1, report=PREEMPTED),
+        ("preempted", "sigterm", "the trainer stopped early after a checkpoint"),
+    ),
+    (
+        "no report: the sidecar's failure stays its own",
+        pod("Failed", 1, report=""),
+        (
+            "failed",
+            "SidecarFailed",
+            "spotguard's container spotguard-sidecar exited with code 1 (not the training code): the newest"
+            " checkpoint could not be verified in storage; see its log",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "pod_obj", "want"), CLASSIFIED, ids=[c[0] for c in CLASSIFIED])
+def test_a_finished_training_is_classified_succeeded(
+    case: str, pod_obj: dict[str, Any], want: tuple[str, str, str]
+) -> None:
+    end = classify_pod_end(pod_obj)
+    assert (end.kind, end.reason, end.message) == want, end
 
 
 def running(sp: TrainingJobSpec) -> dict[str, Any]:
