@@ -17,6 +17,10 @@ Layout of every pod:
   disruption state with it (:mod:`spotguard.notice_relay`). The pod runs as
   its template's own ServiceAccount (or ``default``): spotguard makes none.
 
+spotguard's containers run non-root with a read-only root filesystem, as Pod
+Security "restricted" asks (:mod:`~spotguard.operator.podsecurity`); the
+user's containers keep the template's security context.
+
 The same injection serves the mutating webhook, for pods from the user's own
 Jobs or JobSets.
 """
@@ -34,6 +38,7 @@ from spotguard.contract import env as envvars
 from spotguard.contract.final import trainer_final_verify_seconds
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.jobstatus import member_pod_name
+from spotguard.operator.podsecurity import injected_security_context, tmp_mount, tmp_volume
 from spotguard.operator.spec import (
     API_VERSION,
     EMERGENCY_VOLUME,
@@ -43,6 +48,7 @@ from spotguard.operator.spec import (
     RESTORE_CONTAINER,
     SHARED_VOLUME,
     SIDECAR_CONTAINER,
+    TMP_VOLUME,
     CheckpointSpec,
     TrainingJobSpec,
 )
@@ -359,7 +365,7 @@ def _key_mount() -> dict[str, Any]:
 
 
 def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[str, Any]:
-    mounts = _mounts(inj)
+    mounts = [*_mounts(inj), tmp_mount()]  # its root is read-only: /tmp is a volume
     if gcs_key_volume(inj) is not None:
         mounts.append(_key_mount())
     c: dict[str, Any] = {
@@ -436,17 +442,20 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
         _merge_env(c, env)
         _mount(c, inj)
     sidecar = sidecar_container(inj)
+    restore = restore_container(inj)
+    for ours_c in (restore, sidecar):
+        ours_c["securityContext"] = injected_security_context(spec)
     if inj.native_sidecar:
         # Native sidecars start in order: restore first, then the sidecar, which
         # keeps running beside the trainer and is stopped after it.
-        spec["initContainers"] = [restore_container(inj), sidecar, *user_init]
+        spec["initContainers"] = [restore, sidecar, *user_init]
         spec["containers"] = containers
     else:
-        spec["initContainers"] = [restore_container(inj), *user_init]
+        spec["initContainers"] = [restore, *user_init]
         spec["containers"] = [*containers, sidecar]
-    ours = (SHARED_VOLUME, GCS_KEY_VOLUME, EMERGENCY_VOLUME)
+    ours = (SHARED_VOLUME, GCS_KEY_VOLUME, EMERGENCY_VOLUME, TMP_VOLUME)
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in ours]
-    volumes.append(staging_volume(inj))
+    volumes += [staging_volume(inj), tmp_volume()]
     memory = emergency_volume(inj)
     if memory is not None:
         volumes.append(memory)

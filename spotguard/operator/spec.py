@@ -42,6 +42,8 @@ GCS_KEY_VOLUME = "spotguard-gcs-key"
 NOTICE_TOKEN_VOLUME = "spotguard-notice-token"
 #: ``checkpoint.memoryStaging``: the memory volume a preemption's checkpoint is written to.
 EMERGENCY_VOLUME = "spotguard-emergency"
+#: The writable /tmp of spotguard's containers (their root filesystem is read-only).
+TMP_VOLUME = "spotguard-tmp"
 RESERVED_CONTAINER_NAMES = frozenset({SIDECAR_CONTAINER, RESTORE_CONTAINER})
 
 CHECKSUMS = ("crc32c", "sha256")
@@ -438,6 +440,7 @@ def parse_template(raw: Any, path: str = "spec.template") -> PodTemplate:
             GCS_KEY_VOLUME,
             NOTICE_TOKEN_VOLUME,
             EMERGENCY_VOLUME,
+            TMP_VOLUME,
         ):
             raise SpecError(f"{spath}.volumes[{i}].name", f"{v.get('name')!r} is reserved")
     policy = pod_spec.get("restartPolicy")

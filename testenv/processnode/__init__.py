@@ -79,8 +79,14 @@ listens (the mirror holds it). The root filesystem is the host's, so mount point
 volumes (directories, an empty file for a termination message path elsewhere)
 are created on the host and stay; ``/dev/shm`` is per container, not per pod. Not
 emulated: images, probes (a running container is ready), lifecycle hooks,
-resource limits, ``subPathExpr``, token refresh for projected ServiceAccount
-tokens. Container logs go to ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
+resource limits, token refresh for projected ServiceAccount
+tokens. ``subPathExpr`` is expanded from the container's environment as
+kubelet does; ``securityContext.readOnlyRootFilesystem`` makes the root
+read-only in the container's mount namespace (its volumes, ``/dev`` and the
+kernel's filesystems stay writable; no ``TMPDIR`` is set for it, so ``/tmp``
+is whatever the pod mounts there); the other ``securityContext`` fields
+(the user, capabilities, seccomp) are not applied. Container logs go to
+``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
 
     python -m testenv.processnode run --kubeconfig K --nodes 2 --state-dir D
     python -m testenv.processnode preempt --state-dir D --pod NAME --mode drain|shutdown|kill

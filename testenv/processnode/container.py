@@ -64,6 +64,8 @@ class LaunchSpec:
     # sandbox); None: the host's (hostNetwork).
     net_namespace: str | None = None
     uts_namespace: str | None = None
+    # ``securityContext.readOnlyRootFilesystem``: "/" read-only; only the volumes, /dev and /proc are writable.
+    read_only_root: bool = False
 
 
 def launch_argv(spec: LaunchSpec) -> list[str]:
@@ -121,7 +123,12 @@ def container_init(spec_json: str) -> int:
                     os.close(status_fd)
                 return _shim(child)
         if spec["namespace"]:
-            _private_mounts([tuple(m) for m in spec["mounts"]], spec.get("termination"), bool(pid_namespace))
+            _private_mounts(
+                [tuple(m) for m in spec["mounts"]],
+                spec.get("termination"),
+                bool(pid_namespace),
+                bool(spec.get("read_only_root")),
+            )
         try:
             os.makedirs(spec["workdir"], exist_ok=True)
             os.chdir(spec["workdir"])
@@ -214,11 +221,17 @@ def _shim(child: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] | None, fresh_proc: bool) -> None:
+def _private_mounts(
+    mounts: list[tuple[str, str, bool]], termination: list[str] | None, fresh_proc: bool, read_only_root: bool = False
+) -> None:
     """Enter a new mount namespace and lay out /dev, the volumes and the termination message file.
 
     With ``fresh_proc`` (a process in its own PID namespace), a new ``/proc``
-    shows that namespace's processes only, as in a container.
+    shows that namespace's processes only, as in a container. With
+    ``read_only_root``, the root mount is made read-only in this namespace
+    only (the host's stays writable), after the mount points are made: what
+    the container can write is its volumes, ``/dev`` and the host's other
+    mounts (``/proc``, ``/sys``), as in a container whose root is read-only.
     """
     libc = _libc()
     check = _check
@@ -261,6 +274,9 @@ def _private_mounts(mounts: list[tuple[str, str, bool]], termination: list[str] 
     mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777")
     for fd, dst, ro in sorted(binds, key=lambda b: len(PurePosixPath(b[1]).parts)):
         bind(fd, dst, ro)
+    if read_only_root:
+        keep = os.statvfs("/").f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
     for fd, _, _ in binds:
         os.close(fd)
     for _, fd in dev:

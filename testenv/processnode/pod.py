@@ -34,6 +34,7 @@ from testenv.processnode.podspec import (
     field_value,
     log_tail,
     projected_items,
+    read_only_root,
     read_tail,
     safe_relpath,
 )
@@ -410,7 +411,7 @@ class PodRunner:
                 "the process node runs `command` + `args` only and knows no image entrypoint: set `command`",
             )
             return
-        mounts = self._mounts(c)
+        mounts = self._mounts(c, env)
         root = os.geteuid() == 0
         if mounts and not root:
             self._not_started(c, "ContainerCannotRun", "volumes need root (bind mounts in a private mount namespace)")
@@ -436,6 +437,7 @@ class PodRunner:
             status_fd=status_fd,
             net_namespace=network.net_namespace if network else None,
             uts_namespace=network.uts_namespace if network else None,
+            read_only_root=root and read_only_root(c.spec),
         )
         try:
             with log_path.open("ab") as out:
@@ -667,7 +669,8 @@ class PodRunner:
         # A container's temporary files are its own and go with its pod, as in its own /tmp under kubelet
         # (torchrun, for one, leaves a directory in the temporary directory at every run); the
         # container's own env may still set TMPDIR.
-        env["TMPDIR"] = str(self._own_tmp(c))
+        if not read_only_root(c.spec):  # a read-only root has no writable /tmp but what the pod mounts there
+            env["TMPDIR"] = str(self._own_tmp(c))
         for src in c.spec.get("envFrom") or []:
             for kind, key in (("configmaps", "configMapRef"), ("secrets", "secretRef")):
                 ref = src.get(key)
@@ -814,12 +817,14 @@ class PodRunner:
             raise NotYet(f"token for serviceaccount {self.namespace}/{sa}: {exc}") from None
         return {safe_relpath(src["path"]): (token["status"]["token"].encode(), None)}
 
-    def _mounts(self, c: Container) -> list[tuple[str, str, bool]]:
+    def _mounts(self, c: Container, env: dict[str, str]) -> list[tuple[str, str, bool]]:
         mounts = []
         for m in c.spec.get("volumeMounts") or []:
             src = self._volumes[m["name"]]
-            if m.get("subPath"):
-                src = src / safe_relpath(m["subPath"])
+            # subPathExpr: $(VAR) from the container's environment, as kubelet expands it.
+            sub = m.get("subPath") or (expand_vars(m["subPathExpr"], env) if m.get("subPathExpr") else "")
+            if sub:
+                src = src / safe_relpath(sub)
                 if not src.exists():
                     src.mkdir(parents=True)
             read_only = bool(m.get("readOnly")) or m["name"] in self._read_only

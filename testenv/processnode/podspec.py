@@ -35,6 +35,12 @@ def expand_vars(text: str, env: dict[str, str]) -> str:
     return _VAR_REF.sub(sub, text)
 
 
+def read_only_root(container: JSON) -> bool:
+    """Whether a container asks for a read-only root filesystem (``securityContext.readOnlyRootFilesystem``)."""
+    context = container.get("securityContext") or {}
+    return context.get("readOnlyRootFilesystem") is True
+
+
 class Unsupported(Exception):
     """The pod asks for something this stand-in does not emulate (a permanent error)."""
 
