@@ -376,7 +376,13 @@ def test_webhook() -> None:
 
 def test_two_renders_are_byte_identical() -> None:
     """GitOps: nothing random or time-dependent is rendered (no generated key or certificate)."""
-    for sets in ((), ("replicaCount=2",), ("webhook.certManager.enabled=true",), ("operator.watchNamespaces={ml}",)):
+    for sets in (
+        (),
+        ("webhook.enabled=true",),
+        ("replicaCount=2",),
+        ("webhook.certManager.enabled=true",),
+        ("operator.watchNamespaces={ml}",),
+    ):
         args = ["template", "rel", str(CHART), "--namespace", "spotguard-system"]
         for s in sets:
             args += ["--set", s]

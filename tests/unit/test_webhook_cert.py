@@ -87,3 +87,18 @@ def test_the_ca_goes_into_every_webhook_that_lacks_it() -> None:
     config = {"webhooks": [{"clientConfig": {"service": {}}}, {"clientConfig": {"caBundle": value}}]}
     assert ca_bundle_patch(config, ca) == [{"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": value}]
     assert ca_bundle_patch({"webhooks": [{"clientConfig": {"caBundle": value}}]}, ca) == []
+
+
+def test_the_operator_refuses_a_kept_certificate_it_cannot_make() -> None:
+    from spotguard.cli import build_parser
+    from spotguard.operator.cli import cert_secret_problem
+
+    def problem(*args: str) -> str | None:
+        return cert_secret_problem(build_parser().parse_args(["operator", "--webhook", *args]))
+
+    assert "needs --webhook-host" in (problem("--webhook-cert-secret", "s") or "")
+    assert "go together" in (problem("--webhook-cert-secret", "s", "--webhook-host", "h", "--webhook-cert", "c") or "")
+    assert "at most 3650" in (
+        problem("--webhook-cert-secret", "s", "--webhook-host", "h", "--webhook-cert-days", "0") or ""
+    )
+    assert problem("--webhook-cert-secret", "s", "--webhook-host", "sg.ns.svc") is None
