@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint.chunked import TOMBSTONES_DIR
-from spotguard.checkpoint.intents import read_intents
+from spotguard.checkpoint.intents import check_grace, read_intents
 from spotguard.checkpoint.latest import latest_verified
 from spotguard.checkpoint.manifest import (
     CHUNKS_DIR,
@@ -158,7 +158,10 @@ def find_orphans(
 
     A manifest of a format newer than this spotguard reads is never an
     orphan: it is most likely complete, and its chunks depend on it.
+    A ``grace`` that is not a finite number of seconds, 0 or more, is
+    refused (ValueError) before anything is read.
     """
+    grace = check_grace(grace)
     now = time.time() if now is None else now
     newest_step = parse_checkpoint_name(newest_verified) if newest_verified else None
     orphans: list[str] = []
@@ -380,8 +383,10 @@ def sweep_chunks(
     ``should_stop`` is asked once the chunks are listed, before each manifest
     read, each tombstone and each deletion: a preemption stops the sweep at its next object
     (``aborted`` then says so, ``kept`` counts every listed chunk), deleting
-    nothing more.
+    nothing more. A ``grace`` that is not a finite number of seconds, 0 or
+    more, is refused (ValueError) before anything is read.
     """
+    grace = check_grace(grace)
     now = time.time() if now is None else now
     listed: dict[str, ObjectInfo] = {}
     for info in storage.list_objects(f"{CHUNKS_DIR}/"):
@@ -464,8 +469,11 @@ def collect_garbage(
     A checkpoint stored incrementally that retention deletes leaves a
     tombstone that keeps its chunks for ``orphan_grace`` seconds, so its
     unique chunks go in a later collection; a dry run counts the chunks a
-    real run would delete now. ``now`` (unix seconds) is for tests.
+    real run would delete now. ``now`` (unix seconds) is for tests. An
+    ``orphan_grace`` that is not a finite number of seconds, 0 or more, is
+    refused (ValueError) before anything is read or deleted.
     """
+    orphan_grace = check_grace(orphan_grace)
     plan, newest = plan_storage_retention(storage, policy)
     report = GcReport(plan=plan, newest_verified=newest)
     report.orphans = find_orphans(storage, grace=orphan_grace, newest_verified=newest, now=now, waiting=report.waiting)

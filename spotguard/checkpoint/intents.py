@@ -16,17 +16,21 @@ and deletes no prefix of that checkpoint. So a sweep is safe for an upload
 of any length, not only for one shorter than the grace period; see
 :func:`spotguard.checkpoint.gc.sweep_chunks` for the whole argument.
 
-The lease (``SPOTGUARD_GC_LEASE_SECONDS``, default 60) is a protocol
-parameter: uploaders and collectors of one store must agree on it, and a
-collection's grace must not be shorter (:func:`minimum_orphan_grace`), so a
-chunk is not deleted while an upload that stalled for less than the grace
-may still name it.
+The lease (``SPOTGUARD_GC_LEASE_SECONDS``, default 60) is the uploader's:
+it is stored in the intent, and a collector judges each intent by the lease
+stored with it (its own only for an intent that stores none, written by an
+older spotguard), so uploaders and collectors configured differently still
+agree on which uploads are alive. A collection's grace must be a finite
+number of seconds, not negative (:func:`check_grace`), and not shorter than
+the lease (:func:`check_orphan_grace`), so a chunk is not deleted while an
+upload that stalled for less than the grace may still name it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -45,8 +49,12 @@ _ALIVE_SUFFIX = ".alive"
 
 
 def lease_seconds(env: Mapping[str, str] | None = None) -> float:
-    """The intent lease: ``SPOTGUARD_GC_LEASE_SECONDS``, default 60 (more than 0, or ValueError naming it)."""
-    return from_env(GC_LEASE_SECONDS, env)
+    """The intent lease: ``SPOTGUARD_GC_LEASE_SECONDS``, default 60 (a finite number more than 0, or
+    ValueError naming it)."""
+    lease = from_env(GC_LEASE_SECONDS, env)
+    if not math.isfinite(lease):
+        raise ValueError(f"{GC_LEASE_SECONDS.name} must be a finite number of seconds, not {lease!r}")
+    return lease
 
 
 def minimum_orphan_grace(env: Mapping[str, str] | None = None) -> float:
@@ -54,25 +62,49 @@ def minimum_orphan_grace(env: Mapping[str, str] | None = None) -> float:
     return lease_seconds(env)
 
 
+def check_grace(grace: float) -> float:
+    """Pure: ``grace`` when it is a finite number of seconds, 0 or more; else ValueError saying so.
+
+    A grace of ``nan`` compares false with every age, so "younger than the grace"
+    would never hold and fresh prefixes would be deleted; ``inf`` would keep
+    everything for ever while looking like a setting that collects."""
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not math.isfinite(grace) or grace < 0:
+        raise ValueError(f"an orphan grace must be a finite number of seconds, 0 or more, not {grace!r}")
+    return float(grace)
+
+
 def check_orphan_grace(grace: float, env: Mapping[str, str] | None = None) -> None:
-    """Refuse a grace shorter than the protocol needs (ValueError saying what to do)."""
+    """Refuse a grace the protocol cannot work with: not finite, negative (:func:`check_grace`) or
+    shorter than the upload lease (ValueError saying what to do)."""
+    check_grace(grace)
     least = minimum_orphan_grace(env)
     if grace < least:
         raise ValueError(
             f"an orphan grace of {grace:g}s is shorter than the upload lease ({least:g}s): a chunk of an upload "
-            f"that stalled briefly could be deleted; use at least {least:g} (the lease is {GC_LEASE_SECONDS.name})"
+            f"that stalled briefly could be deleted; use at least {least:g}, or a lease of at most {grace:g} "
+            f"(the lease is {GC_LEASE_SECONDS.name})"
         )
+
+
+def _stored_lease(doc: object, default: float) -> float:
+    """Pure: the lease an intent's document stores, or ``default`` where it stores none that is
+    usable (an intent of an older spotguard, or an unreadable one)."""
+    lease = doc.get("lease") if isinstance(doc, dict) else None
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not math.isfinite(lease) or lease <= 0:
+        return default
+    return float(lease)
 
 
 @dataclass(frozen=True)
 class Intent:
-    """A live upload: its checkpoint, the chunks it may reuse, and since when
-    (store clock) it may have stored chunks."""
+    """A live upload: its checkpoint, the chunks it may reuse, since when
+    (store clock) it may have stored chunks, and the lease it was judged by."""
 
     key: str
     checkpoint: str
     known: frozenset[str]
     since: float
+    lease: float | None = None
 
 
 @dataclass
@@ -98,7 +130,9 @@ class Intents:
 
 
 def read_intents(storage: Storage, now: float | None = None, lease: float | None = None) -> Intents:
-    """The intents in ``storage``, live and dead, at ``now`` (unix seconds)."""
+    """The intents in ``storage``, live and dead, at ``now`` (unix seconds). Each intent is
+    judged by the lease stored with it; ``lease`` (default: :func:`lease_seconds`) stands
+    for it where none is stored, and judges heartbeats left without their intent."""
     now = time.time() if now is None else now
     lease = lease_seconds() if lease is None else lease
     objects: dict[str, ObjectInfo] = {o.key: o for o in storage.list_objects(f"{UPLOADS_DIR}/")}
@@ -111,17 +145,18 @@ def read_intents(storage: Storage, now: float | None = None, lease: float | None
             continue
         alive = objects.get(key[: -len(_INTENT_SUFFIX)] + _ALIVE_SUFFIX)
         last = max(info.modified, alive.modified if alive else 0.0)
-        if now - last >= lease:
-            found.dead.append(key)
-            if alive is not None:
-                found.dead.append(alive.key)
-            continue
         try:
             doc = json.loads(storage.read_bytes(key))
         except NotFoundError:
             continue  # the upload finished meanwhile: its manifest is written
         except ValueError:
             doc = {}
+        held = _stored_lease(doc, lease)
+        if now - last >= held:
+            found.dead.append(key)
+            if alive is not None:
+                found.dead.append(alive.key)
+            continue
         known = doc.get("known") if isinstance(doc, dict) else None
         checkpoint = doc.get("checkpoint") if isinstance(doc, dict) else None
         found.live.append(
@@ -131,6 +166,7 @@ def read_intents(storage: Storage, now: float | None = None, lease: float | None
                 known=frozenset(d for d in known if isinstance(d, str)) if isinstance(known, list) else frozenset(),
                 # An unreadable intent protects everything stored since it was.
                 since=info.modified,
+                lease=held,
             )
         )
     return found
@@ -141,13 +177,16 @@ def upload_intent(
     storage: Storage, checkpoint: str, known: Iterable[str] = (), lease: float | None = None
 ) -> Iterator[str]:
     """Make an upload of ``checkpoint`` that may reuse ``known`` visible to
-    collectors for as long as the block runs; yields the intent's key.
+    collectors for as long as the block runs; yields the intent's key. The
+    intent stores ``lease`` (default :func:`lease_seconds`), the one its
+    heartbeat keeps and collectors judge it by.
     Storage errors writing the intent propagate (the upload must not go on
     unseen); errors removing it are logged (it dies with its lease)."""
     lease = lease_seconds() if lease is None else lease
     base = f"{UPLOADS_DIR}/{checkpoint}.{uuid.uuid4().hex[:16]}"
     key = base + _INTENT_SUFFIX
-    storage.write_bytes(key, json.dumps({"checkpoint": checkpoint, "known": sorted(set(known))}).encode())
+    doc = {"checkpoint": checkpoint, "known": sorted(set(known)), "lease": lease}
+    storage.write_bytes(key, json.dumps(doc).encode())
     stop = threading.Event()
 
     def beat() -> None:

@@ -6,6 +6,7 @@ Argument parsing only: heavy imports happen inside the functions that need them.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 from spotguard.contract import env
@@ -114,9 +115,30 @@ def add_incremental_arg(p: argparse.ArgumentParser) -> None:
 def incremental_from_args(args: argparse.Namespace) -> bool:
     """Whether uploads are incremental: the option, else ``SPOTGUARD_INCREMENTAL``, else on.
 
-    Raises ValueError (one line, naming the variable) for a value that is no boolean.
+    Raises ValueError (one line, naming the variable) for a value that is no boolean, and,
+    when incremental, for an upload lease the uploader's own chunk sweep cannot honour
+    (:func:`check_sweep_lease`).
     """
-    return env.option_or_env(env.INCREMENTAL, args.incremental)
+    incremental = env.option_or_env(env.INCREMENTAL, args.incremental)
+    if incremental:
+        check_sweep_lease()
+    return incremental
+
+
+def check_sweep_lease(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse an upload lease (``SPOTGUARD_GC_LEASE_SECONDS``) longer than the grace of the chunk
+    sweep the uploader's housekeeping runs: a chunk of an upload stalled for less than the lease
+    could be deleted under it. ValueError (one line) saying what to set."""
+    from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
+    from spotguard.checkpoint.intents import lease_seconds
+
+    lease = lease_seconds(environ)
+    if lease > DEFAULT_ORPHAN_GRACE:
+        raise ValueError(
+            f"{env.GC_LEASE_SECONDS.name}={lease:g} is longer than the grace of the uploader's chunk sweep "
+            f"({DEFAULT_ORPHAN_GRACE:g}s): a chunk of an upload that stalled for less than the lease could be "
+            f"deleted; set {env.GC_LEASE_SECONDS.name} to at most {DEFAULT_ORPHAN_GRACE:g}"
+        )
 
 
 def notice_stops_training_from_args(args: argparse.Namespace) -> bool:

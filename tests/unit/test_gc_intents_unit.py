@@ -8,6 +8,7 @@ from spotguard.checkpoint.gc import plan_sweep
 from spotguard.checkpoint.intents import (
     Intent,
     Intents,
+    check_grace,
     check_orphan_grace,
     lease_seconds,
     minimum_orphan_grace,
@@ -46,3 +47,22 @@ def test_a_live_upload_keeps_what_it_names_and_what_was_stored_since_it_began() 
     two = Intents(live=[*live.live, Intent("gc/uploads/y.json", "ckpt-000000000030", frozenset(), since=50.0)])
     assert two.floor == 50.0
     assert plan_sweep(chunks, two.known, grace=10, now=1000.0, floor=two.floor) == []
+
+
+@pytest.mark.parametrize("grace", [float("nan"), float("inf"), float("-inf"), -1.0, -0.001])
+def test_a_grace_must_be_a_finite_number_of_seconds_not_negative(grace: float) -> None:
+    with pytest.raises(ValueError, match="finite number of seconds, 0 or more"):
+        check_grace(grace)
+    with pytest.raises(ValueError, match="finite number of seconds, 0 or more"):
+        check_orphan_grace(grace, {})
+    assert check_grace(0) == 0.0 and check_grace(3600) == 3600.0
+
+
+def test_an_infinite_lease_is_refused_naming_the_variable() -> None:
+    with pytest.raises(ValueError, match=LEASE_ENV):
+        lease_seconds({LEASE_ENV: "inf"})
+
+
+def test_the_grace_check_says_what_to_change() -> None:
+    with pytest.raises(ValueError, match=r"use at least 7200, or a lease of at most 3600"):
+        check_orphan_grace(3600, {LEASE_ENV: "7200"})
