@@ -80,6 +80,11 @@ class LatestWatch:
     its tag is the one kept: a pointer moved in between only costs one more
     full read at the next poll, never a stale result.
 
+    A pointer read without a version tag (an empty entity tag or
+    generation: a store or emulator that does not report one) cannot say
+    "unchanged" at all: its tag is unknown, never kept, and every poll reads
+    in full, as without a watch.
+
     Because the pointer only moves forward, it cannot signal a new checkpoint
     older than the step it names: when it names a step newer than the newest
     checkpoint that verifies (that one was damaged or removed, and training
@@ -144,7 +149,8 @@ class LatestWatch:
         # is not ahead of what verifies; and only once the read succeeded: a failed one changes nothing.
         pointed = parse_pointer(pointer[0]) if pointer is not None else None
         trusted = pointer is not None and pointed is not None and info is not None and pointed <= info.step
-        self._etag = pointer[1] if trusted and pointer is not None else None
+        # An empty tag is an unknown one: a conditional read against it would take any pointer for unchanged.
+        self._etag = pointer[1] if trusted and pointer is not None and pointer[1] else None
         self._result = (info, list(skipped))
         self._full_at = started
         self.full_reads += 1

@@ -309,3 +309,27 @@ def test_s3_conditional_read_answers_304_and_is_retried(s3_store: Any, s3_uri: s
         assert info is not None and info.step == 20 and watch.last_full
         assert watch.poll()[0].step == 20 and not watch.last_full  # type: ignore[union-attr]
     assert data
+
+
+def test_a_pointer_read_without_a_version_tag_is_read_in_full_every_poll(
+    gcs_store: Any, gs_uri: str, tmp_path: Path
+) -> None:
+    """Against the GCS emulator, its answers stripped of the object's generation (as from a store or
+    proxy that does not report one): the pointer's version tag is empty, so unknown. The watch never
+    takes it for "unchanged": a new verified checkpoint is seen at the next poll."""
+    watched = open_storage(gs_uri, **gcs_store.options())
+    writer = open_storage(gs_uri, **gcs_store.options())
+
+    def no_generation(response: Any, *args: Any, **kwargs: Any) -> Any:
+        response.headers.pop("X-Goog-Generation", None)
+        return response
+
+    watched.client._http.hooks["response"].append(no_generation)  # type: ignore[attr-defined]
+    upload_checkpoint(commit_local(tmp_path / "s10", 10), writer)
+    watch = LatestWatch(watched, full_read_seconds=3600, clock=Clock())
+    assert watch.poll()[0].step == 10  # type: ignore[union-attr]
+    assert watched.read_with_etag(POINTER_NAME)[1] == ""  # type: ignore[index]  # the tag really is empty
+    upload_checkpoint(commit_local(tmp_path / "s20", 20), writer)
+    info, _ = watch.poll()
+    assert info is not None and info.step == 20 and watch.last_full
+    assert watch.poll()[0].step == 20 and watch.last_full  # type: ignore[union-attr]
