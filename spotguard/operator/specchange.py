@@ -247,11 +247,12 @@ def hold(
             return kept(spec, before), st, tuple(events)
     if refused.get("status") == "True":
         reason = R_SPEC_CHANGE_APPLIED if allows_restart(job) or not started_and_running(st) else R_SPEC_CHANGE_REVERTED
-        message = (
-            "the spec change is applied from the next attempt on"
-            if reason == R_SPEC_CHANGE_APPLIED
-            else "the spec is back to the values the job runs with"
-        )
+        if reason == R_SPEC_CHANGE_REVERTED:
+            message = "the spec is back to the values the job runs with"
+        elif started_and_running(st):
+            message = "the spec change is applied from the next attempt on (allowed by the annotation)"
+        else:
+            message = "the job is not running: the spec applies as it is"
         set_condition(
             st.setdefault("conditions", []), COND_SPEC_CHANGE_REFUSED, False, reason, message, now, generation
         )
