@@ -652,3 +652,8 @@ def signal_trainer(
     except OSError:
         return False
     return True
+
+
+#: In the sidecar's termination report: the pod's own directory of its node (hostPath staging,
+#: ``SPOTGUARD_STAGING_POD_DIR``) is removed, so the operator runs no cleanup of it.
+REPORT_POD_DIR_REMOVED = "podDirRemoved"

@@ -217,6 +217,18 @@ READ_CHECKPOINTS = _var(
     "READ_CHECKPOINTS", bool, True, "read each job's storage (with its credentials Secret) for its status"
 )
 HOST_PORT_RANGE = _var("HOST_PORT_RANGE", str, "20000-29999", "host ports for jobs with hostNetwork, FIRST-LAST")
+STAGING_HOST_PATH_PREFIX = _var(
+    "STAGING_HOST_PATH_PREFIX",
+    str,
+    None,
+    "the nodes' directory a job's hostPath staging must lie under (unset: hostPath staging is refused)",
+)
+STAGING_POD_DIR = _var(
+    "STAGING_POD_DIR",
+    str,
+    None,
+    "hostPath staging: the pod's own directory of its node, which the sidecar removes once the trainer is gone",
+)
 
 # The test environment's run marker: processes carrying it are the run's leftovers; the demo passes it on.
 TESTENV_RUN = _var("TESTENV_RUN", str, None, "the test environment's run marker (passed on by the demo)")

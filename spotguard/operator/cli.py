@@ -124,6 +124,14 @@ def register(subparsers: Any) -> None:
         " env SPOTGUARD_HOST_PORT_RANGE)",
     )
     p.add_argument(
+        "--staging-host-path-prefix",
+        default=cli_default(env.STAGING_HOST_PATH_PREFIX),
+        metavar="DIR",
+        help="the nodes' directory under which a job's spec.checkpoint.staging.hostPath must lie (a local NVMe"
+        " mount the platform prepared); unset: every hostPath staging is refused"
+        " (env SPOTGUARD_STAGING_HOST_PATH_PREFIX)",
+    )
+    p.add_argument(
         "--notice-url",
         default=None,
         metavar="URL",
@@ -299,6 +307,13 @@ def run_operator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"spotguard operator: --host-port-range: {exc}", file=sys.stderr)
         return 2
+    from spotguard.operator.staging import parse_host_path_prefix
+
+    try:
+        host_path_prefix = parse_host_path_prefix(args.staging_host_path_prefix)
+    except ValueError as exc:
+        print(f"spotguard operator: --staging-host-path-prefix: {exc}", file=sys.stderr)
+        return 2
     if overlaps_nodeports(*host_port_range):
         print(
             f"spotguard operator: warning: --host-port-range {format_range(host_port_range)} overlaps Kubernetes'"
@@ -340,6 +355,7 @@ def run_operator(args: argparse.Namespace) -> int:
         checkpoint_read_timeout_seconds=args.checkpoint_read_timeout_seconds,
         checkpoint_max_object_bytes=args.checkpoint_max_object_bytes,
         host_port_range=host_port_range,
+        staging_host_path_prefix=host_path_prefix,
         notice_url=args.notice_url or None,
         webhook=args.webhook,
         webhook_addr=args.webhook_address,

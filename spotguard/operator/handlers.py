@@ -83,6 +83,8 @@ class OperatorOptions:
     checkpoint_max_object_bytes: int = MAX_OBJECT_BYTES
     #: Host ports handed to jobs with hostNetwork (first, last).
     host_port_range: tuple[int, int] = DEFAULT_HOST_PORT_RANGE
+    #: The nodes' directory a job's hostPath staging must lie under (None: hostPath staging is refused).
+    staging_host_path_prefix: str | None = None
     #: The notice relay's URL the sidecars of jobs with the k8s source poll (None: they read their pod directly).
     notice_url: str | None = None
     webhook: bool = False
@@ -190,6 +192,7 @@ def operator_config(options: OperatorOptions, core: Any) -> OperatorConfig:
         image_pull_policy=options.image_pull_policy,
         native_sidecar=native,
         notice_url=options.notice_url,
+        host_path_prefix=options.staging_host_path_prefix,
     )
 
 

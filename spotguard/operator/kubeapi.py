@@ -102,6 +102,8 @@ class Context:
     port_lock: threading.Lock = field(default_factory=threading.Lock)
     #: Jobs waiting for a free pair of host ports (woken when a job finishes or goes).
     port_waiting: set[tuple[str, str]] = field(default_factory=set)
+    #: Failed staging cleanup pods already reported by an Event (``namespace/pod``; see stagingdirs).
+    reported_cleanups: set[str] = field(default_factory=set)
     waiting_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def waiting_for_ports(self) -> list[tuple[str, str]]:

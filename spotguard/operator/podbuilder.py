@@ -52,7 +52,7 @@ from spotguard.operator.spec import (
     CheckpointSpec,
     TrainingJobSpec,
 )
-from spotguard.operator.staging import StagingSpec
+from spotguard.operator.staging import StagingSpec, sidecar_pod_dir
 from spotguard.version import __version__
 
 LABEL_JOB = "spotguard.dev/job"
@@ -104,6 +104,8 @@ class OperatorConfig:
     sidecar_resources: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_SIDECAR_RESOURCES))
     #: The notice relay the sidecars of jobs with the ``k8s`` source ask (``--notice-url``); None: no relay.
     notice_url: str | None = None
+    #: The nodes' directory a job's hostPath staging must lie under (None: hostPath staging is refused).
+    host_path_prefix: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,6 +416,10 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
     if not inj.checkpoint.incremental:
         # Only the sidecar uploads; absent when on (its default).
         c["env"].append(_contract_value(envvars.INCREMENTAL, False))
+    pod_dir = sidecar_pod_dir(SHARED_VOLUME, inj.checkpoint.staging)
+    if pod_dir is not None:  # hostPath staging: it removes its pod's directory of the node at its end
+        c["volumeMounts"].append(pod_dir[0])
+        c["env"].append(pod_dir[1])
     if inj.metrics_port:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
     # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.

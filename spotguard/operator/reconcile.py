@@ -62,6 +62,8 @@ from spotguard.operator.podbuilder import LABEL_ATTEMPT, LABEL_JOB, build_pods, 
 from spotguard.operator.spec import TrainingJobSpec, check_name, parse
 from spotguard.operator.specchange import hold
 from spotguard.operator.specfields import SpecError
+from spotguard.operator.staging import check_host_path
+from spotguard.operator.stagingdirs import clean_staging
 from spotguard.operator.times import parse_time
 
 log = logging.getLogger("spotguard.operator")
@@ -204,6 +206,7 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
     try:
         spec = parse(job.get("spec"))
         check_name(name, spec)
+        check_host_path(spec.checkpoint.staging, ctx.config.host_path_prefix)
     except SpecError as exc:
         spec = exc
     now = now or datetime.now(UTC)
@@ -234,6 +237,8 @@ def _reconcile(ctx: Context, namespace: str, name: str, now: datetime | None) ->
     if allocated_events:
         decision = replace(decision, events=allocated_events + decision.events)
     decision = apply(ctx, job, spec, decision, now, ports)
+    if isinstance(spec, TrainingJobSpec):
+        clean_staging(ctx, job, spec, now)  # hostPath staging: the directories of ended pods
     if decision.status.get("phase") in TERMINAL_PHASES:
         decision.status.pop(hp.STATUS_FIELD, None)  # a finished job frees its host ports
     report(ctx, job, status, decision, now)

@@ -12,12 +12,14 @@ turns it into the pod's volume.
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from spotguard.contract import env as envvars
 from spotguard.operator.specfields import DNS_SUBDOMAIN_RE, SpecError, read_obj, read_str
 
 #: A Kubernetes quantity (``resource.Quantity``): a decimal number and an optional suffix.
@@ -45,6 +47,8 @@ _QUANTITY_FACTORS: Mapping[str, Decimal] = {
 #: The kinds of ``spec.checkpoint.staging``, as the pod volume sources they become.
 STAGING_KINDS = ("emptyDir", "ephemeral", "hostPath")
 EMPTY_DIR_MEDIA = ("", "Memory")
+#: hostPath staging: where the sidecar mounts its namespace's directory of the node (its pod's own is in it).
+NODE_DIR = "/var/lib/spotguard-node"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,3 +134,56 @@ def parse_staging(raw: Any, path: str = "spec.checkpoint.staging") -> StagingSpe
     if not host.startswith("/") or host.rstrip("/") == "" or ".." in parts:
         raise SpecError(f"{kpath}.path", f"must be an absolute directory on the node other than /, not {host!r}")
     return StagingSpec(kind, path=host.rstrip("/"))
+
+
+def parse_host_path_prefix(text: str | None) -> str | None:
+    """The operator's ``--staging-host-path-prefix`` (None or "": hostPath staging is off).
+
+    Raises ValueError for a prefix that is not an absolute, normalized
+    directory, or that is ``/`` (which would let a job have any directory of
+    its node).
+    """
+    if not text:
+        return None
+    prefix = text.rstrip("/")
+    if not text.startswith("/") or not prefix:
+        raise ValueError(f"must be an absolute directory other than /, not {text!r}")
+    if posixpath.normpath(prefix) != prefix:
+        raise ValueError(f"must be a normalized path (no '.', '..' or '//'), not {text!r}")
+    return prefix
+
+
+def check_host_path(staging: StagingSpec | None, prefix: str | None, path: str = "spec.checkpoint.staging") -> None:
+    """Refuse a ``hostPath`` staging the platform does not allow (``SpecError`` naming the field).
+
+    A hostPath gives the pod a directory of its node, outside anything the
+    cluster accounts for: it must lie under the prefix the platform set
+    (``--staging-host-path-prefix``, the chart's ``staging.hostPathPrefix``),
+    and without one no job may use hostPath staging at all.
+    """
+    if staging is None or staging.kind != "hostPath":
+        return
+    field = f"{path}.hostPath.path"
+    if prefix is None:
+        raise SpecError(
+            field,
+            "hostPath staging is off in this cluster: the platform allows it by setting the operator's"
+            " staging host path prefix (chart value staging.hostPathPrefix); use emptyDir or ephemeral staging",
+        )
+    host = staging.path or ""
+    if posixpath.normpath(host) != host or not (host == prefix or host.startswith(f"{prefix}/")):
+        raise SpecError(field, f"must be a normalized directory under {prefix}/ (the platform's prefix), not {host!r}")
+
+
+def sidecar_pod_dir(volume: str, staging: StagingSpec | None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """hostPath staging: the sidecar's mount of its namespace's directory of the node (of volume ``volume``),
+    and the variable naming its pod's own directory there, which it removes at its end
+    (see :mod:`~spotguard.operator.stagingdirs`). None for any other staging.
+
+    ``$(POD_NAME)`` is expanded by kubelet: the contract's environment defines it earlier.
+    """
+    if staging is None or staging.kind != "hostPath":
+        return None
+    mount = {"name": volume, "mountPath": NODE_DIR, "subPathExpr": "$(POD_NAMESPACE)"}
+    value = envvars.to_env(envvars.STAGING_POD_DIR, f"{NODE_DIR}/$(POD_NAME)")
+    return mount, {"name": envvars.STAGING_POD_DIR.name, "value": value}

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotguard.contract.control import RunEnd, read_staging_full
-from spotguard.contract.env import EMERGENCY_STAGING, from_env
+from spotguard.contract.control import REPORT_POD_DIR_REMOVED, RunEnd, read_staging_full
+from spotguard.contract.env import EMERGENCY_STAGING, STAGING_POD_DIR, from_env
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
 from spotguard.sidecar.metrics import SIDECAR_PORT_HINT
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
@@ -144,10 +145,11 @@ def run_sidecar(
                 if flushed:
                     log.info("trainer exited; everything committed is shipped")
                 end = agent.run_end(None, trainer_gone_before_signal=True)
-                _report(agent, options, end, metrics_error)
+                report = _report(agent, options, end, metrics_error)
                 if flushed and not end.preempted and not latch.event.is_set():
                     agent.shipper.housekeeping(latch.event.is_set)
                 _settle_staging(agent)
+                _remove_pod_dir(agent, options, report)
                 if event is not None:
                     # A trainer that finished within seconds must not take the
                     # Event with it (bounded by the request timeouts; never on
@@ -161,12 +163,13 @@ def run_sidecar(
         ok = agent.emergency(latch.source, latch.received_at)
         agent.settle_pending()
         _settle_staging(agent)
-        _report(
+        report = _report(
             agent,
             options,
             agent.run_end(latch.source, trainer_gone_before_signal=trainer_before == "gone"),
             metrics_error,
         )
+        _remove_pod_dir(agent, options, report)
         # Retention waits for the next routine round (the next pod's sidecar):
         # the grace period is for the checkpoint only.
         return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
@@ -182,7 +185,31 @@ def _settle_staging(agent: CheckpointAgent) -> None:
         agent.settle_staging(Path(staging))
 
 
-def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> None:
+def _remove_pod_dir(agent: CheckpointAgent, options: SidecarOptions, report: dict[str, Any]) -> None:
+    """hostPath staging: remove this pod's own directory of its node (``SPOTGUARD_STAGING_POD_DIR``), last.
+
+    Only once the trainer is gone: nothing reads the directory any more (the
+    next attempt resumes from storage, as from an emptyDir, which kubelet
+    removes with its pod). The report then says so, and the operator runs no
+    cleanup of its own; a directory left here (the trainer still running,
+    a file this user cannot remove) is the operator's to remove.
+    """
+    pod_dir = from_env(STAGING_POD_DIR)
+    if not pod_dir or agent.trainer_state() != "gone":
+        return
+    try:
+        shutil.rmtree(pod_dir)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove this pod's staging directory %s (the operator will): %s", pod_dir, exc)
+        return
+    log.info("removed this pod's staging directory %s", pod_dir)
+    report[REPORT_POD_DIR_REMOVED] = True
+    write_termination_report(options.termination_log, report)
+
+
+def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> dict[str, Any]:
     t0 = time.monotonic()
     last = agent.shipper.last_shipped
     report = termination_report(
@@ -193,3 +220,4 @@ def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metric
         report["stagingFull"] = full
     write_termination_report(options.termination_log, report)
     log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason, step=report.get("step"))
+    return report

@@ -8,6 +8,7 @@ an attempt's end is produced by patching its pod's status, as kubelet would.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ from spotguard.operator.testing import OperatorProcess
 from testenv.kubetest import (
     cond,
     create_job,
+    delete_jobs,
     no_node_job,
     patch_pod_status,
     pod_names,
     run_pod,
+    start_operator,
     terminated,
     wait_event,
     wait_events,
@@ -33,6 +36,21 @@ from testenv.kubetest import (
 pytestmark = pytest.mark.integration
 
 NS_PREFIX = "stage"
+#: The platform's directory of the nodes that hostPath staging must lie under.
+HOST_PATH_PREFIX = "/mnt/nvme"
+
+
+@pytest.fixture(scope="module")
+def operator(kube: Any, ns: str, apis: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The module's operator, allowing hostPath staging under :data:`HOST_PATH_PREFIX`."""
+    log_path = tmp_path_factory.mktemp("operator") / f"operator-{ns}.log"
+    op = start_operator(kube, ns, log_path, extra_args=["--staging-host-path-prefix", HOST_PATH_PREFIX])
+    try:
+        yield op
+        delete_jobs(apis, ns, pods=False)
+    finally:
+        op.stop()
+        print(f"--- operator log ({op.log_path}) ---\n{op.log_tail(60)}")
 
 
 def staged(name: str, storage: str, staging: Any) -> dict[str, Any]:
@@ -79,9 +97,18 @@ def test_pods_get_the_staging_the_spec_places(
     pod, volume = staging_volume(apis, ns, "nvme-a1")
     assert (volume.host_path.path, volume.host_path.type) == ("/mnt/nvme/spotguard", "DirectoryOrCreate")
     mounts = [
-        m for c in [*pod.spec.init_containers, *pod.spec.containers] for m in c.volume_mounts if m.name == "spotguard"
+        (c.name, m.mount_path, m.sub_path_expr)
+        for c in [*pod.spec.init_containers, *pod.spec.containers]
+        for m in c.volume_mounts
+        if m.name == "spotguard"
     ]
-    assert len(mounts) == 3 and {m.sub_path_expr for m in mounts} == {"$(POD_NAMESPACE)/$(POD_NAME)"}
+    # Each container its pod's own directory; the sidecar also its namespace's, to remove its pod's at its end.
+    assert sorted(mounts) == [
+        ("spotguard-restore", "/var/lib/spotguard", "$(POD_NAMESPACE)/$(POD_NAME)"),
+        ("spotguard-sidecar", "/var/lib/spotguard", "$(POD_NAMESPACE)/$(POD_NAME)"),
+        ("spotguard-sidecar", "/var/lib/spotguard-node", "$(POD_NAMESPACE)"),
+        ("trainer", "/var/lib/spotguard", "$(POD_NAMESPACE)/$(POD_NAME)"),
+    ]
 
 
 def test_bad_staging_is_refused_naming_the_field(
@@ -100,6 +127,23 @@ def test_bad_staging_is_refused_naming_the_field(
     assert "spec.checkpoint.staging" in message and "exactly one" in message
     wait_events(apis, ns, "both", {"InvalidSpec"})
     assert pod_names(apis, ns, "both") == []
+
+
+@pytest.mark.parametrize(
+    ("job", "path"),
+    [("beside", "/mnt/nvme2/spotguard"), ("system", "/var/lib/kubelet"), ("above", "/mnt")],
+)
+def test_a_host_path_outside_the_platforms_prefix_is_refused(
+    apis: tuple[Any, Any], ns: str, operator: OperatorProcess, tmp_path: Path, job: str, path: str
+) -> None:
+    create_job(apis, ns, staged(job, f"file://{tmp_path}/store", {"hostPath": {"path": path}}))
+    st = wait_status(apis, ns, job, "Invalid", lambda s: cond(s, "Invalid").get("status") == "True")
+    assert st["phase"] == "Failed"
+    message = cond(st, "Invalid")["message"]
+    assert "spec.checkpoint.staging.hostPath.path" in message and f"under {HOST_PATH_PREFIX}/" in message, message
+    assert path in message
+    wait_event(apis, ns, job, "InvalidSpec", lambda t, r, m: t == "Warning" and HOST_PATH_PREFIX in m)
+    assert pod_names(apis, ns, job) == []
 
 
 def test_a_full_staging_volume_is_shown_on_the_job(

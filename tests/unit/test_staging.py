@@ -181,9 +181,12 @@ def test_host_path_gives_each_pod_its_own_directory(native: bool) -> None:
         "name": SHARED_VOLUME,
         "hostPath": {"path": "/mnt/nvme/sg", "type": "DirectoryOrCreate"},
     }
-    mounts = shared_mounts(pod_spec)
+    mounts = [m for m in shared_mounts(pod_spec) if m["mountPath"] == MOUNT_PATH]
     assert len(mounts) == 3  # restore, trainer, sidecar
     assert all(m == {"name": SHARED_VOLUME, "mountPath": MOUNT_PATH, "subPathExpr": HOST_PATH_SUBDIR} for m in mounts)
+    # The sidecar also mounts its namespace's directory, to remove its pod's own at its end.
+    node = [m for m in shared_mounts(pod_spec) if m["mountPath"] != MOUNT_PATH]
+    assert node == [{"name": SHARED_VOLUME, "mountPath": "/var/lib/spotguard-node", "subPathExpr": "$(POD_NAMESPACE)"}]
     # The subdirectory's variables come from every container's own environment.
     containers = [*pod_spec.get("initContainers", []), *pod_spec["containers"]]
     for c in containers:
