@@ -9,14 +9,12 @@ local processes). Each spot death is one of the process node's three modes.
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,107 +25,39 @@ from spotguard.operator.leader import LOST_EXIT_CODE, pod_of
 from spotguard.operator.podbuilder import ANNOTATION_OPERATOR_INSTANCE
 from spotguard.operator.testing import free_ports, http_get, metric_value, wait_for
 from testenv import trials
-from testenv.kubetest import audit_writes, lease_holder
+from testenv.e2e import (
+    CHART,
+    DDP_EXAMPLE,
+    DEV_VALUES,
+    GROUP,
+    HF_EXAMPLE,
+    OPERATOR_NS,
+    PLURAL,
+    RELEASE,
+    VERSION,
+    Env,
+    assert_final_bitwise,
+    check_one_actor_at_a_time,
+    create_bucket_and_secret,
+    delete_jobs,
+    example,
+    final_digest,
+    helm_install,
+    last_step,
+    leader,
+    operator_pods,
+    preempted_after,
+    reference_args,
+    reference_env,
+    resumed_from,
+    runs,
+    verified_step,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "spotguard"
-EXAMPLE = ROOT / "examples" / "trainingjob.yaml"
-DEV_VALUES = ROOT / "examples" / "dev-values.yaml"
 #: The shortest step the example's preemption test gives the trainer (--step-delay).
 SLOW_STEP_SECONDS = 0.15
-RELEASE, OPERATOR_NS = "spotguard", "spotguard-system"
-GROUP, VERSION, PLURAL = "spotguard.dev", "v1alpha1", "trainingjobs"
-
-
-@dataclass
-class Env:
-    kube: Any
-    core: Any
-    custom: Any
-    ns: str
-    metrics_port: int
-    s3: Any
-    nodes: Any
-    log_dir: Path
-    prom: Any = None
-
-    def tool(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.kube.bin_dir / name), "--kubeconfig", str(self.kube.kubeconfig), *args],
-            capture_output=True,
-            text=True,
-            check=check,
-            timeout=300,
-        )
-
-    def status(self, job: str) -> dict[str, Any]:
-        body = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, job)
-        return dict(body.get("status") or {})
-
-    def wait_status(self, job: str, what: str, pred: Any, timeout: float = 240) -> dict[str, Any]:
-        try:
-            return wait_for(
-                lambda: (lambda s: s if pred(s) else None)(self.status(job)),
-                f"{job}: {what}",
-                timeout=timeout,
-                interval=0.5,
-            )
-        except TimeoutError as exc:
-            raise AssertionError(f"{exc}\nstatus: {self.status(job)}\n{self.describe(job)}") from None
-
-    def wait_pod_running(self, pod: str, timeout: float = 180) -> None:
-        def running() -> bool:
-            p = self.core.read_namespaced_pod(pod, self.ns)
-            return bool(p.status.phase == "Running" and p.metadata.deletion_timestamp is None)
-
-        try:
-            wait_for(running, f"pod {pod} Running", timeout=timeout, interval=0.3)
-        except TimeoutError as exc:
-            raise AssertionError(f"{exc}\n{self.describe(pod.rsplit('-a', 1)[0])}") from None
-
-    def trainer_log(self, pod: str) -> str:
-        path = self.nodes.log_path(self.ns, pod, "trainer")
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def ends(self, job: str) -> str:
-        """The job's Events and how each of its pods' containers ended, for an assertion message."""
-        events = self.core.list_namespaced_event(self.ns, field_selector=f"involvedObject.name={job}").items
-        lines = [f"event {e.reason}: {e.message}" for e in sorted(events, key=lambda e: str(e.last_timestamp))]
-        for p in self.core.list_namespaced_pod(self.ns, label_selector=f"spotguard.dev/job={job}").items:
-            for c in p.status.container_statuses or []:
-                t = c.state.terminated if c.state else None
-                if t is not None and t.exit_code:
-                    lines.append(
-                        f"pod {p.metadata.name} container {c.name} exited {t.exit_code} ({t.reason}): "
-                        f"{(t.message or '').strip()[-500:]}"
-                    )
-        return "\n".join(lines)
-
-    def describe(self, job: str) -> str:
-        pods = self.tool("kubectl", "get", "pods", "-n", self.ns, "-o", "wide", check=False).stdout
-        events = self.tool("kubectl", "get", "events", "-n", self.ns, "--sort-by=.lastTimestamp", check=False).stdout
-        return f"pods:\n{pods}\nevents:\n{events[-3000:]}"
-
-
-def adopt_crd(env: Env) -> None:
-    crd = "crd/trainingjobs.spotguard.dev"
-    if env.tool("kubectl", "get", crd, check=False).returncode == 0:
-        env.tool("kubectl", "label", "--overwrite", crd, "app.kubernetes.io/managed-by=Helm")
-        env.tool(
-            "kubectl",
-            "annotate",
-            "--overwrite",
-            crd,
-            f"meta.helm.sh/release-name={RELEASE}",
-            f"meta.helm.sh/release-namespace={OPERATOR_NS}",
-        )
-
-
-def example() -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
-    return doc
 
 
 @pytest.fixture(scope="module")
@@ -152,21 +82,7 @@ def env(
     e = Env(kube, core, custom, ns, metrics_port, s3_store, process_nodes, log_dir)
 
     # What examples/dev-setup.sh does on the dev cluster: the bucket and the Secret.
-    bucket = example()["spec"]["checkpoint"]["storage"].split("/")[2]
-    s3 = s3_store.client()
-    if bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
-        s3.create_bucket(Bucket=bucket)
-    core.create_namespaced_secret(
-        ns,
-        {
-            "metadata": {"name": "spotguard-s3"},
-            "stringData": {
-                "AWS_ACCESS_KEY_ID": s3_store.access_key,
-                "AWS_SECRET_ACCESS_KEY": s3_store.secret_key,
-                "AWS_ENDPOINT_URL": s3_store.endpoint_url,
-            },
-        },
-    )
+    create_bucket_and_secret(core, s3_store, ns)
 
     values = log_dir / "values.yaml"
     values.write_text(
@@ -182,22 +98,8 @@ def env(
     dev = yaml.safe_load(DEV_VALUES.read_text())
     dev["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["namespaces"] = [ns]
     (log_dir / "dev-values.yaml").write_text(yaml.safe_dump(dev))
-    adopt_crd(e)
     try:
-        e.tool(
-            "helm",
-            "upgrade",
-            "--install",
-            RELEASE,
-            str(CHART),
-            "--namespace",
-            OPERATOR_NS,
-            "--create-namespace",
-            "-f",
-            str(log_dir / "dev-values.yaml"),
-            "-f",
-            str(values),
-        )
+        helm_install(e, log_dir / "dev-values.yaml", values)
         # The operator runs as a pod on a process node, with its ServiceAccount and the chart's RBAC.
         # Pods of process nodes have their own network: the operator is reached at its pod IP.
         wait_for(
@@ -219,15 +121,7 @@ def env(
         yield e
     finally:
         # TrainingJobs first, while the operator still runs: it owns their finalizer.
-        custom.delete_collection_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)
-        try:
-            wait_for(
-                lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"],
-                "the TrainingJobs to be deleted",
-                timeout=60,
-            )
-        except TimeoutError as exc:
-            print(exc)
+        delete_jobs(e)
         pods = core.list_namespaced_pod(OPERATOR_NS).items
         for p in pods:
             log = process_nodes.log_path(OPERATOR_NS, p.metadata.name, "operator")
@@ -246,86 +140,6 @@ def operator_ip(core: Any) -> str:
     ]
     assert pods, "no operator pod with an IP yet"
     return str(pods[0].status.pod_ip)
-
-
-def verified_step(e: Env, uri: str) -> int:
-    from spotguard.checkpoint import latest_verified
-    from spotguard.storage import open_storage
-
-    storage = open_storage(
-        uri, endpoint_url=e.s3.endpoint_url, access_key=e.s3.access_key, secret_key=e.s3.secret_key, region=e.s3.region
-    )
-    info, _ = latest_verified(storage, checksums=False)
-    return info.step if info is not None else -1
-
-
-def last_step(log: str) -> int:
-    steps = [int(m) for m in re.findall(r"^step (\d+) loss", log, re.M)]
-    return max(steps) if steps else -1
-
-
-def resumed_from(log: str) -> int | None:
-    m = re.search(r"^resumed from step (\d+)", log, re.M)
-    return int(m.group(1)) if m else None
-
-
-def preempted_after(log: str) -> int | None:
-    m = re.search(r"^preempted after step (\d+)", log, re.M)
-    return int(m.group(1)) if m else None
-
-
-def assert_final_bitwise(
-    env: Env, uri: str, args: list[str], every: int, steps: int, tmp_path: Path, storage: Any = None
-) -> None:
-    """The job's final checkpoint in storage (the S3 store unless given) equals an uninterrupted run here, bitwise."""
-    from safetensors.torch import load_file
-
-    from spotguard.checkpoint import list_local_committed, restore_latest
-    from spotguard.storage import open_storage
-
-    if storage is None:
-        storage = open_storage(
-            uri,
-            endpoint_url=env.s3.endpoint_url,
-            access_key=env.s3.access_key,
-            secret_key=env.s3.secret_key,
-            region=env.s3.region,
-        )
-    final = restore_latest(storage, tmp_path / "final")
-    assert final is not None and final.step == steps - 1
-    ref_args = reference_args(args)
-    subprocess.run(
-        [sys.executable, "-m", "spotguard.demo.train", *ref_args],
-        env=reference_env(tmp_path, SPOTGUARD_SAVE_EVERY_STEPS=str(every)),
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    ref = list_local_committed(tmp_path / "ref")[-1]
-    got = tmp_path / "final" / ref.name
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        assert (got / name).read_bytes() == (ref / name).read_bytes(), f"{name} differs"
-    # The demo draws only from torch's generator (dropout); numpy's and Python's
-    # global generators start from OS entropy in each fresh process, so only
-    # torch's state is comparable with a separate reference run.
-    assert load_file(str(got / "rng.safetensors"))["torch"].equal(load_file(str(ref / "rng.safetensors"))["torch"])
-
-
-def reference_args(args: list[str]) -> list[str]:
-    """A job's trainer arguments for an uninterrupted run on this machine: without ``--step-delay``."""
-    return [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]
-
-
-def reference_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """The environment of an uninterrupted reference run on this machine: nothing inherited but this
-    interpreter's directory, its checkpoints and temporary files (torchrun leaves a directory of its own
-    there) below ``tmp_path``."""
-    return {
-        "PATH": str(Path(sys.executable).parent),
-        "TMPDIR": str(tmp_path),
-        "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ref"),
-        **extra,
-    }
 
 
 @pytest.mark.trials
@@ -683,74 +497,6 @@ def test_missing_credentials_secret_is_reported_then_recovers(env: Env) -> None:
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
 
 
-DDP_EXAMPLE = ROOT / "examples" / "trainingjob-ddp.yaml"
-
-
-def final_digest(log: str) -> str | None:
-    m = re.search(r"^final digest ([0-9a-f]{64})", log, re.M)
-    return m.group(1) if m else None
-
-
-#: The Lease the chart's replicas elect their leader with (``<fullname>-leader``).
-LEASE = f"{RELEASE}-leader"
-#: What the operator writes for a job (its own client's requests and kopf's carry its identity).
-JOB_WRITES = {"pods", "events", "services", "serviceaccounts", "rolebindings", "trainingjobs", "trainingjobs/status"}
-
-
-def leader(e: Env) -> str | None:
-    """The identity that holds the Lease (``<pod>_<suffix>``), None when none does."""
-    return lease_holder(e.core.api_client, OPERATOR_NS, LEASE)
-
-
-def operator_pods(e: Env) -> list[Any]:
-    return [
-        p
-        for p in e.core.list_namespaced_pod(OPERATOR_NS).items
-        if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
-    ]
-
-
-def runs(seq: list[str]) -> list[str]:
-    """``seq`` with repeats in a row collapsed: who acted, in turn."""
-    return [x for i, x in enumerate(seq) if i == 0 or seq[i - 1] != x]
-
-
-def check_one_actor_at_a_time(e: Env, job: str, frozen: str, successor: str, attempts: int) -> None:
-    """From the apiserver's audit log, in the order it received the writes: the job's writes (pods, status,
-    Events...) each came from the replica that held the Lease then, the replicas took turns, the frozen one
-    wrote nothing (not even a refused renewal) once the standby had taken the Lease, and each pod was created
-    exactly once, both pods of an attempt by one replica."""
-    writes = audit_writes(e.kube, [e.ns, OPERATOR_NS])
-    if writes is None:
-        print("no audit log (a cluster the tests did not start): checked from the objects only")
-        return
-    start = next(w.at for w in writes if w.resource == "trainingjobs" and w.verb == "create" and w.name == job)
-    mine = [w for w in writes if w.at >= start]
-    leases = [w for w in writes if w.namespace == OPERATOR_NS and w.resource == "leases" and w.name == LEASE and w.ok]
-    takeover = next(w.at for w in leases if w.identity == successor and w.at >= start)
-    late = [w for w in mine if w.identity == frozen and w.at > takeover]
-    assert not late, f"the frozen replica wrote after the takeover at {takeover}: {late}"
-    acts = [w for w in mine if w.namespace == e.ns and w.resource in JOB_WRITES and w.identity]
-    # Each write for the job came from the Lease's holder as the apiserver had it then.
-    for w in acts:
-        held = [x for x in leases if x.at < w.at]
-        assert held and held[-1].identity == w.identity, (w, held[-1:] or "no Lease yet")
-    turns = runs([str(w.identity) for w in acts])
-    assert turns[-1] == successor and len(turns) == len(set(turns)), turns
-    assert frozen in turns, turns
-    creates = [w for w in acts if w.resource == "pods" and w.verb == "create" and w.ok]
-    names = [w.name for w in creates]
-    assert len(names) == len(set(names)) == 2 * attempts, names  # 2 pods an attempt, each created once
-    by_attempt: dict[str, set[str]] = {}
-    for w in creates:
-        by_attempt.setdefault(w.name.rsplit("-", 1)[0], set()).add(str(w.identity))
-    assert all(len(ids) == 1 for ids in by_attempt.values()), by_attempt
-    print(
-        f"audit: {len(acts)} writes for the job by {turns} in turn; the Lease changed hands at {takeover};"
-        f" nothing from {frozen} after it"
-    )
-
-
 @pytest.mark.trials
 @pytest.mark.timeout(1500)
 def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwise(env: Env, tmp_path: Path) -> None:
@@ -981,9 +727,6 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         assert ev.reporting_instance != frozen or ev.metadata.creation_timestamp <= made_at[shutdown_attempt + 1], ev
     check_one_actor_at_a_time(env, job, frozen, successor, last)
     env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
-
-
-HF_EXAMPLE = ROOT / "examples" / "trainingjob-hf.yaml"
 
 
 @pytest.mark.timeout(1200)
