@@ -2,11 +2,12 @@
 
 A stored chunk of a frozen base is overwritten with other bytes of the same
 size after step 10 (its ``HEAD`` still answers, so only a checksum check finds
-it). Every uploader must then forget it and send it again from local bytes,
-so that later checkpoints verify: a node's part of a distributed checkpoint
-(whose upload checks its own chunks before its part manifest is stored, and
-raises), and the Checkpointer's own upload (``upload=True, incremental=True``).
-The sidecar's whole-checkpoint path is ``test_incremental.py``'s.
+it), or deleted (a routine upload's ``HEAD`` finds that one). Every uploader
+must then forget it and send it again from local bytes, so that the next
+steps verify: a node's part of a distributed checkpoint (whose upload checks
+its own chunks before its part manifest is stored, and raises), and the
+Checkpointer's own upload (``upload=True, incremental=True``). The sidecar's
+whole-checkpoint path is ``test_incremental.py``'s.
 """
 
 from __future__ import annotations
@@ -34,8 +35,15 @@ KiB = 1 << 10
 LAYOUT = {0: (0, 1), 1: (2, 3)}
 
 
-def damage(storage: Any, key: str) -> None:
-    """Overwrite a stored chunk with other bytes of the same size."""
+#: How a stored chunk is damaged: overwritten with other bytes of the same size (its ``HEAD``
+#: still answers, so only a checksum check finds it), or deleted.
+DAMAGE = ["overwrite", "delete"]
+
+
+def damage(storage: Any, key: str, how: str) -> None:
+    if how == "delete":
+        storage.delete([key])
+        return
     good = storage.read_bytes(key)
     storage.write_bytes(key, bytes([good[0] ^ 0xFF]) + good[1:])
 
@@ -51,8 +59,9 @@ def node_files(step: int, index: int) -> dict[str, bytes]:
     return files
 
 
+@pytest.mark.parametrize("how", DAMAGE)
 def test_a_part_whose_own_check_finds_a_damaged_chunk_sends_it_again(
-    s3_store: Any, s3_uri: str, tmp_path: Path
+    s3_store: Any, s3_uri: str, tmp_path: Path, how: str
 ) -> None:
     """Two nodes' shippers, incremental. After step 10 a chunk of node 0's frozen shard is damaged:
     node 0's part of step 20 fails its own check of its chunks (inside the upload), the shipper
@@ -91,7 +100,7 @@ def test_a_part_whose_own_check_finds_a_damaged_chunk_sends_it_again(
     frozen = next(f for f in part0.files if f.path == "dcp/__0_0.distcp")
     assert frozen.chunks is not None and len(frozen.chunks) == 1
     key = frozen.chunks[0].key
-    damage(storage, key)
+    damage(storage, key, how)
     assert not verify_checkpoint(storage, checkpoint_name(10)).ok
 
     for step in (20, 30, 40):
@@ -113,7 +122,8 @@ def frozen_state(step: int) -> dict[str, Any]:
     return {"model": {**base, "adapter": np.full((8, 1024), float(step), dtype=np.float32)}, "step": step}
 
 
-def test_an_uploading_trainer_sends_a_damaged_chunk_again(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", DAMAGE)
+def test_an_uploading_trainer_sends_a_damaged_chunk_again(s3_store: Any, s3_uri: str, tmp_path: Path, how: str) -> None:
     """``Checkpointer(upload=True, incremental=True)``. After step 10 every chunk it stored is
     damaged in the store (the frozen base's among them, which every later step reuses). Step 20's
     verification names them; the Checkpointer forgets them and uploads step 20 again, sending them
@@ -141,7 +151,7 @@ def test_an_uploading_trainer_sends_a_damaged_chunk_again(s3_store: Any, s3_uri:
         assert save(10) == 10
         refs = read_manifest(storage, checkpoint_name(10)).chunk_refs()
         for ref in refs.values():
-            damage(storage, ref.key)
+            damage(storage, ref.key, how)
         assert not verify_checkpoint(storage, checkpoint_name(10)).ok
         for step in (20, 30, 40, 50):
             assert save(step) == step, ck.last_error
