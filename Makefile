@@ -6,6 +6,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEV ?= .dev
 NODES ?= 4
+# `make dev-cluster REAL=1` (or NODES_KIND=real): real nodes (kubelet + containerd) instead of process nodes;
+# PULL_REGISTRY=127.0.0.1:PORT is a plain-http registry they pull from.
+NODES_KIND ?= $(if $(REAL),real,process)
+PULL_REGISTRY ?=
 PYTEST_ARGS ?=
 # Every run shows where its time goes: the slowest tests, and the wall time in all.
 DURATIONS ?= 30
@@ -56,7 +60,7 @@ demo:
 
 # The dev cluster, plus the bucket and Secret that examples/trainingjob.yaml uses.
 dev-cluster: setup
-	$(PY) -m testenv.cluster up --state-dir $(DEV) --nodes $(NODES)
+	$(PY) -m testenv.cluster up --state-dir $(DEV) --nodes $(NODES) --nodes-kind $(NODES_KIND) $(if $(PULL_REGISTRY),--registry $(PULL_REGISTRY))
 	DEV=$(abspath $(DEV)) bash examples/dev-setup.sh default
 
 dev-cluster-down:

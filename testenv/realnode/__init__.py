@@ -1,0 +1,42 @@
+"""Real nodes: kubelet v1.20 + containerd 1.6 + runc + CNI on this machine, for tests and the dev cluster.
+
+The process node (:mod:`testenv.processnode`) is the cheap stand-in for a
+kubelet; a real node is the real thing, for the tests that must see what a
+cluster does to a pod (images, the sandbox, cgroups, kubelet's own status,
+logs and termination messages, its handling of grace periods):
+
+- per node, one containerd (its root, state, sockets under the node's state
+  directory; CRI set up for a root without CAP_SYS_RESOURCE, AppArmor or
+  systemd) and one kubelet (its own address ``127.0.<100+k>.<i>``, which is
+  the Node's name and InternalIP, port, root and cert directories, and a
+  cgroupRoot of its own in every cgroup v1 hierarchy);
+- pod networks: the CNI bridge and host-local plugins, every pod an IP of its
+  node's range in the set's 127.<80+k>.0.0/16 on one bridge, so pods on
+  different nodes talk TCP (torchrun's rendezvous) without the host forwarding
+  anything; see :mod:`testenv.realnode.config`;
+- nodes look like the process nodes' spot GPU nodes to the scheduler: the same
+  labels (and taint, if asked), and ``nvidia.com/gpu`` capacity on the Node's
+  status, which the kubelet's own status updates keep;
+- images: ``pause`` (the sandbox) and ``busybox`` come as archives, imported
+  into each node; the project's images from a plain-http registry on
+  127.0.0.1 (``registry=``);
+- node loss (:meth:`RealNodes.kill`): kubelet, containerd, shims and
+  containers SIGKILLed at once, the Node object deleted (as the process
+  node's ``kill`` does, and a cloud provider does for a gone instance);
+- teardown (:meth:`RealNodes.stop`) leaves nothing: no processes, mounts,
+  cgroups, links, nothing under /var/lib/kubelet, /var/log/pods,
+  /var/lib/cni, /run/containerd, and no host-wide sysctl or iptables change
+  (:mod:`testenv.realnode.host`).
+
+Not there (yet): kube-proxy and Service IPs, cluster DNS, and a route from
+pods to the host's 127.0.0.1 services (the apiserver): pods that call the API
+run on process nodes.
+
+    nodes = RealNodes.start(kubeconfig, kubelet_client_ca, state_dir, count=2)
+    nodes.kill(nodes.node_names()[0])
+    nodes.stop()
+"""
+
+from testenv.realnode.nodes import GPU, RealNode, RealNodes, kubelet_path
+
+__all__ = ["GPU", "RealNode", "RealNodes", "kubelet_path"]
