@@ -217,7 +217,7 @@ def _open(staging: Path, size: int) -> int:
     fd = os.open(staging, os.O_TMPFILE | os.O_RDWR, 0o644)
     try:
         os.ftruncate(fd, size)
-    except BaseException:
+    except BaseException:  # the descriptor closed on any exit, an interrupt too; raised again
         os.close(fd)
         raise
     return fd
@@ -263,7 +263,7 @@ def build(
     try:
         os.posix_fallocate(fd, 0, len(plan.header))
         memory = mmap.mmap(fd, plan.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
+    except BaseException:  # the descriptor closed on any exit, an interrupt too; raised again
         os.close(fd)
         raise
     base = torch.frombuffer(memory, dtype=torch.uint8)
@@ -288,7 +288,7 @@ def build(
                 view.copy_(host)
                 pool[pool_key] = view
                 arena.pool_keys.append(pool_key)
-    except BaseException:
+    except BaseException:  # buffers moved so far kept, the rest closed, on any exit; raised again
         if arena.pool_keys:
             with lock:
                 _registered(pool, arena)

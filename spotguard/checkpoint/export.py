@@ -178,7 +178,7 @@ def export_hf(
         result = _build(storage, sources, layout, staging, extra, part, max_shard_size, average is not None, bars)
         check_dest(dest, force)
         _publish(staging, dest)
-    except BaseException:
+    except BaseException:  # no half-built export left, an interrupt too; raised again
         shutil.rmtree(staging, ignore_errors=True)
         raise
     result.dest = dest

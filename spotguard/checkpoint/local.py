@@ -406,7 +406,7 @@ def write_checkpoint(
         if writer.installed:
             pool_committed(pool, path.name, manifest_stamp(path))
         return path
-    except BaseException:
+    except BaseException:  # no half-written checkpoint left, an interrupt too; raised again
         writer.abort()
         raise
 

@@ -158,7 +158,7 @@ def _make(staging: Path, size: int, stop: Callable[[], bool]) -> None:
             if stop():
                 raise Stopped
             _fallocate(fd, _KEEP_SIZE, offset, min(STEP, size - offset))
-    except BaseException:
+    except BaseException:  # no half-made reservation left, a stop too; raised again
         os.close(fd)
         os.unlink(making)
         raise

@@ -119,7 +119,7 @@ def restore_checkpoint(
             remove_checkpoint_dir(final)
         os.rename(tmp, final)
         fsync_dir(dest)
-    except BaseException:
+    except BaseException:  # no half-staged checkpoint left, an interrupt too; raised again
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return CheckpointInfo.from_manifest(manifest, str(final))

@@ -257,7 +257,7 @@ def upload_checkpoint(
             start,
             prestored,
         )
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a store may wrap a stop in any type; the rest raised again
         if not isinstance(exc, UploadCancelled) and not should_stop():
             raise
         # Whatever the transfer made of the stop (the storage layer may wrap it): a

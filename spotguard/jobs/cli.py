@@ -160,7 +160,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         except KeyboardInterrupt:
             error("interrupted")
             return 130
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client's connection error gets a message; the rest raised again
             message = _connection_error(exc, args)
             if message is None:
                 raise

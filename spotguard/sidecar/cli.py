@@ -210,6 +210,6 @@ def _sidecar(args: argparse.Namespace) -> int:
         return run_sidecar(agent, options, sources, latch)
     except OSError as exc:
         return fail(str(exc))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any crash is told in the termination log, then raised again
         write_termination_text(termination_log, f"spotguard: internal error: {type(exc).__name__}: {exc}")
         raise

@@ -410,7 +410,7 @@ def wait_all(futures: list[Any]) -> None:
     try:
         for fut in futures:
             fut.result()
-    except BaseException:
+    except BaseException:  # the other transfers cancelled on any exit, an interrupt too; raised again
         for fut in futures:
             fut.cancel()
         raise

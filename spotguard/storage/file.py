@@ -181,7 +181,7 @@ class FileStorage:
                 f.flush()
                 os.fsync(f.fileno())
             self._publish(tmp, target)
-        except BaseException:
+        except BaseException:  # no temporary file left, an interrupt too; raised again
             tmp.unlink(missing_ok=True)
             raise
 
@@ -226,7 +226,7 @@ class FileStorage:
                 fout.flush()
                 os.fsync(fout.fileno())
             self._publish(tmp, dst)
-        except BaseException:
+        except BaseException:  # no temporary file left, an interrupt too; raised again
             tmp.unlink(missing_ok=True)
             raise
 

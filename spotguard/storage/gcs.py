@@ -560,7 +560,7 @@ class GcsStorage:
                 wait_all(futures)
                 for composite in composites:  # one request each, while nothing else waits
                     self._compose(composite)
-            except BaseException:
+            except BaseException:  # no stored piece left, an interrupt too; raised again
                 self._discard_pieces([c.piece(i) for c in composites for i in range(len(c.pieces))])
                 raise
 

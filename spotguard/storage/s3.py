@@ -179,7 +179,7 @@ class S3Storage:
         with self._errors(f"bucket {self.bucket!r}"):
             try:
                 self.client.head_bucket(Bucket=self.bucket)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - botocore raises many types; a missing bucket is known by its code
                 code, status = error_code(exc)
                 if code in NOT_FOUND or status == 404:
                     raise NotFoundError(f"bucket {self.bucket!r} does not exist") from None

@@ -55,7 +55,7 @@ class AskingBody:
             self._asked_at = here
             try:
                 self._ask(0)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - any stop the callback raises passes botocore unwrapped
                 raise PartStopped(exc) from exc
         end = self._view.nbytes if size is None or size < 0 else min(self._view.nbytes, here + size)
         self._at = end
