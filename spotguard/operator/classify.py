@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from spotguard.contract.report import METRICS_ERROR, TerminationReport
 from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER
 
 Kind = Literal["succeeded", "preempted", "failed", "running"]
@@ -139,13 +140,13 @@ def _terminated(cs: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return term if isinstance(term, Mapping) else None
 
 
-def sidecar_report(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The JSON the sidecar left as its termination message, if any.
+def sidecar_report(pod: Mapping[str, Any]) -> TerminationReport | None:
+    """The report the sidecar left as its termination message, if any.
 
-    The sidecar ends with ``{"preempted": bool, "reason": str, "step": int}`` in
-    its termination message (plus ``trainerStep``, and ``metricsError`` when it
-    could not serve metrics); it is the only way to tell a trainer that stopped
-    early because of a cloud notice from one that finished, when both exit 0.
+    The sidecar ends with a :class:`~spotguard.contract.report.TerminationReport`
+    in its termination message; it is the only way to tell a trainer that
+    stopped early because of a cloud notice from one that finished, when both
+    exit 0.
     """
     status = pod.get("status") or {}
     for key in ("containerStatuses", "initContainerStatuses"):
@@ -153,38 +154,35 @@ def sidecar_report(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
             if cs.get("name") != SIDECAR_CONTAINER:
                 continue
             term = _terminated(cs)
-            message = term.get("message") if term else None
-            if not isinstance(message, str) or not message.strip().startswith("{"):
-                return None
-            try:
-                report = json.loads(message)
-            except ValueError:
-                return None
-            return report if isinstance(report, Mapping) else None
+            return _parse_report(term.get("message") if term else None)
     return None
 
 
-def staging_full(report: Mapping[str, Any] | None) -> str | None:
-    """What the sidecar's report says about a full checkpoint volume (``stagingFull``), as one sentence."""
-    full = report.get("stagingFull") if report else None
-    if not isinstance(full, Mapping):
+def _parse_report(message: Any) -> TerminationReport | None:
+    if not isinstance(message, str) or not message.strip().startswith("{"):
         return None
-    error = full.get("error")
-    step = full.get("step")
-    if isinstance(error, str) and error:
-        return error
-    at = f" of step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
+    try:
+        return TerminationReport.parse(message)
+    except ValueError:
+        return None
+
+
+def staging_full(report: TerminationReport | None) -> str | None:
+    """What the sidecar's report says about a full checkpoint volume (``stagingFull``), as one sentence."""
+    full = report.staging_full if report else None
+    if full is None:
+        return None
+    if full.error:
+        return full.error
+    at = f" of step {full.step}" if full.step is not None else ""
     return (
         f"the checkpoint{at} was not written: the checkpoint volume is full. Give it more room"
         " (spec.checkpoint.staging: emptyDir.sizeLimit or ephemeral.size)"
     )
 
 
-def _report_step(report: Mapping[str, Any] | None) -> int | None:
-    if report is None:
-        return None
-    step = report.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+def _report_step(report: TerminationReport | None) -> int | None:
+    return report.step if report is not None else None
 
 
 def _crashed_beside_sidecar(status: Mapping[str, Any]) -> tuple[str, str, str, int | None] | None:
@@ -210,13 +208,8 @@ def _code(value: Any) -> int | None:
 
 def _reported_preemption(message: Any) -> bool:
     """Whether a sidecar's termination message is its report of a preemption (its trainer stops next)."""
-    if not isinstance(message, str) or not message.strip().startswith("{"):
-        return False
-    try:
-        report = json.loads(message)
-    except ValueError:
-        return False
-    return isinstance(report, Mapping) and report.get("preempted") is True
+    report = _parse_report(message)
+    return report is not None and report.preempted is True
 
 
 def _sidecar_status(status: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
@@ -347,7 +340,7 @@ def _last_line(text: str) -> str:
         except ValueError:
             doc = None
         if isinstance(doc, Mapping):
-            detail = doc.get("error") or doc.get("metricsError")
+            detail = doc.get("error") or doc.get(METRICS_ERROR)
             return str(detail)[:_DETAIL_MAX] if detail else ""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1][:_DETAIL_MAX] if lines else ""
@@ -420,7 +413,7 @@ def _pod_failure(status: Mapping[str, Any]) -> tuple[str, str, _Failed] | None:
     return reason, f"{message} (spotguard's container {sidecar.name} also {how}, not before it)", first_user
 
 
-def _trainer_finished(status: Mapping[str, Any], report: Mapping[str, Any] | None) -> PodEnd | None:
+def _trainer_finished(status: Mapping[str, Any], report: TerminationReport | None) -> PodEnd | None:
     """The end of an attempt whose training finished, whatever came after, or None.
 
     Finished: every container of the training code exited 0 and the sidecar's
@@ -430,7 +423,7 @@ def _trainer_finished(status: Mapping[str, Any], report: Mapping[str, Any] | Non
     or the pod was deleted while it tried: running the finished training again
     would only repeat it.
     """
-    if report is None or report.get("preempted") is not False or report.get("reason") != "finished":
+    if report is None or report.preempted is not False or report.reason != "finished":
         return None
     user = [cs for cs in _container_statuses(status, "containerStatuses") if cs.get("name") not in OWN_CONTAINERS]
     terms = [_terminated(cs) for cs in user]
@@ -467,8 +460,8 @@ def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) ->
     full = staging_full(report)
     if full is not None:
         end = replace(end, staging_full=full)
-    trainer_step = report.get("trainerStep") if report else None
-    if end.kind == "preempted" and isinstance(trainer_step, int) and end.step is not None:
+    trainer_step = report.trainer_step if report else None
+    if end.kind == "preempted" and trainer_step is not None and end.step is not None:
         end = replace(end, lost_steps=max(0, trainer_step - end.step))
     finished = [
         str(term["finishedAt"])
@@ -490,7 +483,7 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
     deleting = bool(meta.get("deletionTimestamp"))
     report = sidecar_report(pod)
     step = _report_step(report)
-    reported_preempt = bool(report and report.get("preempted"))
+    reported_preempt = bool(report and report.preempted)
     pod_reason = status.get("reason")
     pod_message = status.get("message") or ""
 
@@ -501,7 +494,7 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
 
     if phase == "Succeeded":
         if reported_preempt:
-            reason = str(report.get("reason") or "Preempted") if report else "Preempted"
+            reason = (report.reason if report else None) or "Preempted"
             return PodEnd("preempted", reason, "the trainer stopped early after a checkpoint", step)
         if deleting:
             # A drain or eviction: kubelet sent SIGTERM, the trainer saved and exited 0.
@@ -520,7 +513,7 @@ def _classify(pod: Mapping[str, Any] | None, node_exists: bool) -> PodEnd:
         if deleting:
             return PodEnd("preempted", "PodDeleted", "the pod was deleted (drain or eviction)", step)
         if reported_preempt:
-            reason = str(report.get("reason") or "Preempted") if report else "Preempted"
+            reason = (report.reason if report else None) or "Preempted"
             return PodEnd("preempted", reason, "the trainer stopped early after a checkpoint", step)
         if pod_reason == "DeadlineExceeded":
             return PodEnd("failed", "DeadlineExceeded", pod_message or "activeDeadlineSeconds passed", step)

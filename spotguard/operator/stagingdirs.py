@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from spotguard.contract.control import REPORT_POD_DIR_REMOVED
+from spotguard.contract.report import TerminationReport
 from spotguard.operator.apierrors import api_reason, api_status
 from spotguard.operator.jobstatus import Event
 from spotguard.operator.kubeapi import Context, NotOursYet, create_pod, delete_pod, node_exists, post_event
@@ -119,10 +119,9 @@ def sidecar_removed_dir(pod: Mapping[str, Any]) -> bool:
             continue
         message = ((cs.get("state") or {}).get("terminated") or {}).get("message")
         try:
-            report = json.loads(message) if message else None
+            return isinstance(message, str) and TerminationReport.parse(message).pod_dir_removed
         except ValueError:
             return False
-        return isinstance(report, Mapping) and report.get(REPORT_POD_DIR_REMOVED) is True
     return False
 
 

@@ -12,17 +12,16 @@ this loop.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
-from spotguard.contract.control import REPORT_POD_DIR_REMOVED, RunEnd, read_staging_full
+from spotguard.contract.control import RunEnd, read_staging_full
 from spotguard.contract.env import EMERGENCY_STAGING, STAGING_POD_DIR, from_env
+from spotguard.contract.report import TerminationReport
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
 from spotguard.sidecar.metrics import SIDECAR_PORT_HINT
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
@@ -57,26 +56,26 @@ class SidecarOptions:
 
 def termination_report(
     preempted: bool, reason: str, verified_step: int | None, trainer_step: int | None, metrics_error: str | None = None
-) -> dict[str, Any]:
-    """Pure: the sidecar's last word, ``{"preempted", "reason", "step", "trainerStep", "metricsError"}``.
+) -> TerminationReport:
+    """Pure: the sidecar's last word (:class:`~spotguard.contract.report.TerminationReport`).
 
-    ``step`` is the newest checkpoint verified in storage, ``trainerStep``
-    the last step the trainer reached (so the operator can count lost steps),
-    ``metricsError`` why metrics could not be served (only when they could not).
+    ``verified_step`` is the newest checkpoint verified in storage,
+    ``trainer_step`` the last step the trainer reached (so the operator can
+    count lost steps), ``metrics_error`` why metrics could not be served
+    (only when they could not).
     """
-    report: dict[str, Any] = {"preempted": preempted, "reason": reason}
-    if verified_step is not None:
-        report["step"] = verified_step
-    if trainer_step is not None:
-        report["trainerStep"] = trainer_step
-    if metrics_error:
-        report["metricsError"] = metrics_error
-    return report
+    return TerminationReport(
+        preempted=preempted,
+        reason=reason,
+        step=verified_step,
+        trainer_step=trainer_step,
+        metrics_error=metrics_error or None,
+    )
 
 
-def write_termination_report(path: Path | None, report: dict[str, Any]) -> None:
+def write_termination_report(path: Path | None, report: TerminationReport) -> None:
     """Write the report where Kubernetes picks it up; never fails the exit."""
-    write_termination_text(path, json.dumps(report))
+    write_termination_text(path, report.to_text())
 
 
 def write_termination_text(path: Path | None, text: str) -> None:
@@ -185,7 +184,7 @@ def _settle_staging(agent: CheckpointAgent) -> None:
         agent.settle_staging(Path(staging))
 
 
-def _remove_pod_dir(agent: CheckpointAgent, options: SidecarOptions, report: dict[str, Any]) -> None:
+def _remove_pod_dir(agent: CheckpointAgent, options: SidecarOptions, report: TerminationReport) -> None:
     """hostPath staging: remove this pod's own directory of its node (``SPOTGUARD_STAGING_POD_DIR``), last.
 
     Only once the trainer is gone: nothing reads the directory any more (the
@@ -205,19 +204,19 @@ def _remove_pod_dir(agent: CheckpointAgent, options: SidecarOptions, report: dic
         log.warning("could not remove this pod's staging directory %s (the operator will): %s", pod_dir, exc)
         return
     log.info("removed this pod's staging directory %s", pod_dir)
-    report[REPORT_POD_DIR_REMOVED] = True
-    write_termination_report(options.termination_log, report)
+    write_termination_report(options.termination_log, replace(report, pod_dir_removed=True))
 
 
-def _report(agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None) -> dict[str, Any]:
+def _report(
+    agent: CheckpointAgent, options: SidecarOptions, end: RunEnd, metrics_error: str | None
+) -> TerminationReport:
     t0 = time.monotonic()
     last = agent.shipper.last_shipped
     report = termination_report(
         end.preempted, end.reason, last.step if last else None, agent.trainer_last_step(), metrics_error
     )
-    full = read_staging_full(agent.config.control_dir)
-    if full is not None:  # the trainer's last save found the checkpoint volume full: the operator says so
-        report["stagingFull"] = full
+    # The trainer's last save found the checkpoint volume full (None: it did not): the operator says so.
+    report = replace(report, staging_full=read_staging_full(agent.config.control_dir))
     write_termination_report(options.termination_log, report)
-    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason, step=report.get("step"))
+    log_stage("report", time.monotonic() - t0, preempted=end.preempted, reason=end.reason, step=report.step)
     return report

@@ -35,9 +35,6 @@ from spotguard.contract.control import (
     RunEnd,
     ack_answers,
     decide_run_end,
-    find_trainer_processes,
-    is_trainer_process,
-    signal_trainer,
     trainer_said_preempted,
     write_heartbeat,
 )
@@ -52,6 +49,7 @@ from spotguard.sidecar.shipper import (
     log_stage,
     step_of,
 )
+from spotguard.sidecar.trainerproc import find_trainer_processes, is_trainer_process, signal_trainer
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy

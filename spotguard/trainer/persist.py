@@ -47,6 +47,7 @@ from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local
 from spotguard.checkpoint.reserve import prepare as prepare_reserve
 from spotguard.checkpoint.staged import MEMORY_MARGIN, choose_staging, may_link_kept, memory_headroom
 from spotguard.contract.control import STAGING_FULL_FILE, WRITING_FILE, WritePlan, atomic_write_json
+from spotguard.contract.report import StagingFull
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.config import Settings
@@ -422,7 +423,8 @@ class LocalPersist:
         newest = next(reversed(list_local_committed(directory)), None)
         log.error("%s; the newest committed checkpoint is %s", error.strerror, newest.name if newest else "none")
         if self._channel.owner:
-            doc = {"step": step, "time": time.time(), "free_bytes": error.free_bytes, "error": error.strerror}
+            full = StagingFull(error=error.strerror, step=step, time=time.time(), free_bytes=error.free_bytes)
+            doc = full.to_json()
             try:
                 atomic_write_json(self._channel.control_dir / STAGING_FULL_FILE, doc)
             except OSError as why:

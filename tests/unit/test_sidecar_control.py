@@ -8,7 +8,8 @@ from types import FrameType
 
 import pytest
 
-from spotguard.contract.control import CheckpointAck, CheckpointRequest, ack_answers, signal_trainer
+from spotguard.contract.control import CheckpointAck, CheckpointRequest, ack_answers
+from spotguard.sidecar.trainerproc import signal_trainer
 
 REQ = CheckpointRequest(id="r1", reason="sigterm", deadline=200.0, preempt=True, written_at=100.0)
 

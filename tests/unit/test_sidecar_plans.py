@@ -107,7 +107,7 @@ def test_lost_steps(segments: list[Segment], want: list[int]) -> None:
 def test_termination_report(args: tuple[bool, str, int | None, int | None], want: dict[str, object]) -> None:
     from spotguard.sidecar.mainloop import termination_report
 
-    assert termination_report(*args) == want
+    assert termination_report(*args).to_json() == want
 
 
 @pytest.mark.parametrize(("failures", "want"), [(1, 1.0), (2, 2.0), (3, 4.0), (5, 16.0), (6, 30.0), (50, 30.0)])

@@ -1,4 +1,4 @@
-"""Which pid is the trainer: ``contract.control.is_trainer_process`` against real processes and threads."""
+"""Which pid is the trainer: ``sidecar.trainerproc.is_trainer_process`` against real processes and threads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from spotguard.contract.control import is_trainer_process
+from spotguard.sidecar.trainerproc import is_trainer_process
 
 
 def _initial_path() -> str:
