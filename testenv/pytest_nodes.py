@@ -36,6 +36,9 @@ def process_nodes(
         count=count,
         extra_args=["--client-ca-file", str(ca)] if ca else None,
         host_services=testenv_supervisor.host_services.directory,
+        # The tests' own files (a file:// store) stay reachable and writable in every container, under a
+        # read-only root or an emptyDir at /tmp, as a real pod reaches its store over the network.
+        writable_host_paths=[tmp_path_factory.getbasetemp()],
     )
     try:
         yield nodes

@@ -85,7 +85,10 @@ kubelet does; ``securityContext.readOnlyRootFilesystem`` makes the root
 read-only in the container's mount namespace (its volumes, ``/dev`` and the
 kernel's filesystems stay writable; no ``TMPDIR`` is set for it, so ``/tmp``
 is whatever the pod mounts there); the other ``securityContext`` fields
-(the user, capabilities, seccomp) are not applied. Container logs go to
+(the user, capabilities, seccomp) are not applied. Host directories given
+with ``--writable-host-path`` (the test world's files, such as a ``file://``
+store) are bound at their own path into every container, so that neither a
+read-only root nor a volume above them hides them. Container logs go to
 ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
 
     python -m testenv.processnode run --kubeconfig K --nodes 2 --state-dir D

@@ -49,6 +49,7 @@ class Agent:
         client_ca: Path | None = None,
         host_ports: Collection[int] = (),
         host_services: Path | None = None,
+        writable_host_paths: Collection[Path] = (),
     ) -> None:
         self.kube, self.state_dir, self.count, self.settings = kube, state_dir, count, settings
         # The kubelet endpoints' serving certificate, and the CA of the clients they serve.
@@ -70,6 +71,9 @@ class Agent:
         if self.service_host in (LOOPBACK, "localhost"):
             self.host_ports.add(int(self.service_port))
         self.host_services = host_services if host_services is not None else state_dir / "host-services"
+        # Host directories bound at their own path into every container: the test world's own files,
+        # standing in for what a real pod reaches over the network (a file:// store).
+        self.writable_host_paths = tuple(str(p) for p in writable_host_paths)
         self.kubelet_version = "v1.20.2"
         self.eviction_version = "policy/v1beta1"
         self._server: http.server.ThreadingHTTPServer | None = None

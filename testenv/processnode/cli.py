@@ -59,6 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         client_ca=args.client_ca_file,
         host_ports=args.host_service,
         host_services=args.host_services_dir and args.host_services_dir.resolve(),
+        writable_host_paths=[p.resolve() for p in args.writable_host_path],
     )
     try:
         agent.start()
@@ -128,6 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="pods may also reach the host ports registered here, one file per port (default: STATE_DIR/host-services)",
+    )
+    run.add_argument(
+        "--writable-host-path",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a host directory bound at its own path into every container, so that neither a read-only root nor"
+        " a volume above it (an emptyDir at /tmp) hides it: the test world's files, such as a file:// store;"
+        " repeatable",
     )
     run.set_defaults(func=_run)
 

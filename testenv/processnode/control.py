@@ -107,9 +107,11 @@ class ProcessNodes:
         env: dict[str, str] | None = None,
         timeout: float = 120.0,
         host_services: str | os.PathLike[str] | None = None,
+        writable_host_paths: list[str | os.PathLike[str]] | None = None,
     ) -> ProcessNodes:
         """Start an agent. Its pods reach the apiserver and the host ports registered in
-        ``host_services`` (default: a directory of the agent's own; see :attr:`host_services`)."""
+        ``host_services`` (default: a directory of the agent's own; see :attr:`host_services`).
+        ``writable_host_paths`` are bound at their own path into every container (the test world's files)."""
         state = Path(state_dir)
         state.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
@@ -134,6 +136,8 @@ class ProcessNodes:
         ]
         if host_services is not None:
             argv += ["--host-services-dir", str(Path(host_services).resolve())]
+        for path in writable_host_paths or []:
+            argv += ["--writable-host-path", str(Path(path).resolve())]
         with (state / "agent.log").open("ab") as out:
             proc = subprocess.Popen(
                 argv,

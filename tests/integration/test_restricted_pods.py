@@ -94,7 +94,9 @@ def writable_mounts(pid: int) -> dict[str, bool]:
     return out
 
 
-def test_injected_containers_run_with_a_read_only_root(env: Env, s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+def test_injected_containers_run_with_a_read_only_root(
+    env: Env, s3_store: Any, s3_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     e = env
     job = "rofs"
     e.core.create_namespaced_secret(
@@ -131,7 +133,9 @@ def test_injected_containers_run_with_a_read_only_root(env: Env, s3_store: Any, 
     writable = {m for m, rw in mounts.items() if rw}
     # The host's other filesystems, which the process node does not hide (a runtime shows none of them).
     host = set(writable_mounts(os.getpid())) - {"/"}
-    allowed = (*DECLARED, *KERNEL)
+    # The test world's own files stay writable on process nodes (see testenv.pytest_nodes): they stand in for
+    # what a real pod reaches over the network (a file:// store), never for its root filesystem.
+    allowed = (*DECLARED, *KERNEL, str(tmp_path_factory.getbasetemp().resolve()))
     undeclared = {m for m in writable - host if not any(m == d or m.startswith(f"{d}/") for d in allowed)}
     assert not undeclared, f"writable outside the declared volumes: {sorted(undeclared)}"
     assert {"/var/lib/spotguard", "/tmp"} <= writable
