@@ -334,7 +334,7 @@ class AdmissionServer:
         self._loop = loop
         try:
             loop.run_until_complete(self._main())
-        except Exception:
+        except Exception:  # noqa: BLE001 - logged whatever stopped the server; the probes then say not serving
             log.exception("the admission server stopped")
         finally:
             self._listening = False
@@ -477,7 +477,7 @@ def manage_configurations(api_client: Any, name: str, base_url: str, ca_bundle: 
     for body, read, create, replace in pairs:
         try:
             current = read(name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
             if api_status(exc) != 404:
                 raise
             create(body)

@@ -128,7 +128,7 @@ def get_job(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
     try:
         body: dict[str, Any] = ctx.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         return body
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) == 404:
             return None
         raise
@@ -141,7 +141,7 @@ def get_pod(ctx: Context, namespace: str, name: str) -> dict[str, Any] | None:
         resp = ctx.core.read_namespaced_pod(name, namespace, _preload_content=False)
         pod: dict[str, Any] = json.loads(resp.data)
         return pod
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) == 404:
             return None
         raise
@@ -160,7 +160,7 @@ def node_state(ctx: Context, name: str) -> str:
     """``gone`` (no Node object), ``shutting-down`` (kubelet's graceful shutdown has begun), else ``up``."""
     try:
         node = ctx.core.read_node(name, _preload_content=False)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) == 404:
             return "gone"
         raise
@@ -208,7 +208,7 @@ def create_pod(ctx: Context, pod: dict[str, Any], owner_uid: str) -> bool:
     try:
         ctx.core.create_namespaced_pod(namespace, pod)
         return True
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) != 409:
             raise
     existing = get_pod(ctx, namespace, pod["metadata"]["name"])
@@ -227,7 +227,7 @@ def ensure_service(ctx: Context, service: dict[str, Any], owner_uid: str) -> Non
     try:
         ctx.core.create_namespaced_service(namespace, service)
         return
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) != 409:
             raise
     existing = ctx.core.read_namespaced_service(service["metadata"]["name"], namespace)
@@ -244,7 +244,7 @@ def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
             ctx.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
         else:
             ctx.core.delete_namespaced_pod(name, namespace)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) != 404:
             raise
 
@@ -263,7 +263,7 @@ def patch_status(ctx: Context, job: Mapping[str, Any], patch: Mapping[str, Any])
         ctx.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
         )
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) == 409:
             raise JobChanged(f"{meta['namespace']}/{meta['name']}") from None
         if api_status(exc) != 404:
@@ -318,7 +318,7 @@ def delete_finished_job(ctx: Context, job: Mapping[str, Any]) -> None:
             meta["name"],
             body={"preconditions": {"uid": meta.get("uid")}},
         )
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) not in (404, 409):
             raise
         return
@@ -374,7 +374,7 @@ def _patch_ports(ctx: Context, job: Mapping[str, Any], ports: hp.HostPorts | Non
             GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
         )
         return result
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) in (404, 409):
             return None
         raise

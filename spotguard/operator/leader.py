@@ -314,7 +314,7 @@ class LeaderElector:
             resp = self.api.read_namespaced_lease(
                 self.name, self.namespace, _preload_content=False, _request_timeout=timeout
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
             if api_status(exc) == 404:
                 return None, None
             raise
@@ -334,7 +334,7 @@ class LeaderElector:
                 self.api.replace_namespaced_lease(
                     self.name, self.namespace, body, _preload_content=False, _request_timeout=timeout
                 )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
             if api_status(exc) in (404, 409):
                 return False
             raise

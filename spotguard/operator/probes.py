@@ -315,7 +315,7 @@ class ProbeServer:
                         self._send(key.data)
                 self._take_finished()
                 self._expire()
-        except Exception:
+        except Exception:  # noqa: BLE001 - logged whatever stopped the server; its connections closed below
             log.exception("the probes server stopped")
         finally:
             for conn in list(self._open):

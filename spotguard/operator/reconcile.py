@@ -320,7 +320,7 @@ def apply(
         except NotOursYet:
             # The previous job of this name is still being cleaned up; look again soon.
             return Decision(status=dict(job.get("status") or {}), requeue_after=2.0)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
             code = api_status(exc)
             if code is None or code >= 500:
                 raise

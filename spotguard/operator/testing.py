@@ -126,7 +126,7 @@ class OperatorProcess:
 
         try:
             wait_for(alive, "the operator's liveness endpoint", timeout=timeout)
-        except BaseException:
+        except BaseException:  # the operator stopped on any exit, an interrupt too; raised again
             self.stop()
             raise
         return self

@@ -273,7 +273,7 @@ def _write_atomically(path: str, content: bytes, mode: int) -> None:
             f.write(content)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # no temporary file left, an interrupt too; raised again
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
@@ -326,7 +326,7 @@ class CertificateKeeper:
         """The Secret's bundle, its resourceVersion, and whether the Secret exists."""
         try:
             secret = self.core.read_namespaced_secret(self.secret, self.namespace)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
             if api_status(exc) == 404:
                 return None, None, False
             raise
@@ -359,7 +359,7 @@ class CertificateKeeper:
                     self.core.replace_namespaced_secret(self.secret, self.namespace, body)
                 else:
                     self.core.create_namespaced_secret(self.namespace, body)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
                 if api_status(exc) == 409:  # another replica wrote first: take its certificate
                     log.info("webhook certificate: another replica wrote %s first; reading it", self.where)
                     now = None
@@ -396,7 +396,7 @@ class CertificateKeeper:
         for read, patch in kinds:
             try:
                 current = read(self.configuration, _preload_content=False)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
                 if api_status(exc) == 404:  # e.g. the validating webhook is off
                     continue
                 raise
