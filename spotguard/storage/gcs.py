@@ -2,7 +2,9 @@
 
 The client, credentials (Application Default Credentials, a key file, or
 anonymous against an emulator), the mapping of the client's errors and the
-CRC32C-checked retries are :mod:`spotguard.storage.gcs_client`.
+CRC32C-checked retries are :mod:`spotguard.storage.gcs_client`; the pieces of
+composite uploads :mod:`~spotguard.storage.gcs_pieces`; deletes
+:mod:`~spotguard.storage.gcs_delete`.
 
 What GCS gives natively, and how it is used:
 
@@ -42,7 +44,6 @@ discards them after a week): only composite pieces are pending uploads.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
@@ -61,7 +62,6 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 from spotguard.storage.base import (
     UNCHANGED,
     CappedBuffer,
-    CredentialsError,
     NotFoundError,
     ObjectInfo,
     PendingUpload,
@@ -84,7 +84,6 @@ from spotguard.storage.gcs_client import (
     CHUNK_QUANTUM,
     checked,
     crc32c_hex,
-    endpoint_of,
     gcs_errors,
     generation_of,
     make_client,
@@ -92,6 +91,8 @@ from spotguard.storage.gcs_client import (
     stored_checksum_from,
     upload_chunk_size,
 )
+from spotguard.storage.gcs_delete import BATCH_LIMIT as BATCH_LIMIT
+from spotguard.storage.gcs_delete import Deleter
 from spotguard.storage.gcs_pieces import (
     COMPOSE_DIR,
     Composite,
@@ -99,12 +100,11 @@ from spotguard.storage.gcs_pieces import (
     ProgressReader,
     Window,
     composite_pieces,
-    parse_piece_key,
+    pending_uploads,
+    pieces_of,
 )
 
 MiB = 1 << 20
-#: The most calls one batch request may carry (a GCS limit).
-BATCH_LIMIT = 100
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,17 @@ class GcsStorage:
         self._retry_deadline = retry_deadline
         self._timeout = (connect_timeout, read_timeout)
         custom_endpoint = bool(self._endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST"))
-        # Google's endpoint takes batches; emulators often do not (fake-gcs-server has none).
-        self._batch_deletes = batch_deletes if batch_deletes is not None else not custom_endpoint
+        self._deleter = Deleter(
+            bucket=self.bucket,
+            uri=self.uri,
+            endpoint_url=self._endpoint_url,
+            # Google's endpoint takes batches; emulators often do not (fake-gcs-server has none).
+            batches=batch_deletes if batch_deletes is not None else not custom_endpoint,
+            concurrency=self._concurrency,
+            retry=self._retry,
+            timeout=self._timeout,
+            errors=self._errors,
+        )
         self._client_obj = client
         self._client_lock = threading.Lock()
 
@@ -644,54 +653,11 @@ class GcsStorage:
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete in batch requests of up to 100 deletions (missing objects ignored);
-        one request per object where batches are off (emulators)."""
+        one request per object where batches are off (emulators). See
+        :mod:`spotguard.storage.gcs_delete`."""
         names = [self._key(k) for k in keys]
-        for i in range(0, len(names), BATCH_LIMIT):
-            chunk = names[i : i + BATCH_LIMIT]
-            if self._batch_deletes:
-                self._delete_batch(chunk)
-            else:
-                self._delete_each(chunk)
-
-    def _delete_batch(self, names: list[str]) -> None:
-        client, bucket = self.client, self._bucket()
-
-        def send() -> list[Any]:
-            with client.batch(raise_exception=False) as batch:
-                for name in names:
-                    bucket.delete_blob(name)
-            return list(batch._responses)  # noqa: SLF001 - the per-call answers of the batch
-
-        with self._errors(self.uri):
-            try:
-                responses = self._retry(send)()
-            except ValueError:  # the answer was not a batch answer
-                raise StorageError(
-                    f"{endpoint_of(self._endpoint_url)} does not take batch requests: "
-                    f"open {self.uri} with batch_deletes=False"
-                ) from None
-        again: list[str] = []
-        for name, resp in zip(names, responses, strict=True):
-            status = int(getattr(resp, "status_code", 0))
-            if 200 <= status < 300 or status == 404:
-                continue
-            if status in (403, 401):
-                raise CredentialsError(
-                    f"deleting gs://{self.bucket}/{name} denied ({status}): check the Google Cloud credentials"
-                )
-            again.append(name)  # throttled or failed within the batch: once more on its own, with retries
-        if again:
-            self._delete_each(again)
-
-    def _delete_each(self, names: list[str]) -> None:
-        bucket = self._bucket()
-
-        def one(name: str) -> None:
-            with self._errors(f"gs://{self.bucket}/{name}"), contextlib.suppress(gexc.NotFound):
-                bucket.delete_blob(name, retry=self._retry, timeout=self._timeout)
-
-        with ThreadPoolExecutor(max_workers=self._concurrency, thread_name_prefix="gcs-del") as pool:
-            wait_all([pool.submit(one, name) for name in names])
+        if names:
+            self._deleter.delete(self.client, names)
 
     def list_pending_uploads(self, prefix: str = "") -> list[PendingUpload]:
         """The composite uploads whose pieces are still stored (an upload in flight, or
@@ -699,20 +665,8 @@ class GcsStorage:
         when their first piece was. Unfinished resumable uploads are not listed: GCS
         has no API for them (they are not objects, and the service discards a session
         a week after it started)."""
-        started: dict[tuple[str, str], float] = {}
-        for info in self.list_objects(f"{COMPOSE_DIR}/"):
-            parsed = parse_piece_key(info.key)
-            if parsed is None or not parsed[1].startswith(prefix):
-                continue
-            upload_id, key = parsed
-            started[(key, upload_id)] = min(info.modified, started.get((key, upload_id), info.modified))
-        return [PendingUpload(key, upload_id, when) for (key, upload_id), when in sorted(started.items())]
+        return pending_uploads(self.list_objects(f"{COMPOSE_DIR}/"), prefix)
 
     def abort_upload(self, upload: PendingUpload) -> None:
         """Delete the pieces of a composite upload (see :meth:`list_pending_uploads`)."""
-        keys = [
-            info.key
-            for info in self.list_objects(f"{COMPOSE_DIR}/{upload.upload_id}.")
-            if parse_piece_key(info.key) == (upload.upload_id, upload.key)
-        ]
-        self.delete(keys)
+        self.delete(pieces_of(self.list_objects(f"{COMPOSE_DIR}/{upload.upload_id}."), upload))

@@ -19,10 +19,11 @@ multipart uploads).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import IO
 
-from spotguard.storage.base import ProgressCallback
+from spotguard.storage.base import ObjectInfo, PendingUpload, ProgressCallback
 from spotguard.storage.gcs_client import upload_chunk_size
 
 #: The most objects one ``compose`` request joins (a GCS limit).
@@ -58,6 +59,25 @@ def parse_piece_key(rel: str) -> tuple[str, str] | None:
     if not sep or not key or not dot or not upload_id or not index.isdigit():
         return None
     return upload_id, key
+
+
+def pending_uploads(pieces: Iterable[ObjectInfo], prefix: str) -> list[PendingUpload]:
+    """Pure: the composite uploads whose ``pieces`` (the objects listed below
+    :data:`COMPOSE_DIR`) are stored, for target keys below ``prefix``, each started
+    when its first piece was; in key order."""
+    started: dict[tuple[str, str], float] = {}
+    for info in pieces:
+        parsed = parse_piece_key(info.key)
+        if parsed is None or not parsed[1].startswith(prefix):
+            continue
+        upload_id, key = parsed
+        started[(key, upload_id)] = min(info.modified, started.get((key, upload_id), info.modified))
+    return [PendingUpload(key, upload_id, when) for (key, upload_id), when in sorted(started.items())]
+
+
+def pieces_of(listed: Iterable[ObjectInfo], upload: PendingUpload) -> list[str]:
+    """Pure: the keys of ``upload``'s pieces among the ``listed`` objects."""
+    return [info.key for info in listed if parse_piece_key(info.key) == (upload.upload_id, upload.key)]
 
 
 class Composite:

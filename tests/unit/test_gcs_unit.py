@@ -11,7 +11,7 @@ from testenv.require import require_module
 require_module("google.cloud.storage")
 
 from spotguard.storage import Storage, StorageError, StoreChecksums, open_storage  # noqa: E402
-from spotguard.storage.base import byte_ranges  # noqa: E402
+from spotguard.storage.base import ObjectInfo, PendingUpload, byte_ranges  # noqa: E402
 from spotguard.storage.checksum import crc32c_to_base64  # noqa: E402
 from spotguard.storage.gcs import GcsStorage  # noqa: E402
 from spotguard.storage.gcs_client import (  # noqa: E402  # noqa: E402
@@ -27,7 +27,9 @@ from spotguard.storage.gcs_pieces import (  # noqa: E402
     Window,
     composite_pieces,
     parse_piece_key,
+    pending_uploads,
     piece_key,
+    pieces_of,
 )
 
 
@@ -159,3 +161,21 @@ def test_a_window_reads_its_range_as_a_file_of_its_own(tmp_path: Path) -> None:
         assert w.read() == bytes(range(110, 150)) and w.read(5) == b""
         assert w.seek(5) == 5 and w.read(3) == bytes(range(105, 108))
         assert w.seek(0, 2) == 50 and w.read(1) == b""
+
+
+def test_pending_uploads_are_the_composite_uploads_whose_pieces_are_stored() -> None:
+    listed = [
+        ObjectInfo(piece_key("u1", 1, "ckpt-1/model.bin"), 10, 30.0),
+        ObjectInfo(piece_key("u1", 0, "ckpt-1/model.bin"), 10, 20.0),  # the first piece: the upload's start
+        ObjectInfo(piece_key("u2", 0, "ckpt-2/model.bin"), 10, 40.0),
+        ObjectInfo("gc/compose/not-a-piece", 10, 1.0),
+    ]
+    assert pending_uploads(listed, "") == [
+        PendingUpload("ckpt-1/model.bin", "u1", 20.0),
+        PendingUpload("ckpt-2/model.bin", "u2", 40.0),
+    ]
+    assert pending_uploads(listed, "ckpt-2/") == [PendingUpload("ckpt-2/model.bin", "u2", 40.0)]
+    upload = PendingUpload("ckpt-1/model.bin", "u1", 20.0)
+    assert pieces_of(listed, upload) == [piece_key("u1", 1, "ckpt-1/model.bin"), piece_key("u1", 0, "ckpt-1/model.bin")]
+    # Another upload's pieces, or one of the same id for another key, are not this one's.
+    assert pieces_of([ObjectInfo(piece_key("u1", 0, "ckpt-9/x"), 1, 1.0)], upload) == []
