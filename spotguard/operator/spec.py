@@ -25,6 +25,7 @@ from spotguard.operator.specfields import (
     read_str_map,
 )
 from spotguard.operator.staging import StagingSpec, parse_staging
+from spotguard.storage.uri import parse_storage_uri
 
 GROUP = "spotguard.dev"
 VERSION = "v1alpha1"
@@ -57,7 +58,6 @@ BEST_MODES = ("min", "max")
 #: Early preemption notice sources the sidecar can watch (``spotguard sidecar --notices``).
 NOTICE_SOURCES = ("aws", "gce", "azure", "k8s")
 
-_STORAGE_RE = re.compile(r"^((s3|gs)://[a-z0-9][a-z0-9.\-_]{1,61}[a-z0-9](/.*)?|file:///.*)$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
 _ENDPOINT_RE = re.compile(r"^https?://[^\s/]+(/\S*)?$")
@@ -276,12 +276,14 @@ class TrainingJobSpec:
 
 
 def parse_storage(value: str, path: str) -> str:
-    """Check a storage root URI (``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or ``file:///path``)."""
-    if not _STORAGE_RE.match(value):
+    """Check a storage root URI (``s3://bucket[/prefix]``, ``gs://bucket[/prefix]`` or ``file:///path``):
+    storage's own grammar (:mod:`spotguard.storage.uri`), which the CRD's pattern repeats."""
+    try:
+        parse_storage_uri(value)
+    except ValueError as exc:
         raise SpecError(
-            path,
-            f"must be s3://<bucket>[/prefix], gs://<bucket>[/prefix] or file:///<path>, not {value!r}",
-        )
+            path, f"must be s3://<bucket>[/prefix], gs://<bucket>[/prefix] or file:///<path>: {exc}"
+        ) from None
     return value
 
 

@@ -26,6 +26,7 @@ from spotguard.storage.base import (
     check_key,
     join_key,
 )
+from spotguard.storage.uri import parse_storage_uri
 
 __all__ = [
     "CredentialsError",
@@ -61,7 +62,9 @@ def open_storage(uri: str, **options: Any) -> Storage:
     """
     if not isinstance(uri, str) or not uri.strip():
         raise StorageError("empty storage URI: use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH")
-    uri = uri.strip()
+    if uri != uri.strip():
+        # The operator's spec check and the CRD refuse it too: one grammar (spotguard.storage.uri).
+        raise StorageError(f"white space around the storage URI {uri!r}: remove it")
     if uri.startswith("s3://"):
         from spotguard.storage.s3 import S3Storage
 
@@ -83,13 +86,11 @@ def open_storage(uri: str, **options: Any) -> Storage:
     if uri.startswith("file:"):
         from spotguard.storage.file import FileStorage
 
-        parts = urlsplit(uri)
-        if parts.netloc not in ("", "localhost"):
-            raise StorageError(f"file URI with a host is not supported: {uri!r} (use file:///PATH)")
-        path = unquote(parts.path)
-        if not path.startswith("/"):
-            raise StorageError(f"file URI must be absolute: {uri!r} (use file:///PATH)")
-        return FileStorage(path, **options)
+        try:
+            parse_storage_uri(uri)
+        except ValueError as exc:
+            raise StorageError(str(exc)) from None
+        return FileStorage(unquote(urlsplit(uri).path), **options)
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
         raise StorageError(f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3://, gs:// or file://")

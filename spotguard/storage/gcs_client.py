@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -41,16 +40,13 @@ from spotguard.storage.base import (
     StoredChecksum,
 )
 from spotguard.storage.checksum import crc32c_from_base64
+from spotguard.storage.uri import parse_storage_uri
 
 log = logging.getLogger(__name__)
 
 #: Resumable upload chunks must be multiples of this (a GCS rule).
 CHUNK_QUANTUM = 256 << 10
 _T = TypeVar("_T")
-
-# GCS bucket names: 3-63 characters (up to 222 with dots), lowercase letters,
-# digits, dashes, underscores and dots, starting and ending with a letter or digit.
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 _NO_CREDENTIALS = (
     "no Google Cloud credentials found: on GKE bind the pod's service account with Workload Identity, "
@@ -77,21 +73,12 @@ _DATA_CORRUPTION = _data_corruption_types()
 
 
 def parse_gs_uri(uri: str) -> tuple[str, str]:
-    """Pure: split ``gs://bucket/prefix`` into bucket and prefix (no slashes around)."""
+    """Pure: split ``gs://bucket/prefix`` into bucket and prefix (no slashes around); the grammar is
+    :mod:`spotguard.storage.uri`'s."""
     if not uri.startswith("gs://"):
         raise ValueError(f"not a gs:// URI: {uri!r}")
-    bucket, _, prefix = uri[len("gs://") :].partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}: use gs://BUCKET/PREFIX")
-    if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise ValueError(
-            f"invalid bucket name {bucket!r} in {uri!r}: GCS bucket names are 3-63 lowercase letters, "
-            "digits, '-', '_' or '.'"
-        )
-    prefix = prefix.strip("/")
-    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
-        raise ValueError(f"invalid prefix in {uri!r}")
-    return bucket, prefix
+    parsed = parse_storage_uri(uri)
+    return parsed.bucket, parsed.path
 
 
 def upload_chunk_size(requested: int) -> int:

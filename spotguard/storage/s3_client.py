@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from spotguard.storage.base import CredentialsError, NotFoundError, PreconditionFailedError, StorageError, too_large
+from spotguard.storage.uri import parse_storage_uri
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -39,17 +40,12 @@ _DENIED = {
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into bucket and prefix (no slashes around)."""
+    """Split ``s3://bucket/prefix`` into bucket and prefix (no slashes around); the grammar is
+    :mod:`spotguard.storage.uri`'s."""
     if not uri.startswith("s3://"):
         raise ValueError(f"not an s3:// URI: {uri!r}")
-    rest = uri[len("s3://") :]
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        raise ValueError(f"no bucket in {uri!r}: use s3://BUCKET/PREFIX")
-    prefix = prefix.strip("/")
-    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
-        raise ValueError(f"invalid prefix in {uri!r}")
-    return bucket, prefix
+    parsed = parse_storage_uri(uri)
+    return parsed.bucket, parsed.path
 
 
 def error_code(exc: BaseException) -> tuple[str, int]:
