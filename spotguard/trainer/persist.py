@@ -246,7 +246,7 @@ class LocalPersist:
         try:
             with self._pool_lock:
                 snapshot = snapshot_state(state, pinned=self._pinned)
-        except BaseException:
+        except BaseException:  # an interrupt too: the requests are answered, then it is raised again
             # The state cannot be saved (the caller's error); still answer
             # the requests, so a preemption ends the loop instead of looping.
             self._channel.answer(due.requests, None)
@@ -467,7 +467,7 @@ class LocalPersist:
             names = _folder.folder_files(source, exclude)
             for rel in names:
                 _folder.link_or_copy(source / rel, writer.tmp / rel)
-        except BaseException:
+        except BaseException:  # an interrupt too: no half-linked folder, the requests answered; raised again
             writer.abort()
             self._channel.answer(due.requests, None)
             raise
