@@ -21,7 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from spotguard.checkpoint.manifest import parse_checkpoint_name
-from spotguard.contract.env import BEST_METRIC, BEST_MODE, KEEP_BEST, KEEP_EVERY, KEEP_LAST, from_env
+from spotguard.contract.env import BEST_METRIC, BEST_MODE, KEEP_BEST, KEEP_EVERY, KEEP_LAST, from_env, to_env
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,25 @@ class RetentionPolicy:
             mode=from_env(BEST_MODE, environ).strip().lower(),
             keep_every=from_env(KEEP_EVERY, environ),
         )
+
+    def to_env(self) -> dict[str, str]:
+        """Pure: the ``SPOTGUARD_*`` variables that :meth:`from_env` reads back as this policy.
+
+        Rules that are off are left out; so are the metric and its mode
+        without ``keep_best`` (they rank nothing then). The operator hands a
+        job's ``spec.checkpoint.retention`` to its sidecar so.
+        """
+        out: dict[str, str] = {}
+        if self.keep_last is not None:
+            out[KEEP_LAST.name] = to_env(KEEP_LAST, self.keep_last)
+        if self.keep_best is not None:
+            out[KEEP_BEST.name] = to_env(KEEP_BEST, self.keep_best)
+            if self.metric:
+                out[BEST_METRIC.name] = to_env(BEST_METRIC, self.metric)
+            out[BEST_MODE.name] = to_env(BEST_MODE, self.mode)
+        if self.keep_every is not None:
+            out[KEEP_EVERY.name] = to_env(KEEP_EVERY, self.keep_every)
+        return out
 
 
 @dataclass(frozen=True)

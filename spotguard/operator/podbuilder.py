@@ -180,7 +180,7 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
         _contract_value(envvars.JOB, inj.job),
         _contract_value(envvars.CHECKSUM, ck.checksum),
         _contract_value(envvars.GRACE_SECONDS, inj.grace_period_seconds),
-        _contract_value(envvars.KEEP_LAST, ck.retention.keep_last),
+        *(_env_value(name, value) for name, value in ck.retention.to_env().items()),
     ]
     if inj.attempt is not None:
         env.append(_contract_value(envvars.ATTEMPT, inj.attempt))
@@ -192,12 +192,6 @@ def contract_env(inj: Injection, *, credentials: bool = True) -> list[dict[str, 
         env.append(_contract_value(envvars.SAVE_EVERY_STEPS, ck.every_steps))
     if ck.every_seconds is not None:
         env.append(_contract_value(envvars.SAVE_EVERY_SECONDS, ck.every_seconds))
-    if ck.retention.keep_best:
-        env.append(_contract_value(envvars.KEEP_BEST, ck.retention.keep_best))
-        env.append(_contract_value(envvars.BEST_METRIC, ck.retention.best_metric or ""))
-        env.append(_contract_value(envvars.BEST_MODE, ck.retention.best_mode))
-    if ck.retention.keep_every:
-        env.append(_contract_value(envvars.KEEP_EVERY, ck.retention.keep_every))
     env += [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
@@ -422,7 +416,7 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
         c["env"].append(pod_dir[1])
     if inj.metrics_port:
         c["ports"] = [{"name": "sg-metrics", "containerPort": inj.metrics_port, "protocol": "TCP"}]
-    # The sidecar leaves {"preempted", "reason", "step"} here; see classify.sidecar_report.
+    # The sidecar leaves its report here (spotguard.contract.report); see classify.sidecar_report.
     c["terminationMessagePath"] = "/dev/termination-log"
     # Its log's tail when it failed without a report: the operator quotes it.
     c["terminationMessagePolicy"] = "FallbackToLogsOnError"

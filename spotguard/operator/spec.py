@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotguard.checkpoint.retention import RetentionPolicy
 from spotguard.operator.specfields import (
     DNS_SUBDOMAIN_RE,
     SpecError,
@@ -55,6 +56,8 @@ MAX_NODES = 1000
 MAX_LABEL = 63
 GPU_RESOURCE = "nvidia.com/gpu"
 BEST_MODES = ("min", "max")
+#: ``checkpoint.retention.keepLast`` when the spec does not say.
+DEFAULT_KEEP_LAST = 3
 #: Early preemption notice sources the sidecar can watch (``spotguard sidecar --notices``).
 NOTICE_SOURCES = ("aws", "gce", "azure", "k8s")
 
@@ -77,17 +80,6 @@ class CredentialsSecret:
 
 
 @dataclass(frozen=True, slots=True)
-class Retention:
-    """Which remote checkpoints the sidecar keeps (0 = rule off)."""
-
-    keep_last: int = 3
-    keep_best: int = 0
-    best_metric: str | None = None
-    best_mode: str = "min"
-    keep_every: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class CheckpointSpec:
     """Where and how often checkpoints are written."""
 
@@ -98,7 +90,9 @@ class CheckpointSpec:
     every_steps: int | None = None
     every_seconds: float | None = None
     checksum: str = "crc32c"
-    retention: Retention = field(default_factory=Retention)
+    #: Which remote checkpoints the sidecar keeps: the one retention model, from
+    #: ``checkpoint.retention`` (``keepLast``, ``keepBest``, ``bestMetric``, ``bestMode``, ``keepEvery``).
+    retention: RetentionPolicy = field(default_factory=lambda: RetentionPolicy(keep_last=DEFAULT_KEEP_LAST))
     #: Give the trainer containers the storage credentials too (only the restore
     #: init container and the sidecar get them otherwise): for trainers that read
     #: or write storage themselves.
@@ -313,19 +307,20 @@ def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
     return CredentialsSecret(name=name, **keys)
 
 
-def parse_retention(raw: Any, path: str) -> Retention:
-    """Parse ``checkpoint.retention``."""
+def parse_retention(raw: Any, path: str) -> RetentionPolicy:
+    """Parse ``checkpoint.retention``: the spec's names (``bestMetric``, ``bestMode``; 0 turns
+    ``keepBest``/``keepEvery`` off) mapped to :class:`~spotguard.checkpoint.retention.RetentionPolicy`."""
     obj = read_obj(raw, path)
     keep_best = read_int(obj, "keepBest", path, 0) or 0
     metric = read_str(obj, "bestMetric", path)
     if keep_best > 0 and not metric:
         raise SpecError(f"{path}.bestMetric", "is required when keepBest > 0")
-    return Retention(
-        keep_last=read_int(obj, "keepLast", path, 3, minimum=1) or 1,
-        keep_best=keep_best,
-        best_metric=metric,
-        best_mode=read_enum(obj, "bestMode", path, BEST_MODES, "min"),
-        keep_every=read_int(obj, "keepEvery", path, 0) or 0,
+    return RetentionPolicy(
+        keep_last=read_int(obj, "keepLast", path, DEFAULT_KEEP_LAST, minimum=1) or 1,
+        keep_best=keep_best or None,
+        metric=metric,
+        mode=read_enum(obj, "bestMode", path, BEST_MODES, "min"),
+        keep_every=read_int(obj, "keepEvery", path, 0) or None,
     )
 
 

@@ -72,7 +72,7 @@ def test_full_spec() -> None:
     spec["suspend"] = True
     p = parse(spec)
     assert p.checkpoint.every_steps == 50 and p.checkpoint.every_seconds == 300.0
-    assert p.checkpoint.retention.best_metric == "val_loss" and p.checkpoint.retention.keep_every == 1000
+    assert p.checkpoint.retention.metric == "val_loss" and p.checkpoint.retention.keep_every == 1000
     assert p.preemption.backoff == Backoff(1.0, 4.0, 2.0)
     assert p.sidecar.image == "sg:dev" and p.sidecar.metrics_port == 9500
     assert p.suspend is True
