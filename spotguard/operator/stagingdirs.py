@@ -237,7 +237,7 @@ def clean_staging(ctx: Context, job: Mapping[str, Any], spec: TrainingJobSpec, n
             ctx.reported_cleanups.discard(f"{namespace}/{done}")
     except NotOursYet:
         return  # a cleanup pod of an older job of this name is still there: the next look
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
         if api_status(exc) is None:
             raise
         log.warning("%s/%s: staging cleanup: %s; trying again at the next look", namespace, name, api_reason(exc))
