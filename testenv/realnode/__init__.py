@@ -9,7 +9,9 @@ logs and termination messages, its handling of grace periods):
   directory; CRI set up for a root without CAP_SYS_RESOURCE, AppArmor or
   systemd) and one kubelet (its own address ``127.0.<100+k>.<i>``, which is
   the Node's name and InternalIP, port, root and cert directories, and a
-  cgroupRoot of its own in every cgroup v1 hierarchy);
+  cgroupRoot of its own in every cgroup v1 hierarchy), both in a mount
+  namespace of the node's where the kubelet's fixed paths (/var/lib/kubelet,
+  /var/log/pods, /var/log/containers) are the node's own;
 - pod networks: the CNI bridge and host-local plugins, every pod an IP of its
   node's range in the set's 127.<80+k>.0.0/16 on one bridge, so pods on
   different nodes talk TCP (torchrun's rendezvous) without the host forwarding

@@ -13,6 +13,13 @@
 - the kernel settings the kubelet tunes when it starts (:data:`KUBELET_SYSCTLS`),
   put back.
 
+Each node's containerd (with its shims and containers) and kubelet share a
+mount namespace of their own, where the kubelet's fixed paths
+(:data:`PRIVATE_PATHS`) are the node's own directories: kubelets sharing
+/var/log/pods remove one another's pod logs (a kubelet takes the log directory
+of a pod it does not know for a deleted pod's), and the last one to start owns
+/var/lib/kubelet's device-plugin socket. Their mounts go with the namespace.
+
 Processes are killed all at once (:func:`kill_all`): SIGKILL to every pid
 first, then the wait, so a lost node's kubelet, containerd, shims and
 containers die together.
@@ -52,6 +59,8 @@ KUBELET_SYSCTLS = tuple(
         "kernel/keys/root_maxbytes",
     )
 )
+#: The kubelet's fixed paths that each node gets to itself (:func:`in_node_mounts`).
+PRIVATE_PATHS = (Path("/var/lib/kubelet"), Path("/var/log/pods"), Path("/var/log/containers"))
 #: Executables whose processes belong to real nodes.
 NODE_PROGRAMS = ("kubelet", "containerd", "containerd-shim-runc-v2", "runc")
 OWNER_TAG = "spotguard-realnode"
@@ -256,12 +265,30 @@ def node_program_pids() -> set[int]:
 # --- mounts and files ----------------------------------------------------------
 
 
-def mounts_below(*roots: Path) -> list[str]:
-    """Mount points at or below any of ``roots`` (from /proc/self/mountinfo), deepest first."""
+def in_node_mounts(private: Path, argv: list[str]) -> list[str]:
+    """``argv`` in a new mount namespace where each of :data:`PRIVATE_PATHS` is a directory of
+    ``private`` (made here, as are the mount points, which the set removes with :data:`HOST_PATHS`)."""
+    binds = []
+    for path in PRIVATE_PATHS:
+        source = private / str(path.relative_to("/")).replace("/", "-")
+        source.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
+        binds += [str(source), str(path)]
+    script = 'set -e; while [ "$1" != -- ]; do mount --bind "$1" "$2"; shift 2; done; shift; exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *binds, "--", *argv]
+
+
+def in_mounts_of(pid: int, argv: list[str]) -> list[str]:
+    """``argv`` in the mount namespace of process ``pid``."""
+    return ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", *argv]
+
+
+def mounts_below(*roots: Path, pid: int | None = None) -> list[str]:
+    """Mount points at or below any of ``roots``, deepest first, as this process (or ``pid``) sees them."""
     prefixes = [str(r.resolve()) if r.exists() else str(r) for r in roots]
     found = []
     with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        for line in Path(f"/proc/{pid or 'self'}/mountinfo").read_text().splitlines():
             point = line.split()[4].encode().decode("unicode_escape")
             if any(point == p or point.startswith(p.rstrip("/") + "/") for p in prefixes):
                 found.append(point)

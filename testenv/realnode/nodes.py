@@ -80,6 +80,11 @@ class RealNode:
     def socket(self) -> Path:
         return self.state / "containerd.sock"
 
+    @property
+    def mount_ns_pid(self) -> int:
+        """A process in the node's mount namespace (its containerd), where its mounts are seen."""
+        return self.services[0].popen.pid
+
     def pids(self) -> set[int]:
         """Every live process of the node: kubelet, containerd, shims, runc and the containers."""
         return host.pids_with_env("=".join(self.marker)) | host.cgroup_pids(self.cgroup_root)
@@ -184,7 +189,7 @@ class RealNodes:
         marker_name, marker_value = node.marker
         svc = self.sup.start(
             f"containerd-{node.name}",
-            ["containerd", "--config", str(st / "containerd.toml")],
+            host.in_node_mounts(st / "private", ["containerd", "--config", str(st / "containerd.toml")]),
             extra_env={marker_name: marker_value},
         )
         node.services.append(svc)
@@ -219,6 +224,8 @@ class RealNodes:
         ]
         if self.settings.taint:
             argv.append(f"--register-with-taints={node_taints([SPOT_TAINT])}")
+        # In its containerd's mount namespace: both see the node's own kubelet paths (host.PRIVATE_PATHS).
+        argv = host.in_mounts_of(node.mount_ns_pid, argv)
         node.services.append(self.sup.start(f"kubelet-{node.name}", argv, extra_env={marker_name: marker_value}))
 
     def wait_ready(self, node: RealNode, timeout: float = 120.0) -> None:

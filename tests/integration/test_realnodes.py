@@ -9,6 +9,7 @@ up and tears down a node set of its own and checks that nothing is left.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from testenv.processnode.api import ApiError, Kube
 from testenv.pytest_realnodes import require_real_nodes
 from testenv.realnode import GPU, RealNodes
 from testenv.realnode import host as realhost
-from testenv.realnode.config import BUSYBOX_IMAGE, WORK_ROOT
+from testenv.realnode.config import BUSYBOX_IMAGE, work_dir
 
 SYSCTLS = [
     f"/proc/sys/net/ipv4/{name}"
@@ -105,54 +106,78 @@ def gone(api: Kube, path: str) -> bool:
     return False
 
 
-def machine_state(state_dir: Path, cgroup_prefix: str) -> dict[str, Any]:
-    """What a set of real nodes could leave on the machine."""
-    # The set's bridge and the CNI bridge plugin's veths (process nodes of other sessions make and remove
-    # their own, "sgpod0" and "sgv...", at any time).
-    links = sorted(n for n in os.listdir("/sys/class/net") if n.startswith(("sgrn", "veth")))
-    cgroups = sorted(
-        str(d)
-        for h in Path("/sys/fs/cgroup").iterdir()
-        if h.is_dir() and not h.is_symlink()
-        for d in h.iterdir()
-        if d.name.startswith(cgroup_prefix)
-    )
-    iptables = {
-        table: subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True).stdout
-        for table in ("filter", "nat")
-    }
+def host_wide() -> dict[str, Any]:
+    """The machine's own settings, which no set of real nodes may change."""
     return {
-        "processes": sorted(realhost.node_program_pids()),
-        "mounts": realhost.mounts_below(state_dir, WORK_ROOT, *realhost.HOST_PATHS),
-        "cgroups": cgroups,
-        "links": links,
-        "work dirs": sorted(n for n in os.listdir(WORK_ROOT) if n.startswith("spotguard-realnode-")),
-        "netns": sorted(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else [],
+        "sysctls": {p: Path(p).read_text().strip() for p in SYSCTLS},
+        "iptables": {
+            table: subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True).stdout
+            for table in ("filter", "nat", "mangle", "raw")
+        },
+    }
+
+
+def shared_state() -> dict[str, Any]:
+    """What every set of real nodes uses: the kubelet's fixed paths, the kernel settings it tunes."""
+    return {
         "host paths": {str(p): sorted(e) for p, e in realhost.host_paths_now().items()},
-        "sysctls": {p: Path(p).read_text().strip() for p in [*SYSCTLS, *map(str, realhost.KUBELET_SYSCTLS)]},
-        "iptables": iptables,
+        "mounts": realhost.mounts_below(*realhost.HOST_PATHS),
+        "kubelet sysctls": {str(p): v for p, v in realhost.sysctls_now().items()},
+    }
+
+
+def leftovers_of(nodes: RealNodes, state: Path, pids: set[int], links: set[str], ns_pid: int) -> dict[str, Any]:
+    """What is left of the set ``nodes`` (its processes ``pids``, its bridge and veths ``links``, the
+    mounts seen from the host and from its node's mount namespace, which ``ns_pid`` is in)."""
+    run_id = nodes.sup.run_id
+    pids = pids | realhost.pids_with_env(f"SPOTGUARD_TESTENV_RUN={run_id}")
+    roots = (state, work_dir(run_id))
+    return {
+        "processes": sorted(p for p in pids if realhost.alive(p)),
+        "mounts": realhost.mounts_below(*roots)
+        + (realhost.mounts_below(*roots, pid=ns_pid) if realhost.alive(ns_pid) else []),
+        "cgroups": sorted(
+            str(d)
+            for h in Path("/sys/fs/cgroup").iterdir()
+            if h.is_dir() and not h.is_symlink()
+            for d in h.iterdir()
+            if run_id in d.name
+        ),
+        "links": sorted(n for n in links if realhost.link_exists(n)),
+        "work dir": work_dir(run_id).exists(),
     }
 
 
 def test_realnodes_teardown(kube: Any, api: Kube, namespace: str, tmp_path: Path) -> None:
-    """A node set that ran a pod and was stopped leaves the machine as it found it."""
+    """A node set that ran a pod and was stopped leaves nothing of its own on the machine, changes no
+    host-wide setting, and, where no other set runs, leaves the paths and settings all sets share as it
+    found them."""
     require_real_nodes()
     state = tmp_path / "set"
-    before = machine_state(state, "spotguard-realnode-")
-    assert not before["processes"], f"kubelet/containerd already running: {before['processes']}"
+    alone = not realhost.node_program_pids()
+    host_before, shared_before = host_wide(), shared_state()
     nodes = RealNodes.start(kube.kubeconfig, kube.kubelet_client_ca, state, count=1)
     try:
         (node,) = nodes.node_names()
         api.post(f"/api/v1/namespaces/{namespace}/pods", pod("left", "sleep 3600", nodeName=node))
         wait_phase(api, namespace, "left", {"Running"})
-        during = machine_state(state, "spotguard-realnode-")
-        assert during["processes"] and during["mounts"] and during["cgroups"], "the set ran nothing to leave behind"
-        assert set(during["links"]) - set(before["links"]), "no pod bridge or veth made"
+        assert nodes.set_no is not None
+        bridge = f"sgrn{nodes.set_no}"
+        links = {bridge, *realhost.bridge_ports(bridge)}
+        pids, ns_pid = nodes.node(node).pids(), nodes.node(node).mount_ns_pid
+        during = leftovers_of(nodes, state, pids, links, ns_pid)
+        assert during["processes"] and during["mounts"] and during["cgroups"], "the set ran nothing to leave"
+        assert len(during["links"]) == 2, f"the set's bridge and its pod's veth: {during['links']}"
+        assert host_wide() == host_before, "a running set changed a host-wide setting"
+        # The pod's log lives in the node's own /var/log/pods, not the machine's.
+        assert not [d for d in os.listdir("/var/log/pods") if "_left_" in d]
     finally:
         nodes.stop()
-    after = machine_state(state, "spotguard-realnode-")
-    for key in before:
-        assert after[key] == before[key], f"{key} left behind by the stopped node set"
+    after = leftovers_of(nodes, state, pids, links, ns_pid)
+    assert after == {"processes": [], "mounts": [], "cgroups": [], "links": [], "work dir": False}
+    assert host_wide() == host_before
+    if alone and not realhost.node_program_pids():
+        assert shared_state() == shared_before, "the kubelet's fixed paths or its kernel settings left changed"
     assert wait_for(lambda: gone(api, f"/api/v1/nodes/{node}"), 10, "Node object deleted")
     api.delete(f"/api/v1/namespaces/{namespace}/pods/left", {"gracePeriodSeconds": 0})
 
@@ -179,12 +204,16 @@ def test_gpu_pod_runs_with_logs_and_termination_message(real_nodes: RealNodes, a
         assert api.get(f"/api/v1/nodes/{name}")["status"]["allocatable"][GPU] == "1"
 
 
+#: Reads one line from the first connection (nc's ``-e``: with no stdin, a plain ``nc -l`` may leave before the data).
+SERVER = "echo ready; nc -l -p 29500 -e sh -c 'read line; echo \"$line\" > /tmp/got'; cat /tmp/got"
+
+
 def test_pod_to_pod_tcp_across_nodes(real_nodes: RealNodes, api: Kube, namespace: str) -> None:
     """A server pod on one node, a client pod on the other: TCP between their pod IPs, as torchrun's rendezvous."""
     first, second = real_nodes.node_names()[:2]
     api.post(
         f"/api/v1/namespaces/{namespace}/pods",
-        pod("server", "echo ready; nc -l -p 29500 > /tmp/got; cat /tmp/got", nodeName=first),
+        pod("server", SERVER, nodeName=first),
     )
     server = wait_for(
         lambda: (p := get_pod(api, namespace, "server")).get("status", {}).get("podIP") and p, 90, "server pod IP"
@@ -258,8 +287,6 @@ def test_dev_cluster_with_real_nodes(tmp_path: Path) -> None:
     state = tmp_path / "dev"
     cli = [sys.executable, "-m", "testenv.cluster"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    before = realhost.node_program_pids()  # the session's own real nodes, if they run
-    cgroups_before = set(os.listdir("/sys/fs/cgroup/memory"))
     up = subprocess.run(
         [*cli, "up", "--state-dir", str(state), "--nodes", "1", "--nodes-kind", "real"],
         capture_output=True,
@@ -276,10 +303,13 @@ def test_dev_cluster_with_real_nodes(tmp_path: Path) -> None:
         assert node["status"]["allocatable"][GPU] == "1"
         api.post("/api/v1/namespaces/default/pods", pod("hello", "echo hello"))
         assert wait_phase(api, "default", "hello", {"Succeeded", "Failed"})["status"]["phase"] == "Succeeded"
-        programs = realhost.node_program_pids() - before
-        assert programs
+        # The dev cluster's node set, by its run marker (other sets may run beside it).
+        run_id = json.loads((state / "realnodes" / "pids.json").read_text())["run_id"]
+        programs = realhost.pids_with_env(f"SPOTGUARD_TESTENV_RUN={run_id}")
+        assert {Path(os.readlink(f"/proc/{p}/exe")).name for p in programs} >= {"kubelet", "containerd"}
     finally:
         down = subprocess.run([*cli, "down", "--state-dir", str(state)], capture_output=True, text=True, env=env)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not [p for p in programs if realhost.alive(p)], "real nodes' processes outlived the dev cluster"
-    assert set(os.listdir("/sys/fs/cgroup/memory")) - cgroups_before == set(), "the dev cluster left cgroups"
+    assert not [d for d in os.listdir("/sys/fs/cgroup/memory") if run_id in d], "the dev cluster left cgroups"
+    assert not work_dir(run_id).exists()
