@@ -36,8 +36,8 @@ def process_nodes(
         count=count,
         extra_args=["--client-ca-file", str(ca)] if ca else None,
         host_services=testenv_supervisor.host_services.directory,
-        # The tests' own files (a file:// store) stay reachable and writable in every container, under a
-        # read-only root or an emptyDir at /tmp, as a real pod reaches its store over the network.
+        # The tests' own files (a file:// store) stay reachable and writable in containers with a read-only
+        # root (spotguard's, with an emptyDir at /tmp), as a real pod reaches its store over the network.
         writable_host_paths=[tmp_path_factory.getbasetemp()],
     )
     try:

@@ -87,8 +87,9 @@ kernel's filesystems stay writable; no ``TMPDIR`` is set for it, so ``/tmp``
 is whatever the pod mounts there); the other ``securityContext`` fields
 (the user, capabilities, seccomp) are not applied. Host directories given
 with ``--writable-host-path`` (the test world's files, such as a ``file://``
-store) are bound at their own path into every container, so that neither a
-read-only root nor a volume above them hides them. Container logs go to
+store) are bound at their own path into every container with a read-only
+root, so that neither the root nor a volume above them (an emptyDir at
+``/tmp``) hides them. Container logs go to
 ``<state-dir>/pods/<namespace>_<pod>/<container>.log``.
 
     python -m testenv.processnode run --kubeconfig K --nodes 2 --state-dir D

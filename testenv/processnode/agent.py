@@ -71,7 +71,7 @@ class Agent:
         if self.service_host in (LOOPBACK, "localhost"):
             self.host_ports.add(int(self.service_port))
         self.host_services = host_services if host_services is not None else state_dir / "host-services"
-        # Host directories bound at their own path into every container: the test world's own files,
+        # Host directories bound at their own path into containers with a read-only root: the test world's files,
         # standing in for what a real pod reaches over the network (a file:// store).
         self.writable_host_paths = tuple(str(p) for p in writable_host_paths)
         self.kubelet_version = "v1.20.2"

@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="DIR",
-        help="a host directory bound at its own path into every container, so that neither a read-only root nor"
-        " a volume above it (an emptyDir at /tmp) hides it: the test world's files, such as a file:// store;"
-        " repeatable",
+        help="a host directory bound at its own path into every container with a read-only root, so that neither"
+        " the root nor a volume above it (an emptyDir at /tmp) hides it: the test world's files, such as a"
+        " file:// store; repeatable",
     )
     run.set_defaults(func=_run)
 

@@ -111,7 +111,8 @@ class ProcessNodes:
     ) -> ProcessNodes:
         """Start an agent. Its pods reach the apiserver and the host ports registered in
         ``host_services`` (default: a directory of the agent's own; see :attr:`host_services`).
-        ``writable_host_paths`` are bound at their own path into every container (the test world's files)."""
+        ``writable_host_paths`` are bound at their own path into every container with a read-only root
+        (the test world's files)."""
         state = Path(state_dir)
         state.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):

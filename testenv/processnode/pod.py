@@ -421,9 +421,9 @@ class PodRunner:
         except OSError as exc:
             self._not_started(c, "StartError", f"pod sandbox: {exc.strerror or exc}")
             return
-        if root:
-            # The test world's own files (a file:// store), at their own path: reachable and writable
-            # whatever the container mounts above them (an emptyDir at /tmp) or makes read-only (its root).
+        if root and read_only_root(c.spec):
+            # The test world's own files (a file:// store), at their own path: reachable and writable under
+            # the read-only root, and whatever the container mounts above them (spotguard's emptyDir at /tmp).
             mounts += [(path, path, False) for path in self.agent.writable_host_paths if os.path.isdir(path)]
         if root and self._hosts_attached:  # kubelet's per-pod /etc/hosts, kept current by the agent
             mounts.append((str(self.dir / HOSTS_FILE), "/etc/hosts", False))
