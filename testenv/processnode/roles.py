@@ -52,6 +52,7 @@ class AgentRole(Protocol):
     spawner: Spawner
     host_ports: set[int]
     host_services: Path
+    writable_host_paths: tuple[str, ...]
     ip_pool: IpPool | None
     hosts: ClusterHosts
 
