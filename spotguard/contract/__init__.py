@@ -7,5 +7,6 @@ environment variable once, with its type, default and parser;
 :mod:`~spotguard.contract.control` holds the control files
 they exchange (requests, acks, the trainer's pid and exit, the uploader's
 heartbeat); :mod:`~spotguard.contract.retry` the backoff both sides use to
-retry an upload. Standard library only.
+retry an upload; :mod:`~spotguard.contract.report` the sidecar's termination
+report, which the operator reads. Standard library only.
 """

@@ -151,9 +151,8 @@ class TerminationReport:
 
     def to_json(self) -> dict[str, Any]:
         """Pure: the wire form (optional keys only when they say something; free text shortened)."""
-        doc: dict[str, Any] = {PREEMPTED: self.preempted, REASON: self.reason}
-        if self.reason is not None:
-            doc[REASON] = clip_text(self.reason, _REASON_MAX_BYTES)
+        reason = None if self.reason is None else clip_text(self.reason, _REASON_MAX_BYTES)
+        doc: dict[str, Any] = {PREEMPTED: self.preempted, REASON: reason}
         if self.step is not None:
             doc[STEP] = self.step
         if self.trainer_step is not None:
