@@ -6,15 +6,18 @@ import json
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from spotguard.contract.report import TerminationReport
 from spotguard.operator.podbuilder import OperatorConfig, build_pod
 from spotguard.operator.spec import parse
 from spotguard.operator.specfields import SpecError
 from spotguard.operator.staging import StagingSpec, check_host_path, parse_host_path_prefix
 from spotguard.operator.stagingdirs import CleanupTarget, cleanup_pod, plan_cleanup
+from spotguard.sidecar.mainloop import SidecarOptions, _remove_pod_dir
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -229,3 +232,43 @@ def test_the_operator_refuses_a_prefix_that_allows_anything(value: str, why: str
     assert result.returncode == 2
     assert result.stderr.startswith("spotguard operator: --staging-host-path-prefix:") and why in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class _Agent:
+    def __init__(self, state: str) -> None:
+        self.state = state
+
+    def trainer_state(self) -> str:
+        return self.state
+
+
+@pytest.mark.parametrize(("trainer", "removed"), [("gone", True), ("running", False), ("unknown", False)])
+def test_the_sidecar_removes_its_pods_directory_only_once_the_trainer_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trainer: str, removed: bool
+) -> None:
+    pod_dir = tmp_path / "node" / "ns" / "demo-a1"
+    (pod_dir / "checkpoints" / ".control").mkdir(parents=True)
+    (pod_dir / "checkpoints" / "ckpt-000000000005").mkdir()
+    monkeypatch.setenv("SPOTGUARD_STAGING_POD_DIR", str(pod_dir))
+    log = tmp_path / "termination-log"
+    report = TerminationReport(preempted=False, reason="finished", step=5)
+    _remove_pod_dir(_Agent(trainer), SidecarOptions(termination_log=log), report)  # type: ignore[arg-type]
+    assert pod_dir.exists() is not removed
+    assert (tmp_path / "node" / "ns").is_dir()  # only the pod's own directory goes
+    if removed:
+        assert json.loads(log.read_text()) == {
+            "preempted": False,
+            "reason": "finished",
+            "step": 5,
+            "podDirRemoved": True,
+        }
+        assert TerminationReport.parse(log.read_text()).pod_dir_removed
+    else:
+        assert not log.exists()
+
+
+def test_without_host_path_staging_the_sidecar_removes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPOTGUARD_STAGING_POD_DIR", raising=False)
+    report = TerminationReport(preempted=False, reason="finished")
+    _remove_pod_dir(_Agent("gone"), SidecarOptions(termination_log=tmp_path / "log"), report)  # type: ignore[arg-type]
+    assert not (tmp_path / "log").exists()
