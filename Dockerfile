@@ -12,8 +12,9 @@
 #   docker build --target spotguard -t spotguard/spotguard:0.1.0 .
 #   docker build --target spotguard-torch --build-arg TORCH_VARIANT=cu126 -t spotguard/spotguard-torch:0.1.0 .
 #
-# (Not built by this repository's tests: the test machines have no container
-# engine; the chart's rendered manifests and the process nodes stand in.)
+# Without a container engine, `make images` builds both targets from this file with
+# buildah (testenv/images.py): a base made from Debian's packages stands in for
+# PYTHON_IMAGE and a local index serves the CPU torch wheel (TORCH_INDEX_URL).
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS base
@@ -40,9 +41,20 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
 # torch first, from the index of the chosen variant: spotguard's `torch`
 # extra then finds it installed instead of pulling PyPI's default build.
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch
+# The torch just installed is pinned (a constraint): no extra may swap it for PyPI's
+# default build, a multi-GB CUDA wheel; a conflict fails the build instead. The
+# dependencies of the extras below are installed first, from pyproject.toml alone,
+# so that a change of spotguard's code rebuilds only the small layers after them.
+COPY pyproject.toml /tmp/pyproject.toml
+RUN pip freeze | grep -i '^torch==' > /tmp/torch.txt \
+    && python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+        reqs = p['dependencies'] + [r for e in 'torch,hf,lightning,keras,gcs'.split(',') for r in p['optional-dependencies'][e]]; \
+        print('\n'.join(r for r in reqs if not r.startswith('spotguard')))" > /tmp/deps.txt \
+    && pip install -c /tmp/torch.txt -r /tmp/deps.txt && rm /tmp/deps.txt /tmp/pyproject.toml
 COPY --from=wheel /wheels /tmp/wheels
 # With the framework integrations (Hugging Face Trainer, Lightning).
-RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[torch,hf,lightning,keras,gcs]" && rm -rf /tmp/wheels
+RUN pip install -c /tmp/torch.txt "$(echo /tmp/wheels/spotguard-*.whl)[torch,hf,lightning,keras,gcs]" \
+    && rm -rf /tmp/wheels /tmp/torch.txt
 # The examples; examples/train*.py are links to the packaged example trainers.
 COPY examples /opt/spotguard/examples
 RUN for m in train train_ddp train_hf train_lightning; do \

@@ -79,5 +79,23 @@ bench: setup
 gpu-check: setup
 	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
+# The Dockerfile's two images, built without a Docker engine (buildah; testenv/images.py) and
+# cached by content in $SPOTGUARD_CACHE/images: `make images` prints their OCI layouts.
+# `make push-images REGISTRY=registry.example.com/ml` pushes them as
+# $(REGISTRY)/spotguard/spotguard:VERSION and $(REGISTRY)/spotguard/spotguard-torch:VERSION
+# (TLS_VERIFY=false: a plain-HTTP or self-signed registry).
+# `make release`: from a fresh clone of HEAD into dist/, the wheel and sdist (twine check),
+# the packaged chart and both images as OCI archives (dist/images/).
+.PHONY: images push-images release
+images: setup
+	$(PY) -m testenv.images build
+
+push-images: setup
+	@test -n "$(REGISTRY)" || { echo "usage: make push-images REGISTRY=host[:port][/path] [TLS_VERIFY=false]" >&2; exit 2; }
+	$(PY) -m testenv.images push --registry $(REGISTRY) $(if $(filter false,$(TLS_VERIFY)),--no-tls-verify)
+
+release: setup
+	$(PY) -m testenv.release --out dist
+
 clean:
 	rm -rf $(VENV) $(DEV) .lanes .pytest_cache .mypy_cache .ruff_cache

@@ -30,6 +30,8 @@ mkdir -p "$BIN"
 if [ "$PYTHON_ONLY" = 0 ]; then
 # --- 1. Debian packages -----------------------------------------------------
 APT_PKGS=(golang-go etcd-server rsync jq golang-github-modern-go-reflect2-dev prometheus dpkg-dev openssl util-linux)
+# The images without a Docker engine (testenv/images.py): build, copy, a registry to pull from.
+APT_PKGS+=(buildah mmdebstrap skopeo docker-registry)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -40,6 +42,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+# Debian's docker-registry enables a system service on :5000 where systemd runs; the tests
+# start registries of their own on free loopback ports.
+if command -v systemctl >/dev/null && systemctl is-enabled --quiet docker-registry 2>/dev/null; then
+  systemctl disable --quiet docker-registry
+  if [ -d /run/systemd/system ]; then systemctl stop docker-registry; fi
 fi
 
 # --- 2. Kubernetes control plane from Debian's source -----------------------

@@ -33,8 +33,16 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{- /*
+The operator's image: [registry/]repository:tag (the tag defaults to the appVersion).
+*/}}
 {{- define "spotguard.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- $ref := printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- with .Values.image.registry -}}
+{{- printf "%s/%s" . $ref -}}
+{{- else -}}
+{{- $ref -}}
+{{- end -}}
 {{- end -}}
 
 {{- /*
