@@ -51,16 +51,16 @@ from typing import Any, Generic, TypeVar, cast, overload
 from spotguard.checkpoint.local import WRITER_TMP_PREFIX, clean_stale_tmp
 from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.retention import RetentionPolicy
-from spotguard.contract.control import CONTROL_SUBDIR, CheckpointRequest
+from spotguard.contract.control import CONTROL_SUBDIR
 from spotguard.storage.checksum import DEFAULT_ALGORITHM
 from spotguard.trainer import statedicts
-from spotguard.trainer.channel import Due, TrainerChannel
+from spotguard.trainer.channel import TrainerChannel
 from spotguard.trainer.collective import CollectiveSave
 from spotguard.trainer.config import EnvConfig, Settings
 from spotguard.trainer.config import local_pruner as pruner_for
 from spotguard.trainer.distributed import DistContext, wants_distributed
 from spotguard.trainer.persist import LocalPersist
-from spotguard.trainer.policy import SavePolicy, SaveRecord
+from spotguard.trainer.policy import SavePolicy, SaveRecord, SaveTrigger
 from spotguard.trainer.restore import Restorer
 from spotguard.trainer.shipping import Shipping
 from spotguard.trainer.state import RestoredState
@@ -213,7 +213,6 @@ class Checkpointer:
         )
         self._record = SaveRecord()
         self._policy = SavePolicy(s)
-        self._storage: Any = None
         self._closed = False
         self._save_lock = threading.RLock()
         # Under torch.distributed (see spotguard.trainer.distributed): the process groups.
@@ -224,21 +223,21 @@ class Checkpointer:
         # Only local rank 0 of a node reads requests and writes the control files.
         owner = self._dist is None or self._dist.leader
         self._channel = TrainerChannel(s, owner=owner)
+        self._trigger = SaveTrigger(self._policy, self._channel, self._dist)
         # A pending preemption stops a routine upload (its save waits for that job).
-        self._shipping = Shipping(
-            s, self._record, self._open_storage, preempting=lambda: any(r.preempt for r in self._channel.pending)
-        )
+        self._shipping = Shipping(s, self._record, preempting=lambda: any(r.preempt for r in self._channel.pending))
         # Host copies of the tensors, reused by the next snapshot (no page
         # faults on fresh memory); costs one resident copy of the state.
         pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
         self._pinned = pinned  # the one pool, shared by the local and the collective save
         self._local = LocalPersist(s, self._policy, self._record, self._channel, self._shipping, pinned)
-        self._collective: CollectiveSave | None = None
+        # What saves: the local save, or under torch.distributed the collective one (which writes through it).
+        self._saver: LocalPersist | CollectiveSave = self._local
         if self._dist is not None:
-            self._collective = CollectiveSave(
+            self._saver = CollectiveSave(
                 self._dist, s, self._policy, self._record, self._channel, self._local, self._shipping, pinned=pinned
             )
-        self._restorer = Restorer(s, self._open_storage, self._shipping.verified)
+        self._restorer = Restorer(s, self._shipping.open_storage, self._shipping.verified, self._dist)
 
         root.mkdir(parents=True, exist_ok=True)
         # Only one trainer writes to a checkpoint directory: leftovers of this
@@ -246,12 +245,7 @@ class Checkpointer:
         if owner:
             clean_stale_tmp(root, WRITER_TMP_PREFIX)
         if self._dist is not None:
-            # The ranks of a node share one directory (they build each checkpoint together).
-            seen = self._dist.gather((self._dist.info.node, str(root.resolve())), persist=False)
-            for node in sorted({n for n, _ in seen}):  # every rank decides alike
-                paths = {path for n, path in seen if n == node}
-                if len(paths) > 1:
-                    raise ValueError(f"the ranks of node {node} must use one checkpoint directory, got {sorted(paths)}")
+            self._dist.check_one_directory(root)
         if handle_signals and self.install_signal_handlers() and owner:
             self._channel.announce()
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -324,17 +318,7 @@ class Checkpointer:
         any rank sees makes every rank's ``should_save`` true at the same
         later step, the next one when steps are long, at most about 0.2 s
         later when they are short (see :meth:`SavePolicy.agree`)."""
-        if self._dist is not None:
-            return self._policy.agree(step, self._polled, self._dist)
-        self._channel.poll()
-        if self._channel.pending:
-            return True
-        return self._policy.interval_due(step)
-
-    def _polled(self) -> list[CheckpointRequest]:
-        """The pending requests, the request file and signals read now."""
-        self._channel.poll()
-        return self._channel.pending
+        return self._trigger.should_save(step)
 
     def save(
         self,
@@ -356,19 +340,8 @@ class Checkpointer:
         """
         _check_step(step)
         with self._save_lock:
-            due = self._take(step)
-            if self._collective is not None:
-                return self._collective.save(step, state, due, epoch=epoch, metrics=metrics, blocking=blocking)
-            return self._local.save(step, state, due, epoch=epoch, metrics=metrics, blocking=blocking)
-
-    def _take(self, step: int) -> Due:
-        """The requests the save of ``step`` answers: the pending ones, or
-        under torch.distributed those every rank agreed on in ``should_save(step)``."""
-        if self._dist is None:
-            return self._channel.take()
-        due = self._policy.take_agreed(step)
-        self._channel.drop(due.requests)
-        return due
+            due = self._trigger.take(step)
+            return self._saver.save(step, state, due, epoch=epoch, metrics=metrics, blocking=blocking)
 
     # -- checkpoints a framework writes (Hugging Face Trainer, Lightning) -------------------
     @property
@@ -377,10 +350,7 @@ class Checkpointer:
         then stop. After :meth:`should_save` under torch.distributed, what
         every rank agreed on; otherwise whether a preempting request is
         pending."""
-        if self._dist is not None:
-            return self._policy.agreed_preempt
-        self._channel.poll()
-        return any(r.preempt for r in self._channel.pending)
+        return self._trigger.stop_requested
 
     def commit_folder(
         self,
@@ -415,13 +385,9 @@ class Checkpointer:
         _check_step(step)
         source = Path(folder)
         with self._save_lock:
-            due = self._take(step)
-            if self._collective is not None:
-                return self._collective.commit_folder(
-                    step, source, due, epoch=epoch, metrics=metrics, exclude=tuple(exclude), blocking=blocking
-                )
-            return self._local.commit_folder(
-                step, source, due, epoch=epoch, metrics=metrics, exclude=exclude, blocking=blocking
+            due = self._trigger.take(step)
+            return self._saver.commit_folder(
+                step, source, due, epoch=epoch, metrics=metrics, exclude=tuple(exclude), blocking=blocking
             )
 
     def resume_folder(self) -> Path | None:
@@ -435,11 +401,7 @@ class Checkpointer:
         checked again locally; walking back there too).
 
         Collective under torch.distributed: every rank gets the same folder."""
-        if self._dist is not None:
-            name = self._restorer.agreed_name(self._dist)
-            path = None if name is None else self.directory / name
-        else:
-            path = self._restorer.resume_folder()
+        path = self._restorer.resume_folder()
         if path is None:
             log.info("no checkpoint to resume from; starting fresh")
             return None
@@ -467,14 +429,9 @@ class Checkpointer:
         Under torch.distributed every rank calls it: the ranks agree on the
         newest checkpoint every node can load (or a newer verified one in
         storage) and each loads its part; see :mod:`spotguard.trainer.distributed`."""
-        if self._dist is not None:
-            restored = self._restorer.restore_collective(
-                self._dist, model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects
-            )
-        else:
-            restored = self._restorer.restore(
-                model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects
-            )
+        restored = self._restorer.restore(
+            model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects
+        )
         if restored is not None:
             self._resumed(Path(restored.path), restored.step)
         return restored
@@ -483,15 +440,6 @@ class Checkpointer:
         """``path`` (of ``step``) is where training resumes: it counts as saved."""
         self._policy.saved(step)
         self._record.last_committed = path
-
-    def _open_storage(self) -> Any:
-        """The storage at ``storage_uri``, opened on first use."""
-        if self._storage is None:
-            from spotguard.storage import open_storage  # a backend's client library loads only when used
-
-            assert self.storage_uri is not None
-            self._storage = open_storage(self.storage_uri, **self.storage_options)
-        return self._storage
 
     # -- the end -----------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> bool:
@@ -504,8 +452,7 @@ class Checkpointer:
         if self._closed:
             return
         self.wait()
-        self._settle_flags()
-        self._await_final_verified()
+        self._finish()
         self._channel.announce_exit(self._policy.last_step)
         if self._dist is not None:
             statedicts.leave()
@@ -515,22 +462,12 @@ class Checkpointer:
             self._pinned.clear()  # host buffers and the storages tracked: nothing saves from them any more
         self._closed = True
 
-    def _settle_flags(self) -> None:
-        """Wait for the flag exchange the last ``should_save`` posted, so that
-        no collective is pending when the process group is destroyed (its
-        answer would apply to a step that never comes)."""
+    def _finish(self) -> None:
+        """Before the trainer says it is done: no flag exchange pending when the process
+        group is destroyed (:meth:`DistContext.settle_at_close`), and its last checkpoint
+        verified by the uploader (bounded; see :meth:`TrainerChannel.await_final_verified`)."""
         if self._dist is not None:
-            if not self._dist.dist.is_initialized():
-                self._dist.forget_exchange()  # the group is gone: no wait can finish
-                return
-            try:
-                self._dist.collect()
-            except Exception as exc:  # noqa: BLE001 - a gone rank fails it in any way; nothing left to agree with
-                log.warning("the last flag exchange between the ranks did not finish: %s", exc)
-
-    def _await_final_verified(self) -> None:
-        """Before the trainer says it is done: its last checkpoint verified by the uploader
-        (bounded; see :meth:`TrainerChannel.await_final_verified`)."""
+            self._dist.settle_at_close()
         last = self._record.last_committed
         final = parse_checkpoint_name(last.name) if last is not None else None
         self._channel.await_final_verified(final, self._settings.final_verify_seconds)
@@ -539,8 +476,7 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             self.wait()
         if not self._closed:
-            self._settle_flags()
-            self._await_final_verified()
+            self._finish()
         self._channel.announce_exit(self._policy.last_step)
 
     def __enter__(self) -> Checkpointer:

@@ -58,6 +58,16 @@ class CommitReport:
     error: str | None
 
 
+@dataclass
+class _RankWrite:
+    """This rank's files of one save on the writer thread: its writer (None when it
+    could not be made) and what went wrong before the gathers."""
+
+    writer: LocalWriter | None = None
+    error: str | None = None
+    deadline_exceeded: bool = False
+
+
 class CollectiveSave:
     """``save`` and ``commit_folder`` under torch.distributed (collective: every rank, same step)."""
 
@@ -186,92 +196,139 @@ class CollectiveSave:
     def _persist(self, job: PersistJob) -> None:
         """Phase two on the writer thread: every rank writes its files into the
         node's temporary directory, local rank 0 commits the node's part once
-        every rank's files are written and checksummed."""
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-        d, s, record = self._d, self._settings, self._record
+        every rank's files are written and checksummed. Every rank takes part in
+        each collective (``dcp.save``, the two gathers) whatever failed before it:
+        a rank that skipped one would leave the others waiting."""
         start = time.perf_counter()
         tmp = self._tmp(job.step, job.token)
         durable = self._shipping.durable(job.due.preempt)
-        error: str | None = None
-        writer: LocalWriter | None = None
-        deadline_exceeded = False
+        mine = self._write_own_files(job, tmp, durable)
+        self._save_dcp(job, tmp, durable, mine)
+        reports = self._gather_ranks(job, mine)
+        if reports is None:
+            return
+        errors = [r.error for r in reports if r.error]
+        deadline_exceeded = any(r.deadline_exceeded for r in reports)
+        path, committed_here, commit_error = self._commit_part(job, mine.writer, reports, errors, tmp, start)
+        commits = self._gather_commits(committed_here, commit_error or mine.error)
+        self._conclude(job, errors, commits, deadline_exceeded, path, start)
+
+    def _write_own_files(self, job: PersistJob, tmp: Path, durable: bool) -> _RankWrite:
+        """This rank's own files (its state outside DCP) written and checksummed in
+        the node's temporary directory."""
+        d, s = self._d, self._settings
+        mine = _RankWrite()
         try:
-            writer = LocalWriter(
+            mine.writer = LocalWriter(
                 s.directory, job.step, algorithm=s.checksum, deadline=job.due.deadline, durable=durable, tmp=tmp
             )
             assert job.snapshot is not None
-            writer.add_snapshot(job.snapshot, prefix=_distributed.rank_prefix(d.rank))
+            mine.writer.add_snapshot(job.snapshot, prefix=_distributed.rank_prefix(d.rank))
         except DeadlineExceeded as exc:
-            error, deadline_exceeded = str(exc), True
+            mine.error, mine.deadline_exceeded = str(exc), True
         except Exception as exc:  # noqa: BLE001 - every rank must reach dcp.save; the error fails the save
-            error = f"rank {d.rank}: {exc}"
-        # Every rank takes part in dcp.save, whatever happened above: a rank
-        # that skipped a collective would leave the others waiting.
+            mine.error = f"rank {d.rank}: {exc}"
+        return mine
+
+    def _save_dcp(self, job: PersistJob, tmp: Path, durable: bool, mine: _RankWrite) -> None:
+        """``dcp.save`` of the model and optimizer shards (collective), and this
+        rank's files of it added to its writer; the host copies dropped after."""
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        d = self._d
         dcp_dir = tmp / DCP_DIR
         try:
             if job.sharded is not None:
                 dcp_save(
                     job.sharded, storage_writer=FileSystemWriter(dcp_dir, sync_files=durable), process_group=d.persist
                 )
-            if writer is not None and error is None:
-                mine = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
+            if mine.writer is not None and mine.error is None:
+                names = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
                 if d.rank == 0 and job.sharded is not None:
-                    mine.append(DCP_METADATA)
-                for name in mine:
-                    writer.add_written(f"{DCP_DIR}/{name}")
+                    names.append(DCP_METADATA)
+                for name in names:
+                    mine.writer.add_written(f"{DCP_DIR}/{name}")
         except DeadlineExceeded as exc:
-            error, deadline_exceeded = error or str(exc), True
+            mine.error, mine.deadline_exceeded = mine.error or str(exc), True
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather; the error fails the save
-            error = error or f"rank {d.rank}: {exc}"
+            mine.error = mine.error or f"rank {d.rank}: {exc}"
         finally:
             job.snapshot = None
             job.sharded = None
-        entries = [(e.path, e.size, e.checksum) for e in writer.entries] if writer is not None and error is None else []
+
+    def _gather_ranks(self, job: PersistJob, mine: _RankWrite) -> list[RankReport] | None:
+        """Every rank's :class:`RankReport` (persist group); None when the gather
+        failed (then the save failed, its requests answered)."""
+        d = self._d
+        entries: list[tuple[str, int, str]] = []
+        if mine.writer is not None and mine.error is None:
+            entries = [(e.path, e.size, e.checksum) for e in mine.writer.entries]
         try:
             reports: list[RankReport] = d.gather(
-                RankReport(d.info.node, d.leader, entries, error, deadline_exceeded), persist=True
+                RankReport(d.info.node, d.leader, entries, mine.error, mine.deadline_exceeded), persist=True
             )
         except Exception as exc:  # noqa: BLE001 - a failed gather fails this save, not the writer thread
             log.error("checkpoint of step %d failed: %s", job.step, exc)
-            record.last_error = exc
+            self._record.last_error = exc
             self._channel.answer(job.due.requests, None)
-            return
-        errors = [r.error for r in reports if r.error]
-        deadline_exceeded = any(r.deadline_exceeded for r in reports)
-        path: Path | None = None
-        committed_here = not d.leader
-        if d.leader:
-            if not errors and writer is not None:
-                node_entries = [
-                    FileEntry(p, n, c) for r in reports if r.node == d.info.node for p, n, c in r.entries or ()
-                ]
-                persist_seconds = round(time.perf_counter() - start, 6)
-                timing = {
-                    "persist_seconds": persist_seconds,
-                    "snapshot_seconds": round(job.snapshot_seconds, 6),
-                    "save_seconds": round(job.snapshot_seconds + persist_seconds, 6),
-                }
-                try:
-                    path = writer.commit(
-                        epoch=job.epoch,
-                        metrics=job.metrics,
-                        job=s.job,
-                        attempt=s.attempt,
-                        reason=job.due.reason,
-                        request_id=job.due.request_id,
-                        timing=timing,
-                        sharding=self._sharding(job.token),
-                        entries=node_entries,
-                        check_deadline=False,
-                    )
-                    committed_here = True
-                except Exception as exc:  # noqa: BLE001 - every rank must reach the commit gather
-                    error = f"node {d.info.node}: commit failed: {exc}"
-            else:
-                shutil.rmtree(tmp, ignore_errors=True)
-        commits = self._gather_commits(committed_here, error)
+            return None
+        return reports
+
+    def _commit_part(
+        self,
+        job: PersistJob,
+        writer: LocalWriter | None,
+        reports: list[RankReport],
+        errors: list[str],
+        tmp: Path,
+        start: float,
+    ) -> tuple[Path | None, bool, str | None]:
+        """Local rank 0: the node's part (every local rank's files) committed, or its
+        temporary directory removed when a rank failed. Returns the committed
+        directory, whether this rank's part is done, and why not."""
+        d, s = self._d, self._settings
+        if not d.leader:
+            return None, True, None
+        if errors or writer is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None, False, None
+        node_entries = [FileEntry(p, n, c) for r in reports if r.node == d.info.node for p, n, c in r.entries or ()]
+        persist_seconds = round(time.perf_counter() - start, 6)
+        timing = {
+            "persist_seconds": persist_seconds,
+            "snapshot_seconds": round(job.snapshot_seconds, 6),
+            "save_seconds": round(job.snapshot_seconds + persist_seconds, 6),
+        }
+        try:
+            path = writer.commit(
+                epoch=job.epoch,
+                metrics=job.metrics,
+                job=s.job,
+                attempt=s.attempt,
+                reason=job.due.reason,
+                request_id=job.due.request_id,
+                timing=timing,
+                sharding=self._sharding(job.token),
+                entries=node_entries,
+                check_deadline=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the commit gather
+            return None, False, f"node {d.info.node}: commit failed: {exc}"
+        return path, True, None
+
+    def _conclude(
+        self,
+        job: PersistJob,
+        errors: list[str],
+        commits: list[CommitReport],
+        deadline_exceeded: bool,
+        path: Path | None,
+        start: float,
+    ) -> None:
+        """Once every node said whether its part is committed: the save recorded and
+        logged, its requests answered, and the node's part shipped by local rank 0."""
+        d, s, record = self._d, self._settings, self._record
         problems = errors or [c.error for c in commits if not c.committed and c.error]
         final: Path | None = None
         if all(c.committed for c in commits) and not errors:

@@ -49,6 +49,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA
@@ -327,6 +328,27 @@ class DistContext:
         """Drop the posted exchange unwaited (its process group was destroyed)."""
         self._posted = self._answer = None
 
+    def settle_at_close(self) -> None:
+        """At the Checkpointer's end: wait for the flag exchange the last
+        ``should_save`` posted, so that no collective is pending when the process
+        group is destroyed (its answer would apply to a step that never comes)."""
+        if not self.dist.is_initialized():
+            self.forget_exchange()  # the group is gone: no wait can finish
+            return
+        try:
+            self.collect()
+        except Exception as exc:  # noqa: BLE001 - a gone rank fails it in any way; nothing left to agree with
+            log.warning("the last flag exchange between the ranks did not finish: %s", exc)
+
+    def check_one_directory(self, directory: Path) -> None:
+        """Raise unless the ranks of each node use one checkpoint directory (they
+        build each checkpoint together). Collective; every rank decides alike."""
+        seen = self.gather((self.info.node, str(directory.resolve())), persist=False)
+        for node in sorted({n for n, _ in seen}):
+            paths = {path for n, path in seen if n == node}
+            if len(paths) > 1:
+                raise ValueError(f"the ranks of node {node} must use one checkpoint directory, got {sorted(paths)}")
+
     def start_save(self, busy: bool, failed: bool) -> SaveStart:
         """Before a save: whether any rank still writes the previous one or
         could not snapshot, and a token (from rank 0) naming the temporary
@@ -376,8 +398,6 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
     model/optimizer state comes from this rank's saved files, or rank 0's
     when this rank did not exist when it was saved.
     """
-    from pathlib import Path
-
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from spotguard.checkpoint.codec import StateError
@@ -439,8 +459,6 @@ def load_sharded_whole(path: Any, manifest: Any) -> Any:
     """A distributed checkpoint loaded by one process without a process
     group: every tensor whole (through the safe DCP reader), and rank 0's
     own state (RNG, scheduler, extras, non-tensor leaves)."""
-    from pathlib import Path
-
     from spotguard.checkpoint.codec import StateError
     from spotguard.checkpoint.dcp import load_full_state
     from spotguard.checkpoint.local import load_rank_state

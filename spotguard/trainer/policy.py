@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spotguard.contract.control import CheckpointRequest
-from spotguard.trainer.channel import Due
+from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.config import Settings
 from spotguard.trainer.distributed import DistContext
 
@@ -224,3 +224,41 @@ class SavePolicy:
         agreed = self._agreed if self._agreed is not None and self._agreed.step == step else None
         self._agreed = None
         return agreed.due if agreed is not None else Due([], False, None)
+
+
+class SaveTrigger:
+    """When a Checkpointer's save is due and which requests it answers: in one
+    process the pending requests (signals, the request file) and the interval;
+    under torch.distributed what every rank agreed on (:meth:`SavePolicy.agree`)."""
+
+    def __init__(self, policy: SavePolicy, channel: TrainerChannel, dist: DistContext | None) -> None:
+        self._policy = policy
+        self._channel = channel
+        self._dist = dist
+
+    def should_save(self, step: int) -> bool:
+        """:meth:`Checkpointer.should_save`."""
+        if self._dist is not None:
+            return self._policy.agree(step, self._polled, self._dist)
+        return bool(self._polled()) or self._policy.interval_due(step)
+
+    def _polled(self) -> list[CheckpointRequest]:
+        """The pending requests, the request file and signals read now."""
+        self._channel.poll()
+        return self._channel.pending
+
+    def take(self, step: int) -> Due:
+        """The requests the save of ``step`` answers: the pending ones, or
+        under torch.distributed those every rank agreed on in ``should_save(step)``."""
+        if self._dist is None:
+            return self._channel.take()
+        due = self._policy.take_agreed(step)
+        self._channel.drop(due.requests)
+        return due
+
+    @property
+    def stop_requested(self) -> bool:
+        """:attr:`Checkpointer.stop_requested`."""
+        if self._dist is not None:
+            return self._policy.agreed_preempt
+        return any(r.preempt for r in self._polled())

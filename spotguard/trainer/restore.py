@@ -88,16 +88,42 @@ class Restorer:
 
     ``open_storage`` opens (once) the settings' storage; ``verified``
     collects the names restored from storage (verified there: see
-    :class:`~spotguard.trainer.shipping.Shipping`).
+    :class:`~spotguard.trainer.shipping.Shipping`); ``dist``: the process
+    groups of a collective Checkpointer (then :meth:`restore` and
+    :meth:`resume_folder` are collective), None for one process.
     """
 
-    def __init__(self, settings: Settings, open_storage: Callable[[], Any], verified: set[str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        open_storage: Callable[[], Any],
+        verified: set[str],
+        dist: DistContext | None = None,
+    ) -> None:
         self._settings = settings
         self._open_storage = open_storage
         self._verified = verified
+        self._dist = dist
+
+    def restore(
+        self, model: Any, optimizer: Any, scheduler: Any, *, restore_rng: bool, strict: bool, objects: Mapping[str, Any]
+    ) -> RestoredState | None:
+        """:meth:`Checkpointer.restore`."""
+        if self._dist is not None:
+            return self.restore_collective(
+                self._dist, model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects
+            )
+        return self._restore_alone(model, optimizer, scheduler, restore_rng=restore_rng, strict=strict, objects=objects)
+
+    def resume_folder(self) -> Path | None:
+        """:meth:`Checkpointer.resume_folder`'s choice (collective under torch.distributed)."""
+        if self._dist is not None:
+            name = self.agreed_name(self._dist)
+            return None if name is None else self._settings.directory / name
+        return self._resume_folder_alone()
 
     # -- one process -----------------------------------------------------------------------
-    def restore(
+    def _restore_alone(
         self, model: Any, optimizer: Any, scheduler: Any, *, restore_rng: bool, strict: bool, objects: Mapping[str, Any]
     ) -> RestoredState | None:
         """:meth:`Checkpointer.restore` in a single process."""
@@ -122,7 +148,7 @@ class Restorer:
         log.info("restored %s (step %d)", restored.path, restored.step)
         return restored
 
-    def resume_folder(self) -> Path | None:
+    def _resume_folder_alone(self) -> Path | None:
         """:meth:`Checkpointer.resume_folder`'s choice in a single process."""
         found: Path | None = None
         for candidate in reversed(list_local_committed(self._settings.directory)):

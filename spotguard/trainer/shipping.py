@@ -82,7 +82,8 @@ def emergency_upload_pause(attempt: int, now: float, deadline: float) -> float |
 class Shipping:
     """Upload (``upload=True``) and prune after each commit.
 
-    ``open_storage`` opens (once) the settings' storage. :attr:`verified`
+    :meth:`open_storage` opens the settings' storage on first use (or
+    returns what ``open_storage`` gives, when given). :attr:`verified`
     holds the checkpoints this process knows are verified in storage
     (uploaded and verified here, or restored from storage): only those make
     older local ones safe to delete. ``preempting`` says whether a
@@ -93,12 +94,13 @@ class Shipping:
         self,
         settings: Settings,
         record: SaveRecord,
-        open_storage: Callable[[], Any],
+        open_storage: Callable[[], Any] | None = None,
         preempting: Callable[[], bool] | None = None,
     ) -> None:
         self._settings = settings
         self._record = record
-        self._open_storage = open_storage
+        self._opener = open_storage
+        self._storage: Any = None
         self._preempting = preempting
         self.verified: set[str] = set()
         #: Checkpoints whose routine upload a preemption stopped (resumed when uploaded again).
@@ -110,6 +112,17 @@ class Shipping:
         self._chunks = KnownChunkTable()
         # With upload=True: whether this process's last upload was verified.
         self._shipping = False
+
+    def open_storage(self) -> Any:
+        """The storage at the settings' ``storage_uri``, opened on first use."""
+        if self._opener is not None:
+            return self._opener()
+        if self._storage is None:
+            from spotguard.storage import open_storage  # a backend's client library loads only when used
+
+            assert self._settings.storage_uri is not None
+            self._storage = open_storage(self._settings.storage_uri, **self._settings.storage_options)
+        return self._storage
 
     def durable(self, preempt: bool) -> bool:
         """Whether this save is fsynced (see :func:`emergency_save_is_durable`)."""
@@ -185,7 +198,7 @@ class Shipping:
         if not verified or until is not None or retention is None or retention.keeps_everything:
             return
         try:
-            apply_retention(self._open_storage(), retention, newest_verified=path.name, should_stop=self._preempting)
+            apply_retention(self.open_storage(), retention, newest_verified=path.name, should_stop=self._preempting)
         except Exception as exc:  # noqa: BLE001 - retention is best effort: a failure is recorded and logged
             self._record.last_error = exc
             log.error("retention after the upload of %s failed: %s", path.name, exc)
@@ -196,7 +209,7 @@ class Shipping:
         :class:`UploadCancelled` when ``should_stop`` stopped the upload.
         ``trust`` (a preemption's): reuse the chunks of the checkpoint verified
         last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`)."""
-        storage = self._open_storage()
+        storage = self.open_storage()
         resume = path.name in self.stopped
         incremental: bool | KnownChunks = False
         if self._settings.incremental:
@@ -246,7 +259,7 @@ class Shipping:
 
     def _commit_once(self, name: str) -> bool:
         """One try at the global commit of a part waiting for the others; True once verified."""
-        published = publish_commit(self._open_storage(), name)
+        published = publish_commit(self.open_storage(), name)
         if published.state == AWAITING:
             return False
         self._settle(published)
