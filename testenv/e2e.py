@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +320,105 @@ def check_one_actor_at_a_time(e: Env, job: str, frozen: str, successor: str, att
         f"audit: {len(acts)} writes for the job by {turns} in turn; the Lease changed hands at {takeover};"
         f" nothing from {frozen} after it"
     )
+
+
+# --- real nodes (kubelet + containerd): what the process nodes give the tests for free ---
+
+
+class LogFollower:
+    """Every container's output in some namespaces, kept once its pod is gone: a real node's kubelet
+    removes a deleted pod's logs, and a drained or lost attempt's last lines are what the checks read.
+
+    A thread lists the pods every half second and runs ``kubectl logs -f`` for each container instance
+    (pod uid, container, restart count) as soon as it has started; each instance's output goes to a
+    file of its own, and :meth:`log` gives a container's instances in order."""
+
+    def __init__(self, kube: Any, core: Any, namespaces: list[str], log_dir: Path) -> None:
+        self.kube, self.core, self.namespaces, self.dir = kube, core, namespaces, log_dir
+        self.procs: dict[tuple[str, str, int], subprocess.Popen[bytes]] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="log-follower", daemon=True)
+        self.thread.start()
+
+    def path(self, namespace: str, pod: str, container: str, restarts: int) -> Path:
+        return self.dir / namespace / pod / f"{container}.{restarts}.log"
+
+    def log(self, namespace: str, pod: str, container: str) -> str:
+        """Everything ``container`` of ``pod`` wrote so far, its instances (restarts) in order."""
+        where = self.dir / namespace / pod
+        files = sorted(where.glob(f"{container}.*.log"), key=lambda p: int(p.name.rsplit(".", 2)[1]))
+        return "".join(p.read_text(errors="replace") for p in files)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(0.5):
+            for ns in self.namespaces:
+                try:
+                    pods = self.core.list_namespaced_pod(ns).items
+                except Exception as exc:  # noqa: BLE001 - an apiserver hiccup must not end the following
+                    print(f"log follower: listing pods in {ns}: {exc}")
+                    continue
+                for p in pods:
+                    for cs in [*(p.status.init_container_statuses or []), *(p.status.container_statuses or [])]:
+                        started = cs.state and (cs.state.running or cs.state.terminated)
+                        if started:
+                            self._follow(ns, p.metadata.name, p.metadata.uid, cs.name, cs.restart_count or 0)
+
+    def _follow(self, ns: str, pod: str, uid: str, container: str, restarts: int) -> None:
+        key = (uid, container, restarts)
+        proc = self.procs.get(key)
+        if proc is not None and (proc.poll() is None or proc.returncode == 0):
+            return  # following, or followed to the end
+        path = self.path(ns, pod, container, restarts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [str(self.kube.bin_dir / "kubectl"), "--kubeconfig", str(self.kube.kubeconfig)]
+        argv += ["logs", "-f", "-n", ns, pod, "-c", container]
+        with path.open("wb") as out:  # a retry (the first one failed) reads the log from its start again
+            self.procs[key] = subprocess.Popen(argv, stdout=out, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
+@dataclass
+class RealNodeEnv(Env):
+    """:class:`Env` on real nodes: logs through the kubelet (kept by a :class:`LogFollower`)."""
+
+    follower: Any = None
+    #: Target -> the image's reference in the registry the nodes pull from.
+    images: dict[str, str] = field(default_factory=dict)
+
+    def container_log(self, namespace: str, pod: str, container: str) -> str:
+        return str(self.follower.log(namespace, pod, container))
+
+
+def container_cgroup(nodes: Any, pod: Any, container: str, hierarchy: str = "freezer") -> Path:
+    """The cgroup (in one v1 ``hierarchy``) of a running container of ``pod`` (a V1Pod) on a real node:
+    below its node's cgroupRoot, the directory named by the container's id."""
+    statuses = {cs.name: cs for cs in pod.status.container_statuses or []}
+    cid = str(statuses[container].container_id or "").split("://")[-1]
+    assert cid, f"{pod.metadata.name}/{container} has no container id yet"
+    root = Path("/sys/fs/cgroup", hierarchy, nodes.node(pod.spec.node_name).cgroup_root.lstrip("/"))
+    found = [p for p in root.rglob(cid) if p.is_dir()]
+    assert len(found) == 1, f"cgroup of {pod.metadata.name}/{container} ({cid}) below {root}: {found}"
+    return found[0]
+
+
+def freeze(cgroup: Path, state: str = "FROZEN") -> None:
+    """Freeze (``FROZEN``) or thaw (``THAWED``) every process of a container at once, through its freezer
+    cgroup: what a SIGSTOP of each does, without a window in which some of them still run."""
+    (cgroup / "freezer.state").write_text(state)
+    deadline = time.monotonic() + 10
+    while (cgroup / "freezer.state").read_text().strip() != state:
+        assert time.monotonic() < deadline, f"{cgroup} not {state}"
+        time.sleep(0.05)
+
+
+def process_status(pid: int) -> dict[str, str]:
+    """``/proc/<pid>/status`` as a dict (Uid, Gid, CapEff, NoNewPrivs, Seccomp, ...)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
