@@ -23,7 +23,8 @@ port nobody allowed is refused. The allowed ports are those of the
 host-services directory (:mod:`testenv.processnode.hostservices`) and the
 apiserver's; the host proxy (:mod:`testenv.realnode.hostnet`) keeps every
 pod's set current as ports are registered, from the pod files this plugin
-writes (``<podsDir>/<container id>``: the pod's network namespace).
+writes (``<podsDir>/<container id>``: the path of the pod's network namespace as
+seen through its containerd's root, ``/proc/<pid>/root/...``).
 
 Only the standard library and :mod:`testenv.processnode.hostservices`: it is
 started once per pod, by path.
@@ -130,7 +131,9 @@ def add(conf: dict[str, Any], netns: str, ifname: str, container: str) -> dict[s
     pods = Path(conf["podsDir"])
     pods.mkdir(parents=True, exist_ok=True)
     tmp = pods / f".{container}.tmp"
-    tmp.write_text(netns)
+    # The node's containerd (our parent) may keep its mounts, the namespace's among them, in a mount
+    # namespace of its own: the host proxy reaches the namespace through containerd's root.
+    tmp.write_text(f"/proc/{os.getppid()}/root{netns}")
     tmp.replace(pods / container)
     return {**prev, "cniVersion": conf.get("cniVersion", "0.4.0")}
 

@@ -135,6 +135,7 @@ class HostProxy:
                     pod_file.unlink(missing_ok=True)
                 continue
             self.pushed[name] = ports
+            log.info("pod %s: host ports %s", name, ",".join(map(str, sorted(ports))))
 
     def serve(self, stop: threading.Event) -> None:
         self.refresh()

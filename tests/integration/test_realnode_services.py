@@ -252,7 +252,8 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
     registered while the pod runs (and not before), the pod's own listener; an unregistered port is refused."""
     (node,) = services_nodes.node_names()
     s3_port = s3_store.endpoint_url.rsplit(":", 1)[1].rstrip("/")
-    gateway = bridge_gateway(services_nodes.set_no or 0)
+    assert services_nodes.set_no is not None
+    gateway = bridge_gateway(services_nodes.set_no)
     env = {
         "NS": namespace,
         "S3_PORT": s3_port,
@@ -281,7 +282,8 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
         "loopback": "error: ConnectionRefusedError",
         "gateway": "error: ConnectionRefusedError",
     }
-    assert steps["registered"] == {"got": "hello from the test's server"}
+    proxy = services_nodes.host_proxy.log_tail() if services_nodes.host_proxy else "(no proxy)"
+    assert steps["registered"] == {"got": "hello from the test's server"}, f"the set's proxy:\n{proxy}"
 
 
 def nft_ruleset() -> str:
@@ -308,7 +310,8 @@ def test_host_proxy_gone_and_host_untouched_after_stop(kube: Any, api: Kube, nam
     nodes = RealNodes.start(kube.kubeconfig, kube.kubelet_client_ca, tmp_path / "set", count=1)
     try:
         (node,) = nodes.node_names()
-        gateway = bridge_gateway(nodes.set_no or 0)
+        assert nodes.set_no is not None
+        gateway = bridge_gateway(nodes.set_no)
         assert nodes.host_proxy is not None
         proxy = nodes.host_proxy.popen.pid
         assert nodes.api_port in listeners_on(gateway)
