@@ -5,7 +5,8 @@ the apiserver through the ``kubernetes`` Service's ``10.0.0.1:443`` with its
 ServiceAccount token, TLS verified against the token's ``ca.crt``; lists the
 object store's buckets at ``127.0.0.1:<port>`` with boto3 (as the sidecar's
 ``AWS_ENDPOINT_URL`` says); reaches a test's own server once the test
-registers its port, while the pod already runs, and not before; and its own
+registers its port, while the pod already runs, and not before nor after the
+test removes it again; and its own
 127.0.0.1 listener still answers. A set that stopped leaves no proxy, and at
 no time a host-wide nft rule or sysctl change.
 
@@ -109,6 +110,13 @@ while True:
         break
     time.sleep(0.3)
 say(step="registered", got=got)
+deadline = time.monotonic() + 60
+while True:
+    got = reach("127.0.0.1", late)
+    if got.startswith("error") or time.monotonic() > deadline:
+        break
+    time.sleep(0.3)
+say(step="removed", got=got)
 """
 
 
@@ -249,7 +257,8 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
     host_server: int,
 ) -> None:
     """The apiserver through 10.0.0.1:443 (token + ca.crt), the store at 127.0.0.1:<port> (boto3), a test's server
-    registered while the pod runs (and not before), the pod's own listener; an unregistered port is refused."""
+    registered while the pod runs (and not before, nor after it is removed), the pod's own listener; an unregistered
+    port is refused."""
     (node,) = services_nodes.node_names()
     s3_port = s3_store.endpoint_url.rsplit(":", 1)[1].rstrip("/")
     assert services_nodes.set_no is not None
@@ -269,6 +278,8 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
     # Only now may pods reach the test's server: the pod already runs and tries it until it answers.
     with testenv_supervisor.host_services.exposed(host_server, "a test's server"):
         steps = wait_step(api, namespace, "client", "registered", 90)
+    # And once the port is taken off the list, the pod is refused again.
+    steps = wait_step(api, namespace, "client", "removed", 90)
     pod = api.get(f"/api/v1/namespaces/{namespace}/pods/client")
     assert pod["status"]["podIP"].startswith(gateway.rsplit(".", 2)[0] + ".")
     assert steps["env"] == {"host": SERVICE_IP, "port": str(SERVICE_PORT)}
@@ -284,6 +295,7 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
     }
     proxy = services_nodes.host_proxy.log_tail() if services_nodes.host_proxy else "(no proxy)"
     assert steps["registered"] == {"got": "hello from the test's server"}, f"the set's proxy:\n{proxy}"
+    assert steps["removed"] == {"got": "error: ConnectionRefusedError"}
 
 
 def nft_ruleset() -> str:
