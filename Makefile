@@ -80,7 +80,7 @@ gpu-check: setup
 	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 # The Dockerfile's two images, built without a Docker engine (buildah; testenv/images.py) and
-# cached by content in $SPOTGUARD_CACHE/images: `make images` prints their OCI layouts.
+# cached by content in $SPOTGUARD_CACHE/images: `make images` prints their names and OCI references.
 # `make push-images REGISTRY=registry.example.com/ml` pushes them as
 # $(REGISTRY)/spotguard/spotguard:VERSION and $(REGISTRY)/spotguard/spotguard-torch:VERSION
 # (TLS_VERIFY=false: a plain-HTTP or self-signed registry).
