@@ -311,6 +311,7 @@ def snapshot_context(dest: Path, context: Path | None = None) -> Path:
     """A copy of the build context's inputs in ``dest``: a build of it sees one state of the files,
     however they change meanwhile."""
     context = context or repo_root()
+    dest.mkdir(parents=True, exist_ok=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for rel in CONTEXT_INPUTS:
         src = context / rel

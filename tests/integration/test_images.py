@@ -34,6 +34,7 @@ from testenv.images import (
     layout_refs,
     project_version,
     prune_layout,
+    snapshot_context,
     tool,
     write_simple_index,
 )
@@ -127,6 +128,10 @@ def test_content_key_follows_every_input(tmp_path: Path) -> None:
         (tmp_path / rel).write_text(before + "changed")
         assert content_key("spotguard", tmp_path, "base1") != key, rel
         (tmp_path / rel).write_text(before)
+    # A session's snapshot of the context (bytecode left behind) is the same build.
+    snap = snapshot_context(tmp_path / "snapshot" / "ctx", tmp_path)
+    assert not (snap / "spotguard" / "__pycache__").exists()
+    assert content_key("spotguard", snap, "base1") == key
     (tmp_path / "spotguard" / "b.py").write_text("")
     assert content_key("spotguard", tmp_path, "base1") != key
 
