@@ -317,3 +317,17 @@ def test_readme_says_how_to_build_push_and_set_each_image() -> None:
         assert f"--target {stage.name}" in section, f"README's real-cluster section never builds {image}"
     assert "docker push" in section
     assert "--set image.repository=" in section
+
+
+def test_trainer_image_keeps_the_torch_of_its_variant() -> None:
+    """Every pip install after the variant's torch is constrained to that torch: an extra that asks
+    for another version fails the build instead of pulling PyPI's default (CUDA) build."""
+    stage = repo_images()["spotguard/spotguard-torch"]
+    runs = [a for i, a in stage.instructions if i == "RUN" and "pip install" in a]
+    torch_at = next(k for k, r in enumerate(runs) if "--index-url" in r and r.rstrip().endswith("torch"))
+    later = runs[torch_at + 1 :]
+    assert later, "nothing is installed after torch"
+    assert "pip freeze | grep -i '^torch==' > /tmp/torch.txt" in later[0], "the installed torch is not pinned"
+    for run in later:
+        for install in run.split("pip install")[1:]:
+            assert install.lstrip().startswith("-c /tmp/torch.txt"), f"unconstrained: pip install{install[:80]}"
