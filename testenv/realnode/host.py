@@ -189,21 +189,25 @@ def cgroup_pids(root: str) -> set[int]:
 def remove_cgroup_root(root: str) -> list[str]:
     """rmdir the node's cgroups bottom-up; returns those that would not go (something still runs there)."""
     stuck = []
+    # A cgroup is busy for a moment after its last process has died: retry, for 10 s in all (one
+    # that still holds a process never goes, and a tree has hundreds of them).
+    deadline = time.monotonic() + 10
     for h in cgroup_hierarchies():
         top = h / root.lstrip("/")
         if not top.exists():
             continue
         for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(Path(w[0]).parts)):
-            for _ in range(50):  # a cgroup is busy for a moment after its last process has died
+            while True:
                 try:
                     Path(dirpath).rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
+                    if time.monotonic() > deadline:
+                        stuck.append(dirpath)
+                        break
                     time.sleep(0.1)
-            else:
-                stuck.append(dirpath)
     return stuck
 
 
