@@ -35,7 +35,8 @@ def main(mount: Path) -> None:
     out["is_staging_full"] = isinstance(error, StagingFullError)
     out["error"] = str(error)
     out["entries_after_full"] = sorted(os.listdir(directory))
-    out["report"] = read_staging_full(control)
+    full = read_staging_full(control)
+    out["report"] = full.to_json() if full is not None else None  # its wire form in the report
     out["async"] = str(ck.save(3, big, blocking=False))
     out["async_waited"] = ck.wait(30)
     out["async_error_type"] = type(ck.last_error).__name__
