@@ -103,9 +103,14 @@ def _write_atomically(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def _key(*parts: object) -> str:
+    """A short name for what an archive is built from: a changed recipe builds a new archive."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+
+
 def pause_archive(cache: Path) -> Path:
     """The pause image's archive, built once into ``cache``."""
-    out = cache / "pause.tar"
+    out = cache / f"pause-{_key(PAUSE_C, PAUSE_IMAGE)}.tar"
     if out.exists():
         return out
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,11 +128,14 @@ def pause_archive(cache: Path) -> Path:
 
 def busybox_archive(cache: Path) -> Path:
     """The test image's archive (static busybox with a few applets), built once into ``cache``."""
-    out = cache / "busybox.tar"
-    if out.exists():
-        return out
     if not BUSYBOX.exists():
         raise FileNotFoundError(f"{BUSYBOX} not found: install Debian's busybox-static (`make setup`)")
+    out = (
+        cache
+        / f"busybox-{_key(BUSYBOX_APPLETS, BUSYBOX_IMAGE, BUSYBOX.stat().st_size, BUSYBOX.stat().st_mtime_ns)}.tar"
+    )
+    if out.exists():
+        return out
     files = {"bin/busybox": (BUSYBOX.read_bytes(), 0o755)}
     links = {f"bin/{applet}": "busybox" for applet in BUSYBOX_APPLETS}
     _write_atomically(out, image_archive(BUSYBOX_IMAGE, _layer(files, links), [], ["sh"]))
