@@ -47,7 +47,7 @@ from spotguard.storage.base import (
     byte_ranges,
     read_as_listed,
 )
-from spotguard.storage.checksum import crc32c_combine
+from spotguard.storage.checksum import crc32c_combine, crc32c_value
 
 DEFAULT_WORKERS = 2  # files at once; each already fetches several ranges concurrently
 
@@ -220,16 +220,10 @@ class _Targets:
     def land(self, path: str, offset: int, length: int, read: Callable[[list[memoryview]], object]) -> int:
         """``read`` puts bytes ``[offset, offset + length)`` of ``path`` in
         place (given the memory to fill); their CRC32C, computed there."""
-        import numpy as np
-
         view = memoryview(self.maps[path])[offset : offset + length]
         try:
             read([view])
-            landed = np.frombuffer(view, dtype=np.uint8)
-            try:
-                return int(google_crc32c.value(landed))
-            finally:
-                del landed
+            return crc32c_value(view)
         finally:
             view.release()
 

@@ -64,6 +64,14 @@ def _uncopied(data: bytearray | memoryview) -> Any:
         return bytes(data)
 
 
+def crc32c_value(data: bytes | bytearray | memoryview) -> int:
+    """The CRC32C of ``data``, in place where it can be (see :func:`_uncopied`): without numpy too,
+    which the operator's image (restore, sidecar) does not have."""
+    from google_crc32c import value  # as Crc32cHasher: loaded by the first checksum taken
+
+    return int(value(data if isinstance(data, bytes) else _uncopied(data)))
+
+
 class Sha256Hasher:
     """SHA-256 through :mod:`hashlib`."""
 
