@@ -69,6 +69,12 @@ CMD ["python", "-m", "spotguard.demo.train", "--help"]
 # Last, so that a plain `docker build .` builds it.
 FROM base AS spotguard
 LABEL dev.spotguard.image="spotguard/spotguard"
+# The dependencies first, from pyproject.toml alone (as in spotguard-torch): a change of
+# spotguard's code rebuilds only the small layers after them.
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+        print('\n'.join(p['dependencies'] + p['optional-dependencies']['gcs']))" > /tmp/deps.txt \
+    && pip install -r /tmp/deps.txt && rm /tmp/deps.txt /tmp/pyproject.toml
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install "$(echo /tmp/wheels/spotguard-*.whl)[gcs]" && rm -rf /tmp/wheels
 USER 65532:65532
