@@ -802,6 +802,7 @@ def _start_real_nodes(env: TestEnv, state: Path, count: int, registry: str | Non
     argv = [sys.executable, "-m", "testenv.realnode", "run", "--kubeconfig", str(env.kube.kubeconfig)]
     argv += ["--client-ca", str(env.kube.kubelet_client_ca), "--state-dir", str(state), "--nodes", str(count)]
     argv += ["--registry", registry] if registry else []
+    argv += ["--host-services-dir", str(env.sup.host_services.directory)]  # pods reach the store, as on process nodes
     # Its stop kills every node's processes, then unmounts and removes what they made: give it time.
     svc = env.sup.start("realnodes", argv, extra_env={"PYTHONPATH": str(repo_root())}, stop_timeout=60.0)
     wait_until(lambda: (state / "ready.json").exists(), 180, "real nodes", svc)

@@ -39,9 +39,12 @@ def real_nodes_registry() -> str | None:
 
 @pytest.fixture(scope="session")
 def real_nodes(
-    kube: Any, real_nodes_registry: str | None, tmp_path_factory: pytest.TempPathFactory
+    kube: Any, real_nodes_registry: str | None, testenv_supervisor: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RealNodes]:
-    """Real nodes on the test control plane: ``real_nodes.node_names()``, ``real_nodes.kill(name)``."""
+    """Real nodes on the test control plane: ``real_nodes.node_names()``, ``real_nodes.kill(name)``.
+
+    Their pods reach the host services of the test world (``testenv_supervisor.host_services``: the
+    apiserver, also as ``10.0.0.1:443``, the object store, a test's own server once registered there)."""
     require_real_nodes()
     ca = getattr(kube, "kubelet_client_ca", None)
     if ca is None:
@@ -53,6 +56,7 @@ def real_nodes(
         state,
         count=int(os.environ.get("SPOTGUARD_TEST_REAL_NODES", "2")),
         registry=real_nodes_registry,
+        host_services=testenv_supervisor.host_services.directory,
     )
     try:
         yield nodes

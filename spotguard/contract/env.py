@@ -216,27 +216,6 @@ CHECKPOINT_FULL_READ_SECONDS = _var(
 READ_CHECKPOINTS = _var(
     "READ_CHECKPOINTS", bool, True, "read each job's storage (with its credentials Secret) for its status"
 )
-HOST_PORT_RANGE = _var("HOST_PORT_RANGE", str, "20000-29999", "host ports for jobs with hostNetwork, FIRST-LAST")
-STAGING_HOST_PATH_PREFIX = _var(
-    "STAGING_HOST_PATH_PREFIX",
-    str,
-    None,
-    "the nodes' directory a job's hostPath staging must lie under (unset: hostPath staging is refused)",
-)
-STAGING_POD_DIR = _var(
-    "STAGING_POD_DIR",
-    str,
-    None,
-    "hostPath staging: the pod's own directory of its node, which the sidecar removes once the trainer is gone",
-)
-
-# The test environment's run marker: processes carrying it are the run's leftovers; the demo passes it on.
-TESTENV_RUN = _var("TESTENV_RUN", str, None, "the test environment's run marker (passed on by the demo)")
-
-#: Every variable, by name.
-REGISTRY: dict[str, Var[Any, Any]] = {v.name: v for v in list(globals().values()) if isinstance(v, Var)}
-
-
 ALLOWED_ENDPOINTS = _var(
     "ALLOWED_ENDPOINTS",
     str,
@@ -258,6 +237,27 @@ CHECKPOINT_MAX_OBJECT_BYTES = _var(
     "the largest latest pointer or manifest the operator reads from a job's store",
     "positive",
 )
+HOST_PORT_RANGE = _var("HOST_PORT_RANGE", str, "20000-29999", "host ports for jobs with hostNetwork, FIRST-LAST")
+STAGING_HOST_PATH_PREFIX = _var(
+    "STAGING_HOST_PATH_PREFIX",
+    str,
+    None,
+    "the nodes' directory a job's hostPath staging must lie under (unset: hostPath staging is refused)",
+)
+STAGING_POD_DIR = _var(
+    "STAGING_POD_DIR",
+    str,
+    None,
+    "hostPath staging: the pod's own directory of its node, which the sidecar removes once the trainer is gone",
+)
+
+# The test environment's run marker: processes carrying it are the run's leftovers; the demo passes it on.
+TESTENV_RUN = _var("TESTENV_RUN", str, None, "the test environment's run marker (passed on by the demo)")
+
+#: Every variable, by name.
+REGISTRY: dict[str, Var[Any, Any]] = {v.name: v for v in list(globals().values()) if isinstance(v, Var)}
+
+
 # -- parsing and rendering ------------------------------------------------------------
 
 

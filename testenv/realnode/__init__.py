@@ -30,9 +30,20 @@ logs and termination messages, its handling of grace periods):
   /var/lib/cni, /run/containerd, and no host-wide sysctl or iptables change
   (:mod:`testenv.realnode.host`).
 
-Not there (yet): kube-proxy and Service IPs, cluster DNS, and a route from
-pods to the host's 127.0.0.1 services (the apiserver): pods that call the API
-run on process nodes.
+- host services (:mod:`testenv.realnode.hostnet`): a pod reaches the
+  apiserver through the ``kubernetes`` Service's ``10.0.0.1:443`` (what the
+  kubelet puts into ``KUBERNETES_SERVICE_HOST/PORT``; its serving cert lists
+  that address) and the test world's services at ``127.0.0.1:<port>`` (the
+  object store, a test's own server), each once its port is in the
+  host-services allow list (:mod:`testenv.processnode.hostservices`, the
+  process nodes' too; ``host_services=``), also when registered while the pod
+  runs. A chained CNI plugin (:mod:`testenv.realnode.cniplugin`) rewrites
+  those connections inside the pod's namespace to the set's bridge gateway,
+  where a proxy of the set forwards them to the host's 127.0.0.1; no host-wide
+  nft rule or sysctl. A pod's own 127.0.0.1 listeners work as before (except
+  on a port the allow list names: that one is the host's).
+
+Not there (yet): kube-proxy and the other Service IPs, cluster DNS.
 
     nodes = RealNodes.start(kubeconfig, kubelet_client_ca, state_dir, count=2)
     nodes.kill(nodes.node_names()[0])

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--state-dir", required=True, type=Path)
     run.add_argument("--nodes", type=int, default=2)
     run.add_argument("--registry", help="a plain-http registry (127.0.0.1:PORT) the nodes pull from")
+    run.add_argument(
+        "--host-services-dir", type=Path, help="the host ports pods may reach besides the apiserver's (hostservices)"
+    )
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -37,7 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     ready = args.state_dir / "ready.json"
     with contextlib.suppress(OSError):
         ready.unlink()
-    nodes = RealNodes.start(args.kubeconfig, args.client_ca, args.state_dir, count=args.nodes, registry=args.registry)
+    nodes = RealNodes.start(
+        args.kubeconfig,
+        args.client_ca,
+        args.state_dir,
+        count=args.nodes,
+        registry=args.registry,
+        host_services=args.host_services_dir,
+    )
     try:
         ready.write_text(json.dumps({"nodes": nodes.node_names()}))
         print(f"real nodes ready: {', '.join(nodes.node_names())}", flush=True)

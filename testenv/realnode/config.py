@@ -120,7 +120,7 @@ def work_dir(run_id: str) -> Path:
     return WORK_ROOT / f"spotguard-realnode-{run_id}"
 
 
-def containerd_config(state: Path, registry_hosts: Path) -> str:
+def containerd_config(state: Path, registry_hosts: Path, cni_bin_dir: str = CNI_BIN_DIR) -> str:
     """containerd 1.6's config for one node: everything it keeps under ``state``.
 
     The CRI settings are what a root without CAP_SYS_RESOURCE, without AppArmor
@@ -147,7 +147,8 @@ def containerd_config(state: Path, registry_hosts: Path) -> str:
                 }
             },
         },
-        "cni": {"bin_dir": CNI_BIN_DIR, "conf_dir": str(state / "cni"), "max_conf_num": 1},
+        # Host services (testenv.realnode.hostnet): a node's own plugin directory adds the chained plugin.
+        "cni": {"bin_dir": cni_bin_dir, "conf_dir": str(state / "cni"), "max_conf_num": 1},
         "registry": {"config_path": str(registry_hosts)},
     }
     config = {
@@ -182,7 +183,7 @@ def registry_hosts_toml(registry: str) -> str:
     )
 
 
-def cni_conflist(addr: NodeAddresses, ipam_dir: Path) -> dict[str, Any]:
+def cni_conflist(addr: NodeAddresses, ipam_dir: Path, chained: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The node's CNI network: a veth into the set's bridge, an IP of the node's range.
 
     No gateway, no masquerading, no port maps: nothing changes the host's
@@ -210,6 +211,8 @@ def cni_conflist(addr: NodeAddresses, ipam_dir: Path) -> dict[str, Any]:
                 },
             },
             {"type": "tuning", "sysctl": {"net.ipv4.conf.eth0.route_localnet": "1"}},
+            # Host services (testenv.realnode.hostnet): plugins chained after these, e.g. the host services one.
+            *(chained or []),
         ],
     }
 

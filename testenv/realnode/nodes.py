@@ -18,12 +18,14 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from testenv.cluster import Service, Supervisor, bin_dir, cache_dir, free_ports, wait_until
 from testenv.processnode.api import ApiError, Kube
 from testenv.processnode.control import node_ready
 from testenv.processnode.node import SPOT_TAINT, NodeSettings, node_manifest
-from testenv.realnode import host
+from testenv.realnode import host, hostnet
+from testenv.realnode.cniplugin import plugin_config
 from testenv.realnode.config import (
     MAX_SETS,
     NodeAddresses,
@@ -100,6 +102,7 @@ class RealNodes:
         state_dir: Path,
         registry: str | None = None,
         settings: NodeSettings | None = None,
+        host_services: Path | None = None,
     ) -> None:
         self.kubeconfig, self.client_ca, self.registry = kubeconfig, client_ca, registry
         self.settings = settings or NodeSettings(prefix="real-gpu")
@@ -107,6 +110,11 @@ class RealNodes:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.sup = Supervisor(self.state_dir)
         self.kube = Kube(kubeconfig)
+        # Host services (testenv.realnode.hostnet): the host ports pods reach (the apiserver's always), and
+        # the set's proxy for them, started with the set's first node.
+        self.host_services = host_services or self.state_dir / "host-services"
+        self.api_port = urlparse(self.kube.server).port or 443
+        self.host_proxy: Service | None = None
         self.nodes: dict[str, RealNode] = {}
         self.set_no: int | None = None
         self._next_index = 1
@@ -126,12 +134,14 @@ class RealNodes:
         registry: str | None = None,
         settings: NodeSettings | None = None,
         timeout: float = 120.0,
+        host_services: Path | None = None,
     ) -> RealNodes:
         """Start ``count`` nodes and wait until each is Ready with its GPUs; ``registry``
-        (``127.0.0.1:PORT``) is a plain-http registry the nodes pull from."""
+        (``127.0.0.1:PORT``) is a plain-http registry the nodes pull from; pods reach the host
+        ports allowed in ``host_services`` (:mod:`testenv.processnode.hostservices`) and the apiserver."""
         if not kubelet_path().exists():
             raise FileNotFoundError(f"{kubelet_path()} not found: run `make setup` (testenv/realnode/provision.sh)")
-        nodes = cls(kubeconfig, client_ca, state_dir, registry, settings)
+        nodes = cls(kubeconfig, client_ca, state_dir, registry, settings, host_services)
         try:
             nodes._claim_set()
             started = [nodes.add_node(wait=False) for _ in range(count)]
@@ -165,6 +175,9 @@ class RealNodes:
         if self.set_no is None:
             self._claim_set()
         assert self.set_no is not None
+        if self.host_proxy is None:
+            gateway, pods = bridge_gateway(self.set_no), self.state_dir / hostnet.PODS_DIR
+            self.host_proxy = hostnet.start_host_proxy(self.sup, gateway, self.api_port, self.host_services, pods)
         addr = NodeAddresses(self.set_no, self._next_index)
         self._next_index += 1
         state = work_dir(self.sup.run_id) / str(addr.index)
@@ -184,8 +197,13 @@ class RealNodes:
         if self.registry:
             (st / "certs.d" / self.registry).mkdir(parents=True, exist_ok=True)
             (st / "certs.d" / self.registry / "hosts.toml").write_text(registry_hosts_toml(self.registry))
-        (st / "containerd.toml").write_text(containerd_config(st, st / "certs.d"))
-        (st / "cni" / "10-spotguard.conflist").write_text(json.dumps(cni_conflist(node.addr, st / "ipam"), indent=2))
+        # Host services (testenv.realnode.hostnet): the chained plugin, from the node's own plugin directory.
+        bin_dir = hostnet.plugin_bin_dir(st / "cni-bin")
+        (st / "containerd.toml").write_text(containerd_config(st, st / "certs.d", str(bin_dir)))
+        pods = self.state_dir / hostnet.PODS_DIR
+        chained = [plugin_config(node.addr.gateway, self.api_port, self.host_services, pods)]
+        conflist = cni_conflist(node.addr, st / "ipam", chained)
+        (st / "cni" / "10-spotguard.conflist").write_text(json.dumps(conflist, indent=2))
         marker_name, marker_value = node.marker
         svc = self.sup.start(
             f"containerd-{node.name}",
@@ -283,6 +301,7 @@ class RealNodes:
             with contextlib.suppress(ApiError, OSError, subprocess.TimeoutExpired):
                 self.kill(name, delete=True)
         self.sup.stop()  # what escaped: the set's run marker
+        self.host_proxy = None  # stopped with the supervisor's other services
         if self.set_no is not None:
             owner = host.link_owner(bridge_name(self.set_no))
             if owner == host.me():
