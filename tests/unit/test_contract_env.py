@@ -134,7 +134,10 @@ def _mentions(paths: list[Path]) -> dict[str, list[str]]:
 
 
 def test_every_variable_mentioned_in_the_code_and_the_docs_is_registered() -> None:
-    paths = sorted((ROOT / "spotguard").rglob("*.py")) + sorted((ROOT / "docs").rglob("*.md"))
+    # docs/testing.md describes the test world, whose variables (SPOTGUARD_CACHE, SPOTGUARD_TEST_*) the product
+    # never reads: they belong to testenv/, not to the contract.
+    docs = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p.name != "testing.md"]
+    paths = sorted((ROOT / "spotguard").rglob("*.py")) + docs
     mentions = _mentions(paths)
     assert "SPOTGUARD_STORAGE_URI" in mentions  # the scan sees them
     unknown = {}
