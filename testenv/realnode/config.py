@@ -28,6 +28,8 @@ CNI_BIN_DIR = "/usr/lib/cni"
 PAUSE_IMAGE = "spotguard.local/pause:1"
 BUSYBOX_IMAGE = "spotguard.local/busybox:1"
 BRIDGE_PREFIX = "sgrn"
+#: The DNS domain of the cluster's Services and pods (``<pod>.<service>.<ns>.svc.cluster.local``).
+CLUSTER_DOMAIN = "cluster.local"
 MAX_SETS = 20
 MAX_NODES = 200
 
@@ -250,6 +252,9 @@ def kubelet_config(addr: NodeAddresses, port: int, healthz_port: int, client_ca:
         "syncFrequency": "10s",
         "fileCheckFrequency": "10s",
         "resolvConf": "/etc/resolv.conf",
+        # Cluster DNS (testenv.realnode.dns): the set's server on its bridge gateway, in every pod's resolv.conf.
+        "clusterDNS": [addr.gateway],
+        "clusterDomain": CLUSTER_DOMAIN,
     }
 
 

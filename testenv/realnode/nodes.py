@@ -24,7 +24,7 @@ from testenv.cluster import Service, Supervisor, bin_dir, cache_dir, free_ports,
 from testenv.processnode.api import ApiError, Kube
 from testenv.processnode.control import node_ready
 from testenv.processnode.node import SPOT_TAINT, NodeSettings, node_manifest
-from testenv.realnode import host, hostnet
+from testenv.realnode import dns, host, hostnet
 from testenv.realnode.cniplugin import plugin_config
 from testenv.realnode.config import (
     MAX_SETS,
@@ -115,6 +115,8 @@ class RealNodes:
         self.host_services = host_services or self.state_dir / "host-services"
         self.api_port = urlparse(self.kube.server).port or 443
         self.host_proxy: Service | None = None
+        # Cluster DNS (testenv.realnode.dns): the pods' stable names, on the set's gateway, started with the proxy.
+        self.dns: Service | None = None
         self.nodes: dict[str, RealNode] = {}
         self.set_no: int | None = None
         self._next_index = 1
@@ -178,6 +180,8 @@ class RealNodes:
         if self.host_proxy is None:
             gateway, pods = bridge_gateway(self.set_no), self.state_dir / hostnet.PODS_DIR
             self.host_proxy = hostnet.start_host_proxy(self.sup, gateway, self.api_port, self.host_services, pods)
+        if self.dns is None:
+            self.dns = dns.start_dns(self.sup, bridge_gateway(self.set_no), self.kubeconfig)
         addr = NodeAddresses(self.set_no, self._next_index)
         self._next_index += 1
         state = work_dir(self.sup.run_id) / str(addr.index)
@@ -301,7 +305,7 @@ class RealNodes:
             with contextlib.suppress(ApiError, OSError, subprocess.TimeoutExpired):
                 self.kill(name, delete=True)
         self.sup.stop()  # what escaped: the set's run marker
-        self.host_proxy = None  # stopped with the supervisor's other services
+        self.host_proxy = self.dns = None  # stopped with the supervisor's other services
         if self.set_no is not None:
             owner = host.link_owner(bridge_name(self.set_no))
             if owner == host.me():
