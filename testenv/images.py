@@ -472,6 +472,9 @@ def _build(target: str, context: Path, store: Store, log: Path | None) -> BuiltI
     )
     _run(push_argv, f"buildah push {local}")
     prune_layout(layout, target, _mark_used(layout, name))
+    # The images of earlier builds, no longer tagged: their layers are freed, while the layers the
+    # tagged images are built on stay as the cache of the next build.
+    subprocess.run(store.buildah("rmi", "--prune"), capture_output=True, check=False, timeout=600)
     return BuiltImage(target, repository(target), tag, key, layout, False, time.monotonic() - started)
 
 
