@@ -43,7 +43,16 @@ logs and termination messages, its handling of grace periods):
   nft rule or sysctl. A pod's own 127.0.0.1 listeners work as before (except
   on a port the allow list names: that one is the host's).
 
-Not there (yet): kube-proxy and the other Service IPs, cluster DNS.
+- cluster DNS (:mod:`testenv.realnode.dns`): pods of a headless Service with
+  ``hostname`` and ``subdomain`` (a multi-node TrainingJob's ranks) resolve
+  one another's ``<hostname>.<subdomain>.<ns>.svc.cluster.local``; a server of
+  the set on UDP/TCP port 53 of its bridge gateway, which every node's kubelet
+  names as ``clusterDNS``, answers from the pods the apiserver lists (the
+  Endpoints controller refuses 127.0.0.0/8 pod IPs). Other names in
+  ``cluster.local`` are NXDOMAIN, names outside it are refused: nothing is
+  forwarded.
+
+Not there (yet): kube-proxy and the other Service IPs.
 
     nodes = RealNodes.start(kubeconfig, kubelet_client_ca, state_dir, count=2)
     nodes.kill(nodes.node_names()[0])
