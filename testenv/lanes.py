@@ -41,9 +41,11 @@ WORKERS_ENV = "SPOTGUARD_LIGHT_WORKERS"
 #: Modules whose tests keep both cores busy (torchrun groups, process-node fleets, end-to-end
 #: jobs): ``tests/conftest.py`` marks their tests ``heavy``. The split was measured: with
 #: Lightning and the GPU check among the heavy, the heavy lane took 34 min and the light one 23;
-#: these three balance the two.
+#: these balance the two. The real-node end-to-end jobs (kubelets, containerd, torch in images) are
+#: heavy by the same measure.
 HEAVY_MODULES = (
     "tests/e2e/test_operator_e2e.py",
+    "tests/e2e/test_realnode_e2e.py",
     "tests/integration/test_fleet.py",
     "tests/integration/test_run_torchrun.py",
 )
