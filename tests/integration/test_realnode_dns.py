@@ -5,7 +5,9 @@ name, as the operator makes a multi-node TrainingJob's, on two real nodes:
 each resolves the other's ``<hostname>.<subdomain>.<ns>.svc.cluster.local``
 (and the short ``<hostname>.<subdomain>`` through its resolv.conf's search
 list) and connects to it over TCP by name; a name nobody has is NXDOMAIN, and
-a name outside the cluster domain is refused, not forwarded.
+a name outside the cluster domain is refused, not forwarded. And a torchrun
+gang of two ranks on two real nodes, from the project's torch image, meets at
+rank 0's stable name (``--master-addr``) and all-reduces over gloo.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from testenv.cluster import Supervisor
 from testenv.processnode.api import ApiError, Kube
+from testenv.pytest_realnodes import require_real_nodes
 from testenv.realnode import RealNodes, dns
 from testenv.realnode.config import BUSYBOX_IMAGE, bridge_gateway
 
@@ -183,3 +187,115 @@ def test_peers_resolve_and_connect_by_stable_name(real_nodes: RealNodes, api: Ku
     finally:
         for host in ("a", "b"):
             api.delete(f"/api/v1/namespaces/{namespace}/pods/{host}", {"gracePeriodSeconds": 0})
+
+
+#: One rank's work: a gloo all-reduce of ``rank + 1`` across the gang.
+ALLREDUCE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_nodes(
+    kube: Any, image_registry: Any, testenv_supervisor: Supervisor, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealNodes]:
+    """Two real nodes of this module's own that pull the project's images from the session's registry."""
+    require_real_nodes()
+    if getattr(kube, "kubelet_client_ca", None) is None:
+        pytest.skip("real nodes need the test control plane")
+    nodes = RealNodes.start(
+        kube.kubeconfig,
+        kube.kubelet_client_ca,
+        tmp_path_factory.mktemp("rn-dns-torch"),
+        count=2,
+        registry=image_registry.address,
+        host_services=testenv_supervisor.host_services.directory,
+    )
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+def test_torchrun_gang_meets_at_rank0_stable_name(
+    torch_nodes: RealNodes, image_registry: Any, api: Kube, namespace: str
+) -> None:
+    """``torchrun --nnodes 2 --master-addr <job>-0.<service>.<ns>.svc.cluster.local``, one rank per real node, as
+    the operator starts a gang: both ranks rendezvous at rank 0's name and all-reduce (1 + 2 = 3)."""
+    job, svc = "gang", "gang-workers"
+    master = f"{job}-0.{svc}.{namespace}.svc.cluster.local"
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": svc},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"app": job},
+            "ports": [{"name": "c10d", "port": 29500}],
+        },
+    }
+    api.post(f"/api/v1/namespaces/{namespace}/services", service)
+    launch = (
+        'printf "%s" "$SCRIPT" > /tmp/allreduce.py && exec torchrun --nnodes 2 --node-rank "$RANK_OF_NODE" '
+        '--nproc-per-node 1 --master-addr "$MASTER" --master-port 29500 /tmp/allreduce.py'
+    )
+    names = [f"{job}-{rank}" for rank in range(2)]
+    for rank, node in enumerate(torch_nodes.node_names()[:2]):
+        env = {"SCRIPT": ALLREDUCE, "MASTER": master, "RANK_OF_NODE": str(rank), "GLOO_SOCKET_IFNAME": "eth0"}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": names[rank], "labels": {"app": job}},
+            "spec": {
+                "nodeName": node,
+                "hostname": names[rank],
+                "subdomain": svc,
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": image_registry.refs["spotguard-torch"],
+                        "command": ["sh", "-c", launch],
+                        "env": [{"name": k, "value": v} for k, v in env.items()],
+                    }
+                ],
+            },
+        }
+        api.post(f"/api/v1/namespaces/{namespace}/pods", body)
+
+    def phases() -> dict[str, str]:
+        return {
+            n: api.get(f"/api/v1/namespaces/{namespace}/pods/{n}").get("status", {}).get("phase", "") for n in names
+        }
+
+    def log(name: str) -> str:
+        try:
+            return str(api.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}/log", stream=True).data.decode())
+        except ApiError as exc:
+            return f"(no log: {exc})"
+
+    try:
+        # Pulling the torch image onto each node takes most of it.
+        def ended() -> dict[str, str] | None:
+            got = phases()
+            return got if all(p in ("Succeeded", "Failed") for p in got.values()) else None
+
+        assert wait_for(ended, 420, "both ranks ended") is not None
+        final = phases()
+        logs = {n: log(n) for n in names}
+        assert final == dict.fromkeys(names, "Succeeded"), logs
+        assert "rank 0 of 2 sum 3.0" in logs[names[0]], logs
+        assert "rank 1 of 2 sum 3.0" in logs[names[1]], logs
+    except AssertionError as exc:
+        dns_log = torch_nodes.dns.log_tail(60) if torch_nodes.dns else "(no DNS server)"
+        raise AssertionError(f"{exc}\nlogs: { {n: log(n)[-3000:] for n in names} }\nDNS:\n{dns_log}") from None
+    finally:
+        for name in names:
+            api.delete(f"/api/v1/namespaces/{namespace}/pods/{name}", {"gracePeriodSeconds": 0})
