@@ -262,6 +262,17 @@ def test_eviction_sigterm_then_kill_after_grace(
     assert 3 <= took < 30, f"the pod went {took:.1f} s after its SIGTERM, its grace is 4 s"
 
 
+def program_names(pids: set[int]) -> set[str]:
+    """The programs ``pids`` run, leaving out those that exited since they were listed."""
+    names = set()
+    for pid in pids:
+        try:
+            names.add(Path(os.readlink(f"/proc/{pid}/exe")).name)
+        except OSError:  # gone between the listing and now
+            continue
+    return names
+
+
 def test_node_loss_kills_everything_at_once(real_nodes: RealNodes, api: Kube, namespace: str) -> None:
     """Node loss: kubelet, containerd, shims and containers die together; the Node goes."""
     name = real_nodes.node_names()[-1]
@@ -269,7 +280,7 @@ def test_node_loss_kills_everything_at_once(real_nodes: RealNodes, api: Kube, na
     wait_phase(api, namespace, "doomed", {"Running"})
     node = real_nodes.node(name)
     pids = node.pids()
-    programs = {Path(os.readlink(f"/proc/{p}/exe")).name for p in pids if os.path.exists(f"/proc/{p}/exe")}
+    programs = program_names(pids)
     assert {"kubelet", "containerd", "containerd-shim-runc-v2", "busybox", "pause"} <= programs
     killed = real_nodes.kill(name)
     assert set(killed["pids"]) >= pids
@@ -306,7 +317,7 @@ def test_dev_cluster_with_real_nodes(tmp_path: Path) -> None:
         # The dev cluster's node set, by its run marker (other sets may run beside it).
         run_id = json.loads((state / "realnodes" / "pids.json").read_text())["run_id"]
         programs = realhost.pids_with_env(f"SPOTGUARD_TESTENV_RUN={run_id}")
-        assert {Path(os.readlink(f"/proc/{p}/exe")).name for p in programs} >= {"kubelet", "containerd"}
+        assert program_names(programs) >= {"kubelet", "containerd"}
     finally:
         down = subprocess.run([*cli, "down", "--state-dir", str(state)], capture_output=True, text=True, env=env)
     assert down.returncode == 0, down.stdout + down.stderr
