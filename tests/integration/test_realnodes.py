@@ -110,10 +110,8 @@ def host_wide() -> dict[str, Any]:
     """The machine's own settings, which no set of real nodes may change."""
     return {
         "sysctls": {p: Path(p).read_text().strip() for p in SYSCTLS},
-        "iptables": {
-            table: subprocess.run(["iptables", "-t", table, "-S"], capture_output=True, text=True).stdout
-            for table in ("filter", "nat", "mangle", "raw")
-        },
+        # The host's whole netfilter ruleset (iptables-nft and nft rules alike; this machine has only nft).
+        "nft ruleset": subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True, check=True).stdout,
     }
 
 
