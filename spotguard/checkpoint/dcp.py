@@ -26,7 +26,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from spotguard.checkpoint.manifest import DCP_METADATA
-from spotguard.checkpoint.pickle_scan import DCP_METADATA_GLOBALS
+from spotguard.checkpoint.pickle_scan import DCP_METADATA_GLOBALS, ENUM_CLASSES, ENUM_LOOKUP
 
 METADATA_FILE = DCP_METADATA
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
@@ -41,10 +41,21 @@ class UnsafeMetadataError(ValueError):
 _REFUSED_LATER = frozenset({("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")})
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What ``builtins.getattr`` is in DCP metadata: a member of one of DCP's enums, by name, and nothing else
+    (some Python releases pickle an enum member as ``getattr(cls, name)``; see ``pickle_scan.ENUM_LOOKUP``)."""
+    members = ENUM_CLASSES.get((cls.__module__, cls.__qualname__), ()) if isinstance(cls, type) else ()
+    if not isinstance(name, str) or name not in members or name not in getattr(cls, "__members__", {}):
+        raise UnsafeMetadataError(f"DCP metadata would call getattr({cls!r}, {name!r}), which is no enum member")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in DCP_METADATA_GLOBALS or (module, name) in _REFUSED_LATER:
             return super().find_class(module, name)
+        if (module, name) == ENUM_LOOKUP:
+            return _enum_member
         if module == "torch" and name.isidentifier() and not name.startswith("_"):
             import torch
 

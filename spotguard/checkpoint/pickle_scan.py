@@ -122,6 +122,99 @@ class UnsafePickleError(ValueError):
     """A pickle would import or call something other than tensor rebuilding."""
 
 
+#: How some Python releases pickle an enum member (Debian 12's 3.11.2 among them):
+#: ``getattr(cls, name)``. Accepted only as exactly that call, on an enum class of
+#: :data:`ENUM_CLASSES` and a literal name (:func:`_only_enum_lookups`); any other use of
+#: ``getattr`` (``getattr(PosixPath, "unlink")``, then a call of what it returned) is refused.
+ENUM_LOOKUP = ("builtins", "getattr")
+#: The enum classes whose members a pickle may look up by name, and those members' names (named here, not
+#: read from the class: the scan runs where torch is not installed, and any other attribute of an enum class,
+#: such as ``_convert_``, is a callable a pickle must not reach).
+ENUM_CLASSES: dict[tuple[str, str], frozenset[str]] = {
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): frozenset(
+        {"TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT"}
+    )
+}
+
+_MARK = object()
+_UNKNOWN = ("?",)
+
+
+def _only_enum_lookups(ops: list[tuple[Any, Any, int | None]]) -> bool:
+    """Pure: whether every ``builtins.getattr`` the pickle imports is only called as
+    ``getattr(<a class of ENUM_CLASSES>, "<one of its members' names>")``.
+
+    Follows the unpickler's stack by each opcode's declared effect
+    (``pickletools``' ``stack_before``/``stack_after``): strings, globals and
+    tuples of them are known, everything else is unknown. ``getattr`` passed
+    anywhere but as a REDUCE's callable with such arguments (into a container,
+    to another call, as arguments, through the memo to any of these) fails.
+    """
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+
+    def pop_items(effect: list[Any]) -> list[Any]:
+        if pickletools.stackslice in effect:  # [..., mark, slice]: everything down to the mark, then the rest
+            items: list[Any] = []
+            while stack and stack[-1] is not _MARK:
+                items.insert(0, stack.pop())
+            if not stack:
+                raise ValueError("no mark")
+            stack.pop()
+            below = effect.index(pickletools.markobject)
+            items[:0] = [stack.pop() for _ in range(below)][::-1]
+            return items
+        return [stack.pop() for _ in range(len(effect))][::-1]
+
+    try:
+        for op, arg, _pos in ops:
+            name = op.name
+            if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[int(str(arg))] = stack[-1]
+                continue
+            if name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+                continue
+            if name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo.get(int(str(arg)), _UNKNOWN))
+                continue
+            popped = pop_items(op.stack_before)
+            if name == "REDUCE" and popped[0] == ("global", *ENUM_LOOKUP):
+                args = popped[1]
+                ok = (
+                    args[0] == "tuple"
+                    and len(args[1]) == 2
+                    and args[1][0][0] == "global"
+                    and args[1][1][0] == "str"
+                    and args[1][1][1] in ENUM_CLASSES.get(tuple(args[1][0][1:]), ())
+                )
+                if not ok:
+                    return False
+                stack.append(_UNKNOWN)
+                continue
+            if ("global", *ENUM_LOOKUP) in popped or (name == "INST" and str(arg) == " ".join(ENUM_LOOKUP)):
+                return False  # getattr anywhere else: an argument, an item, called by another opcode
+            if name in _STRING_OPS:
+                stack.append(("str", str(arg)))
+            elif name == "GLOBAL":
+                module, _, attr = str(arg).partition(" ")
+                stack.append(("global", module, attr))
+            elif name == "STACK_GLOBAL":
+                known = all(item[0] == "str" for item in popped)
+                stack.append(("global", popped[0][1], popped[1][1]) if known else _UNKNOWN)
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3", "TUPLE", "EMPTY_TUPLE"):
+                stack.append(("tuple", tuple(popped)))
+            elif name == "MARK":
+                stack.append(_MARK)
+            elif name == "DUP":
+                stack.extend([popped[0], popped[0]])
+            else:
+                stack.extend(_UNKNOWN for _ in op.stack_after)
+    except (IndexError, ValueError, TypeError):
+        return False  # a stack the unpickler would not have: refuse
+    return True
+
+
 def _is_safe(module: str, name: str) -> bool:
     if (module, name) in _SAFE_GLOBALS or (module, name) in DCP_METADATA_GLOBALS:
         return True
@@ -196,8 +289,8 @@ def _is_tar(f: BinaryIO) -> bool:
         f.seek(0)
 
 
-def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[str, str]]]]:
-    """``(where, imports)`` for every pickle a loader would unpickle from a file (see the module's doc)."""
+def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[Any, Any, int | None]]]]:
+    """``(where, opcodes)`` for every pickle a loader would unpickle from a file (see the module's doc)."""
     f = io.BytesIO(data) if isinstance(data, bytes) else data
     f.seek(0)
     head = f.read(4)
@@ -209,13 +302,13 @@ def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[str, str]
         except zipfile.BadZipFile as exc:
             raise UnsafePickleError(f"malformed zip archive ({exc})") from None
         for name, member in members:
-            yield f" in {name}", _globals_of(_read_ops(io.BytesIO(member)))
+            yield f" in {name}", _read_ops(io.BytesIO(member))
         return
     if _is_tar(f):
         raise UnsafePickleError("a tar archive (torch's oldest format, which loads more than one pickle)")
     first = _read_ops(f)
     if not _is_legacy_magic(first):
-        yield "", _globals_of(first)
+        yield "", first
         if f.read(1):
             raise UnsafePickleError("data after the pickle (a loader could read on past it)")
         return
@@ -224,14 +317,17 @@ def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[str, str]
             ops = _read_ops(f)
         except UnsafePickleError as exc:
             raise UnsafePickleError(f"legacy torch.save file, {what} pickle: {exc}") from None
-        yield f" in the legacy torch.save file's {what}", _globals_of(ops)
+        yield f" in the legacy torch.save file's {what}", ops
 
 
 def check_pickle_safe(data: bytes | BinaryIO) -> None:
     """Raise :class:`UnsafePickleError` naming the first import that would run
     code; return quietly for pickles of tensors and plain containers (every
     pickle of the file: see the module's doc)."""
-    for where, imports in _scanned(data):
+    for where, ops in _scanned(data):
+        imports = _globals_of(ops)
+        if ENUM_LOOKUP in imports and _only_enum_lookups(ops):
+            imports = [g for g in imports if g != ENUM_LOOKUP]
         for module, attr in imports:
             if not _is_safe(module, attr):
                 target = "an unknown callable" if module == "?" else f"{module}.{attr}"
