@@ -7,7 +7,11 @@ into flakes. So the tests marked ``heavy`` (``tests/conftest.py`` names their
 modules) run one after the other in one lane, while the rest run beside them
 in another. Each lane is a pytest session of its own, with its own control
 plane, store and process nodes (the test worlds share a host safely), and the
-same seed and trial scale (exported before the lanes start).
+same seed and trial scale (exported before the lanes start). The tests of real
+nodes (``realnodes``: kubelets, containerd, the images they pull) run in a
+third lane, so that no control plane has process nodes and real nodes at
+once: to the scheduler both are GPU nodes, and each kind's pods would land on
+the other.
 
     python -m testenv.lanes [PYTEST ARGS...]
 
@@ -36,32 +40,45 @@ from pathlib import Path
 from testenv import trials
 
 #: name -> pytest's marker expression for the lane.
-LANES = {"heavy": "heavy", "light": "not heavy"}
+LANES = {"heavy": "heavy and not realnodes", "light": "not heavy and not realnodes", "real": "realnodes"}
 WORKERS_ENV = "SPOTGUARD_LIGHT_WORKERS"
 #: Modules whose tests keep both cores busy (torchrun groups, process-node fleets, end-to-end
 #: jobs): ``tests/conftest.py`` marks their tests ``heavy``. The split was measured: with
 #: Lightning and the GPU check among the heavy, the heavy lane took 34 min and the light one 23;
-#: these balance the two. The real-node end-to-end jobs (kubelets, containerd, torch in images) are
-#: heavy by the same measure.
+#: these balance the two.
 HEAVY_MODULES = (
     "tests/e2e/test_operator_e2e.py",
-    "tests/e2e/test_realnode_e2e.py",
     "tests/integration/test_fleet.py",
     "tests/integration/test_run_torchrun.py",
 )
+#: Modules whose tests run real nodes (kubelet + containerd) or build the images they pull: marked
+#: ``realnodes``, a lane and a control plane of their own. Process nodes and real nodes in one control
+#: plane would take one another's pods (both are GPU nodes to the scheduler).
+REAL_NODE_MODULES = (
+    "tests/e2e/test_realnode_e2e.py",
+    "tests/integration/test_images_built.py",
+    "tests/integration/test_realnodes.py",
+    "tests/integration/test_realnode_services.py",
+    "tests/integration/test_realnode_dns.py",
+)
+
+
+#: The lanes that name their modules.
+MODULES = {"heavy": HEAVY_MODULES, "real": REAL_NODE_MODULES}
 
 
 def lane_args(name: str, argv: Sequence[str] = ()) -> list[str]:
-    """Extra pytest arguments of a lane: the light lane's xdist workers; the heavy lane's modules.
+    """Extra pytest arguments of a lane: the light lane's xdist workers; the heavy and real lanes' modules.
 
-    The heavy lane names its modules unless the command line names tests itself, so that it does
-    not collect (and import the frameworks of) the whole suite only to deselect it.
+    The heavy and real lanes name their modules unless the command line names tests itself, so that
+    they do not collect (and import the frameworks of) the whole suite only to deselect it.
     """
     workers = int(os.environ.get(WORKERS_ENV, "2") or 0)
     if name == "light" and workers > 0:
         return ["-n", str(workers), "--dist", "loadfile"]
-    if name == "heavy" and not any(Path(a.split("::", 1)[0]).exists() for a in argv if not a.startswith("-")):
-        return list(HEAVY_MODULES)
+    named = any(Path(a.split("::", 1)[0]).exists() for a in argv if not a.startswith("-"))
+    if name in MODULES and not named:
+        return list(MODULES[name])
     return []
 
 

@@ -63,8 +63,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # ``make test`` runs the heavy modules one after another in one lane while the rest of the
     # suite runs beside them (testenv/lanes.py).
     for item in items:
-        if item.nodeid.split("::", 1)[0] in lanes.HEAVY_MODULES:
+        module = item.nodeid.split("::", 1)[0]
+        if module in lanes.HEAVY_MODULES:
             item.add_marker(pytest.mark.heavy)
+        if module in lanes.REAL_NODE_MODULES:
+            item.add_marker(pytest.mark.realnodes)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

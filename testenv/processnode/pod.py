@@ -52,6 +52,19 @@ HOSTS_FILE = "_etc-hosts"
 RETRY_SECONDS = 1.0
 
 
+#: The process node's image: the host's own files that containers run (``python -m spotguard ...``, the
+#: ``spotguard`` script): the project's checkout and the interpreter's environment.
+IMAGE_PATHS = tuple(dict.fromkeys(os.path.realpath(p) for p in (Path(__file__).resolve().parents[2], sys.prefix)))
+
+
+def shadowed_image_paths(mounts: list[tuple[str, str, bool]]) -> list[tuple[str, str, bool]]:
+    """Pure: the image paths that a volume mounted above them would hide, bound back read-only at their own
+    path. An image's programs stay visible under a volume mounted elsewhere in it; here the image is the
+    host's file system, and a checkout under /tmp would vanish under spotguard's emptyDir at /tmp."""
+    targets = [Path(dst) for _src, dst, _ro in mounts]
+    return [(p, p, True) for p in IMAGE_PATHS if any(t in Path(p).parents for t in targets)]
+
+
 @dataclass
 class Container:
     """One container of a pod and what kubelet would report about it."""
@@ -412,6 +425,7 @@ class PodRunner:
             )
             return
         mounts = self._mounts(c, env)
+        mounts += shadowed_image_paths(mounts)
         root = os.geteuid() == 0
         if mounts and not root:
             self._not_started(c, "ContainerCannotRun", "volumes need root (bind mounts in a private mount namespace)")

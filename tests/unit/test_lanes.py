@@ -25,3 +25,20 @@ def test_the_light_lane_spreads_over_xdist_workers(monkeypatch: pytest.MonkeyPat
     assert lanes.lane_args("light", ["tests/unit"]) == ["-n", "3", "--dist", "loadfile"]
     monkeypatch.setenv(lanes.WORKERS_ENV, "0")
     assert lanes.lane_args("light") == []
+
+
+def test_real_nodes_have_a_lane_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    assert lanes.lane_args("real", ["--durations=30"]) == list(lanes.REAL_NODE_MODULES)
+    assert all((ROOT / m).is_file() for m in lanes.REAL_NODE_MODULES)
+    # Every module that starts real nodes is in it: no control plane has both kinds of node.
+    starts_real_nodes = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if p.parent.name != "unit" and ("real_nodes" in p.read_text() or "RealNodes.start" in p.read_text())
+    }
+    assert starts_real_nodes <= set(lanes.REAL_NODE_MODULES)
+    assert not set(lanes.REAL_NODE_MODULES) & set(lanes.HEAVY_MODULES)
+    # Each test runs in exactly one lane.
+    assert lanes.LANES["real"] == "realnodes"
+    assert all("not realnodes" in expr for name, expr in lanes.LANES.items() if name != "real")
