@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from testenv.processnode.api import ApiError, Kube
 from testenv.realnode import RealNodes, kubelet_path
 from testenv.require import require_root, require_tool
 
@@ -63,3 +66,34 @@ def real_nodes(
     finally:
         nodes.stop()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``check()``'s first true value, looked at every 0.3 s; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout:.0f} s")
+        time.sleep(0.3)
+
+
+def sa_token(api: Kube, namespace: str) -> bool:
+    """Whether ``namespace``'s default ServiceAccount has its token (1.20 refuses pods until it has)."""
+    try:
+        return bool(api.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/default").get("secrets"))
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+
+
+def real_node_namespace(api: Kube, prefix: str) -> Iterator[str]:
+    """A namespace whose pods may be created (its token is there), deleted afterwards."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    api.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    wait_for(lambda: sa_token(api, name), 60, "the default ServiceAccount's token (pods are refused without it)")
+    yield name
+    api.delete(f"/api/v1/namespaces/{name}")

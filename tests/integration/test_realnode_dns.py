@@ -12,16 +12,14 @@ rank 0's stable name (``--master-addr``) and all-reduces over gloo.
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from testenv.cluster import Supervisor
 from testenv.processnode.api import ApiError, Kube
-from testenv.pytest_realnodes import require_real_nodes
+from testenv.pytest_realnodes import real_node_namespace, require_real_nodes, wait_for
 from testenv.realnode import RealNodes, dns
 from testenv.realnode.config import BUSYBOX_IMAGE, bridge_gateway
 
@@ -53,17 +51,6 @@ sleep 120
 """
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def api(kube: Any) -> Kube:
     return Kube(kube.kubeconfig)
@@ -71,20 +58,7 @@ def api(kube: Any) -> Kube:
 
 @pytest.fixture(scope="module")
 def namespace(api: Kube) -> Iterator[str]:
-    name = f"rn-dns-{uuid.uuid4().hex[:6]}"
-    api.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-
-    def token_ready() -> bool:
-        try:
-            return bool(api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default").get("secrets"))
-        except ApiError as exc:
-            if exc.status == 404:
-                return False
-            raise
-
-    wait_for(token_ready, 60, "the default ServiceAccount's token")
-    yield name
-    api.delete(f"/api/v1/namespaces/{name}")
+    yield from real_node_namespace(api, "rn-dns")
 
 
 def fqdn(host: str, ns: str) -> str:

@@ -14,15 +14,14 @@ import os
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from testenv.processnode.api import ApiError, Kube
-from testenv.pytest_realnodes import require_real_nodes
+from testenv.pytest_realnodes import real_node_namespace, require_real_nodes, sa_token, wait_for
 from testenv.realnode import GPU, RealNodes
 from testenv.realnode import host as realhost
 from testenv.realnode.config import BUSYBOX_IMAGE, work_dir
@@ -39,38 +38,14 @@ SYSCTLS = [
 ]
 
 
-def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout:.0f} s")
-        time.sleep(0.3)
-
-
 @pytest.fixture(scope="module")
 def api(kube: Any) -> Kube:
     return Kube(kube.kubeconfig)
 
 
-def sa_token(api: Kube, namespace: str) -> bool:
-    try:
-        return bool(api.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/default").get("secrets"))
-    except ApiError as exc:
-        if exc.status == 404:
-            return False
-        raise
-
-
 @pytest.fixture(scope="module")
 def namespace(api: Kube) -> Iterator[str]:
-    name = f"realnodes-{uuid.uuid4().hex[:6]}"
-    api.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    wait_for(lambda: sa_token(api, name), 60, "the default ServiceAccount's token (pods are refused without it)")
-    yield name
-    api.delete(f"/api/v1/namespaces/{name}")
+    yield from real_node_namespace(api, "realnodes")
 
 
 def pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
