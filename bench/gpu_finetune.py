@@ -62,7 +62,7 @@ def _stage(stages: list[_Stage], stage: str, name: str | None = None) -> _Stage:
 
 def check_finetune(ctx: Ctx, c: Check) -> None:
     from spotguard.checkpoint import latest_verified
-    from spotguard.checkpoint.manifest import checkpoint_name
+    from spotguard.checkpoint.format.manifest import checkpoint_name
 
     frozen = ctx.frozen_bytes
     dtype = "bfloat16" if ctx.cuda else "float32"

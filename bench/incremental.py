@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER_BYTES = 6 * MiB  # adapter parameters (2 MiB) + AdamW's two moments
 FULL_STATE_BYTES = 256 * MiB  # full training: parameters + moments, every tensor changes
-CHUNK = 16 * MiB  # the largest chunk (spotguard.checkpoint.chunks.MAX_CHUNK)
+CHUNK = 16 * MiB  # the largest chunk (spotguard.checkpoint.format.chunks.MAX_CHUNK)
 MODES = {"plain": "plain (whole files, --no-incremental)", "incremental": "incremental (the default)"}
 
 
@@ -532,7 +532,7 @@ def _bench_hashes(ctx: Ctx) -> tuple[Section, dict[str, float]]:
 
     import google_crc32c
 
-    from spotguard.checkpoint.chunks import hash_chunk
+    from spotguard.checkpoint.format.chunks import hash_chunk
 
     data = os.urandom(256 * MiB)
     pieces = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]  # bytes: google-crc32c takes no views

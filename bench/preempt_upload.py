@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 def _commit(directory: Path, step: int, state: dict[str, Any]) -> Path:
-    from spotguard.checkpoint.codec import snapshot_state
-    from spotguard.checkpoint.local import write_checkpoint
+    from spotguard.checkpoint.local.codec import snapshot_state
+    from spotguard.checkpoint.local.commit import write_checkpoint
 
     return write_checkpoint(directory, step, snapshot_state({**state, "step": step}), durable=False)
 

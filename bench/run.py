@@ -462,7 +462,7 @@ def _restore_stages(storage: Any) -> list[tuple[Any, str, str]]:
     the wall time when they overlap); the others are wall time on the caller's
     thread (the two tensor files stream side by side, so "stream tensors"
     counts both)."""
-    from spotguard.checkpoint import stream
+    from spotguard.checkpoint.restore import stream
 
     return [
         (storage, "list_dirs", "list"),
@@ -485,7 +485,7 @@ def bench_resume(ctx: Ctx) -> Section:
     import torch
 
     from spotguard.checkpoint import restore_latest, upload_checkpoint
-    from spotguard.checkpoint.restore import restore_latest_state
+    from spotguard.checkpoint.restore.load import restore_latest_state
     from spotguard.storage.base import byte_ranges
     from spotguard.trainer.restore import load_local
 

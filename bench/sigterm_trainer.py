@@ -20,7 +20,7 @@ def main() -> int:
     args = p.parse_args()
     # The preemption's save says when it links its file from the host buffers (the benchmark counts it).
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("spotguard.checkpoint.local").setLevel(logging.INFO)
+    logging.getLogger("spotguard.checkpoint.local.commit").setLevel(logging.INFO)
 
     import torch
 

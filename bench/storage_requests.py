@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Section, fmt, seaweedfs_store
-from spotguard.checkpoint.latest import FULL_READ_SECONDS
+from spotguard.checkpoint.store.latest import FULL_READ_SECONDS
 
 NS = "bench"
 POLL_SECONDS = 30.0
@@ -81,7 +81,7 @@ def _plain(directory: Path, step: int) -> Path:
 def _parts(directory: Path, step: int) -> list[Path]:
     """The local part directories of a distributed checkpoint: PARTS nodes, one rank each."""
     from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
-    from spotguard.checkpoint.manifest import new_manifest
+    from spotguard.checkpoint.format.manifest import new_manifest
     from spotguard.storage.checksum import checksum_bytes
 
     out = []

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from spotguard.version import __version__
 
 _COMMAND_MODULES = (
-    "spotguard.checkpoint.cli",  # ckpt ls|verify|restore|gc|average, restore
+    "spotguard.checkpoint.tools.cli",  # ckpt ls|verify|restore|gc|average, restore
     "spotguard.sidecar.cli",  # sidecar
     "spotguard.run.cli",  # run
     "spotguard.demo.cli",  # demo

@@ -9,29 +9,19 @@ Public API (others import these; see ``docs/checkpoint-format.md``):
 - :class:`Manifest` and friends for reading manifests;
 - :class:`RetentionPolicy` and the pure :func:`plan_retention`.
 
+The package is five rooms, each importing only the rooms below it (checked by
+``lint-imports``): ``tools`` (the ``spotguard ckpt`` commands, export),
+``restore`` (store -> trainer), ``store`` (upload, parts, verify, publish,
+latest, retention, gc), ``local`` (state -> files on this machine: codec,
+snapshot, atomic commit, staging) and ``format`` (manifest, chunks, checks,
+foreign formats read without running code).
+
 Importing this package does not import torch, numpy or boto3.
 """
 
 from __future__ import annotations
 
-from spotguard.checkpoint.chunked import KnownChunks
-from spotguard.checkpoint.codec import StateError, snapshot_state
-from spotguard.checkpoint.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
-from spotguard.checkpoint.global_manifest import build_global_manifest
-from spotguard.checkpoint.latest import LatestWatch, latest_verified
-from spotguard.checkpoint.local import (
-    DeadlineExceeded,
-    LocalWriter,
-    clean_stale_tmp,
-    list_local_committed,
-    load_checkpoint_state,
-    prune_local,
-    read_local_manifest,
-    remove_checkpoint_dir,
-    verify_local_checkpoint,
-    write_checkpoint,
-)
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     POINTER_NAME,
@@ -44,10 +34,28 @@ from spotguard.checkpoint.manifest import (
     parse_manifest,
     part_manifest_path,
 )
-from spotguard.checkpoint.parts import GlobalCommit, commit_global, read_parts
-from spotguard.checkpoint.restore import restore_checkpoint, restore_latest
-from spotguard.checkpoint.retention import RetentionCandidate, RetentionPlan, RetentionPolicy, plan_retention
-from spotguard.checkpoint.stored import (
+from spotguard.checkpoint.format.verify import VerifyResult
+from spotguard.checkpoint.local.codec import StateError, snapshot_state
+from spotguard.checkpoint.local.commit import (
+    DeadlineExceeded,
+    LocalWriter,
+    clean_stale_tmp,
+    list_local_committed,
+    load_checkpoint_state,
+    prune_local,
+    read_local_manifest,
+    remove_checkpoint_dir,
+    verify_local_checkpoint,
+    write_checkpoint,
+)
+from spotguard.checkpoint.restore.load import restore_checkpoint, restore_latest
+from spotguard.checkpoint.store.chunked import KnownChunks
+from spotguard.checkpoint.store.gc import GcReport, apply_retention, collect_garbage, find_orphans, stale_uploads
+from spotguard.checkpoint.store.global_manifest import build_global_manifest
+from spotguard.checkpoint.store.latest import LatestWatch, latest_verified
+from spotguard.checkpoint.store.parts import GlobalCommit, commit_global, read_parts
+from spotguard.checkpoint.store.retention import RetentionCandidate, RetentionPlan, RetentionPolicy, plan_retention
+from spotguard.checkpoint.store.stored import (
     CheckpointCorruptError,
     CheckpointInfo,
     Skipped,
@@ -57,9 +65,8 @@ from spotguard.checkpoint.stored import (
     read_manifest,
     update_latest_pointer,
 )
-from spotguard.checkpoint.upload import UploadResult, upload_checkpoint
-from spotguard.checkpoint.verify import VerifyResult
-from spotguard.checkpoint.verify_stored import verify_checkpoint
+from spotguard.checkpoint.store.upload import UploadResult, upload_checkpoint
+from spotguard.checkpoint.store.verify_stored import verify_checkpoint
 from spotguard.storage.checksum import ALGORITHMS, DEFAULT_ALGORITHM
 
 __all__ = [

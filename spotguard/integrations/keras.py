@@ -53,9 +53,9 @@ if keras.backend.backend() != "torch":  # pragma: no cover - depends on the envi
 import numpy as np
 import torch
 
-from spotguard.checkpoint.codec import StateError
-from spotguard.checkpoint.local import load_checkpoint_state
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.local.codec import StateError
+from spotguard.checkpoint.local.commit import load_checkpoint_state
+from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.integrations import _core
 from spotguard.trainer.checkpointer import Checkpointer
 from spotguard.trainer.state import capture_rng, restore_rng

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from spotguard.checkpoint.latest import FULL_READ_SECONDS
+from spotguard.checkpoint.store.latest import FULL_READ_SECONDS
 from spotguard.operator import endpoints
 from spotguard.operator.jobstatus import (
     R_ENDPOINT_NOT_ALLOWED,

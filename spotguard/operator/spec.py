@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.operator.specfields import (
     DNS_SUBDOMAIN_RE,
     SpecError,
@@ -103,10 +103,10 @@ class CheckpointSpec:
     #: Where checkpoints are staged in the pod; None: an ``emptyDir`` without a limit (as before).
     staging: StagingSpec | None = None
     #: Give the pod a memory volume where a preemption's checkpoint is written before it is
-    #: shipped (see spotguard.checkpoint.staged); off: it is written to the staging volume.
+    #: shipped (see spotguard.checkpoint.local.staged); off: it is written to the staging volume.
     memory_staging: bool = True
     #: With the memory volume: the trainer sets aside in it, after each routine checkpoint, the memory
-    #: a preemption's checkpoint of that size takes (see spotguard.checkpoint.reserve).
+    #: a preemption's checkpoint of that size takes (see spotguard.checkpoint.local.reserve).
     reserve_staging: bool = False
 
     def job_uri(self, namespace: str, job: str) -> str:
@@ -309,7 +309,7 @@ def parse_credentials(raw: Any, path: str) -> CredentialsSecret | None:
 
 def parse_retention(raw: Any, path: str) -> RetentionPolicy:
     """Parse ``checkpoint.retention``: the spec's names (``bestMetric``, ``bestMode``; 0 turns
-    ``keepBest``/``keepEvery`` off) mapped to :class:`~spotguard.checkpoint.retention.RetentionPolicy`."""
+    ``keepBest``/``keepEvery`` off) mapped to :class:`~spotguard.checkpoint.store.retention.RetentionPolicy`."""
     obj = read_obj(raw, path)
     keep_best = read_int(obj, "keepBest", path, 0) or 0
     metric = read_str(obj, "bestMetric", path)

@@ -101,9 +101,9 @@ class RunConfig:
     incremental: bool = False
     # Hand the command the cloud credentials and SPOTGUARD_STORAGE_URI (see spotguard.run.credentials).
     pass_credentials: bool = False
-    # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.staged).
+    # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.local.staged).
     memory_staging: bool = True
-    # With memory staging: set its memory aside after each routine save (see spotguard.checkpoint.reserve).
+    # With memory staging: set its memory aside after each routine save (see spotguard.checkpoint.local.reserve).
     staging_reserve: bool = False
 
     @property
@@ -267,7 +267,7 @@ class Supervisor:
         nothing local either is that a reason to stop.
         """
         from spotguard.checkpoint import verify_local_checkpoint
-        from spotguard.checkpoint.local import move_aside_refused, remove_checkpoint_dir
+        from spotguard.checkpoint.local.commit import move_aside_refused, remove_checkpoint_dir
 
         ckdir = self.config.checkpoint_dir
         ckdir.mkdir(parents=True, exist_ok=True)
@@ -343,7 +343,7 @@ class Supervisor:
         is not resumed from.
         """
         from spotguard.checkpoint import CheckpointCorruptError, read_local_manifest, restore_checkpoint
-        from spotguard.checkpoint.manifest import ManifestError
+        from spotguard.checkpoint.format.manifest import ManifestError
 
         shipper = self.agent.shipper
         for path in reversed(shipper.committed()):

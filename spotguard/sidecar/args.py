@@ -129,8 +129,8 @@ def check_sweep_lease(environ: Mapping[str, str] | None = None) -> None:
     """Refuse an upload lease (``SPOTGUARD_GC_LEASE_SECONDS``) longer than the grace of the chunk
     sweep the uploader's housekeeping runs: a chunk of an upload stalled for less than the lease
     could be deleted under it. ValueError (one line) saying what to set."""
-    from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
-    from spotguard.checkpoint.intents import lease_seconds
+    from spotguard.checkpoint.store.gc import DEFAULT_ORPHAN_GRACE
+    from spotguard.checkpoint.store.intents import lease_seconds
 
     lease = lease_seconds(environ)
     if lease > DEFAULT_ORPHAN_GRACE:

@@ -13,7 +13,7 @@ trails the write by a part instead of starting after it.
 Nothing is taken on trust: the follower opens each file once (a descriptor
 survives the directory's rename at commit, or its removal), reads only below
 the size the file has reached, and once the checkpoint is committed the
-ordinary upload runs as a resumed one (:func:`~spotguard.checkpoint.upload.files_to_send`):
+ordinary upload runs as a resumed one (:func:`~spotguard.checkpoint.store.upload.files_to_send`):
 it sends again any file the store does not hold with the manifest's size and
 checksum (a file rewritten, a part read early), then the manifest, and
 verification checks every file as always. A follower that is stopped (the
@@ -22,14 +22,14 @@ multipart upload.
 
 An uploader that stores chunks (incremental, the default) follows too. A
 chunk is named by the SHA-256 of its bytes, and where chunks begin follows
-the file's layout (:mod:`spotguard.checkpoint.chunks`), which a safetensors
+the file's layout (:mod:`spotguard.checkpoint.format.chunks`), which a safetensors
 file declares in its header, written first: so once the header is in, the
-follower knows every chunk's place (:func:`~spotguard.checkpoint.chunks.plan_safetensors`),
+follower knows every chunk's place (:func:`~spotguard.checkpoint.format.chunks.plan_safetensors`),
 and hashes each as soon as the file holds it, storing those the store does
 not hold yet with their CRC32C. A file linked from a kept checkpoint (a
 frozen base) is not read: the upload recognizes it without reading. After
 the commit the upload takes what was found here
-(:class:`~spotguard.checkpoint.chunked.Prestored`) instead of reading and
+(:class:`~spotguard.checkpoint.store.chunked.Prestored`) instead of reading and
 hashing the same place again, and only when the chunks' CRC32Cs combine to
 the checksum the trainer recorded for the file; any other file is read and
 hashed again. The manifest names them; verification checks them as any new
@@ -51,11 +51,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.chunked import Prestored
-from spotguard.checkpoint.chunks import hash_chunk, plan_safetensors, read_range, safetensors_head_size
-from spotguard.checkpoint.intents import upload_intent
-from spotguard.checkpoint.local import WRITER_TMP_PREFIX
-from spotguard.checkpoint.manifest import ChunkRef, checkpoint_name
+from spotguard.checkpoint.format.chunks import hash_chunk, plan_safetensors, read_range, safetensors_head_size
+from spotguard.checkpoint.format.manifest import ChunkRef, checkpoint_name
+from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX
+from spotguard.checkpoint.store.chunked import Prestored
+from spotguard.checkpoint.store.intents import upload_intent
 from spotguard.contract.control import WritePlan, read_write_plan
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from spotguard.checkpoint.parts import commit_progress
+from spotguard.checkpoint.store.parts import commit_progress
 from spotguard.contract import env as envvars
 from spotguard.contract.control import (
     EXIT_FILE,
@@ -504,11 +504,11 @@ class CheckpointAgent:
     ) -> None:
         """Before the memory ``staging`` goes (this uploader exits): staged checkpoints
         verified in storage are removed, the others copied to the checkpoint
-        directory (:func:`~spotguard.checkpoint.staged.settle_staged`); then ``staging`` is emptied
-        (``background``: after this process exits, see :func:`~spotguard.checkpoint.staged.remove_staging`;
+        directory (:func:`~spotguard.checkpoint.local.staged.settle_staged`); then ``staging`` is emptied
+        (``background``: after this process exits, see :func:`~spotguard.checkpoint.local.staged.remove_staging`;
         ``remove_dir``: ``staging`` too).
         ``verified_step``: the newest verified one (default: the newest shipped here)."""
-        from spotguard.checkpoint.staged import remove_staging, settle_staged
+        from spotguard.checkpoint.local.staged import remove_staging, settle_staged
 
         if verified_step is None:
             last = self.shipper.last_shipped

@@ -13,7 +13,7 @@ checkpoints, and only those older than one it verified in storage.
 A preemption comes first. A routine round's ``should_stop`` is watched
 while an upload is in flight (every :data:`~spotguard.sidecar.stoppable.STOP_POLL_SECONDS`): once it says
 yes the upload is told to stop at its next request
-(:class:`~spotguard.checkpoint.upload.UploadCancelled`), the round returns
+(:class:`~spotguard.checkpoint.store.upload.UploadCancelled`), the round returns
 at once and the emergency upload may start while the stopped one's last
 requests drain. A stopped upload writes no manifest and moves no pointer;
 what it stored is kept, and the next upload of the same checkpoint skips
@@ -49,18 +49,18 @@ from spotguard.checkpoint import (
     remove_checkpoint_dir,
     verify_checkpoint,
 )
-from spotguard.checkpoint.chunked import KnownChunks, Prestored
-from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
-from spotguard.checkpoint.known import KnownChunkTable
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.format.manifest import (
     checkpoint_step,
     parse_manifest,
     part_manifest_path,
     stored_as,
 )
-from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
-from spotguard.checkpoint.retention import plan_local_prune
-from spotguard.checkpoint.upload import UploadCancelled
+from spotguard.checkpoint.store.chunked import KnownChunks, Prestored
+from spotguard.checkpoint.store.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
+from spotguard.checkpoint.store.known import KnownChunkTable
+from spotguard.checkpoint.store.publish import AWAITING, Published, publish, publish_commit
+from spotguard.checkpoint.store.retention import plan_local_prune
+from spotguard.checkpoint.store.upload import UploadCancelled
 from spotguard.contract.control import save_reason_label
 from spotguard.contract.retry import retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker
@@ -373,7 +373,7 @@ class CheckpointShipper:
         self, path: Path, should_stop: Callable[[], bool] | None = None, *, trust: bool = False, again: bool = True
     ) -> Shipped | None:
         """Publish ``path``; ``trust`` (against a deadline): reuse the chunks of the checkpoint
-        verified last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`).
+        verified last without asking the store of each (see :mod:`spotguard.checkpoint.store.chunked`).
         ``again``: a part whose own check finds chunks damaged or missing is published once more."""
 
         name = path.name
@@ -461,7 +461,7 @@ class CheckpointShipper:
         """Data of ``name`` was stored before it was committed (sent while written). Whole files: its
         upload resumes, as a stopped one does, and sends only what the store lacks. Chunks
         (``chunks``): its upload takes them as found and stored (see
-        :func:`~spotguard.checkpoint.chunked.upload_chunks`)."""
+        :func:`~spotguard.checkpoint.store.chunked.upload_chunks`)."""
         if chunks is not None:
             # What was found for a checkpoint never shipped (a newer one came first) is no use once
             # too old to name: it goes, so that a long run's preemptions do not pile up here.
@@ -563,7 +563,7 @@ class CheckpointShipper:
         return shipped
 
     def _known_chunks(self) -> KnownChunks:
-        """The chunks an incremental upload may reuse (:func:`~spotguard.checkpoint.known.current_known`),
+        """The chunks an incremental upload may reuse (:func:`~spotguard.checkpoint.store.known.current_known`),
         less those a check found damaged or missing."""
         return self._chunks.for_upload(self.storage, trust=True)
 
@@ -608,7 +608,7 @@ class CheckpointShipper:
     def _sweep_chunks(self, should_stop: Callable[[], bool]) -> None:
         """Remove chunks no retained checkpoint uses (mark-and-sweep; chunks
         younger than the grace and those of recently deleted checkpoints are
-        kept, see ``spotguard.checkpoint.gc.sweep_chunks``). Lists the store's
+        kept, see ``spotguard.checkpoint.store.gc.sweep_chunks``). Lists the store's
         chunks, so at most every ``SWEEP_INTERVAL`` and after retention
         deleted something; never on the emergency path."""
 

@@ -4,7 +4,7 @@ A routine upload must never hold an emergency upload back. With a
 ``should_stop``, :func:`upload_stoppable` runs the upload in a thread of its
 own and watches ``should_stop`` every :data:`STOP_POLL_SECONDS`: once it says
 yes, the upload is told to stop at its next request and
-:class:`~spotguard.checkpoint.upload.UploadCancelled` is raised at once, while
+:class:`~spotguard.checkpoint.store.upload.UploadCancelled` is raised at once, while
 the stopped upload's requests on the wire drain. A stopped upload writes no
 manifest and moves no pointer; the chunks it stored are handed to
 ``on_stopped``, and the next upload of the same checkpoint resumes it: its
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotguard.checkpoint.chunked import KnownChunks, Prestored
+from spotguard.checkpoint.store.chunked import KnownChunks, Prestored
 
 if TYPE_CHECKING:
     from spotguard.storage import Storage
@@ -54,7 +54,7 @@ def upload_stoppable(
     checkpoint stored while it was written (an incremental upload's).
     """
     from spotguard.checkpoint import upload_checkpoint
-    from spotguard.checkpoint.upload import UploadCancelled
+    from spotguard.checkpoint.store.upload import UploadCancelled
 
     name = path.name
     incremental: bool | KnownChunks = False
@@ -111,7 +111,7 @@ def with_stored_chunks(known: KnownChunks, stopped: tuple[float, dict[str, int]]
     keeps unreferenced chunks younger than the grace). Reused chunks are
     checked to exist before a manifest names them, and the upload's intent
     names them, so a collector keeps them meanwhile."""
-    from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
+    from spotguard.checkpoint.store.gc import DEFAULT_ORPHAN_GRACE
 
     if stopped is None or not stopped[1] or now - stopped[0] >= DEFAULT_ORPHAN_GRACE / 2:
         return known

@@ -389,7 +389,7 @@ def locked_progress(progress: ProgressCallback) -> ProgressCallback:
 def before_part(progress: ProgressCallback | None) -> None:
     """Ask a transfer's progress callback, with 0 bytes, before a part or file
     is read and sent. A callback that stops its transfer (a routine upload a
-    preemption overtakes, see :mod:`spotguard.checkpoint.upload`) raises here,
+    preemption overtakes, see :mod:`spotguard.checkpoint.store.upload`) raises here,
     so no new request starts once it has said stop (S3 parts on the wire ask
     again as they are sent, see ``spotguard.storage.s3``)."""
     if progress is not None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from spotguard.checkpoint.local import list_local_committed
+from spotguard.checkpoint.local.commit import list_local_committed
 from spotguard.contract.control import (
     ACK_FILE,
     EXIT_FILE,

@@ -48,9 +48,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast, overload
 
-from spotguard.checkpoint.local import WRITER_TMP_PREFIX, clean_stale_tmp
-from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
+from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, clean_stale_tmp
+from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.contract.control import CONTROL_SUBDIR
 from spotguard.storage.checksum import DEFAULT_ALGORITHM
 from spotguard.trainer import statedicts
@@ -109,16 +109,16 @@ class Checkpointer:
     (``False``: whole files, as ``spotguard sidecar --no-incremental``).
     ``emergency_staging``: a memory file system the uploader also sees,
     where a preemption's checkpoint that an uploader ships at once is
-    written (see :mod:`spotguard.checkpoint.staged`); ``spotguard run`` and
+    written (see :mod:`spotguard.checkpoint.local.staged`); ``spotguard run`` and
     the operator set it (``SPOTGUARD_EMERGENCY_STAGING``). ``staging_reserve``:
     after each routine save, set aside in ``emergency_staging`` the memory a
     preemption's save of that size takes, so that it writes into pages
-    allocated beforehand (:mod:`spotguard.checkpoint.reserve`; holds a
+    allocated beforehand (:mod:`spotguard.checkpoint.local.reserve`; holds a
     checkpoint's size of memory between saves; ``SPOTGUARD_STAGING_RESERVE``).
     ``staging_arena`` (on by default): after each routine save, move the host
     buffers of CPU tensors into ``emergency_staging``, laid out as the
     checkpoint's files, so that a preemption's save links them instead of
-    writing them (:mod:`spotguard.checkpoint.arena`; no memory beyond the
+    writing them (:mod:`spotguard.checkpoint.local.arena`; no memory beyond the
     host buffers; ``SPOTGUARD_STAGING_ARENA``). ``final_verify_seconds``
     (0: off): a trainer that finished (no preemption) waits in
     :meth:`close` or at exit, at most this long, until its uploader says its

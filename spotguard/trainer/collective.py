@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.codec import Snapshot, StateError, snapshot_state
-from spotguard.checkpoint.local import WRITER_TMP_PREFIX, DeadlineExceeded, LocalWriter, list_local_committed
-from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA, FileEntry, Sharding, checkpoint_name
+from spotguard.checkpoint.format.manifest import DCP_DIR, DCP_METADATA, FileEntry, Sharding, checkpoint_name
+from spotguard.checkpoint.local.codec import Snapshot, StateError, snapshot_state
+from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, DeadlineExceeded, LocalWriter, list_local_committed
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.contract.env import (
     ATTEMPT,
     CHECKPOINT_DIR,
@@ -158,12 +158,12 @@ class Settings:
     async_save: bool
     #: With ``upload``: store checkpoints as shared content-addressed chunks (only new chunks are sent).
     incremental: bool = True
-    #: A memory file system shared with the uploader for a preemption's save (see :mod:`spotguard.checkpoint.staged`).
+    #: Memory file system shared with the uploader for an emergency save (see :mod:`spotguard.checkpoint.local.staged`).
     emergency_staging: Path | None = None
-    #: Set memory aside in ``emergency_staging`` after each routine save (see :mod:`spotguard.checkpoint.reserve`).
+    #: Set memory aside in ``emergency_staging`` after a routine save (see :mod:`spotguard.checkpoint.local.reserve`).
     staging_reserve: bool = False
     #: Move host buffers into arenas in ``emergency_staging`` after each routine save (see
-    #: :mod:`spotguard.checkpoint.arena`).
+    #: :mod:`spotguard.checkpoint.local.arena`).
     staging_arena: bool = True
     #: A trainer that finished waits on its way out, at most this long, for its last checkpoint to be
     #: verified by the uploader (see :mod:`spotguard.contract.final`); 0: no wait.

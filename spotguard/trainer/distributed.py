@@ -32,7 +32,7 @@ at the same point of the program and calls ``should_save`` / ``save`` /
   committed before requests are acknowledged.
 - ``restore`` agrees on the newest checkpoint every node can load (or a
   newer verified one in storage), loads the tensors with ``dcp.load``
-  through :class:`~spotguard.checkpoint.dcp.SafeFileSystemReader` into the
+  through :class:`~spotguard.checkpoint.format.dcp.SafeFileSystemReader` into the
   live model's and optimizer's own state dicts (resharding when the world
   size changed) and puts them back with ``set_state_dict``.
 
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.manifest import DCP_DIR, DCP_METADATA
+from spotguard.checkpoint.format.manifest import DCP_DIR, DCP_METADATA
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.statedicts import active, get_state_dicts, set_state_dicts
 
@@ -400,9 +400,9 @@ def load_sharded(path: Any, ctx: DistContext, model: Any, optimizer: Any, *, str
     """
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    from spotguard.checkpoint.codec import StateError
-    from spotguard.checkpoint.dcp import SafeFileSystemReader
-    from spotguard.checkpoint.local import load_checkpoint_state, load_rank_state, read_local_manifest
+    from spotguard.checkpoint.format.dcp import SafeFileSystemReader
+    from spotguard.checkpoint.local.codec import StateError
+    from spotguard.checkpoint.local.commit import load_checkpoint_state, load_rank_state, read_local_manifest
 
     path = Path(path)
     manifest = read_local_manifest(path)
@@ -459,9 +459,9 @@ def load_sharded_whole(path: Any, manifest: Any) -> Any:
     """A distributed checkpoint loaded by one process without a process
     group: every tensor whole (through the safe DCP reader), and rank 0's
     own state (RNG, scheduler, extras, non-tensor leaves)."""
-    from spotguard.checkpoint.codec import StateError
-    from spotguard.checkpoint.dcp import load_full_state
-    from spotguard.checkpoint.local import load_rank_state
+    from spotguard.checkpoint.format.dcp import load_full_state
+    from spotguard.checkpoint.local.codec import StateError
+    from spotguard.checkpoint.local.commit import load_rank_state
 
     path = Path(path)
     rank_state = load_rank_state(path, manifest, rank_prefix(0))

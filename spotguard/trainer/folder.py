@@ -26,8 +26,8 @@ import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from spotguard.checkpoint.local import LocalWriter
-from spotguard.checkpoint.manifest import MANIFEST_NAME, FileEntry
+from spotguard.checkpoint.format.manifest import MANIFEST_NAME, FileEntry
+from spotguard.checkpoint.local.commit import LocalWriter
 from spotguard.storage.file import fsync_file
 
 

@@ -4,7 +4,7 @@ Phase one copies the state to host memory (:func:`snapshot_state`; for a
 framework's folder, hard-links its files): the only time training waits.
 Phase two, on a writer thread, writes (or checksums) the files, the manifest
 last, and renames the temporary directory into place
-(:mod:`spotguard.checkpoint.local`). At most one write is in flight: a new
+(:mod:`spotguard.checkpoint.local.commit`). At most one write is in flight: a new
 save first waits for the previous write (back-pressure, never a dropped
 checkpoint). A preemption's save is synchronous and deadline-aware. Once a
 write ends, the requests it answers are acknowledged
@@ -38,14 +38,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.arena import Plan, plans
-from spotguard.checkpoint.arena import Stopped as ArenaStopped
-from spotguard.checkpoint.arena import build as build_arena
-from spotguard.checkpoint.arena import close_all as close_arenas
-from spotguard.checkpoint.codec import POOL_ARENAS, POOL_PLACES, Snapshot, snapshot_state, written_size
-from spotguard.checkpoint.local import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
-from spotguard.checkpoint.reserve import prepare as prepare_reserve
-from spotguard.checkpoint.staged import MEMORY_MARGIN, choose_staging, may_link_kept, memory_headroom
+from spotguard.checkpoint.local.arena import Plan, plans
+from spotguard.checkpoint.local.arena import Stopped as ArenaStopped
+from spotguard.checkpoint.local.arena import build as build_arena
+from spotguard.checkpoint.local.arena import close_all as close_arenas
+from spotguard.checkpoint.local.codec import POOL_ARENAS, POOL_PLACES, Snapshot, snapshot_state, written_size
+from spotguard.checkpoint.local.commit import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
+from spotguard.checkpoint.local.reserve import prepare as prepare_reserve
+from spotguard.checkpoint.local.staged import MEMORY_MARGIN, choose_staging, may_link_kept, memory_headroom
 from spotguard.contract.control import STAGING_FULL_FILE, WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.contract.report import StagingFull
 from spotguard.trainer import folder as _folder
@@ -326,7 +326,7 @@ class LocalPersist:
 
     def _staging_plans(self, snapshot: Snapshot, durable: bool) -> tuple[list[Plan], list[int] | None] | None:
         """After a routine save of ``snapshot``: the arenas to move its host buffers into
-        (:mod:`spotguard.checkpoint.arena`), and the sizes of the other files a preemption's
+        (:mod:`spotguard.checkpoint.local.arena`), and the sizes of the other files a preemption's
         save would write into the staging memory, to set memory aside for (None when none is:
         off). None when nothing is prepared: no staging memory, or not a routine save. When a
         preemption's save would link a file and stay on the disk, no arena, and no memory set
@@ -348,8 +348,8 @@ class LocalPersist:
 
     def _prepare_staging(self, arenas: list[Plan], reserve: list[int] | None) -> None:
         """In the background, unless that is under way: move the host buffers into their arenas
-        (:func:`spotguard.checkpoint.arena.build`), then set aside the staging memory for files
-        of the ``reserve`` sizes (:func:`spotguard.checkpoint.reserve.prepare`)."""
+        (:func:`spotguard.checkpoint.local.arena.build`), then set aside the staging memory for files
+        of the ``reserve`` sizes (:func:`spotguard.checkpoint.local.reserve.prepare`)."""
         staging = self._settings.emergency_staging
         pool = self._pinned
         if staging is None or self._preempted() or (self._reserving is not None and self._reserving.is_alive()):

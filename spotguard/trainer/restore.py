@@ -26,14 +26,14 @@ from spotguard.checkpoint import (
     restore_latest,
     verify_checkpoint,
 )
-from spotguard.checkpoint.codec import StateError
-from spotguard.checkpoint.local import (
+from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
+from spotguard.checkpoint.local.codec import StateError
+from spotguard.checkpoint.local.commit import (
     list_local_committed,
     load_checkpoint_state,
     unlisted_local_files,
     verify_local_checkpoint,
 )
-from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer.config import Settings
 from spotguard.trainer.distributed import DistContext

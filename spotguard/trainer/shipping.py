@@ -3,7 +3,7 @@
 In a pod the sidecar (or ``spotguard run``) ships checkpoints; with
 ``upload=True`` the Checkpointer does it itself, after each commit, through
 the same publish pipeline as the sidecar
-(:mod:`spotguard.checkpoint.publish`: upload, global commit, verify, move
+(:mod:`spotguard.checkpoint.store.publish`: upload, global commit, verify, move
 the ``latest`` pointer), then applies retention in storage (a preemption's
 upload is retried with backoff until its deadline instead).
 Local checkpoints are deleted only by whoever uploads them
@@ -14,7 +14,7 @@ verified upload (:func:`emergency_save_is_durable`).
 
 A preemption comes first here too: a routine upload asks ``preempting``
 before each request and between the parts of a transfer, and stops
-(:class:`~spotguard.checkpoint.upload.UploadCancelled`) so that the
+(:class:`~spotguard.checkpoint.store.upload.UploadCancelled`) so that the
 preemption's save, which waits for the job before it, goes at once; the
 next upload of the stopped checkpoint does not send its stored files again.
 """
@@ -36,13 +36,13 @@ from spotguard.checkpoint import (
     remove_checkpoint_dir,
     upload_checkpoint,
 )
-from spotguard.checkpoint.chunked import KnownChunks
-from spotguard.checkpoint.known import KnownChunkTable
-from spotguard.checkpoint.manifest import checkpoint_step
-from spotguard.checkpoint.publish import AWAITING, Published, publish, publish_commit
-from spotguard.checkpoint.retention import RetentionCandidate, plan_local_prune, plan_retention
-from spotguard.checkpoint.stored import CheckpointCorruptError
-from spotguard.checkpoint.upload import UploadCancelled
+from spotguard.checkpoint.format.manifest import checkpoint_step
+from spotguard.checkpoint.store.chunked import KnownChunks
+from spotguard.checkpoint.store.known import KnownChunkTable
+from spotguard.checkpoint.store.publish import AWAITING, Published, publish, publish_commit
+from spotguard.checkpoint.store.retention import RetentionCandidate, plan_local_prune, plan_retention
+from spotguard.checkpoint.store.stored import CheckpointCorruptError
+from spotguard.checkpoint.store.upload import UploadCancelled
 from spotguard.contract.control import uploader_shipping
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.trainer.channel import Due
@@ -208,7 +208,7 @@ class Shipping:
         node's part, stored, waiting for the others). Raises on failure,
         :class:`UploadCancelled` when ``should_stop`` stopped the upload.
         ``trust`` (a preemption's): reuse the chunks of the checkpoint verified
-        last without asking the store of each (see :mod:`spotguard.checkpoint.chunked`)."""
+        last without asking the store of each (see :mod:`spotguard.checkpoint.store.chunked`)."""
         storage = self.open_storage()
         resume = path.name in self.stopped
         incremental: bool | KnownChunks = False

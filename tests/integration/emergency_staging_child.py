@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from spotguard.checkpoint import snapshot_state, verify_local_checkpoint, write_checkpoint
-from spotguard.checkpoint.staged import choose_staging
+from spotguard.checkpoint.local.staged import choose_staging
 from spotguard.trainer.persist import write_in_staging
 
 

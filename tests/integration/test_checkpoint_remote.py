@@ -24,7 +24,7 @@ from spotguard.checkpoint import (
     update_latest_pointer,
     upload_checkpoint,
 )
-from spotguard.checkpoint.manifest import pointer_json
+from spotguard.checkpoint.format.manifest import pointer_json
 from spotguard.storage import PreconditionFailedError, Storage, open_storage
 from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage

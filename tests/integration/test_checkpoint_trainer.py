@@ -15,7 +15,7 @@ import pytest
 from ckpt_helpers import assert_state_matches, commit_local, s3_options, step_tensors
 
 from spotguard.checkpoint import list_local_committed, read_local_manifest, upload_checkpoint, verify_checkpoint
-from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.checkpoint.format.manifest import checkpoint_name
 from spotguard.storage import open_storage
 from spotguard.trainer import ACK_FILE, EXIT_FILE, PID_FILE, REQUEST_FILE, Checkpointer
 
@@ -374,7 +374,7 @@ def test_non_durable_save_skips_every_fsync(tmp_path: Path, monkeypatch: pytest.
     The checkpoint verifies either way; a durable save fsyncs all of them."""
     import stat
 
-    import spotguard.checkpoint.local as local_mod
+    import spotguard.checkpoint.local.commit as local_mod
     from spotguard.checkpoint import snapshot_state, verify_local_checkpoint, write_checkpoint
 
     synced: list[str] = []  # names of the files and directories fsynced

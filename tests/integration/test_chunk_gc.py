@@ -61,11 +61,17 @@ from spotguard.checkpoint import (
     verify_local_checkpoint,
     write_checkpoint,
 )
-from spotguard.checkpoint.chunked import TOMBSTONES_DIR, KnownChunks, upload_chunks
-from spotguard.checkpoint.chunks import hash_chunk
-from spotguard.checkpoint.gc import sweep_chunks
-from spotguard.checkpoint.intents import check_orphan_grace, read_intents
-from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name, parse_chunk_key, parse_manifest
+from spotguard.checkpoint.format.chunks import hash_chunk
+from spotguard.checkpoint.format.manifest import (
+    CHUNKS_DIR,
+    MANIFEST_NAME,
+    checkpoint_name,
+    parse_chunk_key,
+    parse_manifest,
+)
+from spotguard.checkpoint.store.chunked import TOMBSTONES_DIR, KnownChunks, upload_chunks
+from spotguard.checkpoint.store.gc import sweep_chunks
+from spotguard.checkpoint.store.intents import check_orphan_grace, read_intents
 from spotguard.storage import NotFoundError, Storage, StorageError, open_storage
 from testenv import trials
 
@@ -412,7 +418,7 @@ def _worker(argv: list[str]) -> int:
             elif message.startswith("chunk sweep: deleting"):
                 say("sweep " + message.rsplit("/", 1)[-1][:12])
 
-    gc_log = logging.getLogger("spotguard.checkpoint.gc")
+    gc_log = logging.getLogger("spotguard.checkpoint.store.gc")
     gc_log.setLevel(logging.DEBUG)
     gc_log.addHandler(Stages())
     storage = open_storage(uri)

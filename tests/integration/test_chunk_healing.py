@@ -24,7 +24,7 @@ from ckpt_helpers import s3_options, write_part
 from sidecar_helpers import s3_storage
 
 from spotguard.checkpoint import latest_verified, read_manifest, verify_checkpoint
-from spotguard.checkpoint.manifest import checkpoint_name, parse_manifest, part_manifest_path
+from spotguard.checkpoint.format.manifest import checkpoint_name, parse_manifest, part_manifest_path
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper

@@ -52,7 +52,7 @@ from spotguard.checkpoint import (
     verify_checkpoint,
     verify_local_checkpoint,
 )
-from spotguard.checkpoint.local import WRITER_TMP_PREFIX
+from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX
 from spotguard.storage import NotFoundError, Storage, open_storage
 from testenv import trials
 
@@ -250,7 +250,7 @@ STAGES = [
     Stage("after data", "PUT", r"/{new}/manifest\.json$", "previous"),
     Stage("after manifest", "PUT", r"/latest$", "new"),
     Stage("after pointer", "GET", r"list-type=2", "new"),
-    # The first multi-object delete is the upload's own intent's (spotguard.checkpoint.intents).
+    # The first multi-object delete is the upload's own intent's (spotguard.checkpoint.store.intents).
     Stage("retention: before the manifest goes", "POST", r"\?delete", "new", skip=1),
     Stage("retention: after the manifest went", "POST", r"\?delete", "new", skip=2),
 ]
@@ -392,7 +392,7 @@ def test_kills_aimed_inside_a_local_save(tmp_path: Path, where: str) -> None:
 
 def _save_held(directory: Path, step: int, where: str) -> None:
     """Save ``step`` and stop for good at ``where`` (see SAVE_STAGES), saying so."""
-    import spotguard.checkpoint.local as local
+    import spotguard.checkpoint.local.commit as local
 
     def hold() -> None:
         print(f"held {where}", flush=True)
@@ -447,7 +447,7 @@ def test_uploader_killed_mid_part_or_mid_commit_never_moves_the_pointer(
     commits step 20 and moves the pointer. A protocol that moved the pointer (or
     wrote the global manifest) before every part was stored and verified fails here."""
     from spotguard.checkpoint import MANIFEST_NAME, checkpoint_name, upload_checkpoint
-    from spotguard.checkpoint.manifest import part_manifest_path
+    from spotguard.checkpoint.format.manifest import part_manifest_path
     from testenv.faultproxy import FaultProxy
 
     storage = open_storage(s3_uri, **s3_options(s3_store))

@@ -352,7 +352,7 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(
 ) -> None:
     from ckpt_helpers import s3_options
 
-    from spotguard.checkpoint.verify_stored import verify_checkpoint
+    from spotguard.checkpoint.store.verify_stored import verify_checkpoint
     from spotguard.storage import open_storage
 
     out = tmp_path / "out"
@@ -383,7 +383,7 @@ def test_two_nodes_write_their_parts_and_resume_through_storage(
 def test_a_rank_killed_during_a_save_never_leaves_a_checkpoint_that_does_not_load(
     reference: Path, tmp_path: Path, victim: int
 ) -> None:
-    from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint
+    from spotguard.checkpoint.local.commit import list_local_committed, verify_local_checkpoint
 
     ck, out = tmp_path / "ck", tmp_path / "out"
     delay = trials.rng(f"dist-kill-{victim}").uniform(0.0, 0.08)

@@ -114,7 +114,7 @@ def test_a_flag_one_rank_sees_at_step_k_stops_every_rank_at_step_k_plus_1(tmp_pa
     from testenv.require import require_module
 
     require_module("torch")
-    from spotguard.checkpoint.local import list_local_committed, read_local_manifest
+    from spotguard.checkpoint.local.commit import list_local_committed, read_local_manifest
 
     results = _run_ranks(tmp_path)
     # The interval save at once (no lag: its step numbers do not move), the preemption's one step after the flag.
@@ -130,7 +130,7 @@ def test_with_short_steps_a_flag_stops_every_rank_at_one_step_within_two_exchang
     from testenv.require import require_module
 
     require_module("torch")
-    from spotguard.checkpoint.local import list_local_committed, read_local_manifest
+    from spotguard.checkpoint.local.commit import list_local_committed, read_local_manifest
 
     results = _run_ranks(tmp_path, **FAST)
     flag_at, every = int(FAST["flag_at"]), int(FAST["save_every"])

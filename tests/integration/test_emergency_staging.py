@@ -1,4 +1,4 @@
-"""A preemption's checkpoint staged in memory (spotguard.checkpoint.staged), on real files.
+"""A preemption's checkpoint staged in memory (spotguard.checkpoint.local.staged), on real files.
 
 The staging directories here are plain directories (the mechanism is the
 same on any file system); the full-memory case uses a real tmpfs in a mount
@@ -19,14 +19,14 @@ import pytest
 from ckpt_helpers import save_preempted_in_memory
 
 from spotguard.checkpoint import snapshot_state, verify_local_checkpoint, write_checkpoint
-from spotguard.checkpoint.local import (
+from spotguard.checkpoint.local.commit import (
     STAGED_PREFIX,
     list_local_committed,
     load_checkpoint_state,
     read_local_manifest,
     remove_checkpoint_dir,
 )
-from spotguard.checkpoint.staged import remove_staging, settle_staged, staged_links
+from spotguard.checkpoint.local.staged import remove_staging, settle_staged, staged_links
 from spotguard.contract.control import write_heartbeat
 from spotguard.trainer import Checkpointer
 from testenv.require import require_root, require_tool

@@ -36,7 +36,7 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     write_checkpoint,
 )
-from spotguard.checkpoint.stored import read_manifest
+from spotguard.checkpoint.store.stored import read_manifest
 from spotguard.cli import main as spotguard
 from spotguard.storage import open_storage
 from testenv.require import require_module

@@ -83,7 +83,7 @@ def test_verify_uses_the_checksums_the_store_computed_and_reads_nothing_back(
     assert proxy.requests("PUT", r"partNumber=3"), [r.target for r in proxy.log]
 
     proxy.log.clear()
-    caplog.set_level(logging.INFO, logger="spotguard.checkpoint.verify_stored")
+    caplog.set_level(logging.INFO, logger="spotguard.checkpoint.store.verify_stored")
     result = verify_checkpoint(storage, ckpt(7))
     assert result.ok, result.problems
     assert result.method == "store-checksum", result
@@ -107,7 +107,7 @@ def test_objects_without_a_store_checksum_are_read_back(
     plain = via(proxy, s3_store, s3_uri, send_checksums=False)
     upload_checkpoint(commit_local(tmp_path / "local", 3, NUMEL), plain)
     proxy.log.clear()
-    caplog.set_level(logging.INFO, logger="spotguard.checkpoint.verify_stored")
+    caplog.set_level(logging.INFO, logger="spotguard.checkpoint.store.verify_stored")
     result = verify_checkpoint(via(proxy, s3_store, s3_uri), ckpt(3))
     assert result.ok, result.problems
     assert result.method == "read-back" and result.store_checked == 0

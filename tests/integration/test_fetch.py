@@ -13,7 +13,7 @@ import pytest
 from ckpt_helpers import assert_state_matches, commit_local, open_test_storage, s3_options, spy_whole_reads
 
 from spotguard.checkpoint import MANIFEST_NAME, load_checkpoint_state, read_manifest, upload_checkpoint
-from spotguard.checkpoint.fetch import fetch_verified
+from spotguard.checkpoint.restore.fetch import fetch_verified
 from spotguard.storage import Storage, open_storage
 from testenv.require import require_root, require_tool
 
@@ -103,7 +103,7 @@ _FULL_CHILD = """
 import json, subprocess, sys
 from pathlib import Path
 from spotguard.checkpoint import read_manifest
-from spotguard.checkpoint.fetch import fetch_verified
+from spotguard.checkpoint.restore.fetch import fetch_verified
 from spotguard.storage import open_storage
 args = json.loads(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", args["mount"]], check=True)
@@ -144,7 +144,7 @@ def test_s3_chunks_are_read_into_their_files_pages_and_checked_by_size_and_crc(
     """A checkpoint stored incrementally is assembled by reading each chunk
     from the socket into its place in the file (``read_into``); a chunk that
     is not the one recorded is named, whether its size or its bytes differ."""
-    from spotguard.checkpoint.fetch import fetch_chunks
+    from spotguard.checkpoint.restore.fetch import fetch_chunks
     from spotguard.storage.s3 import S3Storage
 
     storage = open_test_storage("s3", request, tmp_path)

@@ -22,7 +22,7 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     verify_checkpoint,
 )
-from spotguard.checkpoint.local import LocalWriter
+from spotguard.checkpoint.local.commit import LocalWriter
 from spotguard.contract.control import WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.sidecar.follow import FollowStopped, WriteFollower
 
@@ -126,7 +126,7 @@ def test_a_follower_sends_the_save_and_the_upload_resumes_checking_every_file(
         writer.add_file("model.dat", slowly(data))
     committed = writer.commit()
     assert follower.finish(committed.name, 60) == ["model.dat"] and follower.error is None
-    with caplog.at_level(logging.INFO, logger="spotguard.checkpoint.upload"):
+    with caplog.at_level(logging.INFO, logger="spotguard.checkpoint.store.upload"):
         upload_checkpoint(committed, storage, resume=True)
     assert verify_checkpoint(storage, committed.name).ok
     assert storage.read_bytes(f"{committed.name}/model.dat") == data

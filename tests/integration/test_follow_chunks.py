@@ -2,9 +2,9 @@
 (spotguard.sidecar.follow, chunks), against a real S3 store.
 
 The writer is a thread that writes a safetensors file in steps into the
-temporary directory of a :class:`~spotguard.checkpoint.local.LocalWriter`
+temporary directory of a :class:`~spotguard.checkpoint.local.commit.LocalWriter`
 (renamed at commit), as the Checkpointer's writer does. The upload after the
-commit takes what the follower found (:class:`~spotguard.checkpoint.chunked.Prestored`).
+commit takes what the follower found (:class:`~spotguard.checkpoint.store.chunked.Prestored`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     verify_checkpoint,
 )
-from spotguard.checkpoint.chunked import KnownChunks
-from spotguard.checkpoint.chunks import hash_chunk, plan_file, plan_safetensors
-from spotguard.checkpoint.local import LocalWriter
-from spotguard.checkpoint.manifest import CHUNKS_DIR
+from spotguard.checkpoint.format.chunks import hash_chunk, plan_file, plan_safetensors
+from spotguard.checkpoint.format.manifest import CHUNKS_DIR
+from spotguard.checkpoint.local.commit import LocalWriter
+from spotguard.checkpoint.store.chunked import KnownChunks
 from spotguard.contract.control import WRITING_FILE, WritePlan, atomic_write_json
 from spotguard.sidecar.follow import WriteFollower
 from spotguard.storage import StorageError
@@ -127,7 +127,7 @@ def test_chunks_are_hashed_and_stored_while_written_and_not_read_again(
     follower_puts = len(puts.chunks)
     assert follower_puts == len(found.stored) == len(places)
     upload = Puts(storage)
-    with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.chunked"):
+    with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.store.chunked"):
         result = upload_checkpoint(committed, upload, incremental=KnownChunks(), prestored=found)
     again = "changed after it was read while written; reading it again" in caplog.text
     assert again is rewritten, caplog.text
@@ -263,7 +263,7 @@ def test_a_store_failing_while_the_follower_stores_leaves_the_rest_to_the_upload
 def test_the_shipper_forgets_what_was_found_for_checkpoints_too_old_to_ship(tmp_path: Path) -> None:
     """A follower's finds for a checkpoint that was never shipped (superseded) do not stay for the
     uploader's whole life: once too old to be named by an upload, the next find drops them."""
-    from spotguard.checkpoint.chunked import Prestored
+    from spotguard.checkpoint.store.chunked import Prestored
     from spotguard.sidecar.deadline import ThroughputTracker
     from spotguard.sidecar.metrics import SidecarMetrics
     from spotguard.sidecar.shipper import CheckpointShipper

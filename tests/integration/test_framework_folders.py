@@ -92,7 +92,7 @@ def test_planted_code_pickle_in_storage_is_refused_and_resume_walks_back(
 ) -> None:
     from ckpt_helpers import replace_stored_file, s3_options
 
-    from spotguard.checkpoint.verify_stored import verify_checkpoint
+    from spotguard.checkpoint.store.verify_stored import verify_checkpoint
     from spotguard.storage import open_storage
     from spotguard.trainer.checkpointer import Checkpointer
 
@@ -155,7 +155,7 @@ def test_two_nodes_commit_their_folders_as_one_checkpoint_and_resume_it(
     require_tool("torchrun", path=TORCHRUN)
     from ckpt_helpers import s3_options
 
-    from spotguard.checkpoint.verify_stored import verify_checkpoint
+    from spotguard.checkpoint.store.verify_stored import verify_checkpoint
     from spotguard.storage import open_storage
 
     infos = two_nodes(tmp_path, s3_store, s3_uri)

@@ -16,10 +16,10 @@ import pytest
 from ckpt_helpers import subprocess_env
 from sidecar_helpers import base_env, s3_storage, spotguard_argv
 
-from spotguard.checkpoint.gc import collect_garbage, find_orphans, sweep_chunks
-from spotguard.checkpoint.intents import read_intents, upload_intent
-from spotguard.checkpoint.manifest import checkpoint_name
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.format.manifest import checkpoint_name
+from spotguard.checkpoint.store.gc import collect_garbage, find_orphans, sweep_chunks
+from spotguard.checkpoint.store.intents import read_intents, upload_intent
+from spotguard.checkpoint.store.retention import RetentionPolicy
 
 pytestmark = pytest.mark.integration
 

@@ -32,8 +32,8 @@ from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_a
 from sidecar_helpers import STOPPED_RE as STOPPED_RE_ANY
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, list_local_committed
-from spotguard.checkpoint.local import verify_local_checkpoint
-from spotguard.checkpoint.stored import read_manifest
+from spotguard.checkpoint.local.commit import verify_local_checkpoint
+from spotguard.checkpoint.store.stored import read_manifest
 from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]

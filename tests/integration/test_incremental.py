@@ -26,12 +26,12 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     verify_checkpoint,
 )
-from spotguard.checkpoint.chunked import TRUST_SECONDS
-from spotguard.checkpoint.codec import snapshot_state
-from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
-from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
-from spotguard.checkpoint.retention import RetentionPolicy
-from spotguard.checkpoint.stored import list_checkpoint_names
+from spotguard.checkpoint.format.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+from spotguard.checkpoint.local.codec import snapshot_state
+from spotguard.checkpoint.local.commit import load_checkpoint_state, verify_local_checkpoint, write_checkpoint
+from spotguard.checkpoint.store.chunked import TRUST_SECONDS
+from spotguard.checkpoint.store.retention import RetentionPolicy
+from spotguard.checkpoint.store.stored import list_checkpoint_names
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper

@@ -25,7 +25,7 @@ from reference_runs import ReferenceRuns
 from sidecar_helpers import PY, STOPPED_RE, Proc, base_env, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified
-from spotguard.checkpoint.stored import read_manifest
+from spotguard.checkpoint.store.stored import read_manifest
 from testenv import trials
 
 ROOT = Path(__file__).resolve().parents[2]

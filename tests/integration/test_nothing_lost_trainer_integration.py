@@ -22,7 +22,7 @@ from ckpt_helpers import assert_state_matches, commit_local, s3_options, step_te
 from sidecar_helpers import Proc, base_env, reaping, s3_storage, spotguard_argv, store_proxy
 
 from spotguard.checkpoint import latest_verified, list_local_committed, read_local_manifest, verify_local_checkpoint
-from spotguard.checkpoint.manifest import MANIFEST_NAME, checkpoint_name
+from spotguard.checkpoint.format.manifest import MANIFEST_NAME, checkpoint_name
 from spotguard.trainer import Checkpointer
 
 pytestmark = pytest.mark.integration

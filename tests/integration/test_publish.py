@@ -26,9 +26,9 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     verify_checkpoint,
 )
-from spotguard.checkpoint.codec import snapshot_state
-from spotguard.checkpoint.local import write_checkpoint
-from spotguard.checkpoint.publish import AWAITING, UNVERIFIED, VERIFIED, publish, publish_commit
+from spotguard.checkpoint.local.codec import snapshot_state
+from spotguard.checkpoint.local.commit import write_checkpoint
+from spotguard.checkpoint.store.publish import AWAITING, UNVERIFIED, VERIFIED, publish, publish_commit
 from spotguard.storage import Storage, open_storage
 
 pytestmark = pytest.mark.integration

@@ -14,10 +14,10 @@ import pytest
 from ckpt_helpers import open_test_storage, spy_whole_reads
 
 from spotguard.checkpoint import snapshot_state, upload_checkpoint, write_checkpoint
-from spotguard.checkpoint.local import load_checkpoint_state
-from spotguard.checkpoint.restore import restore_latest, restore_latest_state
-from spotguard.checkpoint.stored import Skipped
-from spotguard.checkpoint.stream import HEADER_PROBE, streamable
+from spotguard.checkpoint.local.commit import load_checkpoint_state
+from spotguard.checkpoint.restore.load import restore_latest, restore_latest_state
+from spotguard.checkpoint.restore.stream import HEADER_PROBE, streamable
+from spotguard.checkpoint.store.stored import Skipped
 from spotguard.storage import Storage
 
 MiB = 1 << 20
@@ -105,7 +105,7 @@ def test_a_damaged_byte_mid_tensor_falls_back_to_the_older_checkpoint(
     incremental = kind == "s3-incremental"
     upload_steps(storage, tmp_path, (1, 2), incremental=incremental)
     newest = "ckpt-000000000002"
-    from spotguard.checkpoint.stored import read_manifest
+    from spotguard.checkpoint.store.stored import read_manifest
 
     manifest = read_manifest(storage, newest)
     entry = next(f for f in manifest.files if f.path == "model.safetensors")
@@ -279,7 +279,7 @@ def test_chunks_go_from_the_socket_into_the_tensors(
     found = restore_latest_state(storage)
     assert found is not None
     assert_bitwise_equal(found[1], make_state(5))
-    from spotguard.checkpoint.stored import read_manifest
+    from spotguard.checkpoint.store.stored import read_manifest
 
     manifest = read_manifest(storage, found[0].name)
     chunked = [e for e in manifest.files if e.chunks]

@@ -13,7 +13,7 @@ import pytest
 from ckpt_helpers import s3_options, step_tensors
 
 from spotguard.checkpoint import latest_verified, list_local_committed, upload_checkpoint, verify_local_checkpoint
-from spotguard.checkpoint.manifest import checkpoint_name
+from spotguard.checkpoint.format.manifest import checkpoint_name
 from spotguard.run.supervisor import RunConfig, SetupError, Supervisor
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.storage import open_storage

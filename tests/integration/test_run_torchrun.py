@@ -24,7 +24,7 @@ from reference_runs import ReferenceRuns
 from sidecar_helpers import PY, STOPPED_RE, Proc, base_env, free_port, reaping, s3_storage, spotguard_argv
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_checkpoint
-from spotguard.checkpoint.stored import read_latest_pointer, read_manifest
+from spotguard.checkpoint.store.stored import read_latest_pointer, read_manifest
 from spotguard.contract.env import RUN_ID
 from testenv import trials
 

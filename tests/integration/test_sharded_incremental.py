@@ -28,8 +28,8 @@ from spotguard.checkpoint import (
     verify_checkpoint,
     verify_local_checkpoint,
 )
-from spotguard.checkpoint.gc import sweep_chunks
-from spotguard.checkpoint.manifest import parse_manifest, part_manifest_path
+from spotguard.checkpoint.format.manifest import parse_manifest, part_manifest_path
+from spotguard.checkpoint.store.gc import sweep_chunks
 from spotguard.storage import Storage, open_storage
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

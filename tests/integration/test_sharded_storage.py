@@ -38,7 +38,7 @@ from spotguard.checkpoint import (
     verify_checkpoint,
     verify_local_checkpoint,
 )
-from spotguard.checkpoint.manifest import new_manifest, parse_manifest, part_manifest_path
+from spotguard.checkpoint.format.manifest import new_manifest, parse_manifest, part_manifest_path
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper

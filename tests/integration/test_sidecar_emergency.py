@@ -28,7 +28,7 @@ from sidecar_helpers import (
 )
 
 from spotguard.checkpoint import latest_verified, list_checkpoint_names, verify_local_checkpoint
-from spotguard.checkpoint.local import STAGED_PREFIX
+from spotguard.checkpoint.local.commit import STAGED_PREFIX
 from spotguard.sidecar.mainloop import EXIT_EMERGENCY_FAILED
 
 pytestmark = pytest.mark.integration
@@ -154,7 +154,7 @@ def test_no_retention_and_no_rereading_between_sigterm_and_the_report(
     # Nothing deleted on the way out: retention waits for a routine round.
     assert list_checkpoint_names(storage) == [*before, emergency]
     requests = proxy.since(t_start)
-    # (Only the uploads' own intents go: gc/uploads/, see spotguard.checkpoint.intents.)
+    # (Only the uploads' own intents go: gc/uploads/, see spotguard.checkpoint.store.intents.)
     deletes = [r for r in requests if r[1] == "DELETE" or (r[1] == "POST" and "delete" in r[2])]
     assert not [
         r

@@ -23,8 +23,8 @@ from ckpt_helpers import part_files, s3_options, subprocess_env, write_part
 from sidecar_helpers import Proc, base_env, reaping, spotguard_argv, wait_until
 
 from spotguard.checkpoint import checkpoint_name, read_latest_pointer, upload_checkpoint
-from spotguard.checkpoint.intents import upload_intent
-from spotguard.checkpoint.parts import commit_progress
+from spotguard.checkpoint.store.intents import upload_intent
+from spotguard.checkpoint.store.parts import commit_progress
 from spotguard.contract.control import EXIT_FILE, read_heartbeat, write_heartbeat
 from spotguard.storage import Storage, open_storage
 from spotguard.trainer import Checkpointer

@@ -22,10 +22,10 @@ import torch
 from sidecar_helpers import s3_storage, small_parts
 
 from spotguard.checkpoint import read_latest_pointer, upload_checkpoint, verify_checkpoint
-from spotguard.checkpoint.codec import snapshot_state
-from spotguard.checkpoint.gc import SWEEP_STOPPED, sweep_chunks
-from spotguard.checkpoint.local import write_checkpoint
-from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+from spotguard.checkpoint.format.manifest import CHUNKS_DIR, MANIFEST_NAME, checkpoint_name
+from spotguard.checkpoint.local.codec import snapshot_state
+from spotguard.checkpoint.local.commit import write_checkpoint
+from spotguard.checkpoint.store.gc import SWEEP_STOPPED, sweep_chunks
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper, Shipped
@@ -146,7 +146,7 @@ def test_a_stopped_transfer_starts_no_new_part(s3_store: Any, s3_uri: str, tmp_p
     # finish, but no queued part is read or sent after the stop (each part asks first). Before, the
     # queued parts kept going until the oldest one in flight ended, sharing the store with the
     # preemption's upload.
-    from spotguard.checkpoint.upload import UploadCancelled
+    from spotguard.checkpoint.store.upload import UploadCancelled
 
     storage = small_parts(s3_store, s3_uri)  # 5 MiB parts, two at a time
     big = tmp_path / "big.bin"
@@ -174,7 +174,7 @@ def test_a_stopped_transfer_starts_no_new_part(s3_store: Any, s3_uri: str, tmp_p
 def test_a_part_on_the_wire_stops_within_a_mib(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
     # A part's body asks the progress callback every MiB it sends: a stop that comes while parts are on
     # the wire ends them there, and the stop's own exception comes out (not wrapped, not retried).
-    from spotguard.checkpoint.upload import UploadCancelled
+    from spotguard.checkpoint.store.upload import UploadCancelled
 
     storage = small_parts(s3_store, s3_uri)  # 5 MiB parts, two at a time
     big = tmp_path / "big.bin"
@@ -222,7 +222,7 @@ def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: py
     # supervisor's main thread that was time no SIGTERM handler ran. The shipper's prune (background=True)
     # renames the checkpoint away at once and deletes it in a thread of its own, at the lowest CPU
     # priority (the kernel's work of freeing it must not take a core from a preemption's save).
-    from spotguard.checkpoint import local
+    from spotguard.checkpoint.local import commit as local
 
     directory = tmp_path / "ck"
     path = commit(directory, 1, 1)

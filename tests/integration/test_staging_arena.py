@@ -1,4 +1,4 @@
-"""Host buffers laid out as the checkpoint's files in the staging memory (spotguard.checkpoint.arena),
+"""Host buffers laid out as the checkpoint's files in the staging memory (spotguard.checkpoint.local.arena),
 on a real memory file system.
 
 The staging directory is a directory of its own in ``/dev/shm`` (a tmpfs, as
@@ -18,10 +18,10 @@ import torch
 from ckpt_helpers import save_preempted_in_memory
 from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv, wait_until
 
-from spotguard.checkpoint import arena as ar
 from spotguard.checkpoint import latest_verified, restore_checkpoint, verify_local_checkpoint
-from spotguard.checkpoint.codec import POOL_ARENAS, POOL_PLACES, snapshot_state
-from spotguard.checkpoint.local import load_checkpoint_state, write_checkpoint
+from spotguard.checkpoint.local import arena as ar
+from spotguard.checkpoint.local.codec import POOL_ARENAS, POOL_PLACES, snapshot_state
+from spotguard.checkpoint.local.commit import load_checkpoint_state, write_checkpoint
 from spotguard.contract.control import write_heartbeat
 from spotguard.run.supervisor import memory_staging_dir
 from spotguard.trainer import Checkpointer
@@ -191,7 +191,7 @@ import logging, sys, time
 import torch
 import spotguard
 logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-for name in ("spotguard.trainer.persist", "spotguard.checkpoint.local"):
+for name in ("spotguard.trainer.persist", "spotguard.checkpoint.local.commit"):
     logging.getLogger(name).setLevel(logging.INFO)
 ck = spotguard.Checkpointer.from_env()
 w = torch.arange(3 * 2**20 // 4, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Memory set aside for a preemption's save (spotguard.checkpoint.reserve), on a real memory file system.
+"""Memory set aside for a preemption's save (spotguard.checkpoint.local.reserve), on a real memory file system.
 
 The staging directory is a directory of its own in ``/dev/shm`` (a tmpfs,
 as ``spotguard run`` uses), removed after each test.
@@ -19,9 +19,9 @@ from ckpt_helpers import save_preempted_in_memory
 from sidecar_helpers import PY, Proc, base_env, reaping, s3_storage, spotguard_argv, wait_until
 
 from spotguard.checkpoint import latest_verified, restore_checkpoint, verify_local_checkpoint
-from spotguard.checkpoint import reserve as rsv
-from spotguard.checkpoint.local import LocalWriter, load_checkpoint_state, read_local_manifest
-from spotguard.checkpoint.staged import remove_staging
+from spotguard.checkpoint.local import reserve as rsv
+from spotguard.checkpoint.local.commit import LocalWriter, load_checkpoint_state, read_local_manifest
+from spotguard.checkpoint.local.staged import remove_staging
 from spotguard.contract.control import write_heartbeat
 from spotguard.run.supervisor import memory_staging_dir
 from spotguard.trainer import Checkpointer

@@ -57,10 +57,10 @@ from spotguard.checkpoint import (
     upload_checkpoint,
     verify_checkpoint,
 )
-from spotguard.checkpoint.codec import snapshot_state
-from spotguard.checkpoint.gc import sweep_chunks
-from spotguard.checkpoint.local import write_checkpoint
-from spotguard.checkpoint.manifest import CHUNKS_DIR, MANIFEST_NAME, POINTER_NAME, checkpoint_name
+from spotguard.checkpoint.format.manifest import CHUNKS_DIR, MANIFEST_NAME, POINTER_NAME, checkpoint_name
+from spotguard.checkpoint.local.codec import snapshot_state
+from spotguard.checkpoint.local.commit import write_checkpoint
+from spotguard.checkpoint.store.gc import sweep_chunks
 from spotguard.storage import (
     UNCHANGED,
     CredentialsError,

@@ -21,9 +21,9 @@ import torch
 from sidecar_helpers import s3_storage
 
 from spotguard.checkpoint import KnownChunks, read_manifest, restore_checkpoint, upload_checkpoint, verify_checkpoint
-from spotguard.checkpoint.codec import snapshot_state
-from spotguard.checkpoint.local import remove_checkpoint_dir, write_checkpoint
-from spotguard.checkpoint.manifest import Manifest, checkpoint_name
+from spotguard.checkpoint.format.manifest import Manifest, checkpoint_name
+from spotguard.checkpoint.local.codec import snapshot_state
+from spotguard.checkpoint.local.commit import remove_checkpoint_dir, write_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -150,7 +150,7 @@ def test_a_file_the_trainer_linked_is_uploaded_without_reading_it(s3_store: Any,
     for step in (2, 3):
         restores_byte_for_byte(storage, ck.directory / checkpoint_name(step), tmp_path)
     # Export and averaging read a state part from both its files.
-    from spotguard.checkpoint.stored_tensors import part_tensors
+    from spotguard.checkpoint.restore.stored_tensors import part_tensors
 
     model = part_tensors(storage, third, tmp_path / "scratch", "model")
     assert sorted(model) == sorted(state(3, 3)["model"])

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from spotguard import Checkpointer
-from spotguard.checkpoint.codec import POOL_TRACKED, Snapshot, StateError, pool_committed, snapshot_state
-from spotguard.checkpoint.local import load_checkpoint_state, verify_local_checkpoint
-from spotguard.checkpoint.manifest import checkpoint_name
-from spotguard.checkpoint.written import WriteTracker
+from spotguard.checkpoint.format.manifest import checkpoint_name
+from spotguard.checkpoint.local.codec import POOL_TRACKED, Snapshot, StateError, pool_committed, snapshot_state
+from spotguard.checkpoint.local.commit import load_checkpoint_state, verify_local_checkpoint
+from spotguard.checkpoint.local.written import WriteTracker
 from testenv.require import require
 
 KEPT = "model.kept.safetensors"
@@ -118,7 +118,7 @@ def test_a_snapshot_never_committed_is_never_compared_against(ck: Any) -> None:
 
 
 def big_base() -> dict[str, torch.Tensor]:
-    """Tensors large enough to be tracked (spotguard.checkpoint.written.MIN_TRACKED_BYTES)."""
+    """Tensors large enough to be tracked (spotguard.checkpoint.local.written.MIN_TRACKED_BYTES)."""
     gen = torch.Generator().manual_seed(2)
     return {f"base.{i}": torch.randn(512, 1024, generator=gen) for i in range(4)}  # 2 MiB each
 

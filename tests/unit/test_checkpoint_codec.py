@@ -16,7 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from spotguard.checkpoint.codec import (
+from spotguard.checkpoint.format.manifest import FileEntry, new_manifest
+from spotguard.checkpoint.format.pickle_scan import (
+    UnsafePickleError,
+    check_pickle_safe,
+    looks_like_pickle,
+    pickle_globals,
+)
+from spotguard.checkpoint.format.verify import verify_files
+from spotguard.checkpoint.local.codec import (
     STATE_FILE,
     StateError,
     decode_state,
@@ -24,9 +32,6 @@ from spotguard.checkpoint.codec import (
     snapshot_state,
     tensor_files_of,
 )
-from spotguard.checkpoint.manifest import FileEntry, new_manifest
-from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe, looks_like_pickle, pickle_globals
-from spotguard.checkpoint.verify import verify_files
 from spotguard.storage.checksum import check_algorithm, checksum_bytes, checksum_chunks
 
 
@@ -351,7 +356,7 @@ def test_a_device_tensor_is_compared_with_its_host_copy_a_slice_at_a_time() -> N
     or a different length is not."""
     import torch
 
-    from spotguard.checkpoint.codec import equal_in_slices
+    from spotguard.checkpoint.local.codec import equal_in_slices
 
     base = torch.arange(50, dtype=torch.uint8)
     for slice_bytes in (1, 7, 50, 64):
@@ -368,7 +373,7 @@ def test_a_device_tensor_is_compared_with_its_host_copy_a_slice_at_a_time() -> N
 def test_bytes_are_compared_as_words_where_length_and_address_allow() -> None:
     import torch
 
-    from spotguard.checkpoint.codec import as_words
+    from spotguard.checkpoint.local.codec import as_words
 
     flat = torch.arange(64, dtype=torch.uint8)
     assert as_words(torch, flat).dtype == torch.int64 and as_words(torch, flat).numel() == 8

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spotguard.checkpoint.gc import newer_format_version, plan_sweep
-from spotguard.checkpoint.manifest import FORMAT_VERSION, chunk_key
+from spotguard.checkpoint.format.manifest import FORMAT_VERSION, chunk_key
+from spotguard.checkpoint.store.gc import newer_format_version, plan_sweep
 from spotguard.storage.base import ObjectInfo
 
 NOW = 1_700_000_000.0

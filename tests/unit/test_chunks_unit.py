@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from spotguard.checkpoint.chunks import (
+from spotguard.checkpoint.format.chunks import (
     MAX_CHUNK,
     MIN_CHUNK,
     distcp_regions,
@@ -21,8 +21,7 @@ from spotguard.checkpoint.chunks import (
     plan_safetensors,
     safetensors_head_size,
 )
-from spotguard.checkpoint.global_manifest import build_global_manifest
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.format.manifest import (
     FORMAT_VERSION_CHUNKED,
     ChunkRef,
     FileEntry,
@@ -35,6 +34,7 @@ from spotguard.checkpoint.manifest import (
     to_chunked,
     to_plain,
 )
+from spotguard.checkpoint.store.global_manifest import build_global_manifest
 from spotguard.storage.checksum import checksum_bytes
 
 MiB = 1 << 20
@@ -353,7 +353,7 @@ def test_crc32c_combine_matches_the_crc_of_the_concatenation() -> None:
 
 
 def test_the_chunks_a_verification_names_are_read_from_its_problems_and_leave_the_known_set() -> None:
-    from spotguard.checkpoint.chunked import KnownChunks, chunks_named
+    from spotguard.checkpoint.store.chunked import KnownChunks, chunks_named
 
     a, b, c = ("a" * 64), ("b" * 64), ("c" * 64)
     problems = [
@@ -369,8 +369,8 @@ def test_the_chunks_a_verification_names_are_read_from_its_problems_and_leave_th
 
 
 def test_pieces_name_the_tensor_bytes_a_range_holds() -> None:
-    from spotguard.checkpoint.codec import TensorSpan
-    from spotguard.checkpoint.unchanged import _part_of, _pieces
+    from spotguard.checkpoint.local.codec import TensorSpan
+    from spotguard.checkpoint.local.unchanged import _part_of, _pieces
 
     spans = [TensorSpan("a", "F32", (4,), 100, 116), TensorSpan("b", "F32", (8,), 116, 148)]
     assert _pieces(spans, 100, 16) == (("a", 0, 16),)

@@ -1,4 +1,4 @@
-"""Reading DCP checkpoints never runs code: spotguard.checkpoint.dcp."""
+"""Reading DCP checkpoints never runs code: spotguard.checkpoint.format.dcp."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from spotguard.checkpoint.dcp import SafeFileSystemReader, UnsafeMetadataError, load_full_state, parse_metadata
+from spotguard.checkpoint.format.dcp import SafeFileSystemReader, UnsafeMetadataError, load_full_state, parse_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

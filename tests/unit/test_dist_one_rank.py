@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import spotguard
-from spotguard.checkpoint.local import verify_local_checkpoint
+from spotguard.checkpoint.local.commit import verify_local_checkpoint
 from spotguard.contract.control import ControlChannel
 from spotguard.trainer import distributed
 

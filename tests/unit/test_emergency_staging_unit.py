@@ -1,11 +1,11 @@
-"""Pure parts of staging a preemption's checkpoint in memory (spotguard.checkpoint.staged)."""
+"""Pure parts of staging a preemption's checkpoint in memory (spotguard.checkpoint.local.staged)."""
 
 from __future__ import annotations
 
 import pytest
 
-from spotguard.checkpoint.codec import Snapshot, TensorBlob
-from spotguard.checkpoint.staged import (
+from spotguard.checkpoint.local.codec import Snapshot, TensorBlob
+from spotguard.checkpoint.local.staged import (
     MEMORY_MARGIN,
     cgroup_room,
     fits_in_memory,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from spotguard.checkpoint.hf_folder import (
+from spotguard.checkpoint.format.hf_folder import (
     DEFAULT_MAX_SHARD_SIZE,
     ExportError,
     ModelKeys,
@@ -26,7 +26,7 @@ from spotguard.checkpoint.hf_folder import (
     shard_index,
     shared_storage_groups,
 )
-from spotguard.checkpoint.stored_tensors import best_first
+from spotguard.checkpoint.restore.stored_tensors import best_first
 
 LLAMA = {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"}
 GPT2 = {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "lm_head.weight"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from spotguard.checkpoint.fetch import _Targets
+from spotguard.checkpoint.restore.fetch import _Targets
 
 
 def test_a_chunk_landed_in_a_mapped_file_is_checksummed_without_numpy(

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint.local import list_local_committed, read_local_manifest
-from spotguard.checkpoint.manifest import FileEntry
-from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe
+from spotguard.checkpoint.format.manifest import FileEntry
+from spotguard.checkpoint.format.pickle_scan import UnsafePickleError, check_pickle_safe
+from spotguard.checkpoint.local.commit import list_local_committed, read_local_manifest
 from spotguard.integrations._core import process_group_backend, torchrun_world_size
 from spotguard.storage.checksum import new_hasher
 from spotguard.trainer.checkpointer import Checkpointer

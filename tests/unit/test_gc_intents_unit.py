@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spotguard.checkpoint.gc import plan_sweep
-from spotguard.checkpoint.intents import (
+from spotguard.checkpoint.store.gc import plan_sweep
+from spotguard.checkpoint.store.intents import (
     Intent,
     Intents,
     check_grace,

@@ -19,7 +19,7 @@ transformers = require_module("transformers")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints  # noqa: E402
 
-from spotguard.checkpoint.local import list_local_committed, verify_local_checkpoint  # noqa: E402
+from spotguard.checkpoint.local.commit import list_local_committed, verify_local_checkpoint  # noqa: E402
 from spotguard.demo import train_hf  # noqa: E402
 from spotguard.integrations import _core  # noqa: E402
 from spotguard.integrations.huggingface import (  # noqa: E402

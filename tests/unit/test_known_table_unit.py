@@ -3,10 +3,10 @@ a verified checkpoint makes it know again."""
 
 from __future__ import annotations
 
-from spotguard.checkpoint.chunks import hash_chunk
-from spotguard.checkpoint.known import KnownChunkTable
-from spotguard.checkpoint.manifest import FileEntry, Manifest, new_manifest, to_chunked
-from spotguard.checkpoint.stored import CheckpointCorruptError
+from spotguard.checkpoint.format.chunks import hash_chunk
+from spotguard.checkpoint.format.manifest import FileEntry, Manifest, new_manifest, to_chunked
+from spotguard.checkpoint.store.known import KnownChunkTable
+from spotguard.checkpoint.store.stored import CheckpointCorruptError
 from spotguard.storage.checksum import checksum_bytes
 
 BASE, ADAPTER = b"frozen base " * 100, b"adapter"

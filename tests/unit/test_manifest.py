@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.format.manifest import (
     FileEntry,
     ManifestError,
     check_file_path,
@@ -22,7 +22,7 @@ from spotguard.checkpoint.manifest import (
     parse_pointer,
     pointer_json,
 )
-from spotguard.checkpoint.verify import check_stored_checksum, needs_content, verify_files_by_store
+from spotguard.checkpoint.format.verify import check_stored_checksum, needs_content, verify_files_by_store
 from spotguard.storage.base import NotFoundError, StoredChecksum
 from spotguard.storage.checksum import (
     checksum_bytes,

@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.manifest import FileEntry, new_manifest
-from spotguard.checkpoint.pickle_scan import (
+from spotguard.checkpoint.format.manifest import FileEntry, new_manifest
+from spotguard.checkpoint.format.pickle_scan import (
     DCP_METADATA_GLOBALS,
     UnsafePickleError,
     check_pickle_safe,
     looks_like_pickle,
     pickle_globals,
 )
-from spotguard.checkpoint.verify import needs_content, verify_files
+from spotguard.checkpoint.format.verify import needs_content, verify_files
 from spotguard.storage.checksum import checksum_bytes
 from testenv.require import require_module
 

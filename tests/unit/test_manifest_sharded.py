@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.global_manifest import build_global_manifest
-from spotguard.checkpoint.manifest import (
+from spotguard.checkpoint.format.manifest import (
     FORMAT_VERSION,
     FORMAT_VERSION_SHARDED,
     FileEntry,
@@ -20,6 +19,7 @@ from spotguard.checkpoint.manifest import (
     parse_part_manifest_path,
     part_manifest_path,
 )
+from spotguard.checkpoint.store.global_manifest import build_global_manifest
 from spotguard.storage.checksum import checksum_bytes
 
 CRC = "0a1b2c3d"

@@ -67,8 +67,8 @@ def test_an_emergency_upload_is_retried_with_backoff_until_the_deadline() -> Non
 
 
 def test_a_refused_checkpoint_gets_a_name_no_listing_takes_for_a_checkpoint() -> None:
-    from spotguard.checkpoint.local import refused_name
-    from spotguard.checkpoint.manifest import checkpoint_name, parse_checkpoint_name
+    from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
+    from spotguard.checkpoint.local.commit import refused_name
 
     name = refused_name(checkpoint_name(42), 0.0)
     assert name == "ckpt-000000000042.refused-19700101T000000Z"

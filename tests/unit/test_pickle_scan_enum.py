@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-from spotguard.checkpoint.dcp import UnsafeMetadataError, parse_metadata
-from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe
+from spotguard.checkpoint.format.dcp import UnsafeMetadataError, parse_metadata
+from spotguard.checkpoint.format.pickle_scan import UnsafePickleError, check_pickle_safe
 
 
 class _EnumByGetattr(pickle.Pickler):

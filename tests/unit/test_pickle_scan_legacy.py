@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
 
-from spotguard.checkpoint.codec import StateError
-from spotguard.checkpoint.local import load_legacy_pickle
-from spotguard.checkpoint.manifest import FileEntry, new_manifest
-from spotguard.checkpoint.pickle_scan import UnsafePickleError, check_pickle_safe
-from spotguard.checkpoint.verify import verify_files
+from spotguard.checkpoint.format.manifest import FileEntry, new_manifest
+from spotguard.checkpoint.format.pickle_scan import UnsafePickleError, check_pickle_safe
+from spotguard.checkpoint.format.verify import verify_files
+from spotguard.checkpoint.local.codec import StateError
+from spotguard.checkpoint.local.commit import load_legacy_pickle
 from spotguard.storage.checksum import checksum_bytes
 
 

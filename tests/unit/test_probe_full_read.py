@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spotguard.checkpoint.latest import FULL_READ_SECONDS
+from spotguard.checkpoint.store.latest import FULL_READ_SECONDS
 from spotguard.operator.metrics import OperatorMetrics
 
 

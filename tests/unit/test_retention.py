@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.retention import RetentionCandidate, RetentionPolicy, plan_retention
+from spotguard.checkpoint.store.retention import RetentionCandidate, RetentionPolicy, plan_retention
 
 
 def c(step: int, **metrics: float | None) -> RetentionCandidate:
@@ -181,6 +181,6 @@ def ck(*steps: int) -> list[str]:
     ],
 )
 def test_plan_local_prune(committed: list[str], verified: set[str], keep: int, want: list[str]) -> None:
-    from spotguard.checkpoint.retention import plan_local_prune
+    from spotguard.checkpoint.store.retention import plan_local_prune
 
     assert plan_local_prune(committed, verified, keep) == want

@@ -2,7 +2,7 @@
 
 Users write the spec's names (``keepLast``, ``keepBest``, ``bestMetric``,
 ``bestMode``, ``keepEvery``; 0 turns a rule off); the operator maps them to
-:class:`~spotguard.checkpoint.retention.RetentionPolicy` (None turns a rule
+:class:`~spotguard.checkpoint.store.retention.RetentionPolicy` (None turns a rule
 off), hands it to the pod as ``SPOTGUARD_*`` variables, and the sidecar reads
 back the very same policy.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.operator.podbuilder import OperatorConfig, build_pod
 from spotguard.operator.spec import SIDECAR_CONTAINER, parse
 from spotguard.operator.specfields import SpecError

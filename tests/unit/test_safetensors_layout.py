@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from spotguard.checkpoint.codec import (
+from spotguard.checkpoint.local.codec import (
     StateError,
     TensorBlob,
     parse_safetensors_header,

@@ -3,10 +3,10 @@ chunks a stopped upload left for the next upload of the same checkpoint (no I/O)
 
 from __future__ import annotations
 
-from spotguard.checkpoint.chunked import KnownChunks
-from spotguard.checkpoint.gc import DEFAULT_ORPHAN_GRACE
-from spotguard.checkpoint.manifest import FileEntry, new_manifest
-from spotguard.checkpoint.upload import files_to_send
+from spotguard.checkpoint.format.manifest import FileEntry, new_manifest
+from spotguard.checkpoint.store.chunked import KnownChunks
+from spotguard.checkpoint.store.gc import DEFAULT_ORPHAN_GRACE
+from spotguard.checkpoint.store.upload import files_to_send
 from spotguard.sidecar.stoppable import with_stored_chunks
 from spotguard.storage.base import StoredChecksum
 

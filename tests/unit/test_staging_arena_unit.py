@@ -1,4 +1,4 @@
-"""The staging arena's layout and choices (spotguard.checkpoint.arena), without I/O."""
+"""The staging arena's layout and choices (spotguard.checkpoint.local.arena), without I/O."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from spotguard.checkpoint import arena
-from spotguard.checkpoint.codec import (
+from spotguard.checkpoint.local import arena
+from spotguard.checkpoint.local.codec import (
     _ST_ITEMSIZE,
     KEPT_SUFFIX,
     Snapshot,

@@ -1,11 +1,11 @@
-"""The staging reserve's decisions (spotguard.checkpoint.reserve), without I/O."""
+"""The staging reserve's decisions (spotguard.checkpoint.local.reserve), without I/O."""
 
 from __future__ import annotations
 
 import pytest
 
-from spotguard.checkpoint import reserve
-from spotguard.checkpoint.local import TMP_PREFIX, WRITER_TMP_PREFIX
+from spotguard.checkpoint.local import reserve
+from spotguard.checkpoint.local.commit import TMP_PREFIX, WRITER_TMP_PREFIX
 from spotguard.contract.env import STAGING_RESERVE, from_env
 from spotguard.trainer.config import EnvConfig
 

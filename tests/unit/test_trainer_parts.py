@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint.retention import RetentionPolicy
+from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.contract.control import CheckpointRequest
 from spotguard.trainer.channel import Due
 from spotguard.trainer.config import EnvConfig, Settings

@@ -1,4 +1,4 @@
-"""The write tracker (spotguard.checkpoint.written) against this kernel, and its pure helpers.
+"""The write tracker (spotguard.checkpoint.local.written) against this kernel, and its pure helpers.
 
 Every way the process can change a tracked tensor's bytes must show as a
 written page: a write through ``.data`` (which version counters miss),
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotguard.checkpoint.written import (
+from spotguard.checkpoint.local.written import (
     MIN_TRACKED_BYTES,
     WriteTracker,
     WriteView,

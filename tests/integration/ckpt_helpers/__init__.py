@@ -121,7 +121,7 @@ def write_part(
     """A committed local part directory ``root/ckpt-<step>`` of a distributed
     checkpoint (files, then the part manifest): ``files``, else :func:`part_files`'."""
     from spotguard.checkpoint import MANIFEST_NAME, FileEntry, Sharding, checkpoint_name
-    from spotguard.checkpoint.manifest import new_manifest
+    from spotguard.checkpoint.format.manifest import new_manifest
     from spotguard.storage.checksum import checksum_bytes
 
     layout = PART_LAYOUT if layout is None else layout
@@ -148,7 +148,7 @@ def replace_stored_file(storage: Any, name: str, path: str, data: bytes) -> None
     """Replace ``path`` of the stored checkpoint ``name`` with ``data`` and fix its manifest to
     match, as an attacker with write access to the bucket would: the file itself when the
     checkpoint is stored whole, a chunk of its own when it is stored as chunks."""
-    from spotguard.checkpoint.chunks import hash_chunk
+    from spotguard.checkpoint.format.chunks import hash_chunk
     from spotguard.storage.checksum import new_hasher
 
     doc = json.loads(storage.read_bytes(f"{name}/manifest.json"))
@@ -168,7 +168,7 @@ def replace_stored_file(storage: Any, name: str, path: str, data: bytes) -> None
 def flip_a_stored_byte(storage: Any, name: str, path: str) -> str:
     """Flip one byte in the middle of ``path`` of the stored checkpoint ``name`` (in the chunk
     holding it when stored as chunks), the manifest left as it was; returns the key damaged."""
-    from spotguard.checkpoint.stored import read_manifest
+    from spotguard.checkpoint.store.stored import read_manifest
 
     entry = next(f for f in read_manifest(storage, name).files if f.path == path)
     key = f"{name}/{path}"

@@ -1,0 +1,570 @@
+"""Uploading a committed local checkpoint to storage.
+
+The order is the contract: data files first, then the manifest (its presence
+means every file it lists is stored), then the advisory ``latest`` pointer.
+A checkpoint goes up whole, or incrementally as content-addressed chunks
+shared with the job's other checkpoints (:mod:`~spotguard.checkpoint.store.chunked`),
+under an upload intent that keeps the chunk collector off what it reuses
+(:mod:`~spotguard.checkpoint.store.intents`). A part of a distributed checkpoint is
+checked in storage before its part manifest is stored, then tries the global
+commit (:mod:`~spotguard.checkpoint.store.parts`).
+
+A routine upload gives way to a preemption: with ``should_stop`` it stops
+at its next request (a part, a chunk, a file) by raising
+:class:`UploadCancelled`; nothing it has not written yet is written after
+that (never a manifest or the pointer), and what it stored stays for a
+later upload of the same checkpoint to skip (``resume``, or the chunks
+:attr:`UploadCancelled.stored_chunks` names).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+from spotguard.checkpoint.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    parse_chunk_key,
+    parse_manifest,
+    part_manifest_path,
+    stored_as,
+    to_plain,
+)
+from spotguard.checkpoint.format.verify import check_stored_checksum
+from spotguard.checkpoint.store.chunked import ChunkedUpload, KnownChunks, Prestored, upload_chunks, verify_chunks
+from spotguard.checkpoint.store.intents import upload_intent
+from spotguard.checkpoint.store.parts import commit_global, existing_commit, read_parts
+from spotguard.checkpoint.store.stored import CheckpointCorruptError, read_manifest, stored_files, update_latest_pointer
+from spotguard.checkpoint.store.verify_stored import verify_uploaded_files
+from spotguard.storage.base import NotFoundError, ProgressCallback, Storage, StoreChecksums
+from spotguard.storage.checksum import checksum_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """What :func:`upload_checkpoint` stored."""
+
+    step: int
+    name: str
+    bytes: int
+    seconds: float
+    uri: str
+    pointer_updated: bool
+    #: Whether the checkpoint is complete in storage now (its manifest is
+    #: there): always for a single-process checkpoint; for a part of a
+    #: distributed one, when the global manifest exists (this uploader wrote
+    #: it, or another did).
+    committed: bool = True
+    #: Parts of the checkpoint found in storage, and how many it has (1 and 1
+    #: for a single-process checkpoint).
+    parts_present: int = 1
+    parts_total: int = 1
+    #: Of ``bytes``: data stored by this upload, and data already in storage
+    #: that the checkpoint shares (stored incrementally; 0 otherwise).
+    new_bytes: int = 0
+    reused_bytes: int = 0
+    new_chunks: int = 0
+    reused_chunks: int = 0
+    #: Chunks recognized by comparison with the previous checkpoint's local copy, not hashed.
+    unchanged_chunks: int = 0
+    #: Reused chunks taken from a checkpoint the uploader verified (digest -> size): the
+    #: verification of this one may take them as checked (:attr:`ChunkedUpload.trusted`).
+    trusted_chunks: dict[str, int] = field(default_factory=dict)
+
+
+class UploadCancelled(Exception):
+    """An upload stopped because ``should_stop`` said so (a preemption came first).
+
+    Not a failure: the checkpoint is neither committed nor pointed to by
+    this upload. ``stored_chunks`` (digest -> size) are the chunks it stored
+    before it stopped: a later upload of the same checkpoint may take them as
+    known (they are checked to exist before a manifest names them).
+    """
+
+    def __init__(self, name: str, stored_chunks: dict[str, int] | None = None) -> None:
+        super().__init__(f"upload of {name} stopped: a preemption came first")
+        self.name = name
+        self.stored_chunks: dict[str, int] = dict(stored_chunks or {})
+
+
+#: Storage methods that send a request; a stopped upload sends none of them again.
+_REQUESTS = frozenset(
+    {
+        "write_bytes",
+        "write_checked",
+        "upload_files",
+        "stat",
+        "read_bytes",
+        "read_with_etag",
+        "read_if_changed",
+        "iter_chunks",
+        "list_objects",
+        "list_dirs",
+        "delete",
+        "stored_checksum",
+        "download_files",
+    }
+)
+
+
+@dataclass
+class _StopGuard:
+    """The storage an upload with ``should_stop`` talks to: every request is
+    preceded by the question, so a stopped upload ends at its next request
+    (a multipart part on the wire asks again every MiB it sends and ends
+    there; the storage layer aborts a multipart upload it cannot complete).
+    Remembers the chunks it stored."""
+
+    storage: Storage
+    should_stop: Callable[[], bool]
+    name: str
+    stored_chunks: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check(self) -> None:
+        if self.should_stop():
+            with self._lock:
+                raise UploadCancelled(self.name, self.stored_chunks)
+
+    def progress(self, report: ProgressCallback | None) -> ProgressCallback:
+        """A progress callback that stops the transfer once stopped (asked before each part, each MiB of an S3 part)."""
+
+        def call(n: int) -> None:
+            self.check()
+            if report is not None:
+                report(n)
+
+        return call
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.storage, attr)
+        if attr not in _REQUESTS or not callable(value):
+            return value
+        if attr == "write_checked":
+            return self._write_checked
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self.check()
+            return value(*args, **kwargs)
+
+        return guarded
+
+    def _write_checked(self, key: str, data: bytes, crc32c: str | None = None) -> None:
+        self.check()
+        self.storage.write_checked(key, data, crc32c)
+        digest = parse_chunk_key(key)
+        if digest is not None:
+            with self._lock:
+                self.stored_chunks[digest] = len(data)
+
+
+def upload_checkpoint(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    *,
+    progress: ProgressCallback | None = None,
+    update_pointer: bool = True,
+    incremental: bool | KnownChunks = False,
+    should_stop: Callable[[], bool] | None = None,
+    resume: bool = False,
+    prestored: Prestored | None = None,
+) -> UploadResult:
+    """Upload a committed local checkpoint: data files (concurrently), then the
+    manifest, then the ``latest`` pointer.
+
+    ``incremental`` (True, or the :class:`KnownChunks` the caller knows to be
+    in storage) stores the files as content-addressed chunks shared with the
+    job's other checkpoints (format version 3, see
+    :mod:`spotguard.checkpoint.store.chunked`): only chunks not known are uploaded,
+    known ones are checked to exist. True without known chunks takes them
+    from the checkpoint the ``latest`` pointer names. Distributed parts are
+    always uploaded whole.
+
+    A part of a distributed checkpoint (its local manifest is a part
+    manifest) goes: data files, then a check of those files in storage
+    against the part manifest (by the checksums the store computed where it
+    has them, else read back), then the part manifest as
+    ``parts/<i:05d>.json``, then :func:`commit_global`; the pointer moves
+    (with ``update_pointer``) only when the global manifest exists.
+    ``UploadResult.committed`` says whether it does. A part whose checkpoint
+    is already committed with this very part manifest uploads nothing again.
+
+    ``should_stop`` (a routine upload that a preemption may overtake) is
+    asked before each request and between the parts of a transfer: once it
+    says yes, :class:`UploadCancelled` is raised at the next one, and nothing
+    more is written (no manifest, no pointer); the upload intent is removed.
+    ``resume`` (an earlier upload of this checkpoint was stopped) first lists
+    what the checkpoint's prefix holds and does not send again a file the
+    store holds with the manifest's size and checksum (by the checksum the
+    store computed on receipt; stores without one get every file again).
+    ``prestored`` (an incremental upload): chunks hashed and stored while the
+    checkpoint was written (:class:`~spotguard.checkpoint.store.chunked.Prestored`),
+    named by the upload's intent and not read, hashed or stored again.
+
+    Raises :class:`ManifestError` / ``FileNotFoundError`` when the local
+    checkpoint is not complete (or, for a part, when storage already holds
+    the step committed from other parts), :class:`CheckpointCorruptError`
+    when a part's files do not verify after the upload,
+    :class:`StorageError` on storage failures.
+    """
+    start = time.monotonic()
+    local_ckpt_dir = Path(local_ckpt_dir)
+    manifest_bytes = (local_ckpt_dir / MANIFEST_NAME).read_bytes()
+    manifest = parse_manifest(manifest_bytes, expected_name=local_ckpt_dir.name)
+    for entry in manifest.files:
+        size = (local_ckpt_dir / entry.path).stat().st_size
+        if size != entry.size:
+            raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
+    if should_stop is None:
+        return _upload(
+            local_ckpt_dir,
+            storage,
+            storage,
+            manifest,
+            manifest_bytes,
+            progress,
+            update_pointer,
+            incremental,
+            resume,
+            start,
+            prestored,
+        )
+    # The intent is written and removed through the store itself (a stopped
+    # upload removes it); the transfers go through the guard.
+    guard = _StopGuard(storage, should_stop, manifest.name)
+    guard.check()
+    try:
+        return _upload(
+            local_ckpt_dir,
+            storage,
+            cast("Storage", guard),
+            manifest,
+            manifest_bytes,
+            guard.progress(progress),
+            update_pointer,
+            incremental,
+            resume,
+            start,
+            prestored,
+        )
+    except Exception as exc:  # noqa: BLE001 - a store may wrap a stop in any type; the rest raised again
+        if not isinstance(exc, UploadCancelled) and not should_stop():
+            raise
+        # Whatever the transfer made of the stop (the storage layer may wrap it): a
+        # stop, with every chunk stored by now (the transfers have returned).
+        raise UploadCancelled(manifest.name, guard.stored_chunks) from exc
+
+
+def _upload(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    io: Storage,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    incremental: bool | KnownChunks,
+    resume: bool,
+    start: float,
+    prestored: Prestored | None = None,
+) -> UploadResult:
+    """The upload proper: intents through ``storage``, everything else through ``io``."""
+    name = manifest.name
+    if manifest.is_part:
+        incremental = _as_stored_parts(io, manifest, incremental)
+        part = partial(_upload_part, local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start)
+        if incremental is False:
+            with upload_intent(storage, manifest.name):
+                return part(None)
+        send: Callable[[KnownChunks], UploadResult] = part
+    else:
+        send = partial(
+            _upload_incremental,
+            local_ckpt_dir,
+            io,
+            manifest,
+            progress=progress,
+            update_pointer=update_pointer,
+            start=start,
+            prestored=prestored,
+        )
+    stored_before = dict(prestored.stored) if prestored is not None else {}
+    if incremental is not False:
+        known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
+        with upload_intent(storage, name, {**stored_before, **known.chunks}):
+            if _known_source_stored(storage, known):
+                return send(known)
+        # What it knew came from a checkpoint deleted since (retention): a collector
+        # that did not see this upload yet may sweep those chunks. Learn again.
+        log.info(
+            "%s: %s, whose chunks this upload would reuse, is gone; using the latest pointer's",
+            storage.uri_for(name),
+            known.source,
+        )
+        known = KnownChunks.from_storage(storage)
+        with upload_intent(storage, name, {**stored_before, **known.chunks}):
+            if not _known_source_stored(storage, known):
+                known = KnownChunks()
+            return send(known)
+    with upload_intent(storage, name):
+        return _upload_plain(
+            local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start, resume=resume
+        )
+
+
+def _as_stored_parts(storage: Storage, manifest: Manifest, incremental: bool | KnownChunks) -> bool | KnownChunks:
+    """How to store a part: as the parts of its step already stored are (as chunks or whole),
+    whatever this uploader was told, so that nodes configured differently still make one
+    checkpoint (the global commit refuses parts stored both ways); else as told."""
+    stored = [m.chunked for _, m in read_parts(storage, manifest.name)[0].values()]
+    if not stored or stored[0] == (incremental is not False):
+        return incremental
+    log.info(
+        "%s: the parts of this step already stored are %s; storing part %s the same way",
+        storage.uri_for(manifest.name),
+        "chunks" if stored[0] else "whole files",
+        manifest.sharding.part if manifest.sharding is not None else "?",
+    )
+    return stored[0]
+
+
+def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:
+    """Whether the checkpoint ``known`` came from still has its manifest.
+
+    Asked after the upload's intent is written: from then on a collector
+    keeps what the intent names, and until then the source's manifest (or a
+    checkpoint seen by the collector that reuses its chunks) marked them.
+    Knowledge without a source (a caller's own) is taken as it is.
+    """
+    if known.source is None or not known.chunks:
+        return True
+    return storage.stat(f"{known.source}/{MANIFEST_NAME}") is not None
+
+
+def _upload_incremental(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    known: KnownChunks,
+    *,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    start: float,
+    prestored: Prestored | None = None,
+) -> UploadResult:
+    name = manifest.name
+    chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress, prestored=prestored)
+    # The manifest goes last: every chunk it names was stored by now, or is one the uploader
+    # knows stored (checked, or from a checkpoint it verified: see the chunked module).
+    storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
+    pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
+    log.info(
+        "uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes); %d unchanged since %s "
+        "(compared, not hashed)",
+        storage.uri_for(name),
+        chunked.new_chunks,
+        chunked.new_bytes,
+        chunked.reused_chunks,
+        chunked.reused_bytes,
+        chunked.unchanged_chunks,
+        known.source or "-",
+    )
+    return UploadResult(
+        step=manifest.step,
+        name=name,
+        bytes=chunked.new_bytes + len(chunked.manifest_bytes),
+        seconds=time.monotonic() - start,
+        uri=storage.uri_for(name),
+        pointer_updated=pointer,
+        **_chunk_counts(chunked),
+    )
+
+
+def files_to_send(manifest: Manifest, stored: Iterable[tuple[str, Any]]) -> list[str]:
+    """Pure: the paths of ``manifest``'s files still to upload, given
+    ``stored``: (path, what the store says of it) for files already in the
+    checkpoint's prefix, each a :class:`~spotguard.storage.base.StoredChecksum`
+    or None (the store computed none). A file is skipped only when the store
+    holds it with the manifest's size and checksum, in the manifest's algorithm."""
+    held = dict(stored)
+    send: list[str] = []
+    for entry in manifest.files:
+        info = held.get(entry.path)
+        if (
+            info is None
+            or info.algorithm != manifest.checksum_algorithm
+            or check_stored_checksum(entry, manifest.checksum_algorithm, info) is not None
+        ):
+            send.append(entry.path)
+    return send
+
+
+def _stored_checksums(storage: Storage, manifest: Manifest) -> list[tuple[str, Any]]:
+    """What the store says of the files of ``manifest`` already below its prefix
+    (an interrupted upload's): one listing, then one request per file found."""
+    if not isinstance(storage, StoreChecksums):
+        return []
+    present = stored_files(storage, manifest.name)
+    wanted = {e.path: e.size for e in manifest.files}
+    return [
+        (path, storage.stored_checksum(f"{manifest.name}/{path}"))
+        for path, info in present.items()
+        if wanted.get(path) == info.size
+    ]
+
+
+def _upload_plain(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    start: float,
+    resume: bool = False,
+) -> UploadResult:
+    name = manifest.name
+    if manifest.chunked:
+        # A copy restored from an incremental store, uploaded whole.
+        manifest = to_plain(manifest)
+        manifest_bytes = manifest.to_json()
+    paths = [e.path for e in manifest.files]
+    if resume:
+        paths = files_to_send(manifest, _stored_checksums(storage, manifest))
+        if len(paths) < len(manifest.files):
+            log.info(
+                "%s: %d of %d file(s) already stored by an interrupted upload; not sent again",
+                storage.uri_for(name),
+                len(manifest.files) - len(paths),
+                len(manifest.files),
+            )
+    storage.upload_files([(local_ckpt_dir / p, f"{name}/{p}") for p in paths], progress)
+    # The manifest goes last: its presence means every data file is stored.
+    storage.write_bytes(f"{name}/{MANIFEST_NAME}", manifest_bytes)
+    pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
+    return UploadResult(
+        step=manifest.step,
+        name=name,
+        bytes=manifest.total_size + len(manifest_bytes),
+        seconds=time.monotonic() - start,
+        uri=storage.uri_for(name),
+        pointer_updated=pointer,
+        new_bytes=manifest.total_size,
+    )
+
+
+def _upload_part(
+    local_ckpt_dir: Path,
+    storage: Storage,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    progress: ProgressCallback | None,
+    update_pointer: bool,
+    start: float,
+    known: KnownChunks | None,
+) -> UploadResult:
+    """One node's part: its files (whole, or as chunks with ``known``), checked in
+    storage, then its part manifest, then the global commit."""
+    sharding = manifest.sharding
+    assert sharding is not None and sharding.part is not None
+    name = manifest.name
+    index = sharding.part
+    part_key = f"{name}/{part_manifest_path(index)}"
+    uploaded = 0
+    chunked: ChunkedUpload | None = None
+    try:
+        stored_global: Manifest | None = read_manifest(storage, name)
+    except NotFoundError:
+        stored_global = None
+    if stored_global is not None:
+        # Committed already (this part shipped before a restart, or an
+        # earlier attempt committed the step): never overwrite the files of
+        # a committed checkpoint with other bytes.
+        if not _committed_with(storage, stored_global, index, manifest_bytes):
+            raise ManifestError(
+                f"{name} is already committed in storage with a different part {index}; "
+                "not overwriting the files of a committed checkpoint"
+            )
+        commit = existing_commit(storage, name)
+    else:
+        if known is None:
+            storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
+            # The part manifest says its files are stored and verified: check them first.
+            problems = verify_uploaded_files(storage, name, manifest)
+            stored_bytes = manifest_bytes
+            uploaded = manifest.total_size + len(manifest_bytes)
+        else:
+            chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
+            stored_bytes = chunked.manifest_bytes
+            problems = verify_chunks(storage, parse_manifest(stored_bytes), trusted=chunked.trusted).problems
+            uploaded = chunked.new_bytes + len(stored_bytes)
+        if problems:
+            raise CheckpointCorruptError(name, [f"{p} (part {index})" for p in problems])
+        storage.write_bytes(part_key, stored_bytes)
+        commit = commit_global(storage, name)
+    pointer = update_latest_pointer(storage, manifest.step) if update_pointer and commit.committed else False
+    total = commit.total or sharding.parts
+    log.info(
+        "uploaded part %d of %s: %s (%d of %d parts present)%s",
+        index,
+        storage.uri_for(name),
+        commit.status,
+        len(commit.present),
+        total,
+        ""
+        if chunked is None
+        else f"; {chunked.new_chunks} new chunk(s) ({chunked.new_bytes} bytes), {chunked.reused_chunks} reused "
+        f"({chunked.reused_bytes} bytes)",
+    )
+    return UploadResult(
+        step=manifest.step,
+        name=name,
+        bytes=uploaded,
+        seconds=time.monotonic() - start,
+        uri=storage.uri_for(name),
+        pointer_updated=pointer,
+        committed=commit.committed,
+        parts_present=len(commit.present),
+        parts_total=total,
+        **({} if chunked is None else _chunk_counts(chunked)),
+    )
+
+
+def _chunk_counts(chunked: ChunkedUpload) -> dict[str, Any]:
+    return {
+        "new_bytes": chunked.new_bytes,
+        "reused_bytes": chunked.reused_bytes,
+        "new_chunks": chunked.new_chunks,
+        "reused_chunks": chunked.reused_chunks,
+        "unchanged_chunks": chunked.unchanged_chunks,
+        "trusted_chunks": chunked.trusted,
+    }
+
+
+def _committed_with(storage: Storage, stored_global: Manifest, index: int, local: bytes) -> bool:
+    """Whether the committed checkpoint's part ``index`` is the local part manifest ``local``
+    (the same bytes, or the same manifest stored incrementally)."""
+    listed = next((f for f in stored_global.files if f.path == part_manifest_path(index)), None)
+    if listed is None:
+        return False
+    if listed.size == len(local) and listed.checksum == checksum_bytes(local, stored_global.checksum_algorithm):
+        return True
+    try:
+        stored = storage.read_bytes(f"{stored_global.name}/{listed.path}")
+    except NotFoundError:
+        return False
+    same_bytes = listed.checksum == checksum_bytes(stored, stored_global.checksum_algorithm)
+    return same_bytes and stored_as(stored, local)
+
+
+__all__ = ["UploadCancelled", "UploadResult", "files_to_send", "upload_checkpoint"]
