@@ -1,5 +1,5 @@
 """The pure parts of ``spotguard ckpt export --format hf``: key prefixes, tied
-weights, shards and their index, which files of a Trainer checkpoint make the
+weights, the shard index, which files of a Trainer checkpoint make the
 model, which checkpoint is best. No storage, no files."""
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from spotguard.checkpoint.format.hf_folder import (
     is_weight_file,
     key_mismatch,
     parse_size,
-    plan_shards,
     prepare_weights,
     resolve_tied,
-    shard_file_names,
-    shard_index,
     shared_storage_groups,
 )
 from spotguard.checkpoint.restore.stored_tensors import best_first
@@ -124,29 +121,15 @@ def test_prepare_weights_refuses_what_does_not_fit() -> None:
         prepare_weights({}, None, "test")
 
 
-def test_plan_shards_and_index() -> None:
-    sizes = [("a", 4), ("b", 4), ("c", 10), ("d", 1), ("e", 8)]
-    assert plan_shards(sizes, 100) == [["a", "b", "c", "d", "e"]]
-    # c is bigger than a shard: alone; d and e would be 9 > 8.
-    assert plan_shards(sizes, 8) == [["a", "b"], ["c"], ["d"], ["e"]]
-    assert plan_shards([], 8) == []
-    shards = plan_shards(sizes, 9)
-    assert shards == [["a", "b"], ["c"], ["d", "e"]]
-    assert shard_file_names(1) == ["model.safetensors"]
-    assert shard_file_names(3) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    index = shard_index(shards, dict(sizes))
-    assert index == {
+def test_index_weight_files() -> None:
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = {
         "metadata": {"total_size": 27},
-        "weight_map": {
-            "a": "model-00001-of-00003.safetensors",
-            "b": "model-00001-of-00003.safetensors",
-            "c": "model-00002-of-00003.safetensors",
-            "d": "model-00003-of-00003.safetensors",
-            "e": "model-00003-of-00003.safetensors",
-        },
+        "weight_map": {"a": shards[1], "b": shards[0], "c": shards[2], "d": shards[0]},
     }
-    assert index_weight_files(index) == shard_file_names(3)
-    assert all(is_weight_file(f) for f in [*shard_file_names(3), "model.safetensors.index.json"])
+    assert index_weight_files(index) == shards
+    assert all(is_weight_file(f) for f in [*shards, "model.safetensors", "model.safetensors.index.json"])
+    assert not is_weight_file("pytorch_model.bin") and not is_weight_file("model-1-of-2.safetensors")
     with pytest.raises(ExportError, match="not a model shard file"):
         index_weight_files({"weight_map": {"a": "../evil.safetensors"}})
     with pytest.raises(ExportError, match="no weight_map"):

@@ -18,7 +18,6 @@ marked ``Pure:`` need neither torch nor files.
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -206,42 +205,6 @@ def key_mismatch(
     return missing, sorted(have - set(expected))
 
 
-def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
-    """Pure: tensors ``(name, bytes)`` split into shards in order, a new shard
-    starting when the next tensor would take the current one above
-    ``max_shard_size`` (a tensor bigger than that gets a shard of its own),
-    as ``huggingface_hub.split_torch_state_dict_into_shards`` does."""
-    shards: list[list[str]] = []
-    current: list[str] = []
-    size = 0
-    for name, nbytes in sizes:
-        if current and size + nbytes > max_shard_size:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current:
-        shards.append(current)
-    return shards
-
-
-def shard_file_names(count: int) -> list[str]:
-    """Pure: ``model.safetensors`` for one shard, else ``model-00001-of-0000N.safetensors`` ..."""
-    if count == 1:
-        return [SAFE_WEIGHTS_NAME]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def shard_index(shards: Sequence[Sequence[str]], sizes: Mapping[str, int]) -> dict[str, Any]:
-    """Pure: the standard ``model.safetensors.index.json`` document for ``shards``."""
-    files = shard_file_names(len(shards))
-    weight_map = {name: file for file, names in zip(files, shards, strict=True) for name in names}
-    return {
-        "metadata": {"total_size": sum(sizes[n] for n in weight_map)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-
-
 def index_weight_files(doc: Any) -> list[str]:
     """Pure: the shard files a ``model.safetensors.index.json`` document names, sorted."""
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -371,20 +334,22 @@ def prepare_weights(tensors: Mapping[str, torch.Tensor], model: ModelKeys | None
 def write_weights(
     folder: Path, tensors: Mapping[str, torch.Tensor], max_shard_size: int, metadata: Mapping[str, str]
 ) -> list[str]:
-    """Write ``model.safetensors`` (or shards and the index) into ``folder``; returns the file names."""
-    from safetensors.torch import save_file
-
-    sizes = [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
-    shards = plan_shards(sizes, max_shard_size)
-    files = shard_file_names(len(shards))
-    meta = {"format": "pt", **metadata}
-    for file, names in zip(files, shards, strict=True):
-        save_file({k: tensors[k].contiguous() for k in names}, str(folder / file), metadata=meta)
-    if len(shards) == 1:
-        return files
-    index = shard_index(shards, dict(sizes))
-    (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return [*files, SAFE_WEIGHTS_INDEX_NAME]
+    """Write ``model.safetensors`` (or shards and the index) into ``folder``
+    with ``huggingface_hub``'s ``save_torch_state_dict``, the writer behind
+    ``save_pretrained``: its shard plan, file names and index, so the folder
+    is the one the Hub's own tools write. ``metadata`` goes into the file's
+    header, or the index's ``metadata`` when sharded. Returns the weight
+    files written, sorted. Raises :class:`ExportError` when
+    ``huggingface_hub`` is not installed."""
+    try:
+        from huggingface_hub import save_torch_state_dict
+    except ImportError:
+        raise ExportError(
+            "writing a model folder's weights needs huggingface_hub: pip install 'spotguard[hf]'"
+        ) from None
+    # Copies: save_torch_state_dict removes shared tensors from the dict it is given and notes them in the metadata.
+    save_torch_state_dict(dict(tensors), folder, max_shard_size=max_shard_size, metadata=dict(metadata))
+    return sorted(p.name for p in folder.iterdir() if is_weight_file(p.name))
 
 
 __all__ = [
@@ -402,11 +367,8 @@ __all__ = [
     "is_weight_file",
     "key_mismatch",
     "parse_size",
-    "plan_shards",
     "prepare_weights",
     "resolve_tied",
-    "shard_file_names",
-    "shard_index",
     "shared_storage_groups",
     "write_weights",
 ]
