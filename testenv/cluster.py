@@ -25,6 +25,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -497,6 +498,25 @@ def write_kubeconfig(path: Path, server: str, token: str, ca_file: Path) -> None
     path.chmod(0o600)
 
 
+def egress_selector_config(socket_path: Path) -> dict[str, Any]:
+    """The apiserver's EgressSelectorConfiguration: its ``cluster`` traffic (webhooks called by Service,
+    kubelets, the ``proxy`` subresources) through the CONNECT proxy on the unix socket ``socket_path``
+    (over TCP, 1.20 speaks only TLS to its proxy); the rest direct."""
+    connection = {"proxyProtocol": "HTTPConnect", "transport": {"uds": {"udsName": str(socket_path)}}}
+    return {
+        "apiVersion": "apiserver.k8s.io/v1beta1",
+        "kind": "EgressSelectorConfiguration",
+        "egressSelections": [{"name": "cluster", "connection": connection}],
+    }
+
+
+def _unix_listening(path: Path) -> bool:
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(path))
+        return True
+    return False
+
+
 def _https_get(url: str, token: str) -> tuple[int, bytes]:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
@@ -625,6 +645,22 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     wait_until(lambda: urllib.request.urlopen(f"{etcd_url}/health", timeout=2).status == 200, 30, "etcd", etcd)
 
     server = f"https://127.0.0.1:{api_port}"
+    kubeconfig = d / "kubeconfig"
+    # The apiserver's way to webhooks by Service, kubelets and pods: a CONNECT proxy of the test world that
+    # routes ClusterIPs to ready pods as kube-proxy would (testenv/realnode/svcproxy.py); up before the
+    # apiserver, which may dial it at once, and stopped after it.
+    # A unix socket's path has at most 107 bytes: a test's state directory may be longer.
+    egress_sock = Path(tempfile.gettempdir()) / f"spotguard-egress-{sup.run_id}.sock"
+    egress = d / "egress-selector.json"
+    egress.write_text(json.dumps(egress_selector_config(egress_sock)))
+    proxy = sup.start(
+        "svcproxy",
+        [sys.executable, "-m", "testenv.realnode.svcproxy", f"--socket={egress_sock}", f"--kubeconfig={kubeconfig}"],
+        extra_env={"PYTHONPATH": str(repo_root())},
+        stop_timeout=5.0,
+        leaves=(egress_sock,),
+    )
+    wait_until(lambda: _unix_listening(egress_sock), 30, "the apiserver's egress proxy", proxy)
     api = sup.start(
         "kube-apiserver",
         [
@@ -653,12 +689,12 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
             "--audit-log-format=json",
             "--audit-log-maxsize=200",
             "--audit-log-maxbackup=1",
+            f"--egress-selector-config-file={egress}",
         ],
     )
     wait_until(lambda: _https_get(f"{server}/readyz", token)[0] == 200, 90, "kube-apiserver", api)
     sup.host_services.add(api_port, "kube-apiserver")
 
-    kubeconfig = d / "kubeconfig"
     write_kubeconfig(kubeconfig, server, token, d / "certs" / "apiserver.crt")
     sup.start(
         "kube-controller-manager",
