@@ -31,6 +31,16 @@ The Checkpointer (trainer side) and the sidecar or ``spotguard run``
   "files"}``: the directories its ``.tmp-ckpt-<step>-*`` is in, and each
   data file's path and final size. An uploader that stores whole files may
   send them while they are written (:class:`WritePlan`).
+- ``verified-local.json`` (uploader, after it verified a local checkpoint
+  whole: restored it from storage, or checksummed the one a start resumes
+  from): ``{"checkpoints": {name: {file: [inode, size, mtime_ns,
+  ctime_ns]}}}``, the stamps of the manifest and every file it read. A
+  trainer that finds them all unchanged loads that checkpoint without
+  checksumming it again (:func:`read_verified_local`;
+  :mod:`spotguard.checkpoint.local.inplace` says why that is safe). Kept
+  across the command's restarts; removed when the uploader starts
+  (:func:`forget_verified_local`): a crash of the machine may have torn
+  files that were never fsynced under unchanged stamps.
 
 The trainer reads requests at step boundaries; the signal (SIGUSR1) only
 makes it notice sooner. Files are the contract, signals are a courtesy.
@@ -67,6 +77,7 @@ EXIT_FILE = "trainer-exit.json"
 HEARTBEAT_FILE = "uploader-heartbeat.json"
 STAGING_FULL_FILE = "staging-full.json"
 WRITING_FILE = "checkpoint-writing.json"
+VERIFIED_FILE = "verified-local.json"
 CONTROL_SUBDIR = ".control"
 # Cleared between runs; the heartbeat is not (a stale one says nothing).
 CONTROL_FILES = (REQUEST_FILE, ACK_FILE, PID_FILE, EXIT_FILE, STAGING_FULL_FILE, WRITING_FILE)
@@ -274,6 +285,39 @@ def atomic_write_json(path: Path, payload: Mapping[str, Any], *, durable: bool =
         if durable:
             os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def write_verified_local(control_dir: Path, name: str, stamps: Mapping[str, list[int]]) -> None:
+    """Record that local checkpoint ``name`` verified whole while its files had ``stamps``
+    (file -> ``[inode, size, mtime_ns, ctime_ns]``; uploader side, :data:`VERIFIED_FILE`)."""
+    record = read_verified_local(control_dir)
+    record[name] = {path: [int(x) for x in stamp] for path, stamp in stamps.items()}
+    atomic_write_json(control_dir / VERIFIED_FILE, {"checkpoints": record}, durable=False)
+
+
+def forget_verified_local(control_dir: Path) -> None:
+    """Remove the record of :func:`write_verified_local` (an uploader that starts verifies again)."""
+    with contextlib.suppress(FileNotFoundError):
+        (control_dir / VERIFIED_FILE).unlink()
+
+
+def read_verified_local(control_dir: Path) -> dict[str, dict[str, list[int]]]:
+    """The local checkpoints the uploader verified whole, with the stamps of their files then
+    (empty when there is no record or it cannot be read: everything is checksummed again)."""
+    try:
+        doc = json.loads((control_dir / VERIFIED_FILE).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    found = doc.get("checkpoints") if isinstance(doc, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    out: dict[str, dict[str, list[int]]] = {}
+    for name, stamps in found.items():
+        if isinstance(stamps, dict) and all(
+            isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) for x in v) for v in stamps.values()
+        ):
+            out[str(name)] = {str(k): list(v) for k, v in stamps.items()}
+    return out
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from spotguard.contract import env as envvars
-from spotguard.contract.control import CheckpointRequest, ControlChannel
+from spotguard.contract.control import (
+    CheckpointRequest,
+    ControlChannel,
+    forget_verified_local,
+    write_verified_local,
+)
 from spotguard.run.credentials import is_credential, without_credentials
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
@@ -280,6 +285,7 @@ class Supervisor:
         # What a supervisor that died left in memory: not known to be verified, so copied to the disk.
         self._settle_staging(verified_step=-1)
         ControlChannel(self.config.control_dir).clear()
+        forget_verified_local(self.config.control_dir)  # this start verifies again what it vouches for
         shipper = self.agent.shipper
         shipper.adopt_existing()
         newest_local: str | None = None
@@ -290,8 +296,11 @@ class Supervisor:
             # The one to resume from is checked even when storage holds it: a
             # restored copy is not fsynced (fetch.py), so a machine that
             # crashed may have left it torn. Its stored copy is fetched again.
+            before = self._stamps(path)
             result = verify_local_checkpoint(path)
             if result.ok:
+                if newest_local is None:
+                    self._vouch(path, before)
                 newest_local = newest_local or path.name
                 continue
             if stored:
@@ -323,6 +332,7 @@ class Supervisor:
             log_stage("restore", time.monotonic() - t0, name=info.name, step=info.step)
             # The restore verified every byte against the stored manifest.
             shipper.mark_verified(info.name)
+            self._vouch(Path(info.uri))
         elif newest_local is not None:
             verified = newest_local in shipper.shipped
             log.info(
@@ -332,6 +342,29 @@ class Supervisor:
             )
         else:
             log.info("no verified checkpoint in %s yet: starting from scratch", self.config.storage_uri)
+
+    def _stamps(self, path: Path) -> dict[str, list[int]] | None:
+        """The stamps of local checkpoint ``path``'s files now (None when they cannot be read)."""
+        from spotguard.checkpoint import read_local_manifest
+        from spotguard.checkpoint.format.manifest import ManifestError
+        from spotguard.checkpoint.local.inplace import file_stamps
+
+        try:
+            return file_stamps(path, read_local_manifest(path))
+        except (OSError, ManifestError):
+            return None
+
+    def _vouch(self, path: Path, before: dict[str, list[int]] | None = None) -> None:
+        """Tell the trainer that local checkpoint ``path`` verified whole just now, so that it
+        does not checksum it again (:func:`~spotguard.contract.control.write_verified_local`);
+        ``before``: its stamps before it was verified, which must not have changed since."""
+        stamps = self._stamps(path)
+        if stamps is None or (before is not None and before != stamps):
+            return
+        try:
+            write_verified_local(self.config.control_dir, path.name, stamps)
+        except OSError as exc:  # the trainer then checksums it again: slower, never wrong
+            log.warning("could not record that %s verified: %s", path.name, exc)
 
     def _loadable_local(self) -> str | None:
         """The newest local checkpoint a trainer can load.
@@ -370,6 +403,7 @@ class Supervisor:
                 log.warning("cannot fetch the global %s: %s", path.name, " ".join(str(exc).split()))
                 continue
             log.info("fetched the global %s in place of this node's part", path.name)
+            self._vouch(path)
             return path.name
         return None
 

@@ -10,6 +10,13 @@ loads its part (:func:`spotguard.trainer.distributed.load_sharded`).
 Whatever is handed to a framework is verified whole first
 (:func:`folder_problem`): sizes, checksums, every pickle scanned, no file
 the manifest does not list. Loading never runs code from a checkpoint.
+
+One process loads the saved bytes straight into the model's parameters and
+the optimizer's state where shapes and dtypes match
+(:mod:`spotguard.checkpoint.local.inplace`), and does not checksum again a
+checkpoint whose files are still those the uploader verified whole just
+before the trainer started (``spotguard run``'s record in the control
+directory; sizes are still checked).
 """
 
 from __future__ import annotations
@@ -26,16 +33,19 @@ from spotguard.checkpoint import (
     restore_latest,
     verify_checkpoint,
 )
-from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
-from spotguard.checkpoint.local.codec import StateError
+from spotguard.checkpoint.format.manifest import ManifestError, checkpoint_name, parse_checkpoint_name
+from spotguard.checkpoint.local.codec import STATE_FILE, StateError
 from spotguard.checkpoint.local.commit import (
     list_local_committed,
     load_checkpoint_state,
+    read_local_manifest,
     unlisted_local_files,
     verify_local_checkpoint,
 )
+from spotguard.checkpoint.local.inplace import file_stamps, load_state_into, vouched
+from spotguard.contract.control import read_verified_local
 from spotguard.trainer import distributed as _distributed
-from spotguard.trainer.config import Settings
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.state import restore_rng as restore_rng_state  # restore()'s keyword shadows the name
@@ -56,10 +66,27 @@ def folder_problem(path: Path) -> str | None:
     return None
 
 
-def load_local(path: Path) -> RestoredState | None:
+def load_local(path: Path, *, into: Any = None, stamps: Mapping[str, Any] | None = None) -> RestoredState | None:
     """The state of local checkpoint ``path`` after verifying it (None, with
-    a warning, when it does not verify or cannot be loaded by this process)."""
-    result = verify_local_checkpoint(path)
+    a warning, when it does not verify or cannot be loaded by this process).
+
+    ``into``: the trainer's live state (``{"model": model.state_dict(),
+    "optimizer": optimizer.state_dict()}``), whose tensors receive the saved
+    bytes in place where they fit
+    (:func:`~spotguard.checkpoint.local.inplace.load_state_into`; a failure
+    after the first byte landed raises
+    :class:`~spotguard.checkpoint.local.inplace.PartlyLoaded`). ``stamps``:
+    what the uploader recorded when it verified this checkpoint whole
+    (:func:`~spotguard.contract.control.read_verified_local`); when every
+    file still has them, sizes are checked and checksums are not computed
+    again. :attr:`RestoredState.checked_bytes` says how many bytes were."""
+    checksums = True
+    if stamps:
+        try:
+            checksums = not vouched(path, read_local_manifest(path), stamps)
+        except (OSError, ManifestError):
+            checksums = True
+    result = verify_local_checkpoint(path, checksums=checksums)
     if not result.ok or result.manifest is None:
         log.warning("skipping local checkpoint %s: %s", path, result.reason)
         return None
@@ -75,12 +102,37 @@ def load_local(path: Path) -> RestoredState | None:
             log.warning("skipping local checkpoint %s: %s", path, exc)
             return None
         return loaded
+    in_place = 0
     try:
-        state = load_checkpoint_state(path, m)
+        if into is not None and any(f.path == STATE_FILE for f in m.files):
+            state, in_place = load_state_into(path, m, into)
+        else:
+            state = load_checkpoint_state(path, m)
     except StateError as exc:
         log.warning("skipping local checkpoint %s: %s", path, exc)
         return None
-    return RestoredState(state, step=m.step, name=m.name, path=str(path), epoch=m.epoch, metrics=m.metrics)
+    restored = RestoredState(state, step=m.step, name=m.name, path=str(path), epoch=m.epoch, metrics=m.metrics)
+    restored.checked_bytes = result.checked_bytes
+    restored.in_place_bytes = in_place
+    return restored
+
+
+def _live_state(model: Any, optimizer: Any) -> dict[str, Any] | None:
+    """The trainer's state as :func:`~spotguard.trainer.state.torch_state` saves it, its
+    tensors the live ones (what a restore may load into in place), or None."""
+    live: dict[str, Any] = {}
+    if model is not None and callable(getattr(model, "state_dict", None)):
+        live["model"] = model.state_dict()
+    if optimizer is not None and callable(getattr(optimizer, "state_dict", None)):
+        live["optimizer"] = optimizer.state_dict()
+    return live or None
+
+
+def _stamps_now(path: Path) -> dict[str, list[int]] | None:
+    try:
+        return file_stamps(path, read_local_manifest(path))
+    except (OSError, ManifestError):
+        return None
 
 
 class Restorer:
@@ -95,7 +147,7 @@ class Restorer:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: CheckpointerConfig,
         open_storage: Callable[[], Any],
         verified: set[str],
         dist: DistContext | None = None,
@@ -129,15 +181,21 @@ class Restorer:
         """:meth:`Checkpointer.restore` in a single process."""
         directory = self._settings.directory
         restored: RestoredState | None = None
+        # The saved bytes go straight into the live tensors where they fit (no copy after).
+        live = _live_state(model, optimizer)
+        control = self._settings.control_dir
+        record = read_verified_local(control) if control is not None else {}
         for path in reversed(list_local_committed(directory)):
-            restored = load_local(path)
+            restored = load_local(path, into=live, stamps=record.get(path.name))
             if restored is not None:
                 break
         if restored is None and self._settings.storage_uri:
             info = restore_latest(self._open_storage(), directory)
             if info is not None:
                 self._verified.add(info.name)
-                restored = load_local(Path(info.uri))
+                path = Path(info.uri)
+                # Verified whole as it was restored, just now: not checksummed again.
+                restored = load_local(path, into=live, stamps=_stamps_now(path))
         if restored is None:
             log.info("no checkpoint to restore; starting fresh")
             return None

@@ -153,6 +153,10 @@ class RestoredState(Mapping[str, Any]):
     sharded: bool = False
     #: This rank's own saved state was loaded (not rank 0's stand-in).
     rank_state_own: bool = True
+    #: Bytes checksummed before loading (0 when the uploader had just verified the very files).
+    checked_bytes: int = 0
+    #: Bytes read straight into the trainer's own tensors (their memory is the restored state's).
+    in_place_bytes: int = 0
 
     def __init__(
         self,
