@@ -48,7 +48,7 @@ LAYOUT_FOLDER = "folder"
 
 
 class ProgressBar(Protocol):
-    """What a download reports its bytes to (``spotguard.checkpoint.tools.cli.Progress``)."""
+    """What a download reports its bytes to (``spotguard.progress.ByteProgress``)."""
 
     done: int
 

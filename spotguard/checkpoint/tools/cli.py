@@ -15,13 +15,13 @@ import os
 import re
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from spotguard.cliutil import error, progress_flag, usage
 from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, Var, from_env
+from spotguard.progress import ByteProgress
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -251,41 +251,6 @@ def _open(uri: str) -> Any:
     return storage
 
 
-class Progress:
-    """A one-line progress bar on stderr (only when enabled)."""
-
-    def __init__(self, total: int, label: str, enabled: bool | None, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.total = max(total, 1)
-        self.label = label
-        self.done = 0
-        self.start = time.monotonic()
-        self._last = 0.0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last >= 0.2 or self.done >= self.total):
-            self._last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        frac = min(1.0, self.done / self.total)
-        rate = self.done / max(now - self.start, 1e-6) / 1e6
-        bar = "#" * int(frac * 24)
-        self.stream.write(
-            f"\r{self.label} [{bar:<24}] {frac * 100:5.1f}% {_human(self.done)}/{_human(self.total)} {rate:7.1f} MB/s"
-        )
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -439,7 +404,7 @@ def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = 
             total = read_manifest(storage, n).total_size
         except Exception:  # noqa: BLE001 - the size only sizes the bar; restoring reports a bad manifest
             total = 0
-        bar = Progress(total, f"restoring {n}", progress)
+        bar = ByteProgress(total, f"restoring {n}", progress)
         try:
             info = restore_checkpoint(storage, n, dest, progress=bar, plain=plain)
         except CheckpointCorruptError as exc:
@@ -601,8 +566,8 @@ def _note(message: str) -> None:
     print(f"spotguard: {message}", file=sys.stderr)
 
 
-def _bars(progress: bool | None) -> Callable[[int, str], Progress]:
-    return lambda total, label: Progress(total, label, progress)
+def _bars(progress: bool | None) -> Callable[[int, str], ByteProgress]:
+    return lambda total, label: ByteProgress(total, label, progress)
 
 
 def _size(raw: str) -> int:
