@@ -10,9 +10,12 @@ carriage returns or terminal codes in a log.
 from __future__ import annotations
 
 import sys
-from typing import Any, TextIO
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO, TypeVar
 
 from tqdm import tqdm
+
+T = TypeVar("T")
 
 #: How often a log (stderr not a terminal) gets a progress line.
 LOG_INTERVAL_SECONDS = 10.0
@@ -98,4 +101,17 @@ class ByteProgress:
             self._bar = None
 
 
-__all__ = ["LOG_FORMAT", "LOG_INTERVAL_SECONDS", "ByteProgress", "open_bar"]
+def steps(items: Sequence[T], label: str, enabled: bool | None, stream: TextIO | None = None) -> Iterator[T]:
+    """``items`` one by one, the one being worked on shown with a count, on
+    a terminal only and gone when done: off a terminal the work's own output
+    says enough. ``enabled`` None: on a terminal; False: never."""
+    out = stream or sys.stderr
+    shown = out.isatty() and enabled is not False
+    with tqdm(total=len(items), desc=label, file=out, leave=False, disable=not shown, dynamic_ncols=True) as bar:
+        for item in items:
+            bar.set_postfix_str(str(item))
+            yield item
+            bar.update(1)
+
+
+__all__ = ["LOG_FORMAT", "LOG_INTERVAL_SECONDS", "ByteProgress", "open_bar", "steps"]

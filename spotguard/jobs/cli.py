@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from spotguard.cliutil import error, progress_flag, usage
+from spotguard.progress import steps
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -194,17 +195,6 @@ class Progress:
     def line(self, text: str) -> None:
         if self.enabled:
             self.stream.write(f"[{time.monotonic() - self.start:6.1f}s] {text}\n")
-            self.stream.flush()
-
-    def status(self, text: str) -> None:
-        """A line that the next one replaces (on a terminal)."""
-        if self.enabled and self.stream.isatty():
-            self.stream.write(f"\r\x1b[K{text}")
-            self.stream.flush()
-
-    def clear(self) -> None:
-        if self.enabled and self.stream.isatty():
-            self.stream.write("\r\x1b[K")
             self.stream.flush()
 
 
@@ -452,8 +442,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         storage.check()
         names = list_checkpoint_names(storage)
         pointer = read_latest_pointer(storage)
-        for i, name in enumerate(names, 1):
-            progress.status(f"verifying {name} ({i}/{len(names)})")
+        for name in steps(names, "verifying", progress.enabled, progress.stream):
             result = verify_checkpoint(storage, name, checksums=not args.quick, deep=args.deep)
             m = result.manifest
             step = int(name.split("-")[1])
@@ -474,8 +463,6 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         raise UserError(f"{exc} ({hint})") from None
     except NotFoundError as exc:
         raise UserError(f"{exc} (the storage of trainingjob {args.name}: {storage.uri})") from None
-    finally:
-        progress.clear()
     if args.output != "table":
         _print_output(
             {"trainingjob": args.name, "namespace": kube.namespace, "uri": storage.uri, "checkpoints": rows},

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from spotguard.progress import ByteProgress
+from spotguard.progress import ByteProgress, steps
 
 
 class Terminal(io.StringIO):
@@ -60,3 +60,23 @@ def test_nothing_drawn_before_the_first_byte() -> None:
     bar(0)
     bar.close()
     assert term.getvalue() == "" and bar.done == 0
+
+
+def test_steps_show_the_count_on_a_terminal_and_clear_it() -> None:
+    term = Terminal()
+    names = ["ckpt-000000000010", "ckpt-000000000020", "ckpt-000000000030"]
+    seen = []
+    for name in steps(names, "verifying", True, term):
+        seen.append((name, term.getvalue()))
+    assert [name for name, _ in seen] == names
+    assert "verifying:  33%" in seen[1][1] and "1/3" in seen[1][1] and names[1] in seen[1][1]
+    assert term.getvalue().endswith("\r")  # the line is blanked when done: the table follows
+
+
+@pytest.mark.parametrize("enabled", [None, True, False])
+def test_steps_show_nothing_off_a_terminal(enabled: bool | None) -> None:
+    log = io.StringIO()
+    assert list(steps(["a", "b"], "verifying", enabled, log)) == ["a", "b"]
+    assert log.getvalue() == ""
+    term = Terminal()
+    assert list(steps(["a"], "verifying", False, term)) == ["a"] and term.getvalue() == ""
