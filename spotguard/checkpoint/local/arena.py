@@ -45,14 +45,20 @@ Why this is as safe as writing the file:
 - Moving gives way to a save: the snapshot and the move of one buffer hold the
   same lock, and a preemption stops the move between buffers.
 
-Host buffers of GPU tensors are page-locked (for asynchronous copies) and are
-not moved: only CPU tensors' buffers get an arena.
+Host buffers of GPU tensors are page-locked, for asynchronous copies from the
+device. Where CUDA is available they get an arena too: its whole file is
+allocated first, mapped, and the mapping page-locked (``cudaHostRegister``, as
+DCP's stager pins its staging memory: :func:`cuda_page_lock`) before any
+buffer moves into it, so a GPU trainer's preemption copies into pinned pages
+that exist and writes nothing. The lock is released when the arena is closed.
+Without CUDA (or where registering fails) those buffers stay where they are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import mmap
 import os
@@ -87,6 +93,8 @@ class Plan:
     header: bytes
     #: (key in the file, offset of its bytes in the file, bytes), in file order.
     tensors: tuple[tuple[str, int, int], ...]
+    #: Its buffers are page-locked (GPU tensors' host copies): the arena must be too.
+    page_locked: bool = field(default=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -105,27 +113,53 @@ def plan_file(file: str, blobs: Mapping[str, TensorBlob]) -> Plan:
     return Plan(file, header, tuple(tensors))
 
 
-def plans(snapshot: Snapshot, min_bytes: int = MIN_BYTES) -> list[Plan]:
-    """Pure: the arenas worth making after ``snapshot`` was committed: one per tensor
-    file of at least ``min_bytes`` whose tensors are all CPU tensors in the pool's
-    plain host buffers (none linked from an earlier checkpoint, none page-locked)."""
+def plans(snapshot: Snapshot, min_bytes: int = MIN_BYTES, *, lockable: bool | None = None) -> list[Plan]:
+    """The arenas worth making after ``snapshot`` was committed: one per tensor file of
+    at least ``min_bytes`` whose tensors are all in the pool's host buffers (none linked
+    from an earlier checkpoint), either all plain or, where arenas can be page-locked
+    (``lockable``; None: where :func:`cuda_page_lock` is available), all page-locked."""
+    if lockable is None:
+        lockable = cuda_page_lock() is not None
     found = []
     for file, blobs in sorted(snapshot.tensors.items()):
-        if file.endswith(KEPT_SUFFIX) or not blobs or not all(_movable(b) for b in blobs.values()):
+        kinds = {_movable(b) for b in blobs.values()}
+        if file.endswith(KEPT_SUFFIX) or len(kinds) != 1 or None in kinds or (kinds == {"locked"} and not lockable):
             continue
         plan = plan_file(file, blobs)
         if plan.size >= min_bytes:
-            found.append(plan)
+            found.append(dataclasses.replace(plan, page_locked=kinds == {"locked"}))
     return found
 
 
-def _movable(blob: TensorBlob) -> bool:
-    """Whether ``blob``'s memory is a torch CPU tensor's host buffer that is not page-locked."""
+def _movable(blob: TensorBlob) -> str | None:
+    """``plain`` or ``locked`` where ``blob``'s memory is a torch CPU tensor's host buffer,
+    page-locked or not; None otherwise."""
     torch = sys.modules.get("torch")
     owner = blob.owner
-    return (
-        torch is not None and isinstance(owner, torch.Tensor) and owner.device.type == "cpu" and not owner.is_pinned()
-    )
+    if torch is None or not isinstance(owner, torch.Tensor) or owner.device.type != "cpu":
+        return None
+    return "locked" if owner.is_pinned() else "plain"
+
+
+#: ``lock(address, size)`` page-locks that memory for the GPU and returns what unlocks it.
+PageLock = Callable[[int, int], Callable[[], None]]
+
+
+def cuda_page_lock() -> PageLock | None:
+    """torch.cuda's ``cudaHostRegister`` where CUDA is available (the call DCP's stager pins
+    its staging memory with, ``cudaHostRegisterPortable``), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    cudart = torch.cuda.cudart()
+
+    def lock(address: int, size: int) -> Callable[[], None]:
+        err = int(cudart.cudaHostRegister(address, size, 1))
+        if err != 0:
+            raise OSError(f"cudaHostRegister of {size} bytes failed (CUDA error {err})")
+        return lambda: cudart.cudaHostUnregister(address)
+
+    return lock
 
 
 @dataclass(eq=False)
@@ -140,6 +174,8 @@ class Arena:
     complete: bool = False
     #: Linked into a checkpoint: its bytes are that checkpoint's, never written again.
     spent: bool = False
+    #: Releases the page lock of a page-locked arena (:func:`cuda_page_lock`).
+    unlock: Callable[[], None] | None = None
 
     @property
     def size(self) -> int:
@@ -169,6 +205,9 @@ class Arena:
         self.spent = True
 
     def close(self) -> None:
+        unlock, self.unlock = self.unlock, None
+        if unlock is not None:
+            unlock()  # the mapping stays while views of it live; only the lock goes
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self.fd = -1
@@ -233,6 +272,7 @@ def build(
     headroom: int | None,
     margin: int,
     stop: Callable[[], bool] = lambda: False,
+    page_lock: PageLock | None = None,
 ) -> Arena | None:
     """Move the host buffers of ``plan``'s file into a new arena in ``staging``.
 
@@ -240,8 +280,15 @@ def build(
     from: the move stops as soon as another snapshot has used the pool. Returns
     the arena, registered in the pool (complete or not: the buffers already
     moved are views of it), or None when it does not fit or cannot be made.
-    Raises :class:`Stopped` when ``stop`` says so (between buffers)."""
+    Raises :class:`Stopped` when ``stop`` says so (between buffers). A plan of
+    page-locked buffers gets an arena page-locked by ``page_lock`` (None:
+    :func:`cuda_page_lock`), or none where that is not available."""
     import torch
+
+    if plan.page_locked:
+        page_lock = page_lock or cuda_page_lock()
+        if page_lock is None:
+            return None
 
     staging.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
@@ -261,7 +308,8 @@ def build(
     where = {(file, key): pool_key for pool_key, (_, file, key) in places.items()}
     fd = _open(staging, plan.size)
     try:
-        os.posix_fallocate(fd, 0, len(plan.header))
+        # Page-locking takes every page at once: all of them are allocated first (no hole to fault on).
+        os.posix_fallocate(fd, 0, plan.size if plan.page_locked else len(plan.header))
         memory = mmap.mmap(fd, plan.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:  # the descriptor closed on any exit, an interrupt too; raised again
         os.close(fd)
@@ -269,11 +317,19 @@ def build(
     base = torch.frombuffer(memory, dtype=torch.uint8)
     memory[: len(plan.header)] = plan.header
     arena = Arena(plan, fd, base)
+    if plan.page_locked:
+        assert page_lock is not None
+        try:
+            arena.unlock = page_lock(base.data_ptr(), plan.size)
+        except (OSError, RuntimeError) as exc:
+            log.info("staging arena: %s not page-locked (%s); its buffers stay where they are", plan.file, exc)
+            arena.close()
+            return None
     try:
         for key, offset, n in plan.tensors:
             if stop():
                 raise Stopped
-            if n:  # no page of it is a hole: a write through the mapping never faults for room
+            if n and not plan.page_locked:  # no hole left: a write through the mapping never faults for room
                 os.posix_fallocate(fd, offset, n)
             with lock:
                 pool_key = where.get((plan.file, key))
