@@ -12,11 +12,13 @@ for one variable and not for another). Here every variable is one
   variable, the value and what it must be;
 - :func:`to_env` renders a value as the writers put it in a pod spec or an
   environment, so that :func:`from_env` reads it back;
-- :func:`cli_default` and :func:`option_or_env` serve the command lines,
-  whose defaults come from the environment: the text stays unparsed until
-  the subcommand that uses it runs, so a bad variable only stops the command
+- :func:`add_option` gives a command line a variable's option: its flag,
+  type, choices and help come from the table, its default from the
+  environment (:func:`cli_default`): the text stays unparsed until the
+  subcommand that uses it runs, so a bad variable only stops the command
   that reads it (argparse converts numbers; booleans go through
-  :func:`option_or_env`).
+  :func:`option_or_env`). The sidecar, ``spotguard run``, the operator and
+  the Checkpointer's own flags (:mod:`spotguard.trainer.config`) are made so.
 
 Callers name a variable by its :class:`Var` (``env.STORAGE_URI.name`` where
 the string is needed). Part of :mod:`spotguard.contract`, the floor below the
@@ -27,6 +29,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Mapping
@@ -54,7 +57,10 @@ class Var(Generic[T, D]):
     ``type`` is what :func:`from_env` returns (str, int, float or bool);
     ``default`` what an unset or blank variable means (None: the reader
     decides, e.g. a flag's own default, or "not configured"); ``meaning`` one
-    line for people; ``bound`` the range a number must be in.
+    line for people (also the option's help); ``bound`` the range a number
+    must be in; ``flag`` the command-line option where it is not the name's
+    (``SPOTGUARD_KEEP_LAST``: ``--keep-last``); ``choices`` the only values a
+    word may take.
     """
 
     name: str
@@ -62,10 +68,17 @@ class Var(Generic[T, D]):
     default: D
     meaning: str
     bound: Bound = "any"
+    flag: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def option(self) -> str:
+        """The command-line option that sets this variable (``--keep-last``)."""
+        return self.flag or "--" + self.name.removeprefix(PREFIX).lower().replace("_", "-")
 
 
-def _var(name: str, type_: type[T], default: D, meaning: str, bound: Bound = "any") -> Var[T, D]:
-    return Var(PREFIX + name, type_, default, meaning, bound)
+def _var(name: str, type_: type[T], default: D, meaning: str, bound: Bound = "any", **cli: Any) -> Var[T, D]:
+    return Var(PREFIX + name, type_, default, meaning, bound, **cli)
 
 
 # -- the table ------------------------------------------------------------------
@@ -107,7 +120,9 @@ FINAL_VERIFY_SECONDS = _var(
     " checkpoint (0: no wait; set for native sidecars, which are stopped once the trainer exits)",
     "non-negative",
 )
-STORAGE_URI = _var("STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...")
+STORAGE_URI = _var(
+    "STORAGE_URI", str, None, "the job's checkpoint root, s3://..., gs://... or file://...", flag="--storage"
+)
 JOB = _var("JOB", str, None, "job name for manifests, metrics and logs")
 ATTEMPT = _var("ATTEMPT", int, None, "the restart attempt this pod or command belongs to", "non-negative")
 CHECKSUM = _var("CHECKSUM", str, None, "checksum algorithm of new checkpoints (unset: the default algorithm)")
@@ -126,19 +141,40 @@ SAVE_EVERY_SECONDS = _var(
 KEEP_LAST = _var("KEEP_LAST", int, None, "retention: keep the N newest checkpoints", "non-negative")
 KEEP_BEST = _var("KEEP_BEST", int, None, "retention: keep the M best by SPOTGUARD_BEST_METRIC", "non-negative")
 BEST_METRIC = _var("BEST_METRIC", str, None, "retention: the metric saved with each checkpoint that ranks them")
-BEST_MODE = _var("BEST_MODE", str, "min", "retention: min or max, whether lower or higher BEST_METRIC is better")
+BEST_MODE = _var(
+    "BEST_MODE",
+    str,
+    "min",
+    "retention: min or max, whether lower or higher SPOTGUARD_BEST_METRIC is better",
+    choices=("min", "max"),
+)
 KEEP_EVERY = _var(
     "KEEP_EVERY", int, None, "retention: keep every checkpoint whose step is a multiple of K", "non-negative"
 )
 KEEP_LOCAL = _var(
     "KEEP_LOCAL", int, 1, "local checkpoints kept after a newer one is verified in storage", "non-negative"
 )
+#: The rules of a storage retention policy, in the order the command lines show them.
+RETENTION = (KEEP_LAST, KEEP_BEST, BEST_METRIC, BEST_MODE, KEEP_EVERY)
 
 # The sidecar and spotguard run (uploader side).
-SIDECAR_MODE = _var("SIDECAR_MODE", str, "classic", "classic (exit with the trainer) or native (run until SIGTERM)")
+SIDECAR_MODE = _var(
+    "SIDECAR_MODE",
+    str,
+    "classic",
+    "classic: exit once the trainer has exited and everything is shipped; native (Kubernetes native sidecar):"
+    " run until SIGTERM",
+    flag="--mode",
+    choices=("classic", "native"),
+)
 GRACE_SECONDS = _var("GRACE_SECONDS", float, 30.0, "seconds between SIGTERM and the kill", "non-negative")
 SAFETY_MARGIN_SECONDS = _var(
-    "SAFETY_MARGIN_SECONDS", float, 5.0, "seconds kept free at the end of the grace period", "non-negative"
+    "SAFETY_MARGIN_SECONDS",
+    float,
+    5.0,
+    "seconds kept free at the end of the grace period",
+    "non-negative",
+    flag="--safety-margin",
 )
 FINISH_SECONDS = _var(
     "FINISH_SECONDS",
@@ -345,3 +381,46 @@ def option_or_env(var: Var[bool, Any], value: bool | str | None) -> bool:
         return value
     parsed = parse(var, value)
     return bool(parsed)
+
+
+def _env_words(var: Var[Any, Any], shown: object) -> str:
+    """Pure: how an option's help names its variable and default (the table's, else ``shown``)."""
+    if var.type is bool and isinstance(var.default, bool):
+        shown = "on" if var.default else "off"
+    elif var.default is not None and var.default != "":
+        shown = to_env(var, var.default)
+    return f"env {var.name}" if shown is None or shown == "" else f"env {var.name}, default {shown}"
+
+
+def add_option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    var: Var[Any, Any],
+    *,
+    help: str | None = None,
+    fallback: object = None,
+    shown: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> None:
+    """Add ``var``'s option to ``parser`` (a parser or an argument group), all of it from the table.
+
+    The flag is :attr:`Var.option`; a number is converted by argparse
+    (``type``), a word checked against :attr:`Var.choices`, a boolean is
+    ``--x``/``--no-x``. The default is :func:`cli_default`'s text, else
+    ``fallback`` (the reader's own default where the table has none); the
+    help is ``help`` (where a command says more) or the variable's meaning,
+    followed by the variable and the default (``shown``: how to name a
+    default the command works out later, e.g. ``WORKDIR/store``). ``extra`` goes to
+    ``add_argument`` as is (``dest``, ``metavar``, a ``type`` such as Path).
+    """
+    text = cli_default(var, environ)
+    options: dict[str, Any] = {"default": fallback if text is None else text}
+    if var.type is bool:
+        options["action"] = argparse.BooleanOptionalAction
+    elif var.type is not str:
+        options["type"] = var.type
+    if var.choices:
+        options["choices"] = var.choices
+    said = (help or var.meaning).replace("%", "%%")
+    options["help"] = f"{said} ({_env_words(var, fallback if shown is None else shown)})"
+    parser.add_argument(var.option, **{**options, **extra})

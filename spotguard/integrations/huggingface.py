@@ -118,14 +118,14 @@ class SpotguardCallback(TrainerCallback):
     # -- set-up checks -----------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         check_arguments(args)
-        check_directory(output_dir_of(args), self.checkpointer.directory)
+        check_directory(output_dir_of(args), self.checkpointer.config.directory)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         check_arguments(args)
         ckpt = self.checkpointer
-        check_directory(output_dir_of(args), ckpt.directory)
+        check_directory(output_dir_of(args), ckpt.config.directory)
         self._committed_step = None
         self._stop_step = None
         if args.local_process_index == 0:

@@ -347,7 +347,7 @@ class SpotguardCallback(pl.Callback):
         self.preempted = False
         if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
             # Staging folders of a process that died mid-save.
-            shutil.rmtree(ckpt.directory / STAGING_DIR, ignore_errors=True)
+            shutil.rmtree(ckpt.config.directory / STAGING_DIR, ignore_errors=True)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.take_over_sigterm:
@@ -459,7 +459,7 @@ class SpotguardCallback(pl.Callback):
     def _save(self, trainer: pl.Trainer, step: int, position: str, batch_idx: int | None) -> None:
         ckpt = self.checkpointer
         rank, world = _rank(), _world_size()
-        staging = ckpt.directory / STAGING_DIR / f"step-{step:012d}"
+        staging = ckpt.config.directory / STAGING_DIR / f"step-{step:012d}"
         staging.mkdir(parents=True, exist_ok=True)
         loaders = _flat_loaders(trainer.train_dataloader)
         samplers: list[dict[str, Any] | None] = []

@@ -10,7 +10,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spotguard.contract import env
-from spotguard.contract.env import cli_default
+from spotguard.contract.env import add_option
 from spotguard.notice_relay import POD_PATH
 
 
@@ -32,11 +32,7 @@ def register(subparsers: Any) -> None:
         help="watch this namespace (repeatable); default: all namespaces",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (the default)")
-    p.add_argument(
-        "--image",
-        default=cli_default(env.IMAGE),
-        help="image for the restore and sidecar containers (env SPOTGUARD_IMAGE)",
-    )
+    add_option(p, env.IMAGE)
     p.add_argument("--image-pull-policy", choices=["Always", "IfNotPresent", "Never"], default=None)
     p.add_argument(
         "--native-sidecar",
@@ -96,40 +92,27 @@ def register(subparsers: Any) -> None:
     )
     # Replaced by --leader-elect: refused with a pointer, not silently ignored.
     p.add_argument("--peering", default=None, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--resync-seconds",
-        type=float,
-        default=cli_default(env.RESYNC_SECONDS),
-        help="look at every job at least this often",
-    )
-    p.add_argument(
-        "--checkpoint-poll-seconds",
-        type=float,
-        default=cli_default(env.CHECKPOINT_POLL_SECONDS),
-        help="how often to read each job's newest verified checkpoint from storage",
-    )
-    p.add_argument(
-        "--read-checkpoints",
-        action=argparse.BooleanOptionalAction,
-        default=cli_default(env.READ_CHECKPOINTS),
+    for var in (env.RESYNC_SECONDS, env.CHECKPOINT_POLL_SECONDS):
+        add_option(p, var, metavar="SECONDS")
+    add_option(
+        p,
+        env.READ_CHECKPOINTS,
         help="read each job's storage (with its credentials Secret) to report the newest verified checkpoint"
-        " in its status; --no-read-checkpoints: never read a Secret or a store (env SPOTGUARD_READ_CHECKPOINTS)",
+        " in its status; --no-read-checkpoints: never read a Secret or a store",
     )
-    p.add_argument(
-        "--host-port-range",
-        default=cli_default(env.HOST_PORT_RANGE),
+    add_option(
+        p,
+        env.HOST_PORT_RANGE,
         metavar="FIRST-LAST",
         help="host ports for jobs with hostNetwork: each gets a pair no other job holds (master port, sidecar"
-        " metrics port); keep it outside the cluster's NodePort range (default 20000-29999,"
-        " env SPOTGUARD_HOST_PORT_RANGE)",
+        " metrics port); keep it outside the cluster's NodePort range",
     )
-    p.add_argument(
-        "--staging-host-path-prefix",
-        default=cli_default(env.STAGING_HOST_PATH_PREFIX),
+    add_option(
+        p,
+        env.STAGING_HOST_PATH_PREFIX,
         metavar="DIR",
         help="the nodes' directory under which a job's spec.checkpoint.staging.hostPath must lie (a local NVMe"
-        " mount the platform prepared); unset: every hostPath staging is refused"
-        " (env SPOTGUARD_STAGING_HOST_PATH_PREFIX)",
+        " mount the platform prepared); unset: every hostPath staging is refused",
     )
     p.add_argument(
         "--notice-url",
@@ -197,40 +180,30 @@ def register(subparsers: Any) -> None:
         metavar="DAYS",
         help="with --webhook-cert-secret: life of the serving certificate (renewed when a third is left; default 365)",
     )
-    p.add_argument(
-        "--checkpoint-full-read-seconds",
-        type=float,
-        default=cli_default(env.CHECKPOINT_FULL_READ_SECONDS),
+    add_option(
+        p,
+        env.CHECKPOINT_FULL_READ_SECONDS,
         metavar="SECONDS",
         help="read each job's checkpoints in full at least this often; in between a poll that finds the latest"
-        " pointer unchanged costs one conditional request (default 1800; 0: read everything at every poll;"
-        " env SPOTGUARD_CHECKPOINT_FULL_READ_SECONDS)",
+        " pointer unchanged costs one conditional request (0: read everything at every poll)",
     )
-    p.add_argument(
-        "--allowed-endpoints",
-        default=cli_default(env.ALLOWED_ENDPOINTS),
+    add_option(
+        p,
+        env.ALLOWED_ENDPOINTS,
         metavar="HOST[:PORT],...",
         help="storage endpoints a TrainingJob may name (spec.checkpoint.endpoint, its Secret's AWS_ENDPOINT_URL)"
         " that the operator connects to with the job's credentials; '*' is one DNS label, or alone every"
         " endpoint. The cloud's own (AWS S3, Google Cloud Storage, over HTTPS) and a job that names none are"
-        " always allowed; default: those only (env SPOTGUARD_ALLOWED_ENDPOINTS)",
+        " always allowed; empty: those only",
     )
-    p.add_argument(
-        "--checkpoint-read-timeout-seconds",
-        type=float,
-        default=cli_default(env.CHECKPOINT_READ_TIMEOUT_SECONDS),
+    add_option(
+        p,
+        env.CHECKPOINT_READ_TIMEOUT_SECONDS,
         metavar="SECONDS",
         help="how long one read of a job's checkpoints may take; past it the job gets CheckpointsReadable=False"
-        " (StoreTooSlow) and other jobs go on (default 60, env SPOTGUARD_CHECKPOINT_READ_TIMEOUT_SECONDS)",
+        " (StoreTooSlow) and other jobs go on",
     )
-    p.add_argument(
-        "--checkpoint-max-object-bytes",
-        type=int,
-        default=cli_default(env.CHECKPOINT_MAX_OBJECT_BYTES),
-        metavar="BYTES",
-        help="the largest latest pointer or manifest the operator reads; a larger one is refused"
-        " (default 16 MiB, env SPOTGUARD_CHECKPOINT_MAX_OBJECT_BYTES)",
-    )
+    add_option(p, env.CHECKPOINT_MAX_OBJECT_BYTES, metavar="BYTES")
     p.set_defaults(func=run_operator)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from spotguard.cliutil import configure_logging, error
 from spotguard.contract import env
-from spotguard.contract.env import cli_default
+from spotguard.contract.env import add_option
 from spotguard.sidecar.args import (
     add_incremental_arg,
     add_notice_args,
@@ -36,11 +36,7 @@ def register(subparsers: Any) -> None:
         "after a crash. Run the same command again after a preemption to resume.",
         usage="spotguard run [options] -- CMD [ARG ...]",
     )
-    p.add_argument(
-        "--storage",
-        default=cli_default(env.STORAGE_URI),
-        help="checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH (default file://WORKDIR/store)",
-    )
+    add_option(p, env.STORAGE_URI, shown="file://WORKDIR/store")
     p.add_argument(
         "--workdir", type=Path, default=Path(".spotguard"), help="local state: checkpoints, lock (default ./.spotguard)"
     )
@@ -48,12 +44,7 @@ def register(subparsers: Any) -> None:
         "--checkpoint-dir", type=Path, default=None, help="local checkpoint directory (default WORKDIR/checkpoints)"
     )
     p.add_argument("--max-restarts", type=int, default=3, help="restarts after the command fails (default 3)")
-    p.add_argument(
-        "--grace-seconds",
-        type=float,
-        default=cli_default(env.GRACE_SECONDS),
-        help="time allowed for the emergency checkpoint after SIGTERM (default 30)",
-    )
+    add_option(p, env.GRACE_SECONDS, help="time allowed for the emergency checkpoint after SIGTERM")
     p.add_argument(
         "--backoff",
         type=float,
@@ -63,16 +54,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backoff-max", type=float, default=60.0, help="longest wait before a restart (default 60)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default off)")
     p.add_argument("--metrics-addr", default="127.0.0.1")
-    p.add_argument("--job", default=cli_default(env.JOB) or "", help="job name for metrics/logs")
+    add_option(p, env.JOB, fallback="")
     # The environment's value stays a string here: _run checks it (env.option_or_env).
-    p.add_argument(
-        "--pass-credentials",
-        action=argparse.BooleanOptionalAction,
-        default=cli_default(env.PASS_CREDENTIALS),
+    add_option(
+        p,
+        env.PASS_CREDENTIALS,
         help="hand the command the cloud credential variables (AWS_ACCESS_KEY_ID, AWS_PROFILE, "
         "AWS_WEB_IDENTITY_TOKEN_FILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_CLIENT_SECRET, ...) and "
-        f"SPOTGUARD_STORAGE_URI (env {env.PASS_CREDENTIALS.name}); by default it gets none of them, as "
-        "spotguard run restores and uploads for it",
+        "SPOTGUARD_STORAGE_URI; by default it gets none of them, as spotguard run restores and uploads for it",
     )
     add_notice_args(p)
     add_retention_args(p)

@@ -10,35 +10,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from spotguard.contract import env
-from spotguard.contract.env import cli_default
+from spotguard.contract.env import add_option
 
 
 def add_notice_args(p: argparse.ArgumentParser) -> None:
     from spotguard.sidecar import notices as n
 
-    p.add_argument(
-        "--notices",
-        default=cli_default(env.NOTICES),
-        help="early notice sources to poll, comma-separated from aws,gce,azure,k8s "
-        "(env SPOTGUARD_NOTICES; default none)",
-    )
-    p.add_argument("--aws-imds-endpoint", default=cli_default(env.AWS_IMDS_ENDPOINT) or n.AWS_IMDS_ENDPOINT)
-    p.add_argument("--gce-metadata-endpoint", default=cli_default(env.GCE_METADATA_ENDPOINT) or n.GCE_METADATA_ENDPOINT)
-    p.add_argument(
-        "--azure-metadata-endpoint", default=cli_default(env.AZURE_METADATA_ENDPOINT) or n.AZURE_METADATA_ENDPOINT
-    )
-    p.add_argument(
-        "--notice-interval",
-        type=float,
-        default=cli_default(env.NOTICE_INTERVAL),
-        help="seconds between notice polls (default 2)",
-    )
-    p.add_argument(
-        "--notice-stops-training",
-        action="store_true",
-        default=cli_default(env.NOTICE_STOPS_TRAINING),
-        help="stop training after a notice's checkpoint instead of continuing until SIGTERM",
-    )
+    add_option(p, env.NOTICES)
+    add_option(p, env.AWS_IMDS_ENDPOINT, fallback=n.AWS_IMDS_ENDPOINT)
+    add_option(p, env.GCE_METADATA_ENDPOINT, fallback=n.GCE_METADATA_ENDPOINT)
+    add_option(p, env.AZURE_METADATA_ENDPOINT, fallback=n.AZURE_METADATA_ENDPOINT)
+    for var in (env.NOTICE_INTERVAL, env.NOTICE_STOPS_TRAINING):
+        add_option(p, var)
 
 
 def add_retention_args(p: argparse.ArgumentParser) -> None:
@@ -48,38 +31,8 @@ def add_retention_args(p: argparse.ArgumentParser) -> None:
         "which checkpoints stay in storage (a checkpoint is kept "
         "if any rule keeps it; the newest verified one always is; no rule: keep all)",
     )
-    g.add_argument(
-        "--keep-last", type=int, default=cli_default(env.KEEP_LAST), help="keep the N newest (env SPOTGUARD_KEEP_LAST)"
-    )
-    g.add_argument(
-        "--keep-best",
-        type=int,
-        default=cli_default(env.KEEP_BEST),
-        help="keep the M best by --best-metric (env SPOTGUARD_KEEP_BEST)",
-    )
-    g.add_argument(
-        "--best-metric",
-        default=cli_default(env.BEST_METRIC),
-        help="metric for --keep-best, as saved with each checkpoint (env SPOTGUARD_BEST_METRIC)",
-    )
-    g.add_argument(
-        "--best-mode",
-        choices=("min", "max"),
-        default=cli_default(env.BEST_MODE),
-        help="whether lower or higher --best-metric is better (env SPOTGUARD_BEST_MODE, default min)",
-    )
-    g.add_argument(
-        "--keep-every",
-        type=int,
-        default=cli_default(env.KEEP_EVERY),
-        help="keep every checkpoint whose step is a multiple of K (env SPOTGUARD_KEEP_EVERY)",
-    )
-    g.add_argument(
-        "--keep-local",
-        type=int,
-        default=cli_default(env.KEEP_LOCAL),
-        help="local checkpoints kept after a newer one is verified in storage (env SPOTGUARD_KEEP_LOCAL, default 1)",
-    )
+    for var in (*env.RETENTION, env.KEEP_LOCAL):
+        add_option(g, var)
 
 
 def retention_from_args(args: argparse.Namespace) -> Any | None:
@@ -87,29 +40,15 @@ def retention_from_args(args: argparse.Namespace) -> Any | None:
 
     Raises ValueError (one line) for an inconsistent policy.
     """
-    from spotguard.checkpoint import RetentionPolicy
+    from spotguard.trainer.config import retention_from_args as policy_of
 
-    policy = RetentionPolicy(
-        keep_last=args.keep_last,
-        keep_best=args.keep_best,
-        metric=args.best_metric or None,
-        mode=(args.best_mode or "min").strip().lower(),
-        keep_every=args.keep_every,
-    )
-    return None if policy.keeps_everything else policy
+    return policy_of(args)
 
 
 def add_incremental_arg(p: argparse.ArgumentParser) -> None:
     # The environment's value stays a string here: incremental_from_args
     # checks it, for the subcommand being run only.
-    p.add_argument(
-        "--incremental",
-        action=argparse.BooleanOptionalAction,
-        default=cli_default(env.INCREMENTAL),
-        help="upload only the data storage does not hold yet: checkpoints are stored as "
-        "content-addressed chunks shared between checkpoints of the job (env "
-        f"{env.INCREMENTAL.name}, default on; --no-incremental uploads whole files)",
-    )
+    add_option(p, env.INCREMENTAL)
 
 
 def incremental_from_args(args: argparse.Namespace) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from spotguard.cliutil import configure_logging
 from spotguard.contract import env
-from spotguard.contract.env import cli_default
+from spotguard.contract.env import add_option, cli_default
 from spotguard.sidecar.args import (
     add_incremental_arg,
     add_notice_args,
@@ -52,82 +52,23 @@ def _register_sidecar(subparsers: Any) -> None:
         "checkpoint, and on SIGTERM or a preemption notice get an emergency checkpoint "
         "verified in storage before the deadline.",
     )
-    p.add_argument(
-        "--storage",
-        default=cli_default(env.STORAGE_URI),
-        help="job's checkpoint root, s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH "
-        "(env SPOTGUARD_STORAGE_URI)",
-    )
-    p.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=Path(cli_default(env.CHECKPOINT_DIR) or DEFAULT_CHECKPOINT_DIR),
-        help=f"shared local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR, default {DEFAULT_CHECKPOINT_DIR})",
-    )
-    p.add_argument(
-        "--control-dir",
-        type=Path,
-        default=None,
-        help="control channel directory (env SPOTGUARD_CONTROL_DIR, default CHECKPOINT_DIR/.control)",
-    )
+    add_option(p, env.STORAGE_URI)
+    add_option(p, env.CHECKPOINT_DIR, type=Path, fallback=Path(DEFAULT_CHECKPOINT_DIR))
+    add_option(p, env.CONTROL_DIR, type=Path, shown="CHECKPOINT_DIR/.control")
     p.add_argument(
         "--trainer-pid-file",
         type=Path,
         default=None,
         help="file holding the trainer's pid (default CONTROL_DIR/trainer.pid)",
     )
-    p.add_argument(
-        "--grace-seconds",
-        type=float,
-        default=cli_default(env.GRACE_SECONDS),
-        help="time between SIGTERM and the kill (env SPOTGUARD_GRACE_SECONDS, default 30)",
-    )
-    p.add_argument(
-        "--safety-margin",
-        type=float,
-        default=cli_default(env.SAFETY_MARGIN_SECONDS),
-        help="seconds kept free at the end of the grace period (default 5)",
-    )
-    p.add_argument(
-        "--finish-seconds",
-        type=float,
-        default=cli_default(env.FINISH_SECONDS),
-        help="after the trainer exits on its own, how long its last checkpoint may take "
-        "to be verified, other nodes' parts included (env SPOTGUARD_FINISH_SECONDS, "
-        "default 600)",
-    )
-    p.add_argument(
-        "--mode",
-        choices=("classic", "native"),
-        default=cli_default(env.SIDECAR_MODE),
-        help="classic: exit once the trainer has exited and everything is shipped; "
-        "native (Kubernetes native sidecar): run until SIGTERM",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=cli_default(env.METRICS_PORT),
-        help=f"Prometheus metrics port, 0 to disable (default {DEFAULT_METRICS_PORT})",
-    )
-    p.add_argument(
-        "--metrics-addr", default=cli_default(env.METRICS_ADDR), help="address to serve metrics on (default 0.0.0.0)"
-    )
+    for var in (env.GRACE_SECONDS, env.SAFETY_MARGIN_SECONDS, env.FINISH_SECONDS, env.SIDECAR_MODE, env.METRICS_PORT):
+        add_option(p, var)
+    add_option(p, env.METRICS_ADDR)
     add_notice_args(p)
-    p.add_argument(
-        "--proactive-interval",
-        type=float,
-        default=cli_default(env.PROACTIVE_INTERVAL),
-        help="when the emergency checkpoint would not fit the grace period, request "
-        "a checkpoint every this many seconds (0: never, the default)",
-    )
+    add_option(p, env.PROACTIVE_INTERVAL)
     add_retention_args(p)
     add_incremental_arg(p)
-    p.add_argument(
-        "--termination-log",
-        type=Path,
-        default=cli_default(env.TERMINATION_LOG),
-        help=f"write a JSON report here on exit, for the operator (default {DEFAULT_TERMINATION_LOG} when it exists)",
-    )
+    add_option(p, env.TERMINATION_LOG, type=Path)
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_sidecar)
@@ -195,7 +136,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         save_every_seconds=save_every_seconds(),
         incremental=incremental,
     )
-    metrics = SidecarMetrics(namespace=os.environ.get("POD_NAMESPACE") or "", job=cli_default(env.JOB) or "" or "")
+    metrics = SidecarMetrics(namespace=os.environ.get("POD_NAMESPACE") or "", job=cli_default(env.JOB) or "")
     agent = CheckpointAgent(config, storage, metrics, retention)
     if args.trainer_pid_file is not None:
         agent.channel.pid_file = args.trainer_pid_file

@@ -42,7 +42,7 @@ from spotguard.contract.control import (
 )
 from spotguard.contract.control import atomic_write_json as _write_json_atomic
 from spotguard.contract.final import FINAL_POLL_SECONDS, decide_final_wait
-from spotguard.trainer.config import Settings
+from spotguard.trainer.config import CheckpointerConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,11 @@ class TrainerChannel:
     ``directory``.
     """
 
-    def __init__(self, settings: Settings, *, owner: bool) -> None:
+    def __init__(self, settings: CheckpointerConfig, *, owner: bool) -> None:
         self._settings = settings
         self.owner = owner
         # Looked at every step: the path built once (pathlib costs more than the stat).
-        self._request_path = os.fspath(settings.control_dir / REQUEST_FILE)
+        self._request_path = os.fspath(settings.control_path / REQUEST_FILE)
         self.pending: list[CheckpointRequest] = []
         #: True once a preempting request is answered: the training loop should stop.
         self.preempted = False
@@ -111,7 +111,7 @@ class TrainerChannel:
 
     @property
     def control_dir(self) -> Path:
-        return self._settings.control_dir
+        return self._settings.control_path
 
     # -- signals ---------------------------------------------------------------------
     def install_signal_handlers(self) -> bool:

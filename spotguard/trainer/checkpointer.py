@@ -45,19 +45,16 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any
 
 from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, clean_stale_tmp
-from spotguard.checkpoint.store.retention import RetentionPolicy
-from spotguard.contract.control import CONTROL_SUBDIR
-from spotguard.storage.checksum import DEFAULT_ALGORITHM
 from spotguard.trainer import statedicts
 from spotguard.trainer.channel import TrainerChannel
 from spotguard.trainer.collective import CollectiveSave
-from spotguard.trainer.config import EnvConfig, Settings
-from spotguard.trainer.config import local_pruner as pruner_for
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext, wants_distributed
 from spotguard.trainer.persist import LocalPersist
 from spotguard.trainer.policy import SavePolicy, SaveRecord, SaveTrigger
@@ -67,36 +64,18 @@ from spotguard.trainer.state import RestoredState
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-class _Kept(Generic[T]):
-    """A Checkpointer attribute whose value lives in one of its parts (the
-    settings or the save record), so that the parts and the user see one
-    value; it reads and assigns like a plain attribute."""
-
-    def __init__(self, part: str) -> None:
-        self._part = part
-        self._name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _Kept[T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object, owner: type | None = None) -> T | _Kept[T]:
-        if obj is None:
-            return self
-        return cast(T, getattr(getattr(obj, self._part), self._name))
-
-    def __set__(self, obj: object, value: T) -> None:
-        setattr(getattr(obj, self._part), self._name, value)
-
 
 class Checkpointer:
     """Saves and restores training state through local, atomic checkpoints.
+
+    Its keywords are the fields of one frozen
+    :class:`~spotguard.trainer.config.CheckpointerConfig`, whose defaults and
+    ``SPOTGUARD_*`` variables come from the contract's table; ``config=``
+    takes one built elsewhere (``CheckpointerConfig.from_args`` for a
+    script's flags). The configuration is :attr:`config` afterwards, fixed;
+    ``ck.directory``, ``ck.keep_local``, ... read it (``ck.control_dir`` is
+    its ``control_path``) and ``ck.last_committed``, ``ck.last_error``,
+    ``ck.last_stall_seconds``, ``ck.last_persist_seconds`` what the saves left.
 
     ``directory`` holds committed checkpoints (``ckpt-<step:012d>/``);
     ``storage_uri`` is the job's remote root, used by :meth:`restore` when no
@@ -141,83 +120,29 @@ class Checkpointer:
     distributed checkpoint whole (``exact`` False when several ranks wrote it).
     """
 
-    # The configuration (see Settings) and what the saves left (see SaveRecord).
-    directory = _Kept[Path]("_settings")
-    storage_uri = _Kept[str | None]("_settings")
-    storage_options = _Kept[dict[str, Any]]("_settings")
-    save_every_steps = _Kept[int | None]("_settings")
-    save_every_seconds = _Kept[float | None]("_settings")
-    checksum = _Kept[str]("_settings")
-    control_dir = _Kept[Path]("_settings")
-    keep_local = _Kept[int]("_settings")
-    retention = _Kept[RetentionPolicy | None]("_settings")
-    upload = _Kept[bool]("_settings")
-    local_pruner = _Kept[str]("_settings")
-    job = _Kept[str | None]("_settings")
-    attempt = _Kept[int | None]("_settings")
-    async_save = _Kept[bool]("_settings")
-    incremental = _Kept[bool]("_settings")
-    last_committed = _Kept[Path | None]("_record")
-    last_error = _Kept[BaseException | None]("_record")
-    last_stall_seconds = _Kept[float]("_record")
-    last_persist_seconds = _Kept[float]("_record")
-
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: str | os.PathLike[str] | None = None,
         *,
-        storage_uri: str | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        save_every_steps: int | None = None,
-        save_every_seconds: float | None = None,
-        checksum: str = DEFAULT_ALGORITHM,
-        control_dir: str | os.PathLike[str] | None = None,
-        keep_local: int = 2,
-        retention: RetentionPolicy | None = None,
-        upload: bool = False,
-        job: str | None = None,
-        attempt: int | None = None,
-        async_save: bool = True,
+        config: CheckpointerConfig | None = None,
         handle_signals: bool = False,
-        reuse_host_buffers: bool = True,
-        distributed: bool | None = None,
-        incremental: bool = True,
-        emergency_staging: str | os.PathLike[str] | None = None,
-        staging_reserve: bool = False,
-        staging_arena: bool = True,
-        final_verify_seconds: float = 0.0,
+        **settings: Any,
     ) -> None:
-        root = Path(directory)
-        storage_uri = storage_uri or None
-        upload = upload and storage_uri is not None
-        self._settings = s = Settings(
-            directory=root,
-            storage_uri=storage_uri,
-            storage_options=dict(storage_options or {}),
-            save_every_steps=save_every_steps,
-            save_every_seconds=save_every_seconds,
-            checksum=checksum,
-            control_dir=Path(control_dir) if control_dir else root / CONTROL_SUBDIR,
-            keep_local=keep_local,
-            retention=retention,
-            upload=upload,
-            local_pruner=pruner_for(upload, storage_uri, control_dir is not None),
-            job=job,
-            attempt=attempt,
-            async_save=async_save,
-            incremental=incremental,
-            emergency_staging=Path(emergency_staging) if emergency_staging else None,
-            staging_reserve=staging_reserve,
-            staging_arena=staging_arena,
-            final_verify_seconds=final_verify_seconds,
-        )
+        if config is None:
+            if directory is None:
+                raise TypeError("Checkpointer needs a directory (or config=CheckpointerConfig(...))")
+            config = CheckpointerConfig(directory=Path(directory), **settings)
+        elif directory is not None or settings:
+            raise TypeError("Checkpointer takes config= or a directory and keywords, not both")
+        self.config = s = config
+        root = s.directory
         self._record = SaveRecord()
         self._policy = SavePolicy(s)
         self._closed = False
         self._save_lock = threading.RLock()
         # Under torch.distributed (see spotguard.trainer.distributed): the process groups.
         self._dist: DistContext | None = None
-        if wants_distributed(distributed):
+        if wants_distributed(s.distributed):
             self._dist = DistContext()
             statedicts.enter()
         # Only local rank 0 of a node reads requests and writes the control files.
@@ -228,7 +153,7 @@ class Checkpointer:
         self._shipping = Shipping(s, self._record, preempting=lambda: any(r.preempt for r in self._channel.pending))
         # Host copies of the tensors, reused by the next snapshot (no page
         # faults on fresh memory); costs one resident copy of the state.
-        pinned: dict[Any, Any] | None = {} if reuse_host_buffers else None
+        pinned: dict[Any, Any] | None = {} if s.reuse_host_buffers else None
         self._pinned = pinned  # the one pool, shared by the local and the collective save
         self._local = LocalPersist(s, self._policy, self._record, self._channel, self._shipping, pinned)
         # What saves: the local save, or under torch.distributed the collective one (which writes through it).
@@ -257,10 +182,22 @@ class Checkpointer:
         """Configure from the ``SPOTGUARD_*`` environment (set by the operator
         or ``spotguard run``); keyword arguments override it. Without
         ``SPOTGUARD_CHECKPOINT_DIR`` checkpoints go to ``./checkpoints``."""
-        env = EnvConfig.read(os.environ if environ is None else environ)
-        kwargs: dict[str, Any] = {**env.kwargs(), "handle_signals": handle_signals, **overrides}
-        directory = kwargs.pop("directory", None) or env.directory or "checkpoints"
-        return cls(directory, **kwargs)
+        return cls(config=CheckpointerConfig.from_env(environ, **overrides), handle_signals=handle_signals)
+
+    def __getattr__(self, name: str) -> Any:
+        # Read-only views, for the users who read them so: ``ck.directory`` is ``ck.config.directory``
+        # (``ck.control_dir`` its control_path), ``ck.last_error`` what the saves left.
+        config, record = self.__dict__.get("config"), self.__dict__.get("_record")
+        if name in _CONFIG_VIEWS and config is not None:
+            return getattr(config, _CONFIG_VIEWS[name])
+        if name in _RECORD_VIEWS and record is not None:
+            return getattr(record, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONFIG_VIEWS or name in _RECORD_VIEWS:
+            raise AttributeError(f"{name} is fixed when the Checkpointer is built: pass {name}= to it")
+        super().__setattr__(name, value)
 
     # -- signals and requests ------------------------------------------------------------
     def install_signal_handlers(self) -> bool:
@@ -470,7 +407,7 @@ class Checkpointer:
             self._dist.settle_at_close()
         last = self._record.last_committed
         final = parse_checkpoint_name(last.name) if last is not None else None
-        self._channel.await_final_verified(final, self._settings.final_verify_seconds)
+        self._channel.await_final_verified(final, self.config.final_verify_seconds)
 
     def _atexit(self) -> None:
         with contextlib.suppress(Exception):
@@ -484,6 +421,14 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The attributes that read the configuration (the field, or what it means: control_dir is control_path).
+_CONFIG_VIEWS = {f.name: f.name for f in fields(CheckpointerConfig)} | {
+    "control_dir": "control_path",
+    "local_pruner": "local_pruner",
+}
+_RECORD_VIEWS = frozenset(f.name for f in fields(SaveRecord))
 
 
 def _check_step(step: int) -> None:

@@ -29,7 +29,7 @@ from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, DeadlineExceede
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
-from spotguard.trainer.config import Settings
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
 from spotguard.trainer.persist import LocalPersist, PersistJob
 from spotguard.trainer.policy import SavePolicy, SaveRecord
@@ -74,7 +74,7 @@ class CollectiveSave:
     def __init__(
         self,
         dist: DistContext,
-        settings: Settings,
+        settings: CheckpointerConfig,
         policy: SavePolicy,
         record: SaveRecord,
         channel: TrainerChannel,

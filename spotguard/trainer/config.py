@@ -1,45 +1,51 @@
-"""What a Checkpointer is configured with: the ``SPOTGUARD_*`` environment and its settings.
+"""What a Checkpointer is configured with: one frozen :class:`CheckpointerConfig`.
 
-Two small dataclasses, read once: :class:`EnvConfig` is what the operator or
-``spotguard run`` put in the environment (``Checkpointer.from_env`` turns it
-into constructor keywords); :class:`Settings` is what the Checkpointer runs
-with, checked once at construction. The Checkpointer's attributes of the
-same names read and assign the settings, so its parts
+Each field is one keyword of ``Checkpointer(...)``. A field that the operator
+or ``spotguard run`` may set names its ``SPOTGUARD_*`` variable in the
+contract's table (:mod:`spotguard.contract.env`), which gives its default,
+its meaning (the help text) and its command-line flag. A value given any of
+three ways lands in the same field:
+
+    CheckpointerConfig(keep_local=3)                              # Checkpointer(directory, keep_local=3)
+    CheckpointerConfig.from_env({"SPOTGUARD_KEEP_LOCAL": "3"})    # Checkpointer.from_env()
+    CheckpointerConfig.from_args(parser.parse_args(["--keep-local", "3"]))  # after add_arguments(parser)
+
+The Checkpointer builds it once and hands it to each of its parts
 (:mod:`~spotguard.trainer.policy`, :mod:`~spotguard.trainer.persist`,
-:mod:`~spotguard.trainer.shipping`, :mod:`~spotguard.trainer.restore`) and
-the user always see one value. Also here, because it follows from the
+:mod:`~spotguard.trainer.shipping`, :mod:`~spotguard.trainer.restore`, ...);
+nothing changes it afterwards. Also here, because it follows from the
 configuration alone: :func:`local_pruner`, who deletes local checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from spotguard.checkpoint.store.retention import RetentionPolicy
-from spotguard.contract.env import (
-    ATTEMPT,
-    CHECKPOINT_DIR,
-    CHECKSUM,
-    CONTROL_DIR,
-    EMERGENCY_STAGING,
-    FINAL_VERIFY_SECONDS,
-    INCREMENTAL,
-    JOB,
-    SAVE_EVERY_SECONDS,
-    SAVE_EVERY_STEPS,
-    STAGING_ARENA,
-    STAGING_RESERVE,
-    STORAGE_URI,
-    from_env,
-)
+from spotguard.contract import env
+from spotguard.contract.control import CONTROL_SUBDIR
 from spotguard.storage.checksum import DEFAULT_ALGORITHM, check_algorithm
 
 PRUNE_SELF = "self"
 PRUNE_UPLOADER = "uploader"
 PRUNE_LOCAL_ONLY = "local-only"
+
+#: Field metadata: the field's variable in the contract's table, and whether 0 there means "unset".
+_VAR = "spotguard.var"
+_ZERO_IS_UNSET = "spotguard.zero_is_unset"
+_TABLE = object()
+
+
+def _setting(var: env.Var[Any, Any], default: Any = _TABLE, *, zero_is_unset: bool = False) -> Any:
+    """A field set by ``var``: its default is the table's unless the Checkpointer's differs."""
+    value = var.default if default is _TABLE else default
+    return field(default=value, metadata={_VAR: var, _ZERO_IS_UNSET: zero_is_unset})
 
 
 def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool) -> str:
@@ -63,117 +69,159 @@ def local_pruner(upload: bool, storage_uri: str | None, shares_control_dir: bool
     return PRUNE_LOCAL_ONLY
 
 
-@dataclass(frozen=True)
-class EnvConfig:
-    """The Checkpointer's configuration in the ``SPOTGUARD_*`` environment
-    (set by the operator or ``spotguard run``); unset means the default."""
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    """Everything a Checkpointer runs with; see :class:`~spotguard.trainer.Checkpointer` for each field.
 
-    directory: str | None
-    storage_uri: str | None
-    control_dir: str | None
-    save_every_steps: int | None
-    save_every_seconds: float | None
-    checksum: str
-    job: str | None
-    attempt: int | None
-    retention: RetentionPolicy | None
-    incremental: bool = True
-    emergency_staging: str | None = None
-    staging_reserve: bool = False
-    staging_arena: bool = True
-    final_verify_seconds: float = 0.0
-
-    @classmethod
-    def read(cls, env: Mapping[str, str]) -> EnvConfig:
-        """Parse ``env``; a malformed number raises ValueError naming the variable."""
-        storage_uri = from_env(STORAGE_URI, env) or None
-        control_dir = from_env(CONTROL_DIR, env) or None
-        save_every_steps = from_env(SAVE_EVERY_STEPS, env) or None
-        save_every_seconds = from_env(SAVE_EVERY_SECONDS, env) or None
-        checksum = from_env(CHECKSUM, env) or DEFAULT_ALGORITHM
-        job = from_env(JOB, env) or None
-        attempt = from_env(ATTEMPT, env)
-        policy = RetentionPolicy.from_env(env)
-        return cls(
-            directory=from_env(CHECKPOINT_DIR, env) or None,
-            storage_uri=storage_uri,
-            control_dir=control_dir,
-            save_every_steps=save_every_steps,
-            save_every_seconds=save_every_seconds,
-            checksum=checksum,
-            job=job,
-            attempt=attempt,
-            retention=None if policy.keeps_everything else policy,
-            incremental=from_env(INCREMENTAL, env),
-            emergency_staging=from_env(EMERGENCY_STAGING, env) or None,
-            staging_reserve=from_env(STAGING_RESERVE, env),
-            staging_arena=from_env(STAGING_ARENA, env),
-            final_verify_seconds=from_env(FINAL_VERIFY_SECONDS, env),
-        )
-
-    def kwargs(self) -> dict[str, Any]:
-        """The Checkpointer's keyword arguments this environment sets
-        (``retention`` only when it keeps less than everything)."""
-        out: dict[str, Any] = {
-            "storage_uri": self.storage_uri,
-            "control_dir": self.control_dir,
-            "save_every_steps": self.save_every_steps,
-            "save_every_seconds": self.save_every_seconds,
-            "checksum": self.checksum,
-            "job": self.job,
-            "attempt": self.attempt,
-            "incremental": self.incremental,
-            "emergency_staging": self.emergency_staging,
-            "staging_reserve": self.staging_reserve,
-            "staging_arena": self.staging_arena,
-            "final_verify_seconds": self.final_verify_seconds,
-        }
-        if self.retention is not None:
-            out["retention"] = self.retention
-        return out
-
-
-@dataclass
-class Settings:
-    """What a Checkpointer runs with (see its constructor for each field).
-
-    ``upload`` is only true with a storage URI; ``local_pruner`` is
-    :func:`local_pruner`'s answer. Mutable: assigning a Checkpointer
-    attribute of the same name assigns the field.
+    Fields without a variable (``storage_options``, ``upload``, ``async_save``,
+    ``reuse_host_buffers``, ``distributed``) are keywords only; ``retention``
+    comes from the ``SPOTGUARD_KEEP_*`` rules. Checked once when built: a
+    value that cannot work raises ValueError naming the field.
     """
 
-    directory: Path
-    storage_uri: str | None
-    storage_options: dict[str, Any]
-    save_every_steps: int | None
-    save_every_seconds: float | None
-    checksum: str
-    control_dir: Path
-    keep_local: int
-    retention: RetentionPolicy | None
-    upload: bool
-    local_pruner: str
-    job: str | None
-    attempt: int | None
-    async_save: bool
-    #: With ``upload``: store checkpoints as shared content-addressed chunks (only new chunks are sent).
-    incremental: bool = True
-    #: Memory file system shared with the uploader for an emergency save (see :mod:`spotguard.checkpoint.local.staged`).
-    emergency_staging: Path | None = None
-    #: Set memory aside in ``emergency_staging`` after a routine save (see :mod:`spotguard.checkpoint.local.reserve`).
-    staging_reserve: bool = False
-    #: Move host buffers into arenas in ``emergency_staging`` after each routine save (see
-    #: :mod:`spotguard.checkpoint.local.arena`).
-    staging_arena: bool = True
-    #: A trainer that finished waits on its way out, at most this long, for its last checkpoint to be
-    #: verified by the uploader (see :mod:`spotguard.contract.final`); 0: no wait.
-    final_verify_seconds: float = 0.0
+    directory: Path = _setting(env.CHECKPOINT_DIR, Path("checkpoints"))
+    storage_uri: str | None = _setting(env.STORAGE_URI)
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    save_every_steps: int | None = _setting(env.SAVE_EVERY_STEPS, zero_is_unset=True)
+    save_every_seconds: float | None = _setting(env.SAVE_EVERY_SECONDS, zero_is_unset=True)
+    checksum: str = _setting(env.CHECKSUM, DEFAULT_ALGORITHM)
+    #: As given: None is ``<directory>/.control`` (:attr:`control_path`), an uploader's own otherwise.
+    control_dir: Path | None = _setting(env.CONTROL_DIR)
+    keep_local: int = _setting(env.KEEP_LOCAL)
+    retention: RetentionPolicy | None = None
+    #: Only true with a storage URI.
+    upload: bool = False
+    job: str | None = _setting(env.JOB)
+    attempt: int | None = _setting(env.ATTEMPT)
+    async_save: bool = True
+    reuse_host_buffers: bool = True
+    distributed: bool | None = None
+    incremental: bool = _setting(env.INCREMENTAL)
+    emergency_staging: Path | None = _setting(env.EMERGENCY_STAGING)
+    staging_reserve: bool = _setting(env.STAGING_RESERVE)
+    staging_arena: bool = _setting(env.STAGING_ARENA)
+    final_verify_seconds: float = _setting(env.FINAL_VERIFY_SECONDS)
 
     def __post_init__(self) -> None:
+        # Normalized here, so that whoever builds it may pass text for paths and "" for none.
+        set_ = object.__setattr__
+        set_(self, "directory", Path(self.directory))
+        set_(self, "storage_uri", self.storage_uri or None)
+        set_(self, "storage_options", MappingProxyType(dict(self.storage_options)))
+        set_(self, "control_dir", Path(self.control_dir) if self.control_dir else None)
+        set_(self, "emergency_staging", Path(self.emergency_staging) if self.emergency_staging else None)
+        set_(self, "upload", bool(self.upload and self.storage_uri))
+        set_(self, "checksum", check_algorithm(self.checksum))
         if self.save_every_steps is not None and self.save_every_steps < 1:
             raise ValueError("save_every_steps must be at least 1")
         if self.save_every_seconds is not None and self.save_every_seconds <= 0:
             raise ValueError("save_every_seconds must be positive")
-        self.checksum = check_algorithm(self.checksum)
-        if self.final_verify_seconds < 0:
-            raise ValueError("final_verify_seconds must not be negative")
+        for f in fields(self):
+            var: env.Var[Any, Any] | None = f.metadata.get(_VAR)
+            value = getattr(self, f.name)
+            if var is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if var.bound == "non-negative" and value < 0:
+                raise ValueError(f"{f.name} must not be negative, not {value!r}")
+            if var.bound == "positive" and value <= 0:
+                raise ValueError(f"{f.name} must be more than 0, not {value!r}")
+
+    @property
+    def control_path(self) -> Path:
+        """The control channel directory: ``control_dir``, else ``<directory>/.control``."""
+        return self.control_dir or self.directory / CONTROL_SUBDIR
+
+    @property
+    def local_pruner(self) -> str:
+        """Who deletes the local checkpoints (:func:`local_pruner`)."""
+        return local_pruner(self.upload, self.storage_uri, self.control_dir is not None)
+
+    # -- the three ways in ------------------------------------------------------------
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **keywords: Any) -> CheckpointerConfig:
+        """From the ``SPOTGUARD_*`` environment (default: this process's); ``keywords`` override it.
+
+        An unset variable (or 0 for an interval) leaves the field's default;
+        a malformed one raises ValueError naming the variable.
+        """
+        environ = os.environ if environ is None else environ
+        values = _given(lambda var, _name: env.from_env(var, environ))
+        policy = RetentionPolicy.from_env(environ)
+        if not policy.keeps_everything:
+            values["retention"] = policy
+        return cls(**{**values, **_without_none_directory(keywords)})
+
+    @classmethod
+    def add_arguments(
+        cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, environ: Mapping[str, str] | None = None
+    ) -> None:
+        """Add a flag for each field the table names (``--checkpoint-dir``, ``--keep-local``, ...)
+        and the retention rules' to ``parser``; their defaults come from the environment."""
+        for f in fields(cls):
+            if _VAR in f.metadata:
+                fallback = None if f.default is MISSING else f.default
+                env.add_option(parser, f.metadata[_VAR], dest=f.name, fallback=fallback, environ=environ)
+        for var in env.RETENTION:
+            env.add_option(parser, var, environ=environ)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **keywords: Any) -> CheckpointerConfig:
+        """From the flags :meth:`add_arguments` added, as parsed; ``keywords`` override them.
+
+        Raises ValueError (one line, naming the variable) for a boolean's
+        environment text that is no boolean, or an inconsistent retention.
+        """
+
+        def given(var: env.Var[Any, Any], name: str) -> Any:
+            value = getattr(args, name, None)
+            return env.parse(var, value) if isinstance(value, str) else value
+
+        values = _given(given)
+        retention = retention_from_args(args)
+        if retention is not None:
+            values["retention"] = retention
+        return cls(**{**values, **_without_none_directory(keywords)})
+
+
+def _given(read: Callable[[env.Var[Any, Any], str], Any]) -> dict[str, Any]:
+    """The fields whose variable ``read(var, field name)`` gives a value (None or a 0 that means unset: none)."""
+    values: dict[str, Any] = {}
+    for f in fields(CheckpointerConfig):
+        var = f.metadata.get(_VAR)
+        if var is None:
+            continue
+        value = read(var, f.name)
+        if value is None or (f.metadata[_ZERO_IS_UNSET] and not value):
+            continue
+        values[f.name] = value
+    return values
+
+
+def _without_none_directory(keywords: dict[str, Any]) -> dict[str, Any]:
+    # ``directory=None`` asks for the environment's (or the default) directory, as before.
+    return {k: v for k, v in keywords.items() if not (k == "directory" and v is None)}
+
+
+def retention_from_args(args: argparse.Namespace) -> RetentionPolicy | None:
+    """The retention policy the ``--keep-*`` / ``--best-*`` flags ask for, or None to keep everything.
+
+    Raises ValueError (one line) for an inconsistent policy.
+    """
+    policy = RetentionPolicy(
+        keep_last=args.keep_last,
+        keep_best=args.keep_best,
+        metric=args.best_metric or None,
+        mode=(args.best_mode or "min").strip().lower(),
+        keep_every=args.keep_every,
+    )
+    return None if policy.keeps_everything else policy
+
+
+def reference() -> str:
+    """Pure: the Markdown table of every setting the environment or a flag gives (docs/configuration.md)."""
+    rows = ["| keyword | environment | flag | default | meaning |", "| --- | --- | --- | --- | --- |"]
+    named = [(f.name, f.metadata[_VAR], f.default) for f in fields(CheckpointerConfig) if _VAR in f.metadata]
+    for name, var, default in [*named, *(("retention", var, var.default) for var in env.RETENTION)]:
+        meaning = var.meaning.replace("<", "&lt;")
+        rows.append(f"| `{name}` | `{var.name}` | `{var.option}` | `{default}` | {meaning} |")
+    return "\n".join(rows) + "\n"

@@ -50,7 +50,7 @@ from spotguard.contract.control import STAGING_FULL_FILE, WRITING_FILE, WritePla
 from spotguard.contract.report import StagingFull
 from spotguard.trainer import folder as _folder
 from spotguard.trainer.channel import Due, TrainerChannel
-from spotguard.trainer.config import Settings
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.policy import SavePolicy, SaveRecord
 from spotguard.trainer.shipping import Shipping
 
@@ -146,7 +146,7 @@ class LocalPersist:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: CheckpointerConfig,
         policy: SavePolicy,
         record: SaveRecord,
         channel: TrainerChannel,

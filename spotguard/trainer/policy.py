@@ -26,7 +26,7 @@ from pathlib import Path
 
 from spotguard.contract.control import CheckpointRequest
 from spotguard.trainer.channel import Due, TrainerChannel
-from spotguard.trainer.config import Settings
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
 
 #: Flags are exchanged about this often at most: one exchange costs the
@@ -118,7 +118,7 @@ class _Posted:
 class SavePolicy:
     """The interval between saves and the last step saved (or restored)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: CheckpointerConfig) -> None:
         self._settings = settings
         #: The step checkpointed last (committed, being written, or restored).
         self.last_step: int | None = None

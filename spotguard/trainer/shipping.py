@@ -46,7 +46,7 @@ from spotguard.checkpoint.store.upload import UploadCancelled
 from spotguard.contract.control import uploader_shipping
 from spotguard.contract.retry import EMERGENCY_RETRY_INITIAL, EMERGENCY_RETRY_MAX, retry_delay
 from spotguard.trainer.channel import Due
-from spotguard.trainer.config import PRUNE_LOCAL_ONLY, PRUNE_SELF, Settings
+from spotguard.trainer.config import PRUNE_LOCAL_ONLY, PRUNE_SELF, CheckpointerConfig
 from spotguard.trainer.policy import SaveRecord
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Shipping:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: CheckpointerConfig,
         record: SaveRecord,
         open_storage: Callable[[], Any] | None = None,
         preempting: Callable[[], bool] | None = None,
@@ -129,7 +129,7 @@ class Shipping:
         pruner = self._settings.local_pruner
         if not preempt or pruner == PRUNE_LOCAL_ONLY:
             return True
-        shipping = self._shipping if pruner == PRUNE_SELF else uploader_shipping(self._settings.control_dir)
+        shipping = self._shipping if pruner == PRUNE_SELF else uploader_shipping(self._settings.control_path)
         return emergency_save_is_durable(preempt, pruner, shipping)
 
     def after_commit(self, path: Path, due: Due) -> None:

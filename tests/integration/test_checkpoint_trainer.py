@@ -357,8 +357,8 @@ def test_an_uploading_trainer_prunes_only_what_it_verified(tmp_path: Path, s3_st
     assert steps_of(ckdir) == [2]  # 1 is superseded by 2, which is verified in storage
     # Storage refuses every request from now on (the credentials were
     # revoked): nothing newer is verified, so nothing is pruned.
-    ck.storage_options = {**s3_options(s3_store), "secret_key": "revoked"}
-    ck._shipping._storage = None  # noqa: SLF001 - reopen with the new credentials
+    revoked = {**s3_options(s3_store), "secret_key": "revoked"}
+    ck._shipping._storage = open_storage(s3_uri, **revoked)  # noqa: SLF001 - the configuration is fixed
     for step in (3, 4, 5):
         ck.save(step, step_tensors(step), blocking=True)
     ck.close()

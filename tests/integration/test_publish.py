@@ -125,26 +125,20 @@ def test_a_pointer_that_cannot_move_leaves_the_checkpoint_verified(tmp_path: Pat
 def test_in_process_shipping_commits_a_part_left_waiting(tmp_path: Path, storage: Storage) -> None:
     """``upload=True`` on a node whose part was stored while another's was not yet: the
     Checkpointer's next upload commits the global manifest first (it used never to)."""
-    from spotguard.trainer.config import PRUNE_SELF, Settings
+    from spotguard.trainer.config import PRUNE_SELF, CheckpointerConfig
     from spotguard.trainer.policy import SaveRecord
     from spotguard.trainer.shipping import Shipping
 
-    settings = Settings(
+    settings = CheckpointerConfig(
         directory=tmp_path / "ckpt",
         storage_uri=storage.uri,
-        storage_options={},
-        save_every_steps=None,
-        save_every_seconds=None,
         checksum="crc32c",
         control_dir=tmp_path / "control",
         keep_local=10,
-        retention=None,
         upload=True,
-        local_pruner=PRUNE_SELF,
-        job=None,
-        attempt=None,
         async_save=False,
     )
+    assert settings.local_pruner == PRUNE_SELF
     shipping = Shipping(settings, SaveRecord(), lambda: storage)
     name = checkpoint_name(50)
     shipping.upload(write_part(tmp_path / "node0", 50, 0))

@@ -217,10 +217,10 @@ def test_the_sidecar_docs_option_table_agrees_with_the_registry() -> None:
 
 
 def test_the_trainers_environment_carries_incremental() -> None:
-    from spotguard.trainer.config import EnvConfig
+    from spotguard.trainer.config import CheckpointerConfig
 
-    assert EnvConfig.read({}).kwargs()["incremental"] is True  # on by default
-    assert EnvConfig.read({"SPOTGUARD_INCREMENTAL": "0"}).kwargs()["incremental"] is False
-    assert EnvConfig.read({"SPOTGUARD_INCREMENTAL": "1"}).kwargs()["incremental"] is True
+    assert CheckpointerConfig.from_env({}).incremental is True  # on by default
+    assert CheckpointerConfig.from_env({"SPOTGUARD_INCREMENTAL": "0"}).incremental is False
+    assert CheckpointerConfig.from_env({"SPOTGUARD_INCREMENTAL": "1"}).incremental is True
     with pytest.raises(ValueError, match="SPOTGUARD_INCREMENTAL"):
-        EnvConfig.read({"SPOTGUARD_INCREMENTAL": "maybe"})
+        CheckpointerConfig.from_env({"SPOTGUARD_INCREMENTAL": "maybe"})

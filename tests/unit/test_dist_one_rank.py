@@ -158,7 +158,7 @@ def test_a_single_process_checkpoint_is_restored_by_a_distributed_job(group: Non
 def test_the_manifest_says_which_ranks_and_files(group: None, tmp_path: Path) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)
-    ckpt = spotguard.Checkpointer(tmp_path / "ck", distributed=True, job="j", attempt=2)
+    ckpt = spotguard.Checkpointer(tmp_path / "ck", distributed=True, job="j", attempt=2, keep_local=2)
     ckpt.save(7, spotguard.torch_state(model, opt, sched), metrics={"loss": 1.5}, blocking=True)
     ckpt.save(8, spotguard.torch_state(model, opt, sched), blocking=True)
     assert ckpt.distributed

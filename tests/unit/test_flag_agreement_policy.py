@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from spotguard.contract.control import CheckpointRequest
 from spotguard.trainer.channel import Due
-from spotguard.trainer.config import Settings
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import Agreement
 from spotguard.trainer.policy import EXCHANGE_MAX_CALLS, EXCHANGE_SECONDS, ExchangeSchedule, SavePolicy
 
@@ -48,22 +48,9 @@ class RankEnd:
         return Agreement.of([max(col) for col in zip(*(p[n] for p in self.wire.posts), strict=True)])
 
 
-def settings(every_steps: int | None = None, every_seconds: float | None = None) -> Settings:
-    return Settings(
-        directory=Path("ck"),
-        storage_uri=None,
-        storage_options={},
-        save_every_steps=every_steps,
-        save_every_seconds=every_seconds,
-        checksum="sha256",
-        control_dir=Path("ck/.control"),
-        keep_local=2,
-        retention=None,
-        upload=False,
-        local_pruner="keep",
-        job=None,
-        attempt=None,
-        async_save=True,
+def settings(every_steps: int | None = None, every_seconds: float | None = None) -> CheckpointerConfig:
+    return CheckpointerConfig(
+        directory=Path("ck"), save_every_steps=every_steps, save_every_seconds=every_seconds, checksum="sha256"
     )
 
 

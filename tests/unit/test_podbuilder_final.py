@@ -10,7 +10,7 @@ import pytest
 from spotguard.contract import env as envvars
 from spotguard.operator.podbuilder import OperatorConfig, build_pod
 from spotguard.operator.spec import parse
-from spotguard.trainer.config import EnvConfig
+from spotguard.trainer.config import CheckpointerConfig
 
 SPEC: dict[str, Any] = {
     "nodes": 2,
@@ -47,7 +47,7 @@ def test_beside_a_native_sidecar_the_trainer_waits_for_its_last_checkpoint(rank:
     # As long as a classic sidecar would ship a finished trainer's last checkpoint without progress.
     assert trainer[name] == envvars.to_env(envvars.FINISH_SECONDS, envvars.FINISH_SECONDS.default) == "600"
     # The Checkpointer in that container reads it as its bound.
-    assert EnvConfig.read(trainer).kwargs()["final_verify_seconds"] == 600.0
+    assert CheckpointerConfig.from_env(trainer).final_verify_seconds == 600.0
     # Only the training code's containers wait; spotguard's own never do.
     assert name not in env_of(pods["spotguard-sidecar"]) and name not in env_of(pods["spotguard-restore"])
     # The wait comes before kubelet stops the sidecar: the grace period is the spec's, for preemptions.
@@ -59,4 +59,4 @@ def test_beside_a_classic_sidecar_the_trainer_does_not_wait() -> None:
     pods = by_name(render(native=False))
     # The classic sidecar keeps the pod up itself until the last checkpoint is verified.
     assert envvars.FINAL_VERIFY_SECONDS.name not in env_of(pods["trainer"])
-    assert EnvConfig.read(env_of(pods["trainer"])).kwargs()["final_verify_seconds"] == 0.0
+    assert CheckpointerConfig.from_env(env_of(pods["trainer"])).final_verify_seconds == 0.0

@@ -62,14 +62,14 @@ def test_signal_trainer_asks_last_whether_the_pid_is_still_announced(announced: 
 def test_trainer_and_uploader_share_one_protocol_module() -> None:
     import spotguard.contract.control as protocol
     import spotguard.trainer as trainer
-    import spotguard.trainer.checkpointer as checkpointer
+    import spotguard.trainer.config as config
 
     # One request type, one parser, one set of file names: the trainer's are the protocol's.
     assert trainer.CheckpointRequest is protocol.CheckpointRequest
     assert trainer.parse_request is protocol.parse_request
     for name in ("REQUEST_FILE", "ACK_FILE", "PID_FILE", "EXIT_FILE"):
         assert getattr(trainer, name) == getattr(protocol, name)
-    assert checkpointer.CONTROL_SUBDIR == protocol.CONTROL_SUBDIR
+    assert config.CONTROL_SUBDIR == protocol.CONTROL_SUBDIR
     # A request as the uploader writes it parses back to the same request on the trainer's side.
     req = CheckpointRequest(id="r9", reason="notice:aws", deadline=123.5, preempt=True, written_at=99.0)
     assert protocol.parse_request(__import__("json").dumps(req.to_json())) == req

@@ -17,7 +17,7 @@ from spotguard.checkpoint.local.codec import (
     written_size,
 )
 from spotguard.contract.env import STAGING_ARENA, from_env
-from spotguard.trainer.config import EnvConfig
+from spotguard.trainer.config import CheckpointerConfig
 
 MiB = 1 << 20
 
@@ -67,6 +67,6 @@ def test_arenas_are_planned_for_files_of_plain_cpu_host_buffers_only() -> None:
 def test_the_arena_is_on_unless_turned_off(value: str | None, expected: bool) -> None:
     env = {} if value is None else {STAGING_ARENA.name: value}
     assert from_env(STAGING_ARENA, env) is expected
-    assert EnvConfig.read(env).kwargs()["staging_arena"] is expected
+    assert CheckpointerConfig.from_env(env).staging_arena is expected
     with pytest.raises(ValueError, match=STAGING_ARENA.name):
-        EnvConfig.read({STAGING_ARENA.name: "maybe"})
+        CheckpointerConfig.from_env({STAGING_ARENA.name: "maybe"})

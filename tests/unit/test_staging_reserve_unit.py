@@ -7,7 +7,7 @@ import pytest
 from spotguard.checkpoint.local import reserve
 from spotguard.checkpoint.local.commit import TMP_PREFIX, WRITER_TMP_PREFIX
 from spotguard.contract.env import STAGING_RESERVE, from_env
-from spotguard.trainer.config import EnvConfig
+from spotguard.trainer.config import CheckpointerConfig
 
 MiB = 1 << 20
 
@@ -70,7 +70,7 @@ def test_a_file_takes_the_smallest_reserve_that_holds_it_else_the_largest() -> N
 
 def test_the_reserve_is_off_unless_asked_for() -> None:
     assert from_env(STAGING_RESERVE, {}) is False
-    assert EnvConfig.read({}).kwargs()["staging_reserve"] is False
-    assert EnvConfig.read({STAGING_RESERVE.name: "true"}).kwargs()["staging_reserve"] is True
+    assert CheckpointerConfig.from_env({}).staging_reserve is False
+    assert CheckpointerConfig.from_env({STAGING_RESERVE.name: "true"}).staging_reserve is True
     with pytest.raises(ValueError, match=STAGING_RESERVE.name):
-        EnvConfig.read({STAGING_RESERVE.name: "maybe"})
+        CheckpointerConfig.from_env({STAGING_RESERVE.name: "maybe"})

@@ -9,7 +9,7 @@ import pytest
 from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.contract.control import CheckpointRequest
 from spotguard.trainer.channel import Due
-from spotguard.trainer.config import EnvConfig, Settings
+from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.policy import SavePolicy
 
 SIGTERM = CheckpointRequest("sigterm-1-1", "sigterm", None, True)
@@ -41,25 +41,10 @@ def test_a_preemption_another_rank_saw_is_named_sigterm() -> None:
     assert Due([], True, 30.0).reason == "sigterm"
 
 
-def settings(**changes: object) -> Settings:
-    fields: dict[str, object] = {
-        "directory": Path("ck"),
-        "storage_uri": None,
-        "storage_options": {},
-        "save_every_steps": None,
-        "save_every_seconds": None,
-        "checksum": "sha256",
-        "control_dir": Path("ck/.spotguard"),
-        "keep_local": 2,
-        "retention": None,
-        "upload": False,
-        "local_pruner": "local-only",
-        "job": None,
-        "attempt": None,
-        "async_save": True,
-    }
+def settings(**changes: object) -> CheckpointerConfig:
+    fields: dict[str, object] = {"directory": Path("ck"), "checksum": "sha256", "keep_local": 2}
     fields.update(changes)
-    return Settings(**fields)  # type: ignore[arg-type]
+    return CheckpointerConfig(**fields)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +53,8 @@ def settings(**changes: object) -> Settings:
         ({"save_every_steps": 0}, "save_every_steps must be at least 1"),
         ({"save_every_seconds": 0.0}, "save_every_seconds must be positive"),
         ({"checksum": "md5"}, "md5"),
+        ({"keep_local": -1}, "keep_local must not be negative"),
+        ({"final_verify_seconds": -1.0}, "final_verify_seconds must not be negative"),
     ],
 )
 def test_settings_refuse_what_cannot_work(changes: dict[str, object], message: str) -> None:
@@ -101,7 +88,7 @@ def test_when_a_save_waits_for_its_write(blocking: bool | None, preempt: bool, a
 
 
 def test_the_environment_sets_only_what_it_names() -> None:
-    env = EnvConfig.read(
+    config = CheckpointerConfig.from_env(
         {
             "SPOTGUARD_CHECKPOINT_DIR": "/ck",
             "SPOTGUARD_SAVE_EVERY_STEPS": "0",
@@ -109,13 +96,13 @@ def test_the_environment_sets_only_what_it_names() -> None:
             "SPOTGUARD_KEEP_LAST": "3",
         }
     )
-    assert env.directory == "/ck"
-    kwargs = env.kwargs()
-    assert kwargs["save_every_steps"] is None  # 0: no step interval
-    assert kwargs["attempt"] == 0
-    assert isinstance(kwargs["retention"], RetentionPolicy) and kwargs["retention"].keep_last == 3
-    assert "retention" not in EnvConfig.read({}).kwargs()  # keeping everything is the default
-    assert "directory" not in kwargs
+    assert config.directory == Path("/ck")
+    assert config.save_every_steps is None  # 0: no step interval
+    assert config.attempt == 0
+    assert isinstance(config.retention, RetentionPolicy) and config.retention.keep_last == 3
+    assert CheckpointerConfig.from_env({}) == CheckpointerConfig()  # nothing set: every default
+    assert CheckpointerConfig.from_env({}).retention is None  # keeping everything is the default
+    assert CheckpointerConfig.from_env({}, directory=None).directory == Path("checkpoints")
 
 
 @pytest.mark.parametrize(
@@ -128,4 +115,4 @@ def test_the_environment_sets_only_what_it_names() -> None:
 )
 def test_a_malformed_environment_names_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        EnvConfig.read(env)
+        CheckpointerConfig.from_env(env)
