@@ -16,6 +16,11 @@ Checks, in order (R ranks: min(GPUs, 2) unless ``--ranks``):
   fresh FSDP2 model: every parameter shard and optimizer moment bitwise equal.
 - ``pinned``: the Checkpointer's snapshot of a CUDA tensor goes to pinned
   host buffers, reused across saves; host-copy GB/s vs a plain ``.cpu()``.
+- ``arena``: the Checkpointer's staging arena for a CUDA tensor's host
+  buffers: moved into a memory file system after a routine save, the mapping
+  page-locked (``cudaHostRegister``); the preemption's save links it, checked
+  bitwise, and is timed beside the same save with the arena off
+  (``bench/gpu_arena.py``).
 - ``finetune``: a 7B model's LoRA fine-tune (``--frozen-gib`` of bfloat16
   weights, frozen, on the GPU) under ``spotguard run``: SIGTERM -> verified,
   the share of the state the emergency checkpoint uploads, a new node's
@@ -45,10 +50,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.gpu_arena import check_arena
 from bench.gpu_common import ROOT, Check, CheckFailed, Child, Ctx, MiB, UsageError, child_env, median, run_child
 from bench.gpu_finetune import GiB, check_finetune, frozen_default
 
-CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned", "finetune")
+CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned", "arena", "finetune")
 
 STEP_RE = re.compile(r"^step (\d+) ")
 RESUMED_RE = re.compile(r"resumed from step (\d+) exact=(True|False)")
@@ -554,6 +560,7 @@ RUNNERS: dict[str, Callable[[Ctx, Check], None]] = {
     "fsdp-stall": check_fsdp_stall,
     "fsdp-exact": check_fsdp_exact,
     "pinned": check_pinned,
+    "arena": check_arena,
     "finetune": check_finetune,
 }
 
