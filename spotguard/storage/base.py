@@ -16,7 +16,9 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Final, Protocol, TypeVar, runtime_checkable
+
+from spotguard.storage.uri import parse_bucket_uri
 
 _R = TypeVar("_R")
 
@@ -304,6 +306,71 @@ def check_key(key: str) -> str:
 def join_key(*parts: str) -> str:
     """Join key parts with ``/``, ignoring empty ones."""
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+# --- shared by the backends --------------------------------------------------------------
+
+
+class StorageRoot:
+    """What every backend's identity shares: the URIs of keys under its root :attr:`uri`."""
+
+    @property
+    def uri(self) -> str:
+        """The root URI, without a trailing slash."""
+        raise NotImplementedError
+
+    def uri_for(self, key: str) -> str:
+        """The absolute URI of ``key``."""
+        return f"{self.uri}/{check_key(key)}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    def missing(self, key: str) -> NotFoundError:
+        """The error of a read of ``key`` that found nothing."""
+        return NotFoundError(f"{self.uri_for(key)} does not exist")
+
+
+class BucketRoot(StorageRoot):
+    """The root ``<scheme>://bucket/prefix`` of an object-store backend (S3, GCS): where its keys
+    lie in the bucket, and what such backends derive alike from their listings and reads."""
+
+    #: The URI scheme (``s3``, ``gs``).
+    scheme: ClassVar[str]
+
+    def __init__(self, uri: str) -> None:
+        self.bucket, self.prefix = parse_bucket_uri(uri, self.scheme)
+
+    @property
+    def uri(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def _key(self, key: str) -> str:
+        """The store's key of ``key`` (under the prefix)."""
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full_key: str) -> str:
+        """``key`` of the store's key (below the prefix)."""
+        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
+
+    def _full_prefix(self, prefix: str) -> str:
+        return f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+    def list_objects(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        raise NotImplementedError
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        return dirs_in_listing(self.list_objects, prefix)
+
+    def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
+        raise NotImplementedError
+
+    def read_bytes(self, key: str) -> bytes:
+        found = self.read_with_etag(key)
+        if found is None:
+            raise self.missing(key)
+        return found[0]
 
 
 # --- shared by the object-store backends -------------------------------------------------

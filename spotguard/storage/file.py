@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 from spotguard.storage.base import (
     UNCHANGED,
@@ -25,6 +26,7 @@ from spotguard.storage.base import (
     PreconditionFailedError,
     ProgressCallback,
     StorageError,
+    StorageRoot,
     Unchanged,
     check_key,
     too_large,
@@ -57,7 +59,7 @@ def _etag(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-class FileStorage:
+class FileStorage(StorageRoot):
     """Storage rooted at a local directory (created on first write)."""
 
     def __init__(self, root: Path | str, *, workers: int = 4, max_read_bytes: int | None = None) -> None:
@@ -73,12 +75,6 @@ class FileStorage:
     @property
     def supports_conditional_writes(self) -> bool:
         return True
-
-    def uri_for(self, key: str) -> str:
-        return f"{self.uri}/{check_key(key)}"
-
-    def __repr__(self) -> str:
-        return f"FileStorage({self.uri!r})"
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -134,7 +130,7 @@ class FileStorage:
                 # Bounded by a read of limit + 1: a device or a growing file says nothing true in stat().
                 data = f.read() if self._max_read is None else f.read(self._max_read + 1)
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(f"{self.uri_for(key)} does not exist") from None
+            raise self.missing(key) from None
         except IsADirectoryError:
             raise NotFoundError(f"{self.uri_for(key)} is a directory") from None
         if self._max_read is not None and len(data) > self._max_read:
@@ -159,7 +155,7 @@ class FileStorage:
         try:
             f = open(self._path(key), "rb", buffering=0)  # noqa: SIM115 (generator owns it)
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFoundError(f"{self.uri_for(key)} does not exist") from None
+            raise self.missing(key) from None
         with f:
             while chunk := f.read(chunk_size):
                 yield chunk
@@ -173,17 +169,23 @@ class FileStorage:
         os.replace(tmp, target)
         fsync_dir(target.parent)
 
-    def _write_atomic(self, target: Path, data: bytes) -> None:
+    @contextlib.contextmanager
+    def _atomic(self, target: Path) -> Iterator[BinaryIO]:
+        """A file for the caller to write that appears under ``target`` only complete and fsynced."""
         tmp = self._tmp_for(target)
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                yield f
                 f.flush()
                 os.fsync(f.fileno())
             self._publish(tmp, target)
         except BaseException:  # no temporary file left, an interrupt too; raised again
             tmp.unlink(missing_ok=True)
             raise
+
+    def _write_atomic(self, target: Path, data: bytes) -> None:
+        with self._atomic(target) as f:
+            f.write(data)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -214,21 +216,13 @@ class FileStorage:
         self._write_atomic(self._path(key), data)
 
     def _copy(self, src: Path, dst: Path, progress: ProgressCallback | None) -> None:
-        tmp = self._tmp_for(dst)
-        try:
-            with open(src, "rb") as fin, open(tmp, "wb") as fout:
-                if progress is None:
-                    shutil.copyfileobj(fin, fout, _COPY_CHUNK)
-                else:
-                    while chunk := fin.read(_COPY_CHUNK):
-                        fout.write(chunk)
-                        progress(len(chunk))
-                fout.flush()
-                os.fsync(fout.fileno())
-            self._publish(tmp, dst)
-        except BaseException:  # no temporary file left, an interrupt too; raised again
-            tmp.unlink(missing_ok=True)
-            raise
+        with open(src, "rb") as fin, self._atomic(dst) as fout:
+            if progress is None:
+                shutil.copyfileobj(fin, fout, _COPY_CHUNK)
+            else:
+                while chunk := fin.read(_COPY_CHUNK):
+                    fout.write(chunk)
+                    progress(len(chunk))
 
     def _run_all(self, jobs: list[tuple[Path, Path]], progress: ProgressCallback | None) -> None:
         if len(jobs) <= 1:
@@ -248,7 +242,7 @@ class FileStorage:
         for key, dst in items:
             src = self._path(key)
             if not src.is_file():
-                raise NotFoundError(f"{self.uri_for(key)} does not exist")
+                raise self.missing(key)
             jobs.append((src, Path(dst)))
         try:
             self._run_all(jobs, progress)

@@ -44,6 +44,7 @@ discards them after a week): only composite pieces are pending uploads.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -61,6 +62,7 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 
 from spotguard.storage.base import (
     UNCHANGED,
+    BucketRoot,
     CappedBuffer,
     NotFoundError,
     ObjectInfo,
@@ -73,8 +75,6 @@ from spotguard.storage.base import (
     Unchanged,
     before_part,
     byte_ranges,
-    check_key,
-    dirs_in_listing,
     locked_progress,
     read_in_order,
     wait_all,
@@ -87,7 +87,6 @@ from spotguard.storage.gcs_client import (
     gcs_errors,
     generation_of,
     make_client,
-    parse_gs_uri,
     stored_checksum_from,
     upload_chunk_size,
 )
@@ -112,7 +111,7 @@ log = logging.getLogger(__name__)
 # -- the backend ----------------------------------------------------------------------
 
 
-class GcsStorage:
+class GcsStorage(BucketRoot):
     """Storage rooted at ``gs://bucket/prefix``.
 
     The client is created on first use, so opening a URI costs nothing and a
@@ -134,6 +133,8 @@ class GcsStorage:
     (default: on against Google's endpoint, off against a custom one) and
     ``client`` (a ready ``google.cloud.storage.Client``).
     """
+
+    scheme = "gs"
 
     def __init__(
         self,
@@ -158,17 +159,23 @@ class GcsStorage:
         max_read_bytes: int | None = None,
         client: Any = None,
     ) -> None:
-        self.bucket, self.prefix = parse_gs_uri(uri)
+        super().__init__(uri)
         self._max_read = max_read_bytes
         self._endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
-        self._credentials_file = credentials_file
-        self._credentials_info = dict(credentials_info) if credentials_info else None
-        # A custom endpoint is an emulator unless credentials are asked for.
-        self._anonymous = (
-            anonymous if anonymous is not None else bool(endpoint_url and not credentials_file and not credentials_info)
-        )
-        self._project = project
         self._concurrency = max(1, max_concurrency)
+        # Made on first use: opening a URI costs nothing, a missing credential is the first operation's error.
+        self._connect = functools.partial(
+            make_client,
+            endpoint_url=self._endpoint_url,
+            credentials_file=credentials_file,
+            credentials_info=dict(credentials_info) if credentials_info else None,
+            # A custom endpoint is an emulator unless credentials are asked for.
+            anonymous=anonymous
+            if anonymous is not None
+            else bool(endpoint_url and not credentials_file and not credentials_info),
+            project=project,
+            concurrency=self._concurrency,
+        )
         self._chunk_size = upload_chunk_size(chunk_size)
         self._resumable_threshold = max(0, resumable_threshold)
         self._composite_threshold = max(0, composite_threshold)
@@ -194,28 +201,8 @@ class GcsStorage:
 
     # -- identity -----------------------------------------------------------
     @property
-    def uri(self) -> str:
-        return f"gs://{self.bucket}/{self.prefix}".rstrip("/")
-
-    @property
     def supports_conditional_writes(self) -> bool:
         return True
-
-    def uri_for(self, key: str) -> str:
-        return f"{self.uri}/{check_key(key)}"
-
-    def __repr__(self) -> str:
-        return f"GcsStorage({self.uri!r})"
-
-    def _key(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _rel(self, full_key: str) -> str:
-        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
-
-    def _full_prefix(self, prefix: str) -> str:
-        return f"{self.prefix}/{prefix}" if self.prefix else prefix
 
     # -- client and errors ----------------------------------------------------
     @property
@@ -224,14 +211,7 @@ class GcsStorage:
         with self._client_lock:
             if self._client_obj is None:
                 with self._errors(self.uri):
-                    self._client_obj = make_client(
-                        endpoint_url=self._endpoint_url,
-                        credentials_file=self._credentials_file,
-                        credentials_info=self._credentials_info,
-                        anonymous=self._anonymous,
-                        project=self._project,
-                        concurrency=self._concurrency,
-                    )
+                    self._client_obj = self._connect()
             return self._client_obj
 
     def _bucket(self) -> Any:
@@ -287,9 +267,6 @@ class GcsStorage:
                 version=str(blob.generation or ""),
             )
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
-        return dirs_in_listing(self.list_objects, prefix)
-
     def _metadata(self, key: str) -> Any:
         """The object's metadata (size, generation, crc32c, updated), or None when absent."""
         with self._errors(self.uri_for(key)):
@@ -308,7 +285,7 @@ class GcsStorage:
         whole-object hex."""
         blob = self._metadata(key)
         if blob is None:
-            raise NotFoundError(f"{self.uri_for(key)} does not exist")
+            raise self.missing(key)
         return stored_checksum_from(blob.crc32c, int(blob.size or 0))
 
     def read_with_etag(self, key: str) -> tuple[bytes, str] | None:
@@ -353,12 +330,6 @@ class GcsStorage:
         except NotFoundError:
             return None
 
-    def read_bytes(self, key: str) -> bytes:
-        found = self.read_with_etag(key)
-        if found is None:
-            raise NotFoundError(f"{self.uri_for(key)} does not exist")
-        return found[0]
-
     def _get_range(self, key: str, generation: int, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of one generation of ``key`` (gone when it was replaced)."""
         blob = self._blob(key, generation=generation)
@@ -385,7 +356,7 @@ class GcsStorage:
         else:
             blob = self._metadata(key)
             if blob is None:
-                raise NotFoundError(f"{self.uri_for(key)} does not exist")
+                raise self.missing(key)
             generation, size = int(blob.generation), int(blob.size or 0)
         return RangedObject(
             key,
@@ -413,7 +384,7 @@ class GcsStorage:
         chunk = max(chunk_size or self._read_chunk, MiB)
         blob = self._metadata(key)
         if blob is None:
-            raise NotFoundError(f"{self.uri_for(key)} does not exist")
+            raise self.missing(key)
         size, generation = int(blob.size or 0), int(blob.generation)
         if size == 0:
             return
@@ -456,7 +427,7 @@ class GcsStorage:
             metas = list(pool.map(self._metadata, [key for key, _ in items]))
             for (key, _), meta in zip(items, metas, strict=True):
                 if meta is None:
-                    raise NotFoundError(f"{self.uri_for(key)} does not exist")
+                    raise self.missing(key)
             tmps: list[Path] = []
             try:
                 jobs: list[tuple[int, Future[tuple[int, int, int]]]] = []

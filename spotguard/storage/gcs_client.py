@@ -40,7 +40,7 @@ from spotguard.storage.base import (
     StoredChecksum,
 )
 from spotguard.storage.checksum import crc32c_from_base64
-from spotguard.storage.uri import parse_storage_uri
+from spotguard.storage.uri import parse_bucket_uri
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,8 @@ _DATA_CORRUPTION = _data_corruption_types()
 
 
 def parse_gs_uri(uri: str) -> tuple[str, str]:
-    """Pure: split ``gs://bucket/prefix`` into bucket and prefix (no slashes around); the grammar is
-    :mod:`spotguard.storage.uri`'s."""
-    if not uri.startswith("gs://"):
-        raise ValueError(f"not a gs:// URI: {uri!r}")
-    parsed = parse_storage_uri(uri)
-    return parsed.bucket, parsed.path
+    """Pure: split ``gs://bucket/prefix`` into bucket and prefix (no slashes around)."""
+    return parse_bucket_uri(uri, "gs")
 
 
 def upload_chunk_size(requested: int) -> int:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from spotguard.storage.base import (
     UNCHANGED,
+    BucketRoot,
     NotFoundError,
     ObjectInfo,
     PendingUpload,
@@ -30,8 +31,6 @@ from spotguard.storage.base import (
     Unchanged,
     before_part,
     byte_ranges,
-    check_key,
-    dirs_in_listing,
     locked_progress,
     read_in_order,
     wait_all,
@@ -40,7 +39,6 @@ from spotguard.storage.s3_client import (
     NOT_FOUND,
     error_code,
     make_client,
-    parse_s3_uri,
     read_body,
     read_body_into,
     read_whole,
@@ -78,7 +76,7 @@ def _raw(fn: Callable[[bool], _T], full_object: bool) -> _T:
         raise
 
 
-class S3Storage:
+class S3Storage(BucketRoot):
     """Storage rooted at ``s3://bucket/prefix``.
 
     Uploads carry CRC32C additional checksums (``send_checksums``), which the
@@ -87,6 +85,8 @@ class S3Storage:
     each request's connection and each wait for bytes; ``max_read_bytes`` the
     whole-object reads (:meth:`read_bytes` and the like; none by default).
     """
+
+    scheme = "s3"
 
     def __init__(
         self,
@@ -113,7 +113,7 @@ class S3Storage:
     ) -> None:
         from boto3.s3.transfer import TransferConfig
 
-        self.bucket, self.prefix = parse_s3_uri(uri)
+        super().__init__(uri)
         self._max_read = max_read_bytes
         self._read_chunk = read_chunk_size
         self._concurrency = max_concurrency
@@ -146,30 +146,8 @@ class S3Storage:
 
     # -- identity -----------------------------------------------------------
     @property
-    def uri(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-
-    @property
     def supports_conditional_writes(self) -> bool:
         return self._conditional
-
-    def uri_for(self, key: str) -> str:
-        return f"{self.uri}/{check_key(key)}"
-
-    def __repr__(self) -> str:
-        return f"S3Storage({self.uri!r})"
-
-    def _key(self, key: str) -> str:
-        check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _rel(self, full_key: str) -> str:
-        return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
-
-    def _full_prefix(self, prefix: str) -> str:
-        if not self.prefix:
-            return prefix
-        return f"{self.prefix}/{prefix}"
 
     def _errors(self, what: str) -> AbstractContextManager[None]:
         """Turn botocore errors into one-line :class:`StorageError` messages."""
@@ -199,9 +177,6 @@ class S3Storage:
                     modified=obj["LastModified"].timestamp(),
                     version=str(obj.get("ETag", "")),
                 )
-
-    def list_dirs(self, prefix: str = "") -> list[str]:
-        return dirs_in_listing(self.list_objects, prefix)
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
@@ -258,12 +233,6 @@ class S3Storage:
                 return retrying_read(once, self.uri_for(key))
         except NotFoundError:
             return None
-
-    def read_bytes(self, key: str) -> bytes:
-        found = self.read_with_etag(key)
-        if found is None:
-            raise NotFoundError(f"{self.uri_for(key)} does not exist")
-        return found[0]
 
     def _get_range(self, key: str, start: int, end: int, etag: str) -> bytes:
         def once() -> bytes:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from spotguard.storage.base import CredentialsError, NotFoundError, PreconditionFailedError, StorageError, too_large
-from spotguard.storage.uri import parse_storage_uri
+from spotguard.storage.uri import parse_bucket_uri
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -40,12 +40,8 @@ _DENIED = {
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """Split ``s3://bucket/prefix`` into bucket and prefix (no slashes around); the grammar is
-    :mod:`spotguard.storage.uri`'s."""
-    if not uri.startswith("s3://"):
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    parsed = parse_storage_uri(uri)
-    return parsed.bucket, parsed.path
+    """Split ``s3://bucket/prefix`` into bucket and prefix (no slashes around)."""
+    return parse_bucket_uri(uri, "s3")
 
 
 def error_code(exc: BaseException) -> tuple[str, int]:

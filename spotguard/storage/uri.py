@@ -87,6 +87,14 @@ def parse_storage_uri(uri: str) -> StorageURI:
     return StorageURI(scheme, bucket, prefix.strip("/"))
 
 
+def parse_bucket_uri(uri: str, scheme: str) -> tuple[str, str]:
+    """Pure: split ``<scheme>://bucket/prefix`` (``s3``, ``gs``) into bucket and prefix (no slashes around)."""
+    if not uri.startswith(f"{scheme}://"):
+        raise ValueError(f"not a {scheme}:// URI: {uri!r}")
+    parsed = parse_storage_uri(uri)
+    return parsed.bucket, parsed.path
+
+
 def _why_not(uri: str) -> str:
     """Pure: one line on why ``uri`` is outside the grammar (only called for one that is)."""
     if len(uri) > MAX_URI_LENGTH:
