@@ -294,21 +294,9 @@ class CollectiveSave:
             shutil.rmtree(tmp, ignore_errors=True)
             return None, False, None
         node_entries = [FileEntry(p, n, c) for r in reports if r.node == d.info.node for p, n, c in r.entries or ()]
-        persist_seconds = round(time.perf_counter() - start, 6)
-        timing = {
-            "persist_seconds": persist_seconds,
-            "snapshot_seconds": round(job.snapshot_seconds, 6),
-            "save_seconds": round(job.snapshot_seconds + persist_seconds, 6),
-        }
         try:
             path = writer.commit(
-                epoch=job.epoch,
-                metrics=job.metrics,
-                job=s.job,
-                attempt=s.attempt,
-                reason=job.due.reason,
-                request_id=job.due.request_id,
-                timing=timing,
+                **job.manifest_meta(s.job, s.attempt, time.perf_counter() - start),
                 sharding=self._sharding(job.token),
                 entries=node_entries,
                 check_deadline=False,
@@ -458,19 +446,8 @@ class CollectiveSave:
                     mine, drop = _folder.node_files([(r.node, r.entries) for r in reports if r.leader], d.info.node)
                     for rel in drop:
                         (writer.tmp / rel).unlink()
-                    persist = round(time.perf_counter() - start, 6)
                     writer.commit(
-                        epoch=job.epoch,
-                        metrics=job.metrics,
-                        job=s.job,
-                        attempt=s.attempt,
-                        reason=job.due.reason,
-                        request_id=job.due.request_id,
-                        timing={
-                            "snapshot_seconds": round(job.snapshot_seconds, 6),
-                            "persist_seconds": persist,
-                            "save_seconds": round(job.snapshot_seconds + persist, 6),
-                        },
+                        **job.manifest_meta(s.job, s.attempt, time.perf_counter() - start),
                         sharding=self._sharding(job.token),
                         entries=mine,
                         check_deadline=False,

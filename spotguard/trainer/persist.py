@@ -38,12 +38,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from spotguard.checkpoint.format.manifest import ManifestMeta
 from spotguard.checkpoint.local.arena import Plan, plans
 from spotguard.checkpoint.local.arena import Stopped as ArenaStopped
 from spotguard.checkpoint.local.arena import build as build_arena
 from spotguard.checkpoint.local.arena import close_all as close_arenas
 from spotguard.checkpoint.local.codec import POOL_ARENAS, POOL_PLACES, Snapshot, snapshot_state, written_size
-from spotguard.checkpoint.local.commit import DeadlineExceeded, LocalWriter, list_local_committed, write_checkpoint
+from spotguard.checkpoint.local.commit import (
+    DeadlineExceeded,
+    LocalWriter,
+    list_local_committed,
+    save_timing,
+    write_checkpoint,
+)
 from spotguard.checkpoint.local.reserve import prepare as prepare_reserve
 from spotguard.checkpoint.local.staged import MEMORY_MARGIN, choose_staging, may_link_kept, memory_headroom
 from spotguard.contract.control import STAGING_FULL_FILE, WRITING_FILE, WritePlan, atomic_write_json
@@ -132,6 +139,19 @@ class PersistJob:
     sharded: Any = None
     token: int = 0
     result: Path | None = None
+
+    def manifest_meta(self, job: str | None, attempt: int | None, persist_seconds: float) -> ManifestMeta:
+        """What this save's manifest says about it (of ``attempt`` of ``job``), its phase two having
+        taken ``persist_seconds``."""
+        return ManifestMeta(
+            epoch=self.epoch,
+            metrics=self.metrics,
+            job=job,
+            attempt=attempt,
+            reason=self.due.reason,
+            request_id=self.due.request_id,
+            timing=save_timing(persist_seconds, self.snapshot_seconds),
+        )
 
 
 class LocalPersist:
@@ -488,19 +508,8 @@ class LocalPersist:
         start = time.perf_counter()
         try:
             _folder.checksum_linked(writer, names)
-            persist = round(time.perf_counter() - start, 6)
             path = writer.commit(
-                epoch=job.epoch,
-                metrics=job.metrics,
-                job=self._settings.job,
-                attempt=self._settings.attempt,
-                reason=job.due.reason,
-                request_id=job.due.request_id,
-                timing={
-                    "snapshot_seconds": round(job.snapshot_seconds, 6),
-                    "persist_seconds": persist,
-                    "save_seconds": round(job.snapshot_seconds + persist, 6),
-                },
+                **job.manifest_meta(self._settings.job, self._settings.attempt, time.perf_counter() - start)
             )
         except DeadlineExceeded as exc:
             writer.abort()

@@ -10,9 +10,9 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from spotguard.storage.checksum import ALGORITHMS
 from spotguard.version import __version__
@@ -195,6 +195,19 @@ class Sharding:
         return doc
 
 
+class ManifestMeta(TypedDict, total=False):
+    """What a save says about itself in its manifest, beside its files (the keywords of
+    :func:`new_manifest` and of a local commit; each a :class:`Manifest` field)."""
+
+    epoch: int | None
+    metrics: Mapping[str, Any] | None
+    job: str | None
+    attempt: int | None
+    reason: str | None
+    request_id: str | None
+    timing: Mapping[str, float] | None
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The parsed ``manifest.json`` of one checkpoint."""
@@ -304,22 +317,7 @@ def to_chunked(manifest: Manifest, chunks: Mapping[str, Iterable[ChunkRef]]) -> 
         if f.path not in chunks:
             raise ManifestError(f"{f.path}: no chunks given")
         files.append(FileEntry(f.path, f.size, f.checksum, tuple(chunks[f.path])))
-    out = Manifest(
-        step=manifest.step,
-        files=tuple(files),
-        checksum_algorithm=manifest.checksum_algorithm,
-        created=manifest.created,
-        writer=manifest.writer,
-        epoch=manifest.epoch,
-        metrics=dict(manifest.metrics),
-        job=manifest.job,
-        attempt=manifest.attempt,
-        reason=manifest.reason,
-        request_id=manifest.request_id,
-        timing=manifest.timing,
-        format_version=FORMAT_VERSION_CHUNKED,
-        sharding=manifest.sharding,
-    )
+    out = replace(manifest, files=tuple(files), format_version=FORMAT_VERSION_CHUNKED)
     return parse_manifest(out.to_json())
 
 
@@ -329,22 +327,8 @@ def to_plain(manifest: Manifest) -> Manifest:
     if not manifest.chunked:
         return manifest
     files = tuple(FileEntry(f.path, f.size, f.checksum) for f in manifest.files)
-    out = Manifest(
-        step=manifest.step,
-        files=files,
-        checksum_algorithm=manifest.checksum_algorithm,
-        created=manifest.created,
-        writer=manifest.writer,
-        epoch=manifest.epoch,
-        metrics=dict(manifest.metrics),
-        job=manifest.job,
-        attempt=manifest.attempt,
-        reason=manifest.reason,
-        request_id=manifest.request_id,
-        timing=manifest.timing,
-        format_version=FORMAT_VERSION_SINGLE if manifest.sharding is None else FORMAT_VERSION_SHARDED,
-        sharding=manifest.sharding,
-    )
+    version = FORMAT_VERSION_SINGLE if manifest.sharding is None else FORMAT_VERSION_SHARDED
+    out = replace(manifest, files=files, format_version=version)
     return parse_manifest(out.to_json())
 
 
@@ -421,37 +405,28 @@ def new_manifest(
     files: Iterable[FileEntry],
     checksum_algorithm: str,
     *,
-    epoch: int | None = None,
-    metrics: Mapping[str, Any] | None = None,
-    job: str | None = None,
-    attempt: int | None = None,
     created: str | None = None,
-    reason: str | None = None,
-    request_id: str | None = None,
-    timing: Mapping[str, float] | None = None,
     sharding: Sharding | None = None,
     writer: str | None = None,
+    **meta: Unpack[ManifestMeta],
 ) -> Manifest:
     """Build a manifest, validating every field the way :func:`parse_manifest` does.
 
     With ``sharding`` it is a format version 2 manifest (a part, or the
     global manifest of a distributed checkpoint); without, version 1.
     """
+    # Each key of ManifestMeta is a Manifest field; parse_manifest below checks their values.
+    fields: dict[str, Any] = {**meta, "metrics": clean_metrics(meta.get("metrics"))}
+    if writer is not None:
+        fields["writer"] = writer
     manifest = Manifest(
         step=step,
         files=tuple(files),
         checksum_algorithm=checksum_algorithm,
         created=created or rfc3339(),
-        epoch=epoch,
-        metrics=clean_metrics(metrics),
-        job=job,
-        attempt=attempt,
-        reason=reason,
-        request_id=request_id,
-        timing=timing,
         format_version=FORMAT_VERSION_SINGLE if sharding is None else FORMAT_VERSION_SHARDED,
         sharding=sharding,
-        **({"writer": writer} if writer is not None else {}),
+        **fields,
     )
     return parse_manifest(manifest.to_json())
 

@@ -22,13 +22,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from spotguard.checkpoint.format.manifest import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
     ManifestError,
+    ManifestMeta,
     Sharding,
     checkpoint_name,
     new_manifest,
@@ -272,16 +273,10 @@ class LocalWriter:
     def commit(
         self,
         *,
-        epoch: int | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        job: str | None = None,
-        attempt: int | None = None,
-        reason: str | None = None,
-        request_id: str | None = None,
-        timing: Mapping[str, float] | None = None,
         sharding: Sharding | None = None,
         entries: Iterable[FileEntry] | None = None,
         check_deadline: bool = True,
+        **meta: Unpack[ManifestMeta],
     ) -> Path:
         """Write the manifest last, fsync, and rename into place; returns the
         committed directory. Committing a step that already exists keeps the
@@ -292,19 +287,7 @@ class LocalWriter:
         if check_deadline:
             self._check_deadline()
         files = list(self.entries) if entries is None else sorted(entries, key=lambda e: e.path)
-        manifest = new_manifest(
-            self.step,
-            files,
-            self.algorithm,
-            epoch=epoch,
-            metrics=metrics,
-            job=job,
-            attempt=attempt,
-            reason=reason,
-            request_id=request_id,
-            timing=timing,
-            sharding=sharding,
-        )
+        manifest = new_manifest(self.step, files, self.algorithm, sharding=sharding, **meta)
         if self.durable:
             # Nested directories (dcp/, ranks/<r>/): their entries must be durable too.
             for sub in sorted({str(Path(f.path).parent) for f in files if "/" in f.path}, reverse=True):
@@ -396,10 +379,7 @@ def write_checkpoint(
             writer.add_snapshot(snapshot)
         finally:
             drop_spent(pool)  # arenas linked into this checkpoint are its own: no snapshot writes them again
-        timing = {"persist_seconds": round(time.perf_counter() - start, 6)}
-        if snapshot_seconds is not None:
-            timing["snapshot_seconds"] = round(snapshot_seconds, 6)
-            timing["save_seconds"] = round(snapshot_seconds + timing["persist_seconds"], 6)
+        timing = save_timing(time.perf_counter() - start, snapshot_seconds)
         path = writer.commit(
             epoch=epoch, metrics=metrics, job=job, attempt=attempt, reason=reason, request_id=request_id, timing=timing
         )
@@ -409,6 +389,16 @@ def write_checkpoint(
     except BaseException:  # no half-written checkpoint left, an interrupt too; raised again
         writer.abort()
         raise
+
+
+def save_timing(persist_seconds: float, snapshot_seconds: float | None) -> dict[str, float]:
+    """Pure: a manifest's ``timing`` of a save whose phase two took ``persist_seconds``
+    (and phase one ``snapshot_seconds``, where known)."""
+    timing = {"persist_seconds": round(persist_seconds, 6)}
+    if snapshot_seconds is not None:
+        timing["snapshot_seconds"] = round(snapshot_seconds, 6)
+        timing["save_seconds"] = round(snapshot_seconds + timing["persist_seconds"], 6)
+    return timing
 
 
 def manifest_stamp(path: Path) -> tuple[int, int]:

@@ -13,6 +13,7 @@ are :mod:`~spotguard.checkpoint.store.parts`'.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from spotguard.checkpoint.format.manifest import (
     FORMAT_VERSION_CHUNKED,
@@ -120,19 +121,10 @@ def build_global_manifest(parts: Iterable[tuple[bytes, Manifest]]) -> Manifest:
         files.append(FileEntry(part_manifest_path(index), len(data), checksum_bytes(data, algorithm)))
     head = by_index[0][1]
     created = max((by_index[i][1] for i in range(count)), key=lambda m: (m.created_at, m.created)).created
-    manifest = Manifest(
-        step=head.step,
+    manifest = replace(
+        head,  # step, epoch, metrics, job, attempt, reason, request_id, writer, timing, algorithm
         files=tuple(files),
-        checksum_algorithm=algorithm,
         created=created,
-        writer=head.writer,
-        epoch=head.epoch,
-        metrics=dict(head.metrics),
-        job=head.job,
-        attempt=head.attempt,
-        reason=head.reason,
-        request_id=head.request_id,
-        timing=head.timing,
         format_version=FORMAT_VERSION_CHUNKED if first.chunked else FORMAT_VERSION_SHARDED,
         sharding=Sharding(
             world_size=world_size,
