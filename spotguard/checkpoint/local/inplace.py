@@ -50,8 +50,8 @@ from spotguard.checkpoint.local.codec import (
 
 #: Bytes of one read from a file into a tensor (the reads release the GIL).
 READ_PIECE = 64 << 20
-#: Files read at once.
-FILE_WORKERS = 2
+#: Threads reading pieces at once (copies from the page cache; memory bandwidth, not the disk).
+READ_WORKERS = 2
 
 
 class PartlyLoaded(RuntimeError):
@@ -185,23 +185,30 @@ class _File:
             os.close(self.fd)
             raise
 
-    def read(self, torch: Any) -> None:
-        """Read every tensor's bytes into its place (:class:`PartlyLoaded` on failure)."""
+    def pieces(self, torch: Any) -> list[tuple[_File, Any, int, int]]:
+        """What to read: ``(file, flat byte view of the tensor's memory, its offset in the
+        file, bytes)``, at most :data:`READ_PIECE` bytes each."""
+        out: list[tuple[_File, Any, int, int]] = []
+        for span, t in self.places:
+            n = span.end - span.start
+            if not n:
+                continue
+            flat = t.reshape(-1).view(torch.uint8).numpy()
+            for at in range(0, n, READ_PIECE):
+                out.append((self, flat[at : min(n, at + READ_PIECE)], span.start + at, min(READ_PIECE, n - at)))
+        return out
+
+    def read_into(self, view: Any, offset: int, n: int) -> None:
+        """Read ``n`` bytes at ``offset`` into ``view`` (:class:`PartlyLoaded` on failure)."""
+        at = 0
         try:
-            for span, t in self.places:
-                flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None
-                at, n = 0, span.end - span.start
-                while at < n:
-                    assert flat is not None
-                    piece = flat[at : min(n, at + READ_PIECE)]
-                    got = os.preadv(self.fd, [piece], span.start + at)
-                    if got <= 0:
-                        raise OSError(errno.EIO, f"{self.path.name}: ends at byte {span.start + at} while read")
-                    at += got
+            while at < n:
+                got = os.preadv(self.fd, [view[at:]], offset + at)
+                if got <= 0:
+                    raise OSError(errno.EIO, f"ends at byte {offset + at} while read")
+                at += got
         except OSError as exc:
             raise PartlyLoaded(f"{self.path.name}: unreadable while loaded in place ({exc})") from exc
-        finally:
-            os.close(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -258,13 +265,20 @@ def load_state_into(path: Path, manifest: Manifest, live: Any) -> tuple[dict[str
 
 
 def _read_all(torch: Any, files: list[_File]) -> None:
-    if len(files) <= 1:
+    """Read every file's tensors into place, in pieces spread over :data:`READ_WORKERS` threads
+    (a large optimizer file is not left to one of them); the files are closed afterwards."""
+    try:
+        pieces = [p for f in files for p in f.pieces(torch)]
+        if len(pieces) <= 1:
+            for f, view, offset, n in pieces:
+                f.read_into(view, offset, n)
+            return
+        with ThreadPoolExecutor(max_workers=min(READ_WORKERS, len(pieces)), thread_name_prefix="load-in-place") as pool:
+            for _ in pool.map(lambda p: p[0].read_into(p[1], p[2], p[3]), pieces):
+                pass
+    finally:
         for f in files:
-            f.read(torch)
-        return
-    with ThreadPoolExecutor(max_workers=min(FILE_WORKERS, len(files)), thread_name_prefix="load-in-place") as pool:
-        for _ in pool.map(lambda f: f.read(torch), files):
-            pass
+            f.close()
 
 
 class _Any(Mapping[str, Any]):

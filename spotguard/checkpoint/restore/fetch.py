@@ -11,9 +11,12 @@ was given, which is what the re-verification before any reuse is for).
 From a backend that reads into memory (S3), each range of a file the
 manifest checks by CRC32C and that cannot be a pickle (safetensors, JSON,
 DCP data), and each chunk of a checkpoint stored incrementally, is read
-from the socket straight into the file's pages and checksummed there
-(:class:`_Targets`): no ``bytes`` object per range, no copy into the page
-cache. Other files stream in order, as above.
+from the socket into a buffer the process reuses, checksummed there and
+written at its offset (:class:`_Targets`): no ``bytes`` object per range.
+Reading the socket straight into the file's mapped pages instead faulted
+on every new page, which cost more than the write that copies a range
+from memory already touched (the resume section of docs/benchmarks.md).
+Other files stream in order, as above.
 
 The files are not fsynced: a restored copy is a cache of storage, and every
 reader verifies a local checkpoint before using it (``restore_checkpoint``
@@ -23,7 +26,6 @@ torn by a crash is detected and fetched again, never loaded.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -138,9 +140,9 @@ def _fetch_into_file(
     seen: ObjectInfo | None = None,
 ) -> str | None:
     """Download ``key`` into ``target`` by concurrent ranged reads, each read
-    from the socket straight into the file's pages where the backend can
-    (``fetch_into``; see :class:`_Targets`) and checksummed there, the
-    ranges' CRC32Cs combined into the file's. The problem with the file (as
+    from the socket into a reused buffer where the backend can
+    (``fetch_into``; see :class:`_Targets`), checksummed there and written,
+    the ranges' CRC32Cs combined into the file's. The problem with the file (as
     :func:`check_one_file` words it), or None."""
     assert isinstance(storage, RangedReads)
     path, size = entry.path, entry.size
@@ -191,20 +193,39 @@ def _fetch_into_file(
     return None
 
 
+#: Buffers ranges are read into before they are written (:meth:`_Targets.land`), kept for the next
+#: restore: memory the process has already touched. At most this many are kept.
+_SCRATCH_KEPT = 16
+_scratch: list[bytearray] = []
+_scratch_lock = threading.Lock()
+
+
+def _take_scratch(n: int) -> bytearray:
+    with _scratch_lock:
+        for i, buf in enumerate(_scratch):
+            if len(buf) >= n:
+                return _scratch.pop(i)
+    return bytearray(n)
+
+
+def _give_scratch(buf: bytearray) -> None:
+    with _scratch_lock:
+        if len(_scratch) < _SCRATCH_KEPT:
+            _scratch.append(buf)
+
+
 class _Targets:
     """Files a restore writes by putting byte ranges where they belong, in any
     order and from several threads. ``mapped`` (a backend that reads into
-    memory) maps each file, its blocks allocated first (a full disk is an
-    error here, never a fault on a page of the mapping), so that a range is
-    read from the socket straight into the file's pages and checksummed
-    there (:meth:`land`); otherwise a range's bytes are written at their
-    offset (:meth:`put`)."""
+    memory) allocates each file's blocks first (a full disk is an error before
+    anything is downloaded), and a range is read from the socket into a
+    reused buffer, checksummed there and written at its offset (:meth:`land`);
+    otherwise a range's bytes are written at their offset (:meth:`put`)."""
 
     def __init__(self, dest: Path, *, mapped: bool) -> None:
         self.dest = dest
         self.mapped = mapped
         self.fds: dict[str, int] = {}
-        self.maps: dict[str, mmap.mmap] = {}
 
     def open(self, path: str, size: int) -> None:
         target = self.dest / path
@@ -213,21 +234,24 @@ class _Targets:
         self.fds[path] = fd
         if self.mapped and size > 0:
             os.posix_fallocate(fd, 0, size)
-            self.maps[path] = mmap.mmap(fd, size)
         else:
             os.ftruncate(fd, size)
 
     def land(self, path: str, offset: int, length: int, read: Callable[[list[memoryview]], object]) -> int:
-        """``read`` puts bytes ``[offset, offset + length)`` of ``path`` in
-        place (given the memory to fill); their CRC32C, computed there."""
-        view = memoryview(self.maps[path])[offset : offset + length]
+        """``read`` puts bytes ``[offset, offset + length)`` of ``path`` into the
+        memory it is given; their CRC32C, computed there, once they are written."""
+        buf = _take_scratch(length)
+        view = memoryview(buf)[:length]
         try:
             read([view])
-            return crc32c_value(view)
+            crc = crc32c_value(view)
+            self.put(path, offset, view)
+            return crc
         finally:
             view.release()
+            _give_scratch(buf)
 
-    def put(self, path: str, offset: int, data: bytes) -> None:
+    def put(self, path: str, offset: int, data: bytes | memoryview) -> None:
         """Write ``data`` at ``offset`` of ``path``."""
         out, at = memoryview(data), offset
         while out.nbytes:
@@ -235,8 +259,6 @@ class _Targets:
             out, at = out[written:], at + written
 
     def close(self) -> None:
-        for m in self.maps.values():
-            m.close()
         for fd in self.fds.values():
             os.close(fd)
 
@@ -244,7 +266,7 @@ class _Targets:
 def _fetch_chunk(files: _Targets, storage: Storage, path: str, offset: int, ref: ChunkRef) -> str | None:
     """Put chunk ``ref`` at ``offset`` of ``path``: the problem with it (size,
     CRC32C: :func:`check_chunk_landed`), or None."""
-    if path in files.maps:
+    if files.mapped:
         assert isinstance(storage, ReadsInto)
         sizes: list[int] = []
         crc = files.land(path, offset, ref.size, lambda views: sizes.append(storage.read_into(ref.key, views)))
