@@ -16,7 +16,7 @@ DURATIONS ?= 30
 STARTED := $(shell date +%s)
 WALL = echo "==> make $@: $$(( $$(date +%s) - $(STARTED) )) s of wall time in all (setup, lint, pytest)"
 
-.PHONY: setup test soak unit lint demo dev-cluster dev-cluster-down preempt bench gpu-check clean
+.PHONY: setup test soak unit lint demo dev-cluster dev-cluster-down preempt bench bench-large gpu-check clean
 
 setup:
 	bash testenv/provision.sh
@@ -79,6 +79,14 @@ preempt:
 # Side-by-side benchmarks; writes docs/benchmarks.md and docs/bench/*.png.
 bench: setup
 	$(PY) -m bench.run
+
+# The users' size: the SIGTERM rounds and the fine-tune's plain and incremental rounds at 8 GiB
+# beside a small size, stall, upload and resume at 2 GiB, then the goodput section on their costs
+# (bench/run.py says what each variable sizes). Needs about 20 GiB of memory and 40 GiB of disk;
+# writes its report to a temporary directory (printed), not over docs/.
+bench-large: setup
+	BENCH_STATE_MB=2048 BENCH_SIGTERM_GB=1,8 BENCH_INCREMENTAL_FROZEN_GB=0.25,8 \
+	  $(PY) -m bench.run --only stall,upload,resume,sigterm,incremental,goodput --rounds 3
 
 # On a machine with GPUs: nccl DDP and FSDP2, SIGTERM -> verified, bit-exact resume,
 # pinned staging, stall vs dcp.async_save; non-zero exit on any failure (docs/gpu-check.md).
