@@ -117,6 +117,16 @@ def emergency_time(costs: Costs, rng: random.Random) -> float:
     return costs.emergency * math.exp(costs.emergency_sigma * rng.gauss(0.0, 1.0))
 
 
+def needed_throughput(gib: float, notice_seconds: float, fixed_seconds: float) -> float | None:
+    """Pure: the throughput (GiB/s) a node needs to move ``gib`` within a notice of
+    ``notice_seconds`` when ``fixed_seconds`` of it go to what does not depend on the bytes
+    moved; None when those alone take the notice (no throughput is enough)."""
+    budget = notice_seconds - fixed_seconds
+    if budget <= 0:
+        return None
+    return gib / budget
+
+
 def sigma_from_quartile(median: float, upper_quartile: float) -> float:
     """The lognormal sigma whose 75th percentile is ``upper_quartile`` (median * e^(0.6745 sigma))."""
     if median <= 0 or upper_quartile <= median:

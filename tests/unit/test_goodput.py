@@ -50,3 +50,11 @@ def test_a_scenario_reports_its_in_time_share_and_both_goodputs() -> None:
     sc = goodput.Scenario("x", goodput.Costs(0.1, 60.0, emergency=20.0, restart=40.0, ship=20.0), 30.0)
     r = goodput.run_scenario(sc, trials=20)
     assert r.in_time == 1.0 and 0 < r.periodic.goodput < r.spotguard.goodput < 1
+
+
+def test_the_throughput_a_notice_needs() -> None:
+    # 26 GiB in a 30 s notice of which 2 s are fixed costs: 26 / 28 GiB/s.
+    assert goodput.needed_throughput(26.0, 30.0, 2.0) == 26.0 / 28.0
+    assert goodput.needed_throughput(0.1, 120.0, 0.5) == 0.1 / 119.5
+    # Fixed costs that take the whole notice: no throughput is enough.
+    assert goodput.needed_throughput(1.0, 30.0, 30.0) is None
