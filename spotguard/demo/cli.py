@@ -13,6 +13,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from spotguard.cliutil import options_from
+
 
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the top-level parser."""
@@ -36,12 +38,4 @@ def register(subparsers: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from spotguard.demo.runner import DemoOptions, run_demo
 
-    options = DemoOptions(
-        steps=args.steps,
-        preemptions=args.preemptions,
-        save_every=args.save_every,
-        storage=args.storage,
-        seed=args.seed,
-        workdir=args.workdir,
-    )
-    return run_demo(options)
+    return run_demo(options_from(DemoOptions, args))

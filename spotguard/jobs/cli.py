@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from spotguard.cliutil import error, progress_flag, usage
+from spotguard.cliutil import depth_flags, error, progress_flag, usage
 from spotguard.progress import steps
 
 EXIT_OK = 0
@@ -79,12 +79,7 @@ def register(subparsers: Any) -> None:
         help="S3 endpoint (default: spec.checkpoint.endpoint, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)",
     )
     p.add_argument("--region", metavar="REGION", help="S3 region (default: spec.checkpoint.region, else AWS_REGION)")
-    p.add_argument("--quick", action="store_true", help="check sizes only, do not read the data")
-    p.add_argument(
-        "--deep",
-        action="store_true",
-        help="read every byte back instead of trusting checksums the store computed on receipt",
-    )
+    depth_flags(p)
     _output_flag(p)
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_checkpoints))

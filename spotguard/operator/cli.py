@@ -9,6 +9,7 @@ import tempfile
 from typing import Any
 from urllib.parse import urlsplit
 
+from spotguard.cliutil import options_from
 from spotguard.contract import env
 from spotguard.contract.env import add_option
 from spotguard.notice_relay import POD_PATH
@@ -314,33 +315,21 @@ def run_operator(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    options = OperatorOptions(
+    # The options of the same names as their flags come as parsed; these are checked or renamed.
+    options = options_from(
+        OperatorOptions,
+        args,
         namespaces=list(args.namespace),
         image=args.image or DEFAULT_IMAGE,
-        image_pull_policy=args.image_pull_policy,
-        native_sidecar=args.native_sidecar,
-        resync_seconds=args.resync_seconds,
-        checkpoint_poll_seconds=args.checkpoint_poll_seconds,
         read_checkpoints=read_checkpoints,
         probe_workers=max(1, args.probe_workers),
         checkpoint_full_read_seconds=max(0.0, args.checkpoint_full_read_seconds),
         allowed_endpoints=allowed_endpoints,
-        checkpoint_read_timeout_seconds=args.checkpoint_read_timeout_seconds,
-        checkpoint_max_object_bytes=args.checkpoint_max_object_bytes,
         host_port_range=host_port_range,
         staging_host_path_prefix=host_path_prefix,
         notice_url=args.notice_url or None,
-        webhook=args.webhook,
         webhook_addr=args.webhook_address,
-        webhook_port=args.webhook_port,
-        webhook_host=args.webhook_host,
-        webhook_cert=args.webhook_cert,
-        webhook_key=args.webhook_key,
-        webhook_manage=args.webhook_manage,
-        webhook_cert_secret=args.webhook_cert_secret,
         webhook_cert_namespace=own_namespace(),
-        webhook_configuration=args.webhook_configuration,
-        webhook_cert_days=args.webhook_cert_days,
         metrics=metrics,
     )
     election = None

@@ -10,19 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import configure_logging, error
+from spotguard.cliutil import configure_logging, error, options_from
 from spotguard.contract import env
 from spotguard.contract.env import add_option
-from spotguard.sidecar.args import (
-    add_incremental_arg,
-    add_notice_args,
-    add_retention_args,
-    incremental_from_args,
-    notice_sources,
-    notice_stops_training_from_args,
-    retention_from_args,
-    save_every_seconds,
-)
+from spotguard.sidecar.args import add_uploader_args, uploader_args
 
 
 def register(subparsers: Any) -> None:
@@ -63,9 +54,7 @@ def register(subparsers: Any) -> None:
         "AWS_WEB_IDENTITY_TOKEN_FILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_CLIENT_SECRET, ...) and "
         "SPOTGUARD_STORAGE_URI; by default it gets none of them, as spotguard run restores and uploads for it",
     )
-    add_notice_args(p)
-    add_retention_args(p)
-    add_incremental_arg(p)
+    add_uploader_args(p)
     p.add_argument(
         "--no-memory-staging",
         dest="memory_staging",
@@ -103,36 +92,24 @@ def _run(args: argparse.Namespace) -> int:
     ckdir = (args.checkpoint_dir or workdir / "checkpoints").resolve()
     storage_uri = args.storage or (workdir / "store").as_uri()
     try:
-        retention = retention_from_args(args)
-        incremental = incremental_from_args(args)
-        notice_stops_training = notice_stops_training_from_args(args)
-        sources = notice_sources(args)
+        shared = uploader_args(args)
         pass_credentials = env.option_or_env(env.PASS_CREDENTIALS, args.pass_credentials)
     except ValueError as exc:
         error(str(exc))
         return EXIT_USAGE
-    config = RunConfig(
+    # The checked uploader options, then those of the same names as their flags as parsed (max_restarts, job, ...).
+    config = options_from(
+        RunConfig,
+        shared,
+        args,
         command=command,
         workdir=workdir,
         storage_uri=storage_uri,
         checkpoint_dir=ckdir,
-        max_restarts=args.max_restarts,
-        grace_seconds=args.grace_seconds,
         backoff_seconds=args.backoff,
         backoff_max_seconds=args.backoff_max,
         metrics_port=args.metrics_port or None,
-        metrics_addr=args.metrics_addr,
-        job=args.job,
-        save_every_seconds=save_every_seconds(),
-        keep_local=args.keep_local,
-        retention=retention,
-        notice_sources=sources,
-        notice_interval_seconds=args.notice_interval,
-        notice_stops_training=notice_stops_training,
-        incremental=incremental,
         pass_credentials=pass_credentials,
-        memory_staging=args.memory_staging,
-        staging_reserve=args.staging_reserve,
     )
     try:
         with workdir_lock(workdir):

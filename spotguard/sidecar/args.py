@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from spotguard.contract import env
@@ -107,3 +108,42 @@ def save_every_seconds() -> float | None:
     except ValueError:
         return None
     return value or None
+
+
+def add_uploader_args(p: argparse.ArgumentParser) -> None:
+    """The options an uploader takes, ``spotguard sidecar`` or ``spotguard run``: notices, retention, incremental."""
+    add_notice_args(p)
+    add_retention_args(p)
+    add_incremental_arg(p)
+
+
+@dataclass(frozen=True)
+class UploaderArgs:
+    """What :func:`add_uploader_args`' options ask for, checked (see :func:`uploader_args`)."""
+
+    retention: Any | None
+    keep_local: int
+    incremental: bool
+    notice_sources: list[Any]
+    notice_interval_seconds: float
+    notice_stops_training: bool
+    #: The trainer's time interval, for a metric only.
+    save_every_seconds: float | None
+
+
+def uploader_args(args: argparse.Namespace) -> UploaderArgs:
+    """The uploader's options of ``args``, checked.
+
+    Raises ValueError (one line, naming the option or variable) for an
+    inconsistent retention policy, a variable's text that is no boolean, an
+    unknown notice source or an upload lease the chunk sweep cannot honour.
+    """
+    return UploaderArgs(
+        retention=retention_from_args(args),
+        keep_local=args.keep_local,
+        incremental=incremental_from_args(args),
+        notice_sources=notice_sources(args),
+        notice_interval_seconds=args.notice_interval,
+        notice_stops_training=notice_stops_training_from_args(args),
+        save_every_seconds=save_every_seconds(),
+    )

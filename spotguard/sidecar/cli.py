@@ -14,19 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import configure_logging
+from spotguard.cliutil import configure_logging, options_from
 from spotguard.contract import env
 from spotguard.contract.env import add_option, cli_default
-from spotguard.sidecar.args import (
-    add_incremental_arg,
-    add_notice_args,
-    add_retention_args,
-    incremental_from_args,
-    notice_sources,
-    notice_stops_training_from_args,
-    retention_from_args,
-    save_every_seconds,
-)
+from spotguard.sidecar.args import add_uploader_args, uploader_args
 
 log = logging.getLogger("spotguard.sidecar")
 
@@ -63,11 +54,9 @@ def _register_sidecar(subparsers: Any) -> None:
     )
     for var in (env.GRACE_SECONDS, env.SAFETY_MARGIN_SECONDS, env.FINISH_SECONDS, env.SIDECAR_MODE, env.METRICS_PORT):
         add_option(p, var)
-    add_option(p, env.METRICS_ADDR)
-    add_notice_args(p)
-    add_option(p, env.PROACTIVE_INTERVAL)
-    add_retention_args(p)
-    add_incremental_arg(p)
+    for var in (env.METRICS_ADDR, env.PROACTIVE_INTERVAL):
+        add_option(p, var)
+    add_uploader_args(p)
     add_option(p, env.TERMINATION_LOG, type=Path)
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -113,42 +102,37 @@ def _sidecar(args: argparse.Namespace) -> int:
     if not args.storage:
         return fail(f"no storage: pass --storage URI or set {env.STORAGE_URI.name}")
     try:
-        sources = notice_sources(args)
+        shared = uploader_args(args)
         storage = open_storage(args.storage)
-        retention = retention_from_args(args)
-        incremental = incremental_from_args(args)
-        notice_stops_training = notice_stops_training_from_args(args)
     except (ValueError, StorageError) as exc:
         return fail(str(exc))
     ckdir: Path = args.checkpoint_dir
     control_dir = args.control_dir or control_dir_from_env(ckdir)
-    config = AgentConfig(
+    # The checked uploader options, then those of the same names as their flags as parsed (grace_seconds, ...).
+    config = options_from(
+        AgentConfig,
+        shared,
+        args,
         checkpoint_dir=ckdir,
         control_dir=control_dir,
-        grace_seconds=args.grace_seconds,
         safety_margin_seconds=args.safety_margin,
-        finish_seconds=args.finish_seconds,
         poll_seconds=args.poll_interval,
-        keep_local=args.keep_local,
         proactive_interval_seconds=args.proactive_interval or None,
-        notice_stops_training=notice_stops_training,
         trainer_markers=default_markers(ckdir),
-        save_every_seconds=save_every_seconds(),
-        incremental=incremental,
     )
     metrics = SidecarMetrics(namespace=os.environ.get("POD_NAMESPACE") or "", job=cli_default(env.JOB) or "")
-    agent = CheckpointAgent(config, storage, metrics, retention)
+    agent = CheckpointAgent(config, storage, metrics, shared.retention)
     if args.trainer_pid_file is not None:
         agent.channel.pid_file = args.trainer_pid_file
     options = SidecarOptions(
         exit_with_trainer=args.mode == "classic",
         metrics_port=args.metrics_port or None,
         metrics_addr=args.metrics_addr,
-        notice_interval_seconds=args.notice_interval,
+        notice_interval_seconds=shared.notice_interval_seconds,
         termination_log=termination_log,
     )
     try:
-        return run_sidecar(agent, options, sources, latch)
+        return run_sidecar(agent, options, shared.notice_sources, latch)
     except OSError as exc:
         return fail(str(exc))
     except Exception as exc:  # noqa: BLE001 - any crash is told in the termination log, then raised again

@@ -199,7 +199,7 @@ def test_sigterm_sets_a_flag_then_the_save_is_synchronous(ckdir: Path, restore_s
 
 
 def test_sigterm_during_a_background_write_does_not_break_it(ckdir: Path, restore_signals: None) -> None:
-    ck = Checkpointer(ckdir, handle_signals=True)
+    ck = Checkpointer(ckdir, handle_signals=True, keep_local=2)
     ck.save(1, step_tensors(1, numel=2_000_000))
     os.kill(os.getpid(), signal.SIGTERM)
     assert ck.should_save(2)
@@ -313,7 +313,7 @@ def test_from_env_rejects_bad_values(tmp_path: Path, key: str, value: str, probl
 
 
 def test_manifest_records_reason_and_timing(ckdir: Path) -> None:
-    ck = Checkpointer(ckdir)
+    ck = Checkpointer(ckdir, keep_local=2)
     ck.save(1, step_tensors(1), blocking=True)
     write_request(ckdir / ".control", id="n1", reason="notice:azure", preempt=True)
     assert ck.should_save(2)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from spotguard.checkpoint.store.retention import RetentionPolicy
+from spotguard.cliutil import options_from
 from spotguard.contract import env
 from spotguard.demo import cli as demo_cli
 from spotguard.operator import cli as operator_cli
@@ -176,3 +177,15 @@ def test_every_command_line_option_of_a_variable_is_made_from_the_table() -> Non
 def test_the_configuration_reference_in_the_docs_is_the_tables() -> None:
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert reference() in text, "regenerate docs/configuration.md's table from spotguard.trainer.config.reference()"
+
+
+def test_a_commands_options_are_the_fields_of_its_dataclass() -> None:
+    @dataclasses.dataclass
+    class Options:
+        steps: int
+        workdir: Path | None = None
+        seed: int = 7
+
+    args = argparse.Namespace(steps=5, workdir=Path("w"), verbose=True)
+    assert options_from(Options, args) == Options(steps=5, workdir=Path("w"))  # an option it lacks: the default
+    assert options_from(Options, args, steps=9, seed=1) == Options(steps=9, workdir=Path("w"), seed=1)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import error, progress_flag, usage
+from spotguard.cliutil import depth_flags, error, progress_flag, usage
 from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, Var, from_env
 from spotguard.progress import ByteProgress
 
@@ -44,23 +44,13 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser("ls", help="list checkpoints: step, time, size, metrics, verified yes/no and why")
     p.add_argument("uri", metavar="URI")
-    p.add_argument("--quick", action="store_true", help="check sizes only, do not read the data")
-    p.add_argument(
-        "--deep",
-        action="store_true",
-        help="read every byte back instead of trusting checksums the store computed on receipt",
-    )
+    depth_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_guard(cmd_ls))
 
     p = sub.add_parser("verify", help="verify checkpoints (all, or URI/ckpt-N); non-zero exit names what is bad")
     p.add_argument("uri", metavar="URI[/ckpt-N]")
-    p.add_argument(
-        "--deep",
-        action="store_true",
-        help="read every byte back instead of trusting checksums the store computed on receipt "
-        "(finds damage that happened after the store accepted the data)",
-    )
+    depth_flags(p, quick=False, deep_finds="finds damage that happened after the store accepted the data")
     p.set_defaults(func=_guard(cmd_verify))
 
     p = sub.add_parser("restore", help="download the newest verified checkpoint (or URI/ckpt-N) into DEST")
