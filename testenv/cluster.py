@@ -25,7 +25,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -649,8 +648,8 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
     # The apiserver's way to webhooks by Service, kubelets and pods: a CONNECT proxy of the test world that
     # routes ClusterIPs to ready pods as kube-proxy would (testenv/realnode/svcproxy.py); up before the
     # apiserver, which may dial it at once, and stopped after it.
-    # A unix socket's path has at most 107 bytes: a test's state directory may be longer.
-    egress_sock = Path(tempfile.gettempdir()) / f"spotguard-egress-{sup.run_id}.sock"
+    # A unix socket's path has at most 107 bytes: a test's state directory (or TMPDIR) may be longer.
+    egress_sock = Path("/tmp") / f"spotguard-egress-{sup.run_id}.sock"
     egress = d / "egress-selector.json"
     egress.write_text(json.dumps(egress_selector_config(egress_sock)))
     proxy = sup.start(

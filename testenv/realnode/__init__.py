@@ -52,7 +52,13 @@ logs and termination messages, its handling of grace periods):
   ``cluster.local`` are NXDOMAIN, names outside it are refused: nothing is
   forwarded.
 
-Not there (yet): kube-proxy and the other Service IPs.
+- the apiserver's way to Services (:mod:`testenv.realnode.svcproxy`, a
+  service of every test control plane): its ``cluster`` egress goes through
+  a CONNECT proxy that routes a Service's ClusterIP to a Ready pod's IP and
+  target port, as kube-proxy would, so a webhook configured by its Service
+  (the chart's) is called on a pod of these nodes.
+
+Not there (yet): kube-proxy; pods reach no Service IP but the ``kubernetes`` one.
 
     nodes = RealNodes.start(kubeconfig, kubelet_client_ca, state_dir, count=2)
     nodes.kill(nodes.node_names()[0])

@@ -212,7 +212,12 @@ def handle(conn: socket.socket, lister: Lister) -> None:
         return
     if (host, port) != targets[0] or len(targets) > 1:
         log.info("%s:%d -> %s:%d", host, port, *upstream.getpeername())
-    conn.sendall(ESTABLISHED)
+    try:
+        conn.sendall(ESTABLISHED)
+    except OSError:  # the apiserver gave up meanwhile (its dial timed out)
+        for s in (conn, upstream):
+            s.close()
+        return
     for s in (conn, upstream):
         s.settimeout(None)
     failed = threading.Event()
