@@ -429,7 +429,22 @@ def cmd_init_restore(args: argparse.Namespace) -> int:
         print(f"no verified checkpoint at {args.storage} yet; the trainer starts fresh")
         return EXIT_OK
     print(f"restored {info.name} (step {info.step}, {_human(info.size)}) into {info.uri}")
+    _vouch(Path(info.uri), args.dest)
     return EXIT_OK
+
+
+def _vouch(path: Path, dest: Path) -> None:
+    """Tell the trainer that ``path`` verified whole just now (its files' stamps in the control
+    directory), so that it does not checksum it again; see :mod:`spotguard.checkpoint.local.inplace`."""
+    from spotguard.checkpoint.format.manifest import ManifestError
+    from spotguard.checkpoint.local.commit import read_local_manifest
+    from spotguard.checkpoint.local.inplace import file_stamps
+    from spotguard.contract.control import control_dir_from_env, write_verified_local
+
+    try:
+        write_verified_local(control_dir_from_env(Path(dest)), path.name, file_stamps(path, read_local_manifest(path)))
+    except (OSError, ManifestError) as exc:  # the trainer then checksums it again: slower, never wrong
+        print(f"spotguard: could not record that {path.name} verified: {exc}", file=sys.stderr)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
