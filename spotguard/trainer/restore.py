@@ -43,7 +43,7 @@ from spotguard.checkpoint.local.commit import (
     verify_local_checkpoint,
 )
 from spotguard.checkpoint.local.inplace import file_stamps, load_state_into, vouched
-from spotguard.contract.control import read_verified_local
+from spotguard.contract.control import CONTROL_SUBDIR, read_verified_local
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
@@ -183,8 +183,9 @@ class Restorer:
         restored: RestoredState | None = None
         # The saved bytes go straight into the live tensors where they fit (no copy after).
         live = _live_state(model, optimizer)
-        control = self._settings.control_dir
-        record = read_verified_local(control) if control is not None else {}
+        # The control directory as the channel resolves it (unset: the checkpoint directory's own).
+        control = self._settings.control_dir or directory / CONTROL_SUBDIR
+        record = read_verified_local(Path(control))
         for path in reversed(list_local_committed(directory)):
             restored = load_local(path, into=live, stamps=record.get(path.name))
             if restored is not None:

@@ -193,3 +193,23 @@ def test_what_changed_after_the_verification_is_checksummed_again(
     before = as_bytes(model.state_dict())
     assert Checkpointer(ckdir, control_dir=sup.config.control_dir, async_save=False).restore(model, opt) is None
     assert as_bytes(model.state_dict()) == before
+
+
+def test_what_the_restore_init_container_restored_is_not_checksummed_again(
+    tmp_path: Path, read_for_checks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spotguard.cli import main
+
+    store = f"file://{tmp_path / 'store'}"
+    ckdir = tmp_path / "ck"
+    want_model, _ = saved(ckdir)
+    upload_checkpoint(ckdir / checkpoint_name(5), open_storage(store))
+    shutil.rmtree(ckdir)  # a new pod: its checkpoint volume is empty
+    monkeypatch.delenv("SPOTGUARD_CONTROL_DIR", raising=False)  # the pod's default: <checkpoint dir>/.control
+    assert main(["restore", "--storage", store, "--dest", str(ckdir)]) == 0
+    read_for_checks[0] = 0
+    model, opt = trained(seed=2)
+    restored = Checkpointer(ckdir, async_save=False).restore(model, opt)
+    assert restored is not None and restored.step == 5
+    assert read_for_checks[0] == 0 and restored.checked_bytes == 0
+    assert as_bytes(model.state_dict()) == want_model
