@@ -168,9 +168,7 @@ def test_what_spotguard_run_restored_is_not_checksummed_again(tmp_path: Path, re
     assert as_bytes(model.state_dict()) == want_model
 
 
-def test_what_changed_after_the_verification_is_checksummed_again(
-    tmp_path: Path, read_for_checks: list[int]
-) -> None:
+def test_what_changed_after_the_verification_is_checksummed_again(tmp_path: Path, read_for_checks: list[int]) -> None:
     store = f"file://{tmp_path / 'store'}"
     sup = supervisor(tmp_path, store)
     ckdir = sup.config.checkpoint_dir
