@@ -71,7 +71,9 @@ class LaunchSpec:
 def launch_argv(spec: LaunchSpec) -> list[str]:
     """The argv that starts a container: :func:`container_init` in a fresh Python, then the command.
 
-    ``-I`` keeps the container's own ``PYTHON*`` variables from changing the launcher.
+    ``-I`` keeps the container's own ``PYTHON*`` variables from changing the launcher; ``-S`` skips the
+    site-packages (the launcher needs only the standard library and ``testenv``), which every pod's
+    sandbox, pause and containers would otherwise load first (about 15 ms of CPU each).
     """
     root = str(Path(__file__).resolve().parents[2])  # the directory holding testenv/
     boot = (
@@ -79,7 +81,7 @@ def launch_argv(spec: LaunchSpec) -> list[str]:
         "from testenv.processnode.container import container_init; "
         "sys.exit(container_init(sys.argv[1]))"
     )
-    return [sys.executable, "-I", "-c", boot, json.dumps(asdict(spec))]
+    return [sys.executable, "-I", "-S", "-c", boot, json.dumps(asdict(spec))]
 
 
 def container_init(spec_json: str) -> int:

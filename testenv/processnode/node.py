@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from testenv.processnode.common import (
     LEASE_SECONDS,
     LOOPBACK,
     NODE_LEASE_NAMESPACE,
+    STATUS_REPORT_SECONDS,
     log,
     utc_now,
     utc_now_micro,
@@ -118,6 +120,7 @@ class ProcessNode:
         self._stop = threading.Event()
         self.kubelet: KubeletServer | None = None
         self._status_lock = threading.Lock()
+        self._status_posted = 0.0  # time.monotonic() of the last status write
 
     @property
     def path(self) -> str:
@@ -170,12 +173,14 @@ class ProcessNode:
         )
         return conds
 
-    def heartbeat(self) -> None:
-        """Post node status and renew the node's Lease, as kubelet does every few seconds."""
+    def heartbeat(self, status: bool = True) -> None:
+        """Renew the node's Lease and, with ``status``, post the node's status, as kubelet does."""
         with self._status_lock:
             if self.dead:
                 return
-            self.agent.kube.patch(f"{self.path}/status", {"status": {"conditions": self._conditions()}})
+            if status:
+                self.agent.kube.patch(f"{self.path}/status", {"status": {"conditions": self._conditions()}})
+                self._status_posted = time.monotonic()
             renew = {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": utc_now_micro()}
             try:
                 self.agent.kube.patch(self.lease_path, {"spec": renew})
@@ -193,7 +198,7 @@ class ProcessNode:
     def _beat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
-                self.heartbeat()
+                self.heartbeat(status=time.monotonic() - self._status_posted >= STATUS_REPORT_SECONDS)
             except Exception as exc:  # noqa: BLE001 - keep beating through apiserver hiccups
                 log.warning("node %s: heartbeat failed: %s", self.name, exc)
 

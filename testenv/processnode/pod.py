@@ -557,7 +557,7 @@ class PodRunner:
         if self._sandbox is None or self._sandbox.poll() is not None:
             read_status, status_fd = os.pipe()
             spec = LaunchSpec(
-                [sys.executable, "-I", "-c", PAUSE_PROGRAM],
+                [sys.executable, "-I", "-S", "-c", PAUSE_PROGRAM],
                 namespace=False,
                 status_fd=status_fd,
                 pid_namespace=NEW_PID_NAMESPACE,

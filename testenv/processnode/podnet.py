@@ -355,7 +355,7 @@ class PodNetwork:
             )
             try:
                 self.sandbox = spawn(
-                    [sys.executable, "-I", "-c", boot, json.dumps(asdict(spec))],
+                    [sys.executable, "-I", "-S", "-c", boot, json.dumps(asdict(spec))],  # -I -S: as launch_argv
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
