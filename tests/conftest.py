@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     # pytest keeps its assertion-rewritten test modules in __pycache__ only where bytecode may be
     # written: under PYTHONDONTWRITEBYTECODE every session and xdist worker rewrote all of them again
-    # (about 9 s of CPU each of `make test`'s sessions spent collecting, half of it).
+    # (about 8 of the 20 s of CPU each light-lane worker spends collecting).
     sys.dont_write_bytecode = False
     # Google's auth library probes the GCE metadata server (a link-local address) when it finds no
     # credentials: tests send nothing off loopback (the GCS tests use the test server, anonymously).
