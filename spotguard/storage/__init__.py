@@ -65,32 +65,26 @@ def open_storage(uri: str, **options: Any) -> Storage:
     if uri != uri.strip():
         # The operator's spec check and the CRD refuse it too: one grammar (spotguard.storage.uri).
         raise StorageError(f"white space around the storage URI {uri!r}: remove it")
-    if uri.startswith("s3://"):
-        from spotguard.storage.s3 import S3Storage
+    try:
+        if uri.startswith("s3://"):
+            from spotguard.storage.s3 import S3Storage
 
-        try:
             return S3Storage(uri, **options)
-        except ValueError as exc:
-            raise StorageError(str(exc)) from None
-    if uri.startswith("gs://"):
-        try:
-            from spotguard.storage.gcs import GcsStorage
-        except ImportError as exc:
-            raise StorageError(
-                f"gs:// storage needs the Google Cloud Storage client ({exc}): pip install 'spotguard[gcs]'"
-            ) from None
-        try:
+        if uri.startswith("gs://"):
+            try:
+                from spotguard.storage.gcs import GcsStorage
+            except ImportError as exc:
+                raise StorageError(
+                    f"gs:// storage needs the Google Cloud Storage client ({exc}): pip install 'spotguard[gcs]'"
+                ) from None
             return GcsStorage(uri, **options)
-        except ValueError as exc:
-            raise StorageError(str(exc)) from None
-    if uri.startswith("file:"):
-        from spotguard.storage.file import FileStorage
+        if uri.startswith("file:"):
+            from spotguard.storage.file import FileStorage
 
-        try:
             parse_storage_uri(uri)
-        except ValueError as exc:
-            raise StorageError(str(exc)) from None
-        return FileStorage(unquote(urlsplit(uri).path), **options)
+            return FileStorage(unquote(urlsplit(uri).path), **options)
+    except ValueError as exc:  # the URI's grammar (spotguard.storage.uri) said what is wrong
+        raise StorageError(str(exc)) from None
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
         raise StorageError(f"unsupported storage URI scheme {scheme!r} in {uri!r}: use s3://, gs:// or file://")

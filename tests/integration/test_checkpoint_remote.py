@@ -62,15 +62,16 @@ def test_upload_order_is_data_then_manifest_then_pointer(tmp_path: Path) -> None
     storage = Recording(tmp_path / "remote")
     ckpt = commit_local(tmp_path / "local", 7, metrics={"loss": 1.5})
     result = upload_checkpoint(ckpt, storage)
-    # First the upload's intent (visible to garbage collection), last its removal.
-    (intent_op, (intent,)), *ops, (removal_op, removed) = storage.ops
+    # First the upload's intent (visible to garbage collection), then its removal once the
+    # checkpoint is stored; the pointer last, after the stored checkpoint verified.
+    (intent_op, (intent,)), *ops, (removal_op, removed), pointer = storage.ops
     assert intent_op == "write" and intent.startswith(f"gc/uploads/{name(7)}.") and intent.endswith(".json")
     assert (removal_op, removed) == ("delete", (intent, intent.removesuffix(".json") + ".alive"))
     assert ops == [
         ("upload", tuple(f"{name(7)}/{f}" for f in ["model.safetensors", "optimizer.safetensors", "state.json"])),
         ("write", (f"{name(7)}/{MANIFEST_NAME}",)),
-        ("write", (POINTER_NAME,)),
     ]
+    assert pointer == ("write", (POINTER_NAME,))
     assert result.step == 7 and result.name == name(7) and result.pointer_updated
     assert result.bytes == sum(p.stat().st_size for p in ckpt.iterdir())
     assert result.uri == storage.uri_for(name(7))

@@ -15,6 +15,7 @@ from ckpt_helpers import assert_state_matches, commit_local, open_test_storage
 
 from spotguard.checkpoint import (
     MANIFEST_NAME,
+    CheckpointCorruptError,
     LocalWriter,
     StateError,
     latest_verified,
@@ -132,7 +133,8 @@ def test_stored_damage_is_named_and_skipped(
     local = tmp_path / "local"
     upload_checkpoint(commit_local(local, 1), storage)
     if case == "pickle that would run code":
-        upload_checkpoint(build_pickle_checkpoint(local, marker), storage)
+        with pytest.raises(CheckpointCorruptError, match="would import posix.system"):
+            upload_checkpoint(build_pickle_checkpoint(local, marker), storage)  # stored, never published
     else:
         upload_checkpoint(commit_local(local, 2), storage)
         key = f"{BAD}/{file}"

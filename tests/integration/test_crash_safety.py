@@ -249,7 +249,8 @@ STAGES = [
     Stage("during data", "PUT", r"/{new}/model\.safetensors$", "previous"),
     Stage("after data", "PUT", r"/{new}/manifest\.json$", "previous"),
     Stage("after manifest", "PUT", r"/latest$", "new"),
-    Stage("after pointer", "GET", r"list-type=2", "new"),
+    # The first listing is the verification's, before the pointer moves.
+    Stage("after pointer", "GET", r"list-type=2", "new", skip=1),
     # The first multi-object delete is the upload's own intent's (spotguard.checkpoint.store.intents).
     Stage("retention: before the manifest goes", "POST", r"\?delete", "new", skip=1),
     Stage("retention: after the manifest went", "POST", r"\?delete", "new", skip=2),

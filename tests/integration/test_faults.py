@@ -22,6 +22,7 @@ from ckpt_helpers import assert_state_matches, commit_local, s3_options
 
 from spotguard.checkpoint import (
     MANIFEST_NAME,
+    CheckpointCorruptError,
     latest_verified,
     load_checkpoint_state,
     restore_checkpoint,
@@ -127,7 +128,9 @@ def test_a_local_file_damaged_before_upload_is_not_verified_by_store_checksums(
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    upload_checkpoint(path, storage)
+    # Stored, but never published: the pointer moves only to what verifies.
+    with pytest.raises(CheckpointCorruptError, match=r"model\.safetensors: crc32c checksum mismatch"):
+        upload_checkpoint(path, storage)
     result = verify_checkpoint(storage, ckpt(5))
     assert not result.ok
     assert result.method == "store-checksum"
@@ -146,7 +149,7 @@ def test_bytes_corrupted_in_transit_are_refused_sent_again_and_verified(
     upload_checkpoint(path, storage)
     hit = proxy.faults()
     assert [r.status for r in hit] == [400], [(r.target, r.status) for r in hit]
-    resent = [r for r in proxy.log if r.target == hit[0].target and r.fault is None]
+    resent = [r for r in proxy.log if (r.method, r.target) == (hit[0].method, hit[0].target) and r.fault is None]
     assert [r.status for r in resent] == [200]
     result = verify_checkpoint(storage, ckpt(9))
     assert result.ok and result.method == "store-checksum", result

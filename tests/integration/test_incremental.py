@@ -179,7 +179,8 @@ def test_chunks_the_uploader_verified_are_reused_and_taken_as_checked_without_a_
 
         monkeypatch.setattr(storage, method, counted)
 
-    upload_checkpoint(commit(tmp_path, 10, 0), storage, incremental=True)
+    # Stored only (update_pointer=False): the verifications counted are this test's.
+    upload_checkpoint(commit(tmp_path, 10, 0), storage, incremental=True, update_pointer=False)
     first = verify_checkpoint(storage, checkpoint_name(10))
     assert first.ok and first.trusted == 0 and first.manifest is not None
     assert len(asked) == first.store_checked == len(first.manifest.chunk_refs())
@@ -187,7 +188,7 @@ def test_chunks_the_uploader_verified_are_reused_and_taken_as_checked_without_a_
     assert known.trusted()
 
     asked.clear()
-    second = upload_checkpoint(commit(tmp_path, 20, 1), storage, incremental=known)
+    second = upload_checkpoint(commit(tmp_path, 20, 1), storage, incremental=known, update_pointer=False)
     assert asked == [], asked  # no HEAD per reused chunk
     assert second.reused_chunks > 0 and set(second.trusted_chunks) <= set(known.chunks)
     assert len(second.trusted_chunks) == second.reused_chunks
@@ -210,7 +211,9 @@ def test_chunks_the_uploader_verified_are_reused_and_taken_as_checked_without_a_
         known.with_chunks({}),
     ):
         asked.clear()
-        third = upload_checkpoint(commit(tmp_path / "again", 20, 1), storage, incremental=untrusted)
+        third = upload_checkpoint(
+            commit(tmp_path / "again", 20, 1), storage, incremental=untrusted, update_pointer=False
+        )
         assert third.trusted_chunks == {} and len(asked) == third.reused_chunks > 0
 
 

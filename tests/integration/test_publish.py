@@ -11,6 +11,7 @@ parts stored and no global manifest, which it used not to retry.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ckpt_helpers import s3_options, write_part
 
 from spotguard.checkpoint import (
     MANIFEST_NAME,
+    CheckpointCorruptError,
     checkpoint_name,
     read_latest_pointer,
     update_latest_pointer,
@@ -76,6 +78,40 @@ def test_a_checkpoint_that_fails_verification_never_moves_the_pointer(tmp_path: 
     assert published.state == UNVERIFIED and not published.verified
     assert published.problems and published.pointer_moved is None
     assert read_latest_pointer(storage) == 10
+
+
+class DamagesOnUpload:
+    """The store, except that the data files an upload sends arrive damaged (a byte flipped)."""
+
+    def __init__(self, inner: Storage) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def upload_files(self, items: Iterable[tuple[Path, str]], progress: Any = None) -> None:
+        items = list(items)
+        self._inner.upload_files(items, progress)
+        for src, key in items:
+            data = bytearray(src.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            self._inner.write_bytes(key, bytes(data))
+
+
+def test_update_pointer_never_points_to_a_checkpoint_that_does_not_verify(tmp_path: Path, storage: Storage) -> None:
+    """``upload_checkpoint(update_pointer=True)`` publishes as the uploaders do: it used to move
+    the pointer to what it had stored without verifying it."""
+    upload_checkpoint(whole(tmp_path, 10), storage)
+    assert read_latest_pointer(storage) == 10
+    path = whole(tmp_path, 20)
+    damaging: Any = DamagesOnUpload(storage)
+    with pytest.raises(CheckpointCorruptError):
+        upload_checkpoint(path, damaging, update_pointer=True)
+    assert not verify_checkpoint(storage, path.name).ok
+    assert read_latest_pointer(storage) == 10  # still the newest verified
+    # Stored intact, it verifies and the pointer moves to it.
+    result = upload_checkpoint(path, storage, update_pointer=True)
+    assert result.pointer_updated and read_latest_pointer(storage) == 20
 
 
 def test_a_part_awaits_the_others_and_a_later_commit_publishes_it(tmp_path: Path, storage: Storage) -> None:

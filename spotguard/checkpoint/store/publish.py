@@ -1,7 +1,9 @@
 """One publish pipeline: upload, global commit, verify, move the pointer.
 
 Both uploaders publish through it: the sidecar's shipper (which ``spotguard
-run`` uses too) and the Checkpointer's in-process upload (``upload=True``).
+run`` uses too) and the Checkpointer's in-process upload (``upload=True``);
+so does a library caller's one-call ``upload_checkpoint(update_pointer=True)``
+(steps 3 and 4: no pointer moves to a checkpoint that did not verify).
 Each keeps its own retries, metrics and log lines around it; the order of
 the steps, and what each outcome means, are decided here once:
 
@@ -32,13 +34,44 @@ from spotguard.checkpoint.format.manifest import checkpoint_step
 from spotguard.checkpoint.format.verify import VerifyResult
 from spotguard.checkpoint.store.parts import commit_global
 from spotguard.checkpoint.store.stored import update_latest_pointer
-from spotguard.checkpoint.store.upload import UploadResult
 from spotguard.checkpoint.store.verify_stored import verify_checkpoint
 from spotguard.storage.base import Storage
 
 VERIFIED = "verified"
 AWAITING = "awaiting"
 UNVERIFIED = "unverified"
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    """What :func:`~spotguard.checkpoint.store.upload.upload_checkpoint` stored (step 1)."""
+
+    step: int
+    name: str
+    bytes: int
+    seconds: float
+    uri: str
+    pointer_updated: bool
+    #: Whether the checkpoint is complete in storage now (its manifest is
+    #: there): always for a single-process checkpoint; for a part of a
+    #: distributed one, when the global manifest exists (this uploader wrote
+    #: it, or another did).
+    committed: bool = True
+    #: Parts of the checkpoint found in storage, and how many it has (1 and 1
+    #: for a single-process checkpoint).
+    parts_present: int = 1
+    parts_total: int = 1
+    #: Of ``bytes``: data stored by this upload, and data already in storage
+    #: that the checkpoint shares (stored incrementally; 0 otherwise).
+    new_bytes: int = 0
+    reused_bytes: int = 0
+    new_chunks: int = 0
+    reused_chunks: int = 0
+    #: Chunks recognized by comparison with the previous checkpoint's local copy, not hashed.
+    unchanged_chunks: int = 0
+    #: Reused chunks taken from a checkpoint the uploader verified (digest -> size): the
+    #: verification of this one may take them as checked (:attr:`ChunkedUpload.trusted`).
+    trusted_chunks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

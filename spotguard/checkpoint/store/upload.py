@@ -1,7 +1,9 @@
 """Uploading a committed local checkpoint to storage.
 
 The order is the contract: data files first, then the manifest (its presence
-means every file it lists is stored), then the advisory ``latest`` pointer.
+means every file it lists is stored); the advisory ``latest`` pointer moves
+only once the checkpoint verifies in storage, as publishing moves it
+(:mod:`~spotguard.checkpoint.store.publish`).
 A checkpoint goes up whole, or incrementally as content-addressed chunks
 shared with the job's other checkpoints (:mod:`~spotguard.checkpoint.store.chunked`),
 under an upload intent that keeps the chunk collector off what it reuses
@@ -23,7 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -42,44 +44,13 @@ from spotguard.checkpoint.format.verify import check_stored_checksum
 from spotguard.checkpoint.store.chunked import ChunkedUpload, KnownChunks, Prestored, upload_chunks, verify_chunks
 from spotguard.checkpoint.store.intents import upload_intent
 from spotguard.checkpoint.store.parts import commit_global, existing_commit, read_parts
-from spotguard.checkpoint.store.stored import CheckpointCorruptError, read_manifest, stored_files, update_latest_pointer
+from spotguard.checkpoint.store.publish import UNVERIFIED, Published, UploadResult, verify_and_point
+from spotguard.checkpoint.store.stored import CheckpointCorruptError, read_manifest, stored_files
 from spotguard.checkpoint.store.verify_stored import verify_uploaded_files
 from spotguard.storage.base import NotFoundError, ProgressCallback, Storage, StoreChecksums
 from spotguard.storage.checksum import checksum_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class UploadResult:
-    """What :func:`upload_checkpoint` stored."""
-
-    step: int
-    name: str
-    bytes: int
-    seconds: float
-    uri: str
-    pointer_updated: bool
-    #: Whether the checkpoint is complete in storage now (its manifest is
-    #: there): always for a single-process checkpoint; for a part of a
-    #: distributed one, when the global manifest exists (this uploader wrote
-    #: it, or another did).
-    committed: bool = True
-    #: Parts of the checkpoint found in storage, and how many it has (1 and 1
-    #: for a single-process checkpoint).
-    parts_present: int = 1
-    parts_total: int = 1
-    #: Of ``bytes``: data stored by this upload, and data already in storage
-    #: that the checkpoint shares (stored incrementally; 0 otherwise).
-    new_bytes: int = 0
-    reused_bytes: int = 0
-    new_chunks: int = 0
-    reused_chunks: int = 0
-    #: Chunks recognized by comparison with the previous checkpoint's local copy, not hashed.
-    unchanged_chunks: int = 0
-    #: Reused chunks taken from a checkpoint the uploader verified (digest -> size): the
-    #: verification of this one may take them as checked (:attr:`ChunkedUpload.trusted`).
-    trusted_chunks: dict[str, int] = field(default_factory=dict)
 
 
 class UploadCancelled(Exception):
@@ -180,7 +151,11 @@ def upload_checkpoint(
     prestored: Prestored | None = None,
 ) -> UploadResult:
     """Upload a committed local checkpoint: data files (concurrently), then the
-    manifest, then the ``latest`` pointer.
+    manifest; then, with ``update_pointer``, publish it: verify it in storage
+    and only then move the ``latest`` pointer
+    (:func:`~spotguard.checkpoint.store.publish.verify_and_point`, as every
+    uploader publishes). Uploaders that publish themselves pass
+    ``update_pointer=False``.
 
     ``incremental`` (True, or the :class:`KnownChunks` the caller knows to be
     in storage) stores the files as content-addressed chunks shared with the
@@ -214,7 +189,8 @@ def upload_checkpoint(
     Raises :class:`ManifestError` / ``FileNotFoundError`` when the local
     checkpoint is not complete (or, for a part, when storage already holds
     the step committed from other parts), :class:`CheckpointCorruptError`
-    when a part's files do not verify after the upload,
+    when a part's files, or with ``update_pointer`` the checkpoint, do not
+    verify after the upload (the pointer stays where it was),
     :class:`StorageError` on storage failures.
     """
     start = time.monotonic()
@@ -226,32 +202,22 @@ def upload_checkpoint(
         if size != entry.size:
             raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
     if should_stop is None:
-        return _upload(
-            local_ckpt_dir,
-            storage,
-            storage,
-            manifest,
-            manifest_bytes,
-            progress,
-            update_pointer,
-            incremental,
-            resume,
-            start,
-            prestored,
+        result = _upload(
+            local_ckpt_dir, storage, storage, manifest, manifest_bytes, progress, incremental, resume, start, prestored
         )
+        return _publish(storage, result) if update_pointer else result
     # The intent is written and removed through the store itself (a stopped
     # upload removes it); the transfers go through the guard.
     guard = _StopGuard(storage, should_stop, manifest.name)
     guard.check()
     try:
-        return _upload(
+        result = _upload(
             local_ckpt_dir,
             storage,
             cast("Storage", guard),
             manifest,
             manifest_bytes,
             guard.progress(progress),
-            update_pointer,
             incremental,
             resume,
             start,
@@ -263,6 +229,23 @@ def upload_checkpoint(
         # Whatever the transfer made of the stop (the storage layer may wrap it): a
         # stop, with every chunk stored by now (the transfers have returned).
         raise UploadCancelled(manifest.name, guard.stored_chunks) from exc
+    return _publish(storage, result) if update_pointer else result
+
+
+def _publish(storage: Storage, result: UploadResult) -> UploadResult:
+    """``update_pointer``: the stored checkpoint verified and pointed to as every uploader
+    publishes (:func:`~spotguard.checkpoint.store.publish.verify_and_point`); a part whose
+    checkpoint is not committed yet is left to the upload that commits it."""
+    if not result.committed:
+        return result
+    published = verify_and_point(
+        storage, result.name, Published(result.name, UNVERIFIED, result), trusted=result.trusted_chunks
+    )
+    if not published.verified:
+        raise CheckpointCorruptError(result.name, published.problems)
+    if published.pointer_error is not None:
+        raise published.pointer_error
+    return replace(result, pointer_updated=bool(published.pointer_moved))
 
 
 def _upload(
@@ -272,7 +255,6 @@ def _upload(
     manifest: Manifest,
     manifest_bytes: bytes,
     progress: ProgressCallback | None,
-    update_pointer: bool,
     incremental: bool | KnownChunks,
     resume: bool,
     start: float,
@@ -282,7 +264,7 @@ def _upload(
     name = manifest.name
     if manifest.is_part:
         incremental = _as_stored_parts(io, manifest, incremental)
-        part = partial(_upload_part, local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start)
+        part = partial(_upload_part, local_ckpt_dir, io, manifest, manifest_bytes, progress, start)
         if incremental is False:
             with upload_intent(storage, manifest.name):
                 return part(None)
@@ -294,7 +276,6 @@ def _upload(
             io,
             manifest,
             progress=progress,
-            update_pointer=update_pointer,
             start=start,
             prestored=prestored,
         )
@@ -317,9 +298,7 @@ def _upload(
                 known = KnownChunks()
             return send(known)
     with upload_intent(storage, name):
-        return _upload_plain(
-            local_ckpt_dir, io, manifest, manifest_bytes, progress, update_pointer, start, resume=resume
-        )
+        return _upload_plain(local_ckpt_dir, io, manifest, manifest_bytes, progress, start, resume=resume)
 
 
 def _as_stored_parts(storage: Storage, manifest: Manifest, incremental: bool | KnownChunks) -> bool | KnownChunks:
@@ -358,7 +337,6 @@ def _upload_incremental(
     known: KnownChunks,
     *,
     progress: ProgressCallback | None,
-    update_pointer: bool,
     start: float,
     prestored: Prestored | None = None,
 ) -> UploadResult:
@@ -367,7 +345,6 @@ def _upload_incremental(
     # The manifest goes last: every chunk it names was stored by now, or is one the uploader
     # knows stored (checked, or from a checkpoint it verified: see the chunked module).
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
-    pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
     log.info(
         "uploaded %s incrementally: %d new chunk(s) (%d bytes), %d reused (%d bytes); %d unchanged since %s "
         "(compared, not hashed)",
@@ -385,7 +362,7 @@ def _upload_incremental(
         bytes=chunked.new_bytes + len(chunked.manifest_bytes),
         seconds=time.monotonic() - start,
         uri=storage.uri_for(name),
-        pointer_updated=pointer,
+        pointer_updated=False,
         **_chunk_counts(chunked),
     )
 
@@ -429,7 +406,6 @@ def _upload_plain(
     manifest: Manifest,
     manifest_bytes: bytes,
     progress: ProgressCallback | None,
-    update_pointer: bool,
     start: float,
     resume: bool = False,
 ) -> UploadResult:
@@ -451,14 +427,13 @@ def _upload_plain(
     storage.upload_files([(local_ckpt_dir / p, f"{name}/{p}") for p in paths], progress)
     # The manifest goes last: its presence means every data file is stored.
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", manifest_bytes)
-    pointer = update_latest_pointer(storage, manifest.step) if update_pointer else False
     return UploadResult(
         step=manifest.step,
         name=name,
         bytes=manifest.total_size + len(manifest_bytes),
         seconds=time.monotonic() - start,
         uri=storage.uri_for(name),
-        pointer_updated=pointer,
+        pointer_updated=False,
         new_bytes=manifest.total_size,
     )
 
@@ -469,7 +444,6 @@ def _upload_part(
     manifest: Manifest,
     manifest_bytes: bytes,
     progress: ProgressCallback | None,
-    update_pointer: bool,
     start: float,
     known: KnownChunks | None,
 ) -> UploadResult:
@@ -512,7 +486,6 @@ def _upload_part(
             raise CheckpointCorruptError(name, [f"{p} (part {index})" for p in problems])
         storage.write_bytes(part_key, stored_bytes)
         commit = commit_global(storage, name)
-    pointer = update_latest_pointer(storage, manifest.step) if update_pointer and commit.committed else False
     total = commit.total or sharding.parts
     log.info(
         "uploaded part %d of %s: %s (%d of %d parts present)%s",
@@ -532,7 +505,7 @@ def _upload_part(
         bytes=uploaded,
         seconds=time.monotonic() - start,
         uri=storage.uri_for(name),
-        pointer_updated=pointer,
+        pointer_updated=False,
         committed=commit.committed,
         parts_present=len(commit.present),
         parts_total=total,
