@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Protocol
@@ -132,7 +132,27 @@ def _json_object(body: bytes) -> dict[str, Any]:
     return value
 
 
-class AwsSpotNotices:
+class MetadataNotices:
+    """What the cloud providers' sources share: their metadata service at ``endpoint``
+    (the provider's :attr:`default_endpoint` unless given), each request bounded by
+    ``timeout``, the last failure to get an answer in ``last_error``."""
+
+    name = ""
+    default_endpoint = ""
+
+    def __init__(
+        self, endpoint: str | None = None, timeout: float = HTTP_TIMEOUT_SECONDS, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.endpoint = (endpoint or self.default_endpoint).rstrip("/")
+        self.timeout = timeout
+        self.clock = clock
+        self.last_error: str | None = None
+
+    def acknowledge(self, notice: Notice) -> None:
+        """Nothing: the provider takes no acknowledgement."""
+
+
+class AwsSpotNotices(MetadataNotices):
     """AWS EC2: spot ``instance-action`` and the rebalance recommendation.
 
     Uses the IMDSv2 token flow (``PUT /latest/api/token``, then the token in
@@ -141,20 +161,10 @@ class AwsSpotNotices:
     """
 
     name = "aws"
+    default_endpoint = AWS_IMDS_ENDPOINT
     TOKEN_TTL_SECONDS = 21600
-
-    def __init__(
-        self,
-        endpoint: str = AWS_IMDS_ENDPOINT,
-        timeout: float = HTTP_TIMEOUT_SECONDS,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout = timeout
-        self.clock = clock
-        self.last_error: str | None = None
-        self._token: str | None = None
-        self._token_expires = 0.0
+    _token: str | None = None  # the IMDSv2 session token, and when to fetch another
+    _token_expires = 0.0
 
     def _fetch_token(self) -> str:
         resp = http_request(
@@ -191,13 +201,19 @@ class AwsSpotNotices:
         self.last_error = None
         return notice
 
-    def _instance_action(self) -> Notice | None:
-        resp = self._get("/latest/meta-data/spot/instance-action")
+    def _document(self, path: str, what: str) -> dict[str, Any] | None:
+        """The JSON document at ``path``, or None when the service answers 404 (nothing scheduled)."""
+        resp = self._get(path)
         if resp.status == 404:
             return None
         if resp.status != 200:
-            raise OSError(f"spot/instance-action answered HTTP {resp.status}")
-        doc = _json_object(resp.body)
+            raise OSError(f"{what} answered HTTP {resp.status}")
+        return _json_object(resp.body)
+
+    def _instance_action(self) -> Notice | None:
+        doc = self._document("/latest/meta-data/spot/instance-action", "spot/instance-action")
+        if doc is None:
+            return None
         action = str(doc.get("action", ""))
         when = str(doc["time"])
         return Notice(
@@ -209,12 +225,10 @@ class AwsSpotNotices:
         )
 
     def _rebalance(self) -> Notice | None:
-        resp = self._get("/latest/meta-data/events/recommendations/rebalance")
-        if resp.status == 404:
+        doc = self._document("/latest/meta-data/events/recommendations/rebalance", "rebalance recommendation")
+        if doc is None:
             return None
-        if resp.status != 200:
-            raise OSError(f"rebalance recommendation answered HTTP {resp.status}")
-        when = str(_json_object(resp.body).get("noticeTime", ""))
+        when = str(doc.get("noticeTime", ""))
         return Notice(
             source="aws_rebalance",
             key=f"aws_rebalance:{when}",
@@ -223,14 +237,12 @@ class AwsSpotNotices:
             detail=f"rebalance recommendation at {when}",
         )
 
-    def acknowledge(self, notice: Notice) -> None:
-        """AWS takes no acknowledgement."""
 
-
-class GcePreemptionNotices:
+class GcePreemptionNotices(MetadataNotices):
     """GCE: ``instance/preempted`` answers ``TRUE`` once the VM is being preempted."""
 
     name = "gce"
+    default_endpoint = GCE_METADATA_ENDPOINT
 
     def __init__(
         self,
@@ -239,11 +251,8 @@ class GcePreemptionNotices:
         notice_seconds: float = GCE_NOTICE_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout = timeout
+        super().__init__(endpoint, timeout, clock)
         self.notice_seconds = notice_seconds
-        self.clock = clock
-        self.last_error: str | None = None
         self._first_seen: float | None = None
 
     def poll(self) -> Notice | None:
@@ -273,27 +282,14 @@ class GcePreemptionNotices:
             detail="instance/preempted is TRUE",
         )
 
-    def acknowledge(self, notice: Notice) -> None:
-        """GCE takes no acknowledgement."""
 
-
-class AzureScheduledEvents:
+class AzureScheduledEvents(MetadataNotices):
     """Azure: Scheduled Events of type ``Preempt``; acknowledged with ``StartRequests``."""
 
     name = "azure"
+    default_endpoint = AZURE_METADATA_ENDPOINT
     API_VERSION = "2020-07-01"
-
-    def __init__(
-        self,
-        endpoint: str = AZURE_METADATA_ENDPOINT,
-        timeout: float = HTTP_TIMEOUT_SECONDS,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout = timeout
-        self.clock = clock
-        self.last_error: str | None = None
-        self._reported: set[str] = set()
+    _reported: frozenset[str] = frozenset()  # the events reported so far
 
     @property
     def url(self) -> str:
@@ -317,7 +313,7 @@ class AzureScheduledEvents:
                 # An empty NotBefore means the event has already started.
                 deadline = parse_http_date(not_before) if not_before else self.clock()
                 self.last_error = None
-                self._reported.add(event_id)
+                self._reported |= {event_id}
                 return Notice(
                     source="azure",
                     key=f"azure:{event_id}",
@@ -354,6 +350,7 @@ class AzureScheduledEvents:
             log.warning("azure: acknowledging event %s answered HTTP %s", notice.event_id, resp.status)
 
 
+@dataclass(eq=False)  # a source is itself, whatever its settings
 class KubernetesDisruptionNotices:
     """The pod's own ``DisruptionTarget`` condition (set on node shutdown,
     eviction or preemption by current Kubernetes versions).
@@ -369,29 +366,19 @@ class KubernetesDisruptionNotices:
     grace period.
     """
 
-    name = "k8s"
+    name = "k8s"  # unannotated: a class attribute, not a field
 
-    def __init__(
-        self,
-        pod_name: str | None,
-        namespace: str | None,
-        kubeconfig: str | None = None,
-        timeout: float = HTTP_TIMEOUT_SECONDS,
-        clock: Callable[[], float] = time.time,
-        *,
-        relay_url: str | None = None,
-        token_file: str = notice_relay.TOKEN_FILE,
-    ) -> None:
-        self.pod_name = pod_name
-        self.namespace = namespace
-        self.kubeconfig = kubeconfig
-        self.timeout = timeout
-        self.clock = clock
-        self.relay_url = relay_url
-        self.token_file = token_file
-        self.last_error: str | None = None
-        self._api: Any = None
-        self._first_seen: float | None = None
+    pod_name: str | None
+    namespace: str | None
+    kubeconfig: str | None = None
+    timeout: float = HTTP_TIMEOUT_SECONDS
+    clock: Callable[[], float] = time.time
+    _: KW_ONLY
+    relay_url: str | None = None
+    token_file: str = notice_relay.TOKEN_FILE
+    last_error: str | None = field(default=None, init=False)
+    _api: Any = field(default=None, init=False, repr=False)
+    _first_seen: float | None = field(default=None, init=False, repr=False)
 
     def _core_api(self) -> Any:
         if self._api is None:
