@@ -26,11 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotguard.contract.env import SAVE_EVERY_STEPS, from_env
-
-FEATURES = 16
-CLASSES = 4
-DATASET_SIZE = 1024
+from spotguard.demo.common import (
+    DATASET_SIZE,
+    FEATURES,
+    add_training_options,
+    classifier,
+    make_problem,
+    save_every,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,23 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=300, help="total training steps (default 300)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=64, help="hidden width (default 64)")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=None,
-        help="checkpoint every N steps (default: SPOTGUARD_SAVE_EVERY_STEPS, else 50)",
-    )
+    add_training_options(p)
     p.add_argument(
         "--output", type=Path, default=None, help="write the final model and optimizer state here (safetensors)"
-    )
-    p.add_argument(
-        "--step-delay",
-        type=float,
-        default=0.0,
-        help="sleep this long after each step (makes a tiny model take real time)",
     )
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps")
     p.add_argument(
@@ -79,17 +68,6 @@ def batch_order(epoch: int, seed: int) -> Any:
 
     gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(DATASET_SIZE, generator=gen)
-
-
-def make_dataset(seed: int) -> tuple[Any, Any]:
-    """A fixed synthetic classification problem."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(DATASET_SIZE, FEATURES, generator=gen)
-    w = torch.randn(FEATURES, CLASSES, generator=gen)
-    y = (x @ w + 0.1 * torch.randn(DATASET_SIZE, CLASSES, generator=gen)).argmax(dim=1)
-    return x, y
 
 
 class FrozenBase:
@@ -119,18 +97,9 @@ class FrozenBase:
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Model, optimizer and LR scheduler, initialised from the seed."""
     import torch
-    from torch import nn
 
     torch.manual_seed(args.seed)
-    model = nn.Sequential(
-        nn.Linear(FEATURES, args.hidden),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Linear(args.hidden, args.hidden),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Linear(args.hidden, CLASSES),
-    )
+    model = classifier(args.hidden)
     if getattr(args, "frozen_mib", 0.0) > 0:
         model = FrozenBase.wrap(model, args.frozen_mib)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
@@ -166,14 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     spotguard.deterministic()  # torch.use_deterministic_algorithms(True), without importing the compiler
 
-    save_every = args.save_every
-    if save_every is None:
-        env_every = from_env(SAVE_EVERY_STEPS)
-        save_every = 50 if env_every is None else env_every
-    ckpt = spotguard.Checkpointer.from_env(save_every_steps=save_every)
+    ckpt = spotguard.Checkpointer.from_env(save_every_steps=save_every(args))
 
     model, optimizer, scheduler = build(args)
-    x, y = make_dataset(args.seed)
+    x, y = make_problem(args.seed)
     batches_per_epoch = DATASET_SIZE // args.batch_size
 
     # Loads model, optimizer, scheduler and every RNG from the newest

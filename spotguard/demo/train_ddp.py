@@ -33,7 +33,6 @@ import hashlib
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import spotguard
-from spotguard.contract.env import SAVE_EVERY_STEPS, from_env
-
-FEATURES = 16
-CLASSES = 4
-DATASET_SIZE = 1024
+from spotguard.demo.common import DATASET_SIZE, StateDigest, add_training_options, classifier, make_problem, save_every
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,16 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="total training steps (default 300)")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=None,
-        help="checkpoint every N steps (default SPOTGUARD_SAVE_EVERY_STEPS, else 50)",
-    )
-    p.add_argument("--step-delay", type=float, default=0.0, help="sleep after each step (seconds)")
+    add_training_options(p)
     p.add_argument("--log-every", type=int, default=10)
     return p.parse_args(argv)
 
@@ -85,15 +71,6 @@ def setup() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed synthetic classification problem (the same on every rank)."""
-    gen = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(DATASET_SIZE, FEATURES, generator=gen)
-    w = torch.randn(FEATURES, CLASSES, generator=gen)
-    y = (x @ w + 0.1 * torch.randn(DATASET_SIZE, CLASSES, generator=gen)).argmax(dim=1)
-    return x, y
-
-
 def batch_indices(seed: int, step: int, rank: int, batch_size: int) -> torch.Tensor:
     """The samples ``rank`` trains on at ``step``: a pure function of (seed, step, rank).
 
@@ -108,15 +85,8 @@ def batch_indices(seed: int, step: int, rank: int, batch_size: int) -> torch.Ten
 def build_model(hidden: int, seed: int) -> nn.Module:
     """The same initial weights on every rank (DDP also broadcasts rank 0's)."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(FEATURES, hidden),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Linear(hidden, CLASSES),
-    )
+    model: nn.Module = classifier(hidden)
+    return model
 
 
 def parallelize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -143,27 +113,12 @@ def local_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> bytes:
     Sharded tensors (DTensor) contribute their local shard, so the digests
     of all ranks together cover the whole state.
     """
-    h = hashlib.sha256()
-
-    def add(name: str, value: Any) -> None:
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            h.update(local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(value).encode())
-
-    for name, value in model.state_dict().items():
-        add(f"model.{name}", value)
-    opt_state = optimizer.state_dict()
-    for pid, entries in sorted(opt_state["state"].items()):
-        for key, value in sorted(entries.items()):
-            add(f"optimizer.{pid}.{key}", value)
-    add("optimizer.param_groups", [{k: v for k, v in g.items() if k != "params"} for g in opt_state["param_groups"]])
-    add("rng.torch", torch.get_rng_state())
+    digest = StateDigest()
+    digest.add_training(model, optimizer)
+    digest.add("rng.torch", torch.get_rng_state())
     if torch.cuda.is_available():
-        add("rng.cuda", torch.cuda.get_rng_state())
-    return h.digest()
+        digest.add("rng.cuda", torch.cuda.get_rng_state())
+    return digest.digest()
 
 
 def global_digest(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
@@ -191,16 +146,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: argparse.Namespace, rank: int, device: torch.device) -> int:
     """The training loop: model, optimizer and data live (and die) here."""
-    env_every = from_env(SAVE_EVERY_STEPS)
-    save_every = args.save_every or (50 if env_every is None else env_every)
     # Distributed because a process group is initialized: should_save and
     # preempted agree on every rank, save is collective.
-    ckpt = spotguard.Checkpointer.from_env(save_every_steps=save_every)
+    ckpt = spotguard.Checkpointer.from_env(save_every_steps=save_every(args))
 
     model = parallelize(build_model(args.hidden, args.seed), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
-    x, y = make_dataset(args.seed)
+    x, y = make_problem(args.seed)
     x, y = x.to(device), y.to(device)
     # Each rank's own dropout stream on a fresh start; restore() puts back
     # every rank's saved RNG on a resume.

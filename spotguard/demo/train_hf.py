@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from spotguard.demo.common import StateDigest
 from spotguard.integrations.huggingface import SpotguardCallback, spotguard_resume_path
 
 try:
@@ -120,20 +121,17 @@ class Progress(TrainerCallback):
 def state_digest(trainer: Trainer) -> str:
     """sha256 over weights, optimizer and scheduler state and the RNG of every
     rank, in a canonical order (collective under torch.distributed)."""
-    h = hashlib.sha256()
+    digest = StateDigest()
 
     def add(name: str, value: Any) -> None:
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
+        if isinstance(value, dict):
             for key in sorted(value, key=str):
                 add(f"{name}.{key}", value[key])
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 add(f"{name}[{i}]", item)
         else:
-            h.update(repr(value).encode())
+            digest.add(name, value)
 
     assert trainer.model is not None and trainer.optimizer is not None and trainer.lr_scheduler is not None
     add("model", trainer.model.state_dict())
@@ -149,7 +147,7 @@ def state_digest(trainer: Trainer) -> str:
         every = [mine]
     for rank, part in enumerate(every):
         add(f"rng.{rank}", part.hex())
-    return h.hexdigest()
+    return digest.hexdigest()
 
 
 def rng_digest() -> bytes:

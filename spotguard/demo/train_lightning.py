@@ -27,7 +27,6 @@ test can stop it at a chosen step, such as the last one of an epoch.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -39,11 +38,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from spotguard.contract.env import SAVE_EVERY_STEPS, from_env, to_env
+from spotguard.contract.env import SAVE_EVERY_STEPS, to_env
+from spotguard.demo.common import StateDigest, add_training_options, classifier, make_problem, save_every
 from spotguard.integrations.lightning import ResumableSampler, SpotguardCallback, spotguard_ckpt_path
-
-FEATURES = 16
-CLASSES = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,9 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (default: the epochs)")
     p.add_argument("--samples", type=int, default=128, help="dataset size (default 128)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step (default 8)")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
+    add_training_options(p)
     p.add_argument(
         "--loader",
         choices=("sampler", "stateful"),
@@ -63,13 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sampler: a DataLoader with spotguard's ResumableSampler (default); "
         "stateful: torchdata's StatefulDataLoader with shuffle=True",
     )
-    p.add_argument(
-        "--save-every",
-        type=int,
-        default=None,
-        help="checkpoint every N steps (default SPOTGUARD_SAVE_EVERY_STEPS, else 50)",
-    )
-    p.add_argument("--step-delay", type=float, default=0.0, help="sleep after each step (seconds)")
     p.add_argument(
         "--pause-for-preemption-at",
         type=int,
@@ -86,15 +74,7 @@ class Classifier(pl.LightningModule):
     def __init__(self, hidden: int, lr: float) -> None:
         super().__init__()
         self.lr = lr
-        self.net = nn.Sequential(
-            nn.Linear(FEATURES, hidden),
-            nn.ReLU(),
-            nn.Dropout(0.1),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Dropout(0.1),
-            nn.Linear(hidden, CLASSES),
-        )
+        self.net = classifier(hidden)
         self.loss_fn = nn.CrossEntropyLoss()
         self.last_loss = float("nan")
 
@@ -112,11 +92,7 @@ class Classifier(pl.LightningModule):
 
 def make_dataset(seed: int, samples: int) -> TensorDataset:
     """A fixed synthetic classification problem (the same on every rank)."""
-    gen = torch.Generator().manual_seed(seed + 7)
-    x = torch.randn(samples, FEATURES, generator=gen)
-    w = torch.randn(FEATURES, CLASSES, generator=gen)
-    y = (x @ w + 0.1 * torch.randn(samples, CLASSES, generator=gen)).argmax(dim=1)
-    return TensorDataset(x, y)
+    return TensorDataset(*make_problem(seed, samples))
 
 
 def make_loader(kind: str, dataset: TensorDataset, batch_size: int, seed: int) -> Any:
@@ -161,24 +137,9 @@ class Progress(pl.Callback):
 
 def digest(module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> str:
     """sha256 over the weights and the optimizer state, in a canonical order."""
-    h = hashlib.sha256()
-
-    def add(name: str, value: Any) -> None:
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(value).encode())
-
-    for name, value in sorted(module.state_dict().items()):
-        add(f"model.{name}", value)
-    state = optimizer.state_dict()
-    for pid, entries in sorted(state["state"].items()):
-        for key, value in sorted(entries.items()):
-            add(f"optimizer.{pid}.{key}", value)
-    groups = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in state["param_groups"]]
-    add("optimizer.param_groups", groups)
-    return h.hexdigest()
+    digest = StateDigest()
+    digest.add_training(module, optimizer)
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,10 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     # Bit-identical results whatever the machine's core count.
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    if args.save_every is not None:
-        os.environ[SAVE_EVERY_STEPS.name] = to_env(SAVE_EVERY_STEPS, args.save_every)
-    elif from_env(SAVE_EVERY_STEPS) is None:
-        os.environ[SAVE_EVERY_STEPS.name] = to_env(SAVE_EVERY_STEPS, 50)
+    os.environ[SAVE_EVERY_STEPS.name] = to_env(SAVE_EVERY_STEPS, save_every(args))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     rank = int(os.environ.get("RANK", "0"))
