@@ -54,23 +54,8 @@ _NUMPY_TO_ST = {
     "uint8": "U8",
     "bool": "BOOL",
 }
-_TORCH_TO_ST = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint64": "U64",
-    "uint32": "U32",
-    "uint16": "U16",
-    "uint8": "U8",
-    "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
+# torch has numpy's dtypes (by the same names) and those numpy lacks.
+_TORCH_TO_ST = {**_NUMPY_TO_ST, "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _ST_ITEMSIZE = {
     "F64": 8,
     "F32": 4,

@@ -21,13 +21,11 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from spotguard.checkpoint.format.manifest import (
     MANIFEST_NAME,
-    ManifestError,
     parse_checkpoint_name,
-    parse_manifest,
     to_plain,
 )
 from spotguard.checkpoint.local.codec import StateError
@@ -39,19 +37,20 @@ from spotguard.checkpoint.local.commit import (
 )
 from spotguard.checkpoint.restore.fetch import fetch_chunks, fetch_verified
 from spotguard.checkpoint.restore.stream import NotStreamable, load_stored_state
-from spotguard.checkpoint.store.parts import missing_manifest_problems, name_parts
+from spotguard.checkpoint.store.parts import name_parts
 from spotguard.checkpoint.store.stored import (
     CheckpointCorruptError,
     CheckpointInfo,
     Skipped,
     list_checkpoint_names,
-    read_manifest_bytes,
     stored_files,
 )
-from spotguard.storage.base import NotFoundError, ProgressCallback, Storage
+from spotguard.checkpoint.store.verify_stored import stored_manifest
+from spotguard.storage.base import ProgressCallback, Storage
 from spotguard.storage.file import fsync_dir
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 RESTORE_TMP_PREFIX = f"{TMP_PREFIX}restore-"
@@ -77,14 +76,7 @@ def restore_checkpoint(
     :class:`StorageError`.
     """
     dest = Path(dest)
-    try:
-        manifest_bytes = read_manifest_bytes(storage, name)
-    except NotFoundError:
-        raise CheckpointCorruptError(name, missing_manifest_problems(storage, name)[0]) from None
-    try:
-        manifest = parse_manifest(manifest_bytes, expected_name=name)
-    except ManifestError as exc:
-        raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: {exc}"]) from None
+    manifest_bytes, manifest = stored_manifest(storage, name)
     if not manifest.locally_complete:
         raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: the manifest of one part, not of the whole checkpoint"])
     stored = manifest
@@ -144,15 +136,7 @@ def restore_latest(
     (logging each, and reporting it to ``on_skip``). Returns None when storage
     holds no usable checkpoint. Storage failures propagate.
     """
-    for name in reversed(list_checkpoint_names(storage)):
-        try:
-            return restore_checkpoint(storage, name, dest, progress=progress)
-        except CheckpointCorruptError as exc:
-            skipped = Skipped(name, parse_checkpoint_name(name) or 0, "; ".join(exc.problems))
-            log.warning("skipping checkpoint %s: %s", storage.uri_for(name), skipped.reason)
-            if on_skip is not None:
-                on_skip(skipped)
-    return None
+    return _newest_usable(storage, lambda name: restore_checkpoint(storage, name, dest, progress=progress), on_skip)
 
 
 def restore_state(
@@ -197,9 +181,19 @@ def restore_latest_state(
     incomplete or fail verification exactly as :func:`restore_latest` does.
     Returns None when storage holds no usable checkpoint; storage failures
     propagate."""
+    return _newest_usable(
+        storage, lambda name: restore_state(storage, name, progress=progress, scratch=scratch), on_skip
+    )
+
+
+def _newest_usable(
+    storage: Storage, restore: Callable[[str], _T], on_skip: Callable[[Skipped], None] | None
+) -> _T | None:
+    """``restore(name)`` of the newest checkpoint it succeeds on, walking back past each that
+    raises :class:`CheckpointCorruptError` (logged, and reported to ``on_skip``)."""
     for name in reversed(list_checkpoint_names(storage)):
         try:
-            return restore_state(storage, name, progress=progress, scratch=scratch)
+            return restore(name)
         except CheckpointCorruptError as exc:
             skipped = Skipped(name, parse_checkpoint_name(name) or 0, "; ".join(exc.problems))
             log.warning("skipping checkpoint %s: %s", storage.uri_for(name), skipped.reason)

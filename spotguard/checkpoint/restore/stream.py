@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 
-from spotguard.checkpoint.format.manifest import MANIFEST_NAME, FileEntry, Manifest, ManifestError, parse_manifest
+from spotguard.checkpoint.format.manifest import FileEntry, Manifest
 from spotguard.checkpoint.format.verify import check_one_file
 from spotguard.checkpoint.local.codec import (
     ST_TO_TORCH,
@@ -50,8 +50,9 @@ from spotguard.checkpoint.local.codec import (
     tensor_files_of,
 )
 from spotguard.checkpoint.store.chunked import _chunk_of, _ChunkDamaged, check_chunk_landed, stream_file
-from spotguard.checkpoint.store.parts import missing_manifest_problems, name_parts
-from spotguard.checkpoint.store.stored import CheckpointCorruptError, read_manifest_bytes, stored_files
+from spotguard.checkpoint.store.parts import name_parts
+from spotguard.checkpoint.store.stored import CheckpointCorruptError, stored_files
+from spotguard.checkpoint.store.verify_stored import stored_manifest
 from spotguard.storage.base import (
     NotFoundError,
     ObjectInfo,
@@ -405,14 +406,7 @@ def load_stored_state(
     and :class:`StorageError` for failures of the store itself (a network
     failure must not make a good checkpoint look broken).
     """
-    try:
-        manifest_bytes = read_manifest_bytes(storage, name)
-    except NotFoundError:
-        raise CheckpointCorruptError(name, missing_manifest_problems(storage, name)[0]) from None
-    try:
-        manifest = parse_manifest(manifest_bytes, expected_name=name)
-    except ManifestError as exc:
-        raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: {exc}"]) from None
+    manifest_bytes, manifest = stored_manifest(storage, name)
     if not streamable(manifest):
         raise NotStreamable(f"{name} is not one process's state (restore it to disk instead)")
     algorithm = manifest.checksum_algorithm

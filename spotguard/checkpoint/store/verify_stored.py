@@ -16,7 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from spotguard.checkpoint.format.manifest import MANIFEST_NAME, Manifest, ManifestError, parse_checkpoint_name
+from spotguard.checkpoint.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    parse_checkpoint_name,
+    parse_manifest,
+)
 from spotguard.checkpoint.format.verify import (
     METHOD_READ_BACK,
     METHOD_SIZES,
@@ -26,10 +32,24 @@ from spotguard.checkpoint.format.verify import (
 )
 from spotguard.checkpoint.store.chunked import verify_chunks
 from spotguard.checkpoint.store.parts import check_against_parts, missing_manifest_problems, name_parts
-from spotguard.checkpoint.store.stored import read_manifest, stored_files
+from spotguard.checkpoint.store.stored import CheckpointCorruptError, read_manifest, read_manifest_bytes, stored_files
 from spotguard.storage.base import NotFoundError, Storage, StoreChecksums, StoredChecksum
 
 log = logging.getLogger(__name__)
+
+
+def stored_manifest(storage: Storage, name: str) -> tuple[bytes, Manifest]:
+    """The stored manifest of checkpoint ``name``, as stored and parsed; raises
+    :class:`CheckpointCorruptError` saying why there is none to go by (missing,
+    for a distributed checkpoint with the parts that are; malformed)."""
+    try:
+        manifest_bytes = read_manifest_bytes(storage, name)
+    except NotFoundError:
+        raise CheckpointCorruptError(name, missing_manifest_problems(storage, name)[0]) from None
+    try:
+        return manifest_bytes, parse_manifest(manifest_bytes, expected_name=name)
+    except ManifestError as exc:
+        raise CheckpointCorruptError(name, [f"{MANIFEST_NAME}: {exc}"]) from None
 
 
 def verify_checkpoint(
