@@ -112,11 +112,17 @@ class CheckpointRequest:
         return {"id": self.id, "reason": self.reason, "deadline": self.deadline, "preempt": self.preempt}
 
 
-def parse_request(data: bytes | str) -> CheckpointRequest:
-    """Parse ``checkpoint-request.json``; raises ValueError when malformed."""
+def json_object(data: bytes | str, what: str) -> dict[str, Any]:
+    """Pure: the JSON object ``data`` holds; raises ValueError (naming ``what``) when it holds none."""
     doc = json.loads(data)
     if not isinstance(doc, dict):
-        raise ValueError("checkpoint request is not a JSON object")
+        raise ValueError(f"{what} is not a JSON object")
+    return doc
+
+
+def parse_request(data: bytes | str) -> CheckpointRequest:
+    """Parse ``checkpoint-request.json``; raises ValueError when malformed."""
+    doc = json_object(data, "checkpoint request")
     rid = doc.get("id")
     if not isinstance(rid, str) or not rid:
         raise ValueError("checkpoint request has no string 'id'")
@@ -212,9 +218,7 @@ class UploaderHeartbeat:
 
 def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
     """Parse ``uploader-heartbeat.json``; raises ValueError when malformed."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict):
-        raise ValueError("heartbeat is not a JSON object")
+    doc = json_object(data, "heartbeat")
     when, shipping, pid = doc.get("time"), doc.get("shipping"), doc.get("pid")
     if not isinstance(when, int | float) or isinstance(when, bool):
         raise ValueError(f"heartbeat time {when!r} is not a number")
@@ -337,9 +341,7 @@ class WritePlan:
 
 def parse_write_plan(data: bytes | str) -> WritePlan:
     """Parse ``checkpoint-writing.json``; raises ValueError when malformed."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict):
-        raise ValueError("a write plan must be a JSON object")
+    doc = json_object(data, "write plan")
     step, when, dirs, files = doc.get("step"), doc.get("time"), doc.get("dirs"), doc.get("files")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"bad step {step!r}")
