@@ -217,6 +217,19 @@ class LocalPersist:
             self._channel.preempted = True
         return self._record.last_committed
 
+    def _answered_before(self, step: int, due: Due, doing: str) -> tuple[bool, Path | None]:
+        """The prologue of a save of ``step`` in a single process: whether it is answered before it
+        begins, and with what. The step saved last is committed, being committed or resumed already
+        (a framework saving it again into hard-linked files is never re-linked): its write is waited
+        for and answers. A previous write still running at the deadline answers that none was made."""
+        if step == self._policy.last_step:
+            return True, self.answer_with_last(due)
+        if not self.wait_until(due.deadline):
+            log.error("previous checkpoint still being written at the deadline; not %s step %d", doing, step)
+            self._channel.answer(due.requests, None, deadline_exceeded=True)
+            return True, None
+        return False, None
+
     def phase_one_done(self, step: int, start: float) -> None:
         """Phase one of ``step`` ended (it began at ``start``, perf_counter)."""
         self._record.last_stall_seconds = time.perf_counter() - start
@@ -255,13 +268,9 @@ class LocalPersist:
         """:meth:`Checkpointer.save` in a single process."""
         sync = self._policy.synchronous(blocking, due.preempt)
         self._preempting = self._preempting or due.preempt
-        if step == self._policy.last_step:
-            # This step is already committed or being written: wait for it.
-            return self.answer_with_last(due)
-        if not self.wait_until(due.deadline):
-            log.error("previous checkpoint still being written at the deadline; not starting step %d", step)
-            self._channel.answer(due.requests, None, deadline_exceeded=True)
-            return None
+        answered, answer = self._answered_before(step, due, "starting")
+        if answered:
+            return answer
         start = time.perf_counter()
         try:
             with self._pool_lock:
@@ -471,14 +480,9 @@ class LocalPersist:
     ) -> Path | None:
         """:meth:`Checkpointer.commit_folder` in a single process."""
         s = self._settings
-        if step == self._policy.last_step:
-            # Committed, being committed, or resumed already: a framework
-            # saving the step again (into hard-linked files) is never re-linked.
-            return self.answer_with_last(due)
-        if not self.wait_until(due.deadline):
-            log.error("previous checkpoint still being written at the deadline; not committing step %d", step)
-            self._channel.answer(due.requests, None, deadline_exceeded=True)
-            return None
+        answered, answer = self._answered_before(step, due, "committing")
+        if answered:
+            return answer
         start = time.perf_counter()
         writer = LocalWriter(
             s.directory, step, algorithm=s.checksum, deadline=due.deadline, durable=self._shipping.durable(due.preempt)
