@@ -196,53 +196,41 @@ def webhook_configurations(
     """Pure: the Mutating- and ValidatingWebhookConfiguration ``name`` for a server at ``base_url``
     (``--webhook-manage``; the chart writes its own, for its Service)."""
     bundle = base64.b64encode(ca_bundle).decode()
-    common = {"admissionReviewVersions": ["v1"], "sideEffects": "None", "timeoutSeconds": timeout_seconds}
-    mutating = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [
-            {
-                "name": MUTATING_WEBHOOK,
-                **common,
-                "failurePolicy": "Fail",
-                "objectSelector": {"matchLabels": {LABEL_INJECT: "true"}},
-                "rules": [
-                    {
-                        "operations": ["CREATE"],
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "resources": ["pods"],
-                        "scope": "Namespaced",
-                    }
-                ],
-                "clientConfig": {"url": f"{base_url}{MUTATE_PATH}", "caBundle": bundle},
-            }
-        ],
-    }
-    validating = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [
-            {
-                # Ignore: an operator that is down must not block every edit of every job.
-                "name": VALIDATING_WEBHOOK,
-                **common,
-                "failurePolicy": "Ignore",
-                "rules": [
-                    {
-                        "operations": ["UPDATE"],
-                        "apiGroups": [GROUP],
-                        "apiVersions": ["*"],
-                        "resources": [PLURAL],
-                        "scope": "Namespaced",
-                    }
-                ],
-                "clientConfig": {"url": f"{base_url}{VALIDATE_PATH}", "caBundle": bundle},
-            }
-        ],
-    }
+
+    def configuration(kind: str, hook: str, path: str, rule: dict[str, Any], **policy: Any) -> dict[str, Any]:
+        """One configuration of one webhook, for the requests ``rule`` names, served at ``path``."""
+        webhook = {
+            "name": hook,
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "timeoutSeconds": timeout_seconds,
+            **policy,
+            "rules": [{**rule, "scope": "Namespaced"}],
+            "clientConfig": {"url": f"{base_url}{path}", "caBundle": bundle},
+        }
+        return {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": kind,
+            "metadata": {"name": name},
+            "webhooks": [webhook],
+        }
+
+    mutating = configuration(
+        "MutatingWebhookConfiguration",
+        MUTATING_WEBHOOK,
+        MUTATE_PATH,
+        {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]},
+        failurePolicy="Fail",
+        objectSelector={"matchLabels": {LABEL_INJECT: "true"}},
+    )
+    validating = configuration(
+        "ValidatingWebhookConfiguration",
+        VALIDATING_WEBHOOK,
+        VALIDATE_PATH,
+        {"operations": ["UPDATE"], "apiGroups": [GROUP], "apiVersions": ["*"], "resources": [PLURAL]},
+        # Ignore: an operator that is down must not block every edit of every job.
+        failurePolicy="Ignore",
+    )
     return mutating, validating
 
 
