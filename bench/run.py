@@ -46,7 +46,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import dist, frameworks, gang, goodput, incremental, preempt_upload, storage_requests  # noqa: E402
+from bench import (  # noqa: E402
+    dist,
+    frameworks,
+    gang,
+    goodput,
+    incremental,
+    linear_finetune,
+    preempt_upload,
+    storage_requests,
+)
 from bench.common import (  # noqa: E402
     DOCS,
     PLOTS,
@@ -1258,6 +1267,7 @@ BENCHES: dict[str, Any] = {
     "frameworks": frameworks.bench_frameworks,
     "incremental": incremental.bench_incremental,
     "preempt-upload": preempt_upload.bench_preempt_upload,
+    "finetune-sigterm": linear_finetune.bench_finetune_sigterm,
     "goodput": bench_goodput,  # last: it uses the costs the sections before it measured
 }
 try:
