@@ -56,6 +56,7 @@ HEAVY_MODULES = (
 #: plane would take one another's pods (both are GPU nodes to the scheduler).
 REAL_NODE_MODULES = (
     "tests/e2e/test_realnode_e2e.py",
+    "tests/e2e/test_realnode_webhook.py",
     "tests/integration/test_images_built.py",
     "tests/integration/test_realnodes.py",
     "tests/integration/test_realnode_services.py",
