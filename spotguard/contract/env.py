@@ -395,7 +395,7 @@ def _env_words(var: Var[Any, Any], shown: object) -> str:
 def add_option(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     var: Var[Any, Any],
-    *,
+    *names: str,
     help: str | None = None,
     fallback: object = None,
     shown: str | None = None,
@@ -404,7 +404,8 @@ def add_option(
 ) -> None:
     """Add ``var``'s option to ``parser`` (a parser or an argument group), all of it from the table.
 
-    The flag is :attr:`Var.option`; a number is converted by argparse
+    The flag is :attr:`Var.option`, after ``names`` where a command calls it
+    otherwise too (the first names the parsed value); a number is converted by argparse
     (``type``), a word checked against :attr:`Var.choices`, a boolean is
     ``--x``/``--no-x``. The default is :func:`cli_default`'s text, else
     ``fallback`` (the reader's own default where the table has none); the
@@ -423,4 +424,4 @@ def add_option(
         options["choices"] = var.choices
     said = (help or var.meaning).replace("%", "%%")
     options["help"] = f"{said} ({_env_words(var, fallback if shown is None else shown)})"
-    parser.add_argument(var.option, **{**options, **extra})
+    parser.add_argument(*names, var.option, **{**options, **extra})

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -54,7 +55,7 @@ from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, clean_stale_tmp
 from spotguard.trainer import statedicts
 from spotguard.trainer.channel import TrainerChannel
 from spotguard.trainer.collective import CollectiveSave
-from spotguard.trainer.config import CheckpointerConfig
+from spotguard.trainer.config import CheckpointerConfig, keyword_parameters
 from spotguard.trainer.distributed import DistContext, wants_distributed
 from spotguard.trainer.persist import LocalPersist
 from spotguard.trainer.policy import SavePolicy, SaveRecord, SaveTrigger
@@ -422,6 +423,12 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+# What help() and editors show: the configuration's keywords, not ``**settings``.
+_init = inspect.signature(Checkpointer.__init__)
+Checkpointer.__signature__ = _init.replace(  # type: ignore[attr-defined]
+    parameters=[*list(_init.parameters.values())[1:-1], *keyword_parameters()]
+)
 
 #: The attributes that read the configuration (the field, or what it means: control_dir is control_path).
 _CONFIG_VIEWS = {f.name: f.name for f in fields(CheckpointerConfig)} | {

@@ -20,6 +20,7 @@ configuration alone: :func:`local_pruner`, who deletes local checkpoints.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
@@ -181,6 +182,20 @@ class CheckpointerConfig:
         if retention is not None:
             values["retention"] = retention
         return cls(**{**values, **_without_none_directory(keywords)})
+
+
+def keyword_parameters() -> list[inspect.Parameter]:
+    """Pure: the configuration's fields as keyword parameters with their defaults (for a signature)."""
+    return [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=f.default if f.default is not MISSING else f.default_factory(),  # type: ignore[operator]
+            annotation=f.type,
+        )
+        for f in fields(CheckpointerConfig)
+        if f.name != "directory"
+    ]
 
 
 def _given(read: Callable[[env.Var[Any, Any], str], Any]) -> dict[str, Any]:

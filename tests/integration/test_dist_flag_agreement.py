@@ -56,7 +56,9 @@ def train(
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        ckpt = spotguard.Checkpointer(directory, save_every_steps=save_every, handle_signals=rank == FLAG_RANK)
+        ckpt = spotguard.Checkpointer(
+            directory, save_every_steps=save_every, handle_signals=rank == FLAG_RANK, keep_local=2
+        )
         due: list[int] = []
         stopped: int | None = None
         for step in range(steps):

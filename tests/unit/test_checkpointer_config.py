@@ -189,3 +189,22 @@ def test_a_commands_options_are_the_fields_of_its_dataclass() -> None:
     args = argparse.Namespace(steps=5, workdir=Path("w"), verbose=True)
     assert options_from(Options, args) == Options(steps=5, workdir=Path("w"))  # an option it lacks: the default
     assert options_from(Options, args, steps=9, seed=1) == Options(steps=9, workdir=Path("w"), seed=1)
+
+
+def test_the_checkpointers_signature_shows_the_configurations_keywords() -> None:
+    import inspect
+
+    parameters = inspect.signature(Checkpointer).parameters
+    names = {f.name for f in dataclasses.fields(CheckpointerConfig)}
+    assert names <= set(parameters) and "settings" not in parameters
+    assert parameters["keep_local"].default == env.KEEP_LOCAL.default
+    assert parameters["handle_signals"].default is False
+
+
+def test_the_init_containers_restore_takes_its_directory_as_dest_or_checkpoint_dir() -> None:
+    from spotguard.checkpoint.tools import cli as tools_cli
+
+    parser = argparse.ArgumentParser()
+    tools_cli.register(parser.add_subparsers())
+    assert parser.parse_args(["restore", "--dest", "/a"]).dest == Path("/a")
+    assert parser.parse_args(["restore", "--checkpoint-dir", "/b"]).dest == Path("/b")

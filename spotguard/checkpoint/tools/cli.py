@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.cliutil import depth_flags, error, progress_flag, usage
-from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, Var, from_env
+from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, add_option
 from spotguard.progress import ByteProgress
 
 EXIT_OK = 0
@@ -145,19 +145,8 @@ def register(subparsers: Any) -> None:
         description="Download the newest verified checkpoint into DEST/ckpt-<step>/. "
         "Exits 0 also when there is none yet.",
     )
-    p.add_argument(
-        "--storage",
-        default=from_env(STORAGE_URI),
-        metavar="URI",
-        help="job checkpoint root (env SPOTGUARD_STORAGE_URI)",
-    )
-    p.add_argument(
-        "--dest",
-        type=Path,
-        default=_env_path(CHECKPOINT_DIR),
-        metavar="DIR",
-        help="local checkpoint directory (env SPOTGUARD_CHECKPOINT_DIR)",
-    )
+    add_option(p, STORAGE_URI, metavar="URI")
+    add_option(p, CHECKPOINT_DIR, "--dest", type=Path, metavar="DIR")
     progress_flag(p)
     p.set_defaults(func=_guard(cmd_init_restore))
 
@@ -167,11 +156,6 @@ def register(subparsers: Any) -> None:
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line."""
-
-
-def _env_path(var: Var[str, None]) -> Path | None:
-    value = from_env(var)
-    return Path(value) if value else None
 
 
 def _nonneg_int(raw: str) -> int:
