@@ -60,7 +60,7 @@ from spotguard.checkpoint.store.gc import DEFAULT_ORPHAN_GRACE, sweep_chunks
 from spotguard.checkpoint.store.known import KnownChunkTable
 from spotguard.checkpoint.store.publish import AWAITING, Published, publish, publish_commit
 from spotguard.checkpoint.store.retention import plan_local_prune
-from spotguard.checkpoint.store.upload import UploadCancelled
+from spotguard.checkpoint.store.upload import UploadCancelled, stopping_storage
 from spotguard.contract.control import save_reason_label
 from spotguard.contract.retry import retry_delay
 from spotguard.sidecar.deadline import ThroughputTracker
@@ -379,7 +379,9 @@ class CheckpointShipper:
         name = path.name
         t0 = time.monotonic()
         try:
-            published = publish(name, self.storage, lambda: self._upload(path, should_stop, trust))
+            # A routine verification gives way to a preemption too, at its next request.
+            verifier = self.storage if should_stop is None else stopping_storage(self.storage, should_stop, name)
+            published = publish(name, verifier, lambda: self._upload(path, should_stop, trust), stop=should_stop)
         except UploadCancelled:
             log.warning(
                 # Its own stage: ``stage=upload`` lines report a finished upload and its bytes.

@@ -26,10 +26,13 @@ from spotguard.checkpoint.format.manifest import CHUNKS_DIR, MANIFEST_NAME, chec
 from spotguard.checkpoint.local.codec import snapshot_state
 from spotguard.checkpoint.local.commit import write_checkpoint
 from spotguard.checkpoint.store.gc import SWEEP_STOPPED, sweep_chunks
+from spotguard.checkpoint.store.publish import UNVERIFIED, Published, publish, verify_and_point
+from spotguard.checkpoint.store.upload import UploadCancelled, stopping_storage
 from spotguard.sidecar.deadline import ThroughputTracker
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.shipper import CheckpointShipper, Shipped
 from spotguard.sidecar.stoppable import with_stored_chunks
+from spotguard.storage import open_storage
 
 pytestmark = pytest.mark.integration
 
@@ -254,3 +257,30 @@ def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: py
             break
         time.sleep(0.01)
     assert list(directory.iterdir()) == []
+
+
+def test_a_routine_verification_by_read_back_stops_at_its_next_request(tmp_path: Path) -> None:
+    # A store without checksums (file://) is verified by reading every chunk back, a frozen base's
+    # with the rest: seconds per GiB. A preemption during that read-back of a routine checkpoint
+    # gets the shipper back at the verification's next request, a stop and not a failure: nothing
+    # is pointed to, and a later verification of the same checkpoint passes.
+    storage = open_storage(f"file://{tmp_path / 'store'}")
+    local = tmp_path / "ckpt"
+    first = commit(local, 5, 2)
+    upload_checkpoint(first, storage, incremental=True)
+    assert read_latest_pointer(storage) == 5
+    routine = commit(local, 10, ROUTINE_MB)
+    sigterm = threading.Event()
+
+    def upload() -> Any:
+        result = upload_checkpoint(routine, storage, update_pointer=False, incremental=True)
+        sigterm.set()  # the preemption comes once the upload is done, while the checkpoint is verified
+        return result
+
+    verifier = stopping_storage(storage, sigterm.is_set, routine.name)
+    with pytest.raises(UploadCancelled):
+        publish(routine.name, verifier, upload, stop=sigterm.is_set)
+    assert read_latest_pointer(storage) == 5  # not verified, not pointed to
+    # Nothing is lost: its chunks and manifest are stored, and a later verification passes.
+    later = verify_and_point(storage, routine.name, Published(routine.name, UNVERIFIED))
+    assert later.verified and read_latest_pointer(storage) == 10

@@ -109,10 +109,13 @@ class Published:
         return self.state == VERIFIED
 
 
-def publish(name: str, storage: Storage, upload: Callable[[], UploadResult]) -> Published:
+def publish(
+    name: str, storage: Storage, upload: Callable[[], UploadResult], *, stop: Callable[[], bool] | None = None
+) -> Published:
     """Steps 1, 3 and 4 for checkpoint ``name``: ``upload()`` stores it
     (without moving the pointer; its errors propagate), then it is verified
-    and pointed to, or left awaiting its other parts."""
+    and pointed to, or left awaiting its other parts. ``stop``: see
+    :func:`verify_and_point`."""
     t0 = time.monotonic()
     result = upload()
     seconds = time.monotonic() - t0
@@ -126,7 +129,7 @@ def publish(name: str, storage: Storage, upload: Callable[[], UploadResult]) -> 
             parts_total=result.parts_total,
         )
     so_far = Published(name, UNVERIFIED, result, seconds)
-    return verify_and_point(storage, name, so_far, trusted=result.trusted_chunks)
+    return verify_and_point(storage, name, so_far, trusted=result.trusted_chunks, stop=stop)
 
 
 def publish_commit(storage: Storage, name: str) -> Published:
@@ -148,17 +151,29 @@ def publish_commit(storage: Storage, name: str) -> Published:
 
 
 def verify_and_point(
-    storage: Storage, name: str, so_far: Published, *, trusted: Mapping[str, int] | None = None
+    storage: Storage,
+    name: str,
+    so_far: Published,
+    *,
+    trusted: Mapping[str, int] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Published:
     """Steps 3 and 4: verify ``name`` in storage and move the pointer to it.
     Any failure to verify (a storage error too) leaves it :data:`UNVERIFIED`.
     ``trusted``: the chunks its upload reused from a checkpoint the uploader
-    verified, taken as checked (see :mod:`spotguard.checkpoint.store.chunked`)."""
+    verified, taken as checked (see :mod:`spotguard.checkpoint.store.chunked`).
+    ``stop`` (a routine verification that a preemption may overtake, through a
+    ``storage`` that raises once it says yes:
+    :func:`~spotguard.checkpoint.store.upload.stopping_storage`): an error raised
+    once it says yes is raised again, a stop and not a failure; the checkpoint is
+    left unverified and unpointed, for a later upload to verify."""
     t1 = time.monotonic()
     try:
         verdict = verify_checkpoint(storage, name, trusted=trusted)
         ok, problems = bool(verdict.ok), list(verdict.problems)
     except Exception as exc:  # noqa: BLE001 - any failure to verify means not verified; the caller reports it
+        if stop is not None and stop():
+            raise
         verdict, ok, problems = None, False, [" ".join(str(exc).split()) or type(exc).__name__]
     so_far.verify_seconds = time.monotonic() - t1
     so_far.verdict, so_far.problems = verdict, problems

@@ -139,6 +139,14 @@ class _StopGuard:
                 self.stored_chunks[digest] = len(data)
 
 
+def stopping_storage(storage: Storage, should_stop: Callable[[], bool], name: str) -> Storage:
+    """``storage`` asking ``should_stop`` before every request and raising :class:`UploadCancelled`
+    (for checkpoint ``name``) once it says yes: what a routine verification that a preemption may
+    overtake reads through (a store without checksums is read back whole, every chunk of a frozen
+    base with it), so that it ends at its next request."""
+    return cast("Storage", _StopGuard(storage, should_stop, name))
+
+
 def upload_checkpoint(
     local_ckpt_dir: Path,
     storage: Storage,
@@ -540,4 +548,4 @@ def _committed_with(storage: Storage, stored_global: Manifest, index: int, local
     return same_bytes and stored_as(stored, local)
 
 
-__all__ = ["UploadCancelled", "UploadResult", "files_to_send", "upload_checkpoint"]
+__all__ = ["UploadCancelled", "UploadResult", "files_to_send", "stopping_storage", "upload_checkpoint"]
