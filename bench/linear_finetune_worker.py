@@ -71,6 +71,7 @@ def main() -> int:
     p.add_argument("--shape", choices=["linear", "tensors"], default="linear")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--forward", action="store_true", help="a step runs the frozen base too (--shape linear)")
+    p.add_argument("--keep-saving", action="store_true", help="routine checkpoints go on after the first ROUTINE")
     args = p.parse_args()
 
     import torch
@@ -87,7 +88,7 @@ def main() -> int:
         t0 = time.perf_counter()
         train_step()
         steps.append(time.perf_counter() - t0)
-        routine = step % args.save_every == 0 and step <= ROUTINE * args.save_every
+        routine = step % args.save_every == 0 and (args.keep_saving or step <= ROUTINE * args.save_every)
         if routine or ckpt.should_save(step):
             t0 = time.perf_counter()
             ckpt.save(step, spotguard.torch_state(model, opt))
@@ -100,7 +101,8 @@ def main() -> int:
                 )
                 return 0
             if step == ROUTINE * args.save_every:
-                ckpt.wait()
+                if not args.keep_saving:
+                    ckpt.wait()
                 print(f"step {statistics.median(steps[1:]):.3f}s", flush=True)  # the first warms up
                 print("ready", flush=True)
         time.sleep(STEP_PAUSE)
