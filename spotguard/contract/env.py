@@ -195,6 +195,14 @@ TERMINATION_LOG = _var(
     "/dev/termination-log",
     "where the sidecar writes its exit report (the default only where it exists)",
 )
+PREEMPTED_EXIT_CODE = _var(
+    "PREEMPTED_EXIT_CODE",
+    int,
+    0,
+    "the sidecar's exit status after a preemption it handled (the webhook sets 143 in the pods it injects, so that a"
+    " preempted pod fails and its Job or workload runs it again instead of counting it done)",
+    "non-negative",
+)
 INCREMENTAL = _var(
     "INCREMENTAL", bool, True, "upload checkpoints as shared content-addressed chunks (false: whole files)"
 )

@@ -131,6 +131,8 @@ class Injection:
     torchrun_env: tuple[tuple[str, str], ...] = ()
     #: Bytes of the job's newest verified checkpoint, if known: sizes a staging volume the spec gives no size.
     staging_bytes: int | None = None
+    #: The sidecar's exit status after a preemption (``SPOTGUARD_PREEMPTED_EXIT_CODE``); the webhook's pods: 143.
+    preempted_exit_code: int = 0
 
 
 def server_supports_native_sidecars(major: str, minor: str) -> bool:
@@ -407,6 +409,8 @@ def sidecar_container(inj: Injection) -> dict[str, Any]:
             _contract_value(envvars.NOTICE_TOKEN_FILE, relay.TOKEN_FILE),
         ]
         c["volumeMounts"].append({"name": NOTICE_TOKEN_VOLUME, "mountPath": relay.TOKEN_DIR, "readOnly": True})
+    if inj.preempted_exit_code:
+        c["env"].append(_contract_value(envvars.PREEMPTED_EXIT_CODE, inj.preempted_exit_code))
     if not inj.checkpoint.incremental:
         # Only the sidecar uploads; absent when on (its default).
         c["env"].append(_contract_value(envvars.INCREMENTAL, False))

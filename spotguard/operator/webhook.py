@@ -71,6 +71,8 @@ JOBSET_RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
 JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
 #: ``torchrun`` SIGKILLs its workers this many seconds after a SIGTERM (30 by default).
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: The injected sidecar's exit status after a preemption: a container's when SIGTERM ended it (128 + 15).
+PREEMPTED_EXIT_CODE = 143
 
 
 def _meta_value(meta: Mapping[str, Any], key: str) -> str | None:
@@ -178,6 +180,9 @@ def injection_for_pod(pod: Mapping[str, Any], namespace: str, config: OperatorCo
         image_pull_policy=config.image_pull_policy,
         native_sidecar=config.native_sidecar,
         sidecar_resources=config.sidecar_resources,
+        # Only the pod's phase tells a Job (or any workload) that this attempt did not finish:
+        # after a preemption the sidecar fails it, as a container killed by SIGTERM would.
+        preempted_exit_code=PREEMPTED_EXIT_CODE,
     )
 
 

@@ -58,6 +58,7 @@ def _register_sidecar(subparsers: Any) -> None:
         add_option(p, var)
     add_uploader_args(p)
     add_option(p, env.TERMINATION_LOG, type=Path)
+    add_option(p, env.PREEMPTED_EXIT_CODE, type=int)
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=_sidecar)
@@ -130,6 +131,7 @@ def _sidecar(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         notice_interval_seconds=shared.notice_interval_seconds,
         termination_log=termination_log,
+        preempted_exit_code=args.preempted_exit_code,
     )
     try:
         return run_sidecar(agent, options, shared.notice_sources, latch)

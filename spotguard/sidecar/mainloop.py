@@ -52,6 +52,10 @@ class SidecarOptions:
     # Post Kubernetes Events on the own pod (when POD_NAME/POD_NAMESPACE and
     # an apiserver configuration are there; best effort).
     post_events: bool = True
+    # The exit status after a preemption handled well (SPOTGUARD_PREEMPTED_EXIT_CODE): 0 where the
+    # operator reads the report, non-zero where only the pod's phase speaks (a webhook-injected Job's pod:
+    # a preempted pod that succeeded would complete the Job half-trained).
+    preempted_exit_code: int = EXIT_OK
 
 
 def termination_report(
@@ -154,7 +158,9 @@ def run_sidecar(
                     # Event with it (bounded by the request timeouts; never on
                     # the way out of a preemption, where the grace period counts).
                     event.join(EVENT_JOIN_SECONDS)
-                return EXIT_OK if flushed else EXIT_EMERGENCY_FAILED
+                if not flushed:
+                    return EXIT_EMERGENCY_FAILED
+                return options.preempted_exit_code if end.preempted else EXIT_OK
             latch.event.wait(agent.config.poll_seconds)
         assert latch.source is not None
         agent.metrics.notice(latch.source)
@@ -171,7 +177,7 @@ def run_sidecar(
         _remove_pod_dir(agent, options, report)
         # Retention waits for the next routine round (the next pod's sidecar):
         # the grace period is for the checkpoint only.
-        return EXIT_OK if ok else EXIT_EMERGENCY_FAILED
+        return options.preempted_exit_code if ok else EXIT_EMERGENCY_FAILED
     finally:
         watcher.stop()
 

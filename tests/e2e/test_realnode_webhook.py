@@ -60,28 +60,6 @@ OPERATOR_ROLE, OPERATOR_ROLE_VALUE = "spotguard-test/webhook-role", "operator"
 WEBHOOK_CONFIG = RELEASE
 INJECT_LABEL = f"{PREFIX}inject"
 STEPS, EVERY, DELAY = 240, 20, 0.15
-#: The Job's trainer: the example's demo, which returns 0 once preempted (for a TrainingJob the operator learns
-#: of the preemption from the sidecar's report), run so that it exits 143 then. A Job replaces only a failed
-#: pod: a preempted pod whose containers all exit 0 would complete the Job half-trained (docs/testing.md).
-PLAIN_JOB_TRAINER = """
-import sys
-from spotguard.demo import train
-
-class Lines:
-    def __init__(self, out):
-        self.out, self.preempted = out, False
-
-    def write(self, text):
-        self.preempted = self.preempted or text.startswith("preempted after step")
-        return self.out.write(text)
-
-    def __getattr__(self, name):
-        return getattr(self.out, name)
-
-sys.stdout = lines = Lines(sys.stdout)
-code = train.main(sys.argv[1:])
-sys.exit(code or (143 if lines.preempted else 0))
-"""
 
 
 def chart_values(e: RealNodeEnv, registry: Any, liveness_port: int) -> Path:
@@ -164,7 +142,9 @@ def plain_job(e: RealNodeEnv, name: str) -> dict[str, Any]:
     trainer = {
         **trainer,
         "image": e.images["spotguard-torch"],
-        "command": ["python", "-c", PLAIN_JOB_TRAINER],
+        # The example's demo as it is: it returns 0 once preempted, and the injected sidecar's 143 fails the
+        # pod (a Job replaces only a failed pod; one that succeeded would complete the Job half-trained).
+        "command": ["python", "-m", "spotguard.demo.train"],
         "args": ["--steps", str(STEPS), "--step-delay", str(DELAY), "--log-every", "1"],
     }
     annotations = {

@@ -53,11 +53,11 @@ def _pod(tmp_path: Path, env: dict[str, str], grace: int = 25) -> tuple[Proc, Pr
     return trainer, sidecar
 
 
-def _preempt(trainer: Proc, sidecar: Proc) -> int:
+def _preempt(trainer: Proc, sidecar: Proc, sidecar_exit: int = 0) -> int:
     """SIGTERM to both containers at once, as kubelet does; the step the trainer stopped after."""
     trainer.signal(signal.SIGTERM)
     sidecar.signal(signal.SIGTERM)
-    assert sidecar.wait() == 0, sidecar.tail()
+    assert sidecar.wait() == sidecar_exit, sidecar.tail()
     assert trainer.wait() == 0, trainer.tail()
     return trainer.wait_for_stopped_step()
 
@@ -84,6 +84,30 @@ def test_emergency_upload_rides_out_a_store_answering_500(s3_store: Any, s3_uri:
     assert any(status == 500 for _, _, _, status in proxy.since(t_term)), "the fault was never hit"
     text = sidecar.text()
     assert "result=verified" in text and "stage=retry" in text, text
+    info, _ = latest_verified(storage)
+    assert info is not None and info.step >= stopped
+    report = json.loads((tmp_path / "termination-log").read_text())
+    assert report == {"preempted": True, "reason": "sigterm", "step": info.step, "trainerStep": stopped}
+
+
+def test_a_sidecar_told_to_fails_its_pod_after_a_preemption(s3_store: Any, s3_uri: str, tmp_path: Path) -> None:
+    """The webhook's pods (SPOTGUARD_PREEMPTED_EXIT_CODE=143): a Job sees the preempted pod fail and runs it
+    again, although the trainer returned 0; the checkpoint is verified and the report the same as ever."""
+    storage = s3_storage(s3_store, s3_uri)
+    with reaping() as procs:
+        env = base_env(
+            {
+                **s3_store.env(),
+                "SPOTGUARD_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+                "SPOTGUARD_STORAGE_URI": s3_uri,
+                "SPOTGUARD_PREEMPTED_EXIT_CODE": "143",
+            }
+        )
+        trainer, sidecar = _pod(tmp_path, env)
+        procs += [trainer, sidecar]
+        trainer.wait_for_step(5)
+        wait_until(lambda: "sidecar watching" in sidecar.text(), 60, "the sidecar to start")
+        stopped = _preempt(trainer, sidecar, sidecar_exit=143)
     info, _ = latest_verified(storage)
     assert info is not None and info.step >= stopped
     report = json.loads((tmp_path / "termination-log").read_text())

@@ -264,3 +264,10 @@ def test_incremental_annotation_must_be_a_boolean() -> None:
     with pytest.raises(SpecError) as err:
         injection_for_pod(pod(ann), "ns", CFG)
     assert err.value.field == "metadata.annotations[spotguard.dev/incremental]"
+
+
+def test_an_injected_sidecar_fails_its_pod_after_a_preemption() -> None:
+    """A Job learns that a pod did not finish only from its phase: the webhook's sidecar exits 143 then."""
+    spec, _uri = mutated_pod(pod({"spotguard.dev/storage": "s3://bkt/p"}), "ns", CFG)
+    assert env_of(spec, "spotguard-sidecar")["SPOTGUARD_PREEMPTED_EXIT_CODE"] == "143"
+    assert "SPOTGUARD_PREEMPTED_EXIT_CODE" not in env_of(spec, "main")

@@ -325,3 +325,9 @@ def test_incremental_reaches_the_sidecar_only(native: bool, monkeypatch: pytest.
     # The sidecar reads the value the operator writes as off.
     monkeypatch.setenv("SPOTGUARD_INCREMENTAL", value)
     assert sidecar_incremental() is False
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_trainingjobs_sidecar_exits_0_after_a_preemption(native: bool) -> None:
+    """The operator reads a preemption from the sidecar's report: its pods keep the sidecar's default status."""
+    assert "SPOTGUARD_PREEMPTED_EXIT_CODE" not in env_of(sidecar_of(build(native=native)))
