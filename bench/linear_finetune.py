@@ -110,7 +110,11 @@ def run_once(work: Path, shape: str, frozen: int) -> Run:
         watch = CpuWatch(root=proc.pid, store="-", interval=0.05)
         t0 = time.perf_counter()
         proc.send_signal(signal.SIGTERM)
-        t_verified = out.wait_for(_is_stage("verify"), t0, 600)
+        # The SIGTERM checkpoint's own verification (a routine one may be verified meanwhile).
+        t_saved = out.wait_for(_is_stage("save"), t0, 600)
+        saved = next(st for st in map(stage_line, out.since(t_saved)) if st is not None and st.stage == "save")
+        name = f"name={saved.fields.get('name')} "
+        t_verified = out.wait_for(lambda line: _is_stage("verify")(line) and name in line, t0, 600)
         cpu = watch.stop()
         proc.wait(timeout=600)
     finally:
