@@ -27,10 +27,15 @@ setup:
 # The heavy tests run in one lane, the rest beside them in another (testenv/lanes.py);
 # `make test LANES=` runs everything in one pytest session instead.
 LANES ?= 1
+# The images the real-node lane pulls are built (or found in the cache) before the lanes start, not
+# inside one: a cold build takes minutes. Where they cannot be built (no root, no buildah) the tests
+# that need them say so, and fail under CI.
+IMAGES_FOR_TESTS = $(PY) -m testenv.images build || [ -z "$$CI" ]
 # Byte-compiled once here: the suite starts hundreds of Python processes, and an
 # environment that sets PYTHONDONTWRITEBYTECODE would recompile the project in each.
 test: setup lint
 	$(PY) -m compileall -q spotguard testenv bench >/dev/null
+	$(IMAGES_FOR_TESTS)
 	$(if $(LANES),$(PY) -m testenv.lanes,$(PY) -m pytest) --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
@@ -43,6 +48,7 @@ test: setup lint
 # run ends).
 # Two sessions: the real nodes' trials in a control plane of their own (testenv/lanes.py says why).
 soak: setup
+	$(IMAGES_FOR_TESTS)
 	SPOTGUARD_TRIALS=full $(PY) -m pytest -m "trials and not realnodes" --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; \
 	  SPOTGUARD_TRIALS=full $(PY) -m pytest -m "trials and realnodes" --durations=$(DURATIONS) $(PYTEST_ARGS); rc2=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ] && [ $$rc2 -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \

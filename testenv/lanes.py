@@ -53,14 +53,18 @@ HEAVY_MODULES = (
 )
 #: Modules whose tests run real nodes (kubelet + containerd) or build the images they pull: marked
 #: ``realnodes``, a lane and a control plane of their own. Process nodes and real nodes in one control
-#: plane would take one another's pods (both are GPU nodes to the scheduler).
+#: plane would take one another's pods (both are GPU nodes to the scheduler). They share one set of
+#: real nodes (``testenv.pytest_realnodes``), in this order: first the module whose first test compares
+#: the machine before and after a set of its own while no other set runs, then the end-to-end module
+#: (it adds the nodes it needs and pulls the torch image onto them), then the modules that find the
+#: image on those nodes.
 REAL_NODE_MODULES = (
+    "tests/integration/test_realnodes.py",
     "tests/e2e/test_realnode_e2e.py",
     "tests/e2e/test_realnode_webhook.py",
-    "tests/integration/test_images_built.py",
-    "tests/integration/test_realnodes.py",
-    "tests/integration/test_realnode_services.py",
     "tests/integration/test_realnode_dns.py",
+    "tests/integration/test_realnode_services.py",
+    "tests/integration/test_images_built.py",
 )
 
 

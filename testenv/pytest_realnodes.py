@@ -1,12 +1,37 @@
 """Pytest plugin: ``real_nodes``, nodes with a real kubelet and containerd (``testenv.realnode``).
 
-Registered by ``tests/conftest.py`` (``pytest_plugins``). The session fixture
-starts ``SPOTGUARD_TEST_REAL_NODES`` nodes (default 2: pod-to-pod traffic
-needs two) on the ``kube`` control plane, waits until they are Ready with
-their GPUs, and tears them down at the end of the session, also when tests
-fail, leaving nothing on the machine. Pods pull from the registry that
-``real_nodes_registry`` names (none by default: the nodes have the ``pause``
-and ``busybox`` images); a module overrides that fixture to use another.
+Registered by ``tests/conftest.py`` (``pytest_plugins``). One set of real nodes
+serves the whole session, every real-node module alike: starting a set costs
+tens of seconds, pulling the torch image onto a node about a minute, and
+tearing a set down as long again, so modules share one instead of each
+starting its own.
+
+The fixture API (stable: modules of other authors use it):
+
+- ``real_nodes`` (session): a :class:`~testenv.realnode.RealNodes` on the
+  ``kube`` control plane, started at its first use with
+  ``SPOTGUARD_TEST_REAL_NODES`` nodes (default 2: pod-to-pod traffic needs
+  two), each Ready with its GPU; torn down at the end of the session, also
+  when tests fail, leaving nothing on the machine. ``node_names()``,
+  ``node(name)``, ``kill(name)`` (a node lost), ``add_node()`` (a
+  replacement), ``set_no``, ``host_proxy``, ``dns``.
+- ``real_nodes_registry`` (session): the plain-http registry
+  (``127.0.0.1:PORT``) the nodes pull from: the session's ``image_registry``
+  with both project images (``testenv.pytest_images``; built by ``make
+  setup``, found in the cache here). Pods run ``image_registry.refs[target]``
+  or the imported ``pause`` and ``busybox``.
+- :func:`ensure_real_nodes`: at least ``count`` live nodes (a module that needs
+  more adds them; they stay for the modules after it).
+- :func:`real_node_namespace`: a namespace whose pods may be created, deleted
+  afterwards; :func:`require_real_nodes`: skip (fail in CI) where real nodes
+  cannot run; :func:`wait_for`.
+
+What a module owes the others: its pods in a namespace of its own (deleted at
+its end), and the nodes as it found them apart from their number: labels and
+taints it put on them removed. A node it lost (``kill``) stays lost; a module
+that needs a given number of nodes calls :func:`ensure_real_nodes`. A module
+that shows a set's own start or teardown (what is left on the machine) starts
+a set of its own with :meth:`RealNodes.start`.
 """
 
 from __future__ import annotations
@@ -35,9 +60,9 @@ def require_real_nodes() -> None:
 
 
 @pytest.fixture(scope="session")
-def real_nodes_registry() -> str | None:
-    """The plain-http registry (``127.0.0.1:PORT``) real nodes pull from; None: no registry."""
-    return None
+def real_nodes_registry(image_registry: Any) -> str | None:
+    """The plain-http registry (``127.0.0.1:PORT``) real nodes pull from: the session's, with both images."""
+    return str(image_registry.address)
 
 
 @pytest.fixture(scope="session")
@@ -66,6 +91,15 @@ def real_nodes(
     finally:
         nodes.stop()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def ensure_real_nodes(nodes: RealNodes, count: int) -> list[str]:
+    """At least ``count`` live nodes in ``nodes`` (the ones missing started at once, then waited for):
+    their names, oldest first."""
+    started = [nodes.add_node(wait=False) for _ in range(count - len(nodes.node_names()))]
+    for node in started:
+        nodes.wait_ready(node)
+    return nodes.node_names()
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -162,7 +162,8 @@ class RealNodes:
         raise RuntimeError(f"no free pod bridge among {bridge_name(0)}..{bridge_name(MAX_SETS - 1)}")
 
     def node_names(self) -> list[str]:
-        return sorted(self.nodes)
+        """The live nodes' names, oldest first (as a string ``127.0.100.10`` sorts before ``127.0.100.2``)."""
+        return sorted(self.nodes, key=lambda name: self.nodes[name].addr.index)
 
     def node(self, name: str) -> RealNode:
         try:

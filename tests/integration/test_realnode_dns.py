@@ -17,9 +17,8 @@ from typing import Any
 
 import pytest
 
-from testenv.cluster import Supervisor
 from testenv.processnode.api import ApiError, Kube
-from testenv.pytest_realnodes import real_node_namespace, require_real_nodes, wait_for
+from testenv.pytest_realnodes import ensure_real_nodes, real_node_namespace, wait_for
 from testenv.realnode import RealNodes, dns
 from testenv.realnode.config import BUSYBOX_IMAGE, bridge_gateway
 
@@ -174,30 +173,8 @@ dist.destroy_process_group()
 """
 
 
-@pytest.fixture(scope="module")
-def torch_nodes(
-    kube: Any, image_registry: Any, testenv_supervisor: Supervisor, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RealNodes]:
-    """Two real nodes of this module's own that pull the project's images from the session's registry."""
-    require_real_nodes()
-    if getattr(kube, "kubelet_client_ca", None) is None:
-        pytest.skip("real nodes need the test control plane")
-    nodes = RealNodes.start(
-        kube.kubeconfig,
-        kube.kubelet_client_ca,
-        tmp_path_factory.mktemp("rn-dns-torch"),
-        count=2,
-        registry=image_registry.address,
-        host_services=testenv_supervisor.host_services.directory,
-    )
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
-
-
 def test_torchrun_gang_meets_at_rank0_stable_name(
-    torch_nodes: RealNodes, image_registry: Any, api: Kube, namespace: str
+    real_nodes: RealNodes, image_registry: Any, api: Kube, namespace: str
 ) -> None:
     """``torchrun --nnodes 2 --master-addr <job>-0.<service>.<ns>.svc.cluster.local``, one rank per real node, as
     the operator starts a gang: both ranks rendezvous at rank 0's name and all-reduce (1 + 2 = 3)."""
@@ -220,7 +197,8 @@ def test_torchrun_gang_meets_at_rank0_stable_name(
         '--nproc-per-node 1 --master-addr "$MASTER" --master-port 29500 /tmp/allreduce.py'
     )
     names = [f"{job}-{rank}" for rank in range(2)]
-    for rank, node in enumerate(torch_nodes.node_names()[:2]):
+    # The newest nodes of the session's set: those most likely to hold the torch image already.
+    for rank, node in enumerate(ensure_real_nodes(real_nodes, 2)[-2:]):
         env = {"SCRIPT": ALLREDUCE, "MASTER": master, "RANK_OF_NODE": str(rank), "GLOO_SOCKET_IFNAME": "eth0"}
         body = {
             "apiVersion": "v1",
@@ -268,7 +246,7 @@ def test_torchrun_gang_meets_at_rank0_stable_name(
         assert "rank 0 of 2 sum 3.0" in logs[names[0]], logs
         assert "rank 1 of 2 sum 3.0" in logs[names[1]], logs
     except AssertionError as exc:
-        dns_log = torch_nodes.dns.log_tail(60) if torch_nodes.dns else "(no DNS server)"
+        dns_log = real_nodes.dns.log_tail(60) if real_nodes.dns else "(no DNS server)"
         raise AssertionError(f"{exc}\nlogs: { {n: log(n)[-3000:] for n in names} }\nDNS:\n{dns_log}") from None
     finally:
         for name in names:

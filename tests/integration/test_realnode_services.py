@@ -128,27 +128,6 @@ def namespace(api: Kube) -> Iterator[str]:
     yield from real_node_namespace(api, "rn-services")
 
 
-@pytest.fixture(scope="module")
-def services_nodes(
-    kube: Any, testenv_supervisor: Supervisor, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RealNodes]:
-    """One real node of its own for this module (stopped at its end, so other modules find the machine clean)."""
-    require_real_nodes()
-    if getattr(kube, "kubelet_client_ca", None) is None:
-        pytest.skip("real nodes need the test control plane")
-    nodes = RealNodes.start(
-        kube.kubeconfig,
-        kube.kubelet_client_ca,
-        tmp_path_factory.mktemp("rn-services"),
-        count=1,
-        host_services=testenv_supervisor.host_services.directory,
-    )
-    try:
-        yield nodes
-    finally:
-        nodes.stop()
-
-
 class _Greeter(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -223,7 +202,7 @@ def host_pod(name: str, node: str, script: str, env: dict[str, str], site: Path)
 
 
 def test_pod_reaches_apiserver_store_and_registered_server_only(
-    services_nodes: RealNodes,
+    real_nodes: RealNodes,
     api: Kube,
     namespace: str,
     s3_store: S3Store,
@@ -233,10 +212,10 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
     """The apiserver through 10.0.0.1:443 (token + ca.crt), the store at 127.0.0.1:<port> (boto3), a test's server
     registered while the pod runs (and not before, nor after it is removed), the pod's own listener; an unregistered
     port is refused."""
-    (node,) = services_nodes.node_names()
+    node = real_nodes.node_names()[0]
     s3_port = s3_store.endpoint_url.rsplit(":", 1)[1].rstrip("/")
-    assert services_nodes.set_no is not None
-    gateway = bridge_gateway(services_nodes.set_no)
+    assert real_nodes.set_no is not None
+    gateway = bridge_gateway(real_nodes.set_no)
     env = {
         "NS": namespace,
         "S3_PORT": s3_port,
@@ -267,7 +246,7 @@ def test_pod_reaches_apiserver_store_and_registered_server_only(
         "loopback": "error: ConnectionRefusedError",
         "gateway": "error: ConnectionRefusedError",
     }
-    proxy = services_nodes.host_proxy.log_tail() if services_nodes.host_proxy else "(no proxy)"
+    proxy = real_nodes.host_proxy.log_tail() if real_nodes.host_proxy else "(no proxy)"
     assert steps["registered"] == {"got": "hello from the test's server"}, f"the set's proxy:\n{proxy}"
     assert steps["removed"] == {"got": "error: ConnectionRefusedError"}
 

@@ -42,3 +42,14 @@ def test_real_nodes_have_a_lane_of_their_own(monkeypatch: pytest.MonkeyPatch) ->
     # Each test runs in exactly one lane.
     assert lanes.LANES["real"] == "realnodes"
     assert all("not realnodes" in expr for name, expr in lanes.LANES.items() if name != "real")
+
+
+def test_the_real_lane_compares_a_sets_teardown_before_the_shared_set_starts() -> None:
+    """The real-node modules share one set (``real_nodes``), started by the first test that asks for it: the
+    module whose first test compares the machine before and after a set of its own runs first, while no
+    other set runs (its comparison of the kubelet's fixed paths and sysctls needs that)."""
+    first = (ROOT / lanes.REAL_NODE_MODULES[0]).read_text()
+    tests = [line.split("(", 1)[0].removeprefix("def ") for line in first.splitlines() if line.startswith("def test_")]
+    assert tests[0] == "test_realnodes_teardown", tests
+    signature = first.split("def test_realnodes_teardown(", 1)[1].split(") ->", 1)[0]
+    assert "real_nodes:" not in signature, signature  # it must not start the shared set itself

@@ -113,3 +113,16 @@ def test_image_archive_is_a_loadable_layout() -> None:
         assert tar.extractfile("layer.tar").read() == layer.getvalue()  # type: ignore[union-attr]
     assert manifest["RepoTags"] == ["spotguard.local/x:1"]
     assert config["config"]["Entrypoint"] == ["/hello"] and config["rootfs"]["diff_ids"][0].startswith("sha256:")
+
+
+def test_a_sets_node_names_come_oldest_first_past_nine_nodes() -> None:
+    """Modules sharing the session's set pick nodes by position (the first two, the newest two): the order
+    is the nodes' start order, also once indices have two digits (a string sort puts .10 before .2)."""
+    from testenv.realnode.nodes import RealNode, RealNodes
+
+    nodes = RealNodes.__new__(RealNodes)  # the names only: no kubelet, no host changes
+    nodes.nodes = {}
+    for index in (10, 2, 1):
+        node = RealNode(NodeAddresses(0, index), Path("/nonexistent"), "run")
+        nodes.nodes[node.name] = node
+    assert nodes.node_names() == ["127.0.100.1", "127.0.100.2", "127.0.100.10"]
