@@ -262,6 +262,24 @@ def final_digest(log: str) -> str | None:
     return m.group(1) if m else None
 
 
+def reference_ddp_digest(args: list[str], every: int, world_size: int, tmp_path: Path) -> str:
+    """The final digest of an uninterrupted run of the DDP example's trainer with ``args`` on this machine:
+    ``world_size`` processes of one torchrun (a gang's digest does not depend on how its ranks are spread
+    over nodes), checkpointing every ``every`` steps as the job does."""
+    ref = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
+        + ["--module", "spotguard.demo.train_ddp", *reference_args(args)],
+        env=reference_env(tmp_path, SPOTGUARD_SAVE_EVERY_STEPS=str(every), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    digest = final_digest(ref.stdout)
+    assert digest is not None, ref.stdout[-2000:]
+    return digest
+
+
 #: The Lease the chart's replicas elect their leader with (``<fullname>-leader``).
 LEASE = f"{RELEASE}-leader"
 #: What the operator writes for a job (its own client's requests and kopf's carry its identity).

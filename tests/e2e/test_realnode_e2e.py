@@ -5,12 +5,14 @@ The promises of ``tests/e2e/test_operator_e2e.py``, shown where a kubelet
 stand-in: the operator's two replicas are pods on nodes of their own, talking
 to the apiserver through the ``kubernetes`` Service address with their
 ServiceAccount; the training pods run the ``spotguard-torch`` image; the
-sidecar uploads to the S3 store on the host. Spot deaths are the real ones:
-``kubectl drain``, the eviction API, a pod delete, and a node lost with its
-kubelet, containerd and containers (``RealNodes.kill``). Not here yet (see
+sidecar uploads to the S3 store on the host; the DDP example's gang of two pods
+meets at rank 0's stable name through the node set's cluster DNS. Spot deaths
+are the real ones: ``kubectl drain``, the eviction API, a pod delete, and a node
+lost with its kubelet, containerd and containers (``RealNodes.kill``). The nodes
+are the session's shared set (``testenv.pytest_realnodes``); a lost node gets a
+replacement, as a spot pool scales back up. Not here yet (see
 docs/testing.md): the webhook (no Service reaches pods whose IPs are loopback
-addresses) and a torchrun gang (its DCP metadata, pickled by the image's Python,
-is refused by the sidecar).
+addresses).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from spotguard.operator.spec import RESTORE_CONTAINER, SIDECAR_CONTAINER
 from spotguard.operator.testing import free_ports, wait_for
 from testenv import trials
 from testenv.e2e import (
+    DDP_EXAMPLE,
     DEV_VALUES,
     GROUP,
     OPERATOR_NS,
@@ -44,6 +47,7 @@ from testenv.e2e import (
     create_bucket_and_secret,
     delete_jobs,
     example,
+    final_digest,
     freeze,
     helm_install,
     last_step,
@@ -51,11 +55,12 @@ from testenv.e2e import (
     operator_pods,
     preempted_after,
     process_status,
+    reference_ddp_digest,
     resumed_from,
     verified_step,
 )
 from testenv.kubetest import audit_writes
-from testenv.pytest_realnodes import require_real_nodes
+from testenv.pytest_realnodes import ensure_real_nodes
 from testenv.realnode import RealNodes
 from testenv.realnode.config import BUSYBOX_IMAGE
 from testenv.require import missing
@@ -134,29 +139,22 @@ def world(
     kube: Any,
     s3_store: Any,
     image_registry: Any,
-    testenv_supervisor: Any,
+    real_nodes: RealNodes,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[RealNodeEnv]:
-    """Real nodes pulling from the registry with both images, a namespace, and its pods' logs followed."""
+    """The session's real nodes (``NODES`` of them) pulling from the registry with both images, a namespace,
+    and its pods' logs followed."""
     from kubernetes import client
 
-    require_real_nodes()
     log_dir = tmp_path_factory.mktemp("realnode-e2e")
     api = kube.api_client()
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    nodes = RealNodes.start(
-        kube.kubeconfig,
-        kube.kubelet_client_ca,
-        log_dir / "nodes",
-        NODES,
-        image_registry.address,
-        host_services=testenv_supervisor.host_services.directory,
-    )
+    ensure_real_nodes(real_nodes, NODES)
     ns = f"rn-e2e-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
     follower = LogFollower(kube, core, [ns, OPERATOR_NS], log_dir / "logs")
     metrics_port = free_ports(1)[0]
-    e = RealNodeEnv(kube, core, custom, ns, metrics_port, s3_store, nodes, log_dir, follower=follower)
+    e = RealNodeEnv(kube, core, custom, ns, metrics_port, s3_store, real_nodes, log_dir, follower=follower)
     e.images = dict(image_registry.refs)
     try:
         wait_for(lambda: core.read_namespaced_service_account("default", ns).secrets, "the token", timeout=60)
@@ -164,7 +162,6 @@ def world(
     finally:
         core.delete_namespace(ns)
         follower.stop()
-        nodes.stop()
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +169,8 @@ def env(world: RealNodeEnv, image_registry: Any) -> Iterator[RealNodeEnv]:
     """The chart installed by Helm on ``world``: two operator replicas on nodes of their own, the images
     from the registry, the bucket and Secret as examples/dev-setup.sh makes them."""
     e = world
-    for name in e.nodes.node_names()[:2]:
+    operator_nodes = e.nodes.node_names()[:2]
+    for name in operator_nodes:
         e.core.patch_node(name, {"metadata": {"labels": {OPERATOR_ROLE: "operator"}}})
     require_pod_services(e, e.nodes.node_names()[0])
     create_bucket_and_secret(e.core, e.s3, e.ns)
@@ -187,6 +185,8 @@ def env(world: RealNodeEnv, image_registry: Any) -> Iterator[RealNodeEnv]:
             log = e.container_log(OPERATOR_NS, p.metadata.name, "operator")
             print(f"--- operator log ({p.metadata.name}) ---\n" + "\n".join(log.splitlines()[-60:]))
         e.tool("helm", "uninstall", RELEASE, "--namespace", OPERATOR_NS, "--wait", check=False)
+        for name in set(operator_nodes) & set(e.nodes.node_names()):  # the nodes go on serving other modules
+            e.core.patch_node(name, {"metadata": {"labels": {OPERATOR_ROLE: None}}})
 
 
 def two_replicas_one_leader(e: RealNodeEnv) -> str | None:
@@ -312,6 +312,58 @@ def test_example_survives_drain_eviction_delete_and_node_loss_bitwise(env: RealN
     check_resumes(env, pods, len(modes) - 1, verified_at_kill)
     assert f"finished {steps} steps" in env.trainer_log(pods[-1])
     assert_final_bitwise(env, uri, args, every, steps, tmp_path)
+
+
+def gang_pods(e: RealNodeEnv, job: str, attempt: int) -> list[Any]:
+    """The pods of one attempt of a gang, by rank."""
+    selector = f"spotguard.dev/job={job},spotguard.dev/attempt={attempt}"
+    pods = e.core.list_namespaced_pod(e.ns, label_selector=selector).items
+    return sorted(pods, key=lambda p: p.metadata.name)
+
+
+@pytest.mark.timeout(1500)
+def test_ddp_gang_survives_losing_rank0_node_bitwise(env: RealNodeEnv, tmp_path: Path) -> None:
+    """The 2-node DDP example (torchrun, 2 processes a node, the ranks meeting at rank 0's stable name over the
+    pod network) on real nodes: rank 0's node is lost (its kubelet, containerd and containers at once, the
+    Node deleted); the operator ends the gang, starts it again on the node left and the replacement;
+    Succeeded with one preemption (NodeLost), resumed from at least the checkpoint verified before the
+    loss, and the digest of an uninterrupted 4-process run."""
+    doc = yaml.safe_load(DDP_EXAMPLE.read_text())
+    job = doc["metadata"]["name"]
+    spec = doc["spec"]
+    args = list(spec["template"]["spec"]["containers"][0]["args"])
+    steps, every = int(args[args.index("--steps") + 1]), int(spec["checkpoint"]["everySteps"])
+    uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(fresh_job(env, doc, job)))
+    rank0, rank1 = f"{job}-a1-0", f"{job}-a1-1"
+    env.wait_pod_running(rank1, timeout=420)  # the first pod on a node pulls the torch image
+    wait_training(env, rank0, steps // 4, uri)
+    first = gang_pods(env, job, 1)
+    assert len({p.spec.node_name for p in first}) == 2, [(p.metadata.name, p.spec.node_name) for p in first]
+    base = verified_step(env, uri)
+    wait_for(lambda: verified_step(env, uri) > base, "the next verified checkpoint", timeout=180, interval=0.05)
+    verified_at_kill = verified_step(env, uri)
+    lost = pod_node(env, rank0)
+    print(f"kill {rank0}: {preempt(env, rank0, 'kill')}")
+    assert last_step(env.trainer_log(rank0)) < steps - 1, "the gang ended before its rank 0's node was lost"
+
+    st = env.wait_status(job, "Succeeded", lambda s: s.get("phase") in ("Succeeded", "Failed"), timeout=900)
+    assert st["phase"] == "Succeeded", f"{st}\n{env.ends(job)}"
+    assert st["preemptions"] == 1 and st["failures"] == 0 and st["attempt"] == 2, f"{st}\n{env.ends(job)}"
+    events = env.core.list_namespaced_event(env.ns, field_selector=f"involvedObject.name={job}").items
+    preempted = sorted({e.message for e in events if e.reason == "Preempted"})
+    assert len(preempted) == 1 and "(NodeLost)" in preempted[0] and lost in preempted[0], preempted
+    second = gang_pods(env, job, 2)
+    assert [p.metadata.name for p in second] == [f"{job}-a2-0", f"{job}-a2-1"], second
+    assert lost not in {p.spec.node_name for p in second}, [p.spec.node_name for p in second]
+    check_resumes(env, [rank0, f"{job}-a2-0"], 0, verified_at_kill)
+    log = env.trainer_log(f"{job}-a2-0")
+    assert f"finished {steps} steps" in log, log[-2000:]
+    got = final_digest(log)
+    assert got is not None, log[-2000:]
+    world_size = int(spec["nodes"]) * int(spec["nprocPerNode"])
+    assert reference_ddp_digest(args, every, world_size, tmp_path) == got
+    env.custom.delete_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, job)
 
 
 @pytest.mark.timeout(900)
