@@ -10,9 +10,9 @@ meets at rank 0's stable name through the node set's cluster DNS. Spot deaths
 are the real ones: ``kubectl drain``, the eviction API, a pod delete, and a node
 lost with its kubelet, containerd and containers (``RealNodes.kill``). The nodes
 are the session's shared set (``testenv.pytest_realnodes``); a lost node gets a
-replacement, as a spot pool scales back up. Not here yet (see
-docs/testing.md): the webhook (no Service reaches pods whose IPs are loopback
-addresses).
+replacement, as a spot pool scales back up. The webhook on real nodes has a
+module of its own (``tests/e2e/test_realnode_webhook.py``): here the chart's
+webhooks stay off, as in the dev values.
 """
 
 from __future__ import annotations
