@@ -284,3 +284,26 @@ def test_a_routine_verification_by_read_back_stops_at_its_next_request(tmp_path:
     # Nothing is lost: its chunks and manifest are stored, and a later verification passes.
     later = verify_and_point(storage, routine.name, Published(routine.name, UNVERIFIED))
     assert later.verified and read_latest_pointer(storage) == 10
+
+
+def test_a_routine_round_gives_way_while_it_verifies(tmp_path: Path) -> None:
+    # The shipper's routine round asks the same question of its verification: a preemption that comes
+    # once the checkpoint is stored (its manifest written) ends the round with nothing verified, a stop
+    # and not a failure; the next round verifies it.
+    storage = open_storage(f"file://{tmp_path / 'store'}")
+    local = tmp_path / "ckpt"
+    shipper = CheckpointShipper(
+        local, storage, SidecarMetrics(), ThroughputTracker(30.0, 5.0), keep_local=10, incremental=True
+    )
+    commit(local, 5, 2)
+    assert [s.name for s in shipper.ship(housekeeping=False)] == [checkpoint_name(5)]
+    routine = commit(local, 10, ROUTINE_MB)
+
+    def preempted() -> bool:
+        return storage.stat(f"{routine.name}/{MANIFEST_NAME}") is not None
+
+    assert shipper.ship(housekeeping=False, should_stop=preempted) == []
+    assert routine.name not in shipper.shipped and routine.name not in shipper.failed
+    assert read_latest_pointer(storage) == 5
+    assert [s.name for s in shipper.ship(housekeeping=False)] == [routine.name]
+    assert read_latest_pointer(storage) == 10
