@@ -18,7 +18,7 @@ import pytest
 from testenv.require import require_module, require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned", "finetune")
+CHECKS = ("env", "ddp", "fsdp-stall", "fsdp-exact", "pinned", "arena", "finetune")
 
 # Torchrun groups keep both cores busy.
 pytestmark = pytest.mark.integration
@@ -54,6 +54,8 @@ def test_gpu_check_passes_on_cpu_and_prints_every_check() -> None:
         "fsdp-stall: spotguard / dcp.async_save",
         "fsdp-exact: parameters and optimizer moments bitwise equal after restore: yes",
         "pinned: host copy of",
+        "arena made and complete: yes",
+        "preemption's save (median of",
         "finetune: preempted after step",
         "finetune: new node: fetched",
         "adapter and optimizer equal the preempted: yes; every base tensor equals the seed's: yes",

@@ -8,12 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testenv.cluster import RUN_MARKER
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_session_under_pythondontwritebytecode_keeps_its_rewritten_test_modules(tmp_path: Path) -> None:
     (tmp_path / "test_inner.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    # A session of its own: without the outer session's run marker, whose services (those of the lanes
+    # beside it too) still run while this one ends and checks for its leftovers.
+    env = {k: v for k, v in os.environ.items() if k != RUN_MARKER} | {"PYTHONDONTWRITEBYTECODE": "1"}
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider"]
     argv += ["--rootdir", str(ROOT), "-o", "addopts=", str(tmp_path / "test_inner.py")]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
