@@ -568,17 +568,18 @@ class Mirror:
         for s in (conn, upstream):
             with contextlib.suppress(OSError):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        failed = threading.Event()
-        back = threading.Thread(target=_pump, args=(upstream, conn, failed), daemon=True)
-        back.start()
-        _pump(conn, upstream, failed)
-        back.join()
-        if failed.is_set():
-            _reset(conn)
-            _reset(upstream)
-        else:
-            conn.close()
-            upstream.close()
+        forward_both_ways(conn, upstream)
+
+
+def forward_both_ways(conn: socket.socket, upstream: socket.socket) -> None:
+    """Copy each side to the other until both are done; then close both, or reset both where one reset."""
+    failed = threading.Event()
+    back = threading.Thread(target=_pump, args=(upstream, conn, failed), daemon=True)
+    back.start()
+    _pump(conn, upstream, failed)
+    back.join()
+    for s in (conn, upstream):
+        _reset(s) if failed.is_set() else s.close()
 
 
 def _sleep(seconds: float) -> list[Any]:

@@ -35,7 +35,7 @@ import threading
 from pathlib import Path
 
 from testenv.cluster import Service, Supervisor, wait_until
-from testenv.processnode.podnet import _pump, _reset  # the process nodes' forwarding, byte for byte
+from testenv.processnode.podnet import _reset, forward_both_ways  # the process nodes' forwarding, byte for byte
 from testenv.realnode.cniplugin import PLUGIN_TYPE, allowed, in_netns, ports_update
 from testenv.realnode.config import CNI_BIN_DIR
 
@@ -160,13 +160,7 @@ def _forward(conn: socket.socket, port: int) -> None:
         _reset(conn)  # refused, as the service itself would
         return
     upstream.settimeout(None)
-    failed = threading.Event()
-    back = threading.Thread(target=_pump, args=(upstream, conn, failed), daemon=True)
-    back.start()
-    _pump(conn, upstream, failed)
-    back.join()
-    for s in (conn, upstream):
-        _reset(s) if failed.is_set() else s.close()
+    forward_both_ways(conn, upstream)
 
 
 def main(argv: list[str] | None = None) -> int:

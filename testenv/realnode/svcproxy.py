@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from testenv.processnode.podnet import _pump, _reset  # the process nodes' forwarding, byte for byte
+from testenv.processnode.podnet import forward_both_ways  # the process nodes' forwarding, byte for byte
 from testenv.realnode.dns import _ready, _selects  # the Endpoints controller's choice, as cluster DNS makes it
 
 log = logging.getLogger("realnode.svcproxy")
@@ -220,13 +220,7 @@ def handle(conn: socket.socket, lister: Lister) -> None:
         return
     for s in (conn, upstream):
         s.settimeout(None)
-    failed = threading.Event()
-    back = threading.Thread(target=_pump, args=(upstream, conn, failed), daemon=True)
-    back.start()
-    _pump(conn, upstream, failed)
-    back.join()
-    for s in (conn, upstream):
-        _reset(s) if failed.is_set() else s.close()
+    forward_both_ways(conn, upstream)
 
 
 def serve(path: Path, lister: Lister, stop: threading.Event) -> None:
