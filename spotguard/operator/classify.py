@@ -442,15 +442,27 @@ def _trainer_finished(status: Mapping[str, Any], report: TerminationReport | Non
     return PodEnd("succeeded", "Completed", "training finished", step)
 
 
-def classify_pod_end(pod: Mapping[str, Any] | None, node_exists: bool = True) -> PodEnd:
+def classify_pod_end(
+    pod: Mapping[str, Any] | None, node_exists: bool = True, last_seen: Mapping[str, Any] | None = None
+) -> PodEnd:
     """Classify an attempt's pod: succeeded, preempted, failed, or still running.
 
     ``pod`` is the pod object as the apiserver returns it, or ``None`` when it no
     longer exists. ``node_exists`` says whether the node it was bound to still
     exists; a pod whose node vanished counts as preempted at once, without
-    waiting for the pod garbage collector.
+    waiting for the pod garbage collector. ``last_seen``: for a pod that no
+    longer exists, the pod as the watch last showed it with its sidecar's
+    report (a pod can be gone before a look reads it, and kubelets before 1.22
+    can publish a deleted pod's last status without its containers' final
+    states): a reported preemption is taken from there.
     """
     end = _classify(pod, node_exists)
+    if pod is None and last_seen is not None:
+        report = sidecar_report(last_seen)
+        if report is not None and report.preempted is True:
+            pod = last_seen
+            why = "the pod was deleted after its sidecar reported a preemption"
+            end = PodEnd("preempted", report.reason or "Preempted", why, report.step)
     if end.kind == "running" or pod is None:
         return end
     node = (pod.get("spec") or {}).get("nodeName")

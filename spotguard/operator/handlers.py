@@ -369,7 +369,8 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         memo.runtime.wake(namespace or "", name)
 
     @kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT}, registry=registry)
-    async def pod_event(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
+    async def pod_event(body: kopf.Body, labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
+        memo.runtime.ctx.remember_report(namespace or "", body)
         memo.runtime.wake(namespace or "", labels[LABEL_JOB])
 
     @kopf.on.event("v1", "nodes", registry=registry)

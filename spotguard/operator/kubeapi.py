@@ -19,6 +19,7 @@ about a job.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import socket
@@ -30,6 +31,7 @@ from typing import Any
 
 from spotguard.operator import hostports as hp
 from spotguard.operator.apierrors import api_reason, api_status
+from spotguard.operator.classify import sidecar_report
 from spotguard.operator.jobstatus import Event
 from spotguard.operator.metrics import OperatorMetrics
 from spotguard.operator.podbuilder import ANNOTATION_OPERATOR_INSTANCE, OperatorConfig
@@ -71,6 +73,10 @@ class VerifiedCache:
             self.entries.pop((namespace, job), None)
 
 
+#: Pods :meth:`Context.remember_report` keeps at the most (a pod is a few KiB).
+REPORTED_PODS = 1024
+
+
 @dataclass
 class Context:
     """Everything the handlers need, created once at startup and kept in kopf's memo."""
@@ -105,6 +111,33 @@ class Context:
     #: Failed staging cleanup pods already reported by an Event (``namespace/pod``; see stagingdirs).
     reported_cleanups: set[str] = field(default_factory=set)
     waiting_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Each job pod as the pod watch last showed it with its sidecar's report ((namespace, pod) -> pod),
+    #: the oldest dropped past ``REPORTED_PODS``: see :meth:`remember_report`.
+    reported_pods: dict[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
+
+    def remember_report(self, namespace: str, pod: Mapping[str, Any]) -> None:
+        """Keep ``pod`` (a watch event's object) when its sidecar shows a report: a pod can be gone before a
+        look reads it, and a kubelet before 1.22 can remove a deleted pod's containers before it publishes
+        their final states again. Only the replica that saw it knows it (a standby that takes over reads
+        the pod, or records a bare deletion)."""
+        if sidecar_report(pod) is None:
+            return
+        meta = pod.get("metadata") or {}
+        kept = copy.deepcopy(
+            {
+                "metadata": {"name": meta.get("name"), "ownerReferences": meta.get("ownerReferences") or []},
+                "spec": {"nodeName": (pod.get("spec") or {}).get("nodeName")},
+                "status": pod.get("status") or {},
+            }
+        )
+        self.reported_pods[(namespace, str(meta.get("name")))] = kept
+        while len(self.reported_pods) > REPORTED_PODS:
+            self.reported_pods.pop(next(iter(self.reported_pods)), None)
+
+    def reported_pod(self, namespace: str, name: str, uid: str | None) -> Mapping[str, Any] | None:
+        """The pod :meth:`remember_report` kept for ``namespace/name``, if the job ``uid`` owned it."""
+        pod = self.reported_pods.get((namespace, name))
+        return pod if pod is not None and (not uid or owned_by(pod, uid)) else None
 
     def waiting_for_ports(self) -> list[tuple[str, str]]:
         """The jobs waiting for host ports now."""

@@ -118,7 +118,7 @@ def observe(ctx: Context, job: Mapping[str, Any]) -> Observation:
         phase = (pod.get("status") or {}).get("phase")
         if node and phase not in ("Succeeded", "Failed"):
             exists = node_exists(ctx, node)
-    end = classify_pod_end(pod, exists)
+    end = classify_pod_end(pod, exists, ctx.reported_pod(namespace, pod_name(name, attempt), uid))
     # The final checkpoint of a success is recorded by the probe's next read (the
     # daemon asks for one at once): storage is never read on this path, so a slow
     # or dead store cannot delay the handling of a pod end.
@@ -166,7 +166,7 @@ def observe_gang(
             if node not in node_states:
                 node_states[node] = node_state(ctx, node)
             state = node_states[node]
-        end = classify_pod_end(pod, state != "gone")
+        end = classify_pod_end(pod, state != "gone", ctx.reported_pod(namespace, pod_name_, uid))
         members.append(
             Member(
                 rank=rank,

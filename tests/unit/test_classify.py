@@ -627,3 +627,42 @@ def test_failures_name_whose_container_failed(case: str, pod_obj: dict[str, Any]
 def test_a_long_termination_message_is_cut() -> None:
     end = classify_pod_end(pod("Failed", containers=[term("trainer", 0), term(SIDECAR, 2, message="x" * 5000)]))
     assert end.reason == "SidecarFailed" and len(end.message) < 500
+
+
+def test_a_gone_pod_ends_as_its_last_seen_report_said() -> None:
+    """A pod gone before a look read it: the preemption its sidecar reported in the last status the watch
+    showed (reason, step, lost steps, node) instead of a bare deletion; without one, or with a report of
+    no preemption, the bare deletion."""
+    seen = pod(
+        "Running",
+        containers=[running("trainer"), term(SIDECAR, 143, message=report(True, 40, "drain", trainer_step=43))],
+        deleting=True,
+    )
+    end = classify_pod_end(None, True, seen)
+    assert (end.kind, end.reason, end.step, end.lost_steps, end.node) == ("preempted", "drain", 40, 3, "spot-gpu-1")
+    assert classify_pod_end(None, True, None).reason == "PodDeleted"
+    finished = pod("Running", containers=[running("trainer"), term(SIDECAR, 0, message=report(False, 40, "finished"))])
+    assert classify_pod_end(None, True, finished).reason == "PodDeleted"
+    # A pod that still exists is read as it is now.
+    assert classify_pod_end(pod("Running", containers=[running("trainer"), running(SIDECAR)]), True, seen).kind == (
+        "running"
+    )
+
+
+def test_the_context_keeps_reported_pods_of_the_job_that_owned_them_bounded() -> None:
+    from spotguard.operator import kubeapi
+
+    ctx = kubeapi.Context(core=None, custom=None, config=None, metrics=None)  # type: ignore[arg-type]
+    seen = pod("Running", containers=[term(SIDECAR, 143, message=report(True, 40))], deleting=True)
+    seen["metadata"]["ownerReferences"] = [{"uid": "job-uid"}]
+    ctx.remember_report("ns", pod("Running", containers=[running(SIDECAR)]))  # no report: not kept
+    assert ctx.reported_pods == {}
+    ctx.remember_report("ns", seen)
+    assert sidecar_report(ctx.reported_pod("ns", "job-a1", "job-uid") or {}) is not None
+    assert ctx.reported_pod("ns", "job-a1", "another-job") is None  # an older job's pod of the same name
+    for i in range(kubeapi.REPORTED_PODS):
+        other = json.loads(json.dumps(seen))
+        other["metadata"]["name"] = f"job-b{i}"
+        ctx.remember_report("ns", other)
+    assert len(ctx.reported_pods) == kubeapi.REPORTED_PODS
+    assert ctx.reported_pod("ns", "job-a1", "job-uid") is None  # the oldest went first
