@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from spotguard.trainer import statedicts
@@ -133,6 +134,7 @@ def torch_state(model: Any = None, optimizer: Any = None, scheduler: Any = None,
     return state
 
 
+@dataclass(eq=False)  # compared as the mapping it is, not field by field
 class RestoredState(Mapping[str, Any]):
     """A loaded checkpoint: the saved state tree plus where it came from.
 
@@ -145,6 +147,13 @@ class RestoredState(Mapping[str, Any]):
     positions cannot be exact.
     """
 
+    state: dict[str, Any]
+    _: KW_ONLY
+    step: int
+    name: str
+    path: str
+    epoch: int | None = None
+    metrics: Mapping[str, float | None] = field(default_factory=dict)
     #: False when resharded (see the class docstring).
     exact: bool = True
     #: The world size that wrote a checkpoint restored on a different one.
@@ -158,22 +167,8 @@ class RestoredState(Mapping[str, Any]):
     #: Bytes read straight into the trainer's own tensors (their memory is the restored state's).
     in_place_bytes: int = 0
 
-    def __init__(
-        self,
-        state: dict[str, Any],
-        *,
-        step: int,
-        name: str,
-        path: str,
-        epoch: int | None = None,
-        metrics: Mapping[str, float | None] | None = None,
-    ) -> None:
-        self.state = state
-        self.step = step
-        self.name = name
-        self.path = path
-        self.epoch = epoch
-        self.metrics = dict(metrics or {})
+    def __post_init__(self) -> None:
+        self.metrics = dict(self.metrics or {})  # its own copy (None taken as none, as before)
 
     def __getitem__(self, key: str) -> Any:
         return self.state[key]

@@ -153,6 +153,22 @@ def test_load_into_names_what_is_missing() -> None:
         restored.load_into(epoch=object())
 
 
+def test_restored_state_takes_where_it_came_from_at_construction_and_compares_as_its_mapping() -> None:
+    metrics = {"loss": 0.5}
+    restored = RestoredState(
+        {"model": {}}, step=7, name="ckpt-7", path="/x", metrics=metrics, exact=False, resharded_from=4, sharded=True
+    )
+    assert (restored.exact, restored.resharded_from, restored.sharded, restored.rank_state_own) == (
+        False,
+        4,
+        True,
+        True,
+    )
+    metrics["loss"] = 9.0  # the restored state keeps its own copy
+    assert restored.metrics == {"loss": 0.5} and restored.checked_bytes == restored.in_place_bytes == 0
+    assert restored == {"model": {}} and RestoredState({}, step=1, name="a", path="/a").metrics == {}
+
+
 @pytest.mark.parametrize(
     ("upload", "storage_uri", "shares_control_dir", "want"),
     [
