@@ -80,7 +80,8 @@ def decide(
     generation: int | None = None,
 ) -> Decision:
     """Decide the next step for one TrainingJob. Pure: no I/O, no clock."""
-    decision = _decide(job, status, spec, observation, now, generation)
+    draft = Draft(job=job, st=copy.deepcopy(dict(status or {})), now=now, generation=generation)
+    decision = _decide(draft, spec, observation)
     if isinstance(spec, SpecError) or decision.status.get("phase") in TERMINAL_PHASES:
         return decision
     # Wake up in time for what the policies will do by the clock alone.
@@ -94,16 +95,9 @@ def decide(
     return replace(decision, requeue_after=min(due)) if due else decision
 
 
-def _decide(
-    job: str,
-    status: Mapping[str, Any] | None,
-    spec: TrainingJobSpec | SpecError,
-    observation: Observation,
-    now: datetime,
-    generation: int | None = None,
-) -> Decision:
-    d = Draft(job=job, st=copy.deepcopy(dict(status or {})), now=now, generation=generation)
-    st = d.st
+def _decide(d: Draft, spec: TrainingJobSpec | SpecError, observation: Observation) -> Decision:
+    """The turns of :func:`decide` on a working copy of the job's status."""
+    job, st, now = d.job, d.st, d.now
     for key in ("attempt", "preemptions", "failures"):
         st[key] = d.int(key)
     if observation.last_verified is not None:
