@@ -26,23 +26,14 @@ from spotguard.operator.specfields import DNS_SUBDOMAIN_RE, SpecError, read_obj,
 _QUANTITY_RE = re.compile(
     r"^(?P<num>\+?([0-9]+(\.[0-9]*)?|\.[0-9]+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
 )
+#: Its suffixes: below one (n, u, m), powers of 1000 (k to E) and powers of 1024 (Ki to Ei).
 _QUANTITY_FACTORS: Mapping[str, Decimal] = {
     "": Decimal(1),
     "n": Decimal("1e-9"),
     "u": Decimal("1e-6"),
     "m": Decimal("1e-3"),
-    "k": Decimal(10) ** 3,
-    "M": Decimal(10) ** 6,
-    "G": Decimal(10) ** 9,
-    "T": Decimal(10) ** 12,
-    "P": Decimal(10) ** 15,
-    "E": Decimal(10) ** 18,
-    "Ki": Decimal(2) ** 10,
-    "Mi": Decimal(2) ** 20,
-    "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40,
-    "Pi": Decimal(2) ** 50,
-    "Ei": Decimal(2) ** 60,
+    **{prefix: Decimal(1000) ** power for power, prefix in enumerate("kMGTPE", start=1)},
+    **{prefix + "i": Decimal(1024) ** power for power, prefix in enumerate("KMGTPE", start=1)},
 }
 #: The kinds of ``spec.checkpoint.staging``, as the pod volume sources they become.
 STAGING_KINDS = ("emptyDir", "ephemeral", "hostPath")
