@@ -180,6 +180,20 @@ def test_gc_keep_best(tmp_path: Path) -> None:
     assert list_checkpoint_names(storage) == [name(1), name(4)]
 
 
+def test_gc_takes_retention_as_the_uploaders_do(tmp_path: Path) -> None:
+    """``ckpt gc``'s rules are the uploaders' options: the same flags, their defaults from the same variables."""
+    uri = f"file://{tmp_path}/remote"
+    storage = open_storage(uri)
+    for step, acc in [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.1)]:
+        upload_checkpoint(commit_local(tmp_path / "local", step, metrics={"acc": acc}), storage)
+    by_env = cli("ckpt", "gc", uri, "--dry-run", env=subprocess_env(SPOTGUARD_KEEP_LAST="2"))
+    assert by_env.returncode == 0, by_env.stderr
+    assert f"would delete {name(2)}  (retention)" in by_env.stdout and f"keep    {name(3)}" in by_env.stdout
+    proc = cli("ckpt", "gc", uri, "--keep-last", "1", "--keep-best", "1", "--best-metric", "acc", "--best-mode", "max")
+    assert proc.returncode == 0, proc.stderr
+    assert list_checkpoint_names(storage) == [name(1), name(4)]
+
+
 def test_average(tmp_path: Path) -> None:
     uri = f"file://{tmp_path}/remote"
     storage = open_storage(uri)

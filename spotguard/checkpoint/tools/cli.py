@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import depth_flags, error, progress_flag, usage
+from spotguard.cliutil import depth_flags, error, options_from, progress_flag, usage
+from spotguard.contract import env
 from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, add_option
 from spotguard.progress import ByteProgress
 
@@ -27,6 +28,8 @@ EXIT_OK = 0
 EXIT_FAIL = 1
 
 _CKPT_SEGMENT = re.compile(r"^ckpt-(\d{1,12})$")
+#: ``ckpt gc``'s own names of retention options, besides the table's (``--metric`` for ``--best-metric``).
+_RETENTION_NAMES = {env.BEST_METRIC.name: ("--metric",), env.BEST_MODE.name: ("--mode",)}
 
 
 def register(subparsers: Any) -> None:
@@ -74,11 +77,10 @@ def register(subparsers: Any) -> None:
         "also delete prefixes left by interrupted uploads and abort stale multipart uploads.",
     )
     p.add_argument("uri", metavar="URI")
-    p.add_argument("--keep-last", type=_nonneg_int, metavar="N", help="keep the N newest checkpoints")
-    p.add_argument("--keep-best", type=_nonneg_int, metavar="M", help="keep the M best by --metric")
-    p.add_argument("--metric", metavar="NAME", help="metric for --keep-best")
-    p.add_argument("--mode", choices=("min", "max"), default="min", help="whether lower or higher is better")
-    p.add_argument("--keep-every", type=_pos_int, metavar="K", help="keep checkpoints whose step is a multiple of K")
+    rules = p.add_argument_group("retention", "the rules the uploaders take, their defaults from the same variables")
+    for var in env.RETENTION:
+        # The older short names first: they name the policy's fields (--metric, --mode).
+        add_option(rules, var, *_RETENTION_NAMES.get(var.name, ()))
     p.add_argument(
         "--orphan-grace",
         type=float,
@@ -156,13 +158,6 @@ def register(subparsers: Any) -> None:
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line."""
-
-
-def _nonneg_int(raw: str) -> int:
-    value = int(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {raw}")
-    return value
 
 
 def _pos_int(raw: str) -> int:
@@ -439,13 +434,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     if args.keep_best is not None and not args.metric:
         raise UserError("--keep-best needs --metric NAME")
-    policy = RetentionPolicy(
-        keep_last=args.keep_last,
-        keep_best=args.keep_best,
-        metric=args.metric,
-        mode=args.mode,
-        keep_every=args.keep_every,
-    )
+    policy = options_from(RetentionPolicy, args)
     try:
         check_orphan_grace(args.orphan_grace)
     except ValueError as exc:
