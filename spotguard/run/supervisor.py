@@ -53,7 +53,7 @@ from spotguard.contract.control import (
 from spotguard.run.credentials import is_credential, without_credentials
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
-from spotguard.sidecar.service import AgentConfig, CheckpointAgent, SignalLatch
+from spotguard.sidecar.service import AgentConfig, CheckpointAgent, SignalLatch, UploaderConfig
 from spotguard.sidecar.shipper import log_stage, step_of
 
 if TYPE_CHECKING:
@@ -78,38 +78,32 @@ class SetupError(Exception):
     """A problem the user can fix (said in one line)."""
 
 
-@dataclass
-class RunConfig:
-    """Everything ``spotguard run`` was asked to do."""
+@dataclass(kw_only=True)
+class RunConfig(UploaderConfig):
+    """Everything ``spotguard run`` was asked to do: what it uploads as the sidecar does (the
+    :class:`~spotguard.sidecar.service.UploaderConfig` fields), and how it runs the command."""
 
     command: list[str]
     workdir: Path
     storage_uri: str
-    checkpoint_dir: Path
-    max_restarts: int = 3
-    grace_seconds: float = 30.0
+    # spotguard run's own margin, shorter than the sidecar's (it takes no option for it).
     safety_margin_seconds: float = 3.0
+    max_restarts: int = 3
     backoff_seconds: float = 1.0
     backoff_max_seconds: float = 60.0
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
-    keep_local: int = 1
-    poll_seconds: float = 0.25
     job: str = ""
-    save_every_seconds: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     retention: RetentionPolicy | None = None
     notice_sources: list[NoticeSource] = field(default_factory=list)
-    notice_interval_seconds: float = 2.0
-    notice_stops_training: bool = False
-    # Upload only the chunks storage does not hold yet (the sidecar's --incremental).
-    incremental: bool = False
+    notice_interval_seconds: float = envvars.NOTICE_INTERVAL.default
     # Hand the command the cloud credentials and SPOTGUARD_STORAGE_URI (see spotguard.run.credentials).
-    pass_credentials: bool = False
+    pass_credentials: bool = envvars.PASS_CREDENTIALS.default
     # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.local.staged).
     memory_staging: bool = True
     # With memory staging: set its memory aside after each routine save (see spotguard.checkpoint.local.reserve).
-    staging_reserve: bool = False
+    staging_reserve: bool = envvars.STAGING_RESERVE.default
 
     @property
     def control_dir(self) -> Path:
@@ -235,17 +229,8 @@ class Supervisor:
         self.latch = SignalLatch(on_signal=lambda _source: self._forward_once())
         self._forwarded = False
         self._told_withheld = False
-        agent_config = AgentConfig(
-            checkpoint_dir=config.checkpoint_dir,
-            control_dir=config.control_dir,
-            grace_seconds=config.grace_seconds,
-            safety_margin_seconds=config.safety_margin_seconds,
-            poll_seconds=config.poll_seconds,
-            keep_local=config.keep_local,
-            trainer_markers={envvars.RUN_ID.name: self.run_id},
-            save_every_seconds=config.save_every_seconds,
-            notice_stops_training=config.notice_stops_training,
-            incremental=config.incremental,
+        agent_config = AgentConfig.of(
+            config, control_dir=config.control_dir, trainer_markers={envvars.RUN_ID.name: self.run_id}
         )
         self.agent = CheckpointAgent(agent_config, storage, metrics, config.retention, trainer_state=self._child_state)
         self.agent.interrupt = self.latch.event

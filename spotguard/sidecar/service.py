@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -67,32 +67,46 @@ HEARTBEAT_SECONDS = 1.0
 ACK_POLL_SECONDS = 0.005
 
 
-@dataclass
-class AgentConfig:
-    """Settings shared by the sidecar and ``spotguard run``."""
+@dataclass(kw_only=True)
+class UploaderConfig:
+    """What an uploader of checkpoints is asked to do, the sidecar (:class:`AgentConfig`) or
+    ``spotguard run`` (:class:`~spotguard.run.supervisor.RunConfig`): the fields both take,
+    with the contract's defaults (:mod:`spotguard.contract.env`)."""
 
     checkpoint_dir: Path
-    control_dir: Path
-    grace_seconds: float = 30.0
+    grace_seconds: float = envvars.GRACE_SECONDS.default
     # Kept free at the end of the grace period for the upload's last round
     # trips and the process exit; the trainer's deadline is grace minus this.
-    safety_margin_seconds: float = 5.0
+    safety_margin_seconds: float = envvars.SAFETY_MARGIN_SECONDS.default
     poll_seconds: float = 0.25
-    keep_local: int = 1
-    proactive_interval_seconds: float | None = None
-    notice_stops_training: bool = False
+    keep_local: int = envvars.KEEP_LOCAL.default
+    notice_stops_training: bool = envvars.NOTICE_STOPS_TRAINING.default
     # The trainer's SPOTGUARD_SAVE_EVERY_SECONDS, if set (for the interval metric).
     save_every_seconds: float | None = None
-    trainer_markers: dict[str, str] = field(default_factory=dict)
     # Upload only the chunks storage does not hold yet (content-addressed,
     # shared between checkpoints); off: every checkpoint is self-contained.
+    # Off unless asked here; the commands' option takes the contract's default.
     incremental: bool = False
+
+
+@dataclass(kw_only=True)
+class AgentConfig(UploaderConfig):
+    """Settings of the :class:`CheckpointAgent`, the sidecar's and ``spotguard run``'s."""
+
+    control_dir: Path
+    proactive_interval_seconds: float | None = None
+    trainer_markers: dict[str, str] = field(default_factory=dict)
     # After the trainer exits on its own (no SIGTERM, so no grace period
     # counts), how long shipping its last checkpoint may go without progress:
     # a part of a multi-node checkpoint waits for the other nodes' uploaders,
     # which may lag behind this one by a backlog of routine uploads; it waits
     # longer while their parts keep appearing in storage (see flush).
-    finish_seconds: float = 600.0
+    finish_seconds: float = envvars.FINISH_SECONDS.default
+
+    @classmethod
+    def of(cls, uploader: UploaderConfig, **more: Any) -> AgentConfig:
+        """The agent's settings for ``uploader`` (``spotguard run``'s): its uploader fields, and ``more``."""
+        return cls(**{f.name: getattr(uploader, f.name) for f in fields(UploaderConfig)}, **more)
 
     def finish_deadline(self, now: float) -> float:
         """When shipping the exited trainer's last checkpoint gives up, unless it makes progress."""

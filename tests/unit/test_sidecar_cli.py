@@ -220,3 +220,36 @@ def test_run_passes_incremental_to_the_agent(tmp_path: Path) -> None:
         )
         agent = Supervisor(config, storage, SidecarMetrics(namespace="", job="")).agent
         assert agent.config.incremental is incremental and agent.shipper.incremental is incremental
+
+
+def test_run_hands_the_agent_every_uploader_setting_and_both_take_the_contracts_defaults(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from spotguard.contract import env
+    from spotguard.run.supervisor import RunConfig, Supervisor
+    from spotguard.sidecar.metrics import SidecarMetrics
+    from spotguard.sidecar.service import AgentConfig, UploaderConfig
+    from spotguard.storage import open_storage
+
+    given = {
+        "grace_seconds": 7.0,
+        "safety_margin_seconds": 1.5,
+        "poll_seconds": 0.5,
+        "keep_local": 3,
+        "notice_stops_training": True,
+        "save_every_seconds": 9.0,
+        "incremental": True,
+    }
+    assert set(given) | {"checkpoint_dir"} == {f.name for f in fields(UploaderConfig)}
+    uri = (tmp_path / "store").as_uri()
+    config = RunConfig(command=["true"], workdir=tmp_path, storage_uri=uri, checkpoint_dir=tmp_path / "ck", **given)
+    agent = Supervisor(config, open_storage(uri), SidecarMetrics(namespace="", job="")).agent.config
+    assert {name: getattr(agent, name) for name in given} == given
+    assert (agent.checkpoint_dir, agent.control_dir) == (tmp_path / "ck", config.control_dir)
+    sidecar = AgentConfig(checkpoint_dir=tmp_path, control_dir=tmp_path)
+    assert (sidecar.grace_seconds, sidecar.safety_margin_seconds, sidecar.keep_local, sidecar.finish_seconds) == (
+        env.GRACE_SECONDS.default,
+        env.SAFETY_MARGIN_SECONDS.default,
+        env.KEEP_LOCAL.default,
+        env.FINISH_SECONDS.default,
+    )
