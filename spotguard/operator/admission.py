@@ -39,14 +39,13 @@ import json
 import logging
 import os
 import ssl
-import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 from aiohttp import web
 
 from spotguard.operator.apierrors import api_reason, api_status
+from spotguard.operator.background import BackgroundThread
 from spotguard.operator.podbuilder import LABEL_INJECT, OperatorConfig
 from spotguard.operator.spec import GROUP, PLURAL
 
@@ -245,7 +244,7 @@ def _files_signature(paths: Sequence[str]) -> tuple[tuple[int, int, int], ...] |
         return None
 
 
-class AdmissionServer:
+class AdmissionServer(BackgroundThread):
     """The admission webhooks over TLS, in a thread and event loop of its own.
 
     ``config`` gives the operator's configuration for the injection; it runs
@@ -254,6 +253,8 @@ class AdmissionServer:
     is called once the server listens, in a worker thread, to register the
     webhook configurations (``--webhook-manage``).
     """
+
+    thread_name = "admission"
 
     def __init__(
         self,
@@ -266,6 +267,7 @@ class AdmissionServer:
         namespaces: Collection[str] = (),
         manage: Callable[[], None] | None = None,
     ) -> None:
+        super().__init__()
         self.address = address
         self.port = port
         self.certfile = certfile
@@ -275,34 +277,17 @@ class AdmissionServer:
         self.manage = manage
         self.config: OperatorConfig | None = None
         self._listening = False
-        self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
+        self._wake_event: asyncio.Event | None = None
 
-    # -- lifecycle
+    # -- lifecycle: start() serves in the background (see :meth:`serving`), stop() ends it
 
-    def start(self) -> AdmissionServer:
-        """Start serving in the background (returns at once; see :meth:`serving`)."""
-        self._thread = threading.Thread(target=self._run, name="admission", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop listening and end the thread."""
-        self._stop.set()
-        loop, wake = self._loop, self._wake
+    def _wake(self) -> None:
+        """Wake the event loop's pause, so that it sees the stop and stops listening."""
+        loop, wake = self._loop, self._wake_event
         if loop is not None and wake is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed already
                 loop.call_soon_threadsafe(wake.set)
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def __enter__(self) -> AdmissionServer:
-        return self.start()
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
     def serving(self, timeout: float = 2.0) -> bool:
         """Whether the server listens and its loop answers (within ``timeout``)."""
@@ -330,12 +315,12 @@ class AdmissionServer:
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, or return early when asked to stop."""
-        assert self._wake is not None
+        assert self._wake_event is not None
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+            await asyncio.wait_for(self._wake_event.wait(), seconds)
 
     async def _main(self) -> None:
-        self._wake = asyncio.Event()
+        self._wake_event = asyncio.Event()
         if self._stop.is_set():  # checked after the event exists: a stop() in between is not lost
             return
         await self._load_config()

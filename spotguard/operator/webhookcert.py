@@ -37,11 +37,9 @@ import json
 import logging
 import os
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from types import TracebackType
 from typing import Any
 
 from cryptography import x509
@@ -50,6 +48,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from spotguard.operator.apierrors import api_reason, api_status
+from spotguard.operator.background import BackgroundThread
 
 log = logging.getLogger("spotguard.operator")
 
@@ -279,13 +278,15 @@ def _write_atomically(path: str, content: bytes, mode: int) -> None:
         raise
 
 
-class CertificateKeeper:
+class CertificateKeeper(BackgroundThread):
     """Keeps the Secret, the files the admission server serves, and the configurations' ``caBundle``.
 
     ``core`` is a ``CoreV1Api``, ``admission`` an ``AdmissionregistrationV1Api``.
     ``configuration``: the name of the Mutating- and ValidatingWebhookConfiguration
     whose ``caBundle`` to keep (None: none; a configuration not there is skipped).
     """
+
+    thread_name = "webhook-certificate"
 
     def __init__(
         self,
@@ -301,6 +302,7 @@ class CertificateKeeper:
         serving_days: float = SERVING_DAYS,
         check_seconds: float = CHECK_SECONDS,
     ) -> None:
+        super().__init__()
         self.core = core
         self.admission = admission
         self.namespace = namespace
@@ -313,8 +315,6 @@ class CertificateKeeper:
         self.check_seconds = check_seconds
         #: The bundle as last read or written (None: not yet).
         self.bundle: Bundle | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @property
     def where(self) -> str:
@@ -415,22 +415,6 @@ class CertificateKeeper:
         return bundle
 
     # -- the loop
-
-    def start(self) -> CertificateKeeper:
-        self._thread = threading.Thread(target=self._run, name="webhook-certificate", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def __enter__(self) -> CertificateKeeper:
-        return self.start()
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
     def _run(self) -> None:
         reported = ""
