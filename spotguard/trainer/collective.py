@@ -92,6 +92,7 @@ class CollectiveSave:
         self._shipping = shipping
         self._pinned = pinned
         self._stager: Any = None  # DCP's stager, kept with its host buffers unless pinned is None
+        self._dcp: Any = None  # what a sharded save tells the next (dcpwriter.DcpSaves; torch imported at first use)
 
     def _tmp(self, step: int, token: int) -> Path:
         """The temporary directory the ranks of a node share for one save."""
@@ -160,8 +161,16 @@ class CollectiveSave:
             raise StateError(f"the state to save must be a mapping, got {type(state).__name__}")
         tensors, skeleton = _distributed.split_tensors({k: state[k] for k in _distributed.DCP_KEYS if k in state})
         rank_state = {k: (skeleton[k] if k in _distributed.DCP_KEYS else v) for k, v in state.items()}
-        staged = self._stage(tensors) if tensors else None
+        staged = self._dcp_saves().stage(tensors, self._stage, keep=self._pinned is not None) if tensors else None
         return staged, snapshot_state(rank_state, pinned=self._pinned)
+
+    def _dcp_saves(self) -> Any:
+        """What one sharded save tells the next (:class:`~spotguard.trainer.dcpwriter.DcpSaves`)."""
+        if self._dcp is None:
+            from spotguard.trainer.dcpwriter import DcpSaves
+
+            self._dcp = DcpSaves()
+        return self._dcp
 
     def _stage(self, tensors: dict[str, Any]) -> Any:
         """DCP's tensors copied into host memory (pinned where CUDA is) by torch's
@@ -233,22 +242,21 @@ class CollectiveSave:
     def _save_dcp(self, job: PersistJob, tmp: Path, durable: bool, mine: _RankWrite) -> None:
         """``dcp.save`` of the model and optimizer shards (collective), and this
         rank's files of it added to its writer; the host copies dropped after."""
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         d = self._d
         dcp_dir = tmp / DCP_DIR
         try:
             if job.sharded is not None:
-                dcp_save(
-                    job.sharded, storage_writer=FileSystemWriter(dcp_dir, sync_files=durable), process_group=d.persist
-                )
+                # Unchanged items in a file linked from the previous save (spotguard.trainer.dcpwriter).
+                committed = self._settings.directory / checkpoint_name(job.step) / DCP_DIR
+                writer = self._dcp_saves().writer(dcp_dir, committed, durable=durable)
+                dcp_save(job.sharded, storage_writer=writer, process_group=d.persist)
             if mine.writer is not None and mine.error is None:
                 names = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
                 if d.rank == 0 and job.sharded is not None:
                     names.append(DCP_METADATA)
-                for name in names:
-                    mine.writer.add_written(f"{DCP_DIR}/{name}")
+                self._dcp_saves().add_files(mine.writer, dcp_dir, names)
         except DeadlineExceeded as exc:
             mine.error, mine.deadline_exceeded = mine.error or str(exc), True
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather; the error fails the save

@@ -1,0 +1,328 @@
+"""A sharded save that writes what changed (:class:`DcpSaves`): the unchanged DCP items of a rank go to a
+file of their own, linked from the previous save.
+
+A fine-tune's frozen base is most of its sharded state and never changes.
+``dcp.save`` with torch's :class:`FileSystemWriter` writes every item of a
+rank into one ``__<rank>_0.distcp`` file at every save, and the writer and
+the upload then read it back to checksum and hash it. Here:
+
+- **Phase one** (:meth:`DcpSaves.stage`): each tensor is compared, byte for
+  byte at memory speed, with its host copy from the previous stage (torch's
+  stager keeps those buffers between saves). An equal one is not copied
+  again: its previous host copy is staged as it is. It is *unchanged*.
+- **Phase two** (:class:`KeepingWriter`, the ``storage_writer`` of
+  ``dcp.save``): a rank's items go to ``__<rank>_0.distcp`` (the *kept*
+  file, named as torch names a rank's one file), except when the previous save's kept file holds every unchanged
+  item: that file is then hard-linked into the new save (nothing written,
+  its checksum the one recorded when it was written), the metadata points
+  each unchanged item at its place in it, and only the changed items are
+  written, into ``__<rank>_1.distcp``. Bytes of items that changed since
+  stay in the linked file unreferenced (DCP reads an item where the
+  metadata says); the file is written again once they outweigh the rest.
+- **Upload**: the linked file is the same inode as the previous
+  checkpoint's, so its chunks are taken from the previous verified manifest
+  without reading a byte
+  (:meth:`~spotguard.checkpoint.local.unchanged.Unchanged.linked`).
+
+Why the link is exact: the previous kept file holds each of its items as the
+host copy was when it was written; an unchanged item's host copy was not
+written since (it equals the tensor at that stage and the stage before). A
+link is made only when the previous kept file was written or linked by the
+save of the *stage just before* this one, committed with that very inode;
+a stage whose save was skipped or failed, another process, or any doubt
+writes the file again. Restore and resharding read by DCP's metadata, which
+names each item's file, offset and length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from spotguard.checkpoint.format.manifest import FileEntry
+from spotguard.checkpoint.local.codec import as_words, equal_in_slices
+from spotguard.checkpoint.local.commit import LocalWriter
+from spotguard.storage.file import fsync_file
+
+log = logging.getLogger(__name__)
+
+#: The file of a rank's kept items (``__<rank>_0.distcp``: with nothing to link, every item, as torch names its one
+#: file) and of its changed ones when the kept file is linked.
+KEPT_INDEX = 0
+CHANGED_INDEX = 1
+
+ItemKey = tuple[str, tuple[int, ...]]  # (fqn, the chunk's offsets)
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """Where one item is in a kept file, and what it is (so that another item of the same name is not taken)."""
+
+    sizes: tuple[int, ...]
+    dtype: Any
+    size_in_bytes: int
+    info: _StorageInfo
+
+
+@dataclass
+class _KeptFile:
+    """A rank's kept file as the last save left it (written or linked)."""
+
+    generation: int  # the stage whose save wrote or linked it
+    name: str  # ``__<rank>_0.distcp``
+    committed: Path  # where it is once that save is committed
+    inode: int
+    size: int
+    items: dict[ItemKey, _Placed]
+    algorithm: str | None = None  # the checksum, once the local writer computed it
+    checksum: str | None = None
+    linked: bool = False  # this save linked it (not written)
+
+
+@dataclass
+class DcpSaves:
+    """What one rank's sharded saves remember from one to the next (see the module's docstring)."""
+
+    generation: int = 0
+    #: The previous stage's host copies by fqn (None: nothing to compare with).
+    _staged: dict[str, Any] | None = None
+    #: The fqns the last stage found unchanged.
+    unchanged: frozenset[str] = frozenset()
+    kept: _KeptFile | None = None
+    #: Bytes compared (read twice at memory speed) and left uncopied by the last stage.
+    compared_bytes: int = 0
+    unchanged_bytes: int = 0
+    #: What the last save did with its kept file: bytes linked, bytes written anew.
+    linked_bytes: int = 0
+    written_bytes: int = 0
+    _fsynced: set[int] = field(default_factory=set)
+
+    def stage(self, tensors: Mapping[str, Any], stage: Callable[[dict[str, Any]], Any], *, keep: bool) -> Any:
+        """Phase one: ``tensors`` (nested dicts of tensors) staged by ``stage`` (torch's stager), but for
+        the tensors equal to their host copy of the previous stage, which are staged as that copy.
+        ``keep``: the stager keeps its host buffers for the next save (else nothing is compared)."""
+        import torch
+
+        self.generation += 1
+        before, self._staged = self._staged, None
+        unchanged: dict[str, Any] = {}
+        self.compared_bytes = self.unchanged_bytes = 0
+        if before is not None:
+            for fqn, t in _leaves(tensors):
+                host = before.get(fqn)
+                if host is not None and self._same(torch, t, host):
+                    unchanged[fqn] = host
+        changed = _without(tensors, unchanged.keys())
+        staged = stage(changed) if changed else {}
+        merged = _with(tensors, staged, unchanged)
+        self.unchanged = frozenset(unchanged)
+        if keep:
+            self._staged = dict(_leaves(merged))
+        return merged
+
+    def _same(self, torch: Any, t: Any, host: Any) -> bool:
+        """Whether ``t`` is, shard and bytes, what its host copy ``host`` holds."""
+        if type(t) is not type(host) or t.dtype != host.dtype or t.shape != host.shape:
+            return False
+        if hasattr(t, "to_local"):  # a DTensor: the same sharding, and the same local shard
+            if t.placements != host.placements or t.device_mesh != host.device_mesh:
+                return False
+            t, host = t.to_local(), host.to_local()
+            if t.shape != host.shape:
+                return False
+        if not (t.is_contiguous() and host.is_contiguous()) or host.device.type != "cpu":
+            return False
+        mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
+        self.compared_bytes += mine.numel()
+        if mine.device != theirs.device:
+            same = equal_in_slices(torch, mine, theirs)
+        else:
+            same = bool(torch.equal(as_words(torch, mine), as_words(torch, theirs)))
+        if same:
+            self.unchanged_bytes += mine.numel()
+        return same
+
+    def writer(self, dcp_dir: Path, committed: Path, *, durable: bool) -> KeepingWriter:
+        """The ``storage_writer`` of this stage's ``dcp.save`` into ``dcp_dir``; ``committed``: where
+        that directory is once the save is committed."""
+        return KeepingWriter(dcp_dir, self, committed, sync_files=durable)
+
+    def add_files(self, writer: LocalWriter, dcp_dir: Path, names: list[str]) -> None:
+        """This rank's files of the save just made added to its local writer: the linked kept file with
+        the checksum it was written with, the others checksummed by reading them back."""
+        kept = self.kept
+        for name in names:
+            path = f"{dcp_dir.name}/{name}"
+            if kept is not None and kept.linked and name == kept.name and kept.algorithm == writer.algorithm:
+                assert kept.checksum is not None
+                writer.entries.append(FileEntry(path=path, size=kept.size, checksum=kept.checksum))
+                writer.bytes_linked += kept.size
+                continue
+            entry = writer.add_written(path)
+            if kept is not None and name == kept.name:
+                kept.algorithm, kept.checksum = writer.algorithm, entry.checksum
+
+    def _linkable(self, items: list[WriteItem], prefix: str) -> _KeptFile | None:
+        """The previous kept file when it may be linked for these unchanged items (see the module's docstring)."""
+        kept = self.kept
+        if (
+            kept is None
+            or not items
+            or kept.generation != self.generation - 1
+            or kept.checksum is None
+            or kept.name != f"{prefix}{KEPT_INDEX}.distcp"
+        ):
+            return None
+        live = 0
+        for item in items:
+            placed = kept.items.get(_key(item))
+            if placed is None or not _fits(placed, item):
+                return None
+            live += placed.info.length
+        if kept.size - live > live:
+            return None  # mostly bytes of items that changed since: written again, smaller
+        try:
+            st = os.stat(kept.committed)
+        except OSError:
+            return None
+        if st.st_ino != kept.inode or st.st_size != kept.size:
+            return None  # not the file that save left (it failed, or an existing checkpoint was kept)
+        return kept
+
+
+class KeepingWriter(FileSystemWriter):
+    """torch's file system writer, with a rank's unchanged items in a kept file linked from the previous save."""
+
+    def __init__(self, path: Path, saves: DcpSaves, committed: Path, *, sync_files: bool) -> None:
+        super().__init__(path, sync_files=sync_files)
+        self._saves = saves
+        self._committed = committed
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        saves = self._saves
+        prefix: str = plan.storage_data.prefix
+        kept_name = f"{prefix}{KEPT_INDEX}.distcp"
+        tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO and i.tensor_data is not None]
+        unchanged = [i for i in tensors if i.index.fqn in saves.unchanged]
+        before = saves._linkable(unchanged, prefix)
+        saves.kept, saves.linked_bytes, saves.written_bytes = None, 0, 0
+        linked: list[WriteResult] = []
+        if before is not None and self._link(before, kept_name):
+            done = {_key(i) for i in unchanged}
+            linked = [_result(i, before.items[_key(i)]) for i in unchanged]
+            rest = [i for i in plan.items if _key(i) not in done]
+            saves.kept = dataclasses.replace(
+                before,
+                generation=saves.generation,
+                committed=self._committed / kept_name,
+                items={k: before.items[k] for k in done},
+                linked=True,
+            )
+            saves.linked_bytes = before.size
+            name = f"{prefix}{CHANGED_INDEX}.distcp"
+        else:
+            rest, name = list(plan.items), kept_name
+        files: queue.Queue[tuple[Any, str, list[WriteItem]]] = queue.Queue()
+        if rest:
+            files.put((self.fs.concat_path(self.path, name), name, rest))
+        written = self._write_data(planner, files).wait() if rest else []
+        if saves.kept is None and rest:
+            st = os.stat(Path(self.path) / name)
+            by_key = {_key(i): i for i in rest}
+            items = {}
+            for r in written:
+                key = (r.index.fqn, tuple(r.index.offset or ()))
+                item = by_key.get(key)
+                if item is not None and item.tensor_data is not None:
+                    chunk, dtype = item.tensor_data.chunk, item.tensor_data.properties.dtype
+                    items[key] = _Placed(tuple(chunk.sizes), dtype, r.size_in_bytes, r.storage_data)
+            saves.kept = _KeptFile(saves.generation, name, self._committed / name, st.st_ino, st.st_size, items)
+            saves.written_bytes = st.st_size
+        elif rest:
+            saves.written_bytes = os.stat(Path(self.path) / name).st_size
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(linked + written)
+        return future
+
+    def _link(self, before: _KeptFile, name: str) -> bool:
+        """Hard-link the previous kept file into this save (fsynced when the save is durable: the
+        previous one may be an emergency save's, not fsynced). False when it cannot be (written instead)."""
+        target = Path(self.path) / name
+        try:
+            os.link(before.committed, target)
+            if self.sync_files and before.inode not in self._saves._fsynced:
+                fsync_file(target)
+                self._saves._fsynced.add(before.inode)
+        except OSError as exc:
+            log.info("writing %s instead of linking it from the previous save: %s", name, exc)
+            with contextlib.suppress(OSError):  # never made
+                target.unlink()
+            return False
+        log.debug("%s linked from %s (%d bytes, nothing written)", name, before.committed, before.size)
+        return True
+
+
+def _key(item: WriteItem) -> ItemKey:
+    return item.index.fqn, tuple(int(o) for o in (item.index.offset or ()))
+
+
+def _fits(placed: _Placed, item: WriteItem) -> bool:
+    data = item.tensor_data
+    return data is not None and placed.sizes == tuple(data.chunk.sizes) and placed.dtype == data.properties.dtype
+
+
+def _result(item: WriteItem, placed: _Placed) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=placed.size_in_bytes, storage_data=placed.info)
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Pure: the tensors of nested string-keyed dicts by their DCP names (keys joined with dots, as DCP
+    flattens a state dict)."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _leaves(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def _without(tree: Mapping[str, Any], names: Any, prefix: str = "") -> dict[str, Any]:
+    """Pure: ``tree`` less the leaves named in ``names`` (containers left empty dropped)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            sub = _without(value, names, f"{name}.")
+            if sub:
+                out[key] = sub
+        elif name not in names:
+            out[key] = value
+    return out
+
+
+def _with(tree: Mapping[str, Any], staged: Mapping[str, Any], unchanged: Mapping[str, Any], prefix: str = "") -> Any:
+    """Pure: ``tree``'s shape with each leaf taken from ``unchanged`` (by DCP name) or else from ``staged``
+    (the stager's copy of ``tree`` less those leaves, at the same keys)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out[key] = _with(value, staged.get(key) or {}, unchanged, f"{name}.")
+        else:
+            out[key] = unchanged[name] if name in unchanged else staged[key]
+    return out
+
+
+__all__ = ["DcpSaves", "KeepingWriter"]
