@@ -59,6 +59,7 @@ from typing import Any
 from spotguard.notice_relay import AUDIENCE, BASE_PATH, EVENT_PATH, POD_PATH, RELAYED_REASONS
 from spotguard.operator.apierrors import api_reason, api_status
 from spotguard.operator.podbuilder import ANNOTATION_INJECTED, LABEL_INJECT, LABEL_JOB
+from spotguard.operator.probes import HttpAnswer
 
 log = logging.getLogger("spotguard.operator")
 
@@ -79,8 +80,6 @@ MAX_ENTRIES = 4096
 API_TIMEOUT_SECONDS = 5.0
 #: Requests to the apiserver the relay makes at once, at most (a flood of callers never floods it).
 MAX_API_CALLS = 8
-
-Answer = tuple[int, dict[str, Any]]
 
 
 class Refused(Exception):
@@ -256,7 +255,7 @@ def relayed_event(
     }
 
 
-def refusal(exc: Refused) -> Answer:
+def refusal(exc: Refused) -> HttpAnswer:
     """Pure: the HTTP answer to a refused request."""
     return exc.status, {"error": exc.message}
 
@@ -333,7 +332,7 @@ class NoticeRelay:
         """Whether ``path`` is the relay's (``/notices/v1`` and below)."""
         return path == BASE_PATH or path.startswith(f"{BASE_PATH}/")
 
-    def handle(self, method: str, path: str, authorization: str | None, body: bytes = b"") -> Answer:
+    def handle(self, method: str, path: str, authorization: str | None, body: bytes = b"") -> HttpAnswer:
         """The answer to a request for one of the relay's paths (see :meth:`serves`)."""
         wanted = {POD_PATH: "GET", EVENT_PATH: "POST"}.get(path)
         if wanted is None:
@@ -408,7 +407,7 @@ class NoticeRelay:
         self._pods.put(key, pod, POD_CACHE_SECONDS)
         return pod  # type: ignore[no-any-return]
 
-    def post_event(self, caller: Caller, pod: Mapping[str, Any], body: bytes) -> Answer:
+    def post_event(self, caller: Caller, pod: Mapping[str, Any], body: bytes) -> HttpAnswer:
         """Post one of the relayed reasons on the caller's own pod (at most one per reason and interval)."""
         reason, message = event_request(body)
         if not self._events.claim((caller.uid, reason), EVENT_INTERVAL_SECONDS):
