@@ -287,11 +287,12 @@ def test_example_survives_drain_eviction_delete_and_node_loss_bitwise(env: RealN
     """The README's example on real nodes: ``kubectl drain``, the eviction API, a pod delete, its node lost;
     Succeeded, nothing lost in the graceful ways, bitwise equal to an uninterrupted run.
 
-    ``make test`` runs a drain and a node loss; ``make soak`` all four."""
+    ``make test`` runs the drain (``make soak`` all four): on real nodes the DDP gang below loses a node in
+    ``make test``, and the process nodes' end-to-end jobs lose theirs (``tests/e2e/test_operator_e2e.py``)."""
     job, args, steps, every, uri = run_example(env, "demo-train")
     modes = trials.variants(
         full=[("drain", 0.2), ("evict", 0.35), ("delete", 0.5), ("kill", 0.65)],
-        quick=[("drain", 0.2), ("kill", 0.65)],
+        quick=[("drain", 0.2)],
     )
     verified_at_kill = -1
     for attempt, (mode, fraction) in enumerate(modes, start=1):
@@ -309,7 +310,7 @@ def test_example_survives_drain_eviction_delete_and_node_loss_bitwise(env: RealN
     assert st["phase"] == "Succeeded", f"{st}\n{env.ends(job)}"
     assert st["preemptions"] == len(modes) and st["failures"] == 0 and st["attempt"] == last, st
     pods = [f"{job}-a{a}" for a in range(1, last + 1)]
-    check_resumes(env, pods, len(modes) - 1, verified_at_kill)
+    check_resumes(env, pods, sum(mode != "kill" for mode, _ in modes), verified_at_kill)  # a loss comes last
     assert f"finished {steps} steps" in env.trainer_log(pods[-1])
     assert_final_bitwise(env, uri, args, every, steps, tmp_path)
 
