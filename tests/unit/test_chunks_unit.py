@@ -382,3 +382,26 @@ def test_pieces_name_the_tensor_bytes_a_range_holds() -> None:
     assert _pieces([], 0, 8) is None
     assert _part_of("model.kept.safetensors") == _part_of("model.safetensors") == "model"
     assert _part_of("ranks/00001/optimizer.safetensors") == "ranks/00001/optimizer"
+
+
+def test_an_upload_result_carries_every_chunk_counter_of_its_chunked_upload() -> None:
+    from dataclasses import fields
+
+    from spotguard.checkpoint.store import upload
+    from spotguard.checkpoint.store.chunked import ChunkCounts, ChunkedUpload
+    from spotguard.checkpoint.store.publish import UploadResult
+
+    counts = {f.name: i + 1 for i, f in enumerate(fields(ChunkCounts))}
+    manifest = new_manifest(1, [], "crc32c")
+    chunked = ChunkedUpload(manifest, b"{}", trusted={"ab": 4}, **counts)
+    result = UploadResult(
+        step=1,
+        name=manifest.name,
+        bytes=2,
+        seconds=0.1,
+        uri="file:///x",
+        pointer_updated=False,
+        **upload._chunk_counts(chunked),
+    )
+    assert result.counts() == chunked.counts() == counts and result.trusted_chunks == {"ab": 4}
+    assert ChunkCounts().counts() == dict.fromkeys(counts, 0)

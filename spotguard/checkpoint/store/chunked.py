@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -179,13 +179,12 @@ def chunks_named(problems: Iterable[str]) -> set[str]:
     return {m.group(1) for problem in problems for m in _CHUNK_KEY_RE.finditer(problem)}
 
 
-@dataclass
-class ChunkedUpload:
-    """What :func:`upload_chunks` stored: the version 3 manifest and how many
-    chunks and bytes were new or reused."""
+@dataclass(frozen=True, kw_only=True)
+class ChunkCounts:
+    """What an upload stored anew and found stored already: bytes (all new for whole files)
+    and, stored as chunks, how many chunks."""
 
-    manifest: Manifest
-    manifest_bytes: bytes
+    #: Data stored by this upload, and data already in storage that the checkpoint shares.
     new_chunks: int = 0
     new_bytes: int = 0
     reused_chunks: int = 0
@@ -193,6 +192,19 @@ class ChunkedUpload:
     #: Chunks (of the new and the reused) recognized by comparison with the previous
     #: checkpoint's local copy, without hashing (see :class:`~spotguard.checkpoint.local.unchanged.Unchanged`).
     unchanged_chunks: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """The counters by name (keywords for another :class:`ChunkCounts`)."""
+        return {f.name: getattr(self, f.name) for f in fields(ChunkCounts)}
+
+
+@dataclass(frozen=True)
+class ChunkedUpload(ChunkCounts):
+    """What :func:`upload_chunks` stored: the version 3 manifest and how many
+    chunks and bytes were new or reused."""
+
+    manifest: Manifest
+    manifest_bytes: bytes
     #: The reused chunks taken from knowledge this uploader verified (digest -> size): not
     #: checked again, here or by the verification that follows (see :func:`verify_chunks`).
     trusted: dict[str, int] = field(default_factory=dict)
@@ -266,7 +278,7 @@ def upload_chunks(
     stored_before = found.stored if found is not None else {}
     claims = _Claims()
     lock = threading.Lock()
-    totals = {"new_chunks": 0, "new_bytes": 0, "reused_chunks": 0, "reused_bytes": 0, "unchanged_chunks": 0}
+    totals = ChunkCounts().counts()
     trusted: dict[str, int] = {}
     trust = known.trusted()
     unchanged = Unchanged(Path(local_dir), known.manifest, known.chunks)

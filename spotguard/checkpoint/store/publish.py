@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from spotguard.checkpoint.format.manifest import checkpoint_step
 from spotguard.checkpoint.format.verify import VerifyResult
+from spotguard.checkpoint.store.chunked import ChunkCounts
 from spotguard.checkpoint.store.parts import commit_global
 from spotguard.checkpoint.store.stored import update_latest_pointer
 from spotguard.checkpoint.store.verify_stored import verify_checkpoint
@@ -43,8 +44,9 @@ UNVERIFIED = "unverified"
 
 
 @dataclass(frozen=True)
-class UploadResult:
-    """What :func:`~spotguard.checkpoint.store.upload.upload_checkpoint` stored (step 1)."""
+class UploadResult(ChunkCounts):
+    """What :func:`~spotguard.checkpoint.store.upload.upload_checkpoint` stored (step 1), its
+    :class:`~spotguard.checkpoint.store.chunked.ChunkCounts` included."""
 
     step: int
     name: str
@@ -61,14 +63,6 @@ class UploadResult:
     #: for a single-process checkpoint).
     parts_present: int = 1
     parts_total: int = 1
-    #: Of ``bytes``: data stored by this upload, and data already in storage
-    #: that the checkpoint shares (stored incrementally; 0 otherwise).
-    new_bytes: int = 0
-    reused_bytes: int = 0
-    new_chunks: int = 0
-    reused_chunks: int = 0
-    #: Chunks recognized by comparison with the previous checkpoint's local copy, not hashed.
-    unchanged_chunks: int = 0
     #: Reused chunks taken from a checkpoint the uploader verified (digest -> size): the
     #: verification of this one may take them as checked (:attr:`ChunkedUpload.trusted`).
     trusted_chunks: dict[str, int] = field(default_factory=dict)

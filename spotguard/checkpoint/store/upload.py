@@ -522,14 +522,7 @@ def _upload_part(
 
 
 def _chunk_counts(chunked: ChunkedUpload) -> dict[str, Any]:
-    return {
-        "new_bytes": chunked.new_bytes,
-        "reused_bytes": chunked.reused_bytes,
-        "new_chunks": chunked.new_chunks,
-        "reused_chunks": chunked.reused_chunks,
-        "unchanged_chunks": chunked.unchanged_chunks,
-        "trusted_chunks": chunked.trusted,
-    }
+    return {**chunked.counts(), "trusted_chunks": chunked.trusted}
 
 
 def _committed_with(storage: Storage, stored_global: Manifest, index: int, local: bytes) -> bool:
