@@ -1,18 +1,39 @@
-"""What every spotguard command line shares: the usage exit status, one-line errors, the progress and
-verification depth switches, a command's options as the dataclass its handler takes."""
+"""What every spotguard command line shares: a command added with its words from its handler's docstring,
+the usage exit status, one-line errors, the progress and verification depth switches, a command's options
+as the dataclass its handler takes."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 #: argparse's own exit status for a usage error.
 EXIT_USAGE = 2
+
+
+def command(
+    subparsers: Any, name: str, handler: Callable[[argparse.Namespace], int], **parser: Any
+) -> argparse.ArgumentParser:
+    """Add the subcommand ``name``, carried out by ``handler``; its parser, for the options.
+
+    What a command is for is said once, in its handler's docstring: the first
+    paragraph is the help the parent's ``--help`` lists, the rest the
+    description of the command's own ``--help``. ``parser`` goes to
+    ``add_parser`` as is (``usage``).
+    """
+    summary, _, rest = (inspect.getdoc(handler) or "").partition("\n\n")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=" ".join(summary.split()), description=" ".join(rest.split()) or None, **parser
+    )
+    p.set_defaults(func=handler)
+    return p
 
 
 def progress_flag(p: argparse.ArgumentParser) -> None:

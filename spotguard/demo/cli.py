@@ -13,17 +13,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import options_from
+from spotguard.cliutil import command, options_from
 
 
 def register(subparsers: Any) -> None:
     """Add ``demo`` to the top-level parser."""
-    p = subparsers.add_parser(
-        "demo",
-        help="train a small model, preempt it several times, prove the result is bit-identical",
-        description="Train a small model under `spotguard run`, preempt it at random points, "
-        "train it once uninterrupted, and compare the two results byte for byte.",
-    )
+    p = command(subparsers, "demo", _demo)
     p.add_argument("--storage", default=None, help="checkpoint storage (default file:// in a temporary directory)")
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--preemptions", type=int, default=3, help="preemptions (default 3)")
@@ -32,10 +27,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--workdir", type=Path, default=None, help="keep the demo's files here (default a temporary directory, removed)"
     )
-    p.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """train a small model, preempt it several times, prove the result is bit-identical
+
+    Train a small model under `spotguard run`, preempt it at random points, train it once uninterrupted,
+    and compare the two results byte for byte.
+    """
     from spotguard.demo.runner import DemoOptions, run_demo
 
     return run_demo(options_from(DemoOptions, args))

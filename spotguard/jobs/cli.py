@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
-from spotguard.cliutil import depth_flags, error, progress_flag, usage
+from spotguard.cliutil import command, depth_flags, error, progress_flag, usage
 from spotguard.progress import steps
 
 EXIT_OK = 0
@@ -49,28 +49,17 @@ def register(subparsers: Any) -> None:
     sub = jobs.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND")
     jobs.set_defaults(func=lambda args: usage(jobs))
 
-    p = sub.add_parser("ls", help="list TrainingJobs: phase, attempt, preemptions, failures, verified step, placement")
+    p = command(sub, "ls", _guard(cmd_ls))
     _cluster_flags(p)
     p.add_argument("-A", "--all-namespaces", action="store_true", help="list the jobs of every namespace")
     _output_flag(p)
-    p.set_defaults(func=_guard(cmd_ls))
 
-    p = sub.add_parser(
-        "describe",
-        help="a job's phase, conditions, attempts, every preemption and failure with its cause, pods",
-    )
+    p = command(sub, "describe", _guard(cmd_describe))
     _cluster_flags(p)
     p.add_argument("name", metavar="NAME")
     _output_flag(p)
-    p.set_defaults(func=_guard(cmd_describe))
 
-    p = sub.add_parser(
-        "checkpoints",
-        help="a job's checkpoints in storage: step, time, size, verified yes/no",
-        description="List the checkpoints under the job's storage root (spec.checkpoint.storage/<namespace>/<name>). "
-        "The store is read with your own credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE), "
-        "at the spec's checkpoint.endpoint unless --endpoint-url is given.",
-    )
+    p = command(sub, "checkpoints", _guard(cmd_checkpoints))
     _cluster_flags(p)
     p.add_argument("name", metavar="NAME")
     p.add_argument(
@@ -82,15 +71,8 @@ def register(subparsers: Any) -> None:
     depth_flags(p)
     _output_flag(p)
     progress_flag(p)
-    p.set_defaults(func=_guard(cmd_checkpoints))
 
-    p = sub.add_parser(
-        "preempt",
-        help="preemption drill: evict the current attempt's pod and watch the job resume",
-        description="Evict the current attempt's pod (rank 0's for a job of several nodes) through the Eviction "
-        "API, as `kubectl drain` does, so the trainer gets its emergency checkpoint and the operator starts the "
-        "next attempt; then wait until that attempt runs (or the job ends).",
-    )
+    p = command(sub, "preempt", _guard(cmd_preempt))
     _cluster_flags(p)
     p.add_argument("name", metavar="NAME")
     p.add_argument(
@@ -107,7 +89,6 @@ def register(subparsers: Any) -> None:
         help=f"give up waiting after this long, exit status 1 (default {DEFAULT_PREEMPT_TIMEOUT:g})",
     )
     progress_flag(p)
-    p.set_defaults(func=_guard(cmd_preempt))
 
 
 # -- plumbing --------------------------------------------------------------------
@@ -329,7 +310,7 @@ def _print_output(obj: Any, output: str) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List TrainingJobs in one namespace or all."""
+    """list TrainingJobs: phase, attempt, preemptions, failures, verified step, placement"""
     from spotguard.jobs import render
     from spotguard.operator.spec import GROUP, PLURAL, VERSION
 
@@ -378,7 +359,7 @@ def _job_pods(kube: Kube, name: str) -> list[dict[str, Any]]:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    """Show one job: phase, conditions, attempts and why each ended, checkpoint, placement, pods, Events."""
+    """a job's phase, conditions, attempts, every preemption and failure with its cause, pods"""
     from spotguard.jobs import render
 
     kube = connect(args)
@@ -423,7 +404,12 @@ def _open_job_storage(job: Mapping[str, Any], args: argparse.Namespace, kube: Ku
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    """List a job's checkpoints in storage, each verified against its manifest."""
+    """a job's checkpoints in storage: step, time, size, verified yes/no
+
+    List the checkpoints under the job's storage root (spec.checkpoint.storage/<namespace>/<name>). The store
+    is read with your own credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE), at the spec's
+    checkpoint.endpoint unless --endpoint-url is given.
+    """
     from spotguard.checkpoint import list_checkpoint_names, read_latest_pointer, verify_checkpoint
     from spotguard.jobs import render
     from spotguard.storage import CredentialsError, NotFoundError
@@ -542,7 +528,12 @@ def evict(kube: Kube, pod: str) -> str:
 
 
 def cmd_preempt(args: argparse.Namespace) -> int:
-    """Evict the current attempt's pod, then (with --wait) follow the job until the next attempt runs."""
+    """preemption drill: evict the current attempt's pod and watch the job resume
+
+    Evict the current attempt's pod (rank 0's for a job of several nodes) through the Eviction API, as
+    `kubectl drain` does, so the trainer gets its emergency checkpoint and the operator starts the next
+    attempt; then wait until that attempt runs (or the job ends).
+    """
     from spotguard.operator.jobstatus import SUSPENDED, TERMINAL_PHASES
 
     kube = connect(args)

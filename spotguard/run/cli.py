@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import configure_logging, error, options_from
+from spotguard.cliutil import command, configure_logging, error, options_from
 from spotguard.contract import env
 from spotguard.contract.env import add_option
 from spotguard.sidecar.args import add_uploader_args, uploader_args
@@ -18,15 +18,7 @@ from spotguard.sidecar.args import add_uploader_args, uploader_args
 
 def register(subparsers: Any) -> None:
     """Add ``run`` to the top-level parser."""
-    p = subparsers.add_parser(
-        "run",
-        help="supervise a training command without Kubernetes (restore, ship, preempt, restart)",
-        description="Run CMD with the Checkpointer's environment: restore the newest verified "
-        "checkpoint first, upload and verify checkpoints as they are written, treat "
-        "SIGTERM/SIGINT as a preemption (emergency checkpoint, upload, verify, exit), restart "
-        "after a crash. Run the same command again after a preemption to resume.",
-        usage="spotguard run [options] -- CMD [ARG ...]",
-    )
+    p = command(subparsers, "run", _run, usage="spotguard run [options] -- CMD [ARG ...]")
     add_option(p, env.STORAGE_URI, shown="file://WORKDIR/store")
     p.add_argument(
         "--workdir", type=Path, default=Path(".spotguard"), help="local state: checkpoints, lock (default ./.spotguard)"
@@ -70,10 +62,15 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    """supervise a training command without Kubernetes (restore, ship, preempt, restart)
+
+    Run CMD with the Checkpointer's environment: restore the newest verified checkpoint first, upload and
+    verify checkpoints as they are written, treat SIGTERM/SIGINT as a preemption (emergency checkpoint,
+    upload, verify, exit), restart after a crash. Run the same command again after a preemption to resume.
+    """
     from spotguard.run.supervisor import EXIT_USAGE, RunConfig, SetupError, Supervisor, workdir_lock
     from spotguard.sidecar.metrics import RUN_PORT_HINT, SidecarMetrics
     from spotguard.storage import StorageError, open_storage

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import configure_logging, options_from
+from spotguard.cliutil import command, configure_logging, options_from
 from spotguard.contract import env
 from spotguard.contract.env import add_option, cli_default
 from spotguard.sidecar.args import add_uploader_args, uploader_args
@@ -29,20 +29,7 @@ DEFAULT_TERMINATION_LOG = env.TERMINATION_LOG.default
 
 def register(subparsers: Any) -> None:
     """Add ``sidecar`` to the top-level parser."""
-    _register_sidecar(subparsers)
-
-
-# -- sidecar ------------------------------------------------------------------
-
-
-def _register_sidecar(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "sidecar",
-        help="in-pod uploader: ship checkpoints, handle SIGTERM and notices, serve metrics",
-        description="Watch the shared checkpoint directory, upload and verify each committed "
-        "checkpoint, and on SIGTERM or a preemption notice get an emergency checkpoint "
-        "verified in storage before the deadline.",
-    )
+    p = command(subparsers, "sidecar", _sidecar)
     add_option(p, env.STORAGE_URI)
     add_option(p, env.CHECKPOINT_DIR, type=Path, fallback=Path(DEFAULT_CHECKPOINT_DIR))
     add_option(p, env.CONTROL_DIR, type=Path, shown="CHECKPOINT_DIR/.control")
@@ -61,7 +48,6 @@ def _register_sidecar(subparsers: Any) -> None:
     add_option(p, env.PREEMPTED_EXIT_CODE, type=int)
     p.add_argument("--poll-interval", type=float, default=0.25, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.set_defaults(func=_sidecar)
 
 
 def _termination_log(path: Path) -> Path | None:
@@ -78,6 +64,11 @@ def _fail(message: str) -> int:
 
 
 def _sidecar(args: argparse.Namespace) -> int:
+    """in-pod uploader: ship checkpoints, handle SIGTERM and notices, serve metrics
+
+    Watch the shared checkpoint directory, upload and verify each committed checkpoint, and on SIGTERM or a
+    preemption notice get an emergency checkpoint verified in storage before the deadline.
+    """
     from spotguard.sidecar.service import SignalLatch
 
     # First thing: kubelet may send SIGTERM while we are still starting up

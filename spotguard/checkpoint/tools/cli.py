@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotguard.cliutil import depth_flags, error, options_from, progress_flag, usage
+from spotguard.cliutil import command, depth_flags, error, options_from, progress_flag, usage
 from spotguard.contract import env
 from spotguard.contract.env import CHECKPOINT_DIR, STORAGE_URI, add_option
 from spotguard.progress import ByteProgress
@@ -45,18 +45,16 @@ def register(subparsers: Any) -> None:
     sub = ckpt.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND")
     ckpt.set_defaults(func=lambda args: usage(ckpt))
 
-    p = sub.add_parser("ls", help="list checkpoints: step, time, size, metrics, verified yes/no and why")
+    p = command(sub, "ls", _guard(cmd_ls))
     p.add_argument("uri", metavar="URI")
     depth_flags(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_guard(cmd_ls))
 
-    p = sub.add_parser("verify", help="verify checkpoints (all, or URI/ckpt-N); non-zero exit names what is bad")
+    p = command(sub, "verify", _guard(cmd_verify))
     p.add_argument("uri", metavar="URI[/ckpt-N]")
     depth_flags(p, quick=False, deep_finds="finds damage that happened after the store accepted the data")
-    p.set_defaults(func=_guard(cmd_verify))
 
-    p = sub.add_parser("restore", help="download the newest verified checkpoint (or URI/ckpt-N) into DEST")
+    p = command(sub, "restore", _guard(cmd_restore))
     p.add_argument("uri", metavar="URI[/ckpt-N]")
     p.add_argument("dest", metavar="DEST", type=Path)
     p.add_argument(
@@ -68,14 +66,8 @@ def register(subparsers: Any) -> None:
         "(for a checkpoint stored incrementally; to share it, or to hand the files to a framework)",
     )
     progress_flag(p)
-    p.set_defaults(func=_guard(cmd_restore))
 
-    p = sub.add_parser(
-        "gc",
-        help="apply retention, delete orphaned prefixes, abort stale multipart uploads",
-        description="Keep the checkpoints any rule keeps (the newest verified one always), delete the rest; "
-        "also delete prefixes left by interrupted uploads and abort stale multipart uploads.",
-    )
+    p = command(sub, "gc", _guard(cmd_gc))
     p.add_argument("uri", metavar="URI")
     rules = p.add_argument_group("retention", "the rules the uploaders take, their defaults from the same variables")
     for var in env.RETENTION:
@@ -97,24 +89,15 @@ def register(subparsers: Any) -> None:
         help="abort multipart uploads started this long ago (default 21600)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
-    p.set_defaults(func=_guard(cmd_gc))
 
-    p = sub.add_parser("average", help="element-wise mean of the weights of the last K verified checkpoints")
+    p = command(sub, "average", _guard(cmd_average))
     p.add_argument("uri", metavar="URI")
     p.add_argument("--last", type=_pos_int, required=True, metavar="K")
     p.add_argument("out", metavar="OUT", type=Path, help="output safetensors file")
     p.add_argument("--part", default="model", help="state part to average (default: model)")
     progress_flag(p)
-    p.set_defaults(func=_guard(cmd_average))
 
-    p = sub.add_parser(
-        "export",
-        help="write a verified checkpoint as a Hugging Face model folder (then: hf upload USER/MODEL DEST)",
-        description="Write the newest verified checkpoint (or URI/ckpt-N, the best by --best, the average of "
-        "the last --average N) into DEST as a model folder from_pretrained loads and the Hub takes: a Trainer "
-        "checkpoint's model files without its training state, or a spotguard state's model part as "
-        "model.safetensors next to the --config. Nothing is unpickled; DEST appears whole or not at all.",
-    )
+    p = command(sub, "export", _guard(cmd_export))
     p.add_argument("uri", metavar="URI[/ckpt-N]")
     p.add_argument("dest", metavar="DEST", type=Path)
     p.add_argument("--format", choices=("hf",), required=True, help="hf: a Hugging Face model folder")
@@ -139,18 +122,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace a DEST that is not empty")
     progress_flag(p)
-    p.set_defaults(func=_guard(cmd_export))
 
-    p = subparsers.add_parser(
-        "restore",
-        help="stage the newest verified checkpoint for a trainer (init container)",
-        description="Download the newest verified checkpoint into DEST/ckpt-<step>/. "
-        "Exits 0 also when there is none yet.",
-    )
+    p = command(subparsers, "restore", _guard(cmd_init_restore))
     add_option(p, STORAGE_URI, metavar="URI")
     add_option(p, CHECKPOINT_DIR, "--dest", type=Path, metavar="DIR")
     progress_flag(p)
-    p.set_defaults(func=_guard(cmd_init_restore))
 
 
 # -- plumbing --------------------------------------------------------------------
@@ -236,7 +212,7 @@ def _metrics_str(metrics: dict[str, float | None]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """List checkpoints with their verification status."""
+    """list checkpoints: step, time, size, metrics, verified yes/no and why"""
     from spotguard.checkpoint.store.stored import list_checkpoint_names, read_latest_pointer
     from spotguard.checkpoint.store.verify_stored import verify_checkpoint
 
@@ -332,7 +308,7 @@ def _sharding_str(sharding: dict[str, Any] | None) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Verify one checkpoint or all of them."""
+    """verify checkpoints (all, or URI/ckpt-N); non-zero exit names what is bad"""
     from spotguard.checkpoint.store.stored import list_checkpoint_names
     from spotguard.checkpoint.store.verify_stored import verify_checkpoint
 
@@ -388,7 +364,10 @@ def _restore(uri: str, dest: Path, progress: bool | None, *, name: str | None = 
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    """Download a checkpoint into DEST/ckpt-<step>/."""
+    """download the newest verified checkpoint (or URI/ckpt-N) into DEST
+
+    The checkpoint is written to DEST/ckpt-<step>/.
+    """
     root, name = split_checkpoint_uri(args.uri)
     info = _restore(root, args.dest, args.progress, name=name, plain=args.plain)
     if info is None:
@@ -398,7 +377,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_init_restore(args: argparse.Namespace) -> int:
-    """Init-container restore: like ``ckpt restore`` but "nothing yet" is fine."""
+    """stage the newest verified checkpoint for a trainer (init container)
+
+    Download the newest verified checkpoint into DEST/ckpt-<step>/. Exits 0 also when there is none yet.
+    """
     if not args.storage:
         raise UserError(f"no storage URI: pass --storage URI or set {STORAGE_URI.name}")
     if args.dest is None:
@@ -427,7 +409,11 @@ def _vouch(path: Path, dest: Path) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """Apply retention and clean up."""
+    """apply retention, delete orphaned prefixes, abort stale multipart uploads
+
+    Keep the checkpoints any rule keeps (the newest verified one always), delete the rest; also delete
+    prefixes left by interrupted uploads and abort stale multipart uploads.
+    """
     from spotguard.checkpoint.store.gc import collect_garbage
     from spotguard.checkpoint.store.intents import check_orphan_grace
     from spotguard.checkpoint.store.retention import RetentionPolicy
@@ -468,15 +454,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    """Average one state part over the last K verified checkpoints.
+    """element-wise mean of the weights of the last K verified checkpoints
 
-    A single-process checkpoint holds the part as ``<part>.safetensors`` (a
-    Hugging Face model folder: its weights, the part ``model``); a
-    distributed one holds it in its DCP files (every part's), which are
-    fetched, checked and loaded whole in this process; nested keys are joined
-    with ``.`` (:func:`spotguard.checkpoint.restore.stored_tensors.average_tensors`, which
-    ``ckpt export --average`` uses too).
+    A single-process checkpoint holds the part averaged as PART.safetensors (a Hugging Face model
+    folder: its weights, the part model); a distributed one holds it in its DCP files, which are
+    fetched, checked and loaded whole; nested keys are joined with dots.
     """
+    # stored_tensors.average_tensors does the work, for ``ckpt export --average`` too.
     from spotguard.checkpoint.restore import stored_tensors
 
     try:
@@ -501,7 +485,13 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a verified checkpoint as a Hugging Face model folder."""
+    """write a verified checkpoint as a Hugging Face model folder (then: hf upload USER/MODEL DEST)
+
+    Write the newest verified checkpoint (or URI/ckpt-N, the best by --best, the average of the last
+    --average N) into DEST as a model folder from_pretrained loads and the Hub takes: a Trainer
+    checkpoint's model files without its training state, or a spotguard state's model part as
+    model.safetensors next to the --config. Nothing is unpickled; DEST appears whole or not at all.
+    """
     from spotguard.checkpoint.tools import export
 
     root, name = split_checkpoint_uri(args.uri)
