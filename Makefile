@@ -12,7 +12,7 @@ NODES_KIND ?= $(if $(REAL),real,process)
 PULL_REGISTRY ?=
 PYTEST_ARGS ?=
 # Every run shows where its time goes: the slowest tests, and the wall time in all.
-DURATIONS ?= 30
+DURATIONS ?= 60
 STARTED := $(shell date +%s)
 WALL = echo "==> make $@: $$(( $$(date +%s) - $(STARTED) )) s of wall time in all (setup, lint, pytest)"
 
