@@ -55,13 +55,11 @@ def register(subparsers: Any) -> None:
     _output_flag(p)
 
     p = command(sub, "describe", _guard(cmd_describe))
-    _cluster_flags(p)
-    p.add_argument("name", metavar="NAME")
+    _job_flags(p)
     _output_flag(p)
 
     p = command(sub, "checkpoints", _guard(cmd_checkpoints))
-    _cluster_flags(p)
-    p.add_argument("name", metavar="NAME")
+    _job_flags(p)
     p.add_argument(
         "--endpoint-url",
         metavar="URL",
@@ -73,8 +71,7 @@ def register(subparsers: Any) -> None:
     progress_flag(p)
 
     p = command(sub, "preempt", _guard(cmd_preempt))
-    _cluster_flags(p)
-    p.add_argument("name", metavar="NAME")
+    _job_flags(p)
     p.add_argument(
         "--wait",
         action=argparse.BooleanOptionalAction,
@@ -106,6 +103,12 @@ def _cluster_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--context", metavar="NAME", help="kubeconfig context (default: its current context)")
     p.add_argument("-n", "--namespace", metavar="NS", help='namespace (default: the context\'s, else "default")')
+
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    """A command about one job: where the cluster is, and the job's NAME."""
+    _cluster_flags(p)
+    p.add_argument("name", metavar="NAME")
 
 
 def _output_flag(p: argparse.ArgumentParser) -> None:
