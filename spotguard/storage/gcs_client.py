@@ -156,10 +156,7 @@ def gcs_errors(
     except gexc.RetryError as exc:
         cause = exc.cause
         if isinstance(cause, (requests.exceptions.ConnectionError, ConnectionError)):
-            raise StorageError(
-                f"cannot reach the GCS endpoint ({endpoint_of(endpoint_url)}) while accessing {what} "
-                f"(retried for {retry_deadline:.0f}s)"
-            ) from None
+            raise _unreachable(what, endpoint_url, retry_deadline) from None
         raise StorageError(f"GCS kept failing on {what} for {retry_deadline:.0f}s: {short(cause or exc)}") from None
     except authexc.DefaultCredentialsError as exc:
         # Its messages name files and what is missing, never a key's content.
@@ -192,13 +189,17 @@ def gcs_errors(
     except gexc.GoogleAPICallError as exc:
         raise StorageError(f"GCS error on {what}: {exc.code} {short(exc.message)}") from None
     except (requests.exceptions.ConnectionError, ConnectionError):
-        raise StorageError(
-            f"cannot reach the GCS endpoint ({endpoint_of(endpoint_url)}) while accessing {what}"
-        ) from None
+        raise _unreachable(what, endpoint_url) from None
     except _DATA_CORRUPTION as exc:
         raise StorageError(
             f"GCS transfer of {what} failed its CRC32C check repeatedly (a faulty network path or proxy?): {short(exc)}"
         ) from None
+
+
+def _unreachable(what: str, endpoint_url: str | None, retried: float | None = None) -> StorageError:
+    """An endpoint that cannot be reached while accessing ``what``, also after ``retried`` seconds of retries."""
+    after = "" if retried is None else f" (retried for {retried:.0f}s)"
+    return StorageError(f"cannot reach the GCS endpoint ({endpoint_of(endpoint_url)}) while accessing {what}{after}")
 
 
 def checked(what: str, fn: Callable[[], _T], attempts: int = 3) -> _T:

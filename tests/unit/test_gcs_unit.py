@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from spotguard.storage.checksum import crc32c_to_base64  # noqa: E402
 from spotguard.storage.gcs import GcsStorage  # noqa: E402
 from spotguard.storage.gcs_client import (  # noqa: E402  # noqa: E402
     crc32c_hex,
+    gcs_errors,
     generation_of,
     parse_gs_uri,
     stored_checksum_from,
@@ -179,3 +181,17 @@ def test_pending_uploads_are_the_composite_uploads_whose_pieces_are_stored() -> 
     assert pieces_of(listed, upload) == [piece_key("u1", 1, "ckpt-1/model.bin"), piece_key("u1", 0, "ckpt-1/model.bin")]
     # Another upload's pieces, or one of the same id for another key, are not this one's.
     assert pieces_of([ObjectInfo(piece_key("u1", 0, "ckpt-9/x"), 1, 1.0)], upload) == []
+
+
+def test_an_endpoint_that_cannot_be_reached_is_one_message_with_or_without_retries() -> None:
+    from google.api_core import exceptions as gexc
+
+    def errors() -> Any:
+        return gcs_errors("gs://b/x", bucket="b", endpoint_url="http://127.0.0.1:9", retry_deadline=5.0)
+
+    with pytest.raises(StorageError) as direct, errors():
+        raise ConnectionError("refused")
+    assert str(direct.value) == "cannot reach the GCS endpoint (http://127.0.0.1:9) while accessing gs://b/x"
+    with pytest.raises(StorageError) as retried, errors():
+        raise gexc.RetryError("deadline", ConnectionError("refused"))
+    assert str(retried.value) == str(direct.value) + " (retried for 5s)"
