@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,14 +50,13 @@ if keras.backend.backend() != "torch":  # pragma: no cover - depends on the envi
     )
 
 import numpy as np
-import torch
 
 from spotguard.checkpoint.local.codec import StateError
 from spotguard.checkpoint.local.commit import load_checkpoint_state
 from spotguard.checkpoint.store.retention import RetentionPolicy
 from spotguard.integrations import _core
 from spotguard.trainer.checkpointer import Checkpointer
-from spotguard.trainer.state import capture_rng, restore_rng
+from spotguard.trainer.state import capture_rng, generator_kind, generator_state, restore_rng, set_generator_state
 
 log = logging.getLogger(__name__)
 
@@ -164,17 +162,15 @@ def best_metric_retention(monitor: str, mode: str = "auto", save_freq: str | int
 # -- RNG state ---------------------------------------------------------------------------
 
 
+_KERAS_SEED = "keras_seed"
+
+
 def _generator_kind(obj: Any) -> str:
-    if isinstance(obj, torch.Generator):
-        return "torch"
-    if isinstance(obj, np.random.Generator):
-        return "numpy_generator"
-    if isinstance(obj, np.random.RandomState):
-        return "numpy_randomstate"
-    if isinstance(obj, random.Random):
-        return "python"
+    kind = generator_kind(obj)
+    if kind is not None:
+        return kind
     if isinstance(obj, keras.random.SeedGenerator):
-        return "keras_seed"
+        return _KERAS_SEED
     raise TypeError(
         f"cannot save the state of a {type(obj).__module__}.{type(obj).__qualname__}: generators= takes "
         "torch.Generator, numpy.random.Generator or RandomState, random.Random and keras.random.SeedGenerator"
@@ -183,35 +179,15 @@ def _generator_kind(obj: Any) -> str:
 
 def _generator_state(obj: Any) -> Any:
     kind = _generator_kind(obj)
-    if kind == "torch":
-        return obj.get_state()
-    if kind == "numpy_generator":
-        return obj.bit_generator.state
-    if kind == "numpy_randomstate":
-        return obj.get_state()
-    if kind == "python":
-        return obj.getstate()
-    return obj.state.value.detach().clone()
+    return obj.state.value.detach().clone() if kind == _KERAS_SEED else generator_state(obj, kind)
 
 
 def _set_generator_state(obj: Any, state: Any) -> None:
     kind = _generator_kind(obj)
-    if kind == "torch":
-        obj.set_state(state)
-    elif kind == "numpy_generator":
-        obj.bit_generator.state = state
-    elif kind == "numpy_randomstate":
-        obj.set_state(state)
-    elif kind == "python":
-        obj.setstate(_as_tuple(state))
-    else:
+    if kind == _KERAS_SEED:
         obj.state.assign(state)
-
-
-def _as_tuple(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return tuple(_as_tuple(v) for v in value)
-    return value
+    else:
+        set_generator_state(obj, kind, state)
 
 
 def _keras_global_seed() -> Any:

@@ -8,6 +8,7 @@ without pickle; :class:`RestoredState` puts it back.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -21,8 +22,6 @@ _VALUE = "value"
 def capture_rng() -> dict[str, Any]:
     """The global RNG states: python ``random``, numpy's legacy global
     generator, torch CPU and (when initialized) every CUDA device."""
-    import sys
-
     rng: dict[str, Any] = {"python": random.getstate()}
     np = sys.modules.get("numpy")
     if np is not None:
@@ -66,20 +65,52 @@ def _as_tuple(value: Any) -> Any:
     return value
 
 
-def _capture_extra(value: Any) -> dict[str, Any]:
-    import sys
+#: The kinds of RNG object an extra is saved as by its state (see :func:`generator_kind`).
+GENERATOR_KINDS = ("torch_generator", "numpy_generator", "numpy_randomstate", "python_random")
 
+
+def generator_kind(obj: Any) -> str | None:
+    """Pure: which of :data:`GENERATOR_KINDS` the RNG object ``obj`` is (a ``torch.Generator``,
+    ``numpy.random.Generator``, ``numpy.random.RandomState`` or ``random.Random``); None for
+    anything else."""
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
-    if torch is not None and isinstance(value, torch.Generator):
-        return {_KIND: "torch_generator", _VALUE: value.get_state()}
+    if torch is not None and isinstance(obj, torch.Generator):
+        return "torch_generator"
     if np is not None:
-        if isinstance(value, np.random.Generator):
-            return {_KIND: "numpy_generator", _VALUE: value.bit_generator.state}
-        if isinstance(value, np.random.RandomState):
-            return {_KIND: "numpy_randomstate", _VALUE: value.get_state()}
-    if isinstance(value, random.Random):
-        return {_KIND: "python_random", _VALUE: value.getstate()}
+        if isinstance(obj, np.random.Generator):
+            return "numpy_generator"
+        if isinstance(obj, np.random.RandomState):
+            return "numpy_randomstate"
+    if isinstance(obj, random.Random):
+        return "python_random"
+    return None
+
+
+def generator_state(obj: Any, kind: str) -> Any:
+    """The state of the RNG object ``obj`` of ``kind`` (see :func:`generator_kind`)."""
+    if kind == "numpy_generator":
+        return obj.bit_generator.state
+    if kind == "python_random":
+        return obj.getstate()
+    return obj.get_state()  # a torch.Generator or a numpy RandomState
+
+
+def set_generator_state(obj: Any, kind: str, state: Any) -> None:
+    """Put back into the RNG object ``obj`` of ``kind`` what :func:`generator_state` returned
+    (also after the codec stored its tuples as lists)."""
+    if kind == "numpy_generator":
+        obj.bit_generator.state = state
+    elif kind == "python_random":
+        obj.setstate(_as_tuple(state))
+    else:
+        obj.set_state(state)
+
+
+def _capture_extra(value: Any) -> dict[str, Any]:
+    kind = generator_kind(value)
+    if kind is not None:
+        return {_KIND: kind, _VALUE: generator_state(value, kind)}
     if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
         return {_KIND: "state_dict", _VALUE: value.state_dict()}
     return {_KIND: "value", _VALUE: value}
@@ -88,14 +119,8 @@ def _capture_extra(value: Any) -> dict[str, Any]:
 def _restore_extra(entry: Mapping[str, Any], target: Any, name: str) -> None:
     kind = entry.get(_KIND)
     value = entry.get(_VALUE)
-    if kind == "torch_generator":
-        target.set_state(value)
-    elif kind == "numpy_generator":
-        target.bit_generator.state = value
-    elif kind == "numpy_randomstate":
-        target.set_state(value)
-    elif kind == "python_random":
-        target.setstate(_as_tuple(value))
+    if kind in GENERATOR_KINDS:
+        set_generator_state(target, kind, value)
     elif kind == "state_dict":
         target.load_state_dict(value)
     else:

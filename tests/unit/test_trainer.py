@@ -202,3 +202,21 @@ def test_emergency_save_is_durable(preempt: bool, pruner: str, shipping: bool, d
     from spotguard.trainer.shipping import emergency_save_is_durable
 
     assert emergency_save_is_durable(preempt, pruner, shipping) is durable
+
+
+def test_each_generator_kind_round_trips_its_state_for_the_trainer_and_keras_alike() -> None:
+    from spotguard.trainer.state import GENERATOR_KINDS, generator_kind, generator_state, set_generator_state
+
+    made = [torch.Generator(), np.random.default_rng(1), np.random.RandomState(2), random.Random(3)]
+    assert [generator_kind(g) for g in made] == list(GENERATOR_KINDS)
+    assert generator_kind(object()) is None and generator_kind(torch.nn.Linear(1, 1)) is None
+    for gen in made:
+        kind = generator_kind(gen)
+        assert kind is not None
+        saved = generator_state(gen, kind)
+        if kind == "python_random":
+            saved = json.loads(json.dumps(saved))  # as the codec gives it back: tuples become lists
+        first = [torch.rand(1, generator=gen).item()] if kind == "torch_generator" else [gen.random()]
+        set_generator_state(gen, kind, saved)
+        again = [torch.rand(1, generator=gen).item()] if kind == "torch_generator" else [gen.random()]
+        assert first == again, kind
