@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testenv import pki
 from testenv.processnode.hostservices import HostServices
 
 RUN_MARKER = "SPOTGUARD_TESTENV_RUN"
@@ -468,7 +469,8 @@ class ControlPlane:
     server: str
     token: str
     bin_dir: Path
-    # The CA of the apiserver's client certificate for kubelets: process nodes serve logs only to it.
+    # The cluster CA: of the apiserver's client certificate for kubelets (process nodes serve logs only to
+    # it) and of the client certificates the apiserver trusts (a real node's kubelet's); its key beside it.
     kubelet_client_ca: Path | None = None
     # The apiserver's audit log (JSON lines, see AUDIT_POLICY); None for a cluster the tests did not start.
     audit_log: Path | None = None
@@ -533,58 +535,13 @@ def _https_get(url: str, token: str) -> tuple[int, bytes]:
 
 
 def kubelet_client_certs(certs: Path) -> tuple[Path, Path, Path]:
-    """A CA and the apiserver's client certificate for calls to kubelets (``kubectl logs``): (ca, cert, key)."""
-    ca, ca_key = certs / "kubelet-client-ca.crt", certs / "kubelet-client-ca.key"
-    cert, key, csr = certs / "apiserver-kubelet-client.crt", certs / "apiserver-kubelet-client.key", certs / "c.csr"
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "365",
-        "-subj",
-        "/CN=kubelet-client-ca",
-        "-keyout",
-        str(ca_key),
-        "-out",
-        str(ca),
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/O=system:masters/CN=kube-apiserver-kubelet-client",
-        "-keyout",
-        str(key),
-        "-out",
-        str(csr),
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        str(csr),
-        "-CA",
-        str(ca),
-        "-CAkey",
-        str(ca_key),
-        "-CAcreateserial",
-        "-days",
-        "365",
-        "-out",
-        str(cert),
-    )
-    for secret in (ca_key, key):
-        secret.chmod(0o600)
-    csr.unlink()
+    """The cluster CA and the apiserver's client certificate for calls to kubelets (``kubectl logs``):
+    (ca, cert, key). The CA's key lies beside it (:func:`testenv.pki.ca_key_path`): the apiserver
+    trusts the client certificates it signs (``--client-ca-file``), each real node's kubelet's among them."""
+    ca = pki.make_ca(certs / "ca.crt", "spotguard-test-cluster-ca")
+    cert, key = certs / "apiserver-kubelet-client.crt", certs / "apiserver-kubelet-client.key"
+    # No group: the kubelets ask nothing of it, and the apiserver trusts this CA too (it is no admin there).
+    pki.write_client_cert(ca, "kube-apiserver-kubelet-client", (), cert, key)
     return ca, cert, key
 
 
@@ -674,7 +631,12 @@ def start_control_plane(sup: Supervisor) -> ControlPlane:
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
             f"--token-auth-file={tokens}",
-            "--authorization-mode=RBAC",
+            # Kubelets of real nodes authenticate as their node (a client certificate of the cluster CA,
+            # ``system:node:<name>`` in ``system:nodes``); the Node authorizer and NodeRestriction (added to
+            # 1.20's default plugins) hold each to its own Node, its pods and what they use, as on a cluster.
+            f"--client-ca-file={kubelet_ca}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
             f"--service-account-key-file={sa_key}",
             f"--service-account-signing-key-file={sa_key}",
             "--service-account-issuer=https://kubernetes.default.svc",

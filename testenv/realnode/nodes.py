@@ -11,6 +11,7 @@ SIGKILLed at once, the Node object deleted, as the process node does);
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+import yaml
+
+from testenv import pki
 from testenv.cluster import Service, Supervisor, bin_dir, cache_dir, free_ports, wait_until
 from testenv.processnode.api import ApiError, Kube
 from testenv.processnode.control import node_ready
@@ -105,6 +109,11 @@ class RealNodes:
         host_services: Path | None = None,
     ) -> None:
         self.kubeconfig, self.client_ca, self.registry = kubeconfig, client_ca, registry
+        if not pki.ca_key_path(client_ca).exists():
+            raise FileNotFoundError(
+                f"{pki.ca_key_path(client_ca)} not found: real nodes need the key of the cluster CA "
+                "(testenv.cluster's control plane), which signs each kubelet's identity"
+            )
         self.settings = settings or NodeSettings(prefix="real-gpu")
         self.state_dir = state_dir.resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +244,7 @@ class RealNodes:
         argv = [
             str(kubelet_path()),
             f"--config={st / 'kubelet.yaml'}",
-            f"--kubeconfig={self.kubeconfig}",
+            f"--kubeconfig={self._kubelet_kubeconfig(node)}",
             "--container-runtime=remote",
             f"--container-runtime-endpoint=unix://{node.socket}",
             f"--hostname-override={node.name}",
@@ -250,6 +259,37 @@ class RealNodes:
         # In its containerd's mount namespace: both see the node's own kubelet paths (host.PRIVATE_PATHS).
         argv = host.in_mounts_of(node.mount_ns_pid, argv)
         node.services.append(self.sup.start(f"kubelet-{node.name}", argv, extra_env={marker_name: marker_value}))
+
+    def _kubelet_kubeconfig(self, node: RealNode) -> Path:
+        """The kubelet's kubeconfig: the cluster of the set's kubeconfig, and a client certificate of the
+        cluster CA for ``system:node:<name>`` in ``system:nodes``, as a cluster gives each kubelet. The
+        Node authorizer and NodeRestriction then let it write only its own Node and the pods bound to it,
+        and read only the Secrets and ConfigMaps they use. What the set does to Nodes (GPUs) stays admin."""
+        admin = yaml.safe_load(self.kubeconfig.read_text())
+        context = next(c["context"] for c in admin["contexts"] if c["name"] == admin["current-context"])
+        cluster = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
+        user = f"system:node:{node.name}"
+        cert, key = pki.client_cert(self.client_ca, user, ["system:nodes"])
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [cluster],
+            "users": [
+                {
+                    "name": user,
+                    "user": {
+                        "client-certificate-data": base64.b64encode(cert).decode(),
+                        "client-key-data": base64.b64encode(key).decode(),
+                    },
+                }
+            ],
+            "contexts": [{"name": user, "context": {"cluster": cluster["name"], "user": user}}],
+            "current-context": user,
+        }
+        path = node.state / "kubeconfig"
+        path.touch(mode=0o600)
+        path.write_text(json.dumps(config, indent=2))  # JSON is valid YAML
+        return path
 
     def wait_ready(self, node: RealNode, timeout: float = 120.0) -> None:
         """Wait until the Node is Ready, then give it its GPUs (and wait until the API shows them)."""

@@ -9,20 +9,24 @@ up and tears down a node set of its own and checks that nothing is left.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from testenv.processnode.api import ApiError, Kube
-from testenv.pytest_realnodes import real_node_namespace, require_real_nodes, sa_token, wait_for
-from testenv.realnode import GPU, RealNodes
+from testenv.pytest_realnodes import ensure_real_nodes, real_node_namespace, require_real_nodes, sa_token, wait_for
+from testenv.realnode import GPU, RealNode, RealNodes
 from testenv.realnode import host as realhost
 from testenv.realnode.config import BUSYBOX_IMAGE, work_dir
 
@@ -175,6 +179,66 @@ def test_gpu_pod_runs_with_logs_and_termination_message(real_nodes: RealNodes, a
     time.sleep(10)
     for name in real_nodes.node_names():
         assert api.get(f"/api/v1/nodes/{name}")["status"]["allocatable"][GPU] == "1"
+
+
+def kubelet_kubeconfig(node: RealNode) -> Path:
+    """The kubeconfig the node's kubelet runs with, from its command line."""
+    kubelet = node.services[-1]
+    (arg,) = [a for a in kubelet.popen.args if str(a).startswith("--kubeconfig=")]  # type: ignore[union-attr]
+    return Path(str(arg).removeprefix("--kubeconfig="))
+
+
+def status_code(call: Callable[[], object]) -> int:
+    """200 where ``call`` goes through, else the apiserver's answer (403: forbidden)."""
+    try:
+        call()
+    except ApiError as exc:
+        return exc.status
+    return 200
+
+
+def test_kubelet_is_its_node(real_nodes: RealNodes, api: Kube, namespace: str) -> None:
+    """Each kubelet talks to the apiserver as its node, with a client certificate of the cluster CA
+    (``system:node:<name>`` in ``system:nodes``), no token; the Node authorizer and NodeRestriction hold
+    it to its own: its Node's status may be patched, another node's not; a Secret one of its pods uses
+    may be read, one no pod of its uses not."""
+    me, other = ensure_real_nodes(real_nodes, 2)[:2]
+    mine, theirs = (Kube(kubelet_kubeconfig(real_nodes.node(name))) for name in (me, other))
+    # The GPUs each node has: a patch that changes nothing, so only who may write it is seen.
+    gpus = {name: api.get(f"/api/v1/nodes/{name}")["status"]["capacity"][GPU] for name in (me, other)}
+
+    def patch_status(kube: Kube, name: str) -> None:
+        kube.patch(f"/api/v1/nodes/{name}/status", {"status": {"capacity": {GPU: gpus[name]}}})
+
+    assert status_code(lambda: patch_status(mine, other)) == 403, "a kubelet patched another node's status"
+    assert status_code(lambda: patch_status(mine, me)) == 200, "a kubelet could not patch its own node's status"
+
+    secrets = f"/api/v1/namespaces/{namespace}/secrets"
+    for name in ("used", "unused"):
+        api.post(secrets, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": {"k": name}})
+    body = pod(
+        "uses-secret",
+        "cat /s/k; sleep 3600",
+        nodeName=me,
+        volumes=[{"name": "s", "secret": {"secretName": "used"}}],
+        container={"volumeMounts": [{"name": "s", "mountPath": "/s"}]},
+    )
+    api.post(f"/api/v1/namespaces/{namespace}/pods", body)
+    try:
+        wait_phase(api, namespace, "uses-secret", {"Running"})  # its kubelet has read the Secret to mount it
+        assert status_code(lambda: mine.get(f"{secrets}/used")) == 200
+        assert status_code(lambda: mine.get(f"{secrets}/unused")) == 403, "a kubelet read a Secret no pod of its uses"
+        assert status_code(lambda: theirs.get(f"{secrets}/used")) == 403, "a kubelet read another node's pod's Secret"
+    finally:
+        api.delete(f"/api/v1/namespaces/{namespace}/pods/uses-secret", {"gracePeriodSeconds": 0})
+
+    for name in (me, other):
+        config = yaml.safe_load(kubelet_kubeconfig(real_nodes.node(name)).read_text())
+        (user,) = [u["user"] for u in config["users"] if u["name"] == config["contexts"][0]["context"]["user"]]
+        assert "token" not in user
+        cert = x509.load_pem_x509_certificate(base64.b64decode(user["client-certificate-data"]))
+        assert [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)] == [f"system:node:{name}"]
+        assert [a.value for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)] == ["system:nodes"]
 
 
 #: Reads one line from the first connection (nc's ``-e``: with no stdin, a plain ``nc -l`` may leave before the data).
