@@ -405,3 +405,23 @@ def test_an_upload_result_carries_every_chunk_counter_of_its_chunked_upload() ->
     )
     assert result.counts() == chunked.counts() == counts and result.trusted_chunks == {"ab": 4}
     assert ChunkCounts().counts() == dict.fromkeys(counts, 0)
+
+
+def test_each_way_of_uploading_reports_its_checkpoint_from_the_same_place(tmp_path: Path) -> None:
+    import time
+
+    from spotguard.checkpoint.store import upload
+    from spotguard.storage import open_storage
+
+    storage = open_storage((tmp_path / "store").as_uri())
+    manifest = new_manifest(3, [], "crc32c")
+    sending = upload._Sending(tmp_path, storage, manifest, b"{}", None, time.monotonic() - 2.0)
+    result = sending.result(10, new_bytes=8, committed=False)
+    assert (result.step, result.name, result.bytes, result.new_bytes, result.committed) == (
+        3,
+        manifest.name,
+        10,
+        8,
+        False,
+    )
+    assert result.uri == storage.uri_for(manifest.name) and not result.pointer_updated and result.seconds >= 2.0

@@ -210,27 +210,18 @@ def upload_checkpoint(
         if size != entry.size:
             raise ManifestError(f"{local_ckpt_dir / entry.path}: size {size}, manifest says {entry.size}")
     if should_stop is None:
-        result = _upload(
-            local_ckpt_dir, storage, storage, manifest, manifest_bytes, progress, incremental, resume, start, prestored
-        )
+        sending = _Sending(local_ckpt_dir, storage, manifest, manifest_bytes, progress, start)
+        result = _upload(storage, sending, incremental, resume, prestored)
         return _publish(storage, result) if update_pointer else result
     # The intent is written and removed through the store itself (a stopped
     # upload removes it); the transfers go through the guard.
     guard = _StopGuard(storage, should_stop, manifest.name)
     guard.check()
     try:
-        result = _upload(
-            local_ckpt_dir,
-            storage,
-            cast("Storage", guard),
-            manifest,
-            manifest_bytes,
-            guard.progress(progress),
-            incremental,
-            resume,
-            start,
-            prestored,
+        sending = _Sending(
+            local_ckpt_dir, cast("Storage", guard), manifest, manifest_bytes, guard.progress(progress), start
         )
+        result = _upload(storage, sending, incremental, resume, prestored)
     except Exception as exc:  # noqa: BLE001 - a store may wrap a stop in any type; the rest raised again
         if not isinstance(exc, UploadCancelled) and not should_stop():
             raise
@@ -256,37 +247,52 @@ def _publish(storage: Storage, result: UploadResult) -> UploadResult:
     return replace(result, pointer_updated=bool(published.pointer_moved))
 
 
+@dataclass(frozen=True)
+class _Sending:
+    """A local checkpoint on its way to storage: what each way of storing it reads."""
+
+    local_dir: Path
+    #: The transfers go through it: the store itself, or the guard of an upload that may be stopped.
+    io: Storage
+    manifest: Manifest
+    manifest_bytes: bytes
+    progress: ProgressCallback | None
+    #: When the upload started (``time.monotonic``).
+    start: float
+
+    def result(self, nbytes: int, **more: Any) -> UploadResult:
+        """What was stored: ``nbytes`` sent, and ``more`` of :class:`UploadResult`'s fields."""
+        name = self.manifest.name
+        return UploadResult(
+            step=self.manifest.step,
+            name=name,
+            bytes=nbytes,
+            seconds=time.monotonic() - self.start,
+            uri=self.io.uri_for(name),
+            pointer_updated=False,
+            **more,
+        )
+
+
 def _upload(
-    local_ckpt_dir: Path,
     storage: Storage,
-    io: Storage,
-    manifest: Manifest,
-    manifest_bytes: bytes,
-    progress: ProgressCallback | None,
+    sending: _Sending,
     incremental: bool | KnownChunks,
     resume: bool,
-    start: float,
     prestored: Prestored | None = None,
 ) -> UploadResult:
-    """The upload proper: intents through ``storage``, everything else through ``io``."""
+    """The upload proper: intents through ``storage``, everything else through ``sending.io``."""
+    manifest = sending.manifest
     name = manifest.name
     if manifest.is_part:
-        incremental = _as_stored_parts(io, manifest, incremental)
-        part = partial(_upload_part, local_ckpt_dir, io, manifest, manifest_bytes, progress, start)
+        incremental = _as_stored_parts(sending.io, manifest, incremental)
+        part = partial(_upload_part, sending)
         if incremental is False:
             with upload_intent(storage, manifest.name):
                 return part(None)
         send: Callable[[KnownChunks], UploadResult] = part
     else:
-        send = partial(
-            _upload_incremental,
-            local_ckpt_dir,
-            io,
-            manifest,
-            progress=progress,
-            start=start,
-            prestored=prestored,
-        )
+        send = partial(_upload_incremental, sending, prestored=prestored)
     stored_before = dict(prestored.stored) if prestored is not None else {}
     if incremental is not False:
         known = incremental if isinstance(incremental, KnownChunks) else KnownChunks.from_storage(storage)
@@ -306,7 +312,7 @@ def _upload(
                 known = KnownChunks()
             return send(known)
     with upload_intent(storage, name):
-        return _upload_plain(local_ckpt_dir, io, manifest, manifest_bytes, progress, start, resume=resume)
+        return _upload_plain(sending, resume=resume)
 
 
 def _as_stored_parts(storage: Storage, manifest: Manifest, incremental: bool | KnownChunks) -> bool | KnownChunks:
@@ -338,18 +344,10 @@ def _known_source_stored(storage: Storage, known: KnownChunks) -> bool:
     return storage.stat(f"{known.source}/{MANIFEST_NAME}") is not None
 
 
-def _upload_incremental(
-    local_ckpt_dir: Path,
-    storage: Storage,
-    manifest: Manifest,
-    known: KnownChunks,
-    *,
-    progress: ProgressCallback | None,
-    start: float,
-    prestored: Prestored | None = None,
-) -> UploadResult:
+def _upload_incremental(sending: _Sending, known: KnownChunks, *, prestored: Prestored | None = None) -> UploadResult:
+    storage, manifest = sending.io, sending.manifest
     name = manifest.name
-    chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress, prestored=prestored)
+    chunked = upload_chunks(sending.local_dir, storage, manifest, known, progress=sending.progress, prestored=prestored)
     # The manifest goes last: every chunk it names was stored by now, or is one the uploader
     # knows stored (checked, or from a checkpoint it verified: see the chunked module).
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", chunked.manifest_bytes)
@@ -364,15 +362,7 @@ def _upload_incremental(
         chunked.unchanged_chunks,
         known.source or "-",
     )
-    return UploadResult(
-        step=manifest.step,
-        name=name,
-        bytes=chunked.new_bytes + len(chunked.manifest_bytes),
-        seconds=time.monotonic() - start,
-        uri=storage.uri_for(name),
-        pointer_updated=False,
-        **_chunk_counts(chunked),
-    )
+    return sending.result(chunked.new_bytes + len(chunked.manifest_bytes), **_chunk_counts(chunked))
 
 
 def files_to_send(manifest: Manifest, stored: Iterable[tuple[str, Any]]) -> list[str]:
@@ -408,15 +398,8 @@ def _stored_checksums(storage: Storage, manifest: Manifest) -> list[tuple[str, A
     ]
 
 
-def _upload_plain(
-    local_ckpt_dir: Path,
-    storage: Storage,
-    manifest: Manifest,
-    manifest_bytes: bytes,
-    progress: ProgressCallback | None,
-    start: float,
-    resume: bool = False,
-) -> UploadResult:
+def _upload_plain(sending: _Sending, resume: bool = False) -> UploadResult:
+    storage, manifest, manifest_bytes = sending.io, sending.manifest, sending.manifest_bytes
     name = manifest.name
     if manifest.chunked:
         # A copy restored from an incremental store, uploaded whole.
@@ -432,31 +415,16 @@ def _upload_plain(
                 len(manifest.files) - len(paths),
                 len(manifest.files),
             )
-    storage.upload_files([(local_ckpt_dir / p, f"{name}/{p}") for p in paths], progress)
+    storage.upload_files([(sending.local_dir / p, f"{name}/{p}") for p in paths], sending.progress)
     # The manifest goes last: its presence means every data file is stored.
     storage.write_bytes(f"{name}/{MANIFEST_NAME}", manifest_bytes)
-    return UploadResult(
-        step=manifest.step,
-        name=name,
-        bytes=manifest.total_size + len(manifest_bytes),
-        seconds=time.monotonic() - start,
-        uri=storage.uri_for(name),
-        pointer_updated=False,
-        new_bytes=manifest.total_size,
-    )
+    return sending.result(manifest.total_size + len(manifest_bytes), new_bytes=manifest.total_size)
 
 
-def _upload_part(
-    local_ckpt_dir: Path,
-    storage: Storage,
-    manifest: Manifest,
-    manifest_bytes: bytes,
-    progress: ProgressCallback | None,
-    start: float,
-    known: KnownChunks | None,
-) -> UploadResult:
+def _upload_part(sending: _Sending, known: KnownChunks | None) -> UploadResult:
     """One node's part: its files (whole, or as chunks with ``known``), checked in
     storage, then its part manifest, then the global commit."""
+    storage, manifest, manifest_bytes = sending.io, sending.manifest, sending.manifest_bytes
     sharding = manifest.sharding
     assert sharding is not None and sharding.part is not None
     name = manifest.name
@@ -480,13 +448,15 @@ def _upload_part(
         commit = existing_commit(storage, name)
     else:
         if known is None:
-            storage.upload_files([(local_ckpt_dir / e.path, f"{name}/{e.path}") for e in manifest.files], progress)
+            storage.upload_files(
+                [(sending.local_dir / e.path, f"{name}/{e.path}") for e in manifest.files], sending.progress
+            )
             # The part manifest says its files are stored and verified: check them first.
             problems = verify_uploaded_files(storage, name, manifest)
             stored_bytes = manifest_bytes
             uploaded = manifest.total_size + len(manifest_bytes)
         else:
-            chunked = upload_chunks(local_ckpt_dir, storage, manifest, known, progress=progress)
+            chunked = upload_chunks(sending.local_dir, storage, manifest, known, progress=sending.progress)
             stored_bytes = chunked.manifest_bytes
             problems = verify_chunks(storage, parse_manifest(stored_bytes), trusted=chunked.trusted).problems
             uploaded = chunked.new_bytes + len(stored_bytes)
@@ -507,13 +477,8 @@ def _upload_part(
         else f"; {chunked.new_chunks} new chunk(s) ({chunked.new_bytes} bytes), {chunked.reused_chunks} reused "
         f"({chunked.reused_bytes} bytes)",
     )
-    return UploadResult(
-        step=manifest.step,
-        name=name,
-        bytes=uploaded,
-        seconds=time.monotonic() - start,
-        uri=storage.uri_for(name),
-        pointer_updated=False,
+    return sending.result(
+        uploaded,
         committed=commit.committed,
         parts_present=len(commit.present),
         parts_total=total,
