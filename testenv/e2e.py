@@ -240,6 +240,21 @@ def assert_final_bitwise(
     assert load_file(str(got / "rng.safetensors"))["torch"].equal(load_file(str(ref / "rng.safetensors"))["torch"])
 
 
+#: The DDP example's steps in the end-to-end tests (it trains 300): 8 checkpoints at its ``everySteps``
+#: (20), room for a preemption at every fraction the tests use; 4 processes of a step on a loaded 2-core
+#: machine take up to ~0.75 s, so the 140 left out are minutes of a run.
+GANG_STEPS = 160
+
+
+def set_steps(doc: dict[str, Any], steps: int) -> list[str]:
+    """The trainer of TrainingJob ``doc`` trains ``steps`` steps (its ``--steps`` argument); returns its args."""
+    trainer = doc["spec"]["template"]["spec"]["containers"][0]
+    args = list(trainer["args"])
+    args[args.index("--steps") + 1] = str(steps)
+    trainer["args"] = args
+    return args
+
+
 def reference_args(args: list[str]) -> list[str]:
     """A job's trainer arguments for an uninterrupted run on this machine: without ``--step-delay``."""
     return [a for i, a in enumerate(args) if a != "--step-delay" and (i == 0 or args[i - 1] != "--step-delay")]

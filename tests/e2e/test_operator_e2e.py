@@ -29,6 +29,7 @@ from testenv.e2e import (
     CHART,
     DDP_EXAMPLE,
     DEV_VALUES,
+    GANG_STEPS,
     GROUP,
     HF_EXAMPLE,
     OPERATOR_NS,
@@ -51,6 +52,7 @@ from testenv.e2e import (
     reference_env,
     resumed_from,
     runs,
+    set_steps,
     verified_step,
 )
 
@@ -513,8 +515,9 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
     job = doc["metadata"]["name"]
     spec = doc["spec"]
     every = int(spec["checkpoint"]["everySteps"])
-    args = list(spec["template"]["spec"]["containers"][0]["args"])
-    steps = int(args[args.index("--steps") + 1])
+    args, steps = set_steps(doc, GANG_STEPS), GANG_STEPS
+    applied = tmp_path / "trainingjob-ddp.yaml"
+    applied.write_text(yaml.safe_dump(doc))
     uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
 
     # Jobs an earlier test left behind (it failed before deleting them) would hold nodes the gang needs.
@@ -546,7 +549,7 @@ def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwis
         )
 
     wait_for(two_replicas_one_leader, "two operator replicas, one leading, one standing by", timeout=180, interval=1)
-    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(DDP_EXAMPLE))
+    env.tool("kubectl", "apply", "-n", env.ns, "-f", str(applied))
 
     wait_for(
         lambda: env.core.list_namespaced_service(env.ns, field_selector=f"metadata.name={job}").items,

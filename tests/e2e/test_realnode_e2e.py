@@ -35,6 +35,7 @@ from testenv import trials
 from testenv.e2e import (
     DDP_EXAMPLE,
     DEV_VALUES,
+    GANG_STEPS,
     GROUP,
     OPERATOR_NS,
     PLURAL,
@@ -57,6 +58,7 @@ from testenv.e2e import (
     process_status,
     reference_ddp_digest,
     resumed_from,
+    set_steps,
     verified_step,
 )
 from testenv.kubetest import audit_writes
@@ -332,8 +334,7 @@ def test_ddp_gang_survives_losing_rank0_node_bitwise(env: RealNodeEnv, tmp_path:
     doc = yaml.safe_load(DDP_EXAMPLE.read_text())
     job = doc["metadata"]["name"]
     spec = doc["spec"]
-    args = list(spec["template"]["spec"]["containers"][0]["args"])
-    steps, every = int(args[args.index("--steps") + 1]), int(spec["checkpoint"]["everySteps"])
+    args, steps, every = set_steps(doc, GANG_STEPS), GANG_STEPS, int(spec["checkpoint"]["everySteps"])
     uri = f"{spec['checkpoint']['storage'].rstrip('/')}/{env.ns}/{job}"
     env.tool("kubectl", "apply", "-n", env.ns, "-f", str(fresh_job(env, doc, job)))
     rank0, rank1 = f"{job}-a1-0", f"{job}-a1-1"
