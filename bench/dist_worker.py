@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N bench/dist_worker.py flags  --out result.json
     torchrun --nproc-per-node N bench/dist_worker.py stall  --out result.json --bytes B --rounds R [--device cuda]
     spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py sigterm --bytes B
-    spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py finetune --bytes B --save-every S
+    spotguard run ... -- torchrun --nproc-per-node N bench/dist_worker.py finetune --bytes B --save-every S \
+        [--head-only] [--routine N]
 
 ``flags``: the per-step cost of the Checkpointer's flag agreement (an
 all-reduce issued in ``should_save`` and waited for at the next one) next to
@@ -73,16 +74,22 @@ def _sharded_state(total_bytes: int, device: str = "cpu") -> tuple[Any, Any]:
     return model, opt
 
 
-def _fine_tune_state(frozen_bytes: int) -> tuple[Any, Any]:
+def _fine_tune_state(frozen_bytes: int, head_only: bool = False) -> tuple[Any, Any]:
     """FSDP2: frozen Linear layers of ``frozen_bytes`` in all (``requires_grad=False``, the same
-    values in every run) and a small trained head, AdamW over the head."""
+    values in every run) and a small trained head, AdamW over the head. ``head_only``: a step
+    runs the head alone (on features the base would give), so its time does not grow with the base."""
     import torch
     from torch.distributed.fsdp import fully_shard
+
+    class HeadOnly(torch.nn.Sequential):
+        def forward(self, x: Any) -> Any:
+            return self[-1](x)
 
     width = 1024
     layers = max(1, round(frozen_bytes / (width * width * 4)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    kind = HeadOnly if head_only else torch.nn.Sequential
+    model = kind(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     model.append(torch.nn.Linear(width, 16))
     for layer in list(model)[:-1]:
         layer.weight.requires_grad_(False)
@@ -99,8 +106,10 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     import spotguard
 
-    model, opt = _fine_tune_state(args.bytes)
-    ckpt = spotguard.Checkpointer.from_env(save_every_steps=args.save_every)
+    model, opt = _fine_tune_state(args.bytes, args.head_only)
+    # --routine N: the first N checkpoints every S steps, then only when asked (a preemption).
+    every = args.save_every if not args.routine else 10**9
+    ckpt = spotguard.Checkpointer.from_env(save_every_steps=every)
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
     step = 0
     while True:
@@ -108,7 +117,8 @@ def run_finetune(args: argparse.Namespace) -> int:
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if ckpt.should_save(step):
+        routine = bool(args.routine) and step % args.save_every == 0 and step <= args.routine * args.save_every
+        if ckpt.should_save(step) or routine:
             ckpt.save(step, spotguard.torch_state(model, opt))
             if dist.get_rank() == 0:
                 print(f"saved {step}", flush=True)
@@ -267,6 +277,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--head-only", action="store_true", help="finetune: a step runs the trained head alone")
+    p.add_argument("--routine", type=int, default=0, help="finetune: routine checkpoints before only preemptions")
     p.add_argument("--work", default=tempfile.gettempdir())
     p.add_argument(
         "--device",

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import (  # noqa: E402
     dist,
+    dist_frozen,
     frameworks,
     gang,
     goodput,
@@ -1268,6 +1269,7 @@ BENCHES: dict[str, Any] = {
     "incremental": incremental.bench_incremental,
     "preempt-upload": preempt_upload.bench_preempt_upload,
     "finetune-sigterm": linear_finetune.bench_finetune_sigterm,
+    "dist-frozen": dist_frozen.bench_dist_frozen,
     "goodput": bench_goodput,  # last: it uses the costs the sections before it measured
 }
 try:

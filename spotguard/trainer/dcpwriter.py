@@ -6,10 +6,13 @@ A fine-tune's frozen base is most of its sharded state and never changes.
 rank into one ``__<rank>_0.distcp`` file at every save, and the writer and
 the upload then read it back to checksum and hash it. Here:
 
-- **Phase one** (:meth:`DcpSaves.stage`): each tensor is compared, byte for
-  byte at memory speed, with its host copy from the previous stage (torch's
-  stager keeps those buffers between saves). An equal one is not copied
-  again: its previous host copy is staged as it is. It is *unchanged*.
+- **Phase one** (:meth:`DcpSaves.stage`): each tensor is compared with its
+  host copy from the previous stage (torch's stager keeps those buffers
+  between saves): only the pages written since that copy, where write
+  tracking tells them (:mod:`spotguard.checkpoint.local.written`: a frozen
+  base is not read at all), else byte for byte at memory speed. An equal
+  one is not copied again: its previous host copy is staged as it is. It is
+  *unchanged*.
 - **Phase two** (:class:`KeepingWriter`, the ``storage_writer`` of
   ``dcp.save``): a rank's items go to ``__<rank>_0.distcp`` (the *kept*
   file, named as torch names a rank's one file), except when the previous save's kept file holds every unchanged
@@ -54,6 +57,7 @@ from torch.futures import Future
 from spotguard.checkpoint.format.manifest import FileEntry
 from spotguard.checkpoint.local.codec import as_words, equal_in_slices
 from spotguard.checkpoint.local.commit import LocalWriter
+from spotguard.checkpoint.local.written import MIN_TRACKED_BYTES, WriteTracker, WriteView, tracking_enabled
 from spotguard.storage.file import fsync_file
 
 log = logging.getLogger(__name__)
@@ -107,7 +111,13 @@ class DcpSaves:
     #: What the last save did with its kept file: bytes linked, bytes written anew.
     linked_bytes: int = 0
     written_bytes: int = 0
+    #: Bytes told unchanged without reading them (write tracking: no page written since their copy).
+    unread_bytes: int = 0
     _fsynced: set[int] = field(default_factory=set)
+    _opened: bool = False
+    _tracker: WriteView | None = None
+    _tracked: dict[str, tuple[Any, int, int]] = field(default_factory=dict)  # fqn -> (storage, address, bytes)
+    _changing: set[str] = field(default_factory=set)  # fqns found mostly written: compared, not tracked
 
     def stage(self, tensors: Mapping[str, Any], stage: Callable[[dict[str, Any]], Any], *, keep: bool) -> Any:
         """Phase one: ``tensors`` (nested dicts of tensors) staged by ``stage`` (torch's stager), but for
@@ -117,13 +127,19 @@ class DcpSaves:
 
         self.generation += 1
         before, self._staged = self._staged, None
+        view = self._view() if keep else None
+        if view is not None:
+            view.collect()  # before any tensor is read: a write from now on shows next time
         unchanged: dict[str, Any] = {}
-        self.compared_bytes = self.unchanged_bytes = 0
+        self.compared_bytes = self.unchanged_bytes = self.unread_bytes = 0
+        leaves = list(_leaves(tensors))
         if before is not None:
-            for fqn, t in _leaves(tensors):
+            for fqn, t in leaves:
                 host = before.get(fqn)
-                if host is not None and self._same(torch, t, host):
+                if host is not None and self._same(torch, fqn, t, host, view):
                     unchanged[fqn] = host
+        for fqn, t in leaves:  # before the stager reads them: a write after its copy shows next time
+            self._track(view, fqn, _local(t))
         changed = _without(tensors, unchanged.keys())
         staged = stage(changed) if changed else {}
         merged = _with(tensors, staged, unchanged)
@@ -132,8 +148,9 @@ class DcpSaves:
             self._staged = dict(_leaves(merged))
         return merged
 
-    def _same(self, torch: Any, t: Any, host: Any) -> bool:
-        """Whether ``t`` is, shard and bytes, what its host copy ``host`` holds."""
+    def _same(self, torch: Any, fqn: str, t: Any, host: Any, view: WriteView | None) -> bool:
+        """Whether ``t`` is, shard and bytes, what its host copy ``host`` holds: the pages of ``t``
+        written since that copy (write tracking: none, mostly) compared, else all of it."""
         if type(t) is not type(host) or t.dtype != host.dtype or t.shape != host.shape:
             return False
         if hasattr(t, "to_local"):  # a DTensor: the same sharding, and the same local shard
@@ -145,14 +162,51 @@ class DcpSaves:
         if not (t.is_contiguous() and host.is_contiguous()) or host.device.type != "cpu":
             return False
         mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
-        self.compared_bytes += mine.numel()
-        if mine.device != theirs.device:
-            same = equal_in_slices(torch, mine, theirs)
+        n = mine.numel()
+        tracked = self._tracked.get(fqn)
+        written = view.written_ranges(tracked[1], tracked[2]) if view and tracked and _is(tracked, t) else None
+        if written is not None and sum(b - a for a, b in written) <= n // 2:
+            self.unread_bytes += n - sum(b - a for a, b in written)
+            ranges = written
         else:
-            same = bool(torch.equal(as_words(torch, mine), as_words(torch, theirs)))
-        if same:
-            self.unchanged_bytes += mine.numel()
-        return same
+            if written is not None:
+                self._changing.add(fqn)  # mostly written: not tracked until a comparison finds it unchanged
+            ranges = [(0, n)]
+        for a, b in ranges:
+            self.compared_bytes += b - a
+            if mine.device != theirs.device:
+                if not equal_in_slices(torch, mine[a:b], theirs[a:b]):
+                    return False
+            elif not torch.equal(as_words(torch, mine[a:b]), as_words(torch, theirs[a:b])):
+                return False
+        self.unchanged_bytes += n
+        self._changing.discard(fqn)
+        return True
+
+    def _view(self) -> WriteView | None:
+        """This rank's view of the process's write tracker, opened at the first call (None where there is none)."""
+        if not self._opened:
+            self._opened = True
+            tracker = WriteTracker.shared() if tracking_enabled() else None
+            self._tracker = tracker.view() if tracker is not None else None
+        return self._tracker
+
+    def _track(self, view: WriteView | None, fqn: str, t: Any) -> None:
+        """Track the pages of ``t`` from now on (a CPU tensor of private memory, not changing at every
+        save), or forget what was tracked at ``fqn`` when it is another storage now."""
+        tracked = self._tracked.get(fqn)
+        if tracked is not None and (view is None or not _is(tracked, t) or fqn in self._changing):
+            if view is not None:
+                view.forget(tracked[1], tracked[2], unprotect=_is(tracked, t))  # ``t`` holds its storage
+            del self._tracked[fqn]
+            tracked = None
+        if view is None or tracked is not None or fqn in self._changing:
+            return
+        nbytes = int(t.numel() * t.element_size())
+        if t.device.type != "cpu" or not t.is_contiguous() or nbytes < MIN_TRACKED_BYTES or t.is_pinned():
+            return
+        if not t.is_shared() and view.track(t.data_ptr(), nbytes):
+            self._tracked[fqn] = (t.untyped_storage(), t.data_ptr(), nbytes)  # held: never freed nor reused
 
     def writer(self, dcp_dir: Path, committed: Path, *, durable: bool) -> KeepingWriter:
         """The ``storage_writer`` of this stage's ``dcp.save`` into ``dcp_dir``; ``committed``: where
@@ -272,6 +326,18 @@ class KeepingWriter(FileSystemWriter):
             return False
         log.debug("%s linked from %s (%d bytes, nothing written)", name, before.committed, before.size)
         return True
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is(tracked: tuple[Any, int, int], t: Any) -> bool:
+    """Whether ``t`` is the very memory a tracked record names (the same storage, held by the record)."""
+    storage, ptr, nbytes = tracked
+    return bool(
+        t.untyped_storage()._cdata == storage._cdata and t.data_ptr() == ptr and t.numel() * t.element_size() == nbytes
+    )
 
 
 def _key(item: WriteItem) -> ItemKey:

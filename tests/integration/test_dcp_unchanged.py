@@ -3,16 +3,17 @@
 Run as a script under torchrun, this file is the training worker: a frozen
 base and a small adapter, each sharded by FSDP2, AdamW on the adapter,
 checkpointed with the public API (``spotguard.trainer.dcpwriter``). The
-first save writes each rank's items into its kept file; the later ones link
-that file (the same inode) and write only the adapter and its optimizer
-state anew; their upload takes the linked file's chunks from the previous
-manifest without reading them; a restore on four ranks is bit-exact.
+first save writes each rank's items into its kept file; the next one links
+that file (the same inode) and writes only the adapter and its optimizer
+state anew; one value of the base changed in place is seen (its kept file
+written again, then linked); the upload of a linked file takes its chunks
+from the previous manifest without reading them; a restore on four ranks is
+bit-exact.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ import pytest
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 #: The frozen base: DIM x DIM float32 (4 MiB), the adapter DIM x 8.
 DIM = 1024
-STEPS = 6
+STEPS = 8
+#: After this step's update, one value of the frozen base is changed in place (a write that bypasses autograd).
+NUDGE = 5
 
 
 def _worker(argv: list[str]) -> int:
@@ -57,6 +60,9 @@ def _worker(argv: list[str]) -> int:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if step == NUDGE:
+                with torch.no_grad():
+                    model[0].weight.to_local()[0, 0] += 1.0
             if ckpt.should_save(step) or step == STEPS - 1:
                 ckpt.save(step, spotguard.torch_state(model, optimizer))
     else:
@@ -101,16 +107,18 @@ def test_a_frozen_base_is_linked_not_hashed_and_restores_resharded(
     ck, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
     torchrun(2, ck, out)
-    saves = [checkpoint_name(s) for s in (2, 4, STEPS - 1)]
+    saves = [checkpoint_name(s) for s in (2, 4, 6, STEPS - 1)]
     assert sorted(p.name for p in ck.glob("ckpt-*")) == saves
+    linked = {saves[1]: saves[0], saves[3]: saves[2]}  # the base was changed between the second and third
     for rank in (0, 1):
-        kept = [ck / name / "dcp" / f"__{rank}_0.distcp" for name in saves]
-        # Written once (the first save: every item), then linked: the same inode, nothing written.
-        assert len({p.stat().st_ino for p in kept}) == 1, [p.stat() for p in kept]
-        assert not (ck / saves[0] / "dcp" / f"__{rank}_1.distcp").exists()
-        for name in saves[1:]:
+        kept = {name: ck / name / "dcp" / f"__{rank}_0.distcp" for name in saves}
+        for name in (saves[0], saves[2]):  # every item written
+            assert not (ck / name / "dcp" / f"__{rank}_1.distcp").exists()
+        assert kept[saves[2]].stat().st_ino != kept[saves[0]].stat().st_ino
+        for name, source in linked.items():  # the kept file linked: nothing written but the adapter's items
+            assert kept[name].stat().st_ino == kept[source].stat().st_ino
             changed = (ck / name / "dcp" / f"__{rank}_1.distcp").stat().st_size
-            assert changed < kept[0].stat().st_size / 20  # the adapter and its optimizer state only
+            assert changed < kept[name].stat().st_size / 20
 
     # The upload of a later save takes the linked file's chunks from the previous manifest: none is read.
     read: list[str] = []
@@ -130,8 +138,8 @@ def test_a_frozen_base_is_linked_not_hashed_and_restores_resharded(
         part = parse_manifest(storage.read_bytes(f"{name}/{part_manifest_path(0)}"))
         known = KnownChunks.of(part)
         kept_reads = [p for p in read if p.endswith("_0.distcp")]
-        if name == saves[0]:
-            assert kept_reads  # the first save's files are read and hashed
+        if name not in linked:
+            assert kept_reads  # written anew: read and hashed
         else:
             assert kept_reads == [], (name, sorted(set(read)))
             assert result.new_bytes < 0.05 * result.reused_bytes, result
@@ -141,7 +149,6 @@ def test_a_frozen_base_is_linked_not_hashed_and_restores_resharded(
     before, after = torch.load(out / "full-2.pt"), torch.load(out / "full-4.pt")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert os.path.samefile(ck / saves[1] / "dcp" / "__0_0.distcp", ck / saves[2] / "dcp" / "__0_0.distcp")
 
 
 if __name__ == "__main__":
