@@ -1,0 +1,39 @@
+"""The sharded save's pure parts (``spotguard.trainer.dcpwriter``): a state's tensors by DCP name, the
+state less its unchanged tensors, and the staged state put back together in its own shape."""
+
+from __future__ import annotations
+
+from spotguard.trainer.dcpwriter import _leaves, _with, _without
+
+STATE = {
+    "model": {"base.weight": "B", "head.weight": "H"},
+    "optimizer": {"state": {"head.weight": {"exp_avg": "M", "step": "S"}}},
+}
+
+
+def test_leaves_are_named_as_dcp_flattens_a_state() -> None:
+    assert dict(_leaves(STATE)) == {
+        "model.base.weight": "B",
+        "model.head.weight": "H",
+        "optimizer.state.head.weight.exp_avg": "M",
+        "optimizer.state.head.weight.step": "S",
+    }
+
+
+def test_unchanged_tensors_are_left_out_of_the_staging_and_put_back_in_place() -> None:
+    unchanged = {"model.base.weight": "b", "optimizer.state.head.weight.step": "s"}
+    changed = _without(STATE, unchanged.keys())
+    assert changed == {"model": {"head.weight": "H"}, "optimizer": {"state": {"head.weight": {"exp_avg": "M"}}}}
+    staged = {"model": {"head.weight": "h"}, "optimizer": {"state": {"head.weight": {"exp_avg": "m"}}}}
+    assert _with(STATE, staged, unchanged) == {
+        "model": {"base.weight": "b", "head.weight": "h"},
+        "optimizer": {"state": {"head.weight": {"exp_avg": "m", "step": "s"}}},
+    }
+
+
+def test_a_part_left_unchanged_entirely_is_dropped_then_rebuilt() -> None:
+    unchanged = {"model.base.weight": "b", "model.head.weight": "h"}
+    changed = _without(STATE, unchanged.keys())
+    assert "model" not in changed
+    staged = {"optimizer": {"state": {"head.weight": {"exp_avg": "m", "step": "s"}}}}
+    assert _with(STATE, staged, unchanged)["model"] == {"base.weight": "b", "head.weight": "h"}
