@@ -7,6 +7,9 @@ marker) and carries a marker of its node, which containerd hands on to its
 shims. :meth:`RealNodes.kill` loses a node the abrupt way (everything of it
 SIGKILLed at once, the Node object deleted, as the process node does);
 :meth:`RealNodes.stop` leaves nothing behind (see :mod:`testenv.realnode.host`).
+Each kubelet talks to the apiserver as its node (``system:node:<name>``, a
+client certificate of the control plane's CA); what the set itself writes to
+Nodes (their GPUs) goes with the admin kubeconfig it was given.
 """
 
 from __future__ import annotations
