@@ -208,9 +208,14 @@ class DcpSaves:
         if not t.is_shared() and view.track(t.data_ptr(), nbytes):
             self._tracked[fqn] = (t.untyped_storage(), t.data_ptr(), nbytes)  # held: never freed nor reused
 
-    def writer(self, dcp_dir: Path, committed: Path, *, durable: bool) -> KeepingWriter:
+    def writer(self, dcp_dir: Path, committed: Path, *, durable: bool) -> FileSystemWriter:
         """The ``storage_writer`` of this stage's ``dcp.save`` into ``dcp_dir``; ``committed``: where
         that directory is once the save is committed."""
+        if not callable(getattr(FileSystemWriter, "_write_data", None)):
+            # An older torch release, whose writer has no queue of files to hand: every item
+            # written into one file per rank, as torch does.
+            self.kept = None
+            return FileSystemWriter(dcp_dir, sync_files=durable)
         return KeepingWriter(dcp_dir, self, committed, sync_files=durable)
 
     def add_files(self, writer: LocalWriter, dcp_dir: Path, names: list[str]) -> None:
