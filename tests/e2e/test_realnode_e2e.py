@@ -114,8 +114,8 @@ def chart_values(e: RealNodeEnv, registry: Any, metrics_port: int, liveness_port
     # One replica a node: freezing one must leave the other running.
     operator_label = {"app.kubernetes.io/component": "operator"}
     anti.append({"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": operator_label}})
-    # The dev values' webhook setting stays (off): the apiserver cannot call a Service of pods whose IPs
-    # are loopback addresses (an Endpoints object refuses them), see docs/testing.md.
+    # The dev values' webhook setting stays (off): the webhooks on real nodes have a module of their own
+    # (test_realnode_webhook.py).
     dev.update(
         {
             "image": {"registry": registry.address, "tag": tag},
