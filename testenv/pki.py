@@ -18,20 +18,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from spotguard.operator.webhookcert import BACKDATE, new_ca, pem_key
+
 VALIDITY = datetime.timedelta(days=365)
 #: Certificates are valid from a little before they are made: a clock a second behind must not refuse them.
-CLOCK_SKEW = datetime.timedelta(minutes=5)
+CLOCK_SKEW = BACKDATE
 
 
 def ca_key_path(ca: Path) -> Path:
     """Where the key of the CA certificate ``ca`` lies (``ca.crt`` -> ``ca.key``)."""
     return ca.with_suffix(".key")
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
 
 
 def _write_secret(path: Path, data: bytes) -> None:
@@ -41,37 +37,10 @@ def _write_secret(path: Path, data: bytes) -> None:
 
 
 def make_ca(ca: Path, common_name: str) -> Path:
-    """A new CA: its certificate at ``ca``, its key (0600) at :func:`ca_key_path`; returns ``ca``."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - CLOCK_SKEW)
-        .not_valid_after(now + VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    _write_secret(ca_key_path(ca), _key_pem(key))
+    """A new CA: its certificate at ``ca``, its key (0600) at :func:`ca_key_path`; returns ``ca``. The same
+    kind of CA the operator makes for its webhooks."""
+    cert, key = new_ca(common_name, datetime.datetime.now(datetime.UTC), VALIDITY.days)
+    _write_secret(ca_key_path(ca), pem_key(key))
     ca.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return ca
 
@@ -101,27 +70,12 @@ def client_cert(ca: Path, user: str, groups: Sequence[str] = ()) -> tuple[bytes,
         .not_valid_after(now + VALIDITY)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+            x509.KeyUsage(True, False, False, False, False, False, False, False, False), critical=True
+        )  # digitalSignature
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
         .sign(ca_key, hashes.SHA256())
     )
-    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+    return cert.public_bytes(serialization.Encoding.PEM), pem_key(key)
 
 
 def write_client_cert(ca: Path, user: str, groups: Sequence[str], cert: Path, key: Path) -> None:

@@ -111,7 +111,8 @@ def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """``key`` as unencrypted PKCS#8 PEM."""
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -127,7 +128,8 @@ def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(entries)
 
 
-def _new_ca(common_name: str, now: datetime, days: float) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def new_ca(common_name: str, now: datetime, days: float) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed CA (EC P-256, valid from a little before ``now`` for ``days``): its certificate and key."""
     key = _key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     cert = (
@@ -166,7 +168,7 @@ def issue(
         if current is not None and isinstance(loaded, ec.EllipticCurvePrivateKey) and not _due(current, now):
             ca_cert, ca_key, ca_bundle = current, loaded, previous.ca_crt
     if ca_cert is None or ca_key is None:
-        ca_cert, ca_key = _new_ca(f"spotguard-webhook-ca-{now:%Y%m%d%H%M%S}", now, ca_days)
+        ca_cert, ca_key = new_ca(f"spotguard-webhook-ca-{now:%Y%m%d%H%M%S}", now, ca_days)
         ca_bundle = ca_cert.public_bytes(serialization.Encoding.PEM)
         old = _first_cert(previous.ca_crt) if previous is not None else None
         if old is not None and _not_after(old) > now:
@@ -187,9 +189,9 @@ def issue(
     )
     return Bundle(
         tls_crt=cert.public_bytes(serialization.Encoding.PEM),
-        tls_key=_pem_key(key),
+        tls_key=pem_key(key),
         ca_crt=ca_bundle,
-        ca_key=_pem_key(ca_key),
+        ca_key=pem_key(ca_key),
     )
 
 
