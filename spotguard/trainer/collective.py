@@ -251,7 +251,7 @@ class CollectiveSave:
                 # Unchanged items in a file linked from the previous save (spotguard.trainer.dcpwriter).
                 committed = self._settings.directory / checkpoint_name(job.step) / DCP_DIR
                 writer = self._dcp_saves().writer(dcp_dir, committed, durable=durable)
-                dcp_save(job.sharded, storage_writer=writer, process_group=d.persist)
+                dcp_save(job.sharded, storage_writer=writer, planner=_save_planner(), process_group=d.persist)
             if mine.writer is not None and mine.error is None:
                 names = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
                 if d.rank == 0 and job.sharded is not None:
@@ -483,3 +483,16 @@ class CollectiveSave:
         self._channel.answer(job.due.requests, final, deadline_exceeded=deadline_exceeded)
         if final is not None and d.leader:
             self._shipping.after_commit(final, job.due)
+
+
+def _save_planner() -> Any:
+    """DCP's default planner, caching its plans where this torch can: a save whose items did
+    not change sends no plan to the coordinator, which reuses the last global plan and
+    metadata (the exchange grew with the shards of a frozen base)."""
+    import inspect
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    if "enable_plan_caching" in inspect.signature(DefaultSavePlanner).parameters:
+        return DefaultSavePlanner(enable_plan_caching=True)
+    return DefaultSavePlanner()

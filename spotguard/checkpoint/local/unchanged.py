@@ -16,7 +16,7 @@ from pathlib import Path
 import google_crc32c
 
 from spotguard.checkpoint.format.chunks import read_range
-from spotguard.checkpoint.format.manifest import ChunkRef, Manifest
+from spotguard.checkpoint.format.manifest import ChunkRef, FileEntry, Manifest
 from spotguard.checkpoint.local.codec import StateError, TensorSpan, parse_safetensors_header, safetensors_header_end
 
 
@@ -49,13 +49,16 @@ class Unchanged:
     tensors unchanged: :meth:`linked`) is not even read: the same inode holds
     the same bytes, which were chunked, hashed and stored with that
     checkpoint. Should one of its chunks be missing from storage, its bytes
-    are read and hashed before they are sent again.
+    are read and hashed before they are sent again. Such a file laid out as
+    before (the same size, checksum and chunk sizes) takes its chunk list
+    whole (:meth:`linked_file`): one step for the file, not one per chunk.
     """
 
     def __init__(self, local_dir: Path, manifest: Manifest | None, stored: Mapping[str, int]) -> None:
         """``manifest``: the previous verified checkpoint's (None: every chunk is hashed);
         ``stored``: the chunks known stored (digest -> size), the only ones taken."""
         self.directory: Path | None = None
+        self._files: dict[str, FileEntry] = {}
         self._at: dict[tuple[str, int, int], ChunkRef] = {}
         self._same_file: dict[str, bool] = {}
         self._lock = threading.Lock()
@@ -79,6 +82,7 @@ class Unchanged:
                         self._in_tensor[(_part_of(entry.path), pieces)] = (entry.path, offset, ref)
                 offset += ref.size
         self.directory = directory
+        self._files = {entry.path: entry for entry in manifest.files if entry.chunks is not None}
         self._new_spans: dict[str, list[TensorSpan]] = {}
         self._new_dir = local_dir
 
@@ -88,6 +92,29 @@ class Unchanged:
         ref = self._at.get((path, offset, length))
         if ref is None or self.directory is None:
             return None
+        return ref if self._is_linked(local_dir, path) else None
+
+    def linked_file(
+        self, local_dir: Path, entry: FileEntry, plan: list[tuple[int, int]]
+    ) -> tuple[ChunkRef, ...] | None:
+        """The previous checkpoint's chunks of file ``entry``, whole, when the file *is* the
+        previous checkpoint's (a hard link), with the same size and checksum and chunked by
+        ``plan`` as before; None otherwise (its chunks are then taken one by one). No byte is read."""
+        before = self._files.get(entry.path)
+        if before is None or before.chunks is None or (before.size, before.checksum) != (entry.size, entry.checksum):
+            return None
+        if len(before.chunks) != len(plan):
+            return None
+        at = 0
+        for ref, (offset, length) in zip(before.chunks, plan, strict=True):
+            if offset != at or length != ref.size:
+                return None
+            at += length
+        return before.chunks if self._is_linked(local_dir, entry.path) else None
+
+    def _is_linked(self, local_dir: Path, path: str) -> bool:
+        """Whether the local file ``path`` is the previous checkpoint's (the same inode)."""
+        assert self.directory is not None
         same = self._same_file.get(path)
         if same is None:
             try:
@@ -95,7 +122,7 @@ class Unchanged:
             except OSError:
                 same = False
             self._same_file[path] = same
-        return ref if same else None
+        return same
 
     def match(self, path: str, offset: int, data: bytes) -> ChunkRef | None:
         """The previous checkpoint's chunk with exactly these bytes at this place (the same file

@@ -339,13 +339,33 @@ def upload_chunks(
                     progress(ref.size)
         return ref
 
+    def whole(entry: FileEntry, plan: list[tuple[int, int]]) -> list[ChunkRef] | None:
+        # A linked file whose chunks are all trusted: its chunk list in one step, none asked of the
+        # store, none read (a task per chunk grew a sharded save's upload with its frozen items).
+        refs = unchanged.linked_file(Path(local_dir), entry, plan) if trust else None
+        if refs is None or any(known.chunks.get(ref.hash) != ref.size for ref in refs):
+            return None
+        for ref in refs:
+            if claims.first(ref.hash):
+                trusted[ref.hash] = ref.size
+                count("reused", ref.size)
+        with lock:
+            totals["unchanged_chunks"] += len(refs)
+        return list(refs)
+
     plans = [(entry, plan_file(Path(local_dir) / entry.path)) for entry in manifest.files]
+    tables: dict[str, list[ChunkRef]] = {}
+    for entry, plan in plans:
+        taken = whole(entry, plan)
+        if taken is not None:
+            tables[entry.path] = taken
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-upload") as pool:
         futures = {
             entry.path: [pool.submit(one, entry.path, offset, length) for offset, length in plan]
             for entry, plan in plans
+            if entry.path not in tables
         }
-        tables = {path: [f.result() for f in fs] for path, fs in futures.items()}
+        tables.update({path: [f.result() for f in fs] for path, fs in futures.items()})
         for entry, plan in plans:
             if located and not _combines(tables[entry.path], entry.checksum):
                 log.warning("%s changed after it was read while written; reading it again", entry.path)
@@ -511,6 +531,9 @@ def verify_chunks(
     # opcode by opcode, and a SHA-256 file checksum is not made of the chunks'.
     for entry in manifest.files:
         if entry.chunks is not None and (needs_content(entry.path) or manifest.checksum_algorithm != "crc32c"):
+            seen = _inspected_key(entry) if manifest.checksum_algorithm == "crc32c" and not deep else None
+            if seen is not None and _INSPECTED.has(seen):
+                continue
             try:
                 problem, nbytes = check_one_file(
                     entry, manifest.checksum_algorithm, entry.size, _reader(partial(stream_file, storage, entry))
@@ -520,7 +543,39 @@ def verify_chunks(
             checks.read_bytes += nbytes
             if problem:
                 checks.problems.append(problem)
+            elif seen is not None:
+                _INSPECTED.add(seen)
     return checks
+
+
+class _Inspected:
+    """Files whose stored bytes this process inspected (a pickle's opcodes) and found safe, by
+    their path and chunks (SHA-256 names, in order): the same names are the same bytes, so a
+    verification that checked (or trusts) every chunk of such a file does not inspect it again.
+    A distributed part is verified before its part manifest is stored, then the whole
+    checkpoint: DCP's ``.metadata`` (a pickle growing with the items saved) was inspected twice."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[tuple[str, int, str, tuple[str, ...]], None] = {}
+        self._size = size
+
+    def has(self, key: tuple[str, int, str, tuple[str, ...]]) -> bool:
+        with self._lock:
+            return key in self._keys
+
+    def add(self, key: tuple[str, int, str, tuple[str, ...]]) -> None:
+        with self._lock:
+            self._keys[key] = None
+            while len(self._keys) > self._size:
+                del self._keys[next(iter(self._keys))]  # the oldest
+
+
+_INSPECTED = _Inspected()
+
+
+def _inspected_key(entry: FileEntry) -> tuple[str, int, str, tuple[str, ...]]:
+    return (entry.path, entry.size, entry.checksum, tuple(c.hash for c in entry.chunks or ()))
 
 
 def check_whole_file(
