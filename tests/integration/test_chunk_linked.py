@@ -19,6 +19,7 @@ from spotguard.checkpoint.local.commit import LocalWriter
 from spotguard.checkpoint.local.unchanged import Unchanged
 from spotguard.checkpoint.store import chunked
 from spotguard.checkpoint.store.chunked import KnownChunks
+from spotguard.storage import open_storage
 
 MiB = 1 << 20
 
@@ -77,13 +78,15 @@ def test_a_linked_files_chunks_are_taken_whole_from_the_verified_manifest(
 
 
 @pytest.mark.integration
-def test_a_pickle_inspected_in_this_process_is_not_inspected_again(
-    s3_store: Any, s3_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("store", ["file", "s3"])
+def test_a_pickle_read_back_and_inspected_in_this_process_is_not_inspected_again(
+    store: str, s3_store: Any, s3_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A file that may be a pickle is read back and inspected once per process for the same chunks
-    (same path, size, checksum and chunk names); a deep verification inspects it again, and a
-    pickle with other bytes is inspected."""
-    storage = s3_storage(s3_store, s3_uri)
+    """A file that may be a pickle, every chunk of it read back and found to be its SHA-256 name
+    (the file store), is inspected once per process for the same chunks; a deep verification
+    inspects it again, and so does one of other bytes. Where the store's CRC32C vouches for the
+    chunks instead (S3), or they are trusted, it is inspected at every verification."""
+    storage = open_storage(f"file://{tmp_path}/remote") if store == "file" else s3_storage(s3_store, s3_uri)
     inspected: list[str] = []
     real = chunked.check_one_file
 
@@ -96,16 +99,22 @@ def test_a_pickle_inspected_in_this_process_is_not_inspected_again(
     writer.add_file("state.pkl", [pickle.dumps({"step": 10, "items": list(range(50_000))})])
     first = writer.commit()
     upload_checkpoint(first, storage, incremental=True, update_pointer=False)
+    verdict = verify_checkpoint(storage, first.name)
+    assert verdict.ok and inspected == ["state.pkl"]
     assert verify_checkpoint(storage, first.name).ok
-    assert inspected == ["state.pkl"]
-    assert verify_checkpoint(storage, first.name).ok
-    assert inspected == ["state.pkl"]
+    assert inspected == ["state.pkl"] * (1 if store == "file" else 2)
+    inspected.clear()
     assert verify_checkpoint(storage, first.name, deep=True).ok
-    assert inspected == ["state.pkl", "state.pkl"]
+    assert inspected == ["state.pkl"]
+    assert verdict.manifest is not None
+    trusting = {c.hash: c.size for c in verdict.manifest.chunk_refs().values()}
+    assert verify_checkpoint(storage, first.name, trusted=trusting).ok
+    assert inspected == ["state.pkl"] * 2
 
+    inspected.clear()
     writer = LocalWriter(tmp_path / "ckpt", 20, durable=False)
     writer.add_file("state.pkl", [pickle.dumps({"step": 20, "items": list(range(50_000))})])
     second = writer.commit()
     upload_checkpoint(second, storage, incremental=True, update_pointer=False)
     assert verify_checkpoint(storage, second.name).ok
-    assert inspected == ["state.pkl"] * 3
+    assert inspected == ["state.pkl"]

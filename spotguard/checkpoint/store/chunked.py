@@ -514,6 +514,8 @@ def verify_chunks(
     ordered = [ref for ref in refs.values() if trust.get(ref.hash) != ref.size]
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(ordered) or 1))) as pool:
         results = list(pool.map(check, ordered))
+    # Chunks whose bytes this verification read back and found to be their SHA-256 names.
+    read_ok = {ref.hash for ref, (p, _, m) in zip(ordered, results, strict=True) if p is None and m == METHOD_READ_BACK}
     # A distributed checkpoint's part manifests are stored whole (small): read back.
     whole = [check_whole_file(storage, manifest, e, checksums=checksums) for e in manifest.files if e.chunks is None]
     results += [(p, n, METHOD_READ_BACK) for p, n in whole]
@@ -532,6 +534,8 @@ def verify_chunks(
     for entry in manifest.files:
         if entry.chunks is not None and (needs_content(entry.path) or manifest.checksum_algorithm != "crc32c"):
             seen = _inspected_key(entry) if manifest.checksum_algorithm == "crc32c" and not deep else None
+            if seen is not None and not all(c.hash in read_ok for c in entry.chunks):
+                seen = None  # a chunk trusted or vouched for by a store's CRC32C: its bytes are inspected
             if seen is not None and _INSPECTED.has(seen):
                 continue
             try:
@@ -550,8 +554,10 @@ def verify_chunks(
 
 class _Inspected:
     """Files whose stored bytes this process inspected (a pickle's opcodes) and found safe, by
-    their path and chunks (SHA-256 names, in order): the same names are the same bytes, so a
-    verification that checked (or trusts) every chunk of such a file does not inspect it again.
+    their path and chunks (SHA-256 names, in order): a verification that read back every chunk
+    of such a file and found each to be its SHA-256 name has the very bytes inspected before,
+    and does not inspect them again (a chunk only trusted, or vouched for by the CRC32C a store
+    computed, is no proof against crafted bytes: such a file is inspected as before).
     A distributed part is verified before its part manifest is stored, then the whole
     checkpoint: DCP's ``.metadata`` (a pickle growing with the items saved) was inspected twice."""
 
