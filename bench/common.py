@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -458,3 +459,23 @@ class Ctx:
             ck.close()
             self.ckpt_dir = sorted(ckdir.glob("ckpt-*"))[-1]
         return self.ckpt_dir
+
+
+def run_section_alone(bench: Callable[[Ctx], Section]) -> int:
+    """A section run alone (``python -m bench.<module> [rounds]``), in a scratch directory of its own
+    (under ``BENCH_TMP``); prints its markdown."""
+    import tempfile
+
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else None
+    with tempfile.TemporaryDirectory(prefix="spotguard-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
+        print(bench(Ctx(Path(tmp), None, 0, rounds=rounds)).markdown())
+    return 0
+
+
+def run_under_spotguard(workdir: Path, code: Path, trainer: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of ``spotguard run`` (spotguard imported from ``code``, every setting
+    at its default: no ``SPOTGUARD_*`` variable, a grace period the bench never reaches) over ``trainer``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    env.update(PYTHONPATH=str(code), OMP_NUM_THREADS="1")
+    spotguard = str(Path(sys.executable).parent / "spotguard")
+    return [spotguard, "run", "--workdir", str(workdir), "--grace-seconds", "300", "--", *trainer], env

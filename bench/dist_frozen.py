@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import GiB, Section, fmt, goal, median, per_round, stage_line
+from bench.common import GiB, Section, fmt, goal, median, per_round, run_section_alone, run_under_spotguard, stage_line
 from bench.incremental import _is_stage, _Lines
 
 if TYPE_CHECKING:
@@ -59,28 +59,8 @@ def _torchrun() -> list[str]:
 def run_once(work: Path, frozen: int, code: Path) -> Run:
     """One fine-tune with ``frozen`` bytes of base, spotguard from ``code``, preempted after its routine checkpoints."""
     workdir = work / f"bench-dist-frozen-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
-    for name in [k for k in env if k.startswith("SPOTGUARD_")]:
-        del env[name]  # every default
-    cmd = [
-        str(Path(sys.executable).parent / "spotguard"),
-        "run",
-        "--workdir",
-        str(workdir),
-        "--grace-seconds",
-        "300",
-        "--",
-        *_torchrun(),
-        str(WORKER),
-        "finetune",
-        "--bytes",
-        str(frozen),
-        "--save-every",
-        str(SAVE_EVERY),
-        "--head-only",
-        "--routine",
-        str(ROUTINE),
-    ]
+    trainer = [*_torchrun(), str(WORKER), "finetune", "--bytes", str(frozen), "--save-every", str(SAVE_EVERY)]
+    cmd, env = run_under_spotguard(workdir, code, [*trainer, "--head-only", "--routine", str(ROUTINE)])
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = _Lines(proc)
     try:
@@ -182,15 +162,7 @@ def bench_dist_frozen(ctx: Ctx) -> Section:
 
 def main() -> int:
     """Run the section alone: ``python -m bench.dist_frozen [rounds]``; prints its markdown."""
-    import tempfile
-
-    from bench.common import Ctx
-
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else None
-    with tempfile.TemporaryDirectory(prefix="spotguard-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
-        ctx = Ctx(Path(tmp), None, 0, rounds=rounds)
-        print(bench_dist_frozen(ctx).markdown())
-    return 0
+    return run_section_alone(bench_dist_frozen)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import CpuWatch, GiB, Section, fmt, goal, median, per_round, stage_line
+from bench.common import (
+    CpuWatch,
+    GiB,
+    Section,
+    fmt,
+    goal,
+    median,
+    per_round,
+    run_section_alone,
+    run_under_spotguard,
+    stage_line,
+)
 from bench.incremental import _is_stage, _Lines
 from bench.linear_finetune_worker import ROUTINE
 
@@ -74,27 +85,9 @@ class Run:
 def run_once(work: Path, shape: str, frozen: int) -> Run:
     """One trainer of ``shape`` with ``frozen`` bytes of base, preempted once its routine checkpoints are verified."""
     workdir = work / f"bench-ft-sigterm-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for name in [k for k in env if k.startswith("SPOTGUARD_")]:
-        del env[name]  # every default
-    cmd = [
-        str(Path(sys.executable).parent / "spotguard"),
-        "run",
-        "--workdir",
-        str(workdir),
-        "--grace-seconds",
-        "300",
-        "--",
-        sys.executable,
-        "-m",
-        "bench.linear_finetune_worker",
-        "--frozen-bytes",
-        str(frozen),
-        "--shape",
-        shape.removesuffix("-forward"),
-        "--save-every",
-        str(SAVE_EVERY),
-    ]
+    trainer = [sys.executable, "-m", "bench.linear_finetune_worker", "--frozen-bytes", str(frozen)]
+    trainer += ["--shape", shape.removesuffix("-forward"), "--save-every", str(SAVE_EVERY)]
+    cmd, env = run_under_spotguard(workdir, ROOT, trainer)
     if shape.endswith("-forward"):
         cmd.append("--forward")
     if KEEP_SAVING:
@@ -226,15 +219,7 @@ def bench_finetune_sigterm(ctx: Ctx) -> Section:
 
 def main() -> int:
     """Run the section alone: ``python -m bench.linear_finetune [rounds]``; prints its markdown."""
-    import tempfile
-
-    from bench.common import Ctx
-
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else None
-    with tempfile.TemporaryDirectory(prefix="spotguard-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
-        ctx = Ctx(Path(tmp), None, 0, rounds=rounds)
-        print(bench_finetune_sigterm(ctx).markdown())
-    return 0
+    return run_section_alone(bench_finetune_sigterm)
 
 
 if __name__ == "__main__":
