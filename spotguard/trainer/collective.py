@@ -486,13 +486,10 @@ class CollectiveSave:
 
 
 def _save_planner() -> Any:
-    """DCP's default planner, caching its plans where this torch can: a save whose items did
-    not change sends no plan to the coordinator, which reuses the last global plan and
-    metadata (the exchange grew with the shards of a frozen base)."""
-    import inspect
-
+    """DCP's default planner, without its plan caching (``enable_plan_caching``): torch keeps
+    those plans in class attributes shared by every save of the process, so a process that
+    saves for a second group or a second run (a test session, a restarted checkpointer) was
+    seen to fail in ``finish_plan`` with a ``KeyError`` on one rank while the other waited."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    if "enable_plan_caching" in inspect.signature(DefaultSavePlanner).parameters:
-        return DefaultSavePlanner(enable_plan_caching=True)
     return DefaultSavePlanner()
