@@ -14,6 +14,7 @@ bit-exact.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,4 +153,10 @@ def test_a_frozen_base_is_linked_not_hashed_and_restores_resharded(
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1:]))
+    code = _worker(sys.argv[1:])
+    # Its result is written: skip the interpreter's teardown, where gloo's threads (after
+    # destroy_process_group) were seen to abort a rank on a loaded machine ("terminate called
+    # without an active exception"), as in test_dist_flag_agreement.py.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
