@@ -479,3 +479,14 @@ def run_under_spotguard(workdir: Path, code: Path, trainer: list[str]) -> tuple[
     env.update(PYTHONPATH=str(code), OMP_NUM_THREADS="1")
     spotguard = str(Path(sys.executable).parent / "spotguard")
     return [spotguard, "run", "--workdir", str(workdir), "--grace-seconds", "300", "--", *trainer], env
+
+
+def size_and_latency_cells(gb: float, lo: float, lat: list[float], base: list[float]) -> list[str]:
+    """A bench row's first latency cells: the size, the median (min-max) of ``lat`` and, beside the
+    smallest size ``lo`` (whose latencies are ``base``), the per-round ratio."""
+    vs = per_round(lat, base, higher_is_better=False)
+    return [
+        f"{gb * 1024:g} MiB" if gb < 1 else f"{gb:g} GiB",
+        f"{fmt(median(lat), 3)} ({fmt(min(lat), 3)}-{fmt(max(lat), 3)})",
+        "1.00x" if gb == lo else vs.cell(),
+    ]

@@ -30,7 +30,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import GiB, Section, fmt, goal, median, per_round, run_section_alone, run_under_spotguard, stage_line
+from bench.common import (
+    GiB,
+    Section,
+    fmt,
+    goal,
+    median,
+    per_round,
+    run_section_alone,
+    run_under_spotguard,
+    size_and_latency_cells,
+    stage_line,
+)
 from bench.incremental import _is_stage, _Lines
 
 if TYPE_CHECKING:
@@ -123,13 +134,10 @@ def bench_dist_frozen(ctx: Ctx) -> Section:
         for gb in sizes:
             rs = runs[(code, gb)]
             lat = [x.to_verified for x in rs]
-            vs = per_round(lat, [x.to_verified for x in runs[(code, lo)]], higher_is_better=False)
             s.rows.append(
                 [
                     code,
-                    f"{gb * 1024:g} MiB" if gb < 1 else f"{gb:g} GiB",
-                    f"{fmt(median(lat), 3)} ({fmt(min(lat), 3)}-{fmt(max(lat), 3)})",
-                    "1.00x" if gb == lo else vs.cell(),
+                    *size_and_latency_cells(gb, lo, lat, [x.to_verified for x in runs[(code, lo)]]),
                     " / ".join(fmt(median([x.stages.get(k, 0.0) for x in rs]), 3) for k in STAGES),
                 ]
             )

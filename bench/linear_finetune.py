@@ -41,6 +41,7 @@ from bench.common import (
     per_round,
     run_section_alone,
     run_under_spotguard,
+    size_and_latency_cells,
     stage_line,
 )
 from bench.incremental import _is_stage, _Lines
@@ -173,13 +174,10 @@ def bench_finetune_sigterm(ctx: Ctx) -> Section:
         for gb in sizes:
             rs = runs[(shape, gb)]
             lat = [x.to_verified for x in rs]
-            vs = per_round(lat, [x.to_verified for x in runs[(shape, lo)]], higher_is_better=False)
             s.rows.append(
                 [
                     label,
-                    f"{gb * 1024:g} MiB" if gb < 1 else f"{gb:g} GiB",
-                    f"{fmt(median(lat), 3)} ({fmt(min(lat), 3)}-{fmt(max(lat), 3)})",
-                    "1.00x" if gb == lo else vs.cell(),
+                    *size_and_latency_cells(gb, lo, lat, [x.to_verified for x in runs[(shape, lo)]]),
                     fmt(median([x.trainer_save for x in rs]), 3),
                     fmt(median([x.step for x in rs]), 3),
                     " / ".join(fmt(median([x.stages.get(k, 0.0) for x in rs]), 3) for k in STAGES),
