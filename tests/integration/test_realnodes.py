@@ -275,9 +275,16 @@ def test_pod_to_pod_tcp_across_nodes(real_nodes: RealNodes, api: Kube, namespace
 def test_eviction_sigterm_then_kill_after_grace(
     real_nodes: RealNodes, api: Kube, namespace: str, tmp_path: Path
 ) -> None:
-    """Eviction: the container gets SIGTERM, and SIGKILL only once its grace period has passed."""
+    """Eviction: the container gets SIGTERM, and SIGKILL only once its grace period has passed.
+
+    Both moments are read inside the container, on the host's clock (/proc/uptime): the SIGTERM trap
+    writes its time, and the loop appends a beat every 0.2 s until the kill stops it. How long the
+    kubelet then takes to report the pod's end (and the API to drop it) is a busy machine's pace, not
+    the grace, so it is only waited for.
+    """
     tmp_path.chmod(0o777)
-    script = "trap 'echo TERM > /out/term' TERM; echo up > /out/up; while true; do sleep 0.2; done"
+    now = "cut -d' ' -f1 /proc/uptime"
+    script = f'trap "{now} > /out/term" TERM; echo up > /out/up; while true; do {now} >> /out/beats; sleep 0.2; done'
     body = pod(
         "evictee",
         script,
@@ -292,11 +299,14 @@ def test_eviction_sigterm_then_kill_after_grace(
     api.post(f"/api/v1/namespaces/{namespace}/pods/evictee/eviction", eviction)
     # A busy machine's kubelet can take a while to act on the deletion; then the grace runs from its SIGTERM.
     wait_for(lambda: (tmp_path / "term").exists(), 60, "SIGTERM in the container")
-    termed = time.monotonic()
-    wait_for(lambda: gone(api, f"/api/v1/namespaces/{namespace}/pods/evictee"), 60, "evicted pod gone")
-    took = time.monotonic() - termed
-    # The container ignores SIGTERM: the kubelet waits out the grace period before SIGKILL.
-    assert 3 <= took < 30, f"the pod went {took:.1f} s after its SIGTERM, its grace is 4 s"
+    # The container ignores SIGTERM: only a SIGKILL ends it, and the pod leaves the API once it did.
+    wait_for(lambda: gone(api, f"/api/v1/namespaces/{namespace}/pods/evictee"), 120, "evicted pod gone")
+    termed = float((tmp_path / "term").read_text().split()[0])
+    beats = [float(line) for line in (tmp_path / "beats").read_text().split("\n")[:-1] if line.strip()]
+    lived = max(beats) - termed
+    # The kubelet waited out the grace period before the kill: the loop went on beating for its 4 s,
+    # and the kill came with the grace's end (containerd's own timer), not whenever the kubelet got to it.
+    assert 3 <= lived < 15, f"the container beat {lived:.1f} s after its SIGTERM, its grace is 4 s"
 
 
 def program_names(pids: set[int]) -> set[str]:
