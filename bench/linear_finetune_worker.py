@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -25,6 +26,9 @@ RANK = 16
 ROUTINE = 4
 #: Between steps: a preemption's request waits at most this long for the next step boundary.
 STEP_PAUSE = 0.01
+#: BENCH_FINETUNE_PROFILE=PREFIX: the preemption's save runs under cProfile, its statistics written to
+#: PREFIX.<frozen bytes>.<step> (routine saves are not profiled).
+PROFILE = os.environ.get("BENCH_FINETUNE_PROFILE", "")
 
 
 def build(frozen_bytes: int, shape: str, forward: bool = False) -> tuple[Any, Any, Any]:
@@ -90,9 +94,18 @@ def main() -> int:
         steps.append(time.perf_counter() - t0)
         routine = step % args.save_every == 0 and (args.keep_saving or step <= ROUTINE * args.save_every)
         if routine or ckpt.should_save(step):
+            profiler = None
+            if PROFILE and step > ROUTINE * args.save_every:
+                import cProfile
+
+                profiler = cProfile.Profile()
+                profiler.enable()
             t0 = time.perf_counter()
             ckpt.save(step, spotguard.torch_state(model, opt))
             seconds = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(f"{PROFILE}.{args.frozen_bytes}.{step}")
             if ckpt.preempted:  # the preemption's save: synchronous, written when save() returns
                 print(
                     f"preempted after step {step}: save {seconds:.3f}s "

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from spotguard.checkpoint.local import release
 from spotguard.checkpoint.store.parts import commit_progress
 from spotguard.contract import env as envvars
 from spotguard.contract.control import (
@@ -348,6 +349,15 @@ class CheckpointAgent:
         self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None = None
     ) -> bool:
         """Preemption now: get the newest state verified in storage before the deadline.
+
+        Meanwhile this process's background deletes of pruned checkpoints
+        wait (:func:`~spotguard.checkpoint.local.release.held`).
+        """
+        with release.held():
+            return self._emergency(source, received_at, forward)
+
+    def _emergency(self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None) -> bool:
+        """:meth:`emergency`'s work.
 
         The emergency path is save -> upload -> verify -> pointer, and
         nothing else (no retention, no local pruning, no re-reading of what

@@ -230,17 +230,17 @@ def test_a_local_prune_leaves_its_caller_at_once(tmp_path: Path, monkeypatch: py
     directory = tmp_path / "ck"
     path = commit(directory, 1, 1)
     release, ran_in = threading.Event(), []
-    real = local.shutil.rmtree
+    real = local.release_tree
 
     niceness: list[int] = []
 
-    def held(p: Any, ignore_errors: bool = False) -> None:
+    def held(p: Any) -> None:
         ran_in.append(threading.current_thread().name)
         niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert release.wait(30), "the prune's delete ran in its caller's thread"
-        real(p, ignore_errors)
+        real(p)
 
-    monkeypatch.setattr(local.shutil, "rmtree", held)
+    monkeypatch.setattr(local, "release_tree", held)
     local.remove_checkpoint_dir(path, background=True)  # returns while the delete is held
     assert not path.exists()
     assert local.list_local_committed(directory) == []

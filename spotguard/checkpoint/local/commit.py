@@ -53,6 +53,7 @@ from spotguard.checkpoint.local.codec import (
     safetensors_header,
     written_size,
 )
+from spotguard.checkpoint.local.release import release_tree
 from spotguard.checkpoint.local.reserve import MIN_BYTES as RESERVE_MIN_BYTES
 from spotguard.checkpoint.local.reserve import give_back
 from spotguard.checkpoint.local.reserve import take as take_reserve
@@ -585,7 +586,8 @@ def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
         os.rename(path, doomed)
     except FileNotFoundError:
         return
-    if doomed.is_symlink():
+    staged = doomed.is_symlink()
+    if staged:
         # A checkpoint staged elsewhere (see LocalWriter's ``staging``): the link goes, then its files.
         held = Path(os.readlink(doomed))
         os.unlink(doomed)
@@ -593,21 +595,27 @@ def remove_checkpoint_dir(path: Path, *, background: bool = False) -> None:
             return  # not a link this package made: what it points to is not ours to delete
         doomed = held
     if background:
-        threading.Thread(target=_remove_meekly, args=(doomed,), name="spotguard-prune", daemon=True).start()
+        threading.Thread(target=_remove_meekly, args=(doomed, not staged), name="spotguard-prune", daemon=True).start()
     else:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _remove_meekly(doomed: Path) -> None:
+def _remove_meekly(doomed: Path, shrink: bool) -> None:
     """Delete ``doomed`` at the lowest CPU priority (this thread only, Linux).
 
     Freeing a large file is kernel work done on the deleting thread's time
     (dropping its cached pages, its extents). A preemption's save that comes
     meanwhile must have the CPU first; on a small machine the two share a
-    core or two."""
+    core or two. ``shrink``: its large files are freed a step at a time, so
+    that the file system's commits, which the save's fsyncs wait for, stay
+    short (:mod:`~spotguard.checkpoint.local.release`; not for a staged
+    checkpoint, whose files may be a trainer's mapped host buffers)."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if shrink:
+        release_tree(doomed)
+    else:
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prune_local(directory: Path, keep: int, *, protect: Iterable[Path] = ()) -> list[Path]:
