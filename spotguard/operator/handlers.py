@@ -52,6 +52,7 @@ from spotguard.operator.probe import MAX_OBJECT_BYTES, READ_TIMEOUT_SECONDS, Che
 from spotguard.operator.probes import Health, ProbeServer
 from spotguard.operator.spec import GROUP, PLURAL, VERSION
 from spotguard.operator.webhookcert import CertificateKeeper, host_names
+from spotguard.signalsafe import SignalEvent
 from spotguard.version import __version__
 
 log = logging.getLogger("spotguard.operator")
@@ -476,7 +477,7 @@ def run(options: OperatorOptions, *, liveness: str | None, election: Election | 
     # kopf reports every handler run at INFO; the operator's own log says what matters.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     log.info("operator instance %s", options.identity)
-    stop = threading.Event()
+    stop = SignalEvent()  # set by a signal handler while the main thread may wait on it
     keeper = certificate_keeper(options) if options.webhook else None
     admission = admission_server(options, keeper) if options.webhook else None
     health = Health(admission, options.identity)
@@ -503,8 +504,9 @@ def run(options: OperatorOptions, *, liveness: str | None, election: Election | 
             elector = LeaderElector(leases, election.namespace, election.name, options.identity, election.timing)
             fence_requests(leases.api_client, elector.fence_renewal)
             # Until kopf runs (it installs its own handlers), SIGTERM/SIGINT only stop the standby.
+            stop.open()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stop.set())
+                signal.signal(sig, lambda *_: stop.set_soon())
             health.standby = StandbyLiveness(elector)
             if not elector.acquire(stop):
                 log.info("stopped while standing by")

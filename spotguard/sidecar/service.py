@@ -51,6 +51,7 @@ from spotguard.sidecar.shipper import (
     step_of,
 )
 from spotguard.sidecar.trainerproc import find_trainer_processes, is_trainer_process, signal_trainer
+from spotguard.signalsafe import SignalEvent
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy
@@ -633,16 +634,23 @@ class CheckpointAgent:
 
 
 class SignalLatch:
-    """Records the first SIGTERM/SIGINT and when it came; handlers only set flags."""
+    """Records the first SIGTERM/SIGINT and when it came; handlers only set flags.
+
+    The handler sets :attr:`event` without taking its lock
+    (:class:`~spotguard.signalsafe.SignalEvent`): the main loop waits on it,
+    and a handler that ran while that wait held the lock would wait for its
+    own thread forever, the preemption never handled.
+    """
 
     def __init__(self, on_signal: Callable[[str], None] | None = None) -> None:
-        self.event = threading.Event()
+        self.event = SignalEvent()
         self.source: str | None = None
         self.received_at = 0.0
         # Called once, from the handler, with the source: only for what must
-        # not wait for the main loop (and is safe in a signal handler).
+        # not wait for the main loop (and is safe in a signal handler: no lock).
         self.on_signal = on_signal
         self._previous: dict[int, Any] = {}
+        self._fired = False
 
     @property
     def installed(self) -> bool:
@@ -653,6 +661,7 @@ class SignalLatch:
         """Install handlers (main thread only; a second call changes nothing)."""
         if self.installed:
             return
+        self.event.open()
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -661,12 +670,14 @@ class SignalLatch:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self.event.close()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if not self.event.is_set():
+        if not self._fired:
+            self._fired = True
             self.received_at = time.time()
             self.source = "sigint" if signum == signal.SIGINT else "sigterm"
-            self.event.set()
+            self.event.set_soon()
             if self.on_signal is not None:
                 self.on_signal(self.source)
 
