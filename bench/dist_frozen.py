@@ -60,6 +60,11 @@ class Run:
     stages: dict[str, float]
 
 
+#: BENCH_DIST_FROZEN_LAYERS=N: a frozen base of N layers at every size (as wide as the bytes make them), instead
+#: of layers of 4 MiB (512 per rank at 2 GiB): what grows with the bytes alone, apart from DCP's work per item.
+LAYERS = int(os.environ.get("BENCH_DIST_FROZEN_LAYERS", "0"))
+
+
 def _torchrun() -> list[str]:
     from bench.dist import _free_port
 
@@ -71,7 +76,8 @@ def run_once(work: Path, frozen: int, code: Path) -> Run:
     """One fine-tune with ``frozen`` bytes of base, spotguard from ``code``, preempted after its routine checkpoints."""
     workdir = work / f"bench-dist-frozen-{uuid.uuid4().hex[:8]}"
     trainer = [*_torchrun(), str(WORKER), "finetune", "--bytes", str(frozen), "--save-every", str(SAVE_EVERY)]
-    cmd, env = run_under_spotguard(workdir, code, [*trainer, "--head-only", "--routine", str(ROUTINE)])
+    shape = ["--layers", str(LAYERS)] if LAYERS else []
+    cmd, env = run_under_spotguard(workdir, code, [*trainer, "--head-only", "--routine", str(ROUTINE), *shape])
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = _Lines(proc)
     try:
@@ -158,7 +164,12 @@ def bench_dist_frozen(ctx: Ctx) -> Section:
     s.notes.append(
         "`spotguard run -- torchrun --nproc-per-node 2 bench/dist_worker.py finetune --bytes B --head-only "
         f"--routine {ROUTINE}` (file:// storage, every default): FSDP2 over 2 gloo ranks, a frozen base of B "
-        "bytes (Linear layers of 4 MiB), a head trained with AdamW, a step running the head alone; a checkpoint "
+        + (
+            f"bytes ({LAYERS} Linear layers at every size), a head"
+            if LAYERS
+            else "bytes (Linear layers of 4 MiB), a head"
+        )
+        + " trained with AdamW, a step running the head alone; a checkpoint "
         f"every {SAVE_EVERY} steps "
         f"for the first {ROUTINE}; once the last is verified in storage, SIGTERM to the supervisor. "
         f"SIGTERM -> verified: until the supervisor's `stage=verify` line for the SIGTERM checkpoint. {rounds} "

@@ -25,7 +25,9 @@ gloo on CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -33,6 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+#: BENCH_DIST_PROFILE=PREFIX: ``finetune --routine N``: a preemption's save runs under cProfile on each rank,
+#: its statistics written to PREFIX.<bytes>.<rank>.<step> (routine saves are not profiled).
+PROFILE = os.environ.get("BENCH_DIST_PROFILE", "")
 
 
 def _gather_max(value: float, device: str = "cpu") -> float:
@@ -74,10 +80,11 @@ def _sharded_state(total_bytes: int, device: str = "cpu") -> tuple[Any, Any]:
     return model, opt
 
 
-def _fine_tune_state(frozen_bytes: int, head_only: bool = False) -> tuple[Any, Any]:
+def _fine_tune_state(frozen_bytes: int, head_only: bool = False, layers: int = 0) -> tuple[Any, Any]:
     """FSDP2: frozen Linear layers of ``frozen_bytes`` in all (``requires_grad=False``, the same
     values in every run) and a small trained head, AdamW over the head. ``head_only``: a step
-    runs the head alone (on features the base would give), so its time does not grow with the base."""
+    runs the head alone (on features the base would give), so its time does not grow with the base.
+    ``layers``: that many square layers, as wide as the bytes make them; else layers of 4 MiB."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -85,8 +92,11 @@ def _fine_tune_state(frozen_bytes: int, head_only: bool = False) -> tuple[Any, A
         def forward(self, x: Any) -> Any:
             return self[-1](x)
 
-    width = 1024
-    layers = max(1, round(frozen_bytes / (width * width * 4)))
+    if layers:
+        width = max(16, math.isqrt(frozen_bytes // (layers * 4)))
+    else:
+        width = 1024
+        layers = max(1, round(frozen_bytes / (width * width * 4)))
     torch.manual_seed(0)
     kind = HeadOnly if head_only else torch.nn.Sequential
     model = kind(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
@@ -106,11 +116,11 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     import spotguard
 
-    model, opt = _fine_tune_state(args.bytes, args.head_only)
+    model, opt = _fine_tune_state(args.bytes, args.head_only, args.layers)
     # --routine N: the first N checkpoints every S steps, then only when asked (a preemption).
     every = args.save_every if not args.routine else 10**9
     ckpt = spotguard.Checkpointer.from_env(save_every_steps=every)
-    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    x = torch.randn(8, model[-1].in_features, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
     step = 0
     while True:
         step += 1
@@ -119,12 +129,44 @@ def run_finetune(args: argparse.Namespace) -> int:
         opt.zero_grad(set_to_none=True)
         routine = bool(args.routine) and step % args.save_every == 0 and step <= args.routine * args.save_every
         if ckpt.should_save(step) or routine:
-            ckpt.save(step, spotguard.torch_state(model, opt))
+            if PROFILE and args.routine and step > args.routine * args.save_every:
+                _profiled(functools.partial(ckpt.save, step, spotguard.torch_state(model, opt)), f"{args.bytes}.{step}")
+            else:
+                ckpt.save(step, spotguard.torch_state(model, opt))
             if dist.get_rank() == 0:
                 print(f"saved {step}", flush=True)
         if ckpt.preempted:
             return 0
         time.sleep(0.05)
+
+
+def _profiled(save: Any, tag: str) -> None:
+    """``save()`` under cProfile, its own threads (DCP's writer) too; statistics to PROFILE.<tag>.<rank>[.threadN]."""
+    import cProfile
+    import threading
+
+    import torch.distributed as dist
+
+    threads: list[Any] = []
+
+    def profile_thread(*_: Any) -> None:
+        sys.setprofile(None)
+        threads.append(cProfile.Profile())
+        threads[-1].enable()
+
+    profiler = cProfile.Profile()
+    threading.setprofile(profile_thread)
+    profiler.enable()
+    try:
+        save()
+    finally:
+        profiler.disable()
+        threading.setprofile(None)  # type: ignore[arg-type]
+        prefix = f"{PROFILE}.{tag}.{dist.get_rank()}"
+        for i, t in enumerate(threads):
+            t.disable()
+            t.dump_stats(f"{prefix}.thread{i}")
+        profiler.dump_stats(prefix)
 
 
 def run_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -278,6 +320,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--save-every", type=int, default=3)
     p.add_argument("--head-only", action="store_true", help="finetune: a step runs the trained head alone")
+    p.add_argument("--layers", type=int, default=0, help="finetune: this many frozen layers (else 4 MiB each)")
     p.add_argument("--routine", type=int, default=0, help="finetune: routine checkpoints before only preemptions")
     p.add_argument("--work", default=tempfile.gettempdir())
     p.add_argument(
