@@ -124,7 +124,7 @@ def release_file(path: str | os.PathLike[str], step: int = STEP) -> None:
                     os.fsync(fd)
         finally:
             os.close(fd)
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+    with contextlib.suppress(OSError):  # as ``shutil.rmtree(ignore_errors=True)``: what stays is cleaned up later
         os.unlink(path)
 
 
