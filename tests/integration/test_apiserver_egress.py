@@ -67,6 +67,8 @@ def served(kube: Any, tmp_path: Any) -> Iterator[tuple[Any, str, str, bytes]]:
     core = client.CoreV1Api(kube.api_client())
     ns = f"egress-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
+    # Kubernetes 1.20 refuses a namespace's pods until its default ServiceAccount has a token.
+    wait_for(lambda: core.read_namespaced_service_account("default", ns).secrets, "the default token of " + ns)
     bundle = issue(host_names(f"{SERVICE}.{ns}.svc"), datetime.now(UTC))
     (tmp_path / "tls.crt").write_bytes(bundle.tls_crt)
     (tmp_path / "tls.key").write_bytes(bundle.tls_key)
