@@ -41,6 +41,7 @@ import pytest
 from ckpt_helpers import HELPERS, assert_state_matches, commit_local, s3_options, subprocess_env, write_part
 
 from spotguard.checkpoint import (
+    MANIFEST_NAME,
     ManifestError,
     latest_verified,
     list_checkpoint_names,
@@ -140,19 +141,24 @@ def check_storage(storage: Storage, scratch: Path) -> tuple[int | None, int]:
     """Every stored checkpoint with a manifest verifies (a manifest is only ever
     uploaded after its data and deleted before it); the newest verified restores
     and loads with its own content; the pointer is never ahead of it."""
-    complete = []
+    complete, torn = [], set()
     for name in list_checkpoint_names(storage):
         try:
             read_manifest(storage, name)
         except NotFoundError:
             continue
-        except ManifestError as exc:  # pragma: no cover - would be a bug
-            raise AssertionError(f"{name}: manifest unreadable after a crash: {exc}") from None
+        except ManifestError as exc:
+            # The test S3 store (SeaweedFS) was seen to keep an empty object where a PUT of the
+            # manifest was cut by the uploader's kill (S3 itself stores nothing): such a
+            # checkpoint must be passed over, never taken. Anything else unreadable is a bug.
+            assert storage.read_bytes(f"{name}/{MANIFEST_NAME}") == b"", f"{name}: manifest unreadable: {exc}"
+            torn.add(name)
+            continue
         result = verify_checkpoint(storage, name)
         assert result.ok, f"{name} has a manifest but does not verify: {result.problems}"
         complete.append(name)
     info, skipped = latest_verified(storage)
-    assert all("manifest.json: missing" in s.reason for s in skipped), skipped
+    assert all("manifest.json: missing" in s.reason or s.name in torn for s in skipped), skipped
     if info is None:
         assert not complete
         return None, len(skipped)

@@ -83,7 +83,9 @@ def test_emergency_upload_rides_out_a_store_answering_500(s3_store: Any, s3_uri:
         stopped = _preempt(trainer, sidecar)
     assert any(status == 500 for _, _, _, status in proxy.since(t_term)), "the fault was never hit"
     text = sidecar.text()
-    assert "result=verified" in text and "stage=retry" in text, text
+    # Which layer rides the 500s out depends on the machine's pace: the emergency's own retries
+    # (stage=retry), or one upload whose S3 client's retries last until the fault ends.
+    assert "result=verified" in text, text
     info, _ = latest_verified(storage)
     assert info is not None and info.step >= stopped
     report = json.loads((tmp_path / "termination-log").read_text())
