@@ -173,6 +173,32 @@ class CpuWatch:
         return used
 
 
+def profiled(call: Callable[[], Any], path: str) -> Any:
+    """``call()`` under cProfile, the threads it starts too (DCP's writer): statistics written to ``path``
+    and ``path.threadN``. For the benchmarks' workers' ``*_PROFILE`` settings."""
+    import cProfile
+
+    threads: list[cProfile.Profile] = []
+
+    def profile_thread(*_: Any) -> None:
+        sys.setprofile(None)
+        threads.append(cProfile.Profile())
+        threads[-1].enable()
+
+    profiler = cProfile.Profile()
+    threading.setprofile(profile_thread)
+    profiler.enable()
+    try:
+        return call()
+    finally:
+        profiler.disable()
+        threading.setprofile(None)
+        for i, t in enumerate(threads):
+            t.disable()
+            t.dump_stats(f"{path}.thread{i}")
+        profiler.dump_stats(path)
+
+
 def repeat(fn: Callable[[], float], n: int) -> list[float]:
     return [fn() for _ in range(n)]
 

@@ -130,7 +130,10 @@ def run_finetune(args: argparse.Namespace) -> int:
         routine = bool(args.routine) and step % args.save_every == 0 and step <= args.routine * args.save_every
         if ckpt.should_save(step) or routine:
             if PROFILE and args.routine and step > args.routine * args.save_every:
-                _profiled(functools.partial(ckpt.save, step, spotguard.torch_state(model, opt)), f"{args.bytes}.{step}")
+                from bench.common import profiled
+
+                save = functools.partial(ckpt.save, step, spotguard.torch_state(model, opt))
+                profiled(save, f"{PROFILE}.{args.bytes}.{dist.get_rank()}.{step}")
             else:
                 ckpt.save(step, spotguard.torch_state(model, opt))
             if dist.get_rank() == 0:
@@ -138,35 +141,6 @@ def run_finetune(args: argparse.Namespace) -> int:
         if ckpt.preempted:
             return 0
         time.sleep(0.05)
-
-
-def _profiled(save: Any, tag: str) -> None:
-    """``save()`` under cProfile, its own threads (DCP's writer) too; statistics to PROFILE.<tag>.<rank>[.threadN]."""
-    import cProfile
-    import threading
-
-    import torch.distributed as dist
-
-    threads: list[Any] = []
-
-    def profile_thread(*_: Any) -> None:
-        sys.setprofile(None)
-        threads.append(cProfile.Profile())
-        threads[-1].enable()
-
-    profiler = cProfile.Profile()
-    threading.setprofile(profile_thread)
-    profiler.enable()
-    try:
-        save()
-    finally:
-        profiler.disable()
-        threading.setprofile(None)  # type: ignore[arg-type]
-        prefix = f"{PROFILE}.{tag}.{dist.get_rank()}"
-        for i, t in enumerate(threads):
-            t.disable()
-            t.dump_stats(f"{prefix}.thread{i}")
-        profiler.dump_stats(prefix)
 
 
 def run_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,6 +14,7 @@ written, then steps until a preemption's checkpoint is saved, and prints
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -94,18 +95,15 @@ def main() -> int:
         steps.append(time.perf_counter() - t0)
         routine = step % args.save_every == 0 and (args.keep_saving or step <= ROUTINE * args.save_every)
         if routine or ckpt.should_save(step):
-            profiler = None
-            if PROFILE and step > ROUTINE * args.save_every:
-                import cProfile
-
-                profiler = cProfile.Profile()
-                profiler.enable()
             t0 = time.perf_counter()
-            ckpt.save(step, spotguard.torch_state(model, opt))
+            if PROFILE and step > ROUTINE * args.save_every:
+                from bench.common import profiled
+
+                save = functools.partial(ckpt.save, step, spotguard.torch_state(model, opt))
+                profiled(save, f"{PROFILE}.{args.frozen_bytes}.{step}")
+            else:
+                ckpt.save(step, spotguard.torch_state(model, opt))
             seconds = time.perf_counter() - t0
-            if profiler is not None:
-                profiler.disable()
-                profiler.dump_stats(f"{PROFILE}.{args.frozen_bytes}.{step}")
             if ckpt.preempted:  # the preemption's save: synchronous, written when save() returns
                 print(
                     f"preempted after step {step}: save {seconds:.3f}s "
