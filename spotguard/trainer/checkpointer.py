@@ -396,6 +396,8 @@ class Checkpointer:
             statedicts.leave()
         self._channel.release_signals()
         self._local.close()
+        if isinstance(self._saver, CollectiveSave):
+            self._saver.close()
         if self._pinned is not None:
             self._pinned.clear()  # host buffers and the storages tracked: nothing saves from them any more
         self._closed = True

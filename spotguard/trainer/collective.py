@@ -32,6 +32,7 @@ from spotguard.trainer.channel import Due, TrainerChannel
 from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
 from spotguard.trainer.persist import LocalPersist, PersistJob
+from spotguard.trainer.plancache import PlanCache
 from spotguard.trainer.policy import SavePolicy, SaveRecord
 from spotguard.trainer.shipping import Shipping
 
@@ -93,6 +94,11 @@ class CollectiveSave:
         self._pinned = pinned
         self._stager: Any = None  # DCP's stager, kept with its host buffers unless pinned is None
         self._dcp: Any = None  # what a sharded save tells the next (dcpwriter.DcpSaves; torch imported at first use)
+        self._plans = PlanCache()  # DCP's plan caches, agreed between the ranks (spotguard.trainer.plancache)
+
+    def close(self) -> None:
+        """Once the writer thread is done: the plans cached for DCP dropped."""
+        self._plans.drop()
 
     def _tmp(self, step: int, token: int) -> Path:
         """The temporary directory the ranks of a node share for one save."""
@@ -129,7 +135,7 @@ class CollectiveSave:
                 sharded, snapshot = self._snapshot(state)
             except BaseException as exc:  # noqa: BLE001 - every rank must reach start_save; raised after it
                 error = exc
-        begun = self._d.start_save(busy, error is not None)
+        begun = self._d.start_save(busy, error is not None, self._plans.held)
         if begun.any_busy or begun.any_failed:
             if begun.any_busy:
                 log.error("a previous checkpoint is still being written at the deadline; not starting step %d", step)
@@ -151,6 +157,7 @@ class CollectiveSave:
             self._record.last_stall_seconds,
             sharded=sharded,
             token=begun.token,
+            plans=begun.plans,
         )
         return self._local.run_writer(job, self._persist, (job,), sync=sync)
 
@@ -251,7 +258,13 @@ class CollectiveSave:
                 # Unchanged items in a file linked from the previous save (spotguard.trainer.dcpwriter).
                 committed = self._settings.directory / checkpoint_name(job.step) / DCP_DIR
                 writer = self._dcp_saves().writer(dcp_dir, committed, durable=durable)
-                dcp_save(job.sharded, storage_writer=writer, planner=_save_planner(), process_group=d.persist)
+                planner = self._plans.planner(job.plans)
+                try:
+                    dcp_save(job.sharded, storage_writer=writer, planner=planner, process_group=d.persist)
+                except BaseException:
+                    self._plans.drop()  # the next save exchanges every plan again
+                    raise
+                self._plans.saved(job.plans)
             if mine.writer is not None and mine.error is None:
                 names = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []
                 if d.rank == 0 and job.sharded is not None:
@@ -483,13 +496,3 @@ class CollectiveSave:
         self._channel.answer(job.due.requests, final, deadline_exceeded=deadline_exceeded)
         if final is not None and d.leader:
             self._shipping.after_commit(final, job.due)
-
-
-def _save_planner() -> Any:
-    """DCP's default planner, without its plan caching (``enable_plan_caching``): torch keeps
-    those plans in class attributes shared by every save of the process, so a process that
-    saves for a second group or a second run (a test session, a restarted checkpointer) was
-    seen to fail in ``finish_plan`` with a ``KeyError`` on one rank while the other waited."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    return DefaultSavePlanner()

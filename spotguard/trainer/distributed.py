@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.format.manifest import DCP_DIR, DCP_METADATA
+from spotguard.trainer.plancache import agreed_generation
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.statedicts import active, get_state_dicts, set_state_dicts
 
@@ -239,6 +240,7 @@ class SaveStart:
     any_busy: bool  # a rank still writes the previous checkpoint at the deadline
     any_failed: bool  # a rank could not snapshot its state
     token: int  # rank 0's random token: the node's temporary directory and the save's id
+    plans: int = 0  # the DCP plan-cache generation this save uses (spotguard.trainer.plancache)
 
 
 class DistContext:
@@ -349,20 +351,24 @@ class DistContext:
             if len(paths) > 1:
                 raise ValueError(f"the ranks of node {node} must use one checkpoint directory, got {sorted(paths)}")
 
-    def start_save(self, busy: bool, failed: bool) -> SaveStart:
+    def start_save(self, busy: bool, failed: bool, plans: int = 0) -> SaveStart:
         """Before a save: whether any rank still writes the previous one or
-        could not snapshot, and a token (from rank 0) naming the temporary
+        could not snapshot, a token (from rank 0) naming the temporary
         directory every rank of a node shares and naming the save in the
-        part manifests (``Sharding.save_id``)."""
+        part manifests (``Sharding.save_id``), and the DCP plan-cache
+        generation the save uses, from the one each rank holds (``plans``:
+        :func:`~spotguard.trainer.plancache.agreed_generation`)."""
         import torch
 
         self.settle()
         # Below 2**53: exact through the float64 all_reduce.
         token = secrets.randbelow(1 << 52) + 1 if self.rank == 0 else 0
-        flags = torch.tensor([float(busy), float(failed), float(token)], dtype=torch.float64)
+        values = [float(busy), float(failed), float(token), float(plans), -float(plans)]
+        flags = torch.tensor(values, dtype=torch.float64)
         self.dist.all_reduce(flags, op=self.dist.ReduceOp.MAX, group=self.main)
-        b, f, t = flags.tolist()
-        return SaveStart(any_busy=b > 0, any_failed=f > 0, token=int(t))
+        b, f, t, highest, lowest = flags.tolist()
+        generation = agreed_generation(int(-lowest), int(highest))
+        return SaveStart(any_busy=b > 0, any_failed=f > 0, token=int(t), plans=generation)
 
     def gather(self, obj: Any, *, persist: bool) -> list[Any]:
         """Every rank's ``obj`` (on the persist group from the writer thread)."""

@@ -138,6 +138,7 @@ class PersistJob:
     # and what the writer thread found.
     sharded: Any = None
     token: int = 0
+    plans: int = 0  # the DCP plan-cache generation the ranks agreed on (spotguard.trainer.plancache)
     result: Path | None = None
 
     def manifest_meta(self, job: str | None, attempt: int | None, persist_seconds: float) -> ManifestMeta:

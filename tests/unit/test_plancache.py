@@ -1,0 +1,44 @@
+"""DCP plan caches keyed per checkpointer and agreed between ranks (spotguard.trainer.plancache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotguard.trainer.plancache import PlanCache, agreed_generation
+
+
+@pytest.mark.parametrize(
+    ("lowest", "highest", "used"),
+    [
+        (0, 0, 1),  # nothing cached anywhere: a first generation
+        (3, 3, 3),  # every rank holds generation 3: its caches are used
+        (0, 3, 4),  # a rank holds none (its save failed, it restarted): a new one for all
+        (2, 3, 4),  # ranks disagree: a new one, cached under a key no rank used
+    ],
+)
+def test_a_generation_is_used_only_where_every_rank_holds_it(lowest: int, highest: int, used: int) -> None:
+    assert agreed_generation(lowest, highest) == used
+
+
+def test_each_checkpointer_caches_under_its_own_keys_and_drops_them() -> None:
+    pytest.importorskip("torch")
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    a, b = PlanCache(), PlanCache()
+    if not a.supported:
+        pytest.skip("this torch release has no plan caching")
+    assert a.key(1) != b.key(1)
+    planner = a.planner(1)
+    assert planner._cached_plans_key == a.key(1) and planner._enable_plan_caching
+    SavePlanner._cached_save_plan[a.key(1)] = SavePlanner._cached_save_plan[b.key(1)] = object()
+    a.saved(1)
+    assert a.held == 1
+    a.planner(1)  # the same generation: kept
+    assert a.key(1) in SavePlanner._cached_save_plan
+    a.planner(2)  # a new one: the old dropped, another checkpointer's left alone
+    assert a.key(1) not in SavePlanner._cached_save_plan and a.held == 0
+    assert b.key(1) in SavePlanner._cached_save_plan
+    b.saved(1)
+    b.drop()
+    assert b.key(1) not in SavePlanner._cached_save_plan and b.held == 0
+    assert not a.planner(0)._enable_plan_caching  # generation 0: torch's default planner, caching nothing
