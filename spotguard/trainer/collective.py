@@ -261,8 +261,8 @@ class CollectiveSave:
                 planner = self._plans.planner(job.plans)
                 try:
                     dcp_save(job.sharded, storage_writer=writer, planner=planner, process_group=d.persist)
-                except BaseException:
-                    self._plans.drop()  # the next save exchanges every plan again
+                except BaseException:  # noqa: BLE001 - re-raised: whatever failed, the next save exchanges every plan
+                    self._plans.drop()
                     raise
                 self._plans.saved(job.plans)
             if mine.writer is not None and mine.error is None:

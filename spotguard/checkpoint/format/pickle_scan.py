@@ -17,15 +17,28 @@ pickle is the one that matters. Any other file must be exactly one pickle:
 bytes after it are refused, since torch would read on past it if the first
 pickle merely computed the legacy magic number. torch's older tar format is
 refused outright (torch tries it before anything else).
+
+How a pickle is inspected: Python's own unpickler (the C one, the one a
+loader uses) reads it, with every import it asks for (``find_class``: the
+only way a pickle reaches a callable) recorded and answered by an inert
+stand-in (:class:`_Stub`) that accepts any call, state or item and runs
+nothing; persistent ids are answered the same way. So the imports named are
+exactly those a loader would perform, in its order, and no module is
+imported. Only a pickle that imports ``builtins.getattr`` is also followed
+opcode by opcode (:func:`_only_enum_lookups`), to accept it only as an enum
+member's lookup.
 """
 
 from __future__ import annotations
 
+import copyreg
 import io
+import pickle
 import pickletools
 import tarfile
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin")
@@ -229,53 +242,94 @@ def _read_ops(stream: BinaryIO) -> list[tuple[Any, Any, int | None]]:
         raise UnsafePickleError(f"malformed pickle ({exc})") from None
 
 
+class _Stub:
+    """What every import and persistent id of a pickle under inspection stands for: it takes any
+    arguments, state or items, and calling it gives another stub. Nothing of the pickle runs."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Stub:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        return _Stub()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+    def add(self, item: Any) -> None:
+        pass
+
+
+class _Inspector(pickle.Unpickler):
+    """Python's unpickler with every import recorded and answered by :class:`_Stub` (no module imported)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        super().__init__(stream)
+        self.imports: list[tuple[str, str]] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.imports.append((str(module), str(name)))
+        return _Stub
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Stub()
+
+
+@dataclass
+class _Pickle:
+    """One pickle of a file as inspected: what it imports, what it loads to (stubs for anything
+    imported), and where it lies in its stream (for :func:`_only_enum_lookups`)."""
+
+    imports: list[tuple[str, str]]
+    value: Any
+    stream: BinaryIO
+    start: int
+    end: int
+
+    def ops(self) -> list[tuple[Any, Any, int | None]]:
+        here = self.stream.tell()
+        try:
+            self.stream.seek(self.start)
+            return _read_ops(io.BytesIO(self.stream.read(self.end - self.start)))
+        finally:
+            self.stream.seek(here)
+
+
+def _inspect(stream: BinaryIO) -> _Pickle:
+    """The pickle at ``stream``'s position, which is left just after its STOP."""
+    start = stream.tell()
+    # An extension code (EXT1/2/4) is looked up in copyreg's registry, and a code this process resolved
+    # before is answered from the unpickler's cache without find_class: the cached callable itself. The
+    # registry is empty unless a library registers codes; where it is not, a pickle using one is refused
+    # before it is read.
+    if getattr(copyreg, "_extension_registry", None):
+        ops = _read_ops(stream)
+        stream.seek(start)
+        if any(op.name.startswith("EXT") for op, _arg, _pos in ops):
+            raise UnsafePickleError("pickle uses an extension code (copyreg's registry: an import not seen)")
+    inspector = _Inspector(stream)
+    try:
+        value = inspector.load()
+    except Exception as exc:  # noqa: BLE001 - a malformed pickle may raise anything; each means refused
+        raise UnsafePickleError(f"malformed pickle ({type(exc).__name__}: {exc})") from None
+    return _Pickle(inspector.imports, value, stream, start, stream.tell())
+
+
 def pickle_globals(data: bytes | BinaryIO) -> list[tuple[str, str]]:
-    """Every ``module.name`` the (first) pickle would import; ``("?", "?")`` when one
-    cannot be determined statically. Raises :class:`UnsafePickleError` on a
-    malformed pickle."""
-    return _globals_of(_read_ops(io.BytesIO(data) if isinstance(data, bytes) else data))
-
-
-def _globals_of(ops: list[tuple[Any, Any, int | None]]) -> list[tuple[str, str]]:
-    found: list[tuple[str, str]] = []
-    # What each value-producing opcode pushed, when it is a known string
-    # (None otherwise); STACK_GLOBAL takes the last two. The memo maps each
-    # index to the string stored there (None: something else), with an entry
-    # for every PUT and MEMOIZE as the unpickler's memo has, so a string
-    # fetched back with a GET is still known. Anything not followed exactly
-    # makes a STACK_GLOBAL unknown, which is refused.
-    pushed: list[str | None] = []
-    memo: dict[int, str | None] = {}
-    for op, arg, _pos in ops:
-        name = op.name
-        if name in ("GLOBAL", "INST"):
-            module, _, attr = str(arg).partition(" ")
-            found.append((module, attr))
-            pushed.append(None)
-        elif name == "STACK_GLOBAL":
-            module_name = pushed[-2:] if len(pushed) >= 2 else [None, None]
-            if module_name[0] is not None and module_name[1] is not None:
-                found.append((module_name[0], module_name[1]))
-            else:
-                found.append(("?", "?"))
-            pushed.append(None)
-        elif name in _STRING_OPS:
-            pushed.append(str(arg))
-        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(str(arg))] = pushed[-1] if pushed else None
-        elif name == "MEMOIZE":
-            memo[len(memo)] = pushed[-1] if pushed else None  # as the unpickler numbers it
-        elif name in ("BINGET", "LONG_BINGET", "GET"):
-            pushed.append(memo.get(int(str(arg))))
-        else:
-            pushed.append(None)
-    return found
-
-
-def _is_legacy_magic(ops: list[tuple[Any, Any, int | None]]) -> bool:
-    """Whether a pickle's opcodes are the legacy magic number, written as a literal (whatever the protocol)."""
-    values = [(op, arg) for op, arg, _pos in ops if op.name not in ("PROTO", "FRAME", "STOP")]
-    return len(values) == 1 and isinstance(values[0][1], int) and values[0][1] == LEGACY_MAGIC_NUMBER
+    """Every ``module.name`` the (first) pickle imports, in a loader's order. Raises
+    :class:`UnsafePickleError` on a malformed pickle."""
+    return _inspect(io.BytesIO(data) if isinstance(data, bytes) else data).imports
 
 
 def _is_tar(f: BinaryIO) -> bool:
@@ -289,8 +343,12 @@ def _is_tar(f: BinaryIO) -> bool:
         f.seek(0)
 
 
-def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[Any, Any, int | None]]]]:
-    """``(where, opcodes)`` for every pickle a loader would unpickle from a file (see the module's doc)."""
+#: A file up to this size is read whole before it is inspected (an unpickler reads a stream opcode by opcode).
+_READ_WHOLE = 64 << 20
+
+
+def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, _Pickle]]:
+    """``(where, pickle)`` for every pickle a loader would unpickle from a file (see the module's doc)."""
     f = io.BytesIO(data) if isinstance(data, bytes) else data
     f.seek(0)
     head = f.read(4)
@@ -302,35 +360,40 @@ def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, list[tuple[Any, Any,
         except zipfile.BadZipFile as exc:
             raise UnsafePickleError(f"malformed zip archive ({exc})") from None
         for name, member in members:
-            yield f" in {name}", _read_ops(io.BytesIO(member))
+            yield f" in {name}", _inspect(io.BytesIO(member))
         return
     if _is_tar(f):
         raise UnsafePickleError("a tar archive (torch's oldest format, which loads more than one pickle)")
-    first = _read_ops(f)
-    if not _is_legacy_magic(first):
+    if not isinstance(f, io.BytesIO) and f.seek(0, io.SEEK_END) <= _READ_WHOLE:
+        f.seek(0)
+        f = io.BytesIO(f.read())
+    f.seek(0)
+    first = _inspect(f)
+    # torch reads a legacy file when its first pickle loads to the magic number (nothing imported makes an int).
+    if not (type(first.value) is int and first.value == LEGACY_MAGIC_NUMBER):
         yield "", first
         if f.read(1):
             raise UnsafePickleError("data after the pickle (a loader could read on past it)")
         return
     for what in LEGACY_PICKLES[1:]:
         try:
-            ops = _read_ops(f)
+            found = _inspect(f)
         except UnsafePickleError as exc:
             raise UnsafePickleError(f"legacy torch.save file, {what} pickle: {exc}") from None
-        yield f" in the legacy torch.save file's {what}", ops
+        yield f" in the legacy torch.save file's {what}", found
 
 
 def check_pickle_safe(data: bytes | BinaryIO) -> None:
     """Raise :class:`UnsafePickleError` naming the first import that would run
     code; return quietly for pickles of tensors and plain containers (every
     pickle of the file: see the module's doc)."""
-    for where, ops in _scanned(data):
-        imports = _globals_of(ops)
-        if ENUM_LOOKUP in imports and _only_enum_lookups(ops):
+    for where, found in _scanned(data):
+        imports = found.imports
+        if ENUM_LOOKUP in imports and _only_enum_lookups(found.ops()):
             imports = [g for g in imports if g != ENUM_LOOKUP]
         for module, attr in imports:
             if not _is_safe(module, attr):
-                target = "an unknown callable" if module == "?" else f"{module}.{attr}"
+                target = f"{module}.{attr}"
                 raise UnsafePickleError(f"pickle{where} would import {target}, which can run code")
 
 
