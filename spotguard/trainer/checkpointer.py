@@ -52,7 +52,7 @@ from typing import Any
 
 from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, clean_stale_tmp
-from spotguard.trainer import statedicts
+from spotguard.trainer import gcpause, statedicts
 from spotguard.trainer.channel import TrainerChannel
 from spotguard.trainer.collective import CollectiveSave
 from spotguard.trainer.config import CheckpointerConfig, keyword_parameters
@@ -279,7 +279,8 @@ class Checkpointer:
         _check_step(step)
         with self._save_lock:
             due = self._trigger.take(step)
-            return self._saver.save(step, state, due, epoch=epoch, metrics=metrics, blocking=blocking)
+            with gcpause.paused(due.preempt):  # a full collection would wait in the preemption's save
+                return self._saver.save(step, state, due, epoch=epoch, metrics=metrics, blocking=blocking)
 
     # -- checkpoints a framework writes (Hugging Face Trainer, Lightning) -------------------
     @property
