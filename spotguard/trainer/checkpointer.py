@@ -50,9 +50,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from spotguard import gcpause
 from spotguard.checkpoint.format.manifest import checkpoint_name, parse_checkpoint_name
 from spotguard.checkpoint.local.commit import WRITER_TMP_PREFIX, clean_stale_tmp
-from spotguard.trainer import gcpause, statedicts
+from spotguard.trainer import statedicts
 from spotguard.trainer.channel import TrainerChannel
 from spotguard.trainer.collective import CollectiveSave
 from spotguard.trainer.config import CheckpointerConfig, keyword_parameters

@@ -1,4 +1,4 @@
-"""A preemption's save runs with the cyclic garbage collector paused (spotguard.trainer.gcpause)."""
+"""A preemption's save runs with the cyclic garbage collector paused (spotguard.gcpause)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from spotguard.trainer import gcpause
+from spotguard import gcpause
 
 
 @pytest.fixture(autouse=True)

@@ -345,14 +345,38 @@ def stored_as(stored: bytes, local: bytes) -> bool:
     return manifest.chunked and to_plain(manifest).to_json() == local
 
 
+#: Chunk lists already parsed and found consistent, by their whole content (the file's size, checksum and
+#: algorithm, every chunk's name, size and CRC32C): the same file's list is parsed again and again (the part
+#: manifest and the global one, each checkpoint that links the file), each time combining every chunk's CRC32C.
+_PARSED_CHUNKS: dict[tuple[Any, ...], tuple[ChunkRef, ...]] = {}
+_PARSED_CHUNKS_MAX = 4096
+
+
 def _parse_chunks(path: str, value: Any, size: int, checksum: str, algorithm: str) -> tuple[ChunkRef, ...]:
     """The chunks of one file of a version 3 manifest: ``[[sha256, size, crc32c], ...]``,
     sizes adding up to the file's, and (for a CRC32C manifest) the chunks'
     CRC32Cs combining to the file's."""
-    from spotguard.storage.checksum import crc32c_of_parts
-
     if not isinstance(value, list):
         raise ManifestError(f"{path}: 'chunks' must be a list")
+    try:
+        key: tuple[Any, ...] | None = (size, checksum, algorithm, *map(tuple, value))
+        known = _PARSED_CHUNKS.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an item that is no list of plain values: checked (and refused) below
+        key, known = None, None
+    if known is not None:
+        return known
+    refs = _checked_chunks(path, value, size, checksum, algorithm)
+    if key is not None:
+        if len(_PARSED_CHUNKS) >= _PARSED_CHUNKS_MAX:
+            del _PARSED_CHUNKS[next(iter(_PARSED_CHUNKS))]  # the oldest
+        _PARSED_CHUNKS[key] = refs
+    return refs
+
+
+def _checked_chunks(path: str, value: list[Any], size: int, checksum: str, algorithm: str) -> tuple[ChunkRef, ...]:
+    """:func:`_parse_chunks` without its memory."""
+    from spotguard.storage.checksum import crc32c_of_parts
+
     refs: list[ChunkRef] = []
     for item in value:
         if not (isinstance(item, list) and len(item) == 3):
