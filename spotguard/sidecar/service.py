@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from spotguard import gcpause
 from spotguard.checkpoint.local import release
 from spotguard.checkpoint.store.parts import commit_progress
 from spotguard.contract import env as envvars
@@ -352,9 +353,12 @@ class CheckpointAgent:
         """Preemption now: get the newest state verified in storage before the deadline.
 
         Meanwhile this process's background deletes of pruned checkpoints
-        wait (:func:`~spotguard.checkpoint.local.release.held`).
+        wait (:func:`~spotguard.checkpoint.local.release.held`), and so does
+        the cyclic garbage collector (:mod:`spotguard.gcpause`): a full
+        collection of the process amid the upload's manifests and pickle
+        inspection waited tens of milliseconds there.
         """
-        with release.held():
+        with release.held(), gcpause.paused():
             return self._emergency(source, received_at, forward)
 
     def _emergency(self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None) -> bool:

@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from spotguard import gcpause
+
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".bin")
 
 # What torch.save emits for tensors, parameters and state dicts.
@@ -320,7 +322,8 @@ def _inspect(stream: BinaryIO) -> _Pickle:
             raise UnsafePickleError("pickle uses an extension code (copyreg's registry: an import not seen)")
     inspector = _Inspector(stream)
     try:
-        value = inspector.load()
+        with gcpause.paused():  # a full collection of the process, amid a load of many small objects
+            value = inspector.load()
     except Exception as exc:  # noqa: BLE001 - a malformed pickle may raise anything; each means refused
         raise UnsafePickleError(f"malformed pickle ({type(exc).__name__}: {exc})") from None
     return _Pickle(inspector.imports, value, stream, start, stream.tell())
