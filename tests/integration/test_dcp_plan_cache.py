@@ -56,13 +56,25 @@ def _worker(argv: list[str]) -> int:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, 8))
-    model[0].requires_grad_(False)
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    def fine_tune(seed: int) -> tuple[Any, Any]:
+        """A frozen base and a head, each sharded by FSDP2, AdamW on the head."""
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, 8))
+        model[0].requires_grad_(False)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    def full_state(model: Any, optimizer: Any) -> dict[str, Any]:
+        full = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
+        for i, s in optimizer.state_dict()["state"].items():
+            for k, v in s.items():
+                full[f"optimizer.{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+        return full
+
+    model, optimizer = fine_tune(0)
     torch.manual_seed(1 + rank)
 
     def train_and_save(ckpt: Any, saves: int, first_step: int) -> None:
@@ -83,30 +95,18 @@ def _worker(argv: list[str]) -> int:
     train_and_save(second, 2, SAVES)
     second.close()
 
-    full = {f"model.{k}": v.full_tensor() for k, v in model.state_dict().items()}
-    for i, s in optimizer.state_dict()["state"].items():
-        for k, v in s.items():
-            full[f"optimizer.{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    full = full_state(model, optimizer)
     if rank == 0:
         torch.save(full, Path(args.out) / "full.pt")
     (Path(args.out) / f"sent-{rank}.json").write_text(json.dumps(sent))
 
     # A restore of the second checkpointer's last save into a fresh model.
-    torch.manual_seed(7)
-    model2 = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, 8))
-    model2[0].requires_grad_(False)
-    for layer in model2:
-        fully_shard(layer)
-    fully_shard(model2)
-    optimizer2 = torch.optim.AdamW([p for p in model2.parameters() if p.requires_grad], lr=1e-2)
+    model2, optimizer2 = fine_tune(7)
     again = spotguard.Checkpointer(Path(args.dir) / "second", async_save=False)
     restored = again.restore(model2, optimizer2)
     assert restored is not None and restored.step == SAVES + 1, restored
     again.close()
-    back = {f"model.{k}": v.full_tensor() for k, v in model2.state_dict().items()}
-    for i, s in optimizer2.state_dict()["state"].items():
-        for k, v in s.items():
-            back[f"optimizer.{i}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    back = full_state(model2, optimizer2)
     if rank == 0:
         torch.save(back, Path(args.out) / "restored.pt")
     dist.destroy_process_group()

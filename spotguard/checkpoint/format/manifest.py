@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -364,6 +365,7 @@ def stored_as(stored: bytes, local: bytes) -> bool:
 #: manifest and the global one, each checkpoint that links the file), each time combining every chunk's CRC32C.
 _PARSED_CHUNKS: dict[tuple[Any, ...], tuple[ChunkRef, ...]] = {}
 _PARSED_CHUNKS_MAX = 4096
+_PARSED_CHUNKS_LOCK = threading.Lock()
 
 
 def _parse_chunks(path: str, value: Any, size: int, checksum: str, algorithm: str) -> tuple[ChunkRef, ...]:
@@ -381,9 +383,10 @@ def _parse_chunks(path: str, value: Any, size: int, checksum: str, algorithm: st
         return known
     refs = _checked_chunks(path, value, size, checksum, algorithm)
     if key is not None:
-        if len(_PARSED_CHUNKS) >= _PARSED_CHUNKS_MAX:
-            del _PARSED_CHUNKS[next(iter(_PARSED_CHUNKS))]  # the oldest
-        _PARSED_CHUNKS[key] = refs
+        with _PARSED_CHUNKS_LOCK:  # parsed from several threads (an operator's probes, an uploader's workers)
+            while len(_PARSED_CHUNKS) >= _PARSED_CHUNKS_MAX:
+                del _PARSED_CHUNKS[next(iter(_PARSED_CHUNKS))]  # the oldest
+            _PARSED_CHUNKS[key] = refs
     return refs
 
 
