@@ -165,7 +165,9 @@ def test_pod_deleted_out_of_band(apis: tuple[Any, Any], ns: str, operator: Opera
     create_job(apis, ns, no_node_job("gone", f"file://{tmp_path}"))
     wait_pod(apis, ns, "gone-a1")
     core.delete_namespaced_pod("gone-a1", ns, grace_period_seconds=0)
-    st = wait_status(apis, ns, "gone", "attempt 2", lambda s: s.get("attempt") == 2)
+    st = wait_status(
+        apis, ns, "gone", "attempt 2", lambda s: s.get("attempt") == 2, describe=lambda: operator.log_tail(40)
+    )
     assert st["lastPodEnd"]["reason"] == "PodDeleted" and st["preemptions"] == 1
     wait_pod(apis, ns, "gone-a2")
 
