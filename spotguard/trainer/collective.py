@@ -258,7 +258,10 @@ class CollectiveSave:
                 # Unchanged items in a file linked from the previous save (spotguard.trainer.dcpwriter).
                 committed = self._settings.directory / checkpoint_name(job.step) / DCP_DIR
                 writer = self._dcp_saves().writer(dcp_dir, committed, durable=durable)
-                planner = self._plans.planner(job.plans)
+                # The unchanged items' write items reused from the previous save (only where the stager
+                # keeps its host copies: otherwise nothing is unchanged, and nothing is held for the next).
+                unchanged = self._dcp_saves().unchanged if self._pinned is not None else None
+                planner = self._plans.planner(job.plans, unchanged)
                 try:
                     dcp_save(job.sharded, storage_writer=writer, planner=planner, process_group=d.persist)
                 except BaseException:  # noqa: BLE001 - re-raised: whatever failed, the next save exchanges every plan

@@ -25,13 +25,24 @@ uses that generation's caches only when every rank holds the same one.
 Otherwise every rank drops what it cached and the save starts a new
 generation, whose plans are exchanged in full and cached again. A save that
 raises drops the caches of its rank, so the next save starts afresh.
+
+Before a rank can tell its plan unchanged, torch builds it anew, item by
+item (a DTensor's chunk worked out from its mesh and placements), and
+compares it with the cached one: with hundreds of frozen shards per rank,
+most of a preemption's plan. The planner here (:class:`ReusingSavePlanner`)
+takes the previous save's write items of every item the stage found
+unchanged (its value the very host copy the previous save planned: the same
+object, whose shape, sharding and dtype the stage compared), and plans only
+the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -61,21 +72,27 @@ class PlanCache:
         self._prefix = f"spotguard.{uuid.uuid4().hex}"
         self.held = 0  # the generation this rank's caches hold; 0: none
         self.supported = _supported()
+        #: The last save's write items by DCP name, with the value they were planned for (held: never another's id).
+        self.items: dict[str, tuple[Any, list[Any]]] = {}
 
     def key(self, generation: int) -> str:
         return f"{self._prefix}.{generation}"
 
-    def planner(self, generation: int) -> Any:
+    def planner(self, generation: int, unchanged: Collection[str] | None = None) -> Any:
         """The planner of a save of ``generation`` (:func:`agreed_generation`): caching under its
-        key, the caches of any other generation dropped first. Without plan caching in this torch
-        release (or ``generation`` 0), torch's default planner, caching nothing."""
+        key, the caches of any other generation dropped first, the write items of the items named in
+        ``unchanged`` taken from the previous save (:class:`ReusingSavePlanner`; None: nothing kept for
+        the next save either, as where the stager keeps no host copies, which would be held here).
+        Without plan caching in this torch release (or ``generation`` 0), torch's default planner,
+        caching nothing."""
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         if not self.supported or generation <= 0:
+            self.items = {}
             return DefaultSavePlanner()
         if generation != self.held:
             self.drop()
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner = _reusing_planner_class()(self, unchanged)
         planner._cached_plans_key = self.key(generation)
         return planner
 
@@ -88,6 +105,7 @@ class PlanCache:
         from torch.distributed.checkpoint.planner import SavePlanner
 
         held, self.held = self.held, 0
+        self.items = {}
         if held <= 0:
             return
         key = self.key(held)
@@ -95,6 +113,87 @@ class PlanCache:
             cache = getattr(SavePlanner, name, None)
             if isinstance(cache, dict):
                 cache.pop(key, None)
+
+
+def plan_items(
+    state_dict: dict[str, Any], previous: dict[str, tuple[Any, list[Any]]], unchanged: Collection[str], create: Any
+) -> tuple[list[Any], dict[str, tuple[Any, list[Any]]]]:
+    """Pure: a rank's write items for a flattened ``state_dict`` in its order, and the memory of them
+    for the next save: an item named in ``unchanged`` whose value is the very object ``previous``
+    planned takes its write items from there; every other one gets ``create(fqn, value)`` (a list,
+    empty for a DTensor of a mesh this rank is not in, as torch's default plan leaves it)."""
+    items: list[Any] = []
+    memo: dict[str, tuple[Any, list[Any]]] = {}
+    for fqn, value in state_dict.items():
+        before = previous.get(fqn) if fqn in unchanged else None
+        made = before[1] if before is not None and before[0] is value else create(fqn, value)
+        memo[fqn] = (value, made)
+        items += made
+    return items, memo
+
+
+_PLANNER_CLASS: Any = None
+#: Whether torch's ``finish_plan`` caches the local plan a save made (else its ``create_local_plan`` does).
+_PROMOTED_IN_FINISH_PLAN = True
+
+
+def _reusing_planner_class() -> Any:
+    """:class:`ReusingSavePlanner`, defined once torch is imported (torch is imported lazily)."""
+    global _PLANNER_CLASS
+    if _PLANNER_CLASS is None:
+        _PLANNER_CLASS = _define_planner()
+    return _PLANNER_CLASS
+
+
+def _create_items(fqn: str, value: Any) -> list[Any]:
+    """Torch's write items of one item, as its ``create_default_local_save_plan`` makes them: none
+    for a DTensor of a mesh this rank is not in."""
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
+        return []
+    return list(_create_write_items(fqn, value))
+
+
+def _define_planner() -> Any:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
+
+    class ReusingSavePlanner(DefaultSavePlanner):  # type: ignore[misc,valid-type]
+        """Torch's default planner, with plan caching, whose local plan reuses the write items of the
+        items a stage found unchanged (see the module's docstring); the rest of its caching is torch's
+        ``create_local_plan``'s, step for step."""
+
+        def __init__(self, cache: PlanCache, unchanged: Collection[str] | None) -> None:
+            super().__init__(enable_plan_caching=True)
+            self._cache = cache
+            self._unchanged = unchanged
+
+        def create_local_plan(self) -> Any:
+            previous = self._cache.items
+            self._cache.items = {}
+            items, memo = plan_items(self.state_dict, previous, self._unchanged or (), _create_items)
+            if self._unchanged is not None:
+                self._cache.items = memo
+            plan = SavePlan(items)
+            if self.flatten_state_dict:
+                plan = dataclasses.replace(plan, planner_data=self.mappings)
+            self.plan = plan
+            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            if cached is not None and _compare_save_plans(plan, cached):
+                return SavePlan([], usable=False)
+            if _PROMOTED_IN_FINISH_PLAN:  # promoted by finish_plan once the global plan succeeded
+                self._pending_local_plan = plan
+            else:  # an earlier release: cached at once, as its create_local_plan does
+                SavePlanner._cached_save_plan[self._cached_plans_key] = plan
+            return self.plan
+
+    global _PROMOTED_IN_FINISH_PLAN
+    _PROMOTED_IN_FINISH_PLAN = "_pending_local_plan" in DefaultSavePlanner.finish_plan.__code__.co_names
+    ReusingSavePlanner.__module__ = __name__
+    return ReusingSavePlanner
 
 
 def _supported() -> bool:

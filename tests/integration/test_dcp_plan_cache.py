@@ -39,20 +39,28 @@ def _worker(argv: list[str]) -> int:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.fsdp import fully_shard
 
     import spotguard
+    from spotguard.trainer import plancache
 
     sent: list[bool] = []  # per dcp.save: whether this rank's plan was sent (False: cached, an empty one)
-    create = DefaultSavePlanner.create_local_plan
+    planned: list[list[str]] = []  # per dcp.save: the items whose write items were made anew
+    planner = plancache._reusing_planner_class()
+    create_plan, create_items = planner.create_local_plan, plancache._create_items
 
     def recording(self: Any) -> Any:
-        plan = create(self)
+        planned.append([])
+        plan = create_plan(self)
         sent.append(bool(plan.usable))
         return plan
 
-    DefaultSavePlanner.create_local_plan = recording  # type: ignore[method-assign]
+    def creating(fqn: str, value: Any) -> Any:
+        planned[-1].append(fqn)
+        return create_items(fqn, value)
+
+    planner.create_local_plan = recording
+    plancache._create_items = creating
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -99,6 +107,7 @@ def _worker(argv: list[str]) -> int:
     if rank == 0:
         torch.save(full, Path(args.out) / "full.pt")
     (Path(args.out) / f"sent-{rank}.json").write_text(json.dumps(sent))
+    (Path(args.out) / f"planned-{rank}.json").write_text(json.dumps(planned))
 
     # A restore of the second checkpointer's last save into a fresh model.
     model2, optimizer2 = fine_tune(7)
@@ -154,6 +163,14 @@ def test_plans_are_cached_per_checkpointer_and_only_where_every_rank_holds_them(
     # except the save after the coordinator lost its caches: every rank sends again, then caches.
     expected = [True, False, False, True, False, False] + [True, False]
     assert sent == [expected, expected], sent
+
+    # The frozen base is planned at a checkpointer's first save and after the coordinator lost its
+    # caches (a new generation forgets every write item), else its items are the previous save's.
+    for rank in (0, 1):
+        planned = json.loads((out / f"planned-{rank}.json").read_text())
+        base = [{fqn for fqn in names if fqn.startswith("model.0.")} for names in planned]
+        assert base == [{"model.0.weight", "model.0.bias"} if full else set() for full in expected], planned
+        assert all(any(fqn.startswith("model.1.") for fqn in names) for names in planned), planned  # the head
 
     # Every save names every chunk of both ranks, each stored.
     first = [ck / "first" / checkpoint_name(s) / "dcp" for s in range(SAVES)]

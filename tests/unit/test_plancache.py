@@ -42,3 +42,29 @@ def test_each_checkpointer_caches_under_its_own_keys_and_drops_them() -> None:
     b.drop()
     assert b.key(1) not in SavePlanner._cached_save_plan and b.held == 0
     assert not a.planner(0)._enable_plan_caching  # generation 0: torch's default planner, caching nothing
+
+
+def test_an_unchanged_item_takes_the_write_items_planned_for_that_very_value() -> None:
+    from spotguard.trainer.plancache import plan_items
+
+    made: list[str] = []
+
+    def create(fqn: str, value: object) -> list[tuple[str, object]]:
+        made.append(fqn)
+        return [(fqn, value)]
+
+    base, head, other = object(), object(), object()
+    items, memo = plan_items({"base": base, "head": head}, {}, {"base", "head"}, create)
+    assert made == ["base", "head"] and items == [("base", base), ("head", head)]
+
+    made.clear()
+    again, memo2 = plan_items({"base": base, "head": other}, memo, {"base"}, create)
+    assert made == ["head"]  # the base's items reused: the very same objects, in the state's order
+    assert again[0] is items[0] and again[1] == ("head", other)
+
+    made.clear()
+    plan_items({"base": other, "head": head}, memo2, {"base", "head"}, create)
+    assert made == ["base", "head"]  # named unchanged but another value, or a value planned under another name
+    made.clear()
+    plan_items({"base": base}, memo2, set(), create)
+    assert made == ["base"]  # the same value not named unchanged: planned again
