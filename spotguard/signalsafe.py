@@ -1,4 +1,5 @@
-"""An event a signal handler may set: :class:`SignalEvent`.
+"""An event a signal handler may set (:class:`SignalEvent`), and the latch of the first SIGTERM/SIGINT
+(:class:`SignalLatch`).
 
 ``threading.Event.set()`` takes the event's lock. A Python signal handler
 runs on the main thread between two bytecodes, which may be while that very
@@ -18,7 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 
 class SignalEvent(threading.Event):
@@ -61,3 +67,52 @@ class SignalEvent(threading.Event):
         finally:
             with contextlib.suppress(OSError):
                 os.close(read)
+
+
+class SignalLatch:
+    """Records the first SIGTERM/SIGINT and when it came; handlers only set flags.
+
+    The handler sets :attr:`event` without taking its lock
+    (:class:`SignalEvent`): the main loop waits on it,
+    and a handler that ran while that wait held the lock would wait for its
+    own thread forever, the preemption never handled.
+    """
+
+    def __init__(self, on_signal: Callable[[str], None] | None = None) -> None:
+        self.event = SignalEvent()
+        self.source: str | None = None
+        self.received_at = 0.0
+        # Called once, from the handler, with the source: only for what must
+        # not wait for the main loop (and is safe in a signal handler: no lock).
+        self.on_signal = on_signal
+        self._previous: dict[int, Any] = {}
+        self._fired = False
+
+    @property
+    def installed(self) -> bool:
+        """Whether this latch's handlers are in place."""
+        return bool(self._previous)
+
+    def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        """Install handlers (main thread only; a second call changes nothing)."""
+        if self.installed:
+            return
+        self.event.open()
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        self.event.close()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if not self._fired:
+            self._fired = True
+            self.received_at = time.time()
+            self.source = "sigint" if signum == signal.SIGINT else "sigterm"
+            self.event.set_soon()
+            if self.on_signal is not None:
+                self.on_signal(self.source)

@@ -69,7 +69,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     Watch the shared checkpoint directory, upload and verify each committed checkpoint, and on SIGTERM or a
     preemption notice get an emergency checkpoint verified in storage before the deadline.
     """
-    from spotguard.sidecar.service import SignalLatch
+    from spotguard.signalsafe import SignalLatch
 
     # First thing: kubelet may send SIGTERM while we are still starting up
     # (importing boto3, reaching storage); that is a preemption to handle,

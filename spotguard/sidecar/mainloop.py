@@ -25,8 +25,9 @@ from spotguard.contract.report import TerminationReport
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
 from spotguard.sidecar.metrics import SIDECAR_PORT_HINT
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
-from spotguard.sidecar.service import CheckpointAgent, SignalLatch
+from spotguard.sidecar.service import CheckpointAgent
 from spotguard.sidecar.shipper import log_stage
+from spotguard.signalsafe import SignalLatch
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from spotguard import gcpause
@@ -52,7 +50,6 @@ from spotguard.sidecar.shipper import (
     step_of,
 )
 from spotguard.sidecar.trainerproc import find_trainer_processes, is_trainer_process, signal_trainer
-from spotguard.signalsafe import SignalEvent
 
 if TYPE_CHECKING:
     from spotguard.checkpoint import RetentionPolicy
@@ -348,9 +345,14 @@ class CheckpointAgent:
     # -- emergency -----------------------------------------------------------
 
     def emergency(
-        self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None = None
+        self,
+        source: str,
+        received_at: float,
+        forward: Callable[[CheckpointRequest], None] | None = None,
+        saved: Callable[[], None] | None = None,
     ) -> bool:
         """Preemption now: get the newest state verified in storage before the deadline.
+        ``saved``: called once the trainer committed the preemption's checkpoint, before its upload.
 
         Meanwhile this process's background deletes of pruned checkpoints
         wait (:func:`~spotguard.checkpoint.local.release.held`), and so does
@@ -359,9 +361,15 @@ class CheckpointAgent:
         inspection waited tens of milliseconds there.
         """
         with release.held(), gcpause.paused():
-            return self._emergency(source, received_at, forward)
+            return self._emergency(source, received_at, forward, saved)
 
-    def _emergency(self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None) -> bool:
+    def _emergency(
+        self,
+        source: str,
+        received_at: float,
+        forward: Callable[[CheckpointRequest], None] | None,
+        saved: Callable[[], None] | None,
+    ) -> bool:
         """:meth:`emergency`'s work.
 
         The emergency path is save -> upload -> verify -> pointer, and
@@ -389,6 +397,8 @@ class CheckpointAgent:
             log_stage("request", time.monotonic() - t0, id=req.id, signalled=woke)
             target = self._await_trainer(req, deadline)
             log_stage("save", time.monotonic() - t0, name=target or "none")
+            if target is not None and saved is not None:
+                saved()
             if follower is not None:
                 sent = follower.finish(target, deadline - time.time())
                 chunks = follower.prestored()
@@ -635,55 +645,6 @@ class CheckpointAgent:
     def _newest_committed_step(self) -> int:
         newest = self._newest_committed()
         return step_of(newest) if newest else -1
-
-
-class SignalLatch:
-    """Records the first SIGTERM/SIGINT and when it came; handlers only set flags.
-
-    The handler sets :attr:`event` without taking its lock
-    (:class:`~spotguard.signalsafe.SignalEvent`): the main loop waits on it,
-    and a handler that ran while that wait held the lock would wait for its
-    own thread forever, the preemption never handled.
-    """
-
-    def __init__(self, on_signal: Callable[[str], None] | None = None) -> None:
-        self.event = SignalEvent()
-        self.source: str | None = None
-        self.received_at = 0.0
-        # Called once, from the handler, with the source: only for what must
-        # not wait for the main loop (and is safe in a signal handler: no lock).
-        self.on_signal = on_signal
-        self._previous: dict[int, Any] = {}
-        self._fired = False
-
-    @property
-    def installed(self) -> bool:
-        """Whether this latch's handlers are in place."""
-        return bool(self._previous)
-
-    def install(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        """Install handlers (main thread only; a second call changes nothing)."""
-        if self.installed:
-            return
-        self.event.open()
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        """Put the previous handlers back."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-        self.event.close()
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if not self._fired:
-            self._fired = True
-            self.received_at = time.time()
-            self.source = "sigint" if signum == signal.SIGINT else "sigterm"
-            self.event.set_soon()
-            if self.on_signal is not None:
-                self.on_signal(self.source)
 
 
 def default_markers(checkpoint_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -161,7 +161,7 @@ def _define_planner() -> Any:
     from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
     from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
-    class ReusingSavePlanner(DefaultSavePlanner):  # type: ignore[misc,valid-type]
+    class ReusingSavePlanner(DefaultSavePlanner):
         """Torch's default planner, with plan caching, whose local plan reuses the write items of the
         items a stage found unchanged (see the module's docstring); the rest of its caching is torch's
         ``create_local_plan``'s, step for step."""

@@ -41,8 +41,9 @@ def test_a_linked_files_chunks_are_taken_whole_from_the_verified_manifest(
     s3_store: Any, s3_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The upload of a file linked from the checkpoint it verified before takes that file's chunk
-    list in one step: no lookup per chunk, none read, none asked of the store, all trusted; a file
-    written again (the head) is still taken chunk by chunk."""
+    list in one step: no lookup per chunk, none read, none asked of the store, all trusted, and its
+    chunks not even planned (a DCP file's plan reads every item's bounds); a file written again (the
+    head) is still planned and taken chunk by chunk."""
     storage = s3_storage(s3_store, s3_uri)
     root = tmp_path / "ckpt"
     first = _checkpoint(root, 10, os.urandom(MiB), base=os.urandom(40 * MiB))
@@ -60,10 +61,18 @@ def test_a_linked_files_chunks_are_taken_whole_from_the_verified_manifest(
         per_chunk.append(path)
         return real(self, local_dir, path, offset, length)
 
+    planned: list[str] = []
+
+    def planning(path: Path, **kw: Any) -> Any:
+        planned.append(path.name)
+        return plan_file(path, **kw)
+
     monkeypatch.setattr(Unchanged, "linked", counted)
+    monkeypatch.setattr(chunked, "plan_file", planning)
     second = _checkpoint(root, 20, os.urandom(MiB), link=first / "base.distcp")
     result = upload_checkpoint(second, storage, incremental=known, update_pointer=False)
     assert "base.distcp" not in per_chunk and "head.distcp" in per_chunk, per_chunk
+    assert "base.distcp" not in planned and "head.distcp" in planned, planned
     assert result.unchanged_chunks == len(base_chunks)
     assert {c.hash for c in base_chunks} <= set(result.trusted_chunks)
     again = verify_checkpoint(storage, second.name, trusted=result.trusted_chunks)

@@ -14,8 +14,7 @@ import sys
 import threading
 import time
 
-from spotguard.sidecar.service import SignalLatch
-from spotguard.signalsafe import SignalEvent
+from spotguard.signalsafe import SignalEvent, SignalLatch
 
 
 def _eventually(check: object, timeout: float = 5.0) -> bool:
@@ -75,7 +74,7 @@ def test_a_closed_event_is_set_directly_and_its_relay_ends() -> None:
 
 PROGRAM = """
 import signal, sys
-from spotguard.sidecar.service import SignalLatch
+from spotguard.signalsafe import SignalLatch
 latch = SignalLatch()
 latch.install()
 print("ready", flush=True)

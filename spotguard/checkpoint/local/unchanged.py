@@ -49,9 +49,9 @@ class Unchanged:
     tensors unchanged: :meth:`linked`) is not even read: the same inode holds
     the same bytes, which were chunked, hashed and stored with that
     checkpoint. Should one of its chunks be missing from storage, its bytes
-    are read and hashed before they are sent again. Such a file laid out as
-    before (the same size, checksum and chunk sizes) takes its chunk list
-    whole (:meth:`linked_file`): one step for the file, not one per chunk.
+    are read and hashed before they are sent again. Such a file with the same
+    size and checksum takes its chunk list whole (:meth:`linked_file`): one
+    step for the file, not one per chunk, and not a read of its layout.
     """
 
     def __init__(self, local_dir: Path, manifest: Manifest | None, stored: Mapping[str, int]) -> None:
@@ -94,22 +94,17 @@ class Unchanged:
             return None
         return ref if self._is_linked(local_dir, path) else None
 
-    def linked_file(
-        self, local_dir: Path, entry: FileEntry, plan: list[tuple[int, int]]
-    ) -> tuple[ChunkRef, ...] | None:
+    def linked_file(self, local_dir: Path, entry: FileEntry) -> tuple[ChunkRef, ...] | None:
         """The previous checkpoint's chunks of file ``entry``, whole, when the file *is* the
-        previous checkpoint's (a hard link), with the same size and checksum and chunked by
-        ``plan`` as before; None otherwise (its chunks are then taken one by one). No byte is read."""
+        previous checkpoint's (a hard link) with the same size and checksum; None otherwise (its
+        chunks are then planned and taken one by one). No byte is read, not even to plan its chunks:
+        the same bytes were chunked when that checkpoint was made, and its verified manifest's list
+        of them (whose sizes add up to the file's, whose CRC32Cs combine to its checksum) is theirs."""
         before = self._files.get(entry.path)
         if before is None or before.chunks is None or (before.size, before.checksum) != (entry.size, entry.checksum):
             return None
-        if len(before.chunks) != len(plan):
+        if sum(ref.size for ref in before.chunks) != entry.size:
             return None
-        at = 0
-        for ref, (offset, length) in zip(before.chunks, plan, strict=True):
-            if offset != at or length != ref.size:
-                return None
-            at += length
         return before.chunks if self._is_linked(local_dir, entry.path) else None
 
     def _is_linked(self, local_dir: Path, path: str) -> bool:

@@ -339,10 +339,11 @@ def upload_chunks(
                     progress(ref.size)
         return ref
 
-    def whole(entry: FileEntry, plan: list[tuple[int, int]]) -> list[ChunkRef] | None:
+    def whole(entry: FileEntry) -> list[ChunkRef] | None:
         # A linked file whose chunks are all trusted: its chunk list in one step, none asked of the
-        # store, none read (a task per chunk grew a sharded save's upload with its frozen items).
-        refs = unchanged.linked_file(Path(local_dir), entry, plan) if trust else None
+        # store, none read, not planned (a task per chunk, then reading every DCP item's bounds to
+        # plan the chunks, grew a sharded save's upload with its frozen items).
+        refs = unchanged.linked_file(Path(local_dir), entry) if trust else None
         if refs is None or any(known.chunks.get(ref.hash) != ref.size for ref in refs):
             return None
         for ref in refs:
@@ -353,17 +354,16 @@ def upload_chunks(
             totals["unchanged_chunks"] += len(refs)
         return list(refs)
 
-    plans = [(entry, plan_file(Path(local_dir) / entry.path)) for entry in manifest.files]
     tables: dict[str, list[ChunkRef]] = {}
-    for entry, plan in plans:
-        taken = whole(entry, plan)
+    for entry in manifest.files:
+        taken = whole(entry)
         if taken is not None:
             tables[entry.path] = taken
+    plans = [(e, plan_file(Path(local_dir) / e.path)) for e in manifest.files if e.path not in tables]
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="chunk-upload") as pool:
         futures = {
             entry.path: [pool.submit(one, entry.path, offset, length) for offset, length in plan]
             for entry, plan in plans
-            if entry.path not in tables
         }
         tables.update({path: [f.result() for f in fs] for path, fs in futures.items()})
         for entry, plan in plans:
