@@ -118,6 +118,7 @@ class DcpSaves:
     _tracker: WriteView | None = None
     _tracked: dict[str, tuple[Any, int, int]] = field(default_factory=dict)  # fqn -> (storage, address, bytes)
     _changing: set[str] = field(default_factory=set)  # fqns found mostly written: compared, not tracked
+    _meshes: dict[tuple[int, int], tuple[Any, Any, bool]] = field(default_factory=dict)  # (id, id) -> (a, b, a == b)
 
     def stage(self, tensors: Mapping[str, Any], stage: Callable[[dict[str, Any]], Any], *, keep: bool) -> Any:
         """Phase one: ``tensors`` (nested dicts of tensors) staged by ``stage`` (torch's stager), but for
@@ -154,16 +155,14 @@ class DcpSaves:
         if type(t) is not type(host) or t.dtype != host.dtype or t.shape != host.shape:
             return False
         if hasattr(t, "to_local"):  # a DTensor: the same sharding, and the same local shard
-            mesh, other = t.device_mesh, host.device_mesh
-            if t.placements != host.placements or (mesh is not other and mesh != other):
+            if t.placements != host.placements or not self._same_mesh(t.device_mesh, host.device_mesh):
                 return False
             t, host = _local(t), _local(host)
             if t.shape != host.shape:
                 return False
         if not (t.is_contiguous() and host.is_contiguous()) or host.device.type != "cpu":
             return False
-        mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
-        n = mine.numel()
+        n = int(t.numel() * t.element_size())
         tracked = self._tracked.get(fqn)
         written = view.written_ranges(tracked[1], tracked[2]) if view and tracked and _is(tracked, t) else None
         if written is not None and sum(b - a for a, b in written) <= n // 2:
@@ -173,6 +172,8 @@ class DcpSaves:
             if written is not None:
                 self._changing.add(fqn)  # mostly written: not tracked until a comparison finds it unchanged
             ranges = [(0, n)]
+        if ranges:  # none: no page written since the copy, nothing to read (a frozen base, every save)
+            mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
         for a, b in ranges:
             self.compared_bytes += b - a
             if mine.device != theirs.device:
@@ -183,6 +184,17 @@ class DcpSaves:
         self.unchanged_bytes += n
         self._changing.discard(fqn)
         return True
+
+    def _same_mesh(self, mesh: Any, other: Any) -> bool:
+        """Whether two device meshes are equal: by identity, else as ``==`` said before for these
+        two (meshes live as long as their model; the verdicts hold both, so neither id is reused)."""
+        if mesh is other:
+            return True
+        key = (id(mesh), id(other))
+        known = self._meshes.get(key)
+        if known is None:
+            known = self._meshes[key] = (mesh, other, bool(mesh == other))
+        return known[2]
 
     def _view(self) -> WriteView | None:
         """This rank's view of the process's write tracker, opened at the first call (None where there is none)."""

@@ -37,3 +37,27 @@ def test_a_part_left_unchanged_entirely_is_dropped_then_rebuilt() -> None:
     assert "model" not in changed
     staged = {"optimizer": {"state": {"head.weight": {"exp_avg": "m", "step": "s"}}}}
     assert _with(STATE, staged, unchanged)["model"] == {"base.weight": "b", "head.weight": "h"}
+
+
+def test_two_meshes_are_compared_once_and_the_verdict_remembered() -> None:
+    """A host copy's mesh is another object than its tensor's (the stager copies it): ``==`` (Python,
+    per shard per save) is asked once per pair of meshes, its verdict kept with both (ids never reused)."""
+    from spotguard.trainer.dcpwriter import DcpSaves
+
+    class Mesh:
+        asked = 0
+
+        def __init__(self, ranks: tuple[int, ...]) -> None:
+            self.ranks = ranks
+
+        def __eq__(self, other: object) -> bool:
+            Mesh.asked += 1
+            return isinstance(other, Mesh) and self.ranks == other.ranks
+
+        __hash__ = object.__hash__
+
+    saves = DcpSaves()
+    mine, copy, other = Mesh((0, 1)), Mesh((0, 1)), Mesh((0, 2))
+    assert saves._same_mesh(mine, mine) and Mesh.asked == 0  # the same object: nothing asked
+    assert all(saves._same_mesh(mine, copy) for _ in range(5)) and Mesh.asked == 1
+    assert not any(saves._same_mesh(mine, other) for _ in range(5)) and Mesh.asked == 2
