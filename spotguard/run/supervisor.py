@@ -73,8 +73,6 @@ CHILD_FILE = "child.json"
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 _PR_SET_PDEATHSIG = 1
-#: The nice value of a preempted command once its checkpoint is committed (the lowest priority).
-YIELD_NICE = 19
 
 
 class SetupError(Exception):
@@ -202,25 +200,6 @@ def kill_leftovers(workdir: Path) -> list[int]:
     if pids:
         log.warning("killed %d process(es) left by an earlier spotguard run: %s", len(pids), pids)
     return pids
-
-
-def lower_priority(pids: list[int], nice: int) -> int:
-    """Set the nice value of every thread of ``pids`` to ``nice`` (a thread's priority is its own on
-    Linux; threads started later inherit their creator's). Returns how many threads were set; one
-    that is gone or not ours is passed over."""
-    done = 0
-    for pid in pids:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-                done += 1
-            except OSError:
-                continue
-    return done
 
 
 def kill_run(run_id: str) -> list[int]:
@@ -513,17 +492,6 @@ class Supervisor:
         self._forwarded = True
         self._signal_group(signal.SIGTERM)
 
-    def _yield_cpu(self) -> None:
-        """The preemption's checkpoint is committed: the command's processes run on at the lowest CPU
-        priority until they exit (what is left for them, an interpreter's teardown and freeing the
-        model's memory, took a node's few cores from the upload: at 2 GiB of state on 2 cores, an
-        upload twice as long). Every thread of every process of the run (a launcher's workers
-        included: they live in sessions of their own); lowering the priority of one's own processes
-        needs no privilege, and it is never raised again: the command is on its way out."""
-        if self.child is not None and self.child.poll() is None:
-            n = lower_priority(processes_with_env(envvars.RUN_ID.name, self.run_id), YIELD_NICE)
-            log.info("the command's %d thread(s) yield the CPU to the upload (nice %d)", n, YIELD_NICE)
-
     # -- main ----------------------------------------------------------------
 
     def run(self) -> int:
@@ -616,7 +584,7 @@ class Supervisor:
     def _preempted(self) -> int:
         source = self.latch.source or "sigterm"
         self.metrics.notice(source)
-        ok = self.agent.emergency(source, self.latch.received_at, forward=self._forward, saved=self._yield_cpu)
+        ok = self.agent.emergency(source, self.latch.received_at, forward=self._forward)
         deadline = self.latch.received_at + self.config.grace_seconds
         if self.child is not None:
             try:

@@ -3,7 +3,7 @@
 :func:`run_sidecar` is what ``spotguard sidecar`` runs once it is set up: it
 serves metrics, starts the notice watcher, does the routine duties of the
 :class:`~spotguard.sidecar.service.CheckpointAgent` until the trainer exits
-or SIGTERM comes (the :class:`~spotguard.sidecar.service.SignalLatch`), runs
+or SIGTERM comes (the :class:`~spotguard.signalsafe.SignalLatch`), runs
 the emergency path in the second case, and ends by writing the termination
 report, the JSON the operator reads from the container's termination message.
 ``spotguard run`` does the same duties in-process (``supervisor``) without

@@ -345,14 +345,9 @@ class CheckpointAgent:
     # -- emergency -----------------------------------------------------------
 
     def emergency(
-        self,
-        source: str,
-        received_at: float,
-        forward: Callable[[CheckpointRequest], None] | None = None,
-        saved: Callable[[], None] | None = None,
+        self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None = None
     ) -> bool:
         """Preemption now: get the newest state verified in storage before the deadline.
-        ``saved``: called once the trainer committed the preemption's checkpoint, before its upload.
 
         Meanwhile this process's background deletes of pruned checkpoints
         wait (:func:`~spotguard.checkpoint.local.release.held`), and so does
@@ -361,15 +356,9 @@ class CheckpointAgent:
         inspection waited tens of milliseconds there.
         """
         with release.held(), gcpause.paused():
-            return self._emergency(source, received_at, forward, saved)
+            return self._emergency(source, received_at, forward)
 
-    def _emergency(
-        self,
-        source: str,
-        received_at: float,
-        forward: Callable[[CheckpointRequest], None] | None,
-        saved: Callable[[], None] | None,
-    ) -> bool:
+    def _emergency(self, source: str, received_at: float, forward: Callable[[CheckpointRequest], None] | None) -> bool:
         """:meth:`emergency`'s work.
 
         The emergency path is save -> upload -> verify -> pointer, and
@@ -397,8 +386,6 @@ class CheckpointAgent:
             log_stage("request", time.monotonic() - t0, id=req.id, signalled=woke)
             target = self._await_trainer(req, deadline)
             log_stage("save", time.monotonic() - t0, name=target or "none")
-            if target is not None and saved is not None:
-                saved()
             if follower is not None:
                 sent = follower.finish(target, deadline - time.time())
                 chunks = follower.prestored()

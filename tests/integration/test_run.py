@@ -74,8 +74,6 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
         first.signal(signal.SIGTERM)
         assert first.wait() == 128 + signal.SIGTERM, first.tail()
         stopped = first.wait_for_stopped_step()
-        # Once its checkpoint was committed, the command's threads ran on at the lowest priority.
-        assert re.search(r"the command's [1-9]\d* thread\(s\) yield the CPU", first.text()), first.tail()
         info, _ = latest_verified(s3_storage(s3_store, s3_uri))
         assert info is not None and info.step == stopped, (info, stopped)
         memory = memory_staging_dir(tmp_path / "work")
