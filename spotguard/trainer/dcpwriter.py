@@ -118,7 +118,9 @@ class DcpSaves:
     _tracker: WriteView | None = None
     _tracked: dict[str, tuple[Any, int, int]] = field(default_factory=dict)  # fqn -> (storage, address, bytes)
     _changing: set[str] = field(default_factory=set)  # fqns found mostly written: compared, not tracked
-    _meshes: dict[tuple[int, int], tuple[Any, Any, bool]] = field(default_factory=dict)  # (id, id) -> (a, b, a == b)
+    #: Two meshes' equality, (id, id) -> (a, b, a == b): the pairs the last stage met, and those of this one.
+    _meshes: dict[tuple[int, int], tuple[Any, Any, bool]] = field(default_factory=dict)
+    _meshes_now: dict[tuple[int, int], tuple[Any, Any, bool]] = field(default_factory=dict)
 
     def stage(self, tensors: Mapping[str, Any], stage: Callable[[dict[str, Any]], Any], *, keep: bool) -> Any:
         """Phase one: ``tensors`` (nested dicts of tensors) staged by ``stage`` (torch's stager), but for
@@ -135,10 +137,14 @@ class DcpSaves:
         self.compared_bytes = self.unchanged_bytes = self.unread_bytes = 0
         leaves = list(_leaves(tensors))
         if before is not None:
+            self._meshes_now = {}
             for fqn, t in leaves:
                 host = before.get(fqn)
                 if host is not None and self._same(torch, fqn, t, host, view):
                     unchanged[fqn] = host
+            # Only the pairs this stage met are kept: a changed item's host copy has a mesh of its own,
+            # copied at each stage, which would otherwise pile up here.
+            self._meshes, self._meshes_now = self._meshes_now, {}
         for fqn, t in leaves:  # before the stager reads them: a write after its copy shows next time
             self._track(view, fqn, _local(t))
         changed = _without(tensors, unchanged.keys())
@@ -186,14 +192,15 @@ class DcpSaves:
         return True
 
     def _same_mesh(self, mesh: Any, other: Any) -> bool:
-        """Whether two device meshes are equal: by identity, else as ``==`` said before for these
-        two (meshes live as long as their model; the verdicts hold both, so neither id is reused)."""
+        """Whether two device meshes are equal: by identity, else as ``==`` said for these two at
+        this stage or the one before (the verdicts hold both meshes, so neither id is reused)."""
         if mesh is other:
             return True
         key = (id(mesh), id(other))
-        known = self._meshes.get(key)
+        known = self._meshes_now.get(key) or self._meshes.get(key)
         if known is None:
-            known = self._meshes[key] = (mesh, other, bool(mesh == other))
+            known = (mesh, other, bool(mesh == other))
+        self._meshes_now[key] = known
         return known[2]
 
     def _view(self) -> WriteView | None:
