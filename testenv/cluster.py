@@ -17,6 +17,7 @@ import base64
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -37,6 +38,8 @@ from typing import Any
 
 from testenv import pki
 from testenv.processnode.hostservices import HostServices
+
+log = logging.getLogger(__name__)
 
 RUN_MARKER = "SPOTGUARD_TESTENV_RUN"
 
@@ -173,15 +176,7 @@ class Supervisor:
         # One at a time, newest first: a service still has what it depends on while it
         # stops (the process nodes delete their Node objects through the apiserver).
         for svc in reversed(self.services):
-            _signal_group(svc.popen.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                svc.popen.wait(timeout if svc.stop_timeout is None else svc.stop_timeout)
-            _signal_group(svc.popen.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                svc.popen.wait(5)
-            for path in svc.leaves:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+            _stop_service(svc, timeout)
         self.services.clear()
         with contextlib.suppress(OSError):
             (self.state_dir / "pids.json").unlink()
@@ -189,6 +184,24 @@ class Supervisor:
         for pid in leftover_processes(self.run_id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def discard(self, svc: Service) -> None:
+        """Stop one service that failed to start, and forget it (another is started in its place)."""
+        _stop_service(svc, 10.0)
+        self.services.remove(svc)
+        self._write_pids()
+
+
+def _stop_service(svc: Service, timeout: float) -> None:
+    _signal_group(svc.popen.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        svc.popen.wait(timeout if svc.stop_timeout is None else svc.stop_timeout)
+    _signal_group(svc.popen.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        svc.popen.wait(5)
+    for path in svc.leaves:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -280,8 +293,6 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
     weed = venv_bin() / "weed"
     if not weed.exists():
         raise FileNotFoundError(f"{weed} not found: run `bash testenv/provision.sh` first")
-    data = sup.state_dir / "seaweedfs"
-    data.mkdir(parents=True, exist_ok=True)
     access, secret = "spotguard-" + secrets.token_hex(4), secrets.token_hex(16)
     identities = {
         "identities": [
@@ -295,6 +306,31 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
     config = sup.state_dir / "s3-identities.json"
     config.write_text(json.dumps(identities))
     config.chmod(0o600)
+    for attempt in range(1, _WEED_STARTS + 1):
+        try:
+            # An empty data directory at each start: nothing a failed start left is read again.
+            data = sup.state_dir / "seaweedfs"
+            if attempt > 1:
+                shutil.rmtree(data, ignore_errors=True)
+            data.mkdir(parents=True, exist_ok=True)
+            return _start_weed(sup, weed, data, config, access, secret, bucket)
+        except RuntimeError as exc:
+            # Its ten ports are free when chosen, but weed binds them one service after another, and
+            # meanwhile the kernel may give one to another process's connection (the ports come from
+            # the same range): it then exits "address already in use". It starts again on others.
+            if attempt == _WEED_STARTS or "address already in use" not in str(exc):
+                raise
+            log.warning("SeaweedFS could not bind a port (attempt %d); starting it on other ports", attempt)
+    raise AssertionError("unreachable")
+
+
+#: How many times SeaweedFS is started on fresh ports when one was taken before it bound it.
+_WEED_STARTS = 3
+
+
+def _start_weed(
+    sup: Supervisor, weed: Path, data: Path, config: Path, access: str, secret: str, bucket: str
+) -> S3Store:
     names = ("master", "volume", "filer", "s3", "mg", "vg", "fg", "sg", "metrics", "iam")
     p = dict(zip(names, free_ports(len(names)), strict=True))
     svc = sup.start(
@@ -341,7 +377,11 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
         client.put_object(Bucket=bucket, Key=".ready", Body=b"ok")
         return True
 
-    wait_until(bucket_ready, 90, "SeaweedFS S3", svc)
+    try:
+        wait_until(bucket_ready, 90, "SeaweedFS S3", svc)
+    except RuntimeError:
+        sup.discard(svc)
+        raise
     sup.host_services.add(p["s3"], "object store (SeaweedFS S3)")  # pods reach the store, not its innards
     return store
 

@@ -217,3 +217,39 @@ def test_processes_the_tests_start_keep_their_temporary_files_in_the_session(ses
         check=True,
     ).stdout.strip()
     assert Path(made).parent == session_tmpdir
+
+
+def test_a_store_whose_port_was_taken_before_it_bound_it_starts_on_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SeaweedFS binds its ten ports one service after another; one taken meanwhile (here its S3 gRPC
+    port, held by this test) makes it exit "address already in use". It starts again on other ports,
+    from an empty data directory, and the failed process is gone."""
+    import socket
+
+    state = tmp_path / "store"
+    state.mkdir()
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real = cluster.free_ports
+    calls: list[list[int]] = []
+
+    def ports(n: int) -> list[int]:
+        chosen = real(n)
+        if not calls and n == 10:
+            chosen[7] = int(taken.getsockname()[1])  # the S3 gRPC port ("sg")
+        calls.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(cluster, "free_ports", ports)
+    sup = cluster.Supervisor(state)
+    try:
+        store = cluster.start_seaweedfs(sup)
+        store.client().put_object(Bucket=store.bucket, Key="x", Body=b"x")
+        assert len(calls) == 2, calls  # started again, on other ports
+        assert [s.name for s in sup.services] == ["weed"]  # the failed one forgotten
+        assert "address already in use" in (state / "logs" / "weed.log").read_text(errors="replace")
+    finally:
+        sup.stop()
+        taken.close()
