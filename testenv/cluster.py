@@ -306,22 +306,19 @@ def start_seaweedfs(sup: Supervisor, bucket: str = "spotguard-test") -> S3Store:
     config = sup.state_dir / "s3-identities.json"
     config.write_text(json.dumps(identities))
     config.chmod(0o600)
-    for attempt in range(1, _WEED_STARTS + 1):
+    data = sup.state_dir / "seaweedfs"
+    for attempt in range(1, _WEED_STARTS):
         try:
-            # An empty data directory at each start: nothing a failed start left is read again.
-            data = sup.state_dir / "seaweedfs"
-            if attempt > 1:
-                shutil.rmtree(data, ignore_errors=True)
-            data.mkdir(parents=True, exist_ok=True)
             return _start_weed(sup, weed, data, config, access, secret, bucket)
         except RuntimeError as exc:
             # Its ten ports are free when chosen, but weed binds them one service after another, and
             # meanwhile the kernel may give one to another process's connection (the ports come from
             # the same range): it then exits "address already in use". It starts again on others.
-            if attempt == _WEED_STARTS or "address already in use" not in str(exc):
+            if "address already in use" not in str(exc):
                 raise
             log.warning("SeaweedFS could not bind a port (attempt %d); starting it on other ports", attempt)
-    raise AssertionError("unreachable")
+            shutil.rmtree(data, ignore_errors=True)  # the next start reads nothing the failed one left
+    return _start_weed(sup, weed, data, config, access, secret, bucket)
 
 
 #: How many times SeaweedFS is started on fresh ports when one was taken before it bound it.
@@ -331,6 +328,7 @@ _WEED_STARTS = 3
 def _start_weed(
     sup: Supervisor, weed: Path, data: Path, config: Path, access: str, secret: str, bucket: str
 ) -> S3Store:
+    data.mkdir(parents=True, exist_ok=True)
     names = ("master", "volume", "filer", "s3", "mg", "vg", "fg", "sg", "metrics", "iam")
     p = dict(zip(names, free_ports(len(names)), strict=True))
     svc = sup.start(

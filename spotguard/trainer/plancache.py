@@ -133,8 +133,6 @@ def plan_items(
 
 
 _PLANNER_CLASS: Any = None
-#: Whether torch's ``finish_plan`` caches the local plan a save made (else its ``create_local_plan`` does).
-_PROMOTED_IN_FINISH_PLAN = True
 
 
 def _reusing_planner_class() -> Any:
@@ -161,6 +159,9 @@ def _define_planner() -> Any:
     from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
     from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
+    # Whether torch's ``finish_plan`` caches the local plan a save made (else its ``create_local_plan`` does).
+    promoted_in_finish_plan = "_pending_local_plan" in DefaultSavePlanner.finish_plan.__code__.co_names
+
     class ReusingSavePlanner(DefaultSavePlanner):
         """Torch's default planner, with plan caching, whose local plan reuses the write items of the
         items a stage found unchanged (see the module's docstring); the rest of its caching is torch's
@@ -184,14 +185,12 @@ def _define_planner() -> Any:
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
             if cached is not None and _compare_save_plans(plan, cached):
                 return SavePlan([], usable=False)
-            if _PROMOTED_IN_FINISH_PLAN:  # promoted by finish_plan once the global plan succeeded
+            if promoted_in_finish_plan:  # promoted by finish_plan once the global plan succeeded
                 self._pending_local_plan = plan
             else:  # an earlier release: cached at once, as its create_local_plan does
                 SavePlanner._cached_save_plan[self._cached_plans_key] = plan
             return self.plan
 
-    global _PROMOTED_IN_FINISH_PLAN
-    _PROMOTED_IN_FINISH_PLAN = "_pending_local_plan" in DefaultSavePlanner.finish_plan.__code__.co_names
     ReusingSavePlanner.__module__ = __name__
     return ReusingSavePlanner
 
