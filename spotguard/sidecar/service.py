@@ -292,8 +292,9 @@ class CheckpointAgent:
     def beat(self) -> None:
         """Tell the trainer this uploader is alive, whether it ships, and the
         newest step it verified (``uploader-heartbeat.json``): only while it
-        ships may a preemption's save skip its fsync; a trainer that finished
-        waits for its last step to be verified (:mod:`spotguard.contract.final`)."""
+        ships may a preemption's save skip its fsync; a trainer that finished,
+        or was preempted, waits for its last step to be verified
+        (:mod:`spotguard.contract.final`)."""
         # Failing: a checkpoint newer than the newest verified one could not be shipped.
         last = self.shipper.last_shipped
         shipping = not any(step_of(name) > (last.step if last else -1) for name in list(self.shipper.failed))
@@ -407,6 +408,8 @@ class CheckpointAgent:
                     verified_at = time.time()
             elif verified_at is None:
                 verified_at = time.time()
+            # A preempted trainer waits for this before it exits (spotguard.contract.final): told at once.
+            self.beat()
             now = time.time()
             if now >= deadline:
                 break

@@ -41,7 +41,7 @@ from spotguard.contract.control import (
     read_heartbeat,
 )
 from spotguard.contract.control import atomic_write_json as _write_json_atomic
-from spotguard.contract.final import FINAL_POLL_SECONDS, decide_final_wait
+from spotguard.contract.final import FINAL_POLL_SECONDS, PREEMPTED_WAIT_SECONDS, decide_final_wait
 from spotguard.trainer.config import CheckpointerConfig
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ class TrainerChannel:
         self.pending: list[CheckpointRequest] = []
         #: True once a preempting request is answered: the training loop should stop.
         self.preempted = False
+        #: The earliest deadline of the preempting requests answered (unix time; None: none said).
+        self.preempt_deadline: float | None = None
         self._handled: set[str] = set()
         self._request_seen: tuple[int, int, int] | None = None
         self._sigterm = False
@@ -182,14 +184,21 @@ class TrainerChannel:
             )
 
     def await_final_verified(self, final_step: int | None, seconds: float) -> bool:
-        """On the way out of a trainer that finished: wait, at most ``seconds``,
-        until the uploader's heartbeat says checkpoint ``final_step`` is verified
-        in storage (:func:`~spotguard.contract.final.decide_final_wait`).
-        True when it is; False at once after a preemption, without an uploader,
-        or for a rank that does not own the control files."""
-        if not self.owner or seconds <= 0:
+        """On the way out: wait until the uploader's heartbeat says checkpoint
+        ``final_step`` is verified in storage
+        (:func:`~spotguard.contract.final.decide_final_wait`). A trainer that
+        finished waits at most ``seconds``, on the rank that owns the control
+        files; a preempted one on every rank, while the uploader is at work on
+        it, until the preemption's deadline (else
+        :data:`~spotguard.contract.final.PREEMPTED_WAIT_SECONDS`). True when it
+        is verified; False at once without an uploader."""
+        preempted = self.preempted or self.sigterm_seen
+        if preempted:
+            deadline = self.preempt_deadline or time.time() + max(seconds, PREEMPTED_WAIT_SECONDS)
+        elif not self.owner or seconds <= 0:
             return False
-        deadline = time.time() + seconds
+        else:
+            deadline = time.time() + seconds
         said = False
         while True:
             now = time.time()
@@ -199,10 +208,10 @@ class TrainerChannel:
                 started=self.started,
                 now=now,
                 deadline=deadline,
-                preempted=self.preempted or self.sigterm_seen,
+                preempted=preempted,
             )
             if verdict.action == "verified":
-                if said:
+                if said or preempted:
                     log.info("checkpoint of step %s verified in storage", final_step)
                 return True
             if verdict.action == "leave":
@@ -212,7 +221,10 @@ class TrainerChannel:
             if not said:
                 said = True
                 log.info(
-                    "waiting up to %.0fs for the uploader to verify the checkpoint of step %s", seconds, final_step
+                    "waiting up to %.0fs for the uploader to verify the checkpoint of step %s%s",
+                    deadline - now,
+                    final_step,
+                    " (preempted: only while it is at work on it)" if preempted else "",
                 )
             time.sleep(FINAL_POLL_SECONDS)
 
@@ -284,11 +296,10 @@ class TrainerChannel:
         their save failed. A preempting request answered sets :attr:`preempted`."""
         if not requests:
             return
+        self._note_preemption(requests)
         if not self.owner:
             # Another rank of this node answers the uploader.
             self._handled.update(r.id for r in requests)
-            if any(r.preempt for r in requests):
-                self.preempted = True
             return
         committed = path or next(reversed(list_local_committed(self._settings.directory)), None)
         # Internal (signal) requests first: the last ack written is the one a
@@ -304,5 +315,14 @@ class TrainerChannel:
                 _write_json_atomic(self.control_dir / ACK_FILE, doc)
             except OSError as exc:
                 log.warning("could not write %s: %s", self.control_dir / ACK_FILE, exc)
-        if any(r.preempt for r in requests):
-            self.preempted = True
+
+    def _note_preemption(self, requests: list[CheckpointRequest]) -> None:
+        """A preempting request answered: :attr:`preempted`, and the earliest deadline said."""
+        preempting = [r for r in requests if r.preempt]
+        if not preempting:
+            return
+        self.preempted = True
+        deadlines = [r.deadline for r in preempting if r.deadline is not None]
+        if self.preempt_deadline is not None:
+            deadlines.append(self.preempt_deadline)
+        self.preempt_deadline = min(deadlines) if deadlines else None

@@ -76,6 +76,12 @@ def test_sigterm_checkpoints_and_next_start_resumes(s3_store, s3_uri: str, tmp_p
         stopped = first.wait_for_stopped_step()
         info, _ = latest_verified(s3_storage(s3_store, s3_uri))
         assert info is not None and info.step == stopped, (info, stopped)
+        # The trainer's close() returned (it prints after it) only once its checkpoint was verified:
+        # its exit did not take the upload's CPU.
+        lines = first.text().splitlines()
+        verified = [i for i, ln in enumerate(lines) if "stage=verify " in ln and f"name=ckpt-{stopped:012d}" in ln]
+        left = [i for i, ln in enumerate(lines) if ln == f"preempted after step {stopped}"]
+        assert verified and left and verified[0] < left[0], first.tail()
         memory = memory_staging_dir(tmp_path / "work")
         if memory is not None:
             # The preemption's checkpoint was written in memory, shipped from there, and removed

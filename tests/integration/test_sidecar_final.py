@@ -218,16 +218,86 @@ def test_a_finished_trainer_waits_for_a_native_sidecar_to_verify_its_last_checkp
     assert report == {"preempted": False, "reason": "finished", "step": 5, "trainerStep": 5}
 
 
-def test_a_preempted_trainer_does_not_wait(tmp_path: Path) -> None:
-    """A preemption leaves at once: the grace period is the uploader's."""
+def preempted_checkpointer(tmp_path: Path, deadline: float | None = None) -> tuple[Checkpointer, Path]:
+    """A Checkpointer (no wait when it finishes: 0 s) whose step 6 answered a preemption, with an
+    uploader's heartbeat that says it ships and has verified step 5 only."""
     ckdir = tmp_path / "ck"
     control = ckdir / ".control"
-    ck = Checkpointer(ckdir, control_dir=control, async_save=False, final_verify_seconds=60)
+    ck = Checkpointer(ckdir, control_dir=control, async_save=False, final_verify_seconds=0)
     ck.save(5, state(5), blocking=True)
-    write_heartbeat(control, shipping=True, verified=None)  # an uploader that has not verified it
-    ck.request_checkpoint("sigterm", preempt=True)
+    write_heartbeat(control, shipping=True, verified=5)
+    ck.request_checkpoint("sigterm", preempt=True, deadline=deadline)
     ck.save(6, state(6), blocking=True)
     assert ck.preempted
+    return ck, control
+
+
+def beating(control: Path, seconds: float, then_verified: int | None) -> threading.Thread:
+    """An uploader at work: a fresh heartbeat every 0.2 s for ``seconds``, then ``then_verified`` said once."""
+
+    def run() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            write_heartbeat(control, shipping=True, verified=5)
+            time.sleep(0.2)
+        if then_verified is not None:
+            write_heartbeat(control, shipping=True, verified=then_verified)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_preempted_trainer_leaves_once_its_checkpoint_is_verified(tmp_path: Path) -> None:
+    """Its exit (memory freed, the interpreter torn down) would take the upload's CPU: it waits
+    while the uploader is at work on its checkpoint, and leaves as soon as it is verified."""
+    ck, control = preempted_checkpointer(tmp_path)
+    beats = beating(control, 1.5, then_verified=6)
     t0 = time.monotonic()
     ck.close()
-    assert time.monotonic() - t0 < 2.0
+    waited = time.monotonic() - t0
+    beats.join()
+    assert 1.5 <= waited < 5.0, waited
+
+
+@pytest.mark.parametrize(
+    ("case", "age", "shipping"),
+    [
+        ("the uploader fails to ship", 0.0, False),
+        ("the uploader's heartbeat is stale", 6.0, True),
+    ],
+)
+def test_a_preempted_trainer_does_not_wait_for_an_uploader_not_at_work(
+    tmp_path: Path, case: str, age: float, shipping: bool
+) -> None:
+    """The uploader ships within its grace period whatever the trainer does: one that stopped
+    beating, or fails, is not waited for."""
+    ck, control = preempted_checkpointer(tmp_path)
+    ck._channel.started -= 10  # so that the heartbeat is this run's uploader's
+    write_heartbeat(control, shipping=shipping, verified=5, now=time.time() - age)
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 1.0, case
+
+
+def test_a_preempted_trainer_leaves_when_the_uploader_stops_beating(tmp_path: Path) -> None:
+    """An uploader that stops beating mid-way (killed, or stuck) is waited for no longer than its
+    heartbeat stays fresh (5 s)."""
+    ck, control = preempted_checkpointer(tmp_path)
+    ck._channel.started -= 10  # a trainer that started before the uploader's last beat
+    write_heartbeat(control, shipping=True, verified=5, now=time.time() - 4.0)  # fresh for 1 s more
+    t0 = time.monotonic()
+    ck.close()
+    assert 0.8 <= time.monotonic() - t0 < 3.0
+
+
+def test_a_preempted_trainer_leaves_at_the_preemptions_deadline(tmp_path: Path) -> None:
+    """An uploader at work that has not verified the checkpoint by the preemption's deadline: the
+    trainer leaves then (the uploader gives up then too)."""
+    ck, control = preempted_checkpointer(tmp_path, deadline=time.time() + 2.0)
+    beats = beating(control, 6.0, then_verified=None)
+    t0 = time.monotonic()
+    ck.close()
+    waited = time.monotonic() - t0
+    beats.join()
+    assert 1.0 <= waited < 4.0, waited

@@ -32,8 +32,17 @@ CASES: list[tuple[str, dict[str, object], str]] = [
     ("no uploader ever beat", {"beat": None}, "leave"),
     ("a heartbeat of an earlier run", {"beat": beat(time=STARTED - 60, verified=10)}, "leave"),
     ("clock skew within a second", {"beat": beat(time=STARTED - 0.5)}, "wait"),
-    ("a preemption: the grace period is the uploader's", {"preempted": True}, "leave"),
-    ("a preemption even with nothing verified", {"preempted": True, "beat": beat(verified=None)}, "leave"),
+    # A preemption: the trainer waits only while the uploader is at work on its checkpoint.
+    ("a preemption with the uploader at work: wait", {"preempted": True}, "wait"),
+    ("a preemption, nothing verified yet: wait", {"preempted": True, "beat": beat(verified=None)}, "wait"),
+    ("a preemption verified: leave at once", {"preempted": True, "beat": beat(verified=40)}, "verified"),
+    ("a preemption, the uploader fails: leave", {"preempted": True, "beat": beat(shipping=False)}, "leave"),
+    ("a preemption, the heartbeat stale: leave", {"preempted": True, "now": 1505.5}, "leave"),
+    ("a preemption, the heartbeat fresh: wait", {"preempted": True, "now": 1504.5}, "wait"),
+    ("a preemption, the heartbeat just ahead (skew): wait", {"preempted": True, "now": 1499.5}, "wait"),
+    ("a preemption past its deadline", {"preempted": True, "now": DEADLINE, "beat": beat(time=DEADLINE)}, "leave"),
+    ("a preemption without an uploader: leave", {"preempted": True, "beat": None}, "leave"),
+    ("a preemption, an earlier run's uploader: leave", {"preempted": True, "beat": beat(time=STARTED - 60)}, "leave"),
 ]
 
 
@@ -51,6 +60,17 @@ def test_decide_final_wait(case: str, changes: dict[str, object], action: str) -
     verdict = decide_final_wait(**inputs)  # type: ignore[arg-type]
     assert verdict.action == action, verdict
     assert (verdict.why != "") == (action == "leave")
+
+
+def test_a_preempted_trainer_says_why_it_leaves_before_its_checkpoint_is_verified() -> None:
+    stale = decide_final_wait(
+        final_step=40, beat=beat(verified=30), started=STARTED, now=1506.0, deadline=DEADLINE, preempted=True
+    )
+    assert stale == FinalWait("leave", "preempted, and the uploader's heartbeat is 6.0s old")
+    failing = decide_final_wait(
+        final_step=40, beat=beat(shipping=False), started=STARTED, now=1500.0, deadline=DEADLINE, preempted=True
+    )
+    assert failing == FinalWait("leave", "preempted, and the uploader's heartbeat says it fails to ship")
 
 
 def test_leaving_at_the_bound_says_which_step_and_the_newest_verified() -> None:
