@@ -22,6 +22,13 @@ the upload then read it back to checksum and hash it. Here:
   written, into ``__<rank>_1.distcp``. Bytes of items that changed since
   stay in the linked file unreferenced (DCP reads an item where the
   metadata says); the file is written again once they outweigh the rest.
+- **Metadata** (the coordinator's ``.metadata``): where torch's plan cache
+  hands the same global metadata object again and every item is where the
+  previous save put it (the same file, offset and length), the previous
+  save's bytes are written again instead of pickling a thousand items anew.
+  So that they are the same bytes, the writer names no temporary directory
+  nor writer id in it (``storage_meta``: None; the part manifests name the
+  save).
 - **Upload**: the linked file is the same inode as the previous
   checkpoint's, so its chunks are taken from the previous verified manifest
   without reading a byte
@@ -50,11 +57,12 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from spotguard.checkpoint.format.manifest import FileEntry
+from spotguard.checkpoint.format.manifest import DCP_METADATA, FileEntry
 from spotguard.checkpoint.local.codec import as_words, equal_in_slices
 from spotguard.checkpoint.local.commit import LocalWriter
 from spotguard.checkpoint.local.written import MIN_TRACKED_BYTES, WriteTracker, WriteView, tracking_enabled
@@ -95,6 +103,27 @@ class _KeptFile:
     linked: bool = False  # this save linked it (not written)
 
 
+@dataclass(frozen=True)
+class _MetadataFile:
+    """The last ``.metadata`` this coordinator wrote: its bytes, and what they were made of (the parts
+    held, so that neither id is reused while this is remembered)."""
+
+    described: Any  # Metadata.state_dict_metadata: torch's plan cache hands the same object while plans hold
+    planner_data: Any
+    version: Any
+    storage: dict[Any, Any]  # MetadataIndex -> _StorageInfo
+    data: bytes
+
+    def made_of(self, metadata: Metadata, storage: dict[Any, Any]) -> bool:
+        """Whether ``metadata`` with ``storage`` pickles to :attr:`data`."""
+        return (
+            metadata.state_dict_metadata is self.described
+            and metadata.planner_data is self.planner_data
+            and getattr(metadata, "version", None) == self.version
+            and storage == self.storage
+        )
+
+
 @dataclass
 class DcpSaves:
     """What one rank's sharded saves remember from one to the next (see the module's docstring)."""
@@ -113,6 +142,9 @@ class DcpSaves:
     written_bytes: int = 0
     #: Bytes told unchanged without reading them (write tracking: no page written since their copy).
     unread_bytes: int = 0
+    #: The coordinator's last ``.metadata``, and whether the last save wrote those bytes again.
+    _metadata: _MetadataFile | None = None
+    metadata_reused: bool = False
     _fsynced: set[int] = field(default_factory=set)
     _opened: bool = False
     _tracker: WriteView | None = None
@@ -334,6 +366,39 @@ class KeepingWriter(FileSystemWriter):
         future: Future[list[WriteResult]] = Future()
         future.set_result(linked + written)
         return future
+
+    def storage_meta(self) -> StorageMeta | None:
+        """None: no temporary directory nor writer id in ``.metadata``, which is then the same bytes
+        for the same items (the checkpoint's part manifests name the save)."""
+        return None
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The coordinator's ``.metadata``: the previous save's bytes again where they describe the
+        same items in the same places (see the module's docstring), else torch's own."""
+        saves = self._saves
+        storage = {r.index: r.storage_data for rank in results for r in rank}
+        last = saves._metadata
+        saves.metadata_reused = last is not None and last.made_of(metadata, storage)
+        if last is not None and saves.metadata_reused:
+            metadata.storage_data, metadata.storage_meta = storage, None  # as torch's finish leaves it
+            self._write_metadata(last.data)
+            return
+        saves._metadata = None
+        super().finish(metadata, results)
+        data = (Path(self.path) / DCP_METADATA).read_bytes()
+        saves._metadata = _MetadataFile(
+            metadata.state_dict_metadata, metadata.planner_data, getattr(metadata, "version", None), storage, data
+        )
+
+    def _write_metadata(self, data: bytes) -> None:
+        """``data`` as this save's ``.metadata``, as torch writes it (a temporary file renamed)."""
+        target = Path(self.path) / DCP_METADATA
+        tmp = target.with_name(f"{DCP_METADATA}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.sync_files:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
 
     def _link(self, before: _KeptFile, name: str) -> bool:
         """Hard-link the previous kept file into this save (fsynced when the save is durable: the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,7 @@ def _worker(argv: list[str]) -> int:
 
     sent: list[bool] = []  # per dcp.save: whether this rank's plan was sent (False: cached, an empty one)
     planned: list[list[str]] = []  # per dcp.save: the items whose write items were made anew
+    reused: list[bool] = []  # per save: whether the coordinator wrote the previous .metadata's bytes again
     planner = plancache._reusing_planner_class()
     create_plan, create_items = planner.create_local_plan, plancache._create_items
 
@@ -94,6 +96,7 @@ def _worker(argv: list[str]) -> int:
             if ckpt is first and i + 1 == DROPPED and rank == 0:
                 ckpt._saver._plans.drop()  # the coordinator's caches gone, as after a save that failed here alone
             ckpt.save(first_step + i, spotguard.torch_state(model, optimizer))
+            reused.append(ckpt._saver._dcp.metadata_reused)
 
     first = spotguard.Checkpointer(Path(args.dir) / "first", async_save=False, keep_local=SAVES)
     train_and_save(first, SAVES, 0)
@@ -108,6 +111,7 @@ def _worker(argv: list[str]) -> int:
         torch.save(full, Path(args.out) / "full.pt")
     (Path(args.out) / f"sent-{rank}.json").write_text(json.dumps(sent))
     (Path(args.out) / f"planned-{rank}.json").write_text(json.dumps(planned))
+    (Path(args.out) / f"reused-{rank}.json").write_text(json.dumps(reused))
 
     # A restore of the second checkpointer's last save into a fresh model.
     model2, optimizer2 = fine_tune(7)
@@ -171,6 +175,17 @@ def test_plans_are_cached_per_checkpointer_and_only_where_every_rank_holds_them(
         base = [{fqn for fqn in names if fqn.startswith("model.0.")} for names in planned]
         assert base == [{"model.0.weight", "model.0.bias"} if full else set() for full in expected], planned
         assert all(any(fqn.startswith("model.1.") for fqn in names) for names in planned), planned  # the head
+
+    # The coordinator pickles its .metadata where the global plan was made anew (the first save of a
+    # checkpointer or a generation), or where items moved (the second save: the changed ones leave the
+    # kept file, which is linked from then on); else it writes the previous save's bytes again, and
+    # they are what torch would write.
+    reused = json.loads((out / "reused-0.json").read_text())
+    assert reused == [False, False, True, False, True, True] + [False, False], reused
+    for dcp_dir in (ck / "first" / checkpoint_name(s) / "dcp" for s in range(1, SAVES)):
+        again = pickle.loads((dcp_dir / ".metadata").read_bytes())
+        assert again.storage_meta is None
+        assert pickle.dumps(again) == (dcp_dir / ".metadata").read_bytes(), dcp_dir
 
     # Every save names every chunk of both ranks, each stored.
     first = [ck / "first" / checkpoint_name(s) / "dcp" for s in range(SAVES)]

@@ -61,3 +61,23 @@ def test_two_meshes_are_compared_once_and_the_verdict_remembered() -> None:
     assert saves._same_mesh(mine, mine) and Mesh.asked == 0  # the same object: nothing asked
     assert all(saves._same_mesh(mine, copy) for _ in range(5)) and Mesh.asked == 1
     assert not any(saves._same_mesh(mine, other) for _ in range(5)) and Mesh.asked == 2
+
+
+def test_the_previous_metadata_is_reused_only_for_the_same_items_in_the_same_places() -> None:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from spotguard.trainer.dcpwriter import _MetadataFile
+
+    described: dict[str, object] = {"model.w": object()}
+    metadata = Metadata(state_dict_metadata=described, planner_data={"model.w": ("model", "w")})
+    where = {MetadataIndex("model.w", (0,)): _StorageInfo("__0_0.distcp", 0, 64)}
+    last = _MetadataFile(described, metadata.planner_data, getattr(metadata, "version", None), where, b"pickled")
+    assert last.made_of(metadata, {MetadataIndex("model.w", (0,), index=3): _StorageInfo("__0_0.distcp", 0, 64)})
+    # An item elsewhere (another file, offset or length), or another item:
+    assert not last.made_of(metadata, {MetadataIndex("model.w", (0,)): _StorageInfo("__0_1.distcp", 0, 64)})
+    assert not last.made_of(metadata, {MetadataIndex("model.w", (0,)): _StorageInfo("__0_0.distcp", 64, 64)})
+    assert not last.made_of(metadata, {MetadataIndex("model.v", (0,)): _StorageInfo("__0_0.distcp", 0, 64)})
+    # A global plan made anew (torch's plan cache hands another object), even of equal content:
+    assert not last.made_of(Metadata(state_dict_metadata=dict(described), planner_data=metadata.planner_data), where)
+    assert not last.made_of(Metadata(state_dict_metadata=described, planner_data=dict(metadata.planner_data)), where)

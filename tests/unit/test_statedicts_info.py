@@ -1,0 +1,105 @@
+"""torch's distributed state dicts taken with what torch works out about the model reused
+(``spotguard.trainer.statedicts``): the same dicts as ``get_state_dict``, that work done once per
+model while its parameters and buffers stay the same objects, and the model not held after the
+last distributed Checkpointer closed. Real torch modules and optimizers; no process group needed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint import state_dict as sd
+
+from spotguard.trainer import statedicts
+
+
+@pytest.fixture
+def checkpointer_alive() -> Iterator[None]:
+    statedicts.enter()
+    try:
+        yield
+    finally:
+        statedicts.leave()
+
+
+@pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every model torch's ``_verify_options`` is asked about."""
+    calls: list[Any] = []
+    real = sd._verify_options
+
+    def counting(model: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(model)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(sd, "_verify_options", counting)
+    return calls
+
+
+def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
+
+
+def test_the_state_dicts_are_torchs_and_the_model_is_worked_out_once(
+    checkpointer_alive: None, verified: list[Any]
+) -> None:
+    model, optimizer = trained()
+    statedicts.get_state_dicts(model, optimizer)
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    second = statedicts.get_state_dicts(model, optimizer)
+    assert verified == [model]  # the second call reused what the first worked out
+    want_model, want_optim = sd.get_state_dict(model, optimizer)
+    assert same(second, {"model": want_model, "optimizer": want_optim})
+
+
+def test_a_model_that_changed_is_worked_out_again(checkpointer_alive: None, verified: list[Any]) -> None:
+    model, optimizer = trained()
+    statedicts.get_state_dicts(model, optimizer)
+    model.append(torch.nn.Linear(2, 2))  # a new submodule: new names
+    grown = statedicts.get_state_dicts(model, optimizer)
+    assert "3.weight" in grown["model"]
+    model[3].weight = torch.nn.Parameter(torch.ones(2, 2))  # the same name, another object
+    replaced = statedicts.get_state_dicts(model, optimizer)
+    assert torch.equal(replaced["model"]["3.weight"], torch.ones(2, 2))
+    other, other_optimizer = trained()
+    statedicts.get_state_dicts(other, other_optimizer)
+    assert verified == [model, model, model, other]
+
+
+def test_nothing_is_reused_without_a_distributed_checkpointer(verified: list[Any]) -> None:
+    model, optimizer = trained()
+    for _ in range(2):
+        statedicts.get_state_dicts(model, optimizer)
+    assert verified == [model, model]  # torch's own get_state_dict, every time
+
+
+def test_the_model_is_not_held_once_the_last_distributed_checkpointer_closed() -> None:
+    statedicts.enter()
+    model, optimizer = trained()
+    statedicts.get_state_dicts(model, optimizer)
+    gone = weakref.ref(model)
+    statedicts.leave()
+    del model, optimizer
+    gc.collect()
+    assert gone() is None
