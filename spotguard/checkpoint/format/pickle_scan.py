@@ -27,16 +27,27 @@ exactly those a loader would perform, in its order, and no module is
 imported. Only a pickle that imports ``builtins.getattr`` is also followed
 opcode by opcode (:func:`_only_enum_lookups`), to accept it only as an enum
 member's lookup.
+
+A pickle found safe is remembered by its content's SHA-256 (the last
+:data:`SAFE_MEMO_SIZE`, up to :data:`_READ_WHOLE` bytes each): the same
+bytes inspected again give the same verdict without reading them as a
+pickle. A sharded save's ``.metadata`` is the same bytes from one save to
+the next, and its upload and verification each inspected it (8 ms each at
+a thousand items). The key is a cryptographic digest, not the manifest's
+checksum, which may be a CRC that other bytes can be made to match.
 """
 
 from __future__ import annotations
 
 import copyreg
+import hashlib
 import io
 import pickle
 import pickletools
 import tarfile
+import threading
 import zipfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -386,10 +397,47 @@ def _scanned(data: bytes | BinaryIO) -> Iterator[tuple[str, _Pickle]]:
         yield f" in the legacy torch.save file's {what}", found
 
 
+#: How many safe pickles are remembered by content (see the module's doc).
+SAFE_MEMO_SIZE = 64
+_safe: OrderedDict[bytes, None] = OrderedDict()
+_safe_lock = threading.Lock()
+
+
 def check_pickle_safe(data: bytes | BinaryIO) -> None:
     """Raise :class:`UnsafePickleError` naming the first import that would run
     code; return quietly for pickles of tensors and plain containers (every
     pickle of the file: see the module's doc)."""
+    digest = _digest(data)
+    if digest is not None:
+        with _safe_lock:
+            if digest in _safe:
+                _safe.move_to_end(digest)
+                return
+    _check(data)
+    if digest is not None:
+        with _safe_lock:
+            _safe[digest] = None
+            while len(_safe) > SAFE_MEMO_SIZE:
+                _safe.popitem(last=False)
+
+
+def _digest(data: bytes | BinaryIO) -> bytes | None:
+    """The SHA-256 of ``data`` (a stream read whole, then put back at its start); None above
+    :data:`_READ_WHOLE` bytes (not remembered)."""
+    if isinstance(data, bytes):
+        return hashlib.sha256(data).digest() if len(data) <= _READ_WHOLE else None
+    size = data.seek(0, io.SEEK_END)
+    data.seek(0)
+    if size > _READ_WHOLE:
+        return None
+    hasher = hashlib.sha256()
+    while block := data.read(1 << 20):
+        hasher.update(block)
+    data.seek(0)
+    return hasher.digest()
+
+
+def _check(data: bytes | BinaryIO) -> None:
     for where, found in _scanned(data):
         imports = found.imports
         if ENUM_LOOKUP in imports and _only_enum_lookups(found.ops()):
