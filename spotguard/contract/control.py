@@ -204,16 +204,25 @@ class UploaderHeartbeat:
     """``uploader-heartbeat.json``: the uploader's loop ran at ``time`` (unix);
     ``shipping`` is False while a checkpoint newer than the newest verified
     one could not be shipped; ``verified`` is the newest step it verified in
-    storage (None: none yet, or an uploader that does not say)."""
+    storage (None: none yet, or an uploader that does not say);
+    ``emergency``: it is on its preemption's path (save, upload, verify of
+    the newest checkpoint), which a preempted trainer waits for."""
 
     pid: int | None
     time: float
     shipping: bool
     verified: int | None = None
+    emergency: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The wire form."""
-        return {"pid": self.pid, "time": self.time, "shipping": self.shipping, "verified": self.verified}
+        return {
+            "pid": self.pid,
+            "time": self.time,
+            "shipping": self.shipping,
+            "verified": self.verified,
+            "emergency": self.emergency,
+        }
 
 
 def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
@@ -230,6 +239,7 @@ def parse_heartbeat(data: bytes | str) -> UploaderHeartbeat:
         float(when),
         shipping,
         verified if isinstance(verified, int) and not isinstance(verified, bool) else None,
+        doc.get("emergency") is True,
     )
 
 
@@ -242,10 +252,17 @@ def heartbeat_says_shipping(
     return -_HEARTBEAT_SKEW_SECONDS <= now - beat.time <= max_age
 
 
-def write_heartbeat(control_dir: Path, shipping: bool, now: float | None = None, verified: int | None = None) -> None:
+def write_heartbeat(
+    control_dir: Path,
+    shipping: bool,
+    now: float | None = None,
+    verified: int | None = None,
+    *,
+    emergency: bool = False,
+) -> None:
     """Refresh the uploader's heartbeat (replaced atomically; not fsynced:
     a heartbeat that does not survive a crash is one that says nothing)."""
-    beat = UploaderHeartbeat(os.getpid(), time.time() if now is None else now, shipping, verified)
+    beat = UploaderHeartbeat(os.getpid(), time.time() if now is None else now, shipping, verified, emergency)
     control_dir.mkdir(parents=True, exist_ok=True)
     path = control_dir / HEARTBEAT_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -17,8 +17,9 @@ pod alive itself until the last checkpoint is verified
 (``SPOTGUARD_FINISH_SECONDS``).
 
 A preempted trainer waits too, on every rank, but only while the uploader
-shows it at work on that checkpoint (a heartbeat at most
-``HEARTBEAT_FRESH_SECONDS`` old that says it ships), and no longer than the
+shows it at work on that checkpoint: on its preemption's path (``emergency``
+in the heartbeat), in a heartbeat at most ``HEARTBEAT_FRESH_SECONDS`` old that
+says it ships; and no longer than the
 preemption's deadline where the trainer knows it (else
 :data:`PREEMPTED_WAIT_SECONDS`). Its checkpoint does not need the wait (the
 uploader ships it within the grace period whether the trainer runs or not);
@@ -26,7 +27,9 @@ the upload does: a trainer's exit frees its memory page by page and tears
 down its interpreter, work that took the upload's CPU on a small node
 (0.04-0.1 s of a 2 GiB fine-tune's emergency upload). Having nothing left
 to do, the trainer leaves that work until its checkpoint is safe. An
-uploader that stops beating or fails to ship is not waited for.
+uploader that stops beating or fails to ship is not waited for, nor one still
+in its routine loop: a native sidecar learns of the preemption only when
+kubelet stops it, once the trainer has exited.
 
 Pure; the trainer's loop around it is
 :meth:`spotguard.trainer.channel.TrainerChannel.await_final_verified`.
@@ -79,9 +82,10 @@ def decide_final_wait(
     - ``preempted``: a preemption (SIGTERM, a preempting request): the
       uploader ships within its grace period whatever the trainer does, so
       the trainer waits only while the heartbeat shows the uploader at work
-      (fresh, and shipping): one that stopped beating, or fails, is not
-      waited for (a finished trainer's wait is bounded by ``deadline`` alone:
-      its checkpoint may need it).
+      on it (fresh, shipping, on its preemption's path): one that stopped
+      beating, fails, or is still in its routine loop is not waited for (a
+      finished trainer's wait is bounded by ``deadline`` alone: its
+      checkpoint may need it).
     """
     if final_step is None:
         return FinalWait("leave", "no checkpoint was committed")
@@ -92,8 +96,13 @@ def decide_final_wait(
     if now >= deadline:
         newest = "none" if beat.verified is None else f"step {beat.verified}"
         return FinalWait("leave", f"step {final_step} not verified in time (newest verified: {newest})")
-    if preempted and not heartbeat_says_shipping(beat, now):
-        why = "says it fails to ship" if not beat.shipping else f"is {now - beat.time:.1f}s old"
+    if preempted and not (beat.emergency and heartbeat_says_shipping(beat, now)):
+        if not beat.shipping:
+            why = "says it fails to ship"
+        elif not beat.emergency:
+            why = "says it is not on its preemption's path"
+        else:
+            why = f"is {now - beat.time:.1f}s old"
         return FinalWait("leave", f"preempted, and the uploader's heartbeat {why}")
     return FinalWait("wait")
 

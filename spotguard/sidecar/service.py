@@ -168,7 +168,9 @@ class CheckpointAgent:
         # Set on a preemption (the signal latch's event): housekeeping stops.
         self.interrupt: threading.Event | None = None
         # When the heartbeat was last written (monotonic), and what it said (shipping, verified step).
-        self._beat: tuple[float, tuple[bool, int | None]] | None = None
+        self._beat: tuple[float, tuple[bool, int | None, bool]] | None = None
+        #: On the preemption's path (the heartbeat says so from then on).
+        self._in_emergency = False
         metrics.grace.labels(**metrics.labels).set(config.grace_seconds)
 
     # -- trainer -------------------------------------------------------------
@@ -298,12 +300,12 @@ class CheckpointAgent:
         # Failing: a checkpoint newer than the newest verified one could not be shipped.
         last = self.shipper.last_shipped
         shipping = not any(step_of(name) > (last.step if last else -1) for name in list(self.shipper.failed))
-        said = (shipping, last.step if last else None)
+        said = (shipping, last.step if last else None, self._in_emergency)
         now = time.monotonic()
         if self._beat is not None and self._beat[1] == said and now - self._beat[0] < HEARTBEAT_SECONDS:
             return
         try:
-            write_heartbeat(self.config.control_dir, shipping=shipping, verified=said[1])
+            write_heartbeat(self.config.control_dir, shipping=shipping, verified=said[1], emergency=said[2])
         except OSError as exc:
             log.debug("could not write the heartbeat: %s", exc)
             return
@@ -371,6 +373,7 @@ class CheckpointAgent:
         trainer's last step is verified.
         """
         deadline = received_at + self.config.grace_seconds - self.config.safety_margin_seconds
+        self._in_emergency = True  # from now on the heartbeat says so: a preempted trainer waits for it
         self.beat()
         state = self.trainer_state()
         log.warning("preemption source=%s trainer=%s deadline_in=%.1fs", source, state, deadline - time.time())

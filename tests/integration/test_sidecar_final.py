@@ -238,11 +238,12 @@ def beating(control: Path, seconds: float, then_verified: int | None) -> threadi
     def run() -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            write_heartbeat(control, shipping=True, verified=5)
+            write_heartbeat(control, shipping=True, verified=5, emergency=True)
             time.sleep(0.2)
         if then_verified is not None:
-            write_heartbeat(control, shipping=True, verified=then_verified)
+            write_heartbeat(control, shipping=True, verified=then_verified, emergency=True)
 
+    write_heartbeat(control, shipping=True, verified=5, emergency=True)  # on its preemption's path from now on
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -261,20 +262,22 @@ def test_a_preempted_trainer_leaves_once_its_checkpoint_is_verified(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("case", "age", "shipping"),
+    ("case", "age", "shipping", "emergency"),
     [
-        ("the uploader fails to ship", 0.0, False),
-        ("the uploader's heartbeat is stale", 6.0, True),
+        ("the uploader fails to ship", 0.0, False, True),
+        ("the uploader's heartbeat is stale", 6.0, True, True),
+        # A native sidecar learns of the preemption only when kubelet stops it, after the trainer.
+        ("the uploader is in its routine loop", 0.0, True, False),
     ],
 )
 def test_a_preempted_trainer_does_not_wait_for_an_uploader_not_at_work(
-    tmp_path: Path, case: str, age: float, shipping: bool
+    tmp_path: Path, case: str, age: float, shipping: bool, emergency: bool
 ) -> None:
     """The uploader ships within its grace period whatever the trainer does: one that stopped
-    beating, or fails, is not waited for."""
+    beating, fails, or is not on its preemption's path, is not waited for."""
     ck, control = preempted_checkpointer(tmp_path)
     ck._channel.started -= 10  # so that the heartbeat is this run's uploader's
-    write_heartbeat(control, shipping=shipping, verified=5, now=time.time() - age)
+    write_heartbeat(control, shipping=shipping, verified=5, now=time.time() - age, emergency=emergency)
     t0 = time.monotonic()
     ck.close()
     assert time.monotonic() - t0 < 1.0, case
@@ -285,7 +288,7 @@ def test_a_preempted_trainer_leaves_when_the_uploader_stops_beating(tmp_path: Pa
     heartbeat stays fresh (5 s)."""
     ck, control = preempted_checkpointer(tmp_path)
     ck._channel.started -= 10  # a trainer that started before the uploader's last beat
-    write_heartbeat(control, shipping=True, verified=5, now=time.time() - 4.0)  # fresh for 1 s more
+    write_heartbeat(control, shipping=True, verified=5, now=time.time() - 4.0, emergency=True)  # fresh for 1 s more
     t0 = time.monotonic()
     ck.close()
     assert 0.8 <= time.monotonic() - t0 < 3.0

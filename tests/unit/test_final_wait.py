@@ -14,8 +14,10 @@ STARTED = 1000.0
 DEADLINE = 2000.0
 
 
-def beat(time: float = 1500.0, verified: int | None = None, shipping: bool = True) -> UploaderHeartbeat:
-    return UploaderHeartbeat(pid=7, time=time, shipping=shipping, verified=verified)
+def beat(
+    time: float = 1500.0, verified: int | None = None, shipping: bool = True, emergency: bool = True
+) -> UploaderHeartbeat:
+    return UploaderHeartbeat(pid=7, time=time, shipping=shipping, verified=verified, emergency=emergency)
 
 
 CASES: list[tuple[str, dict[str, object], str]] = [
@@ -37,6 +39,13 @@ CASES: list[tuple[str, dict[str, object], str]] = [
     ("a preemption, nothing verified yet: wait", {"preempted": True, "beat": beat(verified=None)}, "wait"),
     ("a preemption verified: leave at once", {"preempted": True, "beat": beat(verified=40)}, "verified"),
     ("a preemption, the uploader fails: leave", {"preempted": True, "beat": beat(shipping=False)}, "leave"),
+    ("a preemption, the uploader in its routine loop", {"preempted": True, "beat": beat(emergency=False)}, "leave"),
+    (
+        "a preemption, routine loop, verified",
+        {"preempted": True, "beat": beat(emergency=False, verified=40)},
+        "verified",
+    ),
+    ("a finished trainer waits for a routine loop", {"beat": beat(emergency=False)}, "wait"),
     ("a preemption, the heartbeat stale: leave", {"preempted": True, "now": 1505.5}, "leave"),
     ("a preemption, the heartbeat fresh: wait", {"preempted": True, "now": 1504.5}, "wait"),
     ("a preemption, the heartbeat just ahead (skew): wait", {"preempted": True, "now": 1499.5}, "wait"),
@@ -71,6 +80,12 @@ def test_a_preempted_trainer_says_why_it_leaves_before_its_checkpoint_is_verifie
         final_step=40, beat=beat(shipping=False), started=STARTED, now=1500.0, deadline=DEADLINE, preempted=True
     )
     assert failing == FinalWait("leave", "preempted, and the uploader's heartbeat says it fails to ship")
+    routine = decide_final_wait(
+        final_step=40, beat=beat(emergency=False), started=STARTED, now=1500.0, deadline=DEADLINE, preempted=True
+    )
+    assert routine == FinalWait(
+        "leave", "preempted, and the uploader's heartbeat says it is not on its preemption's path"
+    )
 
 
 def test_leaving_at_the_bound_says_which_step_and_the_newest_verified() -> None:
@@ -109,4 +124,23 @@ def test_trainer_final_verify_seconds(native: bool, finish: float, want: float) 
 def test_the_heartbeat_says_the_newest_verified_step(doc: dict[str, object], verified: int | None) -> None:
     parsed = parse_heartbeat(json.dumps(doc))
     assert parsed.verified == verified
+    assert parse_heartbeat(json.dumps(parsed.to_json())) == parsed
+
+
+@pytest.mark.parametrize(
+    ("doc", "emergency"),
+    [
+        ({"pid": 1, "time": 5.0, "shipping": True, "emergency": True}, True),
+        ({"pid": 1, "time": 5.0, "shipping": True, "emergency": False}, False),
+        # An uploader from before the field, or one that says something else: not on its preemption's path.
+        ({"pid": 1, "time": 5.0, "shipping": True}, False),
+        ({"pid": 1, "time": 5.0, "shipping": True, "emergency": "yes"}, False),
+        ({"pid": 1, "time": 5.0, "shipping": True, "emergency": 1}, False),
+    ],
+)
+def test_the_heartbeat_says_whether_the_uploader_is_on_its_preemptions_path(
+    doc: dict[str, object], emergency: bool
+) -> None:
+    parsed = parse_heartbeat(json.dumps(doc))
+    assert parsed.emergency is emergency
     assert parse_heartbeat(json.dumps(parsed.to_json())) == parsed
