@@ -282,25 +282,53 @@ def delete_pod(ctx: Context, namespace: str, name: str, *, force: bool) -> None:
             raise
 
 
+#: How many times a status write is made again over a job whose metadata alone changed.
+STATUS_WRITE_TRIES = 3
+
+
 def patch_status(ctx: Context, job: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
     """Merge-patch the status subresource (never the spec), if the job is still as read.
 
     Raises :class:`JobChanged` when the job changed since it was read (409):
     the decision may rest on a stale status (another replica's, or a pod end
-    counted meanwhile), so it is made again from a fresh read.
+    counted meanwhile), so it is made again from a fresh read. A job whose
+    metadata alone changed (the operator's finalizer and annotations, added
+    to every new job while its first look was made) is written again at its
+    new version: the decision rests on its spec, status and deletion, and a
+    look made again after its pods were made would not know it made them (a
+    pod deleted meanwhile would be made again, its deletion never counted).
     """
     meta = job["metadata"]
-    body = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": dict(patch)}
-    ctx.fence()
-    try:
-        ctx.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
-        )
-    except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
-        if api_status(exc) == 409:
-            raise JobChanged(f"{meta['namespace']}/{meta['name']}") from None
-        if api_status(exc) != 404:
-            raise
+    version = meta.get("resourceVersion")
+    for tries_left in range(STATUS_WRITE_TRIES - 1, -1, -1):
+        body = {"metadata": {"resourceVersion": version}, "status": dict(patch)}
+        ctx.fence()
+        try:
+            ctx.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _content_type=MERGE_PATCH
+            )
+            return
+        except Exception as exc:  # noqa: BLE001 - any client's error, known by its status; the rest raised
+            if api_status(exc) == 404:
+                return
+            if api_status(exc) != 409:
+                raise
+        fresh = get_job(ctx, meta["namespace"], meta["name"]) if tries_left else None
+        if fresh is None or not same_but_metadata(job, fresh):
+            raise JobChanged(f"{meta['namespace']}/{meta['name']}")
+        version = (fresh.get("metadata") or {}).get("resourceVersion")
+
+
+def same_but_metadata(read: Mapping[str, Any], fresh: Mapping[str, Any]) -> bool:
+    """Pure: whether a job read again differs from the one read before only in what no decision
+    rests on (its metadata but for the generation and the deletion)."""
+    before, after = read.get("metadata") or {}, fresh.get("metadata") or {}
+    return (
+        before.get("generation") == after.get("generation")
+        and before.get("deletionTimestamp") == after.get("deletionTimestamp")
+        and read.get("spec") == fresh.get("spec")
+        and (read.get("status") or {}) == (fresh.get("status") or {})
+    )
 
 
 def post_event(ctx: Context, job: Mapping[str, Any], event: Event, now: datetime) -> None:

@@ -811,3 +811,36 @@ def test_probe_shares_one_s3_client_between_jobs_with_the_same_credentials(
     finally:
         probe.shutdown()
         core.delete_namespace(ns2)
+
+
+def test_a_status_write_outlives_a_change_of_metadata_alone(apis: tuple[Any, Any], crd: None, tmp_path: Path) -> None:
+    """A job's first look races the operator's finalizer and annotations, added to every new job: the
+    look's status write is made again at the job's new version, so the look is not redone (a redone
+    look after its pod was deleted made the pod again and never counted the deletion). A status or
+    spec written meanwhile is still a changed job: the look is made again."""
+    from spotguard.operator import kubeapi as rc
+    from spotguard.operator.metrics import OperatorMetrics
+
+    core, custom = apis
+    ns2 = new_namespace(core, "status")  # no operator watches it
+    ctx = rc.Context(core=core, custom=custom, config=OperatorConfig(image=IMAGE), metrics=OperatorMetrics())
+    try:
+        create_job(apis, ns2, no_node_job("m", f"file://{tmp_path}/store"))
+        read = get_job(apis, ns2, "m")
+        patch = {"metadata": {"annotations": {"example.com/touched": "yes"}, "finalizers": ["example.com/held"]}}
+        custom.patch_namespaced_custom_object(GROUP, VERSION, ns2, PLURAL, "m", patch)
+        rc.patch_status(ctx, read, {"phase": "Pending", "attempt": 1})
+        assert get_job(apis, ns2, "m")["status"] == {"phase": "Pending", "attempt": 1}
+
+        read = get_job(apis, ns2, "m")
+        rc.patch_status(ctx, get_job(apis, ns2, "m"), {"attempt": 2})  # another look's write
+        with pytest.raises(rc.JobChanged):
+            rc.patch_status(ctx, read, {"attempt": 3})
+        read = get_job(apis, ns2, "m")
+        custom.patch_namespaced_custom_object(GROUP, VERSION, ns2, PLURAL, "m", {"spec": {"suspend": True}})
+        with pytest.raises(rc.JobChanged):
+            rc.patch_status(ctx, read, {"attempt": 3})
+        assert get_job(apis, ns2, "m")["status"]["attempt"] == 2
+    finally:
+        custom.patch_namespaced_custom_object(GROUP, VERSION, ns2, PLURAL, "m", {"metadata": {"finalizers": None}})
+        core.delete_namespace(ns2)
