@@ -11,7 +11,8 @@ Every write first calls ``ctx.fence()``: with leader election
 (``spotguard.operator.leader``) a replica that may have lost its Lease exits
 there instead of writing. Status writes carry the job's ``resourceVersion``,
 so one based on a stale read (another replica wrote since) fails with 409 and
-is redone from a fresh read.
+is redone from a fresh read; one whose job changed only in its metadata (a
+finalizer, annotations) is written again at the new version.
 
 ``reconcile.py`` decides what to call and when; nothing here decides anything
 about a job.
