@@ -148,12 +148,12 @@ def test_an_emergency_save_skips_fsync_only_while_an_uploader_says_it_ships(
         write_heartbeat(ctl, shipping=True, now=time.time() - 60)  # an uploader that stopped a minute ago
     ck.request_checkpoint("sigterm", preempt=True, deadline=time.time() + 20)
     path = ck.save(2, step_tensors(2))
-    if uploader == "live":
-        agent.step()  # and it ships it (the preempted trainer waits for that before it leaves)
-        assert agent.shipper.last_shipped is not None and agent.shipper.last_shipped.step == 2
     ck.close()
     assert path is not None and verify_local_checkpoint(path).ok
     assert bool(synced) is (uploader != "live"), synced
+    if uploader == "live":
+        agent.step()  # and it ships it
+        assert agent.shipper.last_shipped is not None and agent.shipper.last_shipped.step == 2
 
 
 # -- the in-process emergency upload ---------------------------------------------------
