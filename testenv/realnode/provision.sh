@@ -11,8 +11,8 @@ BIN=$CACHE/testenv/bin
 mkdir -p "$BIN"
 
 # containerd 1.6 and runc 1.1; busybox (static) is the test image's userland; gcc builds
-# the pause process of the pod sandboxes.
-RN_PKGS=(containerd runc containernetworking-plugins busybox-static gcc libc6-dev iproute2 util-linux)
+# the pause process of the pod sandboxes; patch applies the kubelet's patch.
+RN_PKGS=(containerd runc containernetworking-plugins busybox-static gcc libc6-dev iproute2 util-linux patch)
 rn_missing=()
 for p in "${RN_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || rn_missing+=("$p")
@@ -25,7 +25,13 @@ if [ ${#rn_missing[@]} -gt 0 ]; then
   apt-get install -y -qq "${rn_missing[@]}" >/dev/null
 fi
 
-if [ ! -x "$BIN/kubelet" ]; then
+# The kubelet carries one patch (kubelet-final-status.patch): kubelet 1.20 can remove a deleted
+# pod's exited containers before it records their terminated states, so their exit codes and
+# termination messages never reach the apiserver; 1.22+ kubelets publish them first. The patch
+# records them before the removal, as current kubelets do. A changed patch rebuilds the kubelet.
+PATCH=$(dirname "$(readlink -f "$0")")/kubelet-final-status.patch
+want_patch=$(sha256sum "$PATCH" | cut -c1-16)
+if [ ! -x "$BIN/kubelet" ] || [ "$(cat "$BIN/kubelet.patch" 2>/dev/null)" != "$want_patch" ]; then
   printf '\n==> kubernetes: building kubelet for real nodes (about 5 min)\n'
   build=$CACHE/testenv/build
   mkdir -p "$build"
@@ -36,11 +42,13 @@ if [ ! -x "$BIN/kubelet" ]; then
   rm -rf kubelet-src && mkdir kubelet-src
   tar -xzf "$orig" -C kubelet-src --strip-components=1
   cd kubelet-src
+  patch -s -p1 <"$PATCH"
   export GOPATH=$PWD/.go CGO_ENABLED=0 GOFLAGS=-mod=vendor
   mkdir -p .go/src/k8s.io
   ln -sfn ../../.. .go/src/k8s.io/kubernetes
   nice -n 10 make WHAT=cmd/kubelet >build.log 2>&1 \
     || { tail -40 build.log >&2; echo "provision: kubelet build failed (log: $PWD/build.log)" >&2; exit 1; }
   install -m 0755 _output/local/bin/linux/amd64/kubelet "$BIN/kubelet"
+  echo "$want_patch" >"$BIN/kubelet.patch"
   cd "$build" && rm -rf "$build/kubelet-src"
 fi
