@@ -274,6 +274,14 @@ CHECKPOINT_READ_TIMEOUT_SECONDS = _var(
     "how long one read of a job's checkpoints may take before the job is told its store is too slow",
     "positive",
 )
+API_TIMEOUT_SECONDS = _var(
+    "API_TIMEOUT_SECONDS",
+    float,
+    30.0,
+    "how long the operator waits on the apiserver (to connect, and for each part of an answer) before the"
+    " request fails and is retried",
+    "positive",
+)
 CHECKPOINT_MAX_OBJECT_BYTES = _var(
     "CHECKPOINT_MAX_OBJECT_BYTES",
     int,

@@ -205,6 +205,14 @@ def register(subparsers: Any) -> None:
         " (StoreTooSlow) and other jobs go on",
     )
     add_option(p, env.CHECKPOINT_MAX_OBJECT_BYTES, metavar="BYTES")
+    add_option(
+        p,
+        env.API_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="how long the operator waits on the apiserver, to connect and for each part of an answer, before"
+        " the request fails and is retried: a connection that died without a word (a network fault, an"
+        " apiserver restarted behind a load balancer) holds no job's reconcile for longer",
+    )
     p.set_defaults(func=run_operator)
 
 
@@ -275,6 +283,9 @@ def run_operator(args: argparse.Namespace) -> int:
             " more than 0",
             file=sys.stderr,
         )
+        return 2
+    if not args.api_timeout_seconds > 0:
+        print("spotguard operator: --api-timeout-seconds must be more than 0", file=sys.stderr)
         return 2
     try:
         host_port_range = parse_range(args.host_port_range)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from typing import Any
 
 import kopf
 
+from spotguard.contract import env
 from spotguard.operator import kubeapi
 from spotguard.operator import reconcile as rc
 from spotguard.operator.admission import AdmissionServer, manage_configurations
@@ -59,6 +61,8 @@ log = logging.getLogger("spotguard.operator")
 
 FINALIZER = "spotguard.dev/finalizer"
 ANNOTATION_PREFIX = "spotguard.dev"
+#: Seconds the operator's requests wait on the apiserver by default (``--api-timeout-seconds``).
+API_TIMEOUT_SECONDS: float = env.API_TIMEOUT_SECONDS.default
 
 
 @dataclass
@@ -79,6 +83,8 @@ class OperatorOptions:
     checkpoint_full_read_seconds: float = 1800.0
     #: Endpoints (HOST[:PORT] patterns) a job's store may be at besides the cloud's own; see ``endpoints.py``.
     allowed_endpoints: tuple[str, ...] = ()
+    #: How long a request waits on the apiserver, to connect and for each part of the answer.
+    api_timeout_seconds: float = API_TIMEOUT_SECONDS
     #: How long one read of a job's checkpoints may take, and the largest pointer or manifest it reads.
     checkpoint_read_timeout_seconds: float = READ_TIMEOUT_SECONDS
     checkpoint_max_object_bytes: int = MAX_OBJECT_BYTES
@@ -122,8 +128,12 @@ def user_agent(identity: str) -> str:
     return f"spotguard-operator/{__version__} ({identity})"
 
 
-def api_client(identity: str | None = None) -> Any:
-    """A kubernetes ApiClient from in-cluster config or KUBECONFIG (own Configuration)."""
+def api_client(identity: str | None = None, timeout: float = API_TIMEOUT_SECONDS) -> Any:
+    """A kubernetes ApiClient from in-cluster config or KUBECONFIG (own Configuration) whose requests
+    wait ``timeout`` seconds at most to connect, and as long for each part of the answer, unless a call
+    says otherwise (``_request_timeout``). The client's own default is to wait for ever: a request on a
+    connection that died without a word (a network fault, an apiserver restarted behind a load balancer)
+    would hold its reconcile thread, and with the few the operator has, every job's, for good."""
     from kubernetes import client, config
 
     cfg = client.Configuration()
@@ -132,17 +142,36 @@ def api_client(identity: str | None = None) -> Any:
         config.load_incluster_config(client_configuration=cfg)
     else:
         config.load_kube_config(client_configuration=cfg)
-    api = client.ApiClient(cfg)
+    api = _timed_client_class()(cfg)
+    api.request_timeout = (timeout, timeout)  # (connect, read): urllib3's read timeout is per socket read
     if identity:
         api.user_agent = user_agent(identity)
     return api
 
 
-def api_clients(identity: str | None = None) -> tuple[Any, Any]:
+@functools.cache
+def _timed_client_class() -> type:
+    """``kubernetes.client.ApiClient`` with a default for ``_request_timeout`` (made once, on first use:
+    the kubernetes package is imported only where the operator runs)."""
+    from kubernetes import client
+
+    class TimedApiClient(client.ApiClient):  # type: ignore[misc]
+        request_timeout: tuple[float, float] | None = None
+
+        def call_api(self, *args: Any, **kwargs: Any) -> Any:
+            # Every generated API method passes ``_request_timeout`` by name (None where not given).
+            if kwargs.get("_request_timeout") is None:
+                kwargs["_request_timeout"] = self.request_timeout
+            return super().call_api(*args, **kwargs)
+
+    return TimedApiClient
+
+
+def api_clients(identity: str | None = None, timeout: float = API_TIMEOUT_SECONDS) -> tuple[Any, Any]:
     """CoreV1Api and CustomObjectsApi on one :func:`api_client`."""
     from kubernetes import client
 
-    api = api_client(identity)
+    api = api_client(identity, timeout)
     return client.CoreV1Api(api), client.CustomObjectsApi(api)
 
 
@@ -282,7 +311,7 @@ def build_registry(options: OperatorOptions) -> kopf.OperatorRegistry:
         # Only spotguard's pods are watched, filtered by the apiserver.
         settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
         # No kopf webhooks: every replica serves admission itself (spotguard.operator.admission).
-        core, custom = api_clients(options.identity)
+        core, custom = api_clients(options.identity, options.api_timeout_seconds)
         if options.fence is not kubeapi.no_fence:
             fence_requests(core.api_client, options.fence)  # core and custom share it
         config = operator_config(options, core)
@@ -421,7 +450,7 @@ def certificate_keeper(options: OperatorOptions) -> CertificateKeeper | None:
     from kubernetes import client
 
     assert options.webhook_cert and options.webhook_key and options.webhook_host
-    api = api_client(options.identity)
+    api = api_client(options.identity, options.api_timeout_seconds)
     return CertificateKeeper(
         client.CoreV1Api(api),
         client.AdmissionregistrationV1Api(api),
@@ -440,7 +469,7 @@ def admission_server(options: OperatorOptions, keeper: CertificateKeeper | None 
     assert options.webhook_cert and options.webhook_key
 
     def config() -> OperatorConfig:
-        core, _ = api_clients(options.identity)
+        core, _ = api_clients(options.identity, options.api_timeout_seconds)
         return operator_config(options, core)
 
     manage = None
@@ -454,7 +483,7 @@ def admission_server(options: OperatorOptions, keeper: CertificateKeeper | None 
             else:
                 with open(cert, "rb") as f:  # a self-signed certificate, or the chain up to its CA
                     bundle = f.read()
-            manage_configurations(api_client(options.identity), name, base_url, bundle)
+            manage_configurations(api_client(options.identity, options.api_timeout_seconds), name, base_url, bundle)
 
     return AdmissionServer(
         options.webhook_addr,
@@ -491,7 +520,8 @@ def run(options: OperatorOptions, *, liveness: str | None, election: Election | 
         relay = None
         if liveness:
             # The relay's own client: never fenced (it writes no job's state), the same in every role.
-            relay = NoticeRelay(api_clients(options.identity)[0], options.namespaces, options.identity)
+            core = api_clients(options.identity, options.api_timeout_seconds)[0]
+            relay = NoticeRelay(core, options.namespaces, options.identity)
         try:
             serving.enter_context(ProbeServer(liveness, health, relay))
         except OSError as exc:
@@ -500,7 +530,7 @@ def run(options: OperatorOptions, *, liveness: str | None, election: Election | 
         if election is not None:
             from kubernetes import client
 
-            leases = client.CoordinationV1Api(api_client(options.identity))
+            leases = client.CoordinationV1Api(api_client(options.identity, options.api_timeout_seconds))
             elector = LeaderElector(leases, election.namespace, election.name, options.identity, election.timing)
             fence_requests(leases.api_client, elector.fence_renewal)
             # Until kopf runs (it installs its own handlers), SIGTERM/SIGINT only stop the standby.
