@@ -37,12 +37,25 @@ def test_flag_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_args("--allowed-endpoints", "a.b,c.d:1").allowed_endpoints == "a.b,c.d:1"
 
 
+def test_the_apiserver_timeout_flag_reaches_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotguard.cliutil import options_from
+    from spotguard.operator.handlers import API_TIMEOUT_SECONDS, OperatorOptions
+
+    monkeypatch.delenv("SPOTGUARD_API_TIMEOUT_SECONDS", raising=False)
+    assert parse_args().api_timeout_seconds == API_TIMEOUT_SECONDS == OperatorOptions().api_timeout_seconds == 30.0
+    monkeypatch.setenv("SPOTGUARD_API_TIMEOUT_SECONDS", "7")
+    assert options_from(OperatorOptions, parse_args()).api_timeout_seconds == 7.0
+    assert options_from(OperatorOptions, parse_args("--api-timeout-seconds", "2.5")).api_timeout_seconds == 2.5
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["--allowed-endpoints", "http://minio.svc"], "--allowed-endpoints: 'http://minio.svc' is not an endpoint"),
         (["--checkpoint-read-timeout-seconds", "0"], "must be more than 0"),
         (["--checkpoint-max-object-bytes", "0"], "must be more than 0"),
+        (["--api-timeout-seconds", "0"], "--api-timeout-seconds must be more than 0"),
+        (["--api-timeout-seconds", "nan"], "--api-timeout-seconds must be more than 0"),
     ],
 )
 def test_bad_values_stop_the_operator_with_a_message(
