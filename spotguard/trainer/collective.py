@@ -267,6 +267,11 @@ class CollectiveSave:
                 except BaseException:  # noqa: BLE001 - re-raised: whatever failed, the next save exchanges every plan
                     self._plans.drop()
                     raise
+                finally:
+                    # The global metadata, pickled for DCP's broadcast as its written bytes, is torch's again.
+                    sent = getattr(writer, "sent", None)
+                    if sent is not None:
+                        sent()
                 self._plans.saved(job.plans)
             if mine.writer is not None and mine.error is None:
                 names = sorted(p.name for p in dcp_dir.glob(f"__{d.rank}_*.distcp")) if dcp_dir.is_dir() else []

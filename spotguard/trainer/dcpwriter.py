@@ -29,6 +29,11 @@ the upload then read it back to checksum and hash it. Here:
   So that they are the same bytes, the writer names no temporary directory
   nor writer id in it (``storage_meta``: None; the part manifests name the
   save).
+- **Broadcast**: DCP hands the coordinator's global metadata to every
+  rank once the ``.metadata`` is written, pickling its thousand items once
+  more. From that write until ``dcp.save`` returns the object pickles as the
+  bytes just written (:class:`_SentAsWritten`), and a rank that receives the
+  bytes it received last time takes the object it made of them then.
 - **Upload**: the linked file is the same inode as the previous
   checkpoint's, so its chunks are taken from the previous verified manifest
   without reading a byte
@@ -50,7 +55,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pickle
 import queue
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -320,6 +327,7 @@ class KeepingWriter(FileSystemWriter):
         super().__init__(path, sync_files=sync_files)
         self._saves = saves
         self._committed = committed
+        self._sending: Metadata | None = None  # the global metadata pickled as its written bytes (coordinator)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         saves = self._saves
@@ -382,6 +390,7 @@ class KeepingWriter(FileSystemWriter):
         if last is not None and saves.metadata_reused:
             metadata.storage_data, metadata.storage_meta = storage, None  # as torch's finish leaves it
             self._write_metadata(last.data)
+            self._send_as_written(metadata, last.data)
             return
         saves._metadata = None
         super().finish(metadata, results)
@@ -389,6 +398,22 @@ class KeepingWriter(FileSystemWriter):
         saves._metadata = _MetadataFile(
             metadata.state_dict_metadata, metadata.planner_data, getattr(metadata, "version", None), storage, data
         )
+        self._send_as_written(metadata, data)
+
+    def sent(self) -> None:
+        """Once ``dcp.save`` returned (or failed): the global metadata pickles as torch's again."""
+        metadata, self._sending = self._sending, None
+        if metadata is not None:
+            metadata.__dict__.pop(_SENT, None)
+            metadata.__class__ = Metadata
+
+    def _send_as_written(self, metadata: Metadata, data: bytes) -> None:
+        """From now until :meth:`sent`, ``metadata`` pickles as ``data`` (see :class:`_SentAsWritten`)."""
+        if type(metadata) is not Metadata:
+            return  # a subclass of a later torch release: pickled as torch does
+        metadata.__dict__[_SENT] = (data, _made_of(metadata))
+        metadata.__class__ = _SentAsWritten
+        self._sending = metadata
 
     def _write_metadata(self, data: bytes) -> None:
         """``data`` as this save's ``.metadata``, as torch writes it (a temporary file renamed)."""
@@ -416,6 +441,60 @@ class KeepingWriter(FileSystemWriter):
             return False
         log.debug("%s linked from %s (%d bytes, nothing written)", name, before.committed, before.size)
         return True
+
+
+#: The attribute of a :class:`_SentAsWritten` that holds its bytes and what they were made of.
+_SENT = "_spotguard_sent"
+
+
+def _made_of(metadata: Metadata) -> tuple[Any, ...]:
+    return (metadata.state_dict_metadata, metadata.planner_data, metadata.storage_data, metadata.storage_meta)
+
+
+class _SentAsWritten(Metadata):
+    """The coordinator's global metadata between the write of its ``.metadata`` and the end of
+    ``dcp.save``, which broadcasts it to every rank: pickled as the bytes just written (where its
+    fields are still the ones they were made of, else as torch's dataclass), instead of pickling
+    every item again (19 ms at a thousand items, on the preemption's path)."""
+
+    def __reduce__(self) -> Any:
+        data, made_of = self.__dict__.get(_SENT) or (None, ())
+        if data is not None and len(made_of) == 4 and all(a is b for a, b in zip(_made_of(self), made_of, strict=True)):
+            BROADCASTS.sent_as_written += 1
+            return (_received_metadata, (data,))
+        fields = (self.state_dict_metadata, self.planner_data, self.storage_data, self.storage_meta, self.version)
+        return (Metadata, fields)
+
+
+@dataclass
+class _Broadcasts:
+    """What this process did with DCP's metadata broadcasts (read by the tests)."""
+
+    sent_as_written: int = 0  # the coordinator: pickled as its written bytes
+    loaded: int = 0  # a rank: bytes unlike the last ones received, loaded
+    again: int = 0  # a rank: the bytes received last time, the object made of them then
+    last: tuple[bytes, Metadata] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+BROADCASTS = _Broadcasts()
+
+
+def _received_metadata(data: bytes) -> Metadata:
+    """A rank's global metadata from the coordinator's broadcast (see :class:`_SentAsWritten`): the
+    object loaded last time where the bytes are the same (``dcp.save`` only returns it; nothing
+    changes it). The bytes come from the job's own coordinator over the process group, which torch
+    unpickles in any case; no checkpoint is ever loaded so."""
+    with BROADCASTS.lock:
+        last = BROADCASTS.last
+        if last is not None and last[0] == data:
+            BROADCASTS.again += 1
+            return last[1]
+    metadata: Metadata = pickle.loads(data)  # noqa: S301 - the coordinator's broadcast, as torch's own
+    with BROADCASTS.lock:
+        BROADCASTS.last = (data, metadata)
+        BROADCASTS.loaded += 1
+    return metadata
 
 
 def _local(t: Any) -> Any:

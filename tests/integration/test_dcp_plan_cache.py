@@ -64,6 +64,30 @@ def _worker(argv: list[str]) -> int:
     planner.create_local_plan = recording
     plancache._create_items = creating
 
+    # What each dcp.save returned (on rank 1: the coordinator's broadcast), as torch's own pickle of it.
+    import hashlib
+    from dataclasses import fields
+
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from spotguard.trainer import dcpwriter
+
+    returned: list[str] = []
+    broadcasts: list[tuple[int, int, int]] = []  # per save: (sent as written, loaded, again) in that save
+    save = state_dict_saver.save
+
+    def saving(*a: Any, **kw: Any) -> Any:
+        b = dcpwriter.BROADCASTS
+        before = (b.sent_as_written, b.loaded, b.again)
+        md = save(*a, **kw)
+        broadcasts.append((b.sent_as_written - before[0], b.loaded - before[1], b.again - before[2]))
+        plain = Metadata(**{f.name: getattr(md, f.name) for f in fields(Metadata)})
+        returned.append(hashlib.sha256(pickle.dumps(plain)).hexdigest())
+        return md
+
+    state_dict_saver.save = saving
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
@@ -112,6 +136,8 @@ def _worker(argv: list[str]) -> int:
     (Path(args.out) / f"sent-{rank}.json").write_text(json.dumps(sent))
     (Path(args.out) / f"planned-{rank}.json").write_text(json.dumps(planned))
     (Path(args.out) / f"reused-{rank}.json").write_text(json.dumps(reused))
+    (Path(args.out) / f"returned-{rank}.json").write_text(json.dumps(returned))
+    (Path(args.out) / f"broadcasts-{rank}.json").write_text(json.dumps(broadcasts))
 
     # A restore of the second checkpointer's last save into a fresh model.
     model2, optimizer2 = fine_tune(7)
@@ -186,6 +212,17 @@ def test_plans_are_cached_per_checkpointer_and_only_where_every_rank_holds_them(
         again = pickle.loads((dcp_dir / ".metadata").read_bytes())
         assert again.storage_meta is None
         assert pickle.dumps(again) == (dcp_dir / ".metadata").read_bytes(), dcp_dir
+
+    # DCP's broadcast of the global metadata: the coordinator sent the bytes it had just written at
+    # every save; rank 1 loaded them, or took the object it made last time where they were the same
+    # (at least wherever the coordinator wrote the previous bytes again); both ranks' dcp.save returned
+    # the same metadata.
+    broadcasts = [json.loads((out / f"broadcasts-{rank}.json").read_text()) for rank in (0, 1)]
+    assert broadcasts[0] == [[1, 0, 0]] * (SAVES + 2), broadcasts[0]
+    assert all(loaded + again == 1 and sent == 0 for sent, loaded, again in broadcasts[1]), broadcasts[1]
+    assert all(again for (_, _, again), r in zip(broadcasts[1], reused, strict=True) if r), (broadcasts[1], reused)
+    returned = [json.loads((out / f"returned-{rank}.json").read_text()) for rank in (0, 1)]
+    assert returned[0] == returned[1] and len(returned[0]) == SAVES + 2, returned
 
     # Every save names every chunk of both ranks, each stored.
     first = [ck / "first" / checkpoint_name(s) / "dcp" for s in range(SAVES)]
