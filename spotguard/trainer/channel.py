@@ -226,7 +226,26 @@ class TrainerChannel:
                     final_step,
                     " (preempted: only while it is at work on it)" if preempted else "",
                 )
+            self._answer_on_the_way_out()
             time.sleep(FINAL_POLL_SECONDS)
+
+    def _answer_on_the_way_out(self) -> None:
+        """A request that comes while the trainer waits on its way out is answered at once with the
+        newest committed checkpoint: it saves nothing more, and the uploader that asked waits for the
+        answer (or the trainer's exit) before it ships, so neither would move until the wait's bound.
+        So it goes when kubelet's SIGTERM reaches the trainer before its sidecar's request: the trainer
+        saves and acknowledges its own signal first, and the request that comes after is answered here."""
+        self.poll()
+        if not self.pending:
+            return
+        requests, self.pending = self.pending, []
+        committed = next(reversed(list_local_committed(self._settings.directory)), None)
+        log.info(
+            "answering %s on the way out with %s",
+            ", ".join(r.id for r in requests),
+            committed.name if committed is not None else "no checkpoint",
+        )
+        self.answer(requests, committed)
 
     # -- requests ----------------------------------------------------------------------
     def _load_previous_ack(self) -> None:

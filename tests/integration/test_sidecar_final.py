@@ -25,7 +25,7 @@ from sidecar_helpers import Proc, base_env, reaping, spotguard_argv, wait_until
 from spotguard.checkpoint import checkpoint_name, read_latest_pointer, upload_checkpoint
 from spotguard.checkpoint.store.intents import upload_intent
 from spotguard.checkpoint.store.parts import commit_progress
-from spotguard.contract.control import EXIT_FILE, read_heartbeat, write_heartbeat
+from spotguard.contract.control import EXIT_FILE, ControlChannel, ack_answers, read_heartbeat, write_heartbeat
 from spotguard.storage import Storage, open_storage
 from spotguard.trainer import Checkpointer
 
@@ -292,6 +292,40 @@ def test_a_preempted_trainer_leaves_when_the_uploader_stops_beating(tmp_path: Pa
     t0 = time.monotonic()
     ck.close()
     assert 0.8 <= time.monotonic() - t0 < 3.0
+
+
+def test_a_request_that_comes_while_a_preempted_trainer_waits_is_answered(tmp_path: Path) -> None:
+    """kubelet's SIGTERM reaches the trainer and its sidecar at once: the trainer saves and answers
+    its own signal, then its sidecar, busy a moment longer, writes its request. The uploader waits for
+    an answer to that request (or the trainer's exit) before it ships; the trainer, waiting for the
+    uploader, answers it with its newest committed checkpoint, and leaves once that is verified.
+    Without the answer both would wait until the preemption's deadline (here 20 s)."""
+    ck, control = preempted_checkpointer(tmp_path, deadline=time.time() + 20.0)
+    time.sleep(0.2)  # the trainer's own acknowledgement is well before the request: it does not answer it
+    channel = ControlChannel(control)
+    req = channel.request_checkpoint("sigterm", time.time() + 20.0, preempt=True)
+    answered: list[Any] = []
+
+    def uploader() -> None:
+        end = time.monotonic() + 20.0
+        while time.monotonic() < end:
+            write_heartbeat(control, shipping=True, verified=5, emergency=True)
+            ack = channel.read_ack()
+            if ack_answers(ack, req):
+                answered.append(ack)
+                write_heartbeat(control, shipping=True, verified=6, emergency=True)  # shipped and verified
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=uploader, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    ck.close()
+    waited = time.monotonic() - t0
+    thread.join()
+    assert answered and answered[0].id == req.id, answered
+    assert answered[0].name == checkpoint_name(6) and answered[0].complete, answered
+    assert waited < 5.0, waited
 
 
 def test_a_preempted_trainer_leaves_at_the_preemptions_deadline(tmp_path: Path) -> None:
