@@ -317,6 +317,7 @@ def test_a_request_that_comes_while_a_preempted_trainer_waits_is_answered(tmp_pa
                 return
             time.sleep(0.05)
 
+    write_heartbeat(control, shipping=True, verified=5, emergency=True)  # at work before the trainer looks
     thread = threading.Thread(target=uploader, daemon=True)
     thread.start()
     t0 = time.monotonic()
