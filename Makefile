@@ -42,7 +42,8 @@ test: setup lint
 # The long run: every randomized trial loop at full scale (80 crash trials, 20
 # sidecar SIGTERM trials, 30 torchrun crash trials, 3 SIGTERMs per torchrun
 # preemption test, 30 chunk GC trials, the sharded races, the 20-job fleets
-# with and without hostNetwork and a mixed one, the 4-rank torchrun preemption test, the
+# with and without hostNetwork and a mixed one, the 4-rank torchrun preemption test, the process-node
+# DDP gang through drain, shutdown with an operator failover and node loss (tests marked `soak`), the
 # example and gang end-to-end jobs preempted by drain, shutdown and node loss, 3 preemptions
 # per exact-resume and Lightning sampler run, either rank killed mid-save, both ways a pytest
 # run ends).

@@ -64,6 +64,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests marked ``soak`` run at full scale only (``make soak``), or when named on the command line:
+    # ``make test`` runs their kind elsewhere, at a smaller scale (each one's docstring says where).
+    if trials.scale() != "full":
+        named = {a.split("[", 1)[0] for a in config.args if "::" in a}
+        soak = [i for i in items if i.get_closest_marker("soak") and i.nodeid.split("[", 1)[0] not in named]
+        if soak:
+            config.hook.pytest_deselected(items=soak)
+            items[:] = [i for i in items if i not in soak]
     # ``make test`` runs the heavy modules one after another in one lane while the rest of the
     # suite runs beside them (testenv/lanes.py).
     for item in items:

@@ -501,16 +501,19 @@ def test_missing_credentials_secret_is_reported_then_recovers(env: Env) -> None:
 
 
 @pytest.mark.trials
+@pytest.mark.soak
 @pytest.mark.timeout(1500)
 def test_ddp_gang_survives_every_preemption_mode_and_an_operator_failover_bitwise(env: Env, tmp_path: Path) -> None:
     """2 nodes x 2 processes: drain (rank 1), shutdown (rank 0, with the leading operator replica frozen mid-way
     and continued once the standby took over), abrupt loss (rank 1); Succeeded with a preemption each and the
     digest of an uninterrupted 4-process run; one replica acted at a time, as the apiserver saw it.
 
-    ``make test`` runs the shutdown with the failover alone (``make soak`` runs all three): a gang member's
-    drain takes the operator's path of a shutdown (a pod ended by its node's going), which the shutdown
-    here and the single-pod drains of the other end-to-end tests cover; the same gang loses rank 0's node
-    on real nodes (``tests/e2e/test_realnode_e2e.py``)."""
+    ``make soak`` runs it (named on the command line, it runs the shutdown with the failover alone). In
+    ``make test`` its kinds run on real nodes: the same gang loses rank 0's node and ends with the digest
+    of an uninterrupted 4-process run (``test_ddp_gang_survives_losing_rank0_node_bitwise``), a frozen
+    leader's standby acts and no pod is made twice (``test_frozen_leader_the_standby_acts_no_duplicate_pods``,
+    both in ``tests/e2e/test_realnode_e2e.py``), and a gang member's preemption recreates the whole gang
+    (``tests/integration/test_gang.py``: drain, shutdown and node loss of either rank)."""
     doc = yaml.safe_load(DDP_EXAMPLE.read_text())
     job = doc["metadata"]["name"]
     spec = doc["spec"]
