@@ -73,6 +73,41 @@ def test_the_state_dicts_are_torchs_and_the_model_is_worked_out_once(
     assert same(second, {"model": want_model, "optimizer": want_optim})
 
 
+class Walked(torch.nn.Sequential):
+    """A model that counts torch's walks through it: ``_get_fqns`` asks every module on a name's path
+    for its ``_fqn_modifiers``."""
+
+    walks = 0
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        Walked.walks += 1
+        return {}
+
+
+def test_names_are_not_walked_again_while_the_model_stays_the_same(checkpointer_alive: None) -> None:
+    torch.manual_seed(0)
+    model = Walked(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(model[1].parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    Walked.walks = 0
+    statedicts.get_state_dicts(model, optimizer)
+    assert Walked.walks > 0
+    walked = Walked.walks
+    model(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    second = statedicts.get_state_dicts(model, optimizer)
+    assert Walked.walks == walked  # every name's FQNs came from the first call's answers
+    want_model, want_optim = sd.get_state_dict(model, optimizer)
+    assert Walked.walks > walked  # torch's own call walks them: the count sees walks
+    assert same(second, {"model": want_model, "optimizer": want_optim})
+    model[1].weight = torch.nn.Parameter(torch.ones(2, 8))  # another object: the model is walked again
+    walked = Walked.walks
+    statedicts.get_state_dicts(model, torch.optim.AdamW(model[1].parameters(), lr=1e-2))
+    assert Walked.walks > walked
+
+
 def test_a_model_that_changed_is_worked_out_again(checkpointer_alive: None, verified: list[Any]) -> None:
     model, optimizer = trained()
     statedicts.get_state_dicts(model, optimizer)
