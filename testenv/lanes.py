@@ -48,13 +48,16 @@ WORKERS_ENV = "SPOTGUARD_LIGHT_WORKERS"
 #: once ``make test`` ran one preemption of each process-node end-to-end job, the light lane ended
 #: last (1759 s against 1597), and Lightning's two-rank fits came back here. Once the process-node
 #: DDP gang moved to ``make soak`` (its kinds run on real nodes), the light lane ended last again
-#: (1878 s against 1726 before), and the GPU check's torchrun groups came back here.
+#: (1878 s against 1726 before), and the GPU check's torchrun groups came back here; the light lane
+#: still ended last, alone for its last 4 minutes (1720 s against 1494), and the Hugging Face
+#: Trainer's torchrun groups followed.
 HEAVY_MODULES = (
     "tests/e2e/test_operator_e2e.py",
     "tests/integration/test_fleet.py",
     "tests/integration/test_run_torchrun.py",
     "tests/integration/test_lightning.py",
     "tests/integration/test_gpu_check.py",
+    "tests/integration/test_hf.py",
 )
 #: Modules whose tests run real nodes (kubelet + containerd) or build the images they pull: marked
 #: ``realnodes``, a lane and a control plane of their own. Process nodes and real nodes in one control
