@@ -102,6 +102,9 @@ def run_once(work: Path, frozen: int, code: Path) -> Run:
         st = stage_line(line)
         if st is not None and st.stage in STAGES:
             stages[st.stage] = stages.get(st.stage, 0.0) + st.seconds
+    for line in out.since(t0):
+        if " preempted: state dicts " in line:
+            print(f"     {line.strip()}", flush=True)  # the trainer's own part, per rank
     if "emergency" not in stages:
         raise RuntimeError(f"{frozen}: no verified SIGTERM checkpoint:\n" + "".join(out.since(t0))[-4000:])
     shutil.rmtree(workdir, ignore_errors=True)

@@ -138,7 +138,14 @@ def run_finetune(args: argparse.Namespace) -> int:
                 save = functools.partial(ckpt.save, step, spotguard.torch_state(model, opt))
                 profiled(save, f"{PROFILE}.{args.bytes}.{dist.get_rank()}.{step}")
             else:
-                ckpt.save(step, spotguard.torch_state(model, opt))
+                t0 = time.perf_counter()
+                state = spotguard.torch_state(model, opt)
+                t1 = time.perf_counter()
+                ckpt.save(step, state)
+                if ckpt.preempted:
+                    t2 = time.perf_counter()
+                    rank = dist.get_rank()
+                    print(f"rank {rank} preempted: state dicts {t1 - t0:.4f}s, save {t2 - t1:.4f}s", flush=True)
             if dist.get_rank() == 0:
                 print(f"saved {step}", flush=True)
         if ckpt.preempted:
