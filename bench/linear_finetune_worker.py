@@ -25,8 +25,11 @@ from typing import Any
 RANK = 16
 #: Routine checkpoints (every ``--save-every`` steps) before the trainer only saves when asked.
 ROUTINE = 4
-#: Between steps: a preemption's request waits at most this long for the next step boundary.
-STEP_PAUSE = 0.01
+#: Between steps: a preemption's request waits at most this long (and a step) for the next step
+#: boundary. It was 10 ms: where SIGTERM fell in it decided up to a third of a 35 ms figure at
+#: either size, and with it the per-round ratios' quartiles; the issue's script has no pause. 2 ms
+#: still leaves the supervisor's routine uploads most of a core.
+STEP_PAUSE = 0.002
 #: BENCH_FINETUNE_PROFILE=PREFIX: the preemption's save runs under cProfile, its statistics written to
 #: PREFIX.<frozen bytes>.<step> (routine saves are not profiled).
 PROFILE = os.environ.get("BENCH_FINETUNE_PROFILE", "")
