@@ -27,15 +27,15 @@ setup:
 # The heavy tests run in one lane, the rest beside them in another (testenv/lanes.py);
 # `make test LANES=` runs everything in one pytest session instead.
 LANES ?= 1
-# The images the real-node lane pulls are built (or found in the cache) before the lanes start, not
-# inside one: a cold build takes minutes. Where they cannot be built (no root, no buildah) the tests
-# that need them say so, and fail under CI.
+# The images the real-node tests pull are built (or found in the cache): by the real-node lane itself,
+# beside the other lanes (testenv/lanes.py), or first where one session runs everything. Where they
+# cannot be built (no root, no buildah) the tests that need them say so, and fail under CI.
 IMAGES_FOR_TESTS = $(PY) -m testenv.images build || [ -z "$$CI" ]
 # Byte-compiled once here: the suite starts hundreds of Python processes, and an
 # environment that sets PYTHONDONTWRITEBYTECODE would recompile the project in each.
 test: setup lint
 	$(PY) -m compileall -q spotguard testenv bench >/dev/null
-	$(IMAGES_FOR_TESTS)
+	$(if $(LANES),true,$(IMAGES_FOR_TESTS))
 	$(if $(LANES),$(PY) -m testenv.lanes,$(PY) -m pytest) --durations=$(DURATIONS) $(PYTEST_ARGS); rc=$$?; $(WALL); \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,24 @@ def test_the_real_lane_compares_a_sets_teardown_before_the_shared_set_starts() -
     assert tests[0] == "test_realnodes_teardown", tests
     signature = first.split("def test_realnodes_teardown(", 1)[1].split(") ->", 1)[0]
     assert "real_nodes:" not in signature, signature  # it must not start the shared set itself
+
+
+def test_the_real_lane_builds_its_images_first_and_fails_under_ci_when_it_cannot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real lane's command builds the images (beside the other lanes), then runs its pytest session;
+    a build that fails stops the lane under CI and leaves the tests to say so elsewhere."""
+    import os
+    import subprocess
+
+    real = lanes.lane_command("real", "realnodes")
+    assert real[:2] == ["bash", "-c"] and real[2].startswith(f"{sys.executable} -m testenv.images build || ")
+    assert lanes.lane_command("light", "x", ["tests/unit"])[:3] == [sys.executable, "-m", "pytest"]
+    monkeypatch.setattr(lanes, "PREPARE", {"real": ("no_such_module_here",)})
+    cmd = lanes.lane_command("real", "realnodes", ["--co", "-q", "-p", "no:cacheprovider", "tests/unit/test_trials.py"])
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "no_such_module_here" in ran.stderr
+    assert ran.returncode == 5, ran.stdout[-2000:]  # pytest ran: nothing there is marked realnodes
+    ci = subprocess.run(cmd, cwd=ROOT, env={**env, "CI": "true"}, capture_output=True, text=True, timeout=120)
+    assert ci.returncode == 1 and "deselected" not in ci.stdout, ci.stdout[-2000:]
