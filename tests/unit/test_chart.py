@@ -222,6 +222,27 @@ def test_the_storage_polls_full_read_interval_reaches_the_operator() -> None:
         assert ("", "secrets") not in rules_of(role), role["metadata"]
 
 
+def test_the_apiserver_and_checkpoint_read_timeouts_reach_the_operator() -> None:
+    from spotguard.cli import build_parser
+    from spotguard.contract.env import API_TIMEOUT_SECONDS, CHECKPOINT_READ_TIMEOUT_SECONDS
+
+    cmd = operator_command(render())
+    assert "--api-timeout-seconds=30" in cmd and "--checkpoint-read-timeout-seconds=60" in cmd
+    args = build_parser().parse_args(["operator", *cmd[2:]])
+    # The chart's defaults are the operator's own.
+    assert (args.api_timeout_seconds, args.checkpoint_read_timeout_seconds) == (
+        API_TIMEOUT_SECONDS.default,
+        CHECKPOINT_READ_TIMEOUT_SECONDS.default,
+    )
+    set_both = operator_command(render("operator.apiTimeoutSeconds=5", "operator.checkpointReadTimeoutSeconds=7"))
+    args = build_parser().parse_args(["operator", *set_both[2:]])
+    assert (args.api_timeout_seconds, args.checkpoint_read_timeout_seconds) == (5, 7)
+    # No storage read, no read timeout; the apiserver's stays.
+    quiet = operator_command(render("operator.readCheckpoints=false"))
+    assert "--api-timeout-seconds=30" in quiet
+    assert not any(a.startswith("--checkpoint-read-timeout-seconds") for a in quiet)
+
+
 def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
     docs = render("operator.watchNamespaces={ml,research}")
     # Cluster-wide: only Nodes (cluster-scoped; a vanished node is a preemption), TokenReviews and the
@@ -542,6 +563,8 @@ def test_scheduling_values_reach_the_pod() -> None:
         "leaderElection.leaseDurationSeconds=0",
         "leaderElection.retryPeriodSeconds=-1",
         "leaderElection.renewDeadline=5",
+        "operator.apiTimeoutSeconds=0",
+        "operator.checkpointReadTimeoutSeconds=-1",
     ],
 )
 def test_schema_refuses_bad_values(bad: str) -> None:
