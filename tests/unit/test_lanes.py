@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from testenv import lanes
+from testenv import cluster, lanes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,8 @@ def test_the_real_lane_builds_its_images_first_and_fails_under_ci_when_it_cannot
     assert lanes.lane_command("light", "x", ["tests/unit"])[:3] == [sys.executable, "-m", "pytest"]
     monkeypatch.setattr(lanes, "PREPARE", {"real": ("no_such_module_here",)})
     cmd = lanes.lane_command("real", "realnodes", ["--co", "-q", "-p", "no:cacheprovider", "tests/unit/test_trials.py"])
-    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    # Not this session's run marker: the session it starts would take this session's services for its own leftovers.
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", cluster.RUN_MARKER)}
     ran = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert "no_such_module_here" in ran.stderr
     assert ran.returncode == 5, ran.stdout[-2000:]  # pytest ran: nothing there is marked realnodes
