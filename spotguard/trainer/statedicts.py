@@ -94,13 +94,14 @@ def _get_state_dict_reusing_info(model: Any, optimizer: Any) -> tuple[Any, Any] 
             tuple((name, id(p)) for name, p in model.named_parameters(remove_duplicate=False)),
             tuple((name, id(b)) for name, b in model.named_buffers(remove_duplicate=False)),
         )
+        known = _info if _info is not None and _info[0] is model and _info[1] == made_of else None
+        fqns: dict[Any, set[str]] = known[3] if known is not None else {}
+        _looking_up.model = (model, fqns)
         try:
-            if _info is not None and _info[0] is model and _info[1] == made_of:
-                info, fqns = _info[2], _info[3]
-                _looking_up.model = (model, fqns)
+            if known is not None:
+                info = known[2]
             else:
-                _info, fqns = None, {}
-                _looking_up.model = (model, fqns)
+                _info = None
                 info = sd._verify_options(model, optimizers, optim_only=False)
                 _info = (model, made_of, info, fqns)
             model_state = sd._get_model_state_dict(model, info)
