@@ -19,7 +19,6 @@ import pytest
 
 from spotguard.operator.testing import metric_value
 from testenv.kubetest import Env, cond, fast_preemption, job_body, operator_namespace, shell_trainer, wait_for
-from testenv.processnode.processes import signal_group
 
 pytestmark = pytest.mark.integration
 
@@ -97,9 +96,7 @@ def sidecar_runs(e: Env, pod: str) -> bool:
 
 def kill_container(e: Env, pod: str, container: str) -> None:
     """SIGKILL a container's processes on its process node (what the kernel's OOM killer does)."""
-    pidfile = e.nodes.state_dir / "pods" / f"{e.ns}_{pod}" / f"{container}.pid"
-    pid = int(pidfile.read_text().split()[0])
-    signal_group(pid, signal.SIGKILL)
+    e.nodes.signal_container(e.ns, pod, container, signal.SIGKILL)
 
 
 def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_path: Path) -> None:

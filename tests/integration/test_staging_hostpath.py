@@ -37,7 +37,6 @@ from testenv.kubetest import (
     wait_for,
     wait_status,
 )
-from testenv.processnode.processes import signal_group
 
 pytestmark = pytest.mark.integration
 
@@ -118,6 +117,14 @@ def sidecar_report(e: Env, pod: str) -> dict[str, Any]:
     return report
 
 
+def sidecar_runs(e: Env, pod: str) -> bool:
+    try:
+        e.nodes.container_pid(e.ns, pod, SIDECAR)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_the_sidecar_removes_its_pods_directory_at_its_end(
     env: Env, s3_store: Any, s3_uri: str, nvme: Path, tmp_path: Path
 ) -> None:
@@ -151,8 +158,10 @@ def test_a_killed_sidecars_directory_is_removed_by_the_operator(
     pod_dir = staging / e.ns / "lost-a1"
     wait_for(lambda: "saved" in trainer_log(e, "lost-a1"), "the trainer to save", timeout=90)
     assert pod_dir.is_dir()
-    pid = int((e.nodes.state_dir / "pods" / f"{e.ns}_lost-a1" / f"{SIDECAR}.pid").read_text().split()[0])
-    signal_group(pid, signal.SIGKILL)  # what the kernel's OOM killer does: the sidecar's end never runs
+    # The node starts the pod's containers one after another: the trainer can save before the sidecar runs.
+    wait_for(lambda: sidecar_runs(e, "lost-a1"), "the sidecar to run")
+    # What the kernel's OOM killer does: the sidecar's end never runs.
+    e.nodes.signal_container(e.ns, "lost-a1", SIDECAR, signal.SIGKILL)
     st = e.wait_status("lost", "the sidecar's death", lambda s: cond(s, "SidecarHealthy").get("status") == "False")
     assert st["failures"] == 1
     # The operator stops attempt 1; its cleanup pod waits out the grace period, then removes the directory.
