@@ -70,9 +70,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from spotguard.checkpoint.format.manifest import DCP_METADATA, FileEntry
-from spotguard.checkpoint.local.codec import as_words, equal_in_slices
+from spotguard.checkpoint.local.codec import equal_in_slices
 from spotguard.checkpoint.local.commit import LocalWriter
-from spotguard.checkpoint.local.written import MIN_TRACKED_BYTES, WriteTracker, WriteView, tracking_enabled
+from spotguard.checkpoint.local.written import (
+    MIN_TRACKED_BYTES,
+    WriteTracker,
+    WriteView,
+    host_ranges_equal,
+    tracking_enabled,
+)
 from spotguard.storage.file import fsync_file
 
 log = logging.getLogger(__name__)
@@ -131,6 +137,20 @@ class _MetadataFile:
         )
 
 
+#: A DTensor's spec, each of its fields, and the host copy it was found to match in shape, dtype, sharding
+#: and mesh (all held, so that no id is reused while remembered).
+_Shaped = tuple[Any, Any, Any, Any, Any]
+
+
+def _shaped(spec: Any, host: Any) -> _Shaped:
+    return (spec, spec.mesh, spec.placements, spec.tensor_meta, host)
+
+
+def _still(shaped: _Shaped, spec: Any, host: Any) -> bool:
+    """Whether ``spec``, each of its (immutable) fields, and ``host`` are the very objects remembered."""
+    return all(a is b for a, b in zip(shaped, _shaped(spec, host), strict=True))
+
+
 @dataclass
 class DcpSaves:
     """What one rank's sharded saves remember from one to the next (see the module's docstring)."""
@@ -160,6 +180,9 @@ class DcpSaves:
     #: Two meshes' equality, (id, id) -> (a, b, a == b): the pairs the last stage met, and those of this one.
     _meshes: dict[tuple[int, int], tuple[Any, Any, bool]] = field(default_factory=dict)
     _meshes_now: dict[tuple[int, int], tuple[Any, Any, bool]] = field(default_factory=dict)
+    #: A DTensor's checks that held for its spec and its host copy: those of the last stage, and of this one.
+    _shaped: dict[str, _Shaped] = field(default_factory=dict)
+    _shaped_now: dict[str, _Shaped] = field(default_factory=dict)
 
     def stage(self, tensors: Mapping[str, Any], stage: Callable[[dict[str, Any]], Any], *, keep: bool) -> Any:
         """Phase one: ``tensors`` (nested dicts of tensors) staged by ``stage`` (torch's stager), but for
@@ -176,7 +199,7 @@ class DcpSaves:
         self.compared_bytes = self.unchanged_bytes = self.unread_bytes = 0
         leaves = list(_leaves(tensors))
         if before is not None:
-            self._meshes_now = {}
+            self._meshes_now, self._shaped_now = {}, {}
             for fqn, t in leaves:
                 host = before.get(fqn)
                 if host is not None and self._same(torch, fqn, t, host, view):
@@ -184,6 +207,7 @@ class DcpSaves:
             # Only the pairs this stage met are kept: a changed item's host copy has a mesh of its own,
             # copied at each stage, which would otherwise pile up here.
             self._meshes, self._meshes_now = self._meshes_now, {}
+            self._shaped, self._shaped_now = self._shaped_now, {}
         for fqn, t in leaves:  # before the stager reads them: a write after its copy shows next time
             self._track(view, fqn, _local(t))
         changed = _without(tensors, unchanged.keys())
@@ -197,16 +221,28 @@ class DcpSaves:
     def _same(self, torch: Any, fqn: str, t: Any, host: Any, view: WriteView | None) -> bool:
         """Whether ``t`` is, shard and bytes, what its host copy ``host`` holds: the pages of ``t``
         written since that copy (write tracking: none, mostly) compared, else all of it."""
-        if type(t) is not type(host) or t.dtype != host.dtype or t.shape != host.shape:
-            return False
-        if hasattr(t, "to_local"):  # a DTensor: the same sharding, and the same local shard
-            if t.placements != host.placements or not self._same_mesh(t.device_mesh, host.device_mesh):
-                return False
+        spec = getattr(t, "_spec", None)  # a DTensor's: a parameter's detached aliases share its spec
+        shaped = self._shaped.get(fqn) if spec is not None else None
+        if shaped is not None and _still(shaped, spec, host):
+            # The checks below held at the last stage for this spec and this host copy, and each of the
+            # spec's fields is the very (immutable) object it was then: only the local shard is asked about.
             t, host = _local(t), _local(host)
-            if t.shape != host.shape:
+            if not t.is_contiguous():
                 return False
-        if not (t.is_contiguous() and host.is_contiguous()) or host.device.type != "cpu":
-            return False
+        else:
+            shaped = None
+            if type(t) is not type(host) or t.dtype != host.dtype or t.shape != host.shape:
+                return False
+            if hasattr(t, "to_local"):  # a DTensor: the same sharding, and the same local shard
+                if t.placements != host.placements or not self._same_mesh(t.device_mesh, host.device_mesh):
+                    return False
+                local, host_local = _local(t), _local(host)
+                if local.shape != host_local.shape:
+                    return False
+                shaped = _shaped(spec, host) if spec is not None else None
+                t, host = local, host_local
+            if not (t.is_contiguous() and host.is_contiguous()) or host.device.type != "cpu":
+                return False
         n = int(t.numel() * t.element_size())
         tracked = self._tracked.get(fqn)
         written = view.written_ranges(tracked[1], tracked[2]) if view and tracked and _is(tracked, t) else None
@@ -217,17 +253,19 @@ class DcpSaves:
             if written is not None:
                 self._changing.add(fqn)  # mostly written: not tracked until a comparison finds it unchanged
             ranges = [(0, n)]
-        if ranges:  # none: no page written since the copy, nothing to read (a frozen base, every save)
+        # No range: no page written since the copy, nothing to read (a frozen base, every save).
+        self.compared_bytes += sum(b - a for a, b in ranges)
+        if t.device.type == "cpu":
+            if not host_ranges_equal(torch, t, host, ranges):
+                return False
+        elif ranges:
             mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
-        for a, b in ranges:
-            self.compared_bytes += b - a
-            if mine.device != theirs.device:
-                if not equal_in_slices(torch, mine[a:b], theirs[a:b]):
-                    return False
-            elif not torch.equal(as_words(torch, mine[a:b]), as_words(torch, theirs[a:b])):
+            if not all(equal_in_slices(torch, mine[a:b], theirs[a:b]) for a, b in ranges):
                 return False
         self.unchanged_bytes += n
         self._changing.discard(fqn)
+        if shaped is not None:
+            self._shaped_now[fqn] = shaped  # found unchanged: trusted as it is at the next stage
         return True
 
     def _same_mesh(self, mesh: Any, other: Any) -> bool:
@@ -292,8 +330,9 @@ class DcpSaves:
             if kept is not None and name == kept.name:
                 kept.algorithm, kept.checksum = writer.algorithm, entry.checksum
 
-    def _linkable(self, items: list[WriteItem], prefix: str) -> _KeptFile | None:
-        """The previous kept file when it may be linked for these unchanged items (see the module's docstring)."""
+    def _linkable(self, items: list[WriteItem], keys: list[ItemKey], prefix: str) -> _KeptFile | None:
+        """The previous kept file when it may be linked for these unchanged items (``keys``: theirs, in
+        the same order; see the module's docstring)."""
         kept = self.kept
         if (
             kept is None
@@ -304,8 +343,8 @@ class DcpSaves:
         ):
             return None
         live = 0
-        for item in items:
-            placed = kept.items.get(_key(item))
+        for item, key in zip(items, keys, strict=True):
+            placed = kept.items.get(key)
             if placed is None or not _fits(placed, item):
                 return None
             live += placed.info.length
@@ -335,12 +374,13 @@ class KeepingWriter(FileSystemWriter):
         kept_name = f"{prefix}{KEPT_INDEX}.distcp"
         tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO and i.tensor_data is not None]
         unchanged = [i for i in tensors if i.index.fqn in saves.unchanged]
-        before = saves._linkable(unchanged, prefix)
+        keys = [_key(i) for i in unchanged]
+        before = saves._linkable(unchanged, keys, prefix)
         saves.kept, saves.linked_bytes, saves.written_bytes = None, 0, 0
         linked: list[WriteResult] = []
         if before is not None and self._link(before, kept_name):
-            done = {_key(i) for i in unchanged}
-            linked = [_result(i, before.items[_key(i)]) for i in unchanged]
+            done = set(keys)
+            linked = [_result(i, before.items[k]) for i, k in zip(unchanged, keys, strict=True)]
             rest = [i for i in plan.items if _key(i) not in done]
             saves.kept = dataclasses.replace(
                 before,

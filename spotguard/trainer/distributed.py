@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.format.manifest import DCP_DIR, DCP_METADATA
+from spotguard.checkpoint.local.codec import Plain
 from spotguard.trainer.plancache import agreed_generation
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.statedicts import active, get_state_dicts, set_state_dicts
@@ -152,7 +153,7 @@ def split_tensors(tree: Any, path: tuple[str, ...] = ()) -> tuple[Any, Any]:
     naming its path in ``tensors``.
     """
     if _is_tensor(tree):
-        return tree, {_MARK: list(path)}
+        return tree, Plain({_MARK: list(path)})
     if isinstance(tree, Mapping):
         tensors: dict[str, Any] = {}
         items = []

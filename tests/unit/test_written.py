@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from spotguard.checkpoint.local.written import (
+    MEMCMP_MAX_BYTES,
     MIN_TRACKED_BYTES,
     WriteTracker,
     WriteView,
+    host_ranges_equal,
     merged,
     overlaps,
     page_envelope,
@@ -47,6 +49,31 @@ def test_merged_and_overlaps() -> None:
     assert overlaps(ranges, 29, 100)
     assert not overlaps(ranges, 30, 100)
     assert not overlaps([], 0, 1)
+
+
+def test_host_ranges_equal_reads_exactly_the_ranges_given() -> None:
+    n = 2 * MEMCMP_MAX_BYTES + 11
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 256, (n + 3,), dtype=torch.uint8, generator=g)
+    mine = base[3:]  # an odd address: a storage offset, as a slice of a larger buffer has
+    theirs = mine.clone()
+    small, large = [(0, 10), (PAGE - 1, 2 * PAGE + 1), (n - 1, n)], [(5, n)]
+    assert host_ranges_equal(torch, mine, theirs, small + large)
+    assert host_ranges_equal(torch, mine, theirs, [])
+    theirs[PAGE + 7] ^= 1  # inside the second small range and the large one
+    assert not host_ranges_equal(torch, mine, theirs, small)
+    assert not host_ranges_equal(torch, mine, theirs, large)
+    assert host_ranges_equal(torch, mine, theirs, [(0, PAGE + 7), (PAGE + 8, PAGE + 100), (n - 1, n)])
+    theirs[PAGE + 7] ^= 1
+    theirs[n - 1] ^= 0x80  # the last byte: by memcmp alone, then inside an unaligned large range
+    assert not host_ranges_equal(torch, mine, theirs, [(n - 1, n)])
+    assert not host_ranges_equal(torch, mine, theirs, [(1, n)])
+    assert host_ranges_equal(torch, mine, theirs, [(0, n - 1)])
+    words = torch.zeros(n // 8, dtype=torch.int64)  # other dtypes: compared as their bytes
+    other = words.clone()
+    other.view(torch.uint8)[8 * 1000 + 3] = 1
+    assert not host_ranges_equal(torch, words, other, [(8000, 8008)])
+    assert host_ranges_equal(torch, words, other, [(0, 8003), (8004, 8 * (n // 8))])
 
 
 @pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), ("off", False), ("false", False)])

@@ -27,12 +27,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.local.written import MIN_TRACKED_BYTES, WriteTracker, WriteView, tracking_enabled
+from spotguard.checkpoint.local.written import (
+    MIN_TRACKED_BYTES,
+    WriteTracker,
+    WriteView,
+    host_ranges_equal,
+    tracking_enabled,
+)
 
 STATE_FILE = "state.json"
 STATE_FORMAT = 1
 TAG = "__t"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class Plain(dict):  # type: ignore[type-arg]
+    """A mapping its maker vouches is JSON as it stands (string keys, no ``TAG`` key, values of JSON's
+    own types, nothing to encode): put into a snapshot's document as it is, without a walk through it.
+    For the markers a sharded save leaves in place of its tensors, hundreds at every save."""
 
 
 class StateError(ValueError):
@@ -257,9 +269,7 @@ class _Snapshotter:
             return False, False
         if sum(b - a for a, b in written) > nbytes // 2:
             return False, True  # compared whole
-        torch = self.torch
-        mine, theirs = t.reshape(-1).view(torch.uint8), host.reshape(-1).view(torch.uint8)
-        if not all(torch.equal(mine[a:b], theirs[a:b]) for a, b in written):
+        if not host_ranges_equal(self.torch, t, host, written):
             return False, False
         self.snapshot.unread_bytes += nbytes - sum(b - a for a, b in written)
         return True, False
@@ -313,7 +323,7 @@ class _Snapshotter:
         return TensorBlob(st, tuple(int(s) for s in a.shape), memoryview(host.reshape(-1).view(np.uint8)), owner=host)
 
     def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
-        if value is None or isinstance(value, bool | str):
+        if value is None or type(value) is Plain or isinstance(value, bool | str):
             return value
         if isinstance(value, int):
             return int(value)
