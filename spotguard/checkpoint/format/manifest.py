@@ -11,6 +11,7 @@ import math
 import re
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -298,7 +299,14 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialized manifest (UTF-8, stable key order): indented, each file's chunk list on one line
         (written by Python's C encoder: a file of a few GiB has hundreds of chunks, and the indenting
-        encoder, pure Python, took most of the time of an emergency upload's manifests)."""
+        encoder, pure Python, took most of the time of an emergency upload's manifests); once each."""
+        data: bytes | None = self.__dict__.get("_json")
+        if data is None:
+            data = self._to_json()
+            object.__setattr__(self, "_json", data)
+        return data
+
+    def _to_json(self) -> bytes:
         doc = self.to_dict()
         lists: list[str] = []
         token = f"\x00{uuid.uuid4().hex}:"  # in no string of the document (a fresh random token)
@@ -481,12 +489,31 @@ def _int(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> int | N
     return value
 
 
+#: The last manifests parsed, by bytes and expected name: an upload reads the same ones several times.
+_PARSED: OrderedDict[tuple[bytes | str, str | None], Manifest] = OrderedDict()
+_parsed_lock = threading.Lock()
+
+
 def parse_manifest(data: bytes | str, *, expected_name: str | None = None) -> Manifest:
     """Parse and validate ``manifest.json``; raises :class:`ManifestError`.
 
     ``expected_name`` is the checkpoint directory/prefix the manifest was read
-    from; its step must match the manifest's.
+    from; its step must match the manifest's. The same bytes parse to the same
+    (immutable) :class:`Manifest`, remembered for the last few.
     """
+    key = (bytes(data) if isinstance(data, bytearray | memoryview) else data, expected_name)
+    with _parsed_lock:
+        found = _PARSED.get(key)
+    manifest = found or _parse_manifest(key[0], expected_name)
+    with _parsed_lock:
+        _PARSED[key] = manifest
+        _PARSED.move_to_end(key)
+        while len(_PARSED) > 8:
+            _PARSED.popitem(last=False)
+    return manifest
+
+
+def _parse_manifest(data: bytes | str, expected_name: str | None) -> Manifest:
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:
