@@ -318,10 +318,9 @@ def test_missing_and_resized_files_are_named_without_asking_the_store() -> None:
     assert "size 90 bytes" in (check_stored_checksum(entry, "crc32c", _stored(b"m" * 90)) or "")
 
 
-def test_the_same_bytes_parse_once_and_each_manifest_is_serialized_once() -> None:
+def test_the_same_bytes_parse_once() -> None:
     m = new_manifest(7, [FileEntry("a", 1, GOOD_CRC)], "crc32c", metrics={"loss": 0.5})
     data = m.to_json()
-    assert m.to_json() is data  # made once for this (immutable) manifest
     first = parse_manifest(data, expected_name="ckpt-000000000007")
     assert parse_manifest(bytes(data), expected_name="ckpt-000000000007") is first
     assert parse_manifest(bytearray(data), expected_name="ckpt-000000000007") is first
@@ -333,7 +332,7 @@ def test_the_same_bytes_parse_once_and_each_manifest_is_serialized_once() -> Non
     assert other != data
     assert parse_manifest(other).metrics == {"loss": 0.25}
     assert parse_manifest(data).metrics == {"loss": 0.5}
-    # A manifest changed by replace() is serialized for its own fields.
+    # Another manifest's bytes are its own.
     later = replace(first, step=8)
     assert parse_manifest(later.to_json(), expected_name="ckpt-000000000008").step == 8
     # Bad bytes fail at every parse (a failure is not remembered).

@@ -299,14 +299,7 @@ class Manifest:
     def to_json(self) -> bytes:
         """Serialized manifest (UTF-8, stable key order): indented, each file's chunk list on one line
         (written by Python's C encoder: a file of a few GiB has hundreds of chunks, and the indenting
-        encoder, pure Python, took most of the time of an emergency upload's manifests); once each."""
-        data: bytes | None = self.__dict__.get("_json")
-        if data is None:
-            data = self._to_json()
-            object.__setattr__(self, "_json", data)
-        return data
-
-    def _to_json(self) -> bytes:
+        encoder, pure Python, took most of the time of an emergency upload's manifests)."""
         doc = self.to_dict()
         lists: list[str] = []
         token = f"\x00{uuid.uuid4().hex}:"  # in no string of the document (a fresh random token)
