@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-_WORKER = """
+_SETUP = """
 import os, sys
 import torch, torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import fully_shard
 from spotguard.trainer.dcpwriter import DcpSaves
 
-model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
 model[0].requires_grad_(False)
 for layer in model:
     fully_shard(layer)
@@ -26,6 +26,9 @@ options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_a
                          use_non_blocking_copy=False)
 stager = DefaultStager(options)._state_dict_stager
 saves = DcpSaves()
+"""
+
+_WORKER = _SETUP + """
 host_meshes = set()
 for _ in range(8):
     with torch.no_grad():
@@ -50,25 +53,10 @@ def test_the_mesh_verdicts_of_a_sharded_stage_do_not_pile_up() -> None:
     assert int(remembered) <= 2 and int(pending) == 0, out.stdout  # not one pair per stage
 
 
-_SPEC_WORKER = """
-import os, sys
-import torch, torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.fsdp import fully_shard
+_SPEC_WORKER = _SETUP + """
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from spotguard.trainer.dcpwriter import DcpSaves
 
-model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-model[0].requires_grad_(False)
-for layer in model:
-    fully_shard(layer)
-options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                         use_non_blocking_copy=False)
-stager = DefaultStager(options)._state_dict_stager
-saves = DcpSaves()
 BASE = {"model.0.weight", "model.0.bias"}
 
 def stage():
