@@ -259,13 +259,16 @@ def write_heartbeat(
     verified: int | None = None,
     *,
     emergency: bool = False,
+    tmp_tag: str = "",
 ) -> None:
     """Refresh the uploader's heartbeat (replaced atomically; not fsynced:
-    a heartbeat that does not survive a crash is one that says nothing)."""
+    a heartbeat that does not survive a crash is one that says nothing).
+    ``tmp_tag``: in the temporary file's name, for a writer that may interrupt
+    another in the same process (a signal handler)."""
     beat = UploaderHeartbeat(os.getpid(), time.time() if now is None else now, shipping, verified, emergency)
     control_dir.mkdir(parents=True, exist_ok=True)
     path = control_dir / HEARTBEAT_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{tmp_tag}.tmp")
     tmp.write_text(json.dumps(beat.to_json()), encoding="utf-8")
     os.replace(tmp, path)
 

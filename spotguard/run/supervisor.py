@@ -226,8 +226,9 @@ class Supervisor:
         self.run_id = uuid.uuid4().hex
         self.child: subprocess.Popen[bytes] | None = None
         # The command hears of a preemption at once, from the signal handler:
-        # the supervisor's own loop may be inside a slow storage call then.
-        self.latch = SignalLatch(on_signal=lambda _source: self._forward_once())
+        # the supervisor's own loop may be inside a slow storage call then. The
+        # heartbeat says the preemption first, so the trainer waits for its checkpoint.
+        self.latch = SignalLatch(on_signal=self._on_signal)
         self._forwarded = False
         self._told_withheld = False
         agent_config = AgentConfig.of(
@@ -478,6 +479,10 @@ class Supervisor:
         pids = kill_run(self.run_id)
         if pids:
             log.warning("killed %d process(es) the command left running: %s", len(pids), pids)
+
+    def _on_signal(self, source: str) -> None:
+        self.agent.signalled(source)
+        self._forward_once()
 
     def _forward(self, _req: CheckpointRequest) -> None:
         self._forward_once()

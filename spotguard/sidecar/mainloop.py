@@ -105,6 +105,9 @@ def run_sidecar(
 ) -> int:
     """The sidecar's main loop. Returns the exit status."""
     latch = latch or SignalLatch()
+    if latch.on_signal is None:
+        # A classic sidecar hears kubelet's SIGTERM when the trainer does: the heartbeat says so at once.
+        latch.on_signal = agent.signalled
     if threading.current_thread() is threading.main_thread():
         latch.install()  # usually done already, before the slow part of startup
     metrics_error: str | None = None

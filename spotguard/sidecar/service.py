@@ -291,7 +291,20 @@ class CheckpointAgent:
 
     # -- routine -------------------------------------------------------------
 
-    def beat(self) -> None:
+    def signalled(self, _source: str = "") -> None:
+        """A preemption's signal came (called from the signal handler, before the trainer hears of
+        it): from now on the heartbeat says this uploader is on its preemption's path, so that a
+        trainer that saves before this uploader's loop gets there (it may be stopping a routine
+        upload first) waits for its checkpoint instead of leaving (:mod:`spotguard.contract.final`).
+        Never raises: it runs inside whatever the main thread was doing."""
+        self._in_emergency = True
+        self._beat = None
+        try:
+            self.beat(tmp_tag=".signal")
+        except Exception as exc:  # noqa: BLE001 - a signal handler must not raise into the code it interrupted
+            log.debug("could not say the preemption in the heartbeat: %s", exc)
+
+    def beat(self, tmp_tag: str = "") -> None:
         """Tell the trainer this uploader is alive, whether it ships, and the
         newest step it verified (``uploader-heartbeat.json``): only while it
         ships may a preemption's save skip its fsync; a trainer that finished,
@@ -305,7 +318,9 @@ class CheckpointAgent:
         if self._beat is not None and self._beat[1] == said and now - self._beat[0] < HEARTBEAT_SECONDS:
             return
         try:
-            write_heartbeat(self.config.control_dir, shipping=shipping, verified=said[1], emergency=said[2])
+            write_heartbeat(
+                self.config.control_dir, shipping=shipping, verified=said[1], emergency=said[2], tmp_tag=tmp_tag
+            )
         except OSError as exc:
             log.debug("could not write the heartbeat: %s", exc)
             return

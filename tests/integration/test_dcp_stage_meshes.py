@@ -28,7 +28,9 @@ stager = DefaultStager(options)._state_dict_stager
 saves = DcpSaves()
 """
 
-_WORKER = _SETUP + """
+_WORKER = (
+    _SETUP
+    + """
 host_meshes = set()
 for _ in range(8):
     with torch.no_grad():
@@ -40,6 +42,7 @@ for _ in range(8):
 print(len(saves._meshes), len(saves._meshes_now), sorted(saves.unchanged), flush=True)
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.integration
@@ -53,7 +56,9 @@ def test_the_mesh_verdicts_of_a_sharded_stage_do_not_pile_up() -> None:
     assert int(remembered) <= 2 and int(pending) == 0, out.stdout  # not one pair per stage
 
 
-_SPEC_WORKER = _SETUP + """
+_SPEC_WORKER = (
+    _SETUP
+    + """
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -81,6 +86,7 @@ assert stage() == {"model.0.bias"}, saves.unchanged
 print("ok", flush=True)
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.integration
