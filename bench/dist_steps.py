@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.dist import _free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ("torch_state", "split", "stage", "snapshot")
 
@@ -75,12 +77,6 @@ assert len(saves.unchanged) >= n, len(saves.unchanged)  # the frozen base told u
 print(json.dumps([statistics.median(t[k] for t in times) for k in range(4)]))
 dist.destroy_process_group()
 """
-
-
-def _free_port() -> int:
-    from bench.dist import _free_port as free
-
-    return free()
 
 
 def run_once(code: Path, layers: int) -> list[float]:
