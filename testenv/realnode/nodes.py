@@ -311,11 +311,17 @@ class RealNodes:
         return bool(got.get(GPU) == gpus)
 
     def kill(self, name: str, delete: bool = True) -> dict[str, object]:
-        """Abrupt loss of a node: its kubelet, containerd, shims and containers SIGKILLed at once,
-        then (``delete``) its Node object deleted, as a cloud controller does for a gone instance.
-        Returns ``{"node", "pids"}`` (the pids that were killed)."""
+        """Abrupt loss of a node: its kubelet, containerd, shims and containers SIGKILLed, then
+        (``delete``) its Node object deleted, as a cloud controller does for a gone instance.
+        Returns ``{"node", "pids"}`` (the pids that were killed).
+
+        A lost machine reports nothing more, so its kubelet dies first and its containerd next, each
+        waited for: a shim killed while they live reads to them as its containers' end (exit code 255),
+        which the kubelet would report before the node is gone. Then the rest, at once."""
         node = self.nodes.pop(self.node(name).name)
         pids = node.pids()
+        for svc in reversed(node.services):  # the kubelet, then containerd
+            host.kill_all({svc.popen.pid} & pids)
         host.kill_all(pids)
         host.kill_all(node.pids())  # anything started while the first round was under way
         for svc in node.services:

@@ -332,6 +332,10 @@ def test_node_loss_kills_everything_at_once(real_nodes: RealNodes, api: Kube, na
     killed = real_nodes.kill(name)
     assert set(killed["pids"]) >= pids
     assert not [p for p in pids if realhost.alive(p)], "processes of the lost node still alive"
+    # A lost machine tells nothing: the API still has the container running (its kubelet died before
+    # it could hear of, and report, its containers' end).
+    states = [s["state"] for s in api.get(f"/api/v1/namespaces/{namespace}/pods/doomed")["status"]["containerStatuses"]]
+    assert [list(s) for s in states] == [["running"]], states
     assert wait_for(lambda: gone(api, f"/api/v1/nodes/{name}"), 10, "Node object deleted")
     # The set goes on: a fresh node joins, as a spot pool replaces a lost instance.
     fresh = real_nodes.add_node()
