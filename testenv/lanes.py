@@ -118,6 +118,19 @@ def cpu_times() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def reap(p: subprocess.Popen[bytes]) -> float | None:
+    """None while ``p`` runs; once it ended, its exit status set on it and the CPU time (user and
+    system, in seconds) it and every descendant it waited for used: where a lane's time went, which its
+    wall time on shared cores does not tell. 0.0 when it was reaped already (by ``Popen.poll``)."""
+    if p.returncode is not None:
+        return 0.0
+    pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return float(usage.ru_utime + usage.ru_stime)
+
+
 def main(argv: list[str]) -> int:
     trials.seed()  # exported: both lanes replay the same way
     trials.scale()
@@ -153,19 +166,19 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    ended: dict[str, tuple[int, float]] = {}
+    ended: dict[str, tuple[int, float, float]] = {}
     while len(ended) < len(procs):
         for name, p in procs.items():
-            if name not in ended and p.poll() is not None:
-                ended[name] = (p.returncode, time.monotonic() - started)
+            if name not in ended and (cpu := reap(p)) is not None:
+                ended[name] = (p.returncode, time.monotonic() - started, cpu)
                 sys.stdout.write(f"\n==> lane {name} ended (exit {p.returncode}) after {ended[name][1]:.0f} s\n")
                 sys.stdout.write(logs[name].read_text(errors="replace"))
                 sys.stdout.flush()
         time.sleep(1)
     print()
-    for name, (rc, seconds) in ended.items():
+    for name, (rc, seconds, cpu) in ended.items():
         what = "no tests collected" if rc == 5 else ("passed" if rc == 0 else "FAILED")
-        print(f"==> lane {name}: {what} (exit {rc}), {seconds:.0f} s")
+        print(f"==> lane {name}: {what} (exit {rc}), {seconds:.0f} s, {cpu:.0f} s of CPU")
     busy, total = (b - a for a, b in zip(cpu0, cpu_times(), strict=True))
     print(
         f"==> lanes: {time.monotonic() - started:.0f} s of wall time; the CPUs were busy "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,18 @@ def test_the_real_lane_builds_its_images_first_and_fails_under_ci_when_it_cannot
     assert ran.returncode == 5, ran.stdout[-2000:]  # pytest ran: nothing there is marked realnodes
     ci = subprocess.run(cmd, cwd=ROOT, env={**env, "CI": "true"}, capture_output=True, text=True, timeout=120)
     assert ci.returncode == 1 and "deselected" not in ci.stdout, ci.stdout[-2000:]
+
+
+def test_a_lane_ends_with_its_exit_status_and_the_cpu_time_of_its_whole_tree() -> None:
+    """The lane's own process and a child it waited for each burn CPU: both count; the exit status is the
+    lane's own; reaped once (its CPU time is then no longer known)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    script = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}])\n{burn}sys.exit(3)\n"
+    p = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while (cpu := lanes.reap(p)) is None:
+        assert time.monotonic() < deadline, "the lane never ended"
+        time.sleep(0.05)
+    assert p.returncode == 3 and p.poll() == 3
+    assert cpu >= 0.6, cpu  # 0.3 s each, the child's counted once the lane waited for it
+    assert lanes.reap(p) == 0.0
