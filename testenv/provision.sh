@@ -102,15 +102,42 @@ fi
 fi  # PYTHON_ONLY
 
 # --- 4. Python virtualenv ---------------------------------------------------
+# Its packages (torch, the extras, the tools) are installed once per set of pins into a virtualenv of
+# the cache, $CACHE/venvs/<key>, and hard-linked from there into a fresh clone's (a second, against two
+# minutes to install them); the project itself is installed into the clone's alone, editable. Nothing
+# writes into a linked file: pip removes and writes anew, Python renames its bytecode into place, and
+# the scripts that name their interpreter by path are rewritten here (sed -i writes a new file).
 stamp=$VENV/.spotguard-provisioned
-want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
+EXTRAS="torch,dev,hf,lightning,gcs,keras"
+want=$( { cat "$ROOT/pyproject.toml"; echo "torch $TORCH_VERSION extras $EXTRAS"; "$PY" -VV; } | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   step "python: virtualenv at $VENV (torch $TORCH_VERSION CPU, dev, hf and lightning extras)"
-  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  # torch first and pinned, so nothing resolves a multi-GB CUDA build.
-  "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[torch,dev,hf,lightning,gcs,keras]"
+  deps=$CACHE/venvs/$want
+  if [ ! -f "$deps/.spotguard-deps" ]; then
+    step "python: the packages, once for these pins, into $deps"
+    mkdir -p "$CACHE/venvs"
+    build=$deps.build.$$
+    rm -rf "$build"
+    "$PY" -m venv "$build"
+    "$build/bin/python" -m pip install -q --upgrade pip
+    # torch first and pinned, so nothing resolves a multi-GB CUDA build.
+    "$build/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+    "$build/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]"
+    "$build/bin/python" -m pip uninstall -q -y spotguard  # installed into each clone's own
+    echo "$build" > "$build/.spotguard-deps"  # the path its scripts name
+    mv -T "$build" "$deps" 2>/dev/null || rm -rf "$build"  # another provision's, made meanwhile, stays
+    # The two newest sets stay (a clone of the code before may still want its own).
+    ls -1dt "$CACHE"/venvs/*/.spotguard-deps | tail -n +3 | while read -r old; do rm -rf "$(dirname "$old")"; done || true
+  fi
+  rm -rf "$VENV"
+  cp -al "$deps" "$VENV" 2>/dev/null || { rm -rf "$VENV"; cp -a "$deps" "$VENV"; }  # another file system: copied
+  built=$(cat "$VENV/.spotguard-deps")
+  rm -f "$VENV/.spotguard-deps"
+  for f in "$VENV"/bin/*; do
+    if [ -f "$f" ] && [ ! -L "$f" ] && [ "$(head -c 2 "$f")" = "#!" ]; then sed -i "s|$built/|$VENV/|g" "$f"; fi
+  done
+  sed -i "s|$built|$VENV|g" "$VENV"/bin/activate* "$VENV/pyvenv.cfg"
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
   "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check >&2; die "pip check failed"; }
   echo "$want" > "$stamp"
 fi
