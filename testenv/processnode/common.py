@@ -38,3 +38,12 @@ def utc_now_micro() -> str:
 
 class PreemptError(Exception):
     """A preemption request that cannot be carried out (one line for the caller)."""
+
+
+#: In a pod's directory: when it was made (ns since the epoch), which orders the pods of one name.
+CREATED_FILE = "_created"
+
+
+def pod_dir_name(namespace: str, name: str, uid: str) -> str:
+    """The directory of one pod (of one UID) under the agent's ``pods/`` (names and UIDs hold no ``_``)."""
+    return f"{namespace}_{name}_{uid}"

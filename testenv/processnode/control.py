@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import http.server
 import json
 import os
@@ -17,7 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from testenv.processnode.api import ApiError, Kube
-from testenv.processnode.common import JSON, LOOPBACK, NODE_LEASE_NAMESPACE, PreemptError, log
+from testenv.processnode.common import (
+    CREATED_FILE,
+    JSON,
+    LOOPBACK,
+    NODE_LEASE_NAMESPACE,
+    PreemptError,
+    log,
+    pod_dir_name,
+)
 from testenv.processnode.hostservices import HostServices
 from testenv.processnode.podnet import IpPool, available
 from testenv.processnode.processes import kill_recorded_processes, process_start_time, signal_group
@@ -260,7 +269,7 @@ class ProcessNodes:
         the container (the command, and what it started). Raises
         ProcessLookupError when the container does not run now.
         """
-        path = self.state_dir / "pods" / f"{namespace}_{pod}" / f"{container}.pid"
+        path = self.pod_dir(namespace, pod) / f"{container}.pid"
         try:
             pid_text, start = path.read_text().split()
             pid = int(pid_text)
@@ -278,8 +287,24 @@ class ProcessNodes:
         return pid
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
-        """Where a container's stdout/stderr are written."""
-        return self.state_dir / "pods" / f"{namespace}_{pod}" / f"{container}.log"
+        """Where a container's stdout/stderr are written (of the newest pod of that name)."""
+        return self.pod_dir(namespace, pod) / f"{container}.log"
+
+    def pod_dir(self, namespace: str, pod: str) -> Path:
+        """The directory of the newest pod named ``pod`` (its logs, pid files); a path that does not exist
+        when no pod of that name ran here. Each pod has its own, as kubelet's log directories are per
+        UID: a pod made again under an earlier one's name starts with logs of its own."""
+
+        def created(d: Path) -> int:
+            try:
+                return int((d / CREATED_FILE).read_text())
+            except (OSError, ValueError):
+                return 0
+
+        made = list((self.state_dir / "pods").glob(f"{glob.escape(namespace)}_{glob.escape(pod)}_*"))
+        if not made:
+            return self.state_dir / "pods" / pod_dir_name(namespace, pod, "none")
+        return max(made, key=created)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the agent (SIGTERM, then SIGKILL) and make sure no pod process survives it."""

@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testenv.processnode.api import ApiError, ignore_missing
-from testenv.processnode.common import DEFAULT_POD_GRACE, JSON, LOOPBACK, SHUTDOWN_MESSAGE, log, utc_now
+from testenv.processnode.common import (
+    CREATED_FILE,
+    DEFAULT_POD_GRACE,
+    JSON,
+    LOOPBACK,
+    SHUTDOWN_MESSAGE,
+    log,
+    pod_dir_name,
+    utc_now,
+)
 from testenv.processnode.container import NEW_PID_NAMESPACE, PAUSE_PROGRAM, LaunchSpec, launch_argv
 from testenv.processnode.hosts import HostsFile
 from testenv.processnode.podnet import PodNetwork
@@ -154,7 +163,9 @@ class PodRunner:
             Container(c, True, {"waiting": {"reason": "PodInitializing"}}) for c in spec.get("initContainers") or []
         ]
         self.main = [Container(c, False, {"waiting": {"reason": main_waiting}}) for c in spec["containers"]]
-        self.dir = agent.state_dir / "pods" / f"{self.namespace}_{self.name}"
+        # Per pod, as kubelet's /var/log/pods/<namespace>_<name>_<uid>: a later pod of the same name
+        # (a job made again) starts with logs of its own (ProcessNodes.pod_dir finds the newest).
+        self.dir = agent.state_dir / "pods" / pod_dir_name(self.namespace, self.name, self.uid)
         self.volumes_dir = agent.state_dir / "volumes" / self.uid
         self.phase = "Pending"
         self.initialized = not self.init
@@ -230,7 +241,9 @@ class PodRunner:
                 req.done.set()
 
     def _lifecycle(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if not self.dir.exists():
+            self.dir.mkdir(parents=True)
+            (self.dir / CREATED_FILE).write_text(str(time.time_ns()))
         self._prepare_network()
         self._publish()
         if not self._prepare_volumes():

@@ -520,6 +520,21 @@ exit 1
 """
 
 
+def test_a_pod_made_again_under_its_name_has_logs_of_its_own(
+    core: Any, ns: str, kube: Any, process_nodes: ProcessNodes
+) -> None:
+    """As kubelet keeps logs per pod UID (``/var/log/pods/<ns>_<name>_<uid>``): the second pod of a name
+    (a job made again) does not show the first one's output, neither in its file nor by kubectl logs."""
+    for word in ("first", "second"):
+        create_pod(core, ns, pod_manifest("again", [container("main", ["sh", "-c", f"echo {word}"])]))
+        assert wait_phase(core, ns, "again", ("Succeeded", "Failed")).status.phase == "Succeeded"
+        assert process_nodes.log_path(ns, "again", "main").read_text() == f"{word}\n"
+        out = kubectl(kube, "logs", "-n", ns, "again", "-c", "main")
+        assert (out.returncode, out.stdout) == (0, f"{word}\n"), out.stderr
+        core.delete_namespaced_pod("again", ns, grace_period_seconds=0)
+        wait_for(lambda: pod_gone(core, ns, "again"), "the pod gone")
+
+
 def kubectl(kube: Any, *args: str, timeout: float = WAIT) -> subprocess.CompletedProcess[str]:
     argv = [str(kube.bin_dir / "kubectl"), "--kubeconfig", str(kube.kubeconfig), *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)

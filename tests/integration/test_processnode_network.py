@@ -367,8 +367,10 @@ def _processes_in_netns(inode: int) -> list[int]:
 
 
 def _sandbox_netns(nodes: ProcessNodes, namespace: str, pod: str) -> int:
-    pidfile = nodes.state_dir / "pods" / f"{namespace}_{pod}" / "_network.pid"
-    pid = int(wait_for(lambda: pidfile.exists() and pidfile.read_text().split()[0], "the pod's sandbox"))
+    def pidfile() -> Path:  # the pod's directory is made when the pod first runs
+        return nodes.pod_dir(namespace, pod) / "_network.pid"
+
+    pid = int(wait_for(lambda: pidfile().exists() and pidfile().read_text().split()[0], "the pod's sandbox"))
     inode = _netns_inode(pid)
     assert inode is not None and inode != os.stat("/proc/self/ns/net").st_ino
     return inode

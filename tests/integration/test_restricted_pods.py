@@ -69,7 +69,7 @@ def storage_of(s3_store: Any, uri: str) -> Any:
 
 def container_process(e: Env, pod: str, container: str) -> int | None:
     """The container's process in its own mount namespace (the shim's child), if it runs."""
-    pidfile = e.nodes.state_dir / "pods" / f"{e.ns}_{pod}" / f"{container}.pid"
+    pidfile = e.nodes.pod_dir(e.ns, pod) / f"{container}.pid"
     try:
         pid = int(pidfile.read_text().split()[0])
         host_ns = os.readlink("/proc/self/ns/mnt")
