@@ -76,6 +76,23 @@ def _raw(fn: Callable[[bool], _T], full_object: bool) -> _T:
         raise
 
 
+class _NoSignatures(logging.Filter):
+    """Drops botocore's debug lines that show a signature: with the request they sign, a
+    presigned URL's is the URL itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Signature:")
+
+
+_NO_SIGNATURES = _NoSignatures()
+
+
+def _quiet_signatures() -> None:
+    logger = logging.getLogger("botocore.auth")
+    if _NO_SIGNATURES not in logger.filters:
+        logger.addFilter(_NO_SIGNATURES)
+
+
 class S3Storage(BucketRoot):
     """Storage rooted at ``s3://bucket/prefix``.
 
@@ -304,6 +321,15 @@ class S3Storage(BucketRoot):
             self._concurrency,
             lambda s, sinks: self._get_range_into(key, s, sinks, etag),
         )
+
+    def presign_read(self, key: str, expires_in: int) -> str:
+        """A presigned GET URL of ``key`` for ``expires_in`` seconds (SigV4, signed here without a
+        request: :class:`~spotguard.storage.presigned.SignsReads`). A credential: never log it."""
+        _quiet_signatures()
+        url: str = self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=int(expires_in)
+        )
+        return url
 
     # -- writing ------------------------------------------------------------
     def write_bytes(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:

@@ -90,6 +90,8 @@ def make_client(
         # spotguard checks every byte end to end with the manifest's
         # checksums; skip botocore's second checksum pass.
         request_checksum_calculation="when_required",
+        # Presigned URLs (the trainer's restore grant) by SigV4 too, not botocore's legacy default.
+        signature_version="s3v4",
         response_checksum_validation="when_required",
         # Custom endpoints (MinIO, SeaweedFS, ...) rarely have
         # wildcard DNS for virtual-hosted buckets.

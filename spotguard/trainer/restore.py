@@ -11,7 +11,11 @@ Whatever is handed to a framework is verified whole first
 (:func:`folder_problem`): sizes, checksums, every pickle scanned, no file
 the manifest does not list. Loading never runs code from a checkpoint.
 
-One process loads the saved bytes straight into the model's parameters and
+One process resumes first through the uploader's restore grant, if it left
+one (:mod:`~spotguard.trainer.granted`): the checkpoint streamed from the
+store straight into the live tensors, checked on the way, no local copy
+first. Otherwise, and from local copies, one process loads the saved bytes
+straight into the model's parameters and
 the optimizer's state where shapes and dtypes match
 (:mod:`spotguard.checkpoint.local.inplace`), and does not checksum again a
 checkpoint whose files are still those the uploader verified whole just
@@ -47,6 +51,7 @@ from spotguard.contract.control import CONTROL_SUBDIR, read_verified_local
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
+from spotguard.trainer.granted import answer, refilled, restore_granted, wait_for_copy
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.state import restore_rng as restore_rng_state  # restore()'s keyword shadows the name
 
@@ -184,9 +189,19 @@ class Restorer:
         # The saved bytes go straight into the live tensors where they fit (no copy after).
         live = _live_state(model, optimizer)
         # The control directory as the channel resolves it (unset: the checkpoint directory's own).
-        control = self._settings.control_dir or directory / CONTROL_SUBDIR
-        record = read_verified_local(Path(control))
-        for path in reversed(list_local_committed(directory)):
+        control = Path(self._settings.control_dir or directory / CONTROL_SUBDIR)
+        # Through the uploader's restore grant first: from the store into the live tensors.
+        restored, grant_id, landed = restore_granted(control, directory, live)
+        if grant_id is not None:
+            # Without storage of its own, the trainer asks the uploader for a local copy.
+            wait = restored is None and not self._settings.storage_uri
+            answer(control, grant_id, restored.name if restored is not None else None, wait=wait)
+            if restored is not None:
+                self._verified.add(restored.name)
+            elif wait:
+                wait_for_copy(control, grant_id)
+        record = read_verified_local(control)
+        for path in [] if restored is not None else reversed(list_local_committed(directory)):
             restored = load_local(path, into=live, stamps=record.get(path.name))
             if restored is not None:
                 break
@@ -197,6 +212,7 @@ class Restorer:
                 path = Path(info.uri)
                 # Verified whole as it was restored, just now: not checksummed again.
                 restored = load_local(path, into=live, stamps=_stamps_now(path))
+        refilled(landed, restored)  # no bytes of a checkpoint that failed are trained on
         if restored is None:
             log.info("no checkpoint to restore; starting fresh")
             return None

@@ -134,7 +134,7 @@ def live_places(doc_state: Any, live: Any) -> dict[tuple[str, str], Any]:
     return out
 
 
-def _fits(torch: Any, target: Any, dtype: Any, shape: tuple[int, ...]) -> bool:
+def fits_in_place(torch: Any, target: Any, dtype: Any, shape: tuple[int, ...]) -> bool:
     """Whether the bytes of a tensor of ``dtype`` and ``shape`` can be read straight into ``target``."""
     return (
         isinstance(target, torch.Tensor)
@@ -170,7 +170,7 @@ class _File:
                 if dtype is None:
                     raise StateError(f"tensor {span.key!r}: dtype {span.dtype} is not available in this torch")
                 target = targets.get(span.key)
-                if target is not None and _fits(torch, target, dtype, span.shape):
+                if target is not None and fits_in_place(torch, target, dtype, span.shape):
                     self.tensors[span.key] = target  # the live tensor itself: load_state_dict finds it
                     self.places.append((span, target.detach()))
                     self.in_place += span.end - span.start
@@ -297,4 +297,4 @@ class _Any(Mapping[str, Any]):
         return 0
 
 
-__all__ = ["PartlyLoaded", "file_stamps", "live_places", "load_state_into", "vouched"]
+__all__ = ["PartlyLoaded", "file_stamps", "fits_in_place", "live_places", "load_state_into", "vouched"]

@@ -23,6 +23,16 @@ does not reference are checked (size, checksum, pickle safety) and dropped.
 A checkpoint the state loader of a local directory must read another way
 (a distributed checkpoint, one without ``state.json``) is not streamable
 (:func:`streamable`): restore it to disk.
+
+Given the trainer's live state (:class:`LiveTensors`), each tensor's bytes go
+straight into the live tensor at the same place of the state where it fits
+(a contiguous CPU tensor of the same dtype and shape: the rule
+:func:`~spotguard.checkpoint.local.inplace.load_state_into` applies to local
+files), which is memory the trainer already touched; the state handed back
+holds those very tensors, so ``load_state_dict`` copies nothing. The live
+tensors then receive bytes before the checksums are known: a checkpoint that
+fails leaves them holding part of it (:attr:`LiveTensors.landed` names them),
+and only a later load that fills every one of them again makes them usable.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from spotguard.checkpoint.local.codec import (
     safetensors_header_end,
     tensor_files_of,
 )
+from spotguard.checkpoint.local.inplace import fits_in_place, live_places
 from spotguard.checkpoint.store.chunked import _chunk_of, _ChunkDamaged, check_chunk_landed, stream_file
 from spotguard.checkpoint.store.parts import name_parts
 from spotguard.checkpoint.store.stored import CheckpointCorruptError, stored_files
@@ -137,8 +148,41 @@ class _Placer:
         return out
 
 
-def _allocate(spans: list[TensorSpan]) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """Empty tensors for ``spans`` and a flat byte view of each (what the bytes are copied into)."""
+class LiveTensors:
+    """The trainer's live state (``{"model": model.state_dict(), "optimizer": ...}``), whose
+    tensors a streamed restore fills in place where they fit (see the module's docstring).
+
+    After a load: :attr:`landed`, the live tensors that received bytes (also of a load that
+    failed), and :attr:`in_place_bytes`, how many bytes went there."""
+
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
+        self.landed: list[Any] = []
+        self.in_place_bytes = 0
+        self._places: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, doc: Any) -> None:
+        """Where ``state.json`` (``doc``) puts each tensor in the live state."""
+        self._places = live_places(doc.get("state") if isinstance(doc, dict) else None, self.tree)
+        self.landed = []
+        self.in_place_bytes = 0
+
+    def targets(self, file: str) -> dict[str, Any]:
+        """The live tensors of ``file``'s keys."""
+        return {key: t for (f, key), t in self._places.items() if f == file}
+
+    def took(self, target: Any, nbytes: int) -> None:
+        with self._lock:
+            self.landed.append(target)
+            self.in_place_bytes += nbytes
+
+
+def _allocate(
+    spans: list[TensorSpan], targets: Mapping[str, Any] | None = None, live: LiveTensors | None = None
+) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """A tensor for each of ``spans`` and a flat byte view of each (what the bytes are copied
+    into): the live one of ``targets`` where it fits, else a new, empty one."""
     import torch
 
     tensors: dict[str, torch.Tensor] = {}
@@ -148,8 +192,15 @@ def _allocate(spans: list[TensorSpan]) -> tuple[dict[str, torch.Tensor], list[An
         dtype = getattr(torch, name) if name else None
         if dtype is None:
             raise StateError(f"tensor {span.key!r}: dtype {span.dtype} is not available in this torch")
-        t = torch.empty(span.shape, dtype=dtype)
-        tensors[span.key] = t
+        target = targets.get(span.key) if targets else None
+        if target is not None and fits_in_place(torch, target, dtype, span.shape):
+            tensors[span.key] = target  # the live tensor itself: load_state_dict finds it
+            t = target.detach()
+            if live is not None:
+                live.took(target, span.end - span.start)
+        else:
+            t = torch.empty(span.shape, dtype=dtype)
+            tensors[span.key] = t
         views.append(t.reshape(-1).view(torch.uint8).numpy())
     return tensors, views
 
@@ -165,8 +216,10 @@ class _FileRead:
         algorithm: str,
         progress: ProgressCallback | None,
         seen: ObjectInfo | None = None,
+        live: LiveTensors | None = None,
     ) -> None:
         self.storage = storage
+        self.live = live
         self.seen = seen
         self.key = f"{name}/{entry.path}"
         self.entry = entry
@@ -317,7 +370,8 @@ class _FileRead:
             raw = head[0][1] if len(head) == 1 else b"".join(d for _, d in head)
             end = safetensors_header_end(raw[:8], size)
             spans = parse_safetensors_header(raw[8:end], size)
-            tensors, views = _allocate(spans)
+            targets = self.live.targets(entry.path) if self.live is not None else None
+            tensors, views = _allocate(spans, targets, self.live)
             self.placer = _Placer(spans, views)
         except StateError as exc:
             header_problem = exc  # reported only if the bytes are what the manifest says
@@ -395,10 +449,16 @@ def _check_whole(
 
 
 def load_stored_state(
-    storage: Storage, name: str, *, progress: ProgressCallback | None = None, workers: int = DEFAULT_FILE_WORKERS
+    storage: Storage,
+    name: str,
+    *,
+    progress: ProgressCallback | None = None,
+    workers: int = DEFAULT_FILE_WORKERS,
+    into: LiveTensors | None = None,
 ) -> tuple[Manifest, dict[str, Any]]:
     """The state of stored checkpoint ``name``, read into memory and checked
-    against its manifest on the way (see the module's docstring).
+    against its manifest on the way (see the module's docstring); ``into``: the
+    trainer's live tensors, filled in place where they fit.
 
     Raises :class:`CheckpointCorruptError` naming the problems when any file
     is missing, damaged or not what the state needs (nothing is returned
@@ -435,6 +495,8 @@ def load_stored_state(
     except ValueError as exc:
         raise CheckpointCorruptError(name, [f"{STATE_FILE}: unreadable ({exc})"]) from None
     wanted = {f for f in tensor_files_of(doc) if f in entries and f.endswith(".safetensors")}
+    if into is not None:
+        into.begin(doc)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
 
     def one(entry: FileEntry) -> str | None:
@@ -445,7 +507,7 @@ def load_stored_state(
             return _check_whole(storage, name, entry, algorithm, sizes.get(entry.path), False)[0]
         try:
             loaded[entry.path] = read_as_listed(
-                lambda listed: _FileRead(storage, name, entry, algorithm, progress, listed).tensors(),
+                lambda listed: _FileRead(storage, name, entry, algorithm, progress, listed, into).tensors(),
                 seen.get(entry.path),
             )
         except _Damaged as exc:
@@ -477,4 +539,4 @@ def load_stored_state(
     return manifest, state
 
 
-__all__ = ["NotStreamable", "load_stored_state", "streamable"]
+__all__ = ["LiveTensors", "NotStreamable", "load_stored_state", "streamable"]
