@@ -1,6 +1,8 @@
 """``spotguard run``: supervise a training command on a machine without Kubernetes.
 
-The supervisor restores the newest verified checkpoint, runs the command
+The supervisor restores the newest verified checkpoint (where the store signs
+reads, it grants the command reads of it instead: the command streams it into
+its tensors, and the local copy is restored after, in the background), runs the command
 with the Checkpointer's environment, ships checkpoints as the sidecar would
 (in-process), treats SIGTERM/SIGINT as a preemption (emergency checkpoint,
 upload, verify, exit) and restarts the command after a crash within a
@@ -51,6 +53,7 @@ from spotguard.contract.control import (
     write_verified_local,
 )
 from spotguard.run.credentials import is_credential, without_credentials
+from spotguard.run.granting import Granting
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
 from spotguard.sidecar.service import AgentConfig, CheckpointAgent, UploaderConfig
@@ -238,6 +241,14 @@ class Supervisor:
         self.agent.interrupt = self.latch.event
         self.attempt = 0
         self.staging = memory_staging_dir(config.workdir) if config.memory_staging else None
+        self.granting = Granting(
+            config.control_dir,
+            config.checkpoint_dir,
+            storage,
+            self.agent.shipper,
+            self._vouch,
+            self._restore_newer_than,
+        )
 
     def _child_state(self) -> str:
         if self.child is None:
@@ -272,6 +283,7 @@ class Supervisor:
         # What a supervisor that died left in memory: not known to be verified, so copied to the disk.
         self._settle_staging(verified_step=-1)
         ControlChannel(self.config.control_dir).clear()
+        self.granting.end()  # an earlier start's grant is never used, its local copy is complete
         forget_verified_local(self.config.control_dir)  # this start verifies again what it vouches for
         shipper = self.agent.shipper
         shipper.adopt_existing()
@@ -303,6 +315,9 @@ class Supervisor:
         newest_local = self._loadable_local()
         t0 = time.monotonic()
         try:
+            # A grant lets the trainer stream the checkpoint into its tensors; else the local copy first.
+            if self.granting.offer(step_of(newest_local) if newest_local else -1):
+                return
             info = self._restore_newer_than(step_of(newest_local) if newest_local else -1)
         except Exception as exc:  # noqa: BLE001 - storage down: the local state decides
             self.metrics.failure("restore")
@@ -529,6 +544,7 @@ class Supervisor:
                 self.child = self.spawn()
                 while self.child.poll() is None and not self.latch.event.is_set():
                     self.agent.step()
+                    self.granting.follow()
                     self.latch.event.wait(self.config.poll_seconds)
                 if self.latch.event.is_set():
                     return self._preempted()
@@ -572,6 +588,7 @@ class Supervisor:
 
     def _ended(self, shipped: bool) -> int:
         """The command exited 0: finished, or stopped for a preemption it was told about."""
+        self.granting.end()  # the local copy of what it resumed from is complete before the exit
         end = self.agent.run_end(None, trainer_gone_before_signal=True)
         if not shipped:
             return EXIT_EMERGENCY_FAILED
