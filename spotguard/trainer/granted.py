@@ -66,6 +66,18 @@ def restore_granted(control: Path, directory: Path, live: Any) -> tuple[Restored
     return restored, grant.id, landed
 
 
+def decline(control: Path, *, wait: bool) -> None:
+    """Answer a grant in ``control`` without using it (a distributed trainer loads a local copy on
+    every node): with ``wait``, ask the uploader for that copy and wait for it."""
+    grant = read_grant(control)
+    if grant is None:
+        return
+    remove_grant(control)
+    answer(control, grant.id, None, wait=wait)
+    if wait:
+        wait_for_copy(control, grant.id)
+
+
 def answer(control: Path, grant_id: str, name: str | None, *, wait: bool = False) -> None:
     """Tell the uploader what the trainer loaded through grant ``grant_id`` (None: nothing), and
     whether it waits for a local copy (:func:`wait_for_copy`)."""
@@ -122,4 +134,4 @@ def _tensors(tree: Any) -> Iterable[Any]:
             yield from _tensors(v)
 
 
-__all__ = ["answer", "refilled", "restore_granted", "wait_for_copy"]
+__all__ = ["answer", "decline", "refilled", "restore_granted", "wait_for_copy"]

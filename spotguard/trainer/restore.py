@@ -51,7 +51,7 @@ from spotguard.contract.control import CONTROL_SUBDIR, read_verified_local
 from spotguard.trainer import distributed as _distributed
 from spotguard.trainer.config import CheckpointerConfig
 from spotguard.trainer.distributed import DistContext
-from spotguard.trainer.granted import answer, refilled, restore_granted, wait_for_copy
+from spotguard.trainer.granted import answer, decline, refilled, restore_granted, wait_for_copy
 from spotguard.trainer.state import RestoredState
 from spotguard.trainer.state import restore_rng as restore_rng_state  # restore()'s keyword shadows the name
 
@@ -225,6 +225,9 @@ class Restorer:
 
     def _resume_folder_alone(self) -> Path | None:
         """:meth:`Checkpointer.resume_folder`'s choice in a single process."""
+        # A framework loads its folder from the checkpoint directory: a grant's checkpoint is copied there.
+        directory = self._settings.directory
+        decline(Path(self._settings.control_dir or directory / CONTROL_SUBDIR), wait=not self._settings.storage_uri)
         found: Path | None = None
         for candidate in reversed(list_local_committed(self._settings.directory)):
             problem = folder_problem(candidate)
@@ -280,6 +283,9 @@ class Restorer:
         objects: Mapping[str, Any],
     ) -> RestoredState | None:
         """:meth:`Checkpointer.restore` under torch.distributed (collective)."""
+        if d.leader:  # a grant is for one process's state: this node gets a local copy instead
+            directory = self._settings.directory
+            decline(Path(self._settings.control_dir or directory / CONTROL_SUBDIR), wait=not self._settings.storage_uri)
         name = self.agreed_name(d)
         if name is None:
             log.info("no checkpoint to restore; starting fresh")
