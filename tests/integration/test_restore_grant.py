@@ -230,3 +230,44 @@ def test_spotguard_run_resumes_through_the_grant_and_copies_it_after(
     ckdir = next(p for p in (tmp_path / "work").rglob("ckpt-000000000005") if p.is_dir())
     assert (ckdir / "manifest.json").read_bytes() == storage.read_bytes("ckpt-000000000005/manifest.json")
     assert not list((tmp_path / "work").rglob(GRANT_FILE)) and not list((tmp_path / "work").rglob(ANSWER_FILE))
+
+
+def test_a_refused_grant_under_spotguard_run_waits_for_the_supervisors_copy(
+    s3_store: Any, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A trainer without the store of its own (as under ``spotguard run``) whose grant the store
+    refuses asks the supervisor for a local copy, waits for it, and loads it in place."""
+    import threading
+
+    from spotguard.contract.control import write_heartbeat
+    from spotguard.run.supervisor import RunConfig, Supervisor
+    from spotguard.sidecar.metrics import SidecarMetrics
+
+    storage = open_test_storage("s3", request, tmp_path)
+    saved = upload_steps(storage, tmp_path, (1, 2), incremental=False)
+    config = RunConfig(
+        command=["true"], workdir=tmp_path / "work", storage_uri=storage.uri, checkpoint_dir=tmp_path / "work" / "ck"
+    )
+    sup = Supervisor(config, storage, SidecarMetrics())
+    sup.recover()  # grants, restores nothing
+    control = config.control_dir
+    grant = read_grant(control)
+    assert grant is not None and not list(config.checkpoint_dir.glob("ckpt-*"))
+    for checkpoint in grant.checkpoints:
+        for key, url in checkpoint.objects.items():
+            checkpoint.objects[key] = url.replace(f"{SECRET}=", f"{SECRET}=0")  # type: ignore[index]
+    write_grant(control, grant)
+
+    got: list[Any] = []
+    trainer = threading.Thread(target=lambda: got.append(resume(config.checkpoint_dir)))
+    trainer.start()
+    while trainer.is_alive():
+        write_heartbeat(control, shipping=True)
+        sup.granting.follow()
+        trainer.join(0.05)
+    sup.granting.end()
+    restored, model, opt, before = got[0]
+    assert restored is not None and restored.step == 2
+    assert restored.checked_bytes == 0  # the supervisor's copy, verified as it was restored
+    assert live_bytes(model, opt) == saved[2]
+    assert addresses(model, opt) == before
