@@ -4,9 +4,8 @@
 The party with the store's credentials picks the newest checkpoints a
 trainer may resume from and signs one GET URL per object each needs
 (:mod:`spotguard.contract.grant` is the file's format); it reads no data to
-do so. Its check is the cheap one (the manifest, every object present with
-its recorded size: :func:`~spotguard.checkpoint.store.verify_stored.verify_checkpoint`
-by sizes), because the trainer checks every byte anyway: it streams the
+do so. Its check is the cheap one (the manifest, every whole file listed with
+its recorded size: :func:`grantable`), because the trainer checks every byte anyway: it streams the
 checkpoint through :func:`~spotguard.checkpoint.restore.stream.load_stored_state`,
 each range checked (CRC32C) against the granted manifest and placed straight
 into its live tensors, and uses nothing unless every file matched. A
@@ -29,12 +28,8 @@ from spotguard.checkpoint.format.manifest import (
     parse_manifest,
 )
 from spotguard.checkpoint.restore.stream import LiveTensors, NotStreamable, load_stored_state, streamable
-from spotguard.checkpoint.store.stored import (
-    CheckpointCorruptError,
-    list_checkpoint_names,
-    read_manifest_bytes,
-)
-from spotguard.checkpoint.store.verify_stored import verify_checkpoint
+from spotguard.checkpoint.store.stored import CheckpointCorruptError, list_checkpoint_names, stored_files
+from spotguard.checkpoint.store.verify_stored import stored_manifest
 from spotguard.contract.grant import MAX_GRANTED, GrantedCheckpoint, RestoreGrant, new_grant_id
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.presigned import GrantedStorage, GrantRefused, SignsReads
@@ -71,23 +66,43 @@ def object_sizes(manifest: Manifest) -> dict[str, int]:
 
 def grantable(storage: Storage, newer_than: int = -1) -> list[tuple[str, bytes, Manifest]]:
     """The checkpoints of ``storage`` newer than step ``newer_than`` a trainer may stream, newest
-    first, at most :data:`MAX_GRANTED`: each present whole (sizes) and one process's state. The
-    walk stops at one that is not streamable (it is restored to disk, today's path). Storage
-    failures propagate."""
+    first, at most :data:`MAX_GRANTED`: a manifest of the whole checkpoint, of one process's state,
+    and (stored as whole files) every file listed with its recorded size; the chunks of a
+    checkpoint stored incrementally are not asked about one by one (a missing or damaged one
+    fails that checkpoint in the trainer, which walks back). The walk stops at one that is not
+    streamable (it is restored to disk, today's path). Storage failures propagate."""
     chosen: list[tuple[str, bytes, Manifest]] = []
     for name in reversed(list_checkpoint_names(storage)):
         if (parse_checkpoint_name(name) or 0) <= newer_than:
             break
-        result = verify_checkpoint(storage, name, checksums=False, quiet=True)
-        if not result.ok or result.manifest is None:
-            log.warning("not granting checkpoint %s: %s", storage.uri_for(name), result.reason)
+        try:
+            raw, manifest = stored_manifest(storage, name)
+        except CheckpointCorruptError as exc:
+            log.warning("not granting checkpoint %s: %s", storage.uri_for(name), "; ".join(exc.problems))
             continue
-        if not streamable(result.manifest):
+        if not streamable(manifest):
             break
-        chosen.append((name, read_manifest_bytes(storage, name), result.manifest))
+        problems = [] if manifest.chunked else _listed_problems(storage, manifest)
+        if problems:
+            log.warning("not granting checkpoint %s: %s", storage.uri_for(name), "; ".join(problems))
+            continue
+        chosen.append((name, raw, manifest))
         if len(chosen) == MAX_GRANTED:
             break
     return chosen
+
+
+def _listed_problems(storage: Storage, manifest: Manifest) -> list[str]:
+    """What the listing says is wrong with ``manifest``'s files (missing, another size)."""
+    listing = stored_files(storage, manifest.name)
+    out: list[str] = []
+    for entry in manifest.files:
+        found = listing.get(entry.path)
+        if found is None:
+            out.append(f"{entry.path}: missing")
+        elif found.size != entry.size:
+            out.append(f"{entry.path}: size {found.size} bytes, manifest says {entry.size}")
+    return out
 
 
 def make_grant(storage: Storage, newer_than: int = -1, *, now: float | None = None) -> RestoreGrant | None:
