@@ -761,9 +761,9 @@ def bench_resume(ctx: Ctx) -> Section:
         grant = med(granted_rounds, "grant")
         stream = med(granted_rounds, "streamed into the trainer's tensors")
         s.notes.append(
-            f"Why the goal is missed here: the grant costs {grant:.2f}s (listing, the manifest, "
-            f"signing), the stream {stream:.2f}s: parsing each file's header before its ranges start, the "
-            "checksums and the placing of each range into its tensors, on top of the store's pace."
+            f"Why the goal is missed here: the grant costs {grant:.2f}s (listing, the manifest, signing) and "
+            f"the stream {stream:.2f}s (medians of both rows), against the store's pace of "
+            f"{median(floor_times):.2f}s; the verdict goes by the worse quartile of the per-round ratios."
         )
     if ctx.profile:
         s.notes.append(
