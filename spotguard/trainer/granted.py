@@ -35,7 +35,7 @@ from spotguard.trainer.state import RestoredState
 log = logging.getLogger(__name__)
 
 #: How long a trainer waits for a local copy after the uploader's heartbeat went quiet.
-UPLOADER_QUIET_SECONDS = 30.0
+UPLOADER_QUIET_SECONDS = 120.0
 _POLL_SECONDS = 0.05
 
 
@@ -89,7 +89,8 @@ def answer(control: Path, grant_id: str, name: str | None, *, wait: bool = False
 
 def wait_for_copy(control: Path, grant_id: str, quiet: float = UPLOADER_QUIET_SECONDS) -> str | None:
     """Wait until the uploader restored a checkpoint into the checkpoint directory for this
-    trainer (its name, None: it found none), or until its heartbeat was quiet for ``quiet`` seconds."""
+    trainer (its name, None: it found none). Raises RuntimeError once its heartbeat was quiet for
+    ``quiet`` seconds: starting fresh then could lose the checkpoint the grant named."""
     last_alive = time.monotonic()
     log.info("waiting for the uploader to restore a checkpoint into the checkpoint directory")
     while True:
@@ -100,8 +101,10 @@ def wait_for_copy(control: Path, grant_id: str, quiet: float = UPLOADER_QUIET_SE
         if beat is not None and time.time() - beat.time < quiet:
             last_alive = time.monotonic()
         elif time.monotonic() - last_alive > quiet:
-            log.warning("the uploader did not restore a checkpoint (its heartbeat is quiet)")
-            return None
+            raise RuntimeError(
+                "the uploader granted a checkpoint but did not restore it for this trainer (its heartbeat is "
+                "quiet): not starting fresh; start the process again"
+            )
         time.sleep(_POLL_SECONDS)
 
 
