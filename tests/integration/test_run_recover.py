@@ -14,6 +14,7 @@ from ckpt_helpers import s3_options, step_tensors
 
 from spotguard.checkpoint import latest_verified, list_local_committed, upload_checkpoint, verify_local_checkpoint
 from spotguard.checkpoint.format.manifest import checkpoint_name
+from spotguard.contract.grant import RestoreAnswer, read_grant, write_answer
 from spotguard.run.supervisor import RunConfig, SetupError, Supervisor
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.storage import open_storage
@@ -34,6 +35,17 @@ def supervisor(tmp_path: Path, s3_uri: str, storage: Any) -> Supervisor:
         checkpoint_dir=tmp_path / "work" / "checkpoints",
     )
     return Supervisor(config, storage, SidecarMetrics())
+
+
+def answered(sup: Supervisor, newest: int) -> None:
+    """The command's answer to the restore grant ``recover`` wrote (the store signs reads): it
+    loaded the newest granted checkpoint, which must be ``newest``; the supervisor then restores
+    its local copy (waited for here)."""
+    grant = read_grant(sup.config.control_dir)
+    assert grant is not None and grant.checkpoints[0].name == checkpoint_name(newest)
+    write_answer(sup.config.control_dir, RestoreAnswer(grant.id, checkpoint_name(newest)))
+    sup.granting.follow()
+    sup.granting.end()
 
 
 def test_recover_keeps_what_storage_could_not_take_and_ships_it_later(
@@ -92,7 +104,10 @@ def test_recover_restores_from_storage_only_what_is_newer(s3_store: Any, s3_uri:
     ck.close()
     sup = supervisor(tmp_path, s3_uri, good)
     sup.recover()
-    # 6 (in storage) is newer than 5 (local, now shipped too): staged, and known verified without a re-read.
+    # 6 (in storage) is newer than 5 (local, now shipped too): granted to the command, which streams it;
+    # then staged, and known verified without a re-read.
+    assert local_steps(ckdir) == [5]
+    answered(sup, 6)
     assert local_steps(ckdir) == [5, 6]
     assert sup.agent.shipper.last_shipped is not None and sup.agent.shipper.last_shipped.step == 6
 
@@ -115,6 +130,7 @@ def test_recover_fetches_again_a_damaged_local_copy_of_a_stored_checkpoint(
 
     sup = supervisor(tmp_path, s3_uri, good)
     sup.recover()
+    answered(sup, 8)  # the damaged copy is gone: 8 is granted, then restored after the command's answer
     assert local_steps(ckdir) == [7, 8]
     assert verify_local_checkpoint(ckdir / checkpoint_name(8)).ok  # the stored copy, fetched again
     assert sup.agent.shipper.last_shipped is not None and sup.agent.shipper.last_shipped.step == 8
