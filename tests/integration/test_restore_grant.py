@@ -274,3 +274,40 @@ def test_a_refused_grant_under_spotguard_run_waits_for_the_supervisors_copy(
     assert restored.checked_bytes == 0  # the supervisor's copy, verified as it was restored
     assert live_bytes(model, opt) == saved[2]
     assert addresses(model, opt) == before
+
+
+def test_a_framework_folder_resume_declines_the_grant_and_waits_for_the_copy(tmp_path: Path) -> None:
+    """A grant is for one process's state: ``resume_folder`` (a framework loads its own folder)
+    answers it with nothing loaded, waits for the uploader's copy, and resumes from that."""
+    import threading
+
+    from spotguard.contract.control import write_heartbeat
+    from spotguard.contract.grant import GrantedCheckpoint, RestoreGrant, write_done
+
+    directory = tmp_path / "trainer"
+    control = directory / ".control"
+    name = "ckpt-000000000003"
+    write_grant(control, RestoreGrant("g7", "s3://b/job", 2e9, (GrantedCheckpoint(name, b"{}", {}),)))
+
+    def uploader() -> None:
+        for _ in range(500):
+            if (found := read_answer(control)) is not None:
+                break
+            write_heartbeat(control, shipping=True)
+            threading.Event().wait(0.02)
+        else:
+            return  # never answered: the trainer went on without the copy
+        assert (found.grant, found.name, found.wait) == ("g7", None, True)
+        write_checkpoint(directory, 3, snapshot_state({"model": {"w": torch.ones(3)}}))  # the copy
+        write_done(control, "g7", name)
+
+    helper = threading.Thread(target=uploader)
+    helper.start()
+    ck = Checkpointer(directory, async_save=False, control_dir=control)
+    try:
+        folder = ck.resume_folder()
+    finally:
+        ck.close()
+        helper.join()
+    assert folder == directory / name
+    assert read_grant(control) is None
