@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 from testenv import cluster, gcs, lanes, trials  # noqa: E402
 from testenv.require import missing, require_module  # noqa: E402
 
-pytest_plugins = ["testenv.pytest_nodes", "testenv.pytest_images", "testenv.pytest_realnodes"]
+pytest_plugins = ["testenv.pytest_nodes", "testenv.pytest_images", "testenv.pytest_realnodes", "testenv.pytest_cpu"]
 
 
 def _raise_interrupt(signum: int, _frame: object) -> None:
