@@ -53,7 +53,7 @@ from spotguard.contract.control import (
     write_verified_local,
 )
 from spotguard.run.credentials import is_credential, without_credentials
-from spotguard.run.granting import Granting
+from spotguard.sidecar.granting import Granting, restore_newer_than
 from spotguard.sidecar.metrics import SidecarMetrics
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
 from spotguard.sidecar.service import AgentConfig, CheckpointAgent, UploaderConfig
@@ -247,7 +247,6 @@ class Supervisor:
             storage,
             self.agent.shipper,
             self._vouch,
-            self._restore_newer_than,
         )
 
     def _child_state(self) -> str:
@@ -413,16 +412,7 @@ class Supervisor:
         """Stage the newest checkpoint in storage newer than ``step`` that
         verifies (walking back past broken ones); None when there is none.
         Storage errors propagate."""
-        from spotguard.checkpoint import CheckpointCorruptError, list_checkpoint_names, restore_checkpoint
-
-        for name in reversed(list_checkpoint_names(self.storage)):
-            if step_of(name) <= step:
-                return None
-            try:
-                return restore_checkpoint(self.storage, name, self.config.checkpoint_dir)
-            except CheckpointCorruptError as exc:
-                log.warning("skipping checkpoint %s: %s", self.storage.uri_for(name), "; ".join(exc.problems))
-        return None
+        return restore_newer_than(self.storage, self.config.checkpoint_dir, step)
 
     # -- child ---------------------------------------------------------------
 

@@ -17,12 +17,14 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from spotguard.contract.control import RunEnd, read_staging_full
 from spotguard.contract.env import EMERGENCY_STAGING, STAGING_POD_DIR, from_env
 from spotguard.contract.report import TerminationReport
 from spotguard.sidecar.events import REASON_METRICS_PORT_UNAVAILABLE, post_pod_event_async
+from spotguard.sidecar.granting import Granting, vouch_restored
 from spotguard.sidecar.metrics import SIDECAR_PORT_HINT
 from spotguard.sidecar.notices import NoticeSource, NoticeWatcher
 from spotguard.sidecar.service import CheckpointAgent
@@ -135,9 +137,11 @@ def run_sidecar(
         ",".join(s.name for s in sources) or "none",
     )
     agent.interrupt = latch.event
+    granting = pod_granting(agent)
     try:
         while not latch.event.is_set():
             agent.step()
+            granting.follow()
             state = agent.trainer_state()
             if latch.event.is_set():
                 # SIGTERM came during this round (an upload can take a
@@ -151,6 +155,7 @@ def run_sidecar(
                 flushed = agent.flush(agent.config.finish_deadline(time.time()))
                 if flushed:
                     log.info("trainer exited; everything committed is shipped")
+                granting.end()  # the local copy of what it resumed from is complete (a trainer restarted in place)
                 end = agent.run_end(None, trainer_gone_before_signal=True)
                 report = _report(agent, options, end, metrics_error)
                 if flushed and not end.preempted and not latch.event.is_set():
@@ -184,6 +189,23 @@ def run_sidecar(
         return options.preempted_exit_code if ok else EXIT_EMERGENCY_FAILED
     finally:
         watcher.stop()
+
+
+def pod_granting(agent: CheckpointAgent) -> Granting:
+    """The sidecar's part in a resume through the restore grant that the pod's restore init
+    container wrote (``spotguard restore --grant``): it follows the trainer's answer, whichever
+    grant it names, and restores the local copy (:mod:`spotguard.sidecar.granting`). Without a
+    grant no answer comes, and nothing is done."""
+    cfg = agent.config
+    granting = Granting(
+        cfg.control_dir,
+        cfg.checkpoint_dir,
+        agent.storage,
+        agent.shipper,
+        partial(vouch_restored, cfg.control_dir),
+    )
+    granting.expect(None, -1)
+    return granting
 
 
 def _settle_staging(agent: CheckpointAgent) -> None:

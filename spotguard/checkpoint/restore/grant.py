@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.format.manifest import (
@@ -30,7 +31,7 @@ from spotguard.checkpoint.format.manifest import (
 from spotguard.checkpoint.restore.stream import LiveTensors, NotStreamable, load_stored_state, streamable
 from spotguard.checkpoint.store.stored import CheckpointCorruptError, list_checkpoint_names, stored_files
 from spotguard.checkpoint.store.verify_stored import stored_manifest
-from spotguard.contract.grant import MAX_GRANTED, GrantedCheckpoint, RestoreGrant, new_grant_id
+from spotguard.contract.grant import MAX_GRANTED, GrantedCheckpoint, RestoreGrant, new_grant_id, write_grant
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.presigned import GrantedStorage, GrantRefused, SignsReads
 
@@ -124,6 +125,16 @@ def make_grant(storage: Storage, newer_than: int = -1, *, now: float | None = No
     return RestoreGrant(new_grant_id(), storage.uri, start + seconds, granted)
 
 
+def grant_reads(storage: Storage, control_dir: Path, newer_than: int = -1) -> RestoreGrant | None:
+    """Write a grant of reads of the newest checkpoints newer than ``newer_than`` into
+    ``control_dir`` (:func:`make_grant`, mode 0600); the grant (None: the store cannot sign reads,
+    or none may be streamed: nothing written). Storage errors propagate."""
+    grant = make_grant(storage, newer_than)
+    if grant is not None:
+        write_grant(control_dir, grant)
+    return grant
+
+
 def granted_storage(store: str, granted: GrantedCheckpoint) -> GrantedStorage:
     """The read-only storage of one granted checkpoint: its objects by their URLs, its manifest
     from the grant. Raises :class:`CheckpointCorruptError` for a manifest that does not parse."""
@@ -175,4 +186,4 @@ def load_granted(
             into.landed = landed
 
 
-__all__ = ["grant_seconds", "grantable", "granted_storage", "load_granted", "make_grant", "object_sizes"]
+__all__ = ["grant_reads", "grant_seconds", "grantable", "granted_storage", "load_granted", "make_grant", "object_sizes"]

@@ -32,9 +32,11 @@ from spotguard.checkpoint.local.codec import StateError
 from spotguard.checkpoint.local.commit import (
     TMP_PREFIX,
     load_checkpoint_state,
+    read_local_manifest,
     remove_checkpoint_dir,
     verify_local_checkpoint,
 )
+from spotguard.checkpoint.local.inplace import file_stamps
 from spotguard.checkpoint.restore.fetch import fetch_chunks, fetch_verified
 from spotguard.checkpoint.restore.stream import NotStreamable, load_stored_state
 from spotguard.checkpoint.store.parts import name_parts
@@ -46,6 +48,7 @@ from spotguard.checkpoint.store.stored import (
     stored_files,
 )
 from spotguard.checkpoint.store.verify_stored import stored_manifest
+from spotguard.contract.control import write_verified_local
 from spotguard.storage.base import ProgressCallback, Storage
 from spotguard.storage.file import fsync_dir
 
@@ -202,4 +205,19 @@ def _newest_usable(
     return None
 
 
-__all__ = ["RESTORE_TMP_PREFIX", "restore_checkpoint", "restore_latest", "restore_latest_state", "restore_state"]
+def vouch_restored(control_dir: Path, path: Path) -> None:
+    """Record local checkpoint ``path``, verified whole as it was restored just now, for the
+    trainer (its files' stamps, :func:`~spotguard.contract.control.write_verified_local`), so that
+    it does not checksum it again (:mod:`spotguard.checkpoint.local.inplace`). Raises OSError or
+    ManifestError when it cannot be recorded (the trainer then checksums it: slower, never wrong)."""
+    write_verified_local(control_dir, path.name, file_stamps(path, read_local_manifest(path)))
+
+
+__all__ = [
+    "RESTORE_TMP_PREFIX",
+    "restore_checkpoint",
+    "restore_latest",
+    "restore_latest_state",
+    "restore_state",
+    "vouch_restored",
+]

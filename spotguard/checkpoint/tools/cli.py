@@ -126,6 +126,13 @@ def register(subparsers: Any) -> None:
     p = command(subparsers, "restore", _guard(cmd_init_restore))
     add_option(p, STORAGE_URI, metavar="URI")
     add_option(p, CHECKPOINT_DIR, "--dest", type=Path, metavar="DIR")
+    p.add_argument(
+        "--grant",
+        action="store_true",
+        help="where the store signs reads, grant the trainer reads of the newest checkpoints instead "
+        "(restore-grant.json in the control directory; a sidecar restores the local copy after the "
+        "trainer's answer); else restore as without it",
+    )
     progress_flag(p)
 
 
@@ -385,6 +392,8 @@ def cmd_init_restore(args: argparse.Namespace) -> int:
         raise UserError(f"no storage URI: pass --storage URI or set {STORAGE_URI.name}")
     if args.dest is None:
         raise UserError(f"no destination: pass --dest DIR or set {CHECKPOINT_DIR.name}")
+    if args.grant and _grant(args.storage, args.dest):
+        return EXIT_OK
     info = _restore(args.storage, args.dest, args.progress)
     if info is None:
         print(f"no verified checkpoint at {args.storage} yet; the trainer starts fresh")
@@ -394,16 +403,36 @@ def cmd_init_restore(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _grant(uri: str, dest: Path) -> bool:
+    """Write a restore grant of the newest checkpoints into the trainer's control directory
+    instead of restoring one (:func:`~spotguard.checkpoint.restore.grant.grant_reads`); False
+    when there is none (a store that cannot sign reads, nothing streamable, an error): restore then."""
+    from spotguard.checkpoint.restore.grant import grant_reads
+    from spotguard.contract.control import control_dir_from_env
+    from spotguard.contract.grant import clear_restore_messages
+
+    control = control_dir_from_env(Path(dest))
+    clear_restore_messages(control)  # an earlier pod's grant or answer on this volume is never used
+    try:
+        granted = grant_reads(_open(uri), control)
+    except Exception as exc:  # noqa: BLE001 - the restore below says what is wrong with the store
+        print(f"spotguard: no restore grant ({' '.join(str(exc).split())}); restoring", file=sys.stderr)
+        return False
+    if granted is None:
+        return False
+    names = ", ".join(c.name for c in granted.checkpoints)
+    print(f"granted the trainer reads of {names}; the sidecar restores its local copy after the trainer's answer")
+    return True
+
+
 def _vouch(path: Path, dest: Path) -> None:
-    """Tell the trainer that ``path`` verified whole just now (its files' stamps in the control
-    directory), so that it does not checksum it again; see :mod:`spotguard.checkpoint.local.inplace`."""
+    """Tell the trainer that ``path`` verified whole just now, so that it does not checksum it again."""
     from spotguard.checkpoint.format.manifest import ManifestError
-    from spotguard.checkpoint.local.commit import read_local_manifest
-    from spotguard.checkpoint.local.inplace import file_stamps
-    from spotguard.contract.control import control_dir_from_env, write_verified_local
+    from spotguard.checkpoint.restore.load import vouch_restored
+    from spotguard.contract.control import control_dir_from_env
 
     try:
-        write_verified_local(control_dir_from_env(Path(dest)), path.name, file_stamps(path, read_local_manifest(path)))
+        vouch_restored(control_dir_from_env(Path(dest)), path)
     except (OSError, ManifestError) as exc:  # the trainer then checksums it again: slower, never wrong
         print(f"spotguard: could not record that {path.name} verified: {exc}", file=sys.stderr)
 
