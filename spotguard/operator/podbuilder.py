@@ -38,7 +38,7 @@ from spotguard.contract import env as envvars
 from spotguard.contract.final import trainer_final_verify_seconds
 from spotguard.operator.hostports import DEFAULT_RANGE, pair_count, preferred_index
 from spotguard.operator.jobstatus import member_pod_name
-from spotguard.operator.podsecurity import injected_security_context, tmp_mount, tmp_volume
+from spotguard.operator.podsecurity import injected_security_context, tmp_mount, tmp_volume, trainers_read_ours
 from spotguard.operator.spec import (
     API_VERSION,
     EMERGENCY_VOLUME,
@@ -379,13 +379,15 @@ def _spotguard_container(name: str, inj: Injection, command: list[str]) -> dict[
     return c
 
 
-def restore_container(inj: Injection) -> dict[str, Any]:
-    """The init container that stages the newest verified checkpoint."""
-    c = _spotguard_container(
-        RESTORE_CONTAINER,
-        inj,
-        ["spotguard", "restore", "--storage", f"$({envvars.STORAGE_URI.name})", "--dest", CHECKPOINT_DIR],
-    )
+def restore_container(inj: Injection, grant: bool = False) -> dict[str, Any]:
+    """The init container that stages the newest verified checkpoint.
+
+    With ``grant`` (the trainers can read the files it writes), where the store signs reads it
+    grants the trainer reads of the newest checkpoints instead (``--grant``): the trainer streams
+    one into its tensors, and the sidecar restores the local copy after the trainer's answer
+    (:mod:`spotguard.sidecar.granting`); else it restores as without it."""
+    command = ["spotguard", "restore", "--storage", f"$({envvars.STORAGE_URI.name})", "--dest", CHECKPOINT_DIR]
+    c = _spotguard_container(RESTORE_CONTAINER, inj, [*command, "--grant"] if grant else command)
     # A failed restore says why in its log: its tail becomes the termination message.
     c["terminationMessagePolicy"] = "FallbackToLogsOnError"
     return c
@@ -446,7 +448,8 @@ def inject(pod_spec: Mapping[str, Any], inj: Injection) -> dict[str, Any]:
         _merge_env(c, env)
         _mount(c, inj)
     sidecar = sidecar_container(inj)
-    restore = restore_container(inj)
+    # The grant is a file of mode 0600: only for trainers that run as its writer.
+    restore = restore_container(inj, grant=inj.checkpoint.restore_grant and trainers_read_ours(spec, containers))
     for ours_c in (restore, sidecar):
         ours_c["securityContext"] = injected_security_context(spec)
     if inj.native_sidecar:

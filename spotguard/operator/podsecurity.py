@@ -64,6 +64,22 @@ def injected_security_context(pod_spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _named_user(context: Any) -> int | None:
+    value = context.get("runAsUser") if isinstance(context, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def trainers_read_ours(pod_spec: Mapping[str, Any], trainers: list[Mapping[str, Any]]) -> bool:
+    """Pure: whether every one of ``trainers`` runs as the user spotguard's containers run as,
+    by the template's own words, so that a file of mode 0600 one of them writes (the restore
+    grant) is the trainers' to read. A trainer whose user the template does not name runs as its
+    image's, which may be another: False."""
+    ours = injected_security_context(pod_spec)["runAsUser"]
+    pod = _named_user(pod_spec.get("securityContext"))
+    users = [_named_user(c.get("securityContext")) for c in trainers]
+    return bool(trainers) and all((pod if u is None else u) == ours for u in users)
+
+
 def tmp_volume() -> dict[str, Any]:
     """The ``emptyDir`` behind spotguard's containers' ``/tmp`` (no limit: as the writable layer had none)."""
     return {"name": TMP_VOLUME, "emptyDir": {}}

@@ -97,6 +97,11 @@ class CheckpointSpec:
     #: init container and the sidecar get them otherwise): for trainers that read
     #: or write storage themselves.
     expose_credentials_to_trainer: bool = False
+    #: Resume through a restore grant where the store signs reads: the restore init container
+    #: grants the trainer reads instead of restoring first (``spotguard restore --grant``), for
+    #: trainers that resume through spotguard's Checkpointer of this version (off: one that does not
+    #: would find no local copy).
+    restore_grant: bool = False
     #: Store checkpoints as content-addressed chunks shared between checkpoints,
     #: so that each upload sends only what changed (on by default; off: the sidecar's ``--no-incremental``).
     incremental: bool = True
@@ -343,6 +348,7 @@ def parse_checkpoint(raw: Any, path: str = "spec.checkpoint") -> CheckpointSpec:
         checksum=read_enum(obj, "checksum", path, CHECKSUMS, "crc32c"),
         retention=parse_retention(obj.get("retention"), f"{path}.retention"),
         expose_credentials_to_trainer=read_bool(obj, "exposeCredentialsToTrainer", path, False),
+        restore_grant=read_bool(obj, "restoreGrant", path, False),
         incremental=read_bool(obj, "incremental", path, True),
         staging=parse_staging(obj.get("staging"), f"{path}.staging"),
         memory_staging=read_bool(obj, "memoryStaging", path, True),

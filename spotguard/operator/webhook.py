@@ -21,6 +21,8 @@ configured by annotations:
 ``spotguard.dev/expose-credentials-to-      ``"true"``: the pod's own containers get the
 trainer``                                   storage credentials too (default: only
                                             spotguard's containers)
+``spotguard.dev/restore-grant``             ``"true"``: resume through a restore grant
+                                            (``checkpoint.restoreGrant``)
 ==========================================  ====================================
 
 The grace period is the pod's own ``terminationGracePeriodSeconds`` (default 60).
@@ -60,6 +62,7 @@ _ANNOTATIONS: dict[str, tuple[str, type]] = {
     "keep-last": ("keepLast", int),
     "incremental": ("incremental", bool),
     "expose-credentials-to-trainer": ("exposeCredentialsToTrainer", bool),
+    "restore-grant": ("restoreGrant", bool),
 }
 _FIELD_TO_ANNOTATION = {f: f"metadata.annotations[{PREFIX}{a}]" for a, (f, _t) in _ANNOTATIONS.items()}
 

@@ -141,6 +141,49 @@ def test_restore_command_and_images() -> None:
     assert build(sidecar={"image": "custom:1"})["spec"]["containers"][1]["image"] == "custom:1"
 
 
+def _with_users(pod_user: int | None, *trainer_users: int | None) -> dict[str, Any]:
+    """The template's spec with ``runAsUser`` named by the pod (None: not) and by each trainer container."""
+    template = job_spec()["template"]
+    first = template["spec"]["containers"][0]
+    template["spec"]["containers"] = [
+        {**copy.deepcopy(first), "name": f"t{i}", **({"securityContext": {"runAsUser": u}} if u is not None else {})}
+        for i, u in enumerate(trainer_users)
+    ]
+    if pod_user is not None:
+        template["spec"]["securityContext"] = {"runAsUser": pod_user}
+    return template
+
+
+@pytest.mark.parametrize(
+    ("pod_user", "trainer_users", "grants"),
+    [
+        (None, (None,), False),  # the trainer runs as its image's user, maybe not the grant's writer
+        (1000, (None,), True),  # the pod names it: the restore container runs as it too
+        (None, (1000,), True),
+        (1000, (1000, None), True),
+        (1000, (1000, 2000), False),  # a second trainer of another user could not read the grant
+        (None, (1000, None), False),
+        (0, (None,), False),  # root in the template: spotguard's containers run as the image's user
+        (1000, (0,), False),
+    ],
+)
+def test_the_restore_container_grants_only_where_the_trainers_can_read_the_grant(
+    pod_user: int | None, trainer_users: tuple[int | None, ...], grants: bool
+) -> None:
+    """``--grant`` with ``checkpoint.restoreGrant``: the restore grant is a file of mode 0600, written
+    by the restore container's user."""
+    checkpoint = {**job_spec()["checkpoint"], "restoreGrant": True}
+    spec = build(native=True, template=_with_users(pod_user, *trainer_users), checkpoint=checkpoint)["spec"]
+    restore = spec["initContainers"][0]
+    base = ["spotguard", "restore", "--storage", "$(SPOTGUARD_STORAGE_URI)", "--dest", "/var/lib/spotguard/checkpoints"]
+    assert restore["command"] == ([*base, "--grant"] if grants else base)
+    if grants:
+        assert restore["securityContext"]["runAsUser"] == 1000
+    # Off by default: a trainer that knows no grant would find no local copy.
+    unasked = build(native=True, template=_with_users(pod_user, *trainer_users))["spec"]
+    assert unasked["initContainers"][0]["command"] == base
+
+
 def test_contract_env() -> None:
     spec = build()["spec"]
     env = env_of(spec["containers"][0])
