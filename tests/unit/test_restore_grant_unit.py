@@ -86,8 +86,16 @@ def test_a_grant_lives_longer_for_more_bytes(nbytes: int, seconds: int) -> None:
     assert grant_seconds(nbytes) == seconds
 
 
-def test_urllib3s_debug_lines_keep_no_query(caplog: pytest.LogCaptureFixture) -> None:
+def test_urllib3s_debug_lines_keep_no_query(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     GrantedStorage("s3://b/job", {}, {}).close()  # installs the filter
-    caplog.set_level(logging.DEBUG)
-    logging.getLogger("urllib3.connectionpool").debug('%s "GET %s HTTP/1.1" 206 5', "http://store", URL[19:])
+    pool = logging.getLogger("urllib3.connectionpool")
+    # What other modules of the session did to urllib3's logger (its level, disabled by a logging
+    # setup) must not hide the line: the handler is the logger's own, after the logger's filters.
+    monkeypatch.setattr(pool, "disabled", False)
+    caplog.set_level(logging.DEBUG, logger=pool.name)
+    pool.addHandler(caplog.handler)
+    try:
+        pool.debug('%s "GET %s HTTP/1.1" 206 5', "http://store", URL[19:])
+    finally:
+        pool.removeHandler(caplog.handler)
     assert "abc123" not in caplog.text and "?<redacted>" in caplog.text
