@@ -219,6 +219,14 @@ PASS_CREDENTIALS = _var(
     False,
     "spotguard run: hand the command the cloud credential variables and SPOTGUARD_STORAGE_URI (default: strip them)",
 )
+RESTORE_GRANT = _var(
+    "RESTORE_GRANT",
+    bool,
+    True,
+    "spotguard run: where the store signs reads, the command streams the checkpoint it resumes from into its "
+    "tensors (a restore grant) and the local copy follows; off: the local copy before the command starts, for "
+    "a command that resumes other than through spotguard (a TrainingJob: checkpoint.restoreGrant, off by default)",
+)
 
 # Early preemption notices (the sidecar and spotguard run).
 NOTICES = _var("NOTICES", str, "", "notice sources to poll, comma-separated from aws,gce,azure,k8s")

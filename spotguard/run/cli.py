@@ -46,6 +46,7 @@ def register(subparsers: Any) -> None:
         "AWS_WEB_IDENTITY_TOKEN_FILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_CLIENT_SECRET, ...) and "
         "SPOTGUARD_STORAGE_URI; by default it gets none of them, as spotguard run restores and uploads for it",
     )
+    add_option(p, env.RESTORE_GRANT)
     add_uploader_args(p)
     p.add_argument(
         "--no-memory-staging",
@@ -91,6 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         shared = uploader_args(args)
         pass_credentials = env.option_or_env(env.PASS_CREDENTIALS, args.pass_credentials)
+        restore_grant = env.option_or_env(env.RESTORE_GRANT, args.restore_grant)
     except ValueError as exc:
         error(str(exc))
         return EXIT_USAGE
@@ -107,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
         backoff_max_seconds=args.backoff_max,
         metrics_port=args.metrics_port or None,
         pass_credentials=pass_credentials,
+        restore_grant=restore_grant,
     )
     try:
         with workdir_lock(workdir):

@@ -104,6 +104,8 @@ class RunConfig(UploaderConfig):
     notice_interval_seconds: float = envvars.NOTICE_INTERVAL.default
     # Hand the command the cloud credentials and SPOTGUARD_STORAGE_URI (see spotguard.run.credentials).
     pass_credentials: bool = envvars.PASS_CREDENTIALS.default
+    # Where the store signs reads: the command streams the checkpoint it resumes from (spotguard.sidecar.granting).
+    restore_grant: bool = envvars.RESTORE_GRANT.default
     # Let a preemption's checkpoint be written to /dev/shm (see spotguard.checkpoint.local.staged).
     memory_staging: bool = True
     # With memory staging: set its memory aside after each routine save (see spotguard.checkpoint.local.reserve).
@@ -315,7 +317,7 @@ class Supervisor:
         t0 = time.monotonic()
         try:
             # A grant lets the trainer stream the checkpoint into its tensors; else the local copy first.
-            if self.granting.offer(step_of(newest_local) if newest_local else -1):
+            if self.config.restore_grant and self.granting.offer(step_of(newest_local) if newest_local else -1):
                 return
             info = self._restore_newer_than(step_of(newest_local) if newest_local else -1)
         except Exception as exc:  # noqa: BLE001 - storage down: the local state decides

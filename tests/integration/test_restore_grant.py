@@ -235,6 +235,47 @@ def test_spotguard_run_resumes_through_the_grant_and_copies_it_after(
     assert not list((tmp_path / "work").rglob(GRANT_FILE)) and not list((tmp_path / "work").rglob(ANSWER_FILE))
 
 
+#: A command that resumes by its own means: it reads the checkpoint directory as it starts.
+READS_THE_DIRECTORY = """
+import os, pathlib, sys
+ck = pathlib.Path(os.environ["SPOTGUARD_CHECKPOINT_DIR"])
+control = pathlib.Path(os.environ.get("SPOTGUARD_CONTROL_DIR") or ck / ".control")
+found = sorted(p.name for p in ck.glob("ckpt-*") if (p / "manifest.json").is_file())
+granted = (control / sys.argv[1]).exists()
+print(f"found {found} granted {granted}")
+"""
+
+
+@pytest.mark.parametrize("flag", ["--no-restore-grant", "SPOTGUARD_RESTORE_GRANT=false"])
+def test_spotguard_run_without_the_grant_restores_before_the_command_starts(
+    s3_store: Any, request: pytest.FixtureRequest, tmp_path: Path, flag: str
+) -> None:
+    """Turned off (the flag, or its variable), ``spotguard run`` restores the checkpoint into the
+    checkpoint directory before the command starts, as before the grant: a command that reads
+    the directory itself finds it there, and no grant."""
+    storage = open_test_storage("s3", request, tmp_path)
+    model, opt = trained(7)
+    upload_checkpoint(write_checkpoint(tmp_path / "local", 5, snapshot_state(torch_state(model, opt))), storage)
+    script = tmp_path / "reads.py"
+    script.write_text(READS_THE_DIRECTORY, encoding="utf-8")
+    env = base_env(s3_store.env())
+    args = [flag] if flag.startswith("--") else []
+    if not args:
+        key, value = flag.split("=")
+        env[key] = value
+    cmd = spotguard_argv("run", "--storage", storage.uri, "--workdir", str(tmp_path / "work"), *args)
+    proc = subprocess.run(
+        [*cmd, "--", sys.executable, str(script), GRANT_FILE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "found ['ckpt-000000000005'] granted False" in proc.stdout, proc.stdout + proc.stderr
+    assert "granted the command" not in proc.stderr
+
+
 def test_a_refused_grant_under_spotguard_run_waits_for_the_supervisors_copy(
     s3_store: Any, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
