@@ -138,3 +138,25 @@ def test_the_model_is_not_held_once_the_last_distributed_checkpointer_closed() -
     del model, optimizer
     gc.collect()
     assert gone() is None
+
+
+def test_a_frozen_parameters_alias_is_handed_again_only_while_it_is_the_same_view(checkpointer_alive: None) -> None:
+    model, optimizer = trained()
+    first = statedicts.get_state_dicts(model, optimizer)["model"]
+    second = statedicts.get_state_dicts(model, optimizer)["model"]
+    assert second["0.weight"] is first["0.weight"]  # frozen, untouched: no detach
+    assert second["2.weight"] is not first["2.weight"]  # trained: detached anew
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # written in place: its version moved
+    written = statedicts.get_state_dicts(model, optimizer)["model"]
+    assert written["0.weight"] is not second["0.weight"]
+    model[0].weight.data = torch.zeros(8, 8)  # another storage, no version step: the old alias shows the old one
+    swapped = statedicts.get_state_dicts(model, optimizer)["model"]
+    assert torch.equal(swapped["0.weight"], torch.zeros(8, 8))
+    model[0].bias.requires_grad_(True)  # unfrozen
+    unfrozen = statedicts.get_state_dicts(model, optimizer)["model"]
+    assert unfrozen["0.bias"] is not swapped["0.bias"]
+    assert unfrozen["0.weight"] is swapped["0.weight"]
+    assert not any(v.requires_grad for v in unfrozen.values())
+    want_model, want_optim = sd.get_state_dict(model, optimizer)
+    assert same(statedicts.get_state_dicts(model, optimizer), {"model": want_model, "optimizer": want_optim})
