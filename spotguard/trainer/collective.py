@@ -261,7 +261,9 @@ class CollectiveSave:
                 # The unchanged items' write items reused from the previous save (only where the stager
                 # keeps its host copies: otherwise nothing is unchanged, and nothing is held for the next).
                 unchanged = self._dcp_saves().unchanged if self._pinned is not None else None
-                planner = self._plans.planner(job.plans, unchanged)
+                # The stage's own flattening of what it staged, taken once (it holds the host copies).
+                flattened, self._dcp_saves().flattened = self._dcp_saves().flattened, None
+                planner = self._plans.planner(job.plans, unchanged, flattened)
                 try:
                     dcp_save(job.sharded, storage_writer=writer, planner=planner, process_group=d.persist)
                 except BaseException:  # noqa: BLE001 - re-raised: whatever failed, the next save exchanges every plan

@@ -78,11 +78,13 @@ class PlanCache:
     def key(self, generation: int) -> str:
         return f"{self._prefix}.{generation}"
 
-    def planner(self, generation: int, unchanged: Collection[str] | None = None) -> Any:
+    def planner(self, generation: int, unchanged: Collection[str] | None = None, flattened: Any = None) -> Any:
         """The planner of a save of ``generation`` (:func:`agreed_generation`): caching under its
         key, the caches of any other generation dropped first, the write items of the items named in
         ``unchanged`` taken from the previous save (:class:`ReusingSavePlanner`; None: nothing kept for
-        the next save either, as where the stager keeps no host copies, which would be held here).
+        the next save either, as where the stager keeps no host copies, which would be held here),
+        the state dict flattened as the stage flattened it where ``flattened`` (a
+        :class:`~spotguard.trainer.dcpwriter.Flattened`) was made of it.
         Without plan caching in this torch release (or ``generation`` 0), torch's default planner,
         caching nothing."""
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -92,7 +94,7 @@ class PlanCache:
             return DefaultSavePlanner()
         if generation != self.held:
             self.drop()
-        planner = _reusing_planner_class()(self, unchanged)
+        planner = _reusing_planner_class()(self, unchanged, flattened)
         planner._cached_plans_key = self.key(generation)
         return planner
 
@@ -155,22 +157,58 @@ def _create_items(fqn: str, value: Any) -> list[Any]:
 
 
 def _define_planner() -> Any:
+    from torch.distributed.checkpoint import _version
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
     from torch.distributed.checkpoint.planner_helpers import _compare_save_plans
 
     # Whether torch's ``finish_plan`` caches the local plan a save made (else its ``create_local_plan`` does).
     promoted_in_finish_plan = "_pending_local_plan" in DefaultSavePlanner.finish_plan.__code__.co_names
+    # Whether torch's ``set_up_planner`` is the one this module knows: the state dict flattened (then its
+    # sharded tensors), kept with whether this rank is the coordinator, nothing else.
+    set_up_known = tuple(inspect.signature(DefaultSavePlanner.set_up_planner).parameters) == (
+        "self",
+        "state_dict",
+        "storage_meta",
+        "is_coordinator",
+    ) and set(DefaultSavePlanner.set_up_planner.__code__.co_names) <= {
+        "flatten_state_dict",
+        "mappings",
+        "flatten_sharded_tensors",
+        "_flatten_sharded_tensors",
+        "state_dict",
+        "is_coordinator",
+    }
 
     class ReusingSavePlanner(DefaultSavePlanner):
         """Torch's default planner, with plan caching, whose local plan reuses the write items of the
         items a stage found unchanged (see the module's docstring); the rest of its caching is torch's
         ``create_local_plan``'s, step for step."""
 
-        def __init__(self, cache: PlanCache, unchanged: Collection[str] | None) -> None:
+        def __init__(self, cache: PlanCache, unchanged: Collection[str] | None, flattened: Any = None) -> None:
             super().__init__(enable_plan_caching=True)
             self._cache = cache
             self._unchanged = unchanged
+            self._flattened = flattened
+
+        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+            """Torch's, but the state dict flattened as the stage flattened it, where it was made of the
+            very tree ``dcp.save`` hands here (:class:`~spotguard.trainer.dcpwriter.Flattened`: the
+            same names, paths and order as torch's ``flatten_state_dict``, every leaf a tensor)."""
+            flattened, self._flattened = self._flattened, None
+            done = (
+                flattened.of_saved(state_dict)
+                if flattened is not None
+                and set_up_known
+                and self.flatten_state_dict
+                and _version._derived_version is None  # not the 2.3 walk
+                else None
+            )
+            if done is None or (self.flatten_sharded_tensors and _any_sharded_tensor(done[0].values())):
+                super().set_up_planner(state_dict, storage_meta, is_coordinator)
+                return
+            self.state_dict, self.mappings = done
+            self.is_coordinator = is_coordinator
 
         def create_local_plan(self) -> Any:
             previous = self._cache.items
@@ -193,6 +231,13 @@ def _define_planner() -> Any:
 
     ReusingSavePlanner.__module__ = __name__
     return ReusingSavePlanner
+
+
+def _any_sharded_tensor(values: Any) -> bool:
+    """Whether any of ``values`` is a ``ShardedTensor`` (torch's planner rewrites those)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    return any(isinstance(v, ShardedTensor) for v in values)
 
 
 def _supported() -> bool:

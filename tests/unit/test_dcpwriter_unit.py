@@ -1,9 +1,12 @@
 """The sharded save's pure parts (``spotguard.trainer.dcpwriter``): a state's tensors by DCP name, the
-state less its unchanged tensors, and the staged state put back together in its own shape."""
+state less its unchanged tensors, the staged state put back together in its own shape and flattened as
+DCP flattens it."""
 
 from __future__ import annotations
 
-from spotguard.trainer.dcpwriter import _leaves, _with, _without
+from typing import Any
+
+from spotguard.trainer.dcpwriter import Flattened, _leaves, _with, _without
 
 STATE = {
     "model": {"base.weight": "B", "head.weight": "H"},
@@ -81,3 +84,57 @@ def test_the_previous_metadata_is_reused_only_for_the_same_items_in_the_same_pla
     # A global plan made anew (torch's plan cache hands another object), even of equal content:
     assert not last.made_of(Metadata(state_dict_metadata=dict(described), planner_data=metadata.planner_data), where)
     assert not last.made_of(Metadata(state_dict_metadata=described, planner_data=dict(metadata.planner_data)), where)
+
+
+def _tensor_state() -> dict[str, Any]:
+    import torch
+
+    from spotguard.trainer.distributed import split_tensors
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    tensors, _ = split_tensors({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    return dict(tensors)
+
+
+def test_the_stage_flattens_a_state_as_dcp_does() -> None:
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    tree = _tensor_state()
+    flattened = Flattened.of(torch, tree)
+    assert flattened is not None
+    flat, mappings = flatten_state_dict(tree)
+    assert list(flattened.flat) == list(flat)  # the same names in the same order: the plan's order
+    assert flattened.mappings == mappings
+    assert all(flattened.flat[k] is v for k, v in flat.items())
+    assert Flattened.of(torch, {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}) is None  # torch raises on it
+    assert Flattened.of(torch, {"a": {"b": 1.0}}) is None  # not a tensor: flattened by torch
+
+
+def test_the_planner_takes_the_stages_flattening_only_for_the_tree_it_was_made_of() -> None:
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from spotguard.trainer.plancache import PlanCache
+
+    tree = _tensor_state()
+    flattened = Flattened.of(torch, tree)
+    cache = PlanCache()
+    try:
+        planner = cache.planner(1, None, flattened)
+        planner.set_up_planner(dict(tree))  # dcp.save's shallow copy of the staged tree
+        assert planner.state_dict == flattened.flat and planner.state_dict is not flattened.flat
+
+        other = dict(tree, model={**tree["model"], "0.weight": torch.full((3, 3), 7.0)})  # another save's tree
+        planner = cache.planner(1, None, flattened)
+        planner.set_up_planner(other)
+        flat, mappings = flatten_state_dict(other)
+        assert planner.state_dict.keys() == flat.keys()
+        assert planner.state_dict["model.0.weight"] is other["model"]["0.weight"]  # not the stale one
+        assert planner.mappings == mappings
+    finally:
+        cache.drop()
