@@ -221,7 +221,7 @@ def _define_planner() -> Any:
                 plan = dataclasses.replace(plan, planner_data=self.mappings)
             self.plan = plan
             cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-            if cached is not None and _compare_save_plans(plan, cached):
+            if cached is not None and _same_plan(plan, cached, _compare_save_plans):
                 return SavePlan([], usable=False)
             if promoted_in_finish_plan:  # promoted by finish_plan once the global plan succeeded
                 self._pending_local_plan = plan
@@ -237,7 +237,19 @@ def _any_sharded_tensor(values: Any) -> bool:
     """Whether any of ``values`` is a ``ShardedTensor`` (torch's planner rewrites those)."""
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
-    return any(isinstance(v, ShardedTensor) for v in values)
+    return any(issubclass(kind, ShardedTensor) for kind in {type(v) for v in values})
+
+
+def _same_plan(plan: Any, cached: Any, compare: Any) -> bool:
+    """Torch's ``_compare_save_plans(plan, cached)`` (``compare``), item by item, but for the items that
+    are the very write items of the cached plan (reused by :func:`plan_items`: equal to themselves),
+    which are not compared field by field again."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    if plan.usable != cached.usable or len(plan.items) != len(cached.items):
+        return False
+    pairs = [(a, b) for a, b in zip(plan.items, cached.items, strict=True) if a is not b]
+    return not pairs or bool(compare(SavePlan([a for a, _ in pairs]), SavePlan([b for _, b in pairs])))
 
 
 def _supported() -> bool:

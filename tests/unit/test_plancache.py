@@ -68,3 +68,25 @@ def test_an_unchanged_item_takes_the_write_items_planned_for_that_very_value() -
     made.clear()
     plan_items({"base": base}, memo2, set(), create)
     assert made == ["base"]  # the same value not named unchanged: planned again
+
+
+def test_a_plan_is_the_cached_one_when_its_items_are_those_or_equal_to_them() -> None:
+    import torch
+    from torch.distributed.checkpoint.planner import SavePlan
+    from torch.distributed.checkpoint.planner_helpers import _compare_save_plans, _create_write_items
+
+    from spotguard.trainer.plancache import _same_plan
+
+    compared: list[int] = []
+
+    def compare(a: SavePlan, b: SavePlan) -> bool:
+        compared.append(len(a.items))
+        return _compare_save_plans(a, b)
+
+    base, head = _create_write_items("base", torch.zeros(4)), _create_write_items("head", torch.zeros(2))
+    cached = SavePlan([*base, *head])
+    assert _same_plan(SavePlan([*base, *head]), cached, compare) and compared == []  # the same items: not compared
+    assert _same_plan(SavePlan([*base, *_create_write_items("head", torch.ones(2))]), cached, compare)
+    assert compared == [1]  # only the item made anew, equal in name, size and chunk
+    assert not _same_plan(SavePlan([*base, *_create_write_items("head", torch.ones(3))]), cached, compare)
+    assert not _same_plan(SavePlan(list(base)), cached, compare)
