@@ -41,6 +41,9 @@ import spotguard
 from spotguard.trainer import distributed as D
 from spotguard.trainer.dcpwriter import DcpSaves
 from spotguard.checkpoint.local.codec import snapshot_state
+from spotguard.trainer import statedicts
+
+statedicts.enter()  # as a distributed Checkpointer does: torch_state takes torch's get_state_dict
 
 n, width = int(sys.argv[1]), 512
 torch.manual_seed(0)
