@@ -56,7 +56,13 @@ class _Aliases:
             return value.detach()
         objects, facts = _made_of(value)
         kept = self._by_key.get(key)
-        if kept is not None and kept[1] == facts and all(a is b for a, b in zip(kept[0], objects, strict=True)):
+        if (
+            kept is not None
+            and kept[0][0] is objects[0]
+            and kept[0][1] is objects[1]
+            and kept[0][2] is objects[2]
+            and kept[1] == facts
+        ):
             alias = kept[2]
             self.reused += 1
         else:
@@ -75,14 +81,14 @@ class _Aliases:
 def _made_of(param: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """What a frozen parameter's detached alias is a view of: the objects (the parameter, its local
     shard: itself but for a DTensor, the DTensor's spec), compared by identity, and the facts (both
-    version counters, the local shard's storage, address, offset, shape, strides and dtype, whether
-    it is frozen), compared by equality. The alias holds the storage: its address is never reused."""
+    version counters, the local shard's address, offset, shape, strides and dtype, whether it is
+    frozen), compared by equality. The alias holds its storage, whose memory no other storage can
+    then take: another storage under the local shard has another address."""
     local = getattr(param, "_local_tensor", param)
     objects = (param, local, getattr(param, "_spec", None))
     facts = (
         param._version,
         local._version,
-        local.untyped_storage()._cdata,
         local.data_ptr(),
         local.storage_offset(),
         tuple(local.shape),
