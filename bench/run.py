@@ -704,7 +704,8 @@ def bench_resume(ctx: Ctx) -> Section:
             chunk_times,
         ),
         row(
-            "the local-copy path (a pod today, a store that cannot sign): restore_latest into the checkpoint "
+            "the local-copy path (a pod by default, `--no-restore-grant`, a store that cannot sign): "
+            "restore_latest into the checkpoint "
             "directory (checked in one pass, not fsynced), recorded as verified; then `Checkpointer.restore`: "
             "sizes checked, not checksummed again, the bytes read from the page cache into the trainer's tensors",
             trainer_times,
@@ -752,8 +753,11 @@ def bench_resume(ctx: Ctx) -> Section:
         "0600 file of the control directory, removed once read); the trainer streams one into its own "
         "parameters and optimizer moments, memory it already touched, and answers which; the supervisor then "
         "restores that checkpoint into the checkpoint directory in the background (a restart on the same "
-        "machine, the next save's links to unchanged files). A TrainingJob's pod, and a store that cannot sign "
-        "(file://, GCS without a signing key), resume by the local-copy path: every byte into new pages of the "
+        "machine, the next save's links to unchanged files). A TrainingJob's pod resumes the same way with "
+        "`checkpoint.restoreGrant: true` (the restore init container grants, the sidecar copies). A pod by "
+        "default (its trainer image may hold a spotguard that knows no grant), `spotguard run "
+        "--no-restore-grant`, and a store that cannot sign (file://, GCS without a signing key) resume by the "
+        "local-copy path: every byte into new pages of the "
         "page cache first, then copied into the trainer's tensors. The store's pace is what any restore of "
         "these bytes from this store costs at least; into new memory it costs more (the last row)."
     )
