@@ -18,7 +18,18 @@ from typing import Any
 import pytest
 
 from spotguard.operator.testing import metric_value
-from testenv.kubetest import Env, cond, fast_preemption, job_body, operator_namespace, shell_trainer, wait_for
+from testenv.kubetest import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    Env,
+    cond,
+    fast_preemption,
+    job_body,
+    operator_namespace,
+    shell_trainer,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -38,12 +49,13 @@ def env(kube: Any, apis: tuple[Any, Any], crd: None, process_nodes: Any, tmp_pat
         yield e
 
 
-class PodStates:
-    """A watch on one pod, keeping (phase, deleting, {container: state}) as each update came."""
+class Watched:
+    """A watch on one object by name, keeping ``summary(object)`` of each update as it came: a
+    state that lasts less than a poll's interval is seen too."""
 
-    def __init__(self, core: Any, ns: str, pod: str) -> None:
-        self.core, self.ns, self.pod = core, ns, pod
-        self.seen: list[tuple[str | None, bool, dict[str, str]]] = []
+    def __init__(self, list_fn: Any, args: tuple[Any, ...], name: str, summary: Any) -> None:
+        self.list_fn, self.args, self.name, self.summary = list_fn, args, name, summary
+        self.seen: list[Any] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -55,19 +67,16 @@ class PodStates:
         while not self._stop.is_set():
             try:
                 for ev in watch.Watch().stream(
-                    self.core.list_namespaced_pod,
-                    self.ns,
+                    self.list_fn,
+                    *self.args,
                     resource_version=rv,
-                    field_selector=f"metadata.name={self.pod}",
+                    field_selector=f"metadata.name={self.name}",
                     timeout_seconds=2,
                 ):
-                    p = ev["object"]
-                    rv = p.metadata.resource_version
-                    states = {
-                        c.name: next(k for k in ("running", "terminated", "waiting") if getattr(c.state, k) is not None)
-                        for c in (p.status.container_statuses or [])
-                    }
-                    self.seen.append((p.status.phase, bool(p.metadata.deletion_timestamp), states))
+                    obj = ev["object"]
+                    meta = obj["metadata"] if isinstance(obj, dict) else obj.metadata
+                    rv = meta["resourceVersion"] if isinstance(meta, dict) else meta.resource_version
+                    self.seen.append(self.summary(obj))
             except Exception:  # a dropped or expired watch: start again
                 rv = None
                 time.sleep(0.1)
@@ -75,6 +84,29 @@ class PodStates:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def pod_states(e: Env, pod: str) -> Watched:
+    """(phase, deleting, {container: state}) of ``pod`` at each update."""
+
+    def summary(p: Any) -> tuple[str | None, bool, dict[str, str]]:
+        states = {
+            c.name: next(k for k in ("running", "terminated", "waiting") if getattr(c.state, k) is not None)
+            for c in (p.status.container_statuses or [])
+        }
+        return p.status.phase, bool(p.metadata.deletion_timestamp), states
+
+    return Watched(e.core.list_namespaced_pod, (e.ns,), pod, summary)
+
+
+def job_conditions(e: Env, job: str) -> Watched:
+    """``job``'s SidecarHealthy condition, and its failures and preemptions, at each update."""
+
+    def summary(obj: dict[str, Any]) -> dict[str, Any]:
+        st = obj.get("status") or {}
+        return {**cond(st, "SidecarHealthy"), "failures": st.get("failures"), "preemptions": st.get("preemptions")}
+
+    return Watched(e.custom.list_namespaced_custom_object, (GROUP, VERSION, e.ns, PLURAL), job, summary)
 
 
 def pod_status(e: Env, pod: str) -> dict[str, Any]:
@@ -114,20 +146,23 @@ def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_pa
     wait_for(lambda: sidecar_runs(e, "lone-a1"), "lone-a1's sidecar to run", timeout=60)
     assert not cond(e.status("lone"), "SidecarHealthy")
 
-    states = PodStates(e.core, e.ns, "lone-a1")
+    states = pod_states(e, "lone-a1")
+    # Watched, not polled: attempt 2's sidecar can run (the condition True again) within a second.
+    conditions = job_conditions(e, "lone")
     try:
-        time.sleep(0.5)  # the watch is open
+        time.sleep(0.5)  # the watches are open
         kill_container(e, "lone-a1", SIDECAR)
         t0 = time.monotonic()
-        st = e.wait_status(
-            "lone", "SidecarHealthy False", lambda s: cond(s, "SidecarHealthy").get("status") == "False", timeout=20
-        )
+
+        def went_false() -> dict[str, Any] | None:
+            return next((c for c in conditions.seen if c.get("status") == "False"), None)
+
+        c = wait_for(went_false, "SidecarHealthy False", timeout=20)
         noticed = time.monotonic() - t0
-        c = cond(st, "SidecarHealthy")
         assert c["reason"] == "SidecarExited"
         assert "lone-a1" in c["message"] and "code 137" in c["message"] and "attempt 2" in c["message"], c
-        assert st["failures"] == 1 and st["preemptions"] == 0
-        assert st["lastPodEnd"]["reason"] == "SidecarExited"
+        assert c["failures"] == 1 and c["preemptions"] == 0
+        assert e.status("lone")["lastPodEnd"]["reason"] == "SidecarExited"
         ev = e.wait_event("lone", "SidecarExited", lambda t, r, m: r == "SidecarExited", timeout=20)
         assert ev == ("Warning", "SidecarExited", c["message"])
         # The pod of attempt 1 is stopped.
@@ -138,6 +173,7 @@ def test_a_dead_sidecar_stops_the_attempt_and_the_next_one_runs(env: Env, tmp_pa
         )
     finally:
         states.stop()
+        conditions.stop()
     print(f"noticed after {noticed:.1f}s; lone-a1 went through {states.seen}")
     # As kubelet: the sidecar's termination was reported while the trainer ran on, the pod still Running.
     assert ("Running", False, {"trainer": "running", SIDECAR: "terminated"}) in states.seen, states.seen
